@@ -1,0 +1,47 @@
+SHELL := /bin/bash
+# One command per job. `make test` and `make demo` work on a fresh clone: they bootstrap .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+PYTEST := $(PY) -m pytest
+
+.PHONY: venv test test-core test-engines engine-envs lint demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]' 2> >(grep -v "is ignored" >&2)
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# Every test: the core suite in .venv, then the engine tiers in their cached environments.
+test: test-core test-engines
+
+test-core: venv
+	$(PYTEST) -m "not engine_vllm and not engine_sglang" -p no:cacheprovider
+
+# Engine environments live in ~/.cache/kvmesh/envs (built once, keyed by recipe).
+engine-envs:
+	scripts/engine-env.sh vllm >/dev/null
+	scripts/engine-env.sh sglang >/dev/null
+
+test-engines: venv
+	PYTHONPATH=$(CURDIR) $$(scripts/engine-env.sh vllm) -m pytest -m engine_vllm -p no:cacheprovider tests/engines
+	PYTHONPATH=$(CURDIR) $$(scripts/engine-env.sh sglang) -m pytest -m engine_sglang -p no:cacheprovider tests/engines
+
+lint: venv
+	$(PY) -m ruff check kvmesh tests benchmarks examples
+	$(PY) -m ruff format --check kvmesh tests benchmarks examples
+	$(PY) -m mypy
+
+demo: venv
+	$(VENV)/bin/kvmesh demo
+
+bench: venv
+	$(PY) benchmarks/hashing.py
+	$(PY) benchmarks/wire.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Backend adapters: engine glue. Each sub-package imports its engine lazily, inside functions."""

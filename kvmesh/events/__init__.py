@@ -1,0 +1,1 @@
+"""Engine-agnostic KV-event wire protocol and ZMQ transport."""

@@ -1,0 +1,204 @@
+"""The KV-event wire format that vLLM and SGLang publish over ZMQ, and kvmesh speaks unchanged.
+
+A message is three frames: ``topic`` (bytes, may be empty), ``seq`` (u64 big-endian, +1 per
+batch) and ``payload``: msgpack ``[ts, events, data_parallel_rank]``. Each event is a tagged struct
+(``type`` = class name). Engines encode events as maps; other publishers (older versions, Dynamo's
+relay) as arrays ``["BlockStored", field, ...]``. The decoder accepts both, ignores keys it does not
+know (newer vLLM adds several) and tolerates missing optional keys (SGLang omits None values).
+
+Block hashes are opaque: signed or unsigned 64-bit ints, or raw bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Union
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from kvmesh._types import Tier, tier_of_medium
+from kvmesh.errors import MalformedEventError
+
+EngineHashT = Union[int, bytes]
+# SGLang's EAGLE mode publishes token ids as pairs; everything else publishes plain ints.
+TokenT = Union[int, tuple[int, int]]
+
+
+class BlockStored(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    block_hashes: list[EngineHashT]
+    parent_block_hash: EngineHashT | None
+    token_ids: list[TokenT]
+    block_size: int
+    # UNSET (absent on the wire) is kept apart from an explicit None so that re-encoding a decoded
+    # batch gives back the publisher's exact bytes: vLLM sends these keys as null, SGLang omits them.
+    lora_id: int | None | UnsetType = UNSET
+    medium: str | None | UnsetType = UNSET
+    lora_name: str | None | UnsetType = UNSET
+    extra_keys: Any = UNSET
+
+    @property
+    def tier(self) -> Tier:
+        return tier_of_medium(self.medium or None)
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter name, or None for the base model."""
+        return self.lora_name or None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+    block_hashes: list[EngineHashT]
+    medium: str | None | UnsetType = UNSET
+
+    @property
+    def tier(self) -> Tier:
+        return tier_of_medium(self.medium or None)
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class EventBatch(msgspec.Struct, array_like=True, frozen=True):
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+# The same three events in array form, for publishers that encode structs as arrays.
+class _ArrayBlockStored(BlockStored, tag="BlockStored", array_like=True, frozen=True):
+    pass
+
+
+class _ArrayBlockRemoved(BlockRemoved, tag="BlockRemoved", array_like=True, frozen=True):
+    pass
+
+
+class _ArrayAllBlocksCleared(AllBlocksCleared, tag="AllBlocksCleared", array_like=True, frozen=True):
+    pass
+
+
+class _ArrayEventBatch(msgspec.Struct, array_like=True, frozen=True):
+    ts: float
+    events: list[Union[_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]]
+    data_parallel_rank: int | None = None
+
+
+class _MixedEventBatch(msgspec.Struct, array_like=True, frozen=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_map_decoder = msgspec.msgpack.Decoder(EventBatch)
+_array_decoder = msgspec.msgpack.Decoder(_ArrayEventBatch)
+_mixed_decoder = msgspec.msgpack.Decoder(_MixedEventBatch)
+_map_event_decoder = msgspec.msgpack.Decoder(Event)
+_array_event_decoder = msgspec.msgpack.Decoder(
+    Union[_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]
+)
+_TO_MAP_FORM: dict[type, type] = {
+    _ArrayBlockStored: BlockStored,
+    _ArrayBlockRemoved: BlockRemoved,
+    _ArrayAllBlocksCleared: AllBlocksCleared,
+}
+
+_SEQ = struct.Struct(">Q")
+_SIGNED_SEQ = struct.Struct(">q")
+REPLAY_END_SEQ = -1
+"""The sequence number of the replay end marker (encoded as 8 signed big-endian bytes)."""
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """Encode a batch exactly as vLLM does: an array of three, events as ``type``-tagged maps."""
+    return _encoder.encode(batch)
+
+
+def _as_map_form(event: Any) -> Event:
+    cls = _TO_MAP_FORM.get(type(event))
+    if cls is None:
+        return event  # type: ignore[no-any-return]
+    return cls(**{f: getattr(event, f) for f in event.__struct_fields__})  # type: ignore[no-any-return]
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode a payload in map form, array form, or a mix; raise MalformedEventError otherwise."""
+    try:
+        return _map_decoder.decode(payload)
+    except msgspec.DecodeError as first_error:
+        try:
+            arr = _array_decoder.decode(payload)
+            return EventBatch(arr.ts, [_as_map_form(e) for e in arr.events], arr.data_parallel_rank)
+        except msgspec.DecodeError:
+            pass
+        try:
+            mixed = _mixed_decoder.decode(payload)
+        except msgspec.DecodeError:
+            raise MalformedEventError(f"malformed KV-event payload: {first_error}") from None
+        events: list[Event] = []
+        for i, raw in enumerate(mixed.events):
+            try:
+                events.append(_map_event_decoder.decode(raw))
+            except msgspec.DecodeError:
+                try:
+                    events.append(_as_map_form(_array_event_decoder.decode(raw)))
+                except msgspec.DecodeError as e:
+                    raise MalformedEventError(f"malformed KV event #{i} in payload: {e}") from None
+        return EventBatch(mixed.ts, events, mixed.data_parallel_rank)
+
+
+def pack_seq(seq: int) -> bytes:
+    return _SEQ.pack(seq)
+
+
+def unpack_seq(frame: bytes) -> int:
+    """Read a sequence frame: u64 big-endian, except the replay end marker (-1, signed)."""
+    if len(frame) != 8:
+        raise MalformedEventError(f"sequence frame must be 8 bytes, got {len(frame)}")
+    if frame == b"\xff" * 8:
+        return REPLAY_END_SEQ
+    return int(_SEQ.unpack(frame)[0])
+
+
+def pack_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    return [topic, _SEQ.pack(seq), payload]
+
+
+def end_marker_frames() -> list[bytes]:
+    """The replay socket's last answer: empty topic, seq -1 (signed), empty payload."""
+    return [b"", _SIGNED_SEQ.pack(REPLAY_END_SEQ), b""]
+
+
+def unpack_frames(frames: list[bytes]) -> tuple[bytes, int, bytes]:
+    """Split a PUB message into ``(topic, seq, payload)``; raise MalformedEventError on a bad shape."""
+    if len(frames) != 3:
+        raise MalformedEventError(f"KV-event message must have 3 frames, got {len(frames)}")
+    topic, seq, payload = frames
+    return bytes(topic), unpack_seq(bytes(seq)), bytes(payload)
+
+
+def event_to_json(event: Event) -> dict[str, Any]:
+    """A JSON-ready dict of an event; bytes hashes become hex strings."""
+
+    def h(x: EngineHashT | None) -> int | str | None:
+        return x.hex() if isinstance(x, bytes) else x
+
+    if isinstance(event, BlockStored):
+        return {
+            "type": "BlockStored",
+            "block_hashes": [h(x) for x in event.block_hashes],
+            "parent_block_hash": h(event.parent_block_hash),
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_name": event.adapter,
+            "medium": event.medium or None,
+        }
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": [h(x) for x in event.block_hashes],
+                "medium": event.medium or None}
+    return {"type": "AllBlocksCleared"}

@@ -1,0 +1,71 @@
+"""Block hashing, bit-compatible with NVIDIA Dynamo's KV router.
+
+A prompt's token ids are cut into blocks of ``block_size``; only full blocks are hashed.
+
+* local hash of block k: ``xxh3_64(u32-LE bytes of tokens[k*B:(k+1)*B], seed)`` with
+  ``seed = 1337``, or ``(1337 + xxh3_64(lora_name, seed=0)) mod 2**64`` for a LoRA adapter.
+* sequence hash: ``seq[0] = local[0]``, ``seq[i] = xxh3_64(le64(seq[i-1]) + le64(local[i]), 1337)``.
+
+This sits on the routing hot path (every request), so it converts the token list to bytes once
+(``array.fromlist`` is the fastest pure-Python path) and hashes memoryview slices without copies.
+"""
+
+from __future__ import annotations
+
+import array
+import struct
+import sys
+from collections.abc import Sequence
+from functools import lru_cache
+
+from xxhash import xxh3_64_intdigest
+
+BASE_SEED = 1337
+_U64 = 1 << 64
+_PAIR = struct.Struct("<QQ")
+
+if array.array("I").itemsize != 4:  # pragma: no cover - every platform CPython supports today
+    raise ImportError("kvmesh.hashing needs a 4-byte array typecode 'I'")
+
+
+@lru_cache(maxsize=256)
+def seed_for(lora_name: str | None) -> int:
+    """The xxh3 seed for a block's adapter: the base seed, shifted by the LoRA name's hash."""
+    if not lora_name:
+        return BASE_SEED
+    return (BASE_SEED + xxh3_64_intdigest(lora_name.encode("utf-8"), 0)) % _U64
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as unsigned 32-bit little-endian bytes (raises OverflowError past 2**32-1)."""
+    buf = array.array("I")
+    buf.fromlist(tokens if isinstance(tokens, list) else list(tokens))
+    if sys.byteorder != "little":  # pragma: no cover
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, lora_name: str | None = None) -> list[int]:
+    """Per-block local hashes of every full block of ``tokens``."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_blocks = len(tokens) // block_size
+    if n_blocks == 0:
+        return []
+    data = memoryview(token_bytes(tokens[: n_blocks * block_size]))
+    seed = seed_for(lora_name)
+    step = 4 * block_size
+    return [xxh3_64_intdigest(data[i : i + step], seed) for i in range(0, n_blocks * step, step)]
+
+
+def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
+    """Rolling hashes: each block's hash covers its whole prefix, so equal values mean equal prefixes."""
+    if not local_hashes:
+        return []
+    out = [local_hashes[0]]
+    prev = local_hashes[0]
+    pack = _PAIR.pack
+    for h in local_hashes[1:]:
+        prev = xxh3_64_intdigest(pack(prev, h), BASE_SEED)
+        out.append(prev)
+    return out

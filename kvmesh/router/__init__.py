@@ -1,0 +1,1 @@
+"""The router: pure routing core, ASGI middleware and the standalone router app."""

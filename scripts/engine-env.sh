@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Build (once) and print the path of a Python environment holding a real inference engine's
+# Python code on CPU, for kvmesh's engine-tier tests.
+#
+#   scripts/engine-env.sh vllm|sglang     -> prints the env's python path on stdout
+#
+# The environment lives outside the clone, under ${KVMESH_CACHE:-~/.cache/kvmesh}/envs/, keyed by
+# a hash of the recipe below, so a fresh clone (or CI) reuses it instead of reinstalling gigabytes.
+# The engine wheel is installed with --no-deps and its dependencies are listed by hand: letting pip
+# resolve vLLM's own requirements pulls CUDA builds (torch, torchvision) that break every import.
+set -euo pipefail
+
+engine=${1:?usage: engine-env.sh vllm|sglang}
+here=$(cd "$(dirname "$0")" && pwd)
+python=${PYTHON:-python3}
+
+# Packages kvmesh itself and its engine tests need inside the engine environment.
+kvmesh_deps="msgspec pyzmq xxhash prometheus-client aiohttp uvicorn starlette httpx pytest pytest-timeout pytest-asyncio"
+
+case "$engine" in
+  vllm)
+    engine_pkg="vllm==0.33.0"
+    engine_deps="msgspec pyzmq torch==2.13.0 packaging psutil urllib3 regex numpy pydantic cbor2
+      transformers>=5.16.1,<5.21 aiohttp requests openai-harmony openai pillow pybase64 cachetools
+      cloudpickle uvloop py-cpuinfo prometheus_client xgrammar fastapi partial-json-parser
+      llguidance einops"
+    ;;
+  sglang)
+    engine_pkg="sglang==0.5.23"
+    engine_deps="torch==2.13.0 triton msgspec pyzmq pydantic numpy orjson psutil pybase64 requests
+      packaging pillow starlette tqdm ipython aiohttp"
+    ;;
+  *) echo "engine-env.sh: unknown engine '$engine' (expected vllm or sglang)" >&2; exit 2 ;;
+esac
+
+recipe="$engine_pkg|$engine_deps|$kvmesh_deps|$($python -c 'import sys; print(sys.version_info[:2])')"
+key=$(printf '%s' "$recipe" | sha256sum | cut -c1-12)
+root=${KVMESH_CACHE:-$HOME/.cache/kvmesh}/envs
+env="$root/$engine-$key"
+
+if [ ! -f "$env/.complete" ]; then
+  echo "engine-env: building $env (several GB, several minutes; reused afterwards)" >&2
+  mkdir -p "$root"
+  rm -rf "$env.partial"
+  $python -m venv "$env.partial"
+  pip="$env.partial/bin/python -m pip install --quiet --disable-pip-version-check"
+  # shellcheck disable=SC2086
+  $pip --no-deps "$engine_pkg" 2> >(grep -v "is ignored" >&2)
+  # shellcheck disable=SC2086
+  $pip $engine_deps $kvmesh_deps 2> >(grep -v "is ignored" >&2)
+  # venv scripts carry absolute paths; the env is only ever used through its python binary.
+  rm -rf "$env"
+  mv "$env.partial" "$env"
+  touch "$env/.complete"
+fi
+echo "$env/bin/python"

@@ -40,6 +40,7 @@ demo: venv
 	$(VENV)/bin/kvmesh demo
 
 bench: venv
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]' 2> >(grep -v "is ignored" >&2)
 	$(PY) benchmarks/hashing.py
 	$(PY) benchmarks/wire.py
 

@@ -1,0 +1,49 @@
+"""Tiny shared timing helpers for the benchmark scripts (no dependency beyond the stdlib)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+
+def time_calls(fn: Callable[[], object], *, repeat: int, warmup: int = 20) -> list[float]:
+    """Seconds per call for ``repeat`` calls, GC disabled while timing (it adds noise, not cost)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return samples
+
+
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {sys.version.split()[0]}, {platform.platform()}"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A GitHub-flavoured markdown table, so the output pastes straight into docs/BENCHMARKS.md."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])

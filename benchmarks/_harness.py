@@ -45,5 +45,5 @@ def machine() -> str:
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A GitHub-flavoured markdown table, so the output pastes straight into docs/BENCHMARKS.md."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])

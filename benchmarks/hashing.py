@@ -13,13 +13,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import machine, median, percentile, table, time_calls  # noqa: E402
+from _harness import machine, median, percentile, table, time_calls
 
-from kvmesh.hashing import block_hashes, sequence_hashes  # noqa: E402
+from kvmesh.hashing import block_hashes, sequence_hashes
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=32768, help="prompt length in tokens")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--repeat", type=int, default=2000, help="timed calls per implementation")
@@ -30,10 +32,14 @@ def main() -> int:
     try:
         from dynamo._core import compute_block_hash_for_seq
     except ImportError:
-        print("dynamo binding not installed (pip install -e '.[bench]'): reporting kvmesh only", file=sys.stderr)
+        print(
+            "dynamo binding not installed (pip install -e '.[bench]'): reporting kvmesh only", file=sys.stderr
+        )
     else:
         assert compute_block_hash_for_seq(tokens, args.block_size) == block_hashes(tokens, args.block_size)
-        candidates["dynamo compute_block_hash_for_seq"] = lambda: compute_block_hash_for_seq(tokens, args.block_size)
+        candidates["dynamo compute_block_hash_for_seq"] = lambda: compute_block_hash_for_seq(
+            tokens, args.block_size
+        )
     local = block_hashes(tokens, args.block_size)
     candidates["kvmesh sequence_hashes (rolling)"] = lambda: sequence_hashes(local)
 
@@ -48,9 +54,13 @@ def main() -> int:
     rows = []
     for name, samples in results.items():
         ratio = median(samples) / baseline
-        rows.append([name, f"{median(samples) * 1e3:.3f}", f"{percentile(samples, 99) * 1e3:.3f}", f"{ratio:.2f}x"])
+        rows.append(
+            [name, f"{median(samples) * 1e3:.3f}", f"{percentile(samples, 99) * 1e3:.3f}", f"{ratio:.2f}x"]
+        )
     print(f"machine: {machine()}")
-    print(f"workload: {args.tokens} tokens, block size {args.block_size} ({args.tokens // args.block_size} blocks)\n")
+    print(
+        f"workload: {args.tokens} tokens, block size {args.block_size} ({args.tokens // args.block_size} blocks)\n"
+    )
     print(table(["implementation", "median ms", "p99 ms", "time vs dynamo"], rows))
     return 0
 

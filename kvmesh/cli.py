@@ -13,8 +13,14 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvmesh.commands.router", "run the standalone KV-aware router in front of remote workers"),
     "mock": ("kvmesh.commands.mock", "run a simulated OpenAI-compatible engine that publishes KV events"),
-    "demo": ("kvmesh.commands.demo", "start a simulated 4-engine mesh and compare KV routing with round-robin"),
-    "bench": ("kvmesh.commands.bench", "load-test any OpenAI-compatible endpoint with prefix-heavy workloads"),
+    "demo": (
+        "kvmesh.commands.demo",
+        "start a simulated 4-engine mesh and compare KV routing with round-robin",
+    ),
+    "bench": (
+        "kvmesh.commands.bench",
+        "load-test any OpenAI-compatible endpoint with prefix-heavy workloads",
+    ),
     "events": ("kvmesh.commands.events", "inspect a KV-event stream (`kvmesh events tap ENDPOINT`)"),
 }
 

@@ -35,7 +35,18 @@ LEVELS = {
     "kvmesh": 0,  # the package root re-exports leaves only
 }
 PURE_CORE = {"indexer", "load", "selector", "queue", "sessions"}
-IMPURE_MODULES = {"time", "asyncio", "socket", "threading", "zmq", "aiohttp", "starlette", "uvicorn", "random", "datetime"}
+IMPURE_MODULES = {
+    "time",
+    "asyncio",
+    "socket",
+    "threading",
+    "zmq",
+    "aiohttp",
+    "starlette",
+    "uvicorn",
+    "random",
+    "datetime",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -64,7 +75,11 @@ def _imports(tree: ast.AST, module: str) -> list[tuple[str, int, bool, bool]]:
     for node in getattr(tree, "body", []):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             type_checking.update(id(n) for n in ast.walk(node))
-    package = module if (PACKAGE / Path(*module.split(".")[1:]) / "__init__.py").exists() else module.rpartition(".")[0]
+    package = (
+        module
+        if (PACKAGE / Path(*module.split(".")[1:]) / "__init__.py").exists()
+        else module.rpartition(".")[0]
+    )
     for node in ast.walk(tree):
         eager = id(node) in top_level and id(node) not in type_checking
         typing_only = id(node) in type_checking
@@ -102,9 +117,9 @@ def _violations() -> list[str]:
                 elif eager:
                     problems.append(f"{where}: engines are imported inside functions, never at module top")
             if root != "kvmesh":
-                if module.startswith("kvmesh.router.") and module.rsplit(".", 1)[-1] in PURE_CORE:
-                    if root in IMPURE_MODULES and not typing_only:
-                        problems.append(f"{where}: the pure routing core does no I/O and reads no clock")
+                in_pure_core = module.startswith("kvmesh.router.") and module.rsplit(".", 1)[-1] in PURE_CORE
+                if in_pure_core and root in IMPURE_MODULES and not typing_only:
+                    problems.append(f"{where}: the pure routing core does no I/O and reads no clock")
                 continue
             target = _unit(imported)
             if target == "kvmesh" and imported != "kvmesh":
@@ -116,7 +131,9 @@ def _violations() -> list[str]:
             elif unit.startswith("kvmesh.adapters.") and target.startswith("kvmesh.adapters."):
                 problems.append(f"{where}: one adapter must not import another")
             elif LEVELS[target] > level:
-                problems.append(f"{where}: {unit} (level {level}) must not import {target} (level {LEVELS[target]})")
+                problems.append(
+                    f"{where}: {unit} (level {level}) must not import {target} (level {LEVELS[target]})"
+                )
     return problems
 
 
@@ -133,14 +150,20 @@ def test_imports_only_go_down() -> None:
 @pytest.mark.parametrize(
     ("source", "module", "expected"),
     [
-        pytest.param("from kvmesh.router import kv_router\n", "kvmesh.events.subscriber", "must not import", id="up"),
-        pytest.param("import vllm\n", "kvmesh.router.proxy", "only kvmesh.adapters.vllm", id="engine-outside"),
+        pytest.param(
+            "from kvmesh.router import kv_router\n", "kvmesh.events.subscriber", "must not import", id="up"
+        ),
+        pytest.param(
+            "import vllm\n", "kvmesh.router.proxy", "only kvmesh.adapters.vllm", id="engine-outside"
+        ),
         pytest.param("import vllm\n", "kvmesh.adapters.vllm.plugin", "inside functions", id="engine-eager"),
         pytest.param("import time\n", "kvmesh.router.indexer", "pure routing core", id="clock"),
         pytest.param("from kvmesh.bench import x\n", "kvmesh.mock.server", "siblings", id="siblings"),
     ],
 )
-def test_the_checker_catches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, module: str, expected: str) -> None:
+def test_the_checker_catches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, module: str, expected: str
+) -> None:
     """The checker itself must fail on each kind of violation (a layering test that cannot fail is useless)."""
     fake = tmp_path / "kvmesh" / Path(*module.split(".")[1:]).with_suffix(".py")
     fake.parent.mkdir(parents=True, exist_ok=True)

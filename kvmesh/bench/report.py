@@ -1,0 +1,181 @@
+"""Summaries of bench runs: a text table, a JSON document and an optional PNG plot.
+
+The prefix hit ratio is what the *engine* reported (``usage.prompt_tokens_details.cached_tokens``
+summed over prompt tokens), not what a router predicted. Per-worker spread comes from the
+``nvext.worker_id`` echo (or the ``x-kvmesh-worker-id`` header); plain servers leave it empty.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvmesh.bench.runner import RunResult
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(run: RunResult) -> dict[str, Any]:
+    ok = [r for r in run.results if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    gaps = [g for r in ok for g in r.chunk_gaps]
+    latencies = [r.latency for r in ok if r.latency is not None]
+    prompt = sum(r.prompt_tokens or 0 for r in ok if r.cached_tokens is not None)
+    cached = sum(r.cached_tokens or 0 for r in ok if r.cached_tokens is not None)
+    output = sum(r.completion_tokens if r.completion_tokens is not None else r.output_chunks for r in ok)
+    workers = Counter(r.worker_id for r in ok if r.worker_id is not None)
+    duration = max(run.duration, 1e-9)
+    errors = Counter((r.error or "")[:80] for r in run.results if not r.ok)
+    return {
+        "name": run.name,
+        "requests": len(run.results),
+        "ok": len(ok),
+        "errors": len(run.results) - len(ok),
+        "error_kinds": dict(errors.most_common(5)),
+        "duration_s": run.duration,
+        "ttft_s": {f"p{q}": percentile(ttfts, q) for q in (50, 90, 99)},
+        "itl_s": {f"p{q}": percentile(gaps, q) for q in (50, 90, 99)},
+        "latency_s": {f"p{q}": percentile(latencies, q) for q in (50, 90, 99)},
+        "throughput_rps": len(ok) / duration,
+        "output_tokens_per_s": output / duration,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefix_hit_ratio": (cached / prompt) if prompt else None,
+        "per_worker": dict(sorted(workers.items())),
+        "worker_spread": _spread(workers),
+    }
+
+
+def _spread(workers: Counter[str]) -> float | None:
+    """max/min requests per worker (1.0 = perfectly even); None without worker ids."""
+    if not workers:
+        return None
+    counts = list(workers.values())
+    return max(counts) / max(min(counts), 1)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
+def format_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """One column per run, one row per metric."""
+    rows: list[tuple[str, list[str]]] = [
+        ("requests (ok/total)", [f"{s['ok']}/{s['requests']}" for s in summaries]),
+        ("TTFT p50 (ms)", [_ms(s["ttft_s"]["p50"]) for s in summaries]),
+        ("TTFT p90 (ms)", [_ms(s["ttft_s"]["p90"]) for s in summaries]),
+        ("TTFT p99 (ms)", [_ms(s["ttft_s"]["p99"]) for s in summaries]),
+        ("ITL p50 (ms)", [_ms(s["itl_s"]["p50"]) for s in summaries]),
+        ("ITL p90 (ms)", [_ms(s["itl_s"]["p90"]) for s in summaries]),
+        ("latency p50 (ms)", [_ms(s["latency_s"]["p50"]) for s in summaries]),
+        ("throughput (req/s)", [f"{s['throughput_rps']:.2f}" for s in summaries]),
+        ("output tokens/s", [f"{s['output_tokens_per_s']:.1f}" for s in summaries]),
+        ("prefix hit ratio", [_pct(s["prefix_hit_ratio"]) for s in summaries]),
+        ("duration (s)", [f"{s['duration_s']:.1f}" for s in summaries]),
+        ("per-worker requests", [_workers(s["per_worker"]) for s in summaries]),
+    ]
+    names = [str(s["name"]) for s in summaries]
+    label_width = max(len(r[0]) for r in rows)
+    widths = [max(len(names[i]), *(len(r[1][i]) for r in rows)) for i in range(len(names))]
+    lines = ["  ".join([" " * label_width, *(n.rjust(w) for n, w in zip(names, widths, strict=True))])]
+    lines.append("  ".join(["-" * label_width, *("-" * w for w in widths)]))
+    for label, cells in rows:
+        lines.append(
+            "  ".join([label.ljust(label_width), *(c.rjust(w) for c, w in zip(cells, widths, strict=True))])
+        )
+    return "\n".join(lines)
+
+
+def _workers(per_worker: dict[str, int]) -> str:
+    if not per_worker:
+        return "-"
+    return " ".join(str(n) for _, n in sorted(per_worker.items()))
+
+
+def to_json(runs: Sequence[RunResult], summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "runs": [
+            {
+                "summary": s,
+                "requests": [
+                    {
+                        "session": r.session_id,
+                        "step": r.step,
+                        "url": r.url,
+                        "start_s": r.start,
+                        "ttft_s": r.ttft,
+                        "latency_s": r.latency,
+                        "output_chunks": r.output_chunks,
+                        "prompt_tokens": r.prompt_tokens,
+                        "cached_tokens": r.cached_tokens,
+                        "worker_id": r.worker_id,
+                        "error": r.error,
+                    }
+                    for r in run.results
+                ],
+            }
+            for run, s in zip(runs, summaries, strict=True)
+        ]
+    }
+
+
+def write_plot(runs: Sequence[RunResult], summaries: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """TTFT distribution (CDF), prefix hit ratio and per-worker load, one colour per run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install 'kvmesh[plot]'") from None
+    fig, (ax_cdf, ax_hit, ax_workers) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for run in runs:
+        ttfts = sorted(r.ttft * 1000 for r in run.results if r.ok and r.ttft is not None)
+        if ttfts:
+            ax_cdf.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=run.name)
+    ax_cdf.set_xlabel("time to first token (ms)")
+    ax_cdf.set_ylabel("fraction of requests")
+    ax_cdf.set_title("TTFT CDF")
+    ax_cdf.grid(alpha=0.3)
+    ax_cdf.legend()
+    names = [str(s["name"]) for s in summaries]
+    hits = [100 * (s["prefix_hit_ratio"] or 0.0) for s in summaries]
+    ax_hit.bar(names, hits, color=[f"C{i}" for i in range(len(names))])
+    ax_hit.set_ylabel("engine-reported prefix hit ratio (%)")
+    ax_hit.set_title("Prefix cache hits")
+    all_workers = sorted({w for s in summaries for w in s["per_worker"]})
+    width = 0.8 / max(len(summaries), 1)
+    for i, s in enumerate(summaries):
+        xs = [j + i * width for j in range(len(all_workers))]
+        ax_workers.bar(xs, [s["per_worker"].get(w, 0) for w in all_workers], width=width, label=s["name"])
+    ax_workers.set_xticks([j + width * (len(summaries) - 1) / 2 for j in range(len(all_workers))])
+    ax_workers.set_xticklabels([_short(w) for w in all_workers], rotation=15)
+    ax_workers.set_ylabel("requests")
+    ax_workers.set_title("Requests per worker")
+    if all_workers:
+        ax_workers.legend()
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _short(worker: str) -> str:
+    return worker.rsplit("//", 1)[-1]

@@ -1,0 +1,274 @@
+"""Drive a workload against one or more OpenAI-compatible base URLs and record every request.
+
+Requests are streamed (``stream: true`` with usage reporting), so time to first token and the gaps
+between chunks are measured on the client, as a user sees them. Several URLs are used
+round-robin per session, the way a plain load balancer in front of a fleet spreads clients.
+
+Load models:
+
+* closed loop (``concurrency``): that many sessions run at once; each starts its next step as
+  soon as the previous one finished (plus ``think_time``).
+* open loop (``rate``): sessions start as a Poisson process at ``rate`` sessions per second,
+  whatever the server's state (for single-request workloads: requests per second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import aiohttp
+
+from kvmesh.bench.workloads import Answer, Session
+
+
+@dataclass(slots=True)
+class RequestResult:
+    session_id: str
+    step: int
+    url: str
+    start: float  # seconds since the run started
+    ttft: float | None = None
+    latency: float | None = None
+    chunk_gaps: list[float] = field(default_factory=list)
+    output_chunks: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    worker_id: str | None = None
+    status: int | None = None
+    error: str | None = None
+    text: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(slots=True)
+class RunResult:
+    name: str
+    results: list[RequestResult]
+    duration: float
+    sessions: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    urls: tuple[str, ...]
+    model: str | None = None
+    concurrency: int | None = 8
+    rate: float | None = None
+    think_time: float = 0.0
+    request_timeout: float = 300.0
+    ask_worker_id: bool = True
+    headers: tuple[tuple[str, str], ...] = ()
+    seed: int = 0
+
+
+class Progress:
+    """A one-line progress bar on stderr (quiet when stderr is not a terminal)."""
+
+    def __init__(
+        self, total: int, label: str, stream: TextIO | None = None, enabled: bool | None = None
+    ) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.done = 0
+        self.errors = 0
+        self._start = time.monotonic()
+        self._last_draw = 0.0
+
+    def update(self, ok: bool) -> None:
+        self.done += 1
+        self.errors += 0 if ok else 1
+        now = time.monotonic()
+        if self.enabled and (now - self._last_draw > 0.1 or self.done >= self.total):
+            self._last_draw = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        width = 30
+        filled = min(width, int(width * self.done / self.total))
+        bar = "#" * filled + "." * (width - filled)
+        self.stream.write(
+            f"\r{self.label} [{bar}] {self.done}/{self.total} requests, {self.errors} errors, {now - self._start:5.1f}s"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(time.monotonic())
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
+    """The first model a server lists at /v1/models."""
+    async with session.get(url + "/v1/models") as response:
+        response.raise_for_status()
+        data = await response.json(content_type=None)
+    models = data.get("data") or []
+    if not models:
+        raise RuntimeError(f"{url}/v1/models lists no model; pass --model")
+    return str(models[0]["id"])
+
+
+async def _one_request(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    result: RequestResult,
+    t0: float,
+    headers: dict[str, str],
+) -> None:
+    sent = time.perf_counter()
+    result.start = sent - t0
+    try:
+        async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
+            result.status = response.status
+            worker_header = response.headers.get("x-kvmesh-worker-id")
+            if worker_header:
+                result.worker_id = worker_header
+            if response.status != 200:
+                text = (await response.read())[:300].decode("utf-8", "replace")
+                result.error = f"HTTP {response.status}: {text}"
+                return
+            await _read_stream(response, result, sent)
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    finally:
+        result.latency = time.perf_counter() - sent
+
+
+async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, sent: float) -> None:
+    last = None
+    parts: list[str] = []
+    buffer = b""
+    async for chunk in response.content.iter_any():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue
+            event = json.loads(payload)
+            now = time.perf_counter()
+            content = _delta_text(event)
+            if content is not None:
+                if last is None:
+                    result.ttft = now - sent
+                else:
+                    result.chunk_gaps.append(now - last)
+                last = now
+                result.output_chunks += 1
+                parts.append(content)
+            usage = event.get("usage")
+            if usage:
+                result.prompt_tokens = usage.get("prompt_tokens")
+                result.completion_tokens = usage.get("completion_tokens")
+                details = usage.get("prompt_tokens_details") or {}
+                result.cached_tokens = details.get("cached_tokens")
+            nvext = event.get("nvext")
+            if isinstance(nvext, dict) and nvext.get("worker_id") is not None:
+                result.worker_id = str(nvext["worker_id"])
+            if "error" in event:
+                result.error = f"stream error: {event['error']}"
+    result.text = "".join(parts)
+
+
+def _delta_text(event: dict[str, Any]) -> str | None:
+    choices = event.get("choices")
+    if not choices:
+        return None
+    delta = choices[0].get("delta") or {}
+    content = delta.get("content")
+    if content is None:
+        text = choices[0].get("text")  # /v1/completions streams
+        return text if isinstance(text, str) and text else None
+    return content if content else None
+
+
+async def run_workload(
+    name: str,
+    sessions: Sequence[Session],
+    load: LoadSpec,
+    *,
+    progress: Progress | None = None,
+    on_result: Callable[[RequestResult], None] | None = None,
+) -> RunResult:
+    """Run ``sessions`` against ``load.urls``; never raises for a failed request (it is recorded)."""
+    if not load.urls:
+        raise ValueError("at least one URL is needed")
+    results: list[RequestResult] = []
+    limit = max(64, (load.concurrency or 64) * 8)
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=load.request_timeout)
+    headers = dict(load.headers)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        model = load.model or await discover_model(http, load.urls[0])
+        t0 = time.perf_counter()
+        rng = random.Random(load.seed)
+
+        async def run_session(index: int, session: Session) -> None:
+            url = load.urls[index % len(load.urls)]
+            previous: list[Answer] | None = None
+            while True:
+                bodies = session.next_step(previous)
+                if bodies is None:
+                    return
+                step_results = [RequestResult(session.session_id, session.step, url, 0.0) for _ in bodies]
+                await asyncio.gather(
+                    *(
+                        _one_request(http, url, _finish_body(body, model, load.ask_worker_id), r, t0, headers)
+                        for body, r in zip(bodies, step_results, strict=True)
+                    )
+                )
+                for r in step_results:
+                    results.append(r)
+                    if progress is not None:
+                        progress.update(r.ok)
+                    if on_result is not None:
+                        on_result(r)
+                previous = [Answer(r.text, r.ok) for r in step_results]
+                if load.think_time > 0:
+                    await asyncio.sleep(load.think_time)
+
+        if load.rate:
+            tasks = []
+            for i, session in enumerate(sessions):
+                tasks.append(asyncio.create_task(run_session(i, session)))
+                await asyncio.sleep(rng.expovariate(load.rate))
+            await asyncio.gather(*tasks)
+        else:
+            queue: asyncio.Queue[tuple[int, Session]] = asyncio.Queue()
+            for item in enumerate(sessions):
+                queue.put_nowait(item)
+
+            async def user() -> None:
+                while not queue.empty():
+                    await run_session(*queue.get_nowait())
+
+            await asyncio.gather(*(user() for _ in range(max(1, load.concurrency or 1))))
+        duration = time.perf_counter() - t0
+    if progress is not None:
+        progress.close()
+    return RunResult(name, results, duration, len(sessions))
+
+
+def _finish_body(body: dict[str, Any], model: str, ask_worker_id: bool) -> dict[str, Any]:
+    out = {**body, "model": model, "stream": True, "stream_options": {"include_usage": True}}
+    if ask_worker_id:
+        out["nvext"] = {"extra_fields": ["worker_id"]}
+    return out

@@ -1,0 +1,206 @@
+"""Prometheus metrics, named like the reference router's with a ``kvmesh_`` prefix.
+
+Everything registers once per process in prometheus-client's default ``REGISTRY``: that is the
+registry vLLM's (and most engines') ``/metrics`` exposes, so an embedded middleware's metrics
+appear there with no extra wiring, and the standalone router serves the same registry. Several
+middleware instances in one process (tests, an in-process demo fleet) share the metric objects;
+per-worker gauges are read at scrape time from every live router through one collector, with a
+``replica`` label telling the instances apart.
+
+Beyond the reference router: ``kvmesh_cached_tokens_predicted_total`` /
+``kvmesh_cached_tokens_reported_total`` and the gauge ``kvmesh_cached_tokens_reported_ratio``
+(reported / predicted, per worker). With a tokenizer or hash mismatch the router predicts hits
+the engine never reports, and the ratio drops far below 1 instead of failing silently.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+# Routing overhead per phase: tens of microseconds is normal, milliseconds is a problem.
+_OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+WorkerRow = tuple[str, int, float, float]
+"""(worker id, dp rank, active decode blocks, active prefill tokens)"""
+
+
+@dataclass(frozen=True, slots=True)
+class GaugeSource:
+    """What one router instance reports at scrape time."""
+
+    replica: str
+    workers: Callable[[], Iterable[WorkerRow]]
+    queue: Callable[[], tuple[int, int]]  # (pending requests, pending tokens)
+    cached_ratio: Callable[[], Iterable[tuple[str, float]]]
+
+
+class _LiveRouters(Collector):
+    """Reads per-worker and queue gauges from every live router instance when scraped."""
+
+    def __init__(self) -> None:
+        self._sources: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def add(self, owner: Any, source: GaugeSource) -> None:
+        owner._kvmesh_gauge_source = source
+        with self._lock:
+            self._sources.add(owner)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        decode = GaugeMetricFamily(
+            "kvmesh_worker_active_decode_blocks",
+            "KV blocks held by requests the router has in flight on the worker",
+            labels=["replica", "worker", "dp_rank"],
+        )
+        prefill = GaugeMetricFamily(
+            "kvmesh_worker_active_prefill_tokens",
+            "Prompt tokens not yet prefilled on the worker, as the router counts them",
+            labels=["replica", "worker", "dp_rank"],
+        )
+        pending = GaugeMetricFamily(
+            "kvmesh_queue_pending_requests", "Requests held in the admission queue", labels=["replica"]
+        )
+        pending_tokens = GaugeMetricFamily(
+            "kvmesh_queue_pending_tokens", "Prompt tokens of requests in the queue", labels=["replica"]
+        )
+        ratio = GaugeMetricFamily(
+            "kvmesh_cached_tokens_reported_ratio",
+            "Engine-reported cached tokens / router-predicted cached tokens (far below 1: tokenizer or hash mismatch)",
+            labels=["replica", "worker"],
+        )
+        with self._lock:
+            owners = list(self._sources)
+        for owner in owners:
+            source: GaugeSource = owner._kvmesh_gauge_source
+            for worker, rank, blocks, tokens in source.workers():
+                decode.add_metric([source.replica, worker, str(rank)], blocks)
+                prefill.add_metric([source.replica, worker, str(rank)], tokens)
+            n, tokens_pending = source.queue()
+            pending.add_metric([source.replica], n)
+            pending_tokens.add_metric([source.replica], tokens_pending)
+            for worker, value in source.cached_ratio():
+                ratio.add_metric([source.replica, worker], value)
+        yield from (decode, prefill, pending, pending_tokens, ratio)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
+
+
+class Metrics:
+    """The process-wide metric objects; get them with :func:`get_metrics`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "kvmesh_requests_total",
+            "Requests seen by the router, by endpoint, how they were served and the HTTP status",
+            ["endpoint", "route", "status"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kvmesh_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "kvmesh_inter_token_latency_seconds",
+            "Time between streamed chunks",
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.isl = Histogram(
+            "kvmesh_input_sequence_tokens",
+            "Prompt length in tokens",
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.osl = Histogram(
+            "kvmesh_output_sequence_tokens",
+            "Streamed output chunks per request",
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.kv_hit_rate = Histogram(
+            "kvmesh_kv_hit_rate",
+            "Predicted fraction of the prompt's blocks already cached on the chosen worker",
+            buckets=_RATIO_BUCKETS,
+            registry=registry,
+        )
+        self.overhead = Histogram(
+            "kvmesh_router_overhead_seconds",
+            "Routing overhead per phase (tokenize, hashing, find_matches, scheduling, total)",
+            ["phase"],
+            buckets=_OVERHEAD_BUCKETS,
+            registry=registry,
+        )
+        self.events_applied = Counter(
+            "kvmesh_kv_events_applied_total",
+            "KV events applied to the index, by event type and status",
+            ["event_type", "status"],
+            registry=registry,
+        )
+        self.predicted_cached = Counter(
+            "kvmesh_cached_tokens_predicted_total",
+            "Prompt tokens the router predicted cached on the chosen worker",
+            ["worker"],
+            registry=registry,
+        )
+        self.reported_cached = Counter(
+            "kvmesh_cached_tokens_reported_total",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
+            ["worker"],
+            registry=registry,
+        )
+        self.failovers = Counter(
+            "kvmesh_failovers_total",
+            "Forwarded requests retried on another worker after a connection failure before the first byte",
+            registry=registry,
+        )
+        self.worker_state_changes = Counter(
+            "kvmesh_worker_state_changes_total", "Worker health transitions", ["state"], registry=registry
+        )
+        self._live = _LiveRouters()
+        registry.register(self._live)
+        # label children resolved once: the hot path should not re-hash label tuples.
+        self.phase = {
+            name: self.overhead.labels(name)
+            for name in ("tokenize", "hashing", "find_matches", "scheduling", "total")
+        }
+
+    def track(self, owner: Any, source: GaugeSource) -> None:
+        """Report ``source``'s gauges while ``owner`` is alive."""
+        self._live.add(owner, source)
+
+
+_lock = threading.Lock()
+_instances: dict[int, Metrics] = {}
+
+
+def get_metrics(registry: CollectorRegistry | None = None) -> Metrics:
+    """The metrics for ``registry`` (default: prometheus-client's global one), created once."""
+    reg = REGISTRY if registry is None else registry
+    with _lock:
+        metrics = _instances.get(id(reg))
+        if metrics is None:
+            metrics = _instances[id(reg)] = Metrics(reg)
+        return metrics
+
+
+def render(registry: CollectorRegistry | None = None) -> bytes:
+    """The text exposition of ``registry`` (what ``/metrics`` serves)."""
+    return generate_latest(REGISTRY if registry is None else registry)

@@ -1,0 +1,528 @@
+"""RouterConfig: every routing flag, one frozen object.
+
+Flag names mirror NVIDIA Dynamo's router (``--router-*``) so a deployment can move between the two
+without relearning knobs. Each flag has exactly one row in ``_FLAGS``; argparse options, the
+``KVMESH_ROUTER_*`` environment variables and the keys of a TOML ``[router]`` table are all derived
+from that row, so they cannot drift apart.
+
+Environment variable name: ``KVMESH_ROUTER_`` + the flag without ``--`` and without a leading
+``router-``, upper-cased, dashes as underscores (``--router-temperature`` ->
+``KVMESH_ROUTER_TEMPERATURE``, ``--active-decode-blocks-threshold`` ->
+``KVMESH_ROUTER_ACTIVE_DECODE_BLOCKS_THRESHOLD``).
+
+The deprecated ``--router-kv-overlap-score-weight`` (alias ``--kv-overlap-score-weight``) maps the
+way the reference maps it: ``prefill_load_scale = weight``, and a weight of 0 also sets
+``overlap_score_credit = 0`` (pure load balancing).
+
+``--load-aware`` is a preset for load-only routing: overlap credit 0, no KV events, no KV-reuse
+assumption, active blocks and prefill tokens tracked; ``prefill_load_scale`` is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvmesh.errors import ConfigError
+
+RouterMode = Literal["kv", "round-robin", "random", "direct"]
+QueuePolicy = Literal["fcfs", "lcfs", "wspt"]
+
+ROUTER_MODES: tuple[str, ...] = ("kv", "round-robin", "random", "direct")
+QUEUE_POLICIES: tuple[str, ...] = ("fcfs", "lcfs", "wspt")
+ENV_PREFIX = "KVMESH_ROUTER_"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Routing flags (defaults in brackets in each ``--help`` line)."""
+
+    router_mode: RouterMode = "kv"
+    # cost model
+    overlap_score_credit: float = 1.0
+    prefill_load_scale: float = 1.0
+    host_cache_hit_weight: float = 0.75
+    disk_cache_hit_weight: float = 0.25
+    router_temperature: float = 0.0
+    # index
+    use_kv_events: bool = True
+    router_ttl_secs: float = 120.0
+    router_max_tree_size: int = 2**20
+    router_prune_target_ratio: float = 0.8
+    router_predicted_ttl_secs: float | None = None
+    router_index_max_blocks: int = 2**23
+    # load model
+    router_track_active_blocks: bool = True
+    router_track_output_blocks: bool = False
+    router_assume_kv_reuse: bool = True
+    router_track_prefill_tokens: bool = True
+    router_request_timeout_secs: float = 600.0
+    # admission queue
+    router_queue_threshold: float | None = 4.0
+    router_queue_policy: QueuePolicy = "fcfs"
+    router_queue_max_length: int = 10_000
+    router_queue_refresh_secs: float = 1.0
+    # busy filtering (None disables that test)
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
+    busy_retry_after_secs: float = 1.0
+    # replicas and sessions
+    router_replica_sync: bool = False
+    router_session_timeout_secs: float = 300.0
+    load_aware: bool = False
+
+    def __post_init__(self) -> None:
+        if self.load_aware:
+            # The preset wins over individual flags, as in the reference.
+            for name, value in _LOAD_AWARE.items():
+                object.__setattr__(self, name, value)
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ConfigError naming the flag and its allowed range for the first bad value."""
+        for spec in _FLAGS:
+            value = getattr(self, spec.field)
+            if value is None and spec.optional:
+                continue
+            problem = spec.check(value)
+            if problem:
+                raise ConfigError(f"{spec.flag} {problem}, got {value!r}")
+
+    def with_overrides(self, **changes: Any) -> RouterConfig:
+        """A copy with some fields changed (validated)."""
+        unknown = set(changes) - _FIELD_NAMES
+        if unknown:
+            raise ConfigError(f"unknown router setting(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ sources
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
+        """Add every routing flag to an argparse parser (or argument group)."""
+        group = parser.add_argument_group("routing") if hasattr(parser, "add_argument_group") else parser
+        for spec in _FLAGS:
+            default = _DEFAULTS[spec.field]
+            shown = "off" if default is None else default
+            help_text = f"{spec.help} [{shown}]"
+            names = [spec.flag, *spec.aliases]
+            if spec.kind is bool:
+                group.add_argument(
+                    *names,
+                    dest=spec.field,
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=help_text,
+                )
+            else:
+                group.add_argument(
+                    *names,
+                    dest=spec.field,
+                    default=None,
+                    metavar=spec.metavar,
+                    type=str,
+                    help=help_text,
+                )
+        group.add_argument(
+            "--router-kv-overlap-score-weight",
+            "--kv-overlap-score-weight",
+            dest="overlap_score_weight",
+            default=None,
+            type=str,
+            metavar="W",
+            help="deprecated: sets --router-prefill-load-scale to W (W=0 also sets the overlap credit to 0)",
+        )
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace, *, base: RouterConfig | None = None) -> RouterConfig:
+        """Build from parsed arguments; flags left unset keep ``base`` (or the defaults)."""
+        raw = {spec.field: getattr(ns, spec.field, None) for spec in _FLAGS}
+        raw["overlap_score_weight"] = getattr(ns, "overlap_score_weight", None)
+        return cls._build({k: v for k, v in raw.items() if v is not None}, base, source="flag")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], *, base: RouterConfig | None = None) -> RouterConfig:
+        """Build from ``KVMESH_ROUTER_*`` variables; absent ones keep ``base`` (or the defaults)."""
+        raw: dict[str, Any] = {}
+        for spec in _FLAGS:
+            if spec.env in environ:
+                raw[spec.field] = environ[spec.env]
+        for name in (ENV_PREFIX + "KV_OVERLAP_SCORE_WEIGHT",):
+            if name in environ:
+                raw["overlap_score_weight"] = environ[name]
+        return cls._build(raw, base, source="env")
+
+    @classmethod
+    def from_mapping(cls, table: Mapping[str, Any], *, base: RouterConfig | None = None) -> RouterConfig:
+        """Build from a TOML ``[router]`` table. Keys are field names or flag names
+        (``router_temperature``, ``router-temperature`` and ``temperature`` all work)."""
+        raw: dict[str, Any] = {}
+        for key, value in table.items():
+            field = _KEY_TO_FIELD.get(key.replace("-", "_").lower())
+            if field is None:
+                raise ConfigError(f"unknown router setting {key!r} in the [router] table")
+            raw[field] = value
+        return cls._build(raw, base, source="mapping")
+
+    @classmethod
+    def _build(cls, raw: dict[str, Any], base: RouterConfig | None, *, source: str) -> RouterConfig:
+        values: dict[str, Any] = dataclasses.asdict(base) if base is not None else {}
+        weight = raw.pop("overlap_score_weight", None)
+        for field, value in raw.items():
+            values[field] = _SPEC_BY_FIELD[field].parse(value)
+        if weight is not None:
+            w = _parse_float("--router-kv-overlap-score-weight", weight)
+            if not (math.isfinite(w) and w >= 0):
+                raise ConfigError(f"--router-kv-overlap-score-weight must be >= 0, got {weight!r}")
+            values["prefill_load_scale"] = w
+            if w == 0:
+                values["overlap_score_credit"] = 0.0
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------- flag table
+_LOAD_AWARE: dict[str, Any] = {
+    "overlap_score_credit": 0.0,
+    "use_kv_events": False,
+    "router_assume_kv_reuse": False,
+    "router_track_active_blocks": True,
+    "router_track_prefill_tokens": True,
+}
+
+
+def _parse_float(flag: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{flag} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} must be a number, got {value!r}") from None
+
+
+def _parse_int(flag: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{flag} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"{flag} must be an integer, got {value!r}") from None
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_NONE = {"none", "off", "null", ""}
+
+
+def _parse_bool(flag: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{flag} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class _Flag:
+    field: str
+    flag: str
+    kind: type
+    help: str
+    low: float | None = None  # inclusive unless low_open
+    high: float | None = None
+    low_open: bool = False
+    choices: tuple[str, ...] = ()
+    optional: bool = False  # None allowed (feature off)
+    aliases: tuple[str, ...] = ()
+    metavar: str | None = None
+
+    @property
+    def env(self) -> str:
+        name = self.flag[2:]
+        if name.startswith("router-"):
+            name = name[len("router-") :]
+        return ENV_PREFIX + name.upper().replace("-", "_")
+
+    def parse(self, value: Any) -> Any:
+        if value is None or (self.optional and isinstance(value, str) and value.strip().lower() in _NONE):
+            if self.optional:
+                return None
+            raise ConfigError(f"{self.flag} needs a value")
+        if self.kind is bool:
+            return _parse_bool(self.flag, value)
+        if self.kind is int:
+            return _parse_int(self.flag, value)
+        if self.kind is float:
+            return _parse_float(self.flag, value)
+        text = str(value).strip().lower()
+        if self.field == "router_mode":
+            text = text.replace("_", "-")
+        return text
+
+    def check(self, value: Any) -> str | None:
+        if self.choices:
+            if value not in self.choices:
+                return f"must be one of {', '.join(self.choices)}"
+            return None
+        if self.kind is bool:
+            return None if isinstance(value, bool) else "must be true or false"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "must be a number"
+        if self.kind is int and not isinstance(value, int):
+            return "must be an integer"
+        if not math.isfinite(value):
+            return "must be finite"
+        low_ok = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        high_ok = self.high is None or value <= self.high
+        if low_ok and high_ok:
+            return None
+        return f"must be {self._range()}"
+
+    def _range(self) -> str:
+        if self.low is not None and self.high is not None:
+            left = "(" if self.low_open else "["
+            return f"in {left}{_fmt(self.low)}, {_fmt(self.high)}]"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {_fmt(self.low)}"
+        return f"<= {_fmt(self.high or 0)}"
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+_FLAGS: tuple[_Flag, ...] = (
+    _Flag(
+        "router_mode",
+        "--router-mode",
+        str,
+        "how to pick a worker: kv, round-robin, random or direct",
+        choices=ROUTER_MODES,
+        metavar="MODE",
+    ),
+    _Flag(
+        "overlap_score_credit",
+        "--router-kv-overlap-score-credit",
+        float,
+        "how much each cached device block reduces a worker's prefill cost",
+        0.0,
+        1.0,
+    ),
+    _Flag(
+        "prefill_load_scale",
+        "--router-prefill-load-scale",
+        float,
+        "weight of prefill blocks (after credits) against decode blocks in the cost",
+        0.0,
+    ),
+    _Flag(
+        "host_cache_hit_weight",
+        "--router-host-cache-hit-weight",
+        float,
+        "credit for prefix blocks held in host (CPU) memory",
+        0.0,
+        1.0,
+    ),
+    _Flag(
+        "disk_cache_hit_weight",
+        "--router-disk-cache-hit-weight",
+        float,
+        "credit for prefix blocks held on disk or external storage",
+        0.0,
+        1.0,
+    ),
+    _Flag(
+        "router_temperature",
+        "--router-temperature",
+        float,
+        "softmax sampling temperature over normalised costs; 0 picks the cheapest worker",
+        0.0,
+    ),
+    _Flag(
+        "use_kv_events",
+        "--router-kv-events",
+        bool,
+        "follow workers' KV events; --no-router-kv-events predicts caches from routing decisions",
+        aliases=("--kv-events",),
+    ),
+    _Flag(
+        "router_ttl_secs",
+        "--router-ttl-secs",
+        float,
+        "lifetime of a routed block in the approximate index (no KV events)",
+        0.0,
+        low_open=True,
+    ),
+    _Flag(
+        "router_max_tree_size",
+        "--router-max-tree-size",
+        int,
+        "approximate index size (blocks) that triggers pruning",
+        1.0,
+    ),
+    _Flag(
+        "router_prune_target_ratio",
+        "--router-prune-target-ratio",
+        float,
+        "fraction of --router-max-tree-size to prune down to",
+        0.0,
+        1.0,
+        low_open=True,
+    ),
+    _Flag(
+        "router_predicted_ttl_secs",
+        "--router-predicted-ttl-secs",
+        float,
+        "predict-on-route: remember each decision this long beside the event index (none = off)",
+        0.0,
+        low_open=True,
+        optional=True,
+    ),
+    _Flag(
+        "router_index_max_blocks",
+        "--router-index-max-blocks",
+        int,
+        "memory budget of the event-driven index in (block, worker) entries; oldest pruned first",
+        1.0,
+    ),
+    _Flag(
+        "router_track_active_blocks",
+        "--router-track-active-blocks",
+        bool,
+        "count blocks of in-flight requests as decode load",
+        aliases=("--track-active-blocks",),
+    ),
+    _Flag(
+        "router_track_output_blocks",
+        "--router-track-output-blocks",
+        bool,
+        "add generated-token blocks to decode load, decayed by progress toward osl",
+        aliases=("--track-output-blocks",),
+    ),
+    _Flag(
+        "router_assume_kv_reuse",
+        "--router-assume-kv-reuse",
+        bool,
+        "deduplicate prefix blocks shared by in-flight requests on a worker",
+        aliases=("--assume-kv-reuse",),
+    ),
+    _Flag(
+        "router_track_prefill_tokens",
+        "--router-track-prefill-tokens",
+        bool,
+        "count prompt tokens of requests still in prefill as load",
+    ),
+    _Flag(
+        "router_request_timeout_secs",
+        "--router-request-timeout-secs",
+        float,
+        "forget an in-flight request whose finish never arrived after this long idle",
+        0.0,
+        low_open=True,
+    ),
+    _Flag(
+        "router_queue_threshold",
+        "--router-queue-threshold",
+        float,
+        "hold requests while every worker has active prefill tokens above this fraction of "
+        "max_num_batched_tokens (none = never queue)",
+        0.0,
+        optional=True,
+    ),
+    _Flag(
+        "router_queue_policy",
+        "--router-queue-policy",
+        str,
+        "order of the admission queue: fcfs, lcfs or wspt",
+        choices=QUEUE_POLICIES,
+        metavar="POLICY",
+    ),
+    _Flag(
+        "router_queue_max_length",
+        "--router-queue-max-length",
+        int,
+        "waiting requests beyond this are refused with 'queue full'",
+        1.0,
+    ),
+    _Flag(
+        "router_queue_refresh_secs",
+        "--router-queue-refresh-secs",
+        float,
+        "a request that waited longer than this gets its cache overlap recomputed before dispatch",
+        0.0,
+    ),
+    _Flag(
+        "active_decode_blocks_threshold",
+        "--active-decode-blocks-threshold",
+        float,
+        "a worker is busy above this fraction of its KV blocks in use (none = off)",
+        0.0,
+        1.0,
+        optional=True,
+    ),
+    _Flag(
+        "active_prefill_tokens_threshold",
+        "--active-prefill-tokens-threshold",
+        int,
+        "a worker is busy above this many active prefill tokens (none = off)",
+        0.0,
+        optional=True,
+    ),
+    _Flag(
+        "active_prefill_tokens_threshold_frac",
+        "--active-prefill-tokens-threshold-frac",
+        float,
+        "a worker is busy above this fraction of max_num_batched_tokens in prefill (none = off)",
+        0.0,
+        optional=True,
+    ),
+    _Flag(
+        "busy_retry_after_secs",
+        "--router-busy-retry-after-secs",
+        float,
+        "Retry-After sent when every worker is busy or the queue is full",
+        0.0,
+    ),
+    _Flag(
+        "router_replica_sync",
+        "--router-replica-sync",
+        bool,
+        "share routing decisions with other router replicas so load views agree",
+    ),
+    _Flag(
+        "router_session_timeout_secs",
+        "--router-session-timeout-secs",
+        float,
+        "default session affinity lifetime when a request gives none",
+        0.0,
+        low_open=True,
+    ),
+    _Flag(
+        "load_aware",
+        "--load-aware",
+        bool,
+        "preset: route on load only (no overlap credit, no KV events, no reuse assumption)",
+    ),
+)
+
+_SPEC_BY_FIELD: dict[str, _Flag] = {s.field: s for s in _FLAGS}
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(RouterConfig))
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+_KEY_TO_FIELD: dict[str, str] = {}
+for _spec in _FLAGS:
+    _short = _spec.flag[2:].replace("-", "_")
+    for _key in {_spec.field, _short, _short.removeprefix("router_")}:
+        _KEY_TO_FIELD[_key] = _spec.field
+_KEY_TO_FIELD["overlap_score_weight"] = "overlap_score_weight"
+_KEY_TO_FIELD["router_kv_overlap_score_weight"] = "overlap_score_weight"
+_KEY_TO_FIELD["kv_overlap_score_weight"] = "overlap_score_weight"
+assert {s.field for s in _FLAGS} == _FIELD_NAMES, "every RouterConfig field needs a flag row"

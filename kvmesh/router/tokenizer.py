@@ -1,0 +1,319 @@
+"""Tokenizers: how a router (and the mock engine) turn an OpenAI request into token ids.
+
+A router must compute the same token ids as the engine it routes to, or its block hashes never
+match the engine's cache. Three implementations stand behind one small protocol:
+
+* :class:`BuiltinTokenizer` - deterministic, no download, used by the mock engine *and* by routers
+  in front of a mock fleet. Text is cut into word-like pieces and each piece's UTF-8 bytes into
+  chunks of up to three bytes; a chunk's id *is* its bytes (plus a length tag), so encoding is
+  exactly invertible, identical in every process, and averages about three characters per token,
+  close to a real BPE vocabulary's density.
+* :class:`HfTokenizer` - a Hugging Face tokenizer from a local path (``pip install 'kvmesh[hf]'``).
+* an engine's own tokenizer, adapted by the engine adapters.
+
+:func:`prompt_token_ids` applies one of them to an OpenAI ``/v1/chat/completions`` or
+``/v1/completions`` body the way vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, cast, runtime_checkable
+
+from kvmesh.errors import RequestError
+
+__all__ = [
+    "BuiltinTokenizer",
+    "HfTokenizer",
+    "Tokenizer",
+    "prompt_token_ids",
+]
+
+MAX_TOKEN_ID = 2**31 - 1
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What kvmesh needs from a tokenizer."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt, as the engine encodes it."""
+        ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Token ids of a rendered chat conversation."""
+        ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+# --- the built-in tokenizer -------------------------------------------------------------------
+
+# Special tokens occupy ids 0..255; text chunks start at 256.
+PAD, BOS, EOS, IM_START, IM_END = 0, 1, 2, 3, 4
+_SPECIAL_TEXT = {
+    PAD: "<|pad|>",
+    BOS: "<|bos|>",
+    EOS: "<|eos|>",
+    IM_START: "<|im_start|>",
+    IM_END: "<|im_end|>",
+}
+_CHUNK_BASE = 256
+_CHUNK_BYTES = 3
+# id = _CHUNK_BASE + (n - 1) * 2**24 + big-endian value of the n bytes, so ids stay below 2**26.
+_LEN_SHIFT = 24
+_LEN_OFFSET = (0, _CHUNK_BASE, _CHUNK_BASE + (1 << _LEN_SHIFT), _CHUNK_BASE + (2 << _LEN_SHIFT))
+# Word-like pieces, in the spirit of GPT-2's pre-tokenizer: an optional leading space glued to a
+# run of letters, of up to three digits or of punctuation; runs of whitespace on their own. The
+# alternatives cover every character, so the pieces concatenate back to the text.
+_PIECE = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+")
+_PIECE_CACHE_LIMIT = 1 << 16
+
+
+class BuiltinTokenizer:
+    """Deterministic, download-free, exactly invertible tokenizer with a ChatML-style template.
+
+    >>> tok = BuiltinTokenizer()
+    >>> tok.decode(tok.encode("Hello, world!"))
+    'Hello, world!'
+
+    Messages render as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; tools are listed inside
+    the first system turn after its content, so conversations that share a system prompt (and
+    tools) share a token prefix.
+    """
+
+    name = "builtin"
+    eos_token_id = EOS
+
+    def __init__(self) -> None:
+        # Prompts repeat their words; caching a piece's ids roughly halves encoding time.
+        self._piece_cache: dict[str, tuple[int, ...]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        extend = out.extend
+        cache = self._piece_cache
+        for piece in _PIECE.findall(text):
+            ids = cache.get(piece)
+            if ids is None:
+                ids = _encode_piece(piece)
+                if len(cache) < _PIECE_CACHE_LIMIT:
+                    cache[piece] = ids
+            extend(ids)
+        return out
+
+    def decode(self, ids: Sequence[int]) -> str:
+        buf = bytearray()
+        for i in ids:
+            if i < _CHUNK_BASE:
+                buf += _SPECIAL_TEXT.get(i, f"<|special_{i}|>").encode()
+                continue
+            rel = i - _CHUNK_BASE
+            n = (rel >> _LEN_SHIFT) + 1
+            if n > _CHUNK_BYTES:
+                raise ValueError(f"token id {i} is outside the builtin vocabulary")
+            buf += (rel & 0xFFFFFF).to_bytes(n, "big")
+        return buf.decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        out: list[int] = []
+        tools_text = _render_tools(tools) if tools else ""
+        start = 0
+        if tools_text:
+            # Tools join the leading system turn (or open one), after the system prompt.
+            system = messages[0] if messages and messages[0].get("role") == "system" else None
+            body = _render_content(system) if system is not None else ""
+            self._turn(out, "system", f"{body}\n\n{tools_text}" if body else tools_text)
+            start = 1 if system is not None else 0
+        for message in messages[start:]:
+            self._turn(out, str(message.get("role")), _render_content(message))
+        if add_generation_prompt:
+            out.append(IM_START)
+            out += self.encode("assistant\n")
+        return out
+
+    def _turn(self, out: list[int], role: str, text: str) -> None:
+        out.append(IM_START)
+        out += self.encode(f"{role}\n{text}")
+        out.append(IM_END)
+        out += self.encode("\n")
+
+
+def _encode_piece(piece: str) -> tuple[int, ...]:
+    data = piece.encode("utf-8")
+    ids = []
+    for i in range(0, len(data), _CHUNK_BYTES):
+        chunk = data[i : i + _CHUNK_BYTES]
+        ids.append(_LEN_OFFSET[len(chunk)] + int.from_bytes(chunk, "big"))
+    return tuple(ids)
+
+
+def _render_tools(tools: list[dict[str, Any]]) -> str:
+    lines = ["# Tools"]
+    lines.extend(json.dumps(tool, separators=(",", ":"), ensure_ascii=False) for tool in tools)
+    return "\n".join(lines)
+
+
+def _render_content(message: Mapping[str, Any]) -> str:
+    content = message.get("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        parts = []
+        for part in content:
+            kind = part.get("type")
+            parts.append(part.get("text", "") if kind == "text" else f"<{kind}>")
+        text = "".join(parts)
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        payload = {"name": function.get("name"), "arguments": function.get("arguments")}
+        text += (
+            "\n<tool_call>\n"
+            + json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+            + "\n</tool_call>"
+        )
+    return text
+
+
+# --- Hugging Face ---------------------------------------------------------------------------
+
+
+class HfTokenizer:
+    """A Hugging Face tokenizer loaded from a local directory (never downloads).
+
+    Encodes like vLLM: completion prompts with the tokenizer's special tokens (BOS), chat
+    conversations rendered by the model's chat template and then encoded without adding them again.
+    """
+
+    def __init__(self, path: str, *, trust_remote_code: bool = False) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            raise ImportError("HfTokenizer needs transformers: pip install 'kvmesh[hf]'") from e
+        self.name = path
+        self._tok = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids)))
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        text = self._tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+
+# --- OpenAI request bodies ------------------------------------------------------------------
+
+_ROLES = frozenset(("system", "developer", "user", "assistant", "tool", "function"))
+
+
+def prompt_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any], endpoint: str) -> list[int]:
+    """The prompt token ids an engine computes for an OpenAI request body.
+
+    ``endpoint`` is the request path (``/v1/chat/completions``, ``/v1/completions``) or its short
+    name (``chat``, ``completions``). Raises :class:`RequestError` naming the offending field.
+    """
+    if endpoint.endswith("chat/completions") or endpoint == "chat":
+        messages = body.get("messages")
+        _check_messages(messages)
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise RequestError("'tools' must be a list of objects", field="tools")
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(add_generation_prompt, bool):
+            raise RequestError("'add_generation_prompt' must be a boolean", field="add_generation_prompt")
+        return tokenizer.apply_chat_template(
+            cast("list[dict[str, Any]]", messages), tools=tools, add_generation_prompt=add_generation_prompt
+        )
+    if endpoint.endswith("completions") or endpoint == "completions":
+        return _completion_prompt(tokenizer, body.get("prompt"))
+    raise ValueError(f"not an OpenAI generation endpoint: {endpoint!r}")
+
+
+def _completion_prompt(tokenizer: Tokenizer, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one is just a prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("'prompt' must not be empty", field="prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
+            raise RequestError(f"'prompt' token ids must be in [0, {MAX_TOKEN_ID}]", field="prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError("batched prompts are not supported; send one prompt per request", field="prompt")
+    if prompt is None:
+        raise RequestError("'prompt' is a required property", field="prompt")
+    raise RequestError("'prompt' must be a string or a list of token ids", field="prompt")
+
+
+def _check_messages(messages: Any) -> None:
+    if messages is None:
+        raise RequestError("'messages' is a required property", field="messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", field="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"'messages[{i}]' must be an object", field=f"messages[{i}]")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise RequestError(
+                f"'messages[{i}].role' must be one of {sorted(_ROLES)}, got {role!r}",
+                field=f"messages[{i}].role",
+            )
+        content = message.get("content")
+        if content is None:
+            if role != "assistant":
+                raise RequestError(f"'messages[{i}].content' is required", field=f"messages[{i}].content")
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise RequestError(
+                        f"'messages[{i}].content[{j}]' must be an object with a 'type'",
+                        field=f"messages[{i}].content[{j}]",
+                    )
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    raise RequestError(
+                        f"'messages[{i}].content[{j}].text' must be a string",
+                        field=f"messages[{i}].content[{j}].text",
+                    )
+        elif not isinstance(content, str):
+            raise RequestError(
+                f"'messages[{i}].content' must be a string or a list of parts", field=f"messages[{i}].content"
+            )
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None and not (
+            isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)
+        ):
+            raise RequestError(
+                f"'messages[{i}].tool_calls' must be a list of objects", field=f"messages[{i}].tool_calls"
+            )

@@ -25,17 +25,29 @@ EngineHashT = Union[int, bytes]
 TokenT = Union[int, tuple[int, int]]
 
 
-class BlockStored(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+class BlockStored(msgspec.Struct, tag=True, frozen=True, omit_defaults=True, gc=False):
     block_hashes: list[EngineHashT]
     parent_block_hash: EngineHashT | None
     token_ids: list[TokenT]
     block_size: int
     # UNSET (absent on the wire) is kept apart from an explicit None so that re-encoding a decoded
     # batch gives back the publisher's exact bytes: vLLM sends these keys as null, SGLang omits them.
-    lora_id: int | None | UnsetType = UNSET
-    medium: str | None | UnsetType = UNSET
-    lora_name: str | None | UnsetType = UNSET
+    lora_id: int | UnsetType | None = UNSET
+    medium: str | UnsetType | None = UNSET
+    lora_name: str | UnsetType | None = UNSET
     extra_keys: Any = UNSET
+    # The optional keys vLLM 0.33.0 declares after extra_keys, in its order. kvmesh never reads
+    # them (typed Any, so a future type change cannot break decoding), but declaring them keeps
+    # them on re-encode and gives the struct vLLM's field count: msgspec sizes a struct's map
+    # header for all declared fields (here 16 with the tag), so like vLLM it writes a map16
+    # header (0xde 0x0008) where a struct with at most 15 would write a fixmap (0x88).
+    group_idx: Any = UNSET
+    kv_cache_spec_kind: Any = UNSET
+    kv_cache_spec_sliding_window: Any = UNSET
+    locality: Any = UNSET
+    ownership: Any = UNSET
+    session_id: Any = UNSET
+    lookahead_token_ids: Any = UNSET
 
     @property
     def tier(self) -> Tier:
@@ -47,23 +59,27 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
         return self.lora_name or None
 
 
-class BlockRemoved(msgspec.Struct, tag=True, frozen=True, omit_defaults=True):
+class BlockRemoved(msgspec.Struct, tag=True, frozen=True, omit_defaults=True, gc=False):
     block_hashes: list[EngineHashT]
-    medium: str | None | UnsetType = UNSET
+    medium: str | UnsetType | None = UNSET
+    # vLLM 0.33.0's further optional keys, kept on re-encode and otherwise unused.
+    group_idx: Any = UNSET
+    locality: Any = UNSET
+    ownership: Any = UNSET
 
     @property
     def tier(self) -> Tier:
         return tier_of_medium(self.medium or None)
 
 
-class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True):
+class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True, gc=False):
     pass
 
 
 Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
-class EventBatch(msgspec.Struct, array_like=True, frozen=True):
+class EventBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):
     ts: float
     events: list[Event]
     data_parallel_rank: int | None = None
@@ -82,13 +98,7 @@ class _ArrayAllBlocksCleared(AllBlocksCleared, tag="AllBlocksCleared", array_lik
     pass
 
 
-class _ArrayEventBatch(msgspec.Struct, array_like=True, frozen=True):
-    ts: float
-    events: list[Union[_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]]
-    data_parallel_rank: int | None = None
-
-
-class _MixedEventBatch(msgspec.Struct, array_like=True, frozen=True):
+class _RawEventBatch(msgspec.Struct, array_like=True, frozen=True):
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
@@ -96,8 +106,7 @@ class _MixedEventBatch(msgspec.Struct, array_like=True, frozen=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _map_decoder = msgspec.msgpack.Decoder(EventBatch)
-_array_decoder = msgspec.msgpack.Decoder(_ArrayEventBatch)
-_mixed_decoder = msgspec.msgpack.Decoder(_MixedEventBatch)
+_raw_decoder = msgspec.msgpack.Decoder(_RawEventBatch)
 _map_event_decoder = msgspec.msgpack.Decoder(Event)
 _array_event_decoder = msgspec.msgpack.Decoder(
     Union[_ArrayBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]
@@ -107,6 +116,8 @@ _TO_MAP_FORM: dict[type, type] = {
     _ArrayBlockRemoved: BlockRemoved,
     _ArrayAllBlocksCleared: AllBlocksCleared,
 }
+# First bytes of a msgpack array: fixarray (0x90-0x9f), array16, array32.
+_ARRAY_HEADERS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
 
 _SEQ = struct.Struct(">Q")
 _SIGNED_SEQ = struct.Struct(">q")
@@ -120,36 +131,33 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 
 def _as_map_form(event: Any) -> Event:
-    cls = _TO_MAP_FORM.get(type(event))
-    if cls is None:
-        return event  # type: ignore[no-any-return]
+    cls = _TO_MAP_FORM[type(event)]
     return cls(**{f: getattr(event, f) for f in event.__struct_fields__})  # type: ignore[no-any-return]
 
 
+def _decode_event(raw: msgspec.Raw, index: int) -> Event:
+    # Pick the decoder by the event's own msgpack type, so that the error names the real problem.
+    is_array = len(raw) > 0 and memoryview(raw)[0] in _ARRAY_HEADERS
+    try:
+        if is_array:
+            return _as_map_form(_array_event_decoder.decode(raw))
+        return _map_event_decoder.decode(raw)  # type: ignore[no-any-return]
+    except msgspec.DecodeError as e:
+        raise MalformedEventError(f"malformed KV event #{index}: {e}") from None
+
+
 def decode_batch(payload: bytes) -> EventBatch:
-    """Decode a payload in map form, array form, or a mix; raise MalformedEventError otherwise."""
+    """Decode a payload whose events are maps, arrays or a mix; raise MalformedEventError otherwise."""
     try:
         return _map_decoder.decode(payload)
-    except msgspec.DecodeError as first_error:
-        try:
-            arr = _array_decoder.decode(payload)
-            return EventBatch(arr.ts, [_as_map_form(e) for e in arr.events], arr.data_parallel_rank)
-        except msgspec.DecodeError:
-            pass
-        try:
-            mixed = _mixed_decoder.decode(payload)
-        except msgspec.DecodeError:
-            raise MalformedEventError(f"malformed KV-event payload: {first_error}") from None
-        events: list[Event] = []
-        for i, raw in enumerate(mixed.events):
-            try:
-                events.append(_map_event_decoder.decode(raw))
-            except msgspec.DecodeError:
-                try:
-                    events.append(_as_map_form(_array_event_decoder.decode(raw)))
-                except msgspec.DecodeError as e:
-                    raise MalformedEventError(f"malformed KV event #{i} in payload: {e}") from None
-        return EventBatch(mixed.ts, events, mixed.data_parallel_rank)
+    except msgspec.DecodeError:
+        pass  # not all events in map form, or malformed: the slower path below tells which
+    try:
+        raw = _raw_decoder.decode(payload)
+    except msgspec.DecodeError as e:
+        raise MalformedEventError(f"malformed KV-event payload: {e}") from None
+    events = [_decode_event(r, i) for i, r in enumerate(raw.events)]
+    return EventBatch(raw.ts, events, raw.data_parallel_rank)
 
 
 def pack_seq(seq: int) -> bytes:
@@ -199,6 +207,9 @@ def event_to_json(event: Event) -> dict[str, Any]:
             "medium": event.medium or None,
         }
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": [h(x) for x in event.block_hashes],
-                "medium": event.medium or None}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": [h(x) for x in event.block_hashes],
+            "medium": event.medium or None,
+        }
     return {"type": "AllBlocksCleared"}

@@ -1,0 +1,179 @@
+"""``kvmesh events tap ENDPOINT``: print a KV-event stream as it arrives, one line per batch.
+
+It uses the same subscriber as the router (gap detection, replay, reconnect), so what it prints
+is what the router would apply. Exit status: 0 after ``--count`` batches (or at ``--timeout``
+without ``--count``), 1 when ``--timeout`` expires before ``--count`` batches, 2 for a bad
+endpoint or argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections import Counter
+
+from kvmesh.errors import ConfigError
+from kvmesh.events.subscriber import EventSubscriber
+from kvmesh.events.wire import BlockRemoved, BlockStored, EngineHashT, EventBatch, event_to_json
+
+_SHOWN_HASHES = 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="events_command", metavar="ACTION", required=True)
+    tap = actions.add_parser(
+        "tap",
+        help="print the batches a KV-event publisher sends",
+        description="Subscribe to a KV-event publisher (vLLM, SGLang, kvmesh's mock or KvEventPublisher) "
+        "and print each batch, in sequence order, repairing gaps through the replay endpoint.",
+    )
+    tap.add_argument(
+        "endpoint",
+        metavar="ENDPOINT",
+        help="the publisher's PUB endpoint, e.g. tcp://127.0.0.1:5557 (connected to, unless --bind)",
+    )
+    tap.add_argument(
+        "--replay-endpoint",
+        metavar="E",
+        help="the publisher's ROUTER replay endpoint; without it, missed batches cannot be recovered",
+    )
+    tap.add_argument(
+        "--from-seq",
+        type=_non_negative,
+        metavar="N",
+        help="start at sequence N, replaying what the publisher still buffers (default: start with "
+        "the first batch that arrives live)",
+    )
+    tap.add_argument("--count", type=_positive, metavar="N", help="exit (status 0) after printing N batches")
+    tap.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object per line: {"seq", "dp_rank", "ts", "events"} (bytes hashes as hex)',
+    )
+    tap.add_argument(
+        "--bind",
+        action="store_true",
+        help="bind ENDPOINT and wait for the publisher to connect (for publishers given a concrete "
+        "tcp://host:port, which they connect to)",
+    )
+    tap.add_argument(
+        "--topic", default="", metavar="T", help="only batches whose topic starts with T (default: all)"
+    )
+    tap.add_argument(
+        "--timeout",
+        type=_positive_float,
+        metavar="S",
+        help="stop after S seconds; exit status 1 if --count batches have not arrived by then",
+    )
+    tap.set_defaults(_run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_tap(args))
+    except ConfigError as e:
+        print(f"kvmesh events tap: {e}", file=sys.stderr)
+        return 2
+
+
+async def _tap(args: argparse.Namespace) -> int:
+    printed = 0
+    enough = asyncio.Event()
+
+    def on_batch(seq: int, batch: EventBatch) -> None:
+        nonlocal printed
+        if enough.is_set():
+            return
+        print(format_json(seq, batch) if args.json else format_summary(seq, batch), flush=True)
+        printed += 1
+        if args.count is not None and printed >= args.count:
+            enough.set()
+
+    def on_reset(reason: str) -> None:
+        print(f"kvmesh events tap: stream reset: {reason}", file=sys.stderr, flush=True)
+
+    subscriber = EventSubscriber(
+        args.endpoint,
+        on_batch,
+        replay_endpoint=args.replay_endpoint,
+        topic=args.topic.encode(),
+        bind=args.bind,
+        on_reset=on_reset,
+        name="tap",
+        from_beginning=False,
+    )
+    if args.from_seq is not None:
+        subscriber.resume_from(args.from_seq - 1)
+    task = subscriber.start()
+    waiter = asyncio.ensure_future(enough.wait())
+    try:
+        await asyncio.wait({task, waiter}, timeout=args.timeout, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # re-raises ConfigError for a bad endpoint
+    finally:
+        waiter.cancel()
+        await subscriber.stop()
+    if args.count is not None and printed < args.count:
+        print(
+            f"kvmesh events tap: timed out after {args.timeout} s with {printed} of {args.count} batches",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def format_json(seq: int, batch: EventBatch) -> str:
+    return json.dumps(
+        {
+            "seq": seq,
+            "dp_rank": batch.data_parallel_rank,
+            "ts": batch.ts,
+            "events": [event_to_json(e) for e in batch.events],
+        }
+    )
+
+
+def format_summary(seq: int, batch: EventBatch) -> str:
+    kinds = Counter(type(e).__name__ for e in batch.events)
+    stored = [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    removed = [h for e in batch.events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    parts = [
+        f"seq={seq}",
+        f"rank={batch.data_parallel_rank}",
+        f"stored={kinds['BlockStored']}",
+        f"removed={kinds['BlockRemoved']}",
+        f"cleared={kinds['AllBlocksCleared']}",
+    ]
+    if stored:
+        parts.append(f"+blocks={len(stored)} [{_first_hashes(stored)}]")
+    if removed:
+        parts.append(f"-blocks={len(removed)} [{_first_hashes(removed)}]")
+    return " ".join(parts)
+
+
+def _first_hashes(hashes: list[EngineHashT]) -> str:
+    shown = ", ".join(h.hex()[:16] if isinstance(h, bytes) else str(h) for h in hashes[:_SHOWN_HASHES])
+    return shown + (", ..." if len(hashes) > _SHOWN_HASHES else "")
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value

@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", required=True, help="base URL(s), comma-separated; sessions are spread round-robin"
     )
-    parser.add_argument("--workload", choices=WORKLOADS, default="agentic")
+    parser.add_argument("--workload", choices=WORKLOADS, default="agentic", help="what to send (default: agentic)")
     parser.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument(
@@ -32,11 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--question-words", type=int, default=40, help="length of per-turn user text in words"
     )
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     parser.add_argument(
         "--think-time", type=float, default=0.0, help="seconds between an answer and the next turn"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (same seed, same prompts)")
     parser.add_argument(
         "--header", action="append", default=[], metavar="NAME:VALUE", help="extra request header"
     )
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", dest="json_path", default=None, help="write every request and the summary here"
     )
     parser.add_argument("--plot", default=None, help="write a PNG plot here")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,11 +56,12 @@ class StreamBroken(UpstreamError):
 class UpstreamResponse:
     """A worker's response head, with the body still on the wire."""
 
-    __slots__ = ("_response", "headers", "status", "worker_url")
+    __slots__ = ("_iter", "_response", "headers", "status", "worker_url")
 
     def __init__(self, worker_url: str, response: aiohttp.ClientResponse) -> None:
         self.worker_url = worker_url
         self._response = response
+        self._iter: AsyncIterator[bytes] | None = None
         self.status = response.status
         self.headers: list[tuple[bytes, bytes]] = [
             (k.lower(), v) for k, v in response.raw_headers if k.lower() not in HOP_BY_HOP
@@ -70,8 +71,14 @@ class UpstreamResponse:
     def content_type(self) -> str:
         return self._response.headers.get("content-type", "")
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive; raises StreamBroken if the worker breaks off."""
+    def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive (one iterator per response: a second call continues it);
+        raises StreamBroken if the worker breaks off."""
+        if self._iter is None:
+            self._iter = self._chunks()
+        return self._iter
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self._response.content.iter_any():
                 yield chunk
@@ -135,6 +142,15 @@ class Forwarder:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             raise ConnectFailed(worker_url, f"no response: {e!r}") from None
         return UpstreamResponse(worker_url, response)
+
+    async def status(self, url: str, *, timeout: float = 3.0) -> int:
+        """The HTTP status of a GET (a liveness probe); ConnectFailed when nothing answers."""
+        try:
+            async with self._client().get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                await response.read()
+                return response.status
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            raise ConnectFailed(url, f"no response: {e!r}") from None
 
     async def get_json(self, url: str, *, timeout: float = 3.0, headers: dict[str, str] | None = None) -> Any:
         """GET a small JSON document (worker RPCs); ConnectFailed on any failure."""

@@ -1,0 +1,233 @@
+"""Watch a response on its way to the client: feed the router, echo ``nvext``, never buffer SSE.
+
+:class:`ResponseTap` is an ASGI ``send`` wrapper. It serves both paths the same way: the local
+pass-through (the wrapped engine app calls it as its ``send``) and the forwarded path (the proxy
+turns the worker's response into the same messages).
+
+* ``text/event-stream``: every body message goes out as soon as it comes in. The tap counts
+  ``data:`` events (the first one means prefill is done), reads ``usage`` where a chunk carries
+  ``cached_tokens``, and, when the client asked for ``nvext.extra_fields``, sends one more data
+  event carrying ``nvext`` just before ``data: [DONE]`` (or at the end of a stream without one).
+* ``application/json`` (a 200 answer to a non-streaming request): buffered up to a limit, since it
+  is small and complete only at the end; ``usage`` is read and ``nvext`` merged into the object.
+* anything else passes through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import msgspec
+
+_DONE = b"data: [DONE]"
+_DATA = b"data:"
+_json_decode = msgspec.json.decode
+_json_encode = msgspec.json.encode
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Observer(Protocol):
+    """What the tap reports, in order: first_event once, events repeatedly, usage, then end."""
+
+    def first_event(self) -> None: ...
+    def events(self, n: int) -> None: ...
+    def usage(self, usage: dict[str, Any]) -> None: ...
+    def echo(self) -> dict[str, Any] | None: ...
+    def end(self, complete: bool) -> None: ...
+
+
+class ResponseTap:
+    """A ``send`` wrapper for one response (one instance per request)."""
+
+    __slots__ = (
+        "_buffer",
+        "_buffered",
+        "_echoed",
+        "_extra_headers",
+        "_json_limit",
+        "_mode",
+        "_observer",
+        "_seen_events",
+        "_send",
+        "_start",
+        "_stream_meta",
+        "complete",
+        "started",
+        "status",
+    )
+
+    def __init__(
+        self,
+        send: Send,
+        observer: Observer,
+        *,
+        extra_headers: list[tuple[bytes, bytes]] | None = None,
+        json_limit: int = 64 * 1024 * 1024,
+    ) -> None:
+        self._send = send
+        self._observer = observer
+        self._extra_headers = extra_headers or []
+        self._json_limit = json_limit
+        self._mode = 0  # 0 raw, 1 sse, 2 json
+        self._start: dict[str, Any] | None = None
+        self._buffer: list[bytes] = []
+        self._buffered = 0
+        self._seen_events = 0
+        self._echoed = False
+        self._stream_meta: dict[str, Any] | None = None
+        self.status = 0
+        self.started = False  # the client has received the response head
+        self.complete = False  # the last body message went out
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            await self._on_start(message)
+        elif kind == "http.response.body":
+            body = message.get("body", b"")
+            more = message.get("more_body", False)
+            if self._mode == 1:
+                await self._sse(body, more)
+            elif self._mode == 2:
+                await self._json(body, more)
+            else:
+                await self._send(message)
+                if not more:
+                    self._finish()
+        else:
+            await self._send(message)
+
+    async def _on_start(self, message: dict[str, Any]) -> None:
+        self.status = message["status"]
+        headers = message.get("headers", [])
+        content_type = b""
+        for k, v in headers:
+            if k.lower() == b"content-type":
+                content_type = v
+                break
+        if self._extra_headers:
+            headers = [*headers, *self._extra_headers]
+        if content_type.startswith(b"text/event-stream"):
+            self._mode = 1
+        elif self.status == 200 and content_type.startswith(b"application/json"):
+            self._mode = 2
+            # content-length changes when nvext is merged in: hold the head back until the end.
+            self._start = {"type": "http.response.start", "status": self.status, "headers": headers}
+            return
+        self.started = True
+        await self._send({"type": "http.response.start", "status": self.status, "headers": headers})
+
+    # ---------------------------------------------------------------- SSE
+    async def _sse(self, body: bytes, more: bool) -> None:
+        observer = self._observer
+        n = body.count(_DATA) if body else 0
+        if n:
+            if self._seen_events == 0:
+                observer.first_event()
+                self._remember_meta(body)
+            done_at = body.find(_DONE)
+            events = n - (done_at >= 0)
+            self._seen_events += n
+            if events:
+                observer.events(events)
+            if b'"usage":{' in body or b'"usage": {' in body:
+                self._read_usage(body)
+            if done_at >= 0 and not self._echoed:
+                self._echoed = True
+                echo = observer.echo()
+                if echo is not None:
+                    body = body[:done_at] + self._echo_event(echo) + body[done_at:]
+        if not more and not self._echoed and self._seen_events:
+            # A stream that ends without [DONE]: the echo goes at its very end.
+            self._echoed = True
+            echo = observer.echo()
+            if echo is not None:
+                body += self._echo_event(echo)
+        await self._send({"type": "http.response.body", "body": body, "more_body": more})
+        if not more:
+            self._finish()
+
+    def _remember_meta(self, body: bytes) -> None:
+        # id / model of the first event, so the extra nvext event looks like the stream's own.
+        line = body[body.find(_DATA) + 5 :].split(b"\n", 1)[0].strip()
+        try:
+            first = _json_decode(line)
+        except msgspec.DecodeError:
+            return
+        if isinstance(first, dict):
+            self._stream_meta = {k: first[k] for k in ("id", "object", "created", "model") if k in first}
+
+    def _read_usage(self, body: bytes) -> None:
+        for line in body.split(b"\n"):
+            if line.startswith(_DATA) and b'"usage"' in line:
+                try:
+                    event = _json_decode(line[5:].strip())
+                except msgspec.DecodeError:
+                    continue
+                usage = event.get("usage") if isinstance(event, dict) else None
+                if isinstance(usage, dict):
+                    self._observer.usage(usage)
+
+    def _echo_event(self, echo: dict[str, Any]) -> bytes:
+        event: dict[str, Any] = dict(self._stream_meta or {})
+        event["choices"] = []
+        event["nvext"] = echo
+        return b"data: " + _json_encode(event) + b"\n\n"
+
+    # ---------------------------------------------------------------- JSON
+    async def _json(self, body: bytes, more: bool) -> None:
+        if body:
+            self._buffer.append(body)
+            self._buffered += len(body)
+        if self._buffered > self._json_limit:
+            # Too large to rewrite: give up on the echo and stream the rest through.
+            self._mode = 0
+            await self._flush_start(None)
+            data = b"".join(self._buffer)
+            self._buffer.clear()
+            await self._send({"type": "http.response.body", "body": data, "more_body": more})
+            if not more:
+                self._finish()
+            return
+        if more:
+            return
+        data = b"".join(self._buffer) if len(self._buffer) != 1 else self._buffer[0]
+        self._buffer.clear()
+        observer = self._observer
+        observer.first_event()
+        try:
+            doc = _json_decode(data)
+        except msgspec.DecodeError:
+            doc = None
+        if isinstance(doc, dict):
+            usage = doc.get("usage")
+            if isinstance(usage, dict):
+                observer.usage(usage)
+                completion = usage.get("completion_tokens")
+                if isinstance(completion, int) and completion > 0:
+                    observer.events(completion)
+            echo = observer.echo()
+            if echo is not None:
+                doc["nvext"] = {**doc["nvext"], **echo} if isinstance(doc.get("nvext"), dict) else echo
+                data = _json_encode(doc)
+        await self._flush_start(len(data))
+        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+        self._finish()
+
+    async def _flush_start(self, length: int | None) -> None:
+        start = self._start
+        if start is None:
+            return
+        self._start = None
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        start["headers"] = headers
+        self.started = True
+        await self._send(start)
+
+    def _finish(self) -> None:
+        self.complete = True
+        self._observer.end(True)

@@ -1,0 +1,451 @@
+"""The worker registry: which workers exist, what they are, whether they are up.
+
+For each configured worker the registry
+
+1. learns what it is: its ``/kvmesh/info`` (backend, model, block size, dp size, events endpoints,
+   max_num_batched_tokens, total KV blocks, priority polarity), with fields of the configured spec
+   taking precedence, so a plain ``vllm serve --kv-events-config ...`` can be described in full
+   by its spec instead; in round-robin / random mode (or without KV events) a plain
+   OpenAI-compatible server needs nothing but its URL;
+2. refuses it, loudly, when its block size differs from the fleet's (hashes would never match);
+3. registers it with the KvRouter, cold-starts its index from ``/kvmesh/kv_state`` and follows its
+   KV events (one :class:`EventSubscriber` per data-parallel rank) from the snapshot's sequence;
+4. health-checks it; a dead worker leaves routing and its blocks leave the index, and it is
+   re-admitted through steps 1-3 when it answers again.
+
+The worker the middleware is embedded in is reached in-process (``local_call``), never over the
+network: it is up by definition while this code runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh._types import WorkerId
+from kvmesh.errors import KvMeshError, WorkerError
+from kvmesh.events.subscriber import EventSubscriber
+from kvmesh.events.wire import BlockStored, EventBatch
+from kvmesh.router.kv_router import KvRouter
+from kvmesh.router.metrics import Metrics
+from kvmesh.router.proxy import ConnectFailed, Forwarder
+from kvmesh.router.settings import POLARITIES, MeshSettings, WorkerSpec
+
+logger = logging.getLogger("kvmesh.router")
+
+PENDING, UP, DOWN, REFUSED = "pending", "up", "down", "refused"
+# Capacity assumed for a worker that describes nothing (round-robin / random over plain servers).
+_DEFAULT_TOTAL_BLOCKS = 1 << 20
+_DEFAULT_BATCHED_TOKENS = 1 << 20
+
+LocalCall = Callable[[str, str, Any], Awaitable[Any]]
+"""(method, path, json payload or None) -> decoded JSON answer of the embedding engine."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker's description, merged from its spec and its ``/kvmesh/info``."""
+
+    backend: str
+    model: str | None
+    block_size: int
+    dp_size: int
+    kv_events_endpoints: tuple[str, ...]
+    kv_replay_endpoints: tuple[str | None, ...]
+    max_num_batched_tokens: int
+    total_kv_blocks: int
+    priority_polarity: str
+    has_rpc: bool
+    """The worker serves kvmesh's RPCs (/kvmesh/kv_state, session_control, pin_prefix)."""
+
+
+@dataclass(slots=True)
+class Worker:
+    spec: WorkerSpec
+    state: str = PENDING
+    reason: str | None = None
+    info: WorkerInfo | None = None
+    failures: int = 0
+    since: float = field(default_factory=time.monotonic)
+    subscribers: list[EventSubscriber] = field(default_factory=list)
+    events_applied: int = 0
+
+    @property
+    def worker_id(self) -> WorkerId:
+        return self.spec.worker_id
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+
+def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: int) -> WorkerInfo:
+    """Spec fields win over the worker's own description; missing ones get safe defaults."""
+    got = info or {}
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(spec, name)
+        if value is not None:
+            return value
+        value = got.get(name)
+        return default if value is None else value
+
+    endpoints = tuple(pick("kv_events_endpoints", ()))
+    replay = tuple(pick("kv_replay_endpoints", ()))
+    polarity = str(pick("priority_polarity", "none"))
+    if polarity not in POLARITIES:
+        raise WorkerError(f"{spec.url}: unknown priority_polarity {polarity!r}")
+    dp_size = int(pick("dp_size", max(len(endpoints), 1)))
+    return WorkerInfo(
+        backend=str(pick("backend", "openai")),
+        model=pick("model", None),
+        block_size=int(pick("block_size", default_block_size)),
+        dp_size=dp_size,
+        kv_events_endpoints=endpoints,
+        kv_replay_endpoints=replay + (None,) * (len(endpoints) - len(replay)),
+        max_num_batched_tokens=int(pick("max_num_batched_tokens", _DEFAULT_BATCHED_TOKENS)),
+        total_kv_blocks=int(pick("total_kv_blocks", _DEFAULT_TOTAL_BLOCKS)),
+        priority_polarity=polarity,
+        has_rpc=info is not None,
+    )
+
+
+def _stored_from_json(d: dict[str, Any]) -> BlockStored:
+    def h(x: Any) -> Any:
+        return bytes.fromhex(x) if isinstance(x, str) else x
+
+    return BlockStored(
+        block_hashes=[h(x) for x in d["block_hashes"]],
+        parent_block_hash=h(d.get("parent_block_hash")),
+        token_ids=list(d["token_ids"]),
+        block_size=int(d["block_size"]),
+        lora_name=d.get("lora_name"),
+        medium=d.get("medium"),
+    )
+
+
+class WorkerRegistry:
+    """Discovery, health and event subscriptions for every configured worker."""
+
+    def __init__(
+        self,
+        settings: MeshSettings,
+        router: KvRouter,
+        forwarder: Forwarder,
+        metrics: Metrics,
+        *,
+        local_call: LocalCall | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.router = router
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.local_call = local_call
+        self.on_change = on_change
+        self.workers: dict[WorkerId, Worker] = {w.worker_id: Worker(w) for w in settings.workers}
+        self.block_size: int | None = settings.block_size
+        self.routable: frozenset[WorkerId] = frozenset()
+        self.models: list[str] = []
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._admitting: set[WorkerId] = set()
+        self.ready = asyncio.Event()
+        cfg = settings.router
+        self._need_events = cfg.router_mode == "kv" and cfg.use_kv_events
+        self._auth = {"x-kvmesh-admin-token": settings.admin_token} if settings.admin_token else None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """First discovery of every worker (concurrently), then the health loop."""
+        if self._tasks:
+            return
+        self._tasks.append(asyncio.create_task(self._first_discovery(), name="kvmesh-discovery"))
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="kvmesh-health"))
+
+    async def _first_discovery(self) -> None:
+        try:
+            await asyncio.gather(*(self._admit(w) for w in self.workers.values()))
+        finally:
+            self.ready.set()
+        refused = [w for w in self.workers.values() if w.state == REFUSED]
+        for w in refused:
+            print(f"kvmesh: REFUSED worker {w.worker_id}: {w.reason}", file=sys.stderr, flush=True)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        for w in self.workers.values():
+            await self._unsubscribe(w)
+
+    # ---------------------------------------------------------------- queries
+    def get(self, worker_id: WorkerId) -> Worker | None:
+        return self.workers.get(worker_id)
+
+    def is_local(self, worker_id: WorkerId) -> bool:
+        return worker_id == self.settings.self_worker_id
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """One row per worker for ``GET /kvmesh/workers``: state, load and indexed blocks."""
+        load: dict[WorkerId, list[dict[str, Any]]] = {}
+        for snap in self.router.worker_snapshot():
+            wid, rank = snap.worker
+            load.setdefault(wid, []).append(
+                {
+                    "dp_rank": rank,
+                    "active_requests": snap.active_requests,
+                    "active_prefill_tokens": snap.active_prefill_tokens,
+                    "active_decode_blocks": snap.active_decode_blocks,
+                    "indexed_blocks": snap.indexed_blocks,
+                    "total_blocks": snap.total_blocks,
+                    "busy": snap.busy,
+                }
+            )
+        rows = []
+        now = time.monotonic()
+        for w in self.workers.values():
+            info = w.info
+            ranks = load.get(w.worker_id, [])
+            rows.append(
+                {
+                    "worker_id": w.worker_id,
+                    "url": w.url,
+                    "state": w.state,
+                    "reason": w.reason,
+                    "local": self.is_local(w.worker_id),
+                    "state_for_s": round(now - w.since, 3),
+                    "backend": info.backend if info else None,
+                    "model": info.model if info else None,
+                    "block_size": info.block_size if info else None,
+                    "dp_size": info.dp_size if info else None,
+                    "priority_polarity": info.priority_polarity if info else None,
+                    "events_applied": w.events_applied,
+                    "active_requests": sum(r["active_requests"] for r in ranks),
+                    "indexed_blocks": sum(r["indexed_blocks"] for r in ranks),
+                    "ranks": ranks,
+                }
+            )
+        return rows
+
+    # ---------------------------------------------------------------- state changes
+    def _set_state(self, w: Worker, state: str, reason: str | None = None) -> None:
+        if w.state != state:
+            w.since = time.monotonic()
+            self.metrics.worker_state_changes.labels(state).inc()
+            log = logger.error if state == REFUSED else logger.warning if state == DOWN else logger.info
+            log("worker %s is %s%s", w.worker_id, state, f": {reason}" if reason else "")
+        w.state = state
+        w.reason = reason
+        self.routable = frozenset(x.worker_id for x in self.workers.values() if x.state == UP)
+        self.models = sorted(
+            {x.info.model for x in self.workers.values() if x.info and x.info.model and x.state == UP}
+        )
+        if self.on_change is not None:
+            self.on_change()
+
+    async def mark_down(self, worker_id: WorkerId, reason: str) -> None:
+        """Take a worker out of routing now (a forward found it unreachable)."""
+        w = self.workers.get(worker_id)
+        if w is None or w.state != UP or self.is_local(worker_id):
+            return
+        self.router.remove_worker(worker_id)
+        self._set_state(w, DOWN, reason)
+        await self._unsubscribe(w)
+
+    async def _admit(self, w: Worker) -> None:
+        """Discover, check, register, cold-start and subscribe one worker."""
+        if w.worker_id in self._admitting:
+            return
+        self._admitting.add(w.worker_id)
+        try:
+            await self._admit_once(w)
+        except KvMeshError as e:
+            if w.state != REFUSED:
+                self._set_state(w, DOWN, str(e))
+        finally:
+            self._admitting.discard(w.worker_id)
+
+    async def _admit_once(self, w: Worker) -> None:
+        spec = w.spec
+        raw: dict[str, Any] | None = None
+        if not spec.described or self._need_events:
+            try:
+                raw = await self._call(w, "GET", "/kvmesh/info", None)
+            except ConnectFailed as e:
+                if self._need_events and not spec.described:
+                    raise WorkerError(
+                        f"no /kvmesh/info ({e}); describe it in the config (block_size, kv_events_endpoints, "
+                        "max_num_batched_tokens, total_kv_blocks) or use --router-mode round-robin"
+                    ) from None
+                if not (spec.described or self._need_events):
+                    # A plain OpenAI server is enough here, but it must answer.
+                    await self._probe(w)
+        info = _merge(spec, raw if isinstance(raw, dict) else None, self.block_size or 16)
+        if self.block_size is None:
+            self.block_size = info.block_size
+        elif info.block_size != self.block_size:
+            w.info = info
+            self._set_state(
+                w,
+                REFUSED,
+                f"block size {info.block_size} differs from the fleet's {self.block_size}; "
+                "KV hashes would never match",
+            )
+            return
+        if self._need_events and not info.kv_events_endpoints:
+            raise WorkerError("publishes no KV events (kv_events_endpoints is empty)")
+        w.info = info
+        self.router.add_worker(
+            w.worker_id,
+            dp_size=info.dp_size,
+            total_blocks=info.total_kv_blocks,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            block_size=info.block_size,
+        )
+        if self._need_events:
+            await self._subscribe(w, info)
+        w.failures = 0
+        self._set_state(w, UP)
+
+    async def _subscribe(self, w: Worker, info: WorkerInfo) -> None:
+        await self._unsubscribe(w)
+        last_seqs: dict[int, int | None] = {}
+        if info.has_rpc:
+            try:
+                state = await self._call(w, "GET", "/kvmesh/kv_state", None)
+                for rank in state.get("ranks", []):
+                    dp_rank = int(rank.get("dp_rank", 0))
+                    events = [
+                        _stored_from_json(e) for e in rank.get("events", []) if e.get("type") == "BlockStored"
+                    ]
+                    self.router.load_state(w.worker_id, dp_rank, events)
+                    last_seqs[dp_rank] = rank.get("last_seq")
+            except (ConnectFailed, KeyError, TypeError, ValueError) as e:
+                logger.warning(
+                    "worker %s: no kv_state cold start (%s); following live events only", w.worker_id, e
+                )
+        for rank, endpoint in enumerate(info.kv_events_endpoints):
+            sub = EventSubscriber(
+                endpoint,
+                self._on_batch(w, rank),
+                replay_endpoint=info.kv_replay_endpoints[rank],
+                on_reset=self._on_reset(w, rank),
+                name=f"{w.worker_id}#{rank}",
+            )
+            last = last_seqs.get(rank)
+            if last is not None:
+                sub.resume_from(last)
+            w.subscribers.append(sub)
+            sub.start()
+
+    def _on_batch(self, w: Worker, rank: int) -> Callable[[int, EventBatch], None]:
+        worker_id = w.worker_id
+        applied = self.metrics.events_applied
+
+        def on_batch(seq: int, batch: EventBatch) -> None:
+            if batch.data_parallel_rank is None and rank:
+                batch = EventBatch(batch.ts, batch.events, rank)
+            try:
+                self.router.apply_events(worker_id, batch)
+            except Exception:
+                applied.labels("batch", "error").inc()
+                raise
+            w.events_applied += len(batch.events)
+            for event in batch.events:
+                applied.labels(type(event).__name__, "ok").inc()
+
+        return on_batch
+
+    def _on_reset(self, w: Worker, rank: int) -> Callable[[str], None]:
+        def on_reset(reason: str) -> None:
+            logger.warning(
+                "worker %s rank %d: event stream reset (%s); re-syncing", w.worker_id, rank, reason
+            )
+            self.router.clear_worker_index(w.worker_id, rank)
+            if w.info is not None and w.info.has_rpc:
+                task = asyncio.get_running_loop().create_task(self._resync(w, rank))
+                self._tasks.append(task)
+                task.add_done_callback(self._forget_task)
+
+        return on_reset
+
+    def _forget_task(self, task: asyncio.Task[Any]) -> None:
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
+
+    async def _resync(self, w: Worker, rank: int) -> None:
+        try:
+            state = await self._call(w, "GET", "/kvmesh/kv_state", None)
+        except ConnectFailed as e:
+            logger.warning("worker %s: kv_state re-sync failed: %s", w.worker_id, e)
+            return
+        for r in state.get("ranks", []):
+            if int(r.get("dp_rank", 0)) == rank:
+                events = [_stored_from_json(e) for e in r.get("events", []) if e.get("type") == "BlockStored"]
+                self.router.load_state(w.worker_id, rank, events)
+                if r.get("last_seq") is not None and rank < len(w.subscribers):
+                    w.subscribers[rank].resume_from(int(r["last_seq"]))
+
+    async def _unsubscribe(self, w: Worker) -> None:
+        subs, w.subscribers = w.subscribers, []
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.stop()
+
+    # ---------------------------------------------------------------- health
+    async def _health_loop(self) -> None:
+        await self.ready.wait()
+        interval = self.settings.health_interval
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(self._check(w) for w in self.workers.values()), return_exceptions=True)
+
+    async def _check(self, w: Worker) -> None:
+        if self.is_local(w.worker_id):
+            if w.state != UP and w.state != REFUSED:
+                await self._admit(w)
+            return
+        if w.state == REFUSED:
+            return
+        try:
+            await self._probe(w)
+        except ConnectFailed as e:
+            w.failures += 1
+            if w.state == UP and w.failures >= self.settings.health_failures:
+                await self.mark_down(w.worker_id, f"health check failed: {e}")
+            return
+        w.failures = 0
+        if w.state != UP:
+            await self._admit(w)
+
+    async def _probe(self, w: Worker) -> None:
+        """Alive = answers HTTP at all (a 404 on /health from a plain server is still alive)."""
+        status = await self.forwarder.status(w.url + "/health", timeout=self.settings.connect_timeout)
+        if status >= 500:
+            raise ConnectFailed(w.url, f"/health answered HTTP {status}")
+
+    async def _call(self, w: Worker, method: str, path: str, payload: Any) -> Any:
+        """A worker RPC: in-process for the embedding engine, HTTP for the others."""
+        if self.is_local(w.worker_id) and self.local_call is not None:
+            return await self.local_call(method, path, payload)
+        url = w.url + path
+        timeout = self.settings.connect_timeout
+        if method == "GET":
+            return await self.forwarder.get_json(url, timeout=timeout, headers=self._auth)
+        return await self.forwarder.post_json(url, payload, timeout=timeout, headers=self._auth)
+
+    async def rpc(self, worker_id: WorkerId, path: str, payload: Any) -> Any:
+        """POST a kvmesh RPC (session_control, pin_prefix) to a worker that serves them."""
+        w = self.workers.get(worker_id)
+        if w is None or w.info is None or not w.info.has_rpc:
+            return None
+        return await self._call(w, "POST", path, payload)

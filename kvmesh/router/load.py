@@ -1,0 +1,266 @@
+"""Active sequences: the router's own view of each (worker, dp_rank)'s load.
+
+Per worker it tracks
+* **active prefill tokens**: prompt tokens not served from cache, of requests still in prefill
+  (``max(ISL - overlap * block_size, 0)``), dropped at the request's first token;
+* **active decode blocks**: KV blocks held by in-flight requests. Prefix blocks shared by several
+  requests count once (``assume_kv_reuse``); a trailing partial block is always the request's own;
+* **output blocks** (optional): one placeholder block per ``block_size`` generated tokens, weighted
+  by ``max(0, 1 - generated / osl)`` when the request declared an ``osl``.
+
+Shared-block dedup works on *prefix identities*: full chunks of ``CHUNK`` blocks are one identity
+(weight ``CHUNK``), the blocks of a trailing partial chunk one identity each. An identity names the
+whole prefix up to it, so the identities active on a worker are prefix-closed and "how many of
+this request's blocks are already active here" is a binary search. Two requests that share a prefix
+ending inside a chunk that only one of them completes are deduplicated up to the chunk boundary
+(at most ``CHUNK - 1`` blocks counted twice) - the price of not hashing every block per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvmesh._types import WorkerKey
+
+CHUNK = 16
+
+
+class PromptBlocks:
+    """A prompt's block identities, computed once per request (shared by every candidate)."""
+
+    __slots__ = ("ids", "n_anchors", "n_blocks")
+
+    def __init__(self, local_hashes: Sequence[int]) -> None:
+        n = len(local_hashes)
+        ids: list[int] = []
+        prev = 0
+        full = n - n % CHUNK
+        for start in range(0, full, CHUNK):
+            prev = hash((prev, *local_hashes[start : start + CHUNK]))
+            ids.append(prev)
+        self.n_anchors = len(ids)
+        for end in range(full + 1, n + 1):
+            ids.append(hash((prev, *local_hashes[full:end])))
+        self.ids = ids
+        self.n_blocks = n
+
+    def weight(self, i: int) -> int:
+        return CHUNK if i < self.n_anchors else 1
+
+
+class _WorkerLoad:
+    __slots__ = ("blocks", "output", "prefill_tokens", "refs", "requests")
+
+    def __init__(self) -> None:
+        self.prefill_tokens = 0
+        self.blocks = 0
+        self.output = 0.0
+        self.requests = 0
+        self.refs: dict[int, int] = {}
+
+
+class _Active:
+    __slots__ = ("anchors", "generated", "ids", "last_seen", "osl", "output", "prefill", "unique", "worker")
+
+    def __init__(
+        self,
+        worker: WorkerKey,
+        ids: list[int] | None,
+        anchors: int,
+        unique: int,
+        prefill: int,
+        osl: int | None,
+        now: float,
+    ) -> None:
+        self.worker = worker
+        self.ids = ids
+        self.anchors = anchors
+        self.unique = unique
+        self.prefill = prefill
+        self.osl = osl
+        self.generated = 0
+        self.output = 0.0
+        self.last_seen = now
+
+
+class ActiveSequences:
+    """Load per (worker, dp_rank) from the requests the router has sent and not yet seen finish."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        assume_kv_reuse: bool = True,
+        track_prefill_tokens: bool = True,
+        track_active_blocks: bool = True,
+        track_output_blocks: bool = False,
+    ) -> None:
+        self.block_size = block_size
+        self.assume_kv_reuse = assume_kv_reuse
+        self.track_prefill_tokens = track_prefill_tokens
+        self.track_active_blocks = track_active_blocks
+        self.track_output_blocks = track_output_blocks
+        self._workers: dict[WorkerKey, _WorkerLoad] = {}
+        self._requests: dict[str, _Active] = {}
+
+    # ------------------------------------------------------------------ views
+    def add_worker(self, worker: WorkerKey) -> None:
+        self._workers.setdefault(worker, _WorkerLoad())
+
+    def prefill_tokens(self, worker: WorkerKey) -> int:
+        w = self._workers.get(worker)
+        return w.prefill_tokens if w is not None else 0
+
+    def decode_blocks(self, worker: WorkerKey) -> float:
+        w = self._workers.get(worker)
+        return (w.blocks + w.output) if w is not None else 0.0
+
+    def requests(self, worker: WorkerKey) -> int:
+        w = self._workers.get(worker)
+        return w.requests if w is not None else 0
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def worker_of(self, request_id: str) -> WorkerKey | None:
+        r = self._requests.get(request_id)
+        return r.worker if r is not None else None
+
+    def new_blocks(self, worker: WorkerKey, prompt: PromptBlocks, isl_tokens: int) -> int:
+        """Blocks this request would add to ``worker``'s decode load (0 when not tracking)."""
+        if not self.track_active_blocks:
+            return 0
+        total = prompt.n_blocks + (1 if isl_tokens > prompt.n_blocks * self.block_size else 0)
+        w = self._workers.get(worker)
+        if not self.assume_kv_reuse or w is None or not w.refs:
+            return total
+        return total - _active_weight(w.refs, prompt)
+
+    # ------------------------------------------------------------------ lifecycle
+    def add(
+        self,
+        request_id: str,
+        worker: WorkerKey,
+        prompt: PromptBlocks,
+        isl_tokens: int,
+        overlap_blocks: int,
+        now: float,
+        *,
+        osl: int | None = None,
+    ) -> None:
+        """Count a routed request on ``worker`` (replaces an earlier entry with the same id)."""
+        if request_id in self._requests:
+            self.free(request_id)
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._workers[worker] = _WorkerLoad()
+        prefill = max(isl_tokens - overlap_blocks * self.block_size, 0) if self.track_prefill_tokens else 0
+        ids: list[int] | None = None
+        unique = 0
+        if self.track_active_blocks:
+            unique = 1 if isl_tokens > prompt.n_blocks * self.block_size else 0
+            if self.assume_kv_reuse:
+                ids = prompt.ids
+                refs = w.refs
+                n_anchors = prompt.n_anchors
+                for i, ident in enumerate(ids):
+                    c = refs.get(ident)
+                    if c is None:
+                        refs[ident] = 1
+                        w.blocks += CHUNK if i < n_anchors else 1
+                    else:
+                        refs[ident] = c + 1
+            else:
+                unique += prompt.n_blocks
+            w.blocks += unique
+        w.prefill_tokens += prefill
+        w.requests += 1
+        self._requests[request_id] = _Active(worker, ids, prompt.n_anchors, unique, prefill, osl, now)
+
+    def prefill_done(self, request_id: str, now: float) -> None:
+        r = self._requests.get(request_id)
+        if r is None:
+            return
+        r.last_seen = now
+        if r.prefill:
+            self._workers[r.worker].prefill_tokens -= r.prefill
+            r.prefill = 0
+
+    def generated(self, request_id: str, n: int, now: float) -> None:
+        r = self._requests.get(request_id)
+        if r is None:
+            return
+        r.last_seen = now
+        r.generated += n
+        if not self.track_output_blocks:
+            return
+        blocks = r.generated // self.block_size
+        decay = max(0.0, 1.0 - r.generated / r.osl) if r.osl else 1.0
+        value = blocks * decay
+        if value != r.output:
+            self._workers[r.worker].output += value - r.output
+            r.output = value
+
+    def free(self, request_id: str) -> bool:
+        r = self._requests.pop(request_id, None)
+        if r is None:
+            return False
+        w = self._workers[r.worker]
+        w.prefill_tokens -= r.prefill
+        w.blocks -= r.unique
+        if r.ids is not None:
+            refs = w.refs
+            for i, ident in enumerate(r.ids):
+                c = refs[ident]
+                if c == 1:
+                    del refs[ident]
+                    w.blocks -= CHUNK if i < r.anchors else 1
+                else:
+                    refs[ident] = c - 1
+        w.requests -= 1
+        if w.requests == 0:
+            w.output = 0.0  # exact zero, whatever float rounding accumulated
+        else:
+            w.output -= r.output
+        return True
+
+    def expire(self, now: float, timeout: float) -> list[str]:
+        """Free requests not heard of for ``timeout`` seconds (their finish never arrived)."""
+        stale = [rid for rid, r in self._requests.items() if now - r.last_seen > timeout]
+        for rid in stale:
+            self.free(rid)
+        return stale
+
+    def remove_worker(self, worker: WorkerKey) -> list[str]:
+        gone = [rid for rid, r in self._requests.items() if r.worker == worker]
+        for rid in gone:
+            self.free(rid)
+        self._workers.pop(worker, None)
+        return gone
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+
+def _active_weight(refs: dict[int, int], prompt: PromptBlocks) -> int:
+    """Weight of the prompt's identities already active: they are prefix-closed, so bisect."""
+    ids = prompt.ids
+    n_anchors = prompt.n_anchors
+    lo, hi = 0, n_anchors  # count of leading anchors active
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if ids[mid - 1] in refs:
+            lo = mid
+        else:
+            hi = mid - 1
+    weight = lo * CHUNK
+    if lo < n_anchors:
+        return weight
+    lo, hi = n_anchors, len(ids)
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if ids[mid - 1] in refs:
+            lo = mid
+        else:
+            hi = mid - 1
+    return weight + lo - n_anchors

@@ -1,0 +1,143 @@
+"""The set of blocks an engine holds in its prefix cache, rebuilt from its own KV events.
+
+An engine publishes deltas (stored / removed / cleared); a router that starts late, or that lost
+more batches than the replay buffer keeps, needs the *current* set instead. :class:`CachedBlockState`
+applies the same batches the publisher sends and can dump them back as ``BlockStored`` events,
+parents before children, together with the sequence number of the last batch applied: a router
+loads the dump and resumes the live stream right after that sequence.
+
+Engine-agnostic: it only reads kvmesh's wire structs. Blocks are keyed by ``(group, hash)`` so
+that hybrid models, whose KV-cache groups publish the same hash once per group, keep one entry
+per group exactly as their events describe them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHashT, Event, TokenT
+
+__all__ = ["CachedBlockState"]
+
+_Key = tuple[int, EngineHashT]
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    parent: EngineHashT | None
+    token_ids: tuple[TokenT, ...]
+    block_size: int
+    lora_id: Any
+    medium: Any
+    lora_name: Any
+    group_idx: Any
+
+    def same_run(self, other: _Block) -> bool:
+        """Whether ``other`` may share one BlockStored event with this block."""
+        return (
+            self.block_size == other.block_size
+            and self.lora_id == other.lora_id
+            and self.medium == other.medium
+            and self.lora_name == other.lora_name
+            and self.group_idx == other.group_idx
+        )
+
+
+def _group(event: BlockStored | BlockRemoved) -> int:
+    g = event.group_idx
+    return g if isinstance(g, int) else 0
+
+
+class CachedBlockState:
+    """What an engine has cached, as its events say; dumpable as BlockStored events."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[_Key, _Block] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def hashes(self, group: int = 0) -> set[EngineHashT]:
+        return {h for g, h in self._blocks if g == group}
+
+    def apply(self, events: Iterable[Event]) -> None:
+        blocks = self._blocks
+        for event in events:
+            if isinstance(event, BlockStored):
+                group = _group(event)
+                size = event.block_size
+                tokens = event.token_ids
+                parent = event.parent_block_hash
+                for i, engine_hash in enumerate(event.block_hashes):
+                    blocks[(group, engine_hash)] = _Block(
+                        parent=parent,
+                        token_ids=tuple(tokens[i * size : (i + 1) * size]),
+                        block_size=size,
+                        lora_id=event.lora_id,
+                        medium=event.medium,
+                        lora_name=event.lora_name,
+                        group_idx=event.group_idx,
+                    )
+                    parent = engine_hash
+            elif isinstance(event, BlockRemoved):
+                group = _group(event)
+                for engine_hash in event.block_hashes:
+                    blocks.pop((group, engine_hash), None)
+            elif isinstance(event, AllBlocksCleared):
+                blocks.clear()
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def dump(self) -> list[BlockStored]:
+        """The cached blocks as BlockStored events, every parent before its children; a chain of
+        blocks with equal metadata becomes one event. A block whose parent is no longer cached
+        (evicted first) starts a chain and keeps its parent's hash, exactly as the engine said."""
+        out: list[BlockStored] = []
+        run: list[tuple[EngineHashT, _Block]] = []
+        for key, block in self._walk():
+            if run and block.parent == run[-1][0] and run[-1][1].same_run(block):
+                run.append((key[1], block))
+                continue
+            if run:
+                out.append(_as_event(run))
+            run = [(key[1], block)]
+        if run:
+            out.append(_as_event(run))
+        return out
+
+    def _walk(self) -> Iterator[tuple[_Key, _Block]]:
+        """Depth-first from every block whose parent is not cached, in insertion order."""
+        blocks = self._blocks
+        children: dict[_Key, list[_Key]] = {}
+        roots: list[_Key] = []
+        for key, block in blocks.items():
+            parent_key = (key[0], block.parent) if block.parent is not None else None
+            if parent_key is not None and parent_key in blocks:
+                children.setdefault(parent_key, []).append(key)
+            else:
+                roots.append(key)
+        stack = list(reversed(roots))
+        while stack:
+            key = stack.pop()
+            yield key, blocks[key]
+            stack.extend(reversed(children.get(key, ())))
+
+
+def _as_event(run: list[tuple[EngineHashT, _Block]]) -> BlockStored:
+    first = run[0][1]
+    tokens: list[TokenT] = []
+    for _, block in run:
+        tokens.extend(block.token_ids)
+    return BlockStored(
+        block_hashes=[h for h, _ in run],
+        parent_block_hash=first.parent,
+        token_ids=tokens,
+        block_size=first.block_size,
+        lora_id=first.lora_id,
+        medium=first.medium,
+        lora_name=first.lora_name,
+        group_idx=first.group_idx,
+    )

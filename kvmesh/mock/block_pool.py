@@ -213,7 +213,9 @@ class BlockPool:
         if run_hashes:
             self._store(run_hashes, run_parent, run_tokens)
 
-    def _store(self, hashes: list[int | bytes], parent: int | None, tokens: list[int | tuple[int, int]]) -> None:
+    def _store(
+        self, hashes: list[int | bytes], parent: int | None, tokens: list[int | tuple[int, int]]
+    ) -> None:
         self._events.append(
             BlockStored(
                 block_hashes=hashes,

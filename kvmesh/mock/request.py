@@ -24,7 +24,9 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = frozenset((RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOP, RequestStatus.FINISHED_ABORTED))
+_FINISHED = frozenset(
+    (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOP, RequestStatus.FINISHED_ABORTED)
+)
 
 
 @dataclass(slots=True, eq=False)

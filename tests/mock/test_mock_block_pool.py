@@ -35,7 +35,7 @@ def test_hashes_are_chained_salted_and_unsigned() -> None:
     assert len(a) == 3 and a != b
     assert _hashes(tokens[:8], salt=1) == a[:2]  # a prefix has the same hashes
     changed = _hashes([99, *tokens[1:]], salt=1)
-    assert all(x != y for x, y in zip(changed, a))  # a change propagates down the chain
+    assert all(x != y for x, y in zip(changed, a, strict=True))  # a change propagates down the chain
     assert all(0 <= h < 2**64 for h in a)
 
 
@@ -58,8 +58,13 @@ def test_caching_publishes_one_chained_event_and_eviction_a_removal() -> None:
     pool.cache_blocks(blocks, hashes, tokens, 0, 2)
     (stored,) = pool.take_events()
     assert stored == BlockStored(
-        block_hashes=hashes, parent_block_hash=None, token_ids=tokens[:8], block_size=BS,
-        lora_id=None, medium="GPU", lora_name=None,
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=tokens[:8],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
     )
     assert pool.cached_prefix(hashes, 5) == blocks[:2]
     pool.free(reversed(blocks))
@@ -147,7 +152,9 @@ def test_random_workload_keeps_events_and_lru_order_in_step_with_a_reference_mod
                 if b.ref_cnt == 0:
                     lru.append(b.block_id)
         else:
-            tokens = rng.choice(prefixes)[: rng.randrange(4, 17)] + [rng.randrange(50) for _ in range(rng.randrange(6))]
+            tokens = rng.choice(prefixes)[: rng.randrange(4, 17)] + [
+                rng.randrange(50) for _ in range(rng.randrange(6))
+            ]
             hashes = _hashes(tokens)
             hits = pool.cached_prefix(hashes, (len(tokens) - 1) // BS)
             need = -(-len(tokens) // BS) - len(hits)

@@ -140,7 +140,10 @@ def test_priority_policy_admits_lower_values_first_and_preempts_the_highest() ->
 
     pool = BlockPool(5, BS)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=100, policy="priority")
-    important, unimportant = make([6] * 8, 10, priority=-1, arrival=2.0), make([7] * 8, 10, priority=3, arrival=1.0)
+    important, unimportant = (
+        make([6] * 8, 10, priority=-1, arrival=2.0),
+        make([7] * 8, 10, priority=3, arrival=1.0),
+    )
     sched.add_request(unimportant)
     sched.add_request(important)
     victims = []
@@ -177,7 +180,9 @@ def test_random_workload_events_describe_the_cache_and_outputs_stay_deterministi
         finished = preemptions = 0
         for step in range(600):
             if step < 400 and rng.random() < 0.3:
-                prompt = rng.choice(families)[: rng.randrange(2, 25)] + [rng.randrange(100) for _ in range(rng.randrange(8))]
+                prompt = rng.choice(families)[: rng.randrange(2, 25)] + [
+                    rng.randrange(100) for _ in range(rng.randrange(8))
+                ]
                 n = rng.randrange(1, 20)
                 req = make(prompt, n, priority=rng.randrange(3), arrival=float(step))
                 sched.add_request(req)

@@ -50,7 +50,7 @@ def test_a_shared_system_prompt_gives_a_shared_prefix() -> None:
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     a = TOK.apply_chat_template([system, {"role": "user", "content": "What is 2+2?"}], tools=tools)
     b = TOK.apply_chat_template([system, {"role": "user", "content": "Name a colour."}], tools=tools)
-    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     # Everything up to the user's text is shared: system prompt, tools and the user turn header.
     head = TOK.apply_chat_template([system], tools=tools, add_generation_prompt=False)
     assert common >= len(head) + 2
@@ -61,29 +61,42 @@ def test_chat_template_renders_roles_tools_and_generation_prompt() -> None:
     ids = TOK.apply_chat_template(
         [
             {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "image_url", "image_url": {}}]},
-            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi "}, {"type": "image_url", "image_url": {}}],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+            },
             {"role": "tool", "content": "42"},
         ],
         tools=[{"name": "f"}],
     )
     assert TOK.decode(ids) == (
-        "<|im_start|>system\nBe brief.\n\n# Tools\n{\"name\":\"f\"}<|im_end|>\n"
+        '<|im_start|>system\nBe brief.\n\n# Tools\n{"name":"f"}<|im_end|>\n'
         "<|im_start|>user\nhi <image_url><|im_end|>\n"
-        "<|im_start|>assistant\n\n<tool_call>\n{\"name\":\"f\",\"arguments\":\"{}\"}\n</tool_call><|im_end|>\n"
+        '<|im_start|>assistant\n\n<tool_call>\n{"name":"f","arguments":"{}"}\n</tool_call><|im_end|>\n'
         "<|im_start|>tool\n42<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
 
 
 def test_tools_without_a_system_prompt_open_a_system_turn() -> None:
-    ids = TOK.apply_chat_template([{"role": "user", "content": "x"}], tools=[{"n": 1}], add_generation_prompt=False)
-    assert TOK.decode(ids) == '<|im_start|>system\n# Tools\n{"n":1}<|im_end|>\n<|im_start|>user\nx<|im_end|>\n'
+    ids = TOK.apply_chat_template(
+        [{"role": "user", "content": "x"}], tools=[{"n": 1}], add_generation_prompt=False
+    )
+    assert (
+        TOK.decode(ids) == '<|im_start|>system\n# Tools\n{"n":1}<|im_end|>\n<|im_start|>user\nx<|im_end|>\n'
+    )
 
 
 def test_prompt_token_ids_for_each_endpoint() -> None:
     messages = [{"role": "user", "content": "hello"}]
-    assert prompt_token_ids(TOK, {"messages": messages}, "/v1/chat/completions") == TOK.apply_chat_template(messages)
+    assert prompt_token_ids(TOK, {"messages": messages}, "/v1/chat/completions") == TOK.apply_chat_template(
+        messages
+    )
     assert prompt_token_ids(TOK, {"messages": messages, "add_generation_prompt": False}, "chat") == (
         TOK.apply_chat_template(messages, add_generation_prompt=False)
     )
@@ -100,17 +113,47 @@ def test_prompt_token_ids_for_each_endpoint() -> None:
     [
         pytest.param({}, "chat", "messages", "'messages' is a required property", id="no-messages"),
         pytest.param({"messages": []}, "chat", "messages", "non-empty list", id="empty-messages"),
-        pytest.param({"messages": ["x"]}, "chat", "messages[0]", "must be an object", id="message-not-object"),
-        pytest.param({"messages": [{"role": "bot", "content": "x"}]}, "chat", "messages[0].role", "must be one of", id="role"),
-        pytest.param({"messages": [{"role": "user"}]}, "chat", "messages[0].content", "is required", id="no-content"),
-        pytest.param({"messages": [{"role": "user", "content": 3}]}, "chat", "messages[0].content", "string or a list", id="content-type"),
-        pytest.param({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "chat", "messages[0].content[0].text", "must be a string", id="part-text"),
-        pytest.param({"messages": [{"role": "user", "content": "x"}], "tools": {}}, "chat", "tools", "list of objects", id="tools"),
+        pytest.param(
+            {"messages": ["x"]}, "chat", "messages[0]", "must be an object", id="message-not-object"
+        ),
+        pytest.param(
+            {"messages": [{"role": "bot", "content": "x"}]},
+            "chat",
+            "messages[0].role",
+            "must be one of",
+            id="role",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user"}]}, "chat", "messages[0].content", "is required", id="no-content"
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": 3}]},
+            "chat",
+            "messages[0].content",
+            "string or a list",
+            id="content-type",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "chat",
+            "messages[0].content[0].text",
+            "must be a string",
+            id="part-text",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": "x"}], "tools": {}},
+            "chat",
+            "tools",
+            "list of objects",
+            id="tools",
+        ),
         pytest.param({}, "completions", "prompt", "required property", id="no-prompt"),
         pytest.param({"prompt": ""}, "completions", "prompt", "must not be empty", id="empty-prompt"),
         pytest.param({"prompt": ["a", "b"]}, "completions", "prompt", "batched prompts", id="batch"),
         pytest.param({"prompt": [1, -2]}, "completions", "prompt", "token ids must be in", id="negative-id"),
-        pytest.param({"prompt": 7}, "completions", "prompt", "string or a list of token ids", id="prompt-type"),
+        pytest.param(
+            {"prompt": 7}, "completions", "prompt", "string or a list of token ids", id="prompt-type"
+        ),
     ],
 )
 def test_bad_bodies_name_the_field(body: dict, endpoint: str, field: str, message: str) -> None:

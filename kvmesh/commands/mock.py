@@ -1,0 +1,140 @@
+"""``kvmesh mock --port P``: a simulated OpenAI-compatible engine that publishes real KV events."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvmesh.mock.config import DEFAULT_MODEL, MockConfig
+
+    d = MockConfig()
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on; only this one is bound [%(default)s]"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API [%(default)s]"
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="model name to serve and to expect in requests [%(default)s]"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=d.block_size, help="tokens per KV block [%(default)s]"
+    )
+    parser.add_argument(
+        "--num-blocks", type=int, default=d.num_blocks, help="KV blocks in the simulated cache [%(default)s]"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once [%(default)s]"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="token budget of one step; longer prompts are prefilled in chunks [%(default)s]",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output in tokens [whole cache]"
+    )
+    parser.add_argument(
+        "--speedup",
+        type=float,
+        default=d.speedup,
+        help="divide every modelled step time by this (10 = ten times faster than the fitted GPU) [%(default)s]",
+    )
+    parser.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="bind a ZMQ PUB socket here and publish KV events, e.g. tcp://127.0.0.1:5557 [no events]",
+    )
+    parser.add_argument(
+        "--kv-replay-endpoint",
+        default=None,
+        help="bind a ZMQ ROUTER socket here that replays missed event batches, e.g. tcp://127.0.0.1:5558 [none]",
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=d.scheduling_policy,
+        help="fcfs, or priority: lower request 'priority' values run first, ties by arrival (vLLM) [%(default)s]",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seed of the generated tokens (requests may override) [%(default)s]",
+    )
+    parser.add_argument(
+        "--pin-budget",
+        type=float,
+        default=d.pin_budget,
+        help="largest share of the cache that pinned prefixes and open sessions may hold [%(default)s]",
+    )
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get("KVMESH_ADMIN_TOKEN"),
+        help="require this token on the /kvmesh/* worker RPCs [$KVMESH_ADMIN_TOKEN, else none]",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="local Hugging Face tokenizer directory for prompts (needs kvmesh[hf]) [built-in tokenizer]",
+    )
+    parser.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        metavar="MODULE:NAME",
+        help="ASGI middleware class or @app.middleware('http') function to add, like vLLM's --middleware (repeatable)",
+    )
+    parser.add_argument("--log-level", default="warning", help="uvicorn log level [%(default)s]")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvmesh.errors import ConfigError
+    from kvmesh.mock.config import MockConfig
+    from kvmesh.mock.engine import MockEngine
+    from kvmesh.mock.server import add_middleware, build_app
+
+    try:
+        config = MockConfig(
+            model=args.model,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            speedup=args.speedup,
+            kv_events_endpoint=args.kv_events_endpoint,
+            kv_replay_endpoint=args.kv_replay_endpoint,
+            scheduling_policy=args.scheduling_policy,
+            seed=args.seed,
+            pin_budget=args.pin_budget,
+            admin_token=args.admin_token or None,
+        ).validate()
+        tokenizer = None
+        if args.tokenizer:
+            from kvmesh.router.tokenizer import HfTokenizer
+
+            tokenizer = HfTokenizer(args.tokenizer)
+        engine = MockEngine(config, tokenizer=tokenizer)
+        engine.open_events()  # bind errors surface here, before the HTTP server starts
+        app = build_app(engine)
+        for spec in args.middleware:
+            add_middleware(app, spec)
+    except (ConfigError, ImportError) as e:
+        print(f"kvmesh mock: {e}", file=sys.stderr)
+        return 2
+    events = f", KV events on {engine.events_endpoint}" if engine.events_endpoint else ""
+    replay = f" (replay {engine.replay_endpoint})" if engine.replay_endpoint else ""
+    print(
+        f"kvmesh mock: serving {config.model!r} on http://{args.host}:{args.port}{events}{replay}",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

@@ -1,0 +1,64 @@
+"""Configuration of one simulated engine (the ``kvmesh mock`` flags), validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from kvmesh.errors import ConfigError
+
+DEFAULT_MODEL = "kvmesh-mock"
+
+
+@dataclass(frozen=True)
+class MockConfig:
+    model: str = DEFAULT_MODEL
+    block_size: int = 64
+    num_blocks: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: as many tokens as the whole cache holds
+    speedup: float = 1.0
+    kv_events_endpoint: str | None = None
+    kv_replay_endpoint: str | None = None
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    seed: int = 0
+    pin_budget: float = 0.5  # share of the cache that pins and open sessions may hold
+    admin_token: str | None = None
+
+    def validate(self) -> MockConfig:
+        """Return self, or raise ConfigError naming the flag at fault."""
+        positive = {
+            "--block-size": self.block_size,
+            "--num-blocks": self.num_blocks,
+            "--max-num-seqs": self.max_num_seqs,
+            "--max-num-batched-tokens": self.max_num_batched_tokens,
+        }
+        for flag, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+        if not self.model:
+            raise ConfigError("--model must not be empty")
+        if not self.speedup > 0:
+            raise ConfigError(f"--speedup must be positive, got {self.speedup!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if not 0.0 <= self.pin_budget < 1.0:
+            raise ConfigError(f"--pin-budget must be in [0, 1), got {self.pin_budget!r}")
+        capacity = self.num_blocks * self.block_size
+        if self.max_model_len is not None and not 1 < self.max_model_len <= capacity:
+            raise ConfigError(
+                f"--max-model-len must be in [2, {capacity}] (--num-blocks x --block-size), got {self.max_model_len}"
+            )
+        if self.kv_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError("--kv-replay-endpoint needs --kv-events-endpoint")
+        return self
+
+    @property
+    def model_len(self) -> int:
+        """The longest sequence (prompt + output) a request may have."""
+        return self.max_model_len or self.num_blocks * self.block_size
+
+    def replace(self, **changes: object) -> MockConfig:
+        return dataclasses.replace(self, **changes).validate()  # type: ignore[arg-type]

@@ -1,0 +1,409 @@
+"""The simulated engine: an asyncio step loop over the scheduler, the block pool and the publisher.
+
+Each step::
+
+    now = clock(); retention.expire(now)
+    out = scheduler.schedule()          # allocations, evictions, newly cached blocks
+    publisher <- pool.take_events(); flush()   # one batch per step, before the step "runs"
+    sleep until step start + modelled step time (timing.py, divided by --speedup)
+    result = scheduler.update(out)      # one token per caught-up request; finished ones freed
+    deliver tokens to each request's TokenStream
+
+Events are published right after scheduling, so between steps the pool and the last published
+sequence number always agree; that is what makes ``kv_state`` an exact snapshot. Python's own
+time inside a step is absorbed by the sleep (the step ends at its modelled deadline unless the
+loop itself ran longer), which keeps latencies faithful at high ``--speedup``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.events.publisher import KvEventPublisher
+from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, event_to_json
+from kvmesh.mock.block_hash import extend_block_hashes, new_salt
+from kvmesh.mock.block_pool import BlockPool
+from kvmesh.mock.config import MockConfig
+from kvmesh.mock.metrics import EngineMetrics
+from kvmesh.mock.request import EngineRequest, RequestStatus
+from kvmesh.mock.retention import Retention
+from kvmesh.mock.sampler import OutputSampler, sampler_key
+from kvmesh.mock.scheduler import Scheduler, SchedulerOutput
+from kvmesh.mock.timing import step_seconds
+from kvmesh.router.tokenizer import BuiltinTokenizer, Tokenizer
+
+logger = logging.getLogger("kvmesh.mock")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """One generation request, already tokenized and validated."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int | None = None  # None: stop at a natural length (EOS), capped by the model length
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    seed: int | None = None
+    priority: int = 0
+    session_id: str | None = None
+
+
+class TokenStream:
+    """A request's output as the engine produces it; the server reads it with :meth:`deltas`."""
+
+    __slots__ = (
+        "_waiter",
+        "arrival",
+        "cached_tokens",
+        "finish_reason",
+        "first_token_time",
+        "prompt_tokens",
+        "request_id",
+        "tokens",
+    )
+
+    def __init__(self, request_id: str, prompt_tokens: int, arrival: float) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.arrival = arrival
+        self.tokens: list[int] = []
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.first_token_time: float | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _push(self, token: int) -> None:
+        self.tokens.append(token)
+        self._wake()
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def deltas(self) -> AsyncIterator[list[int]]:
+        """New tokens as they come (several at once when the reader lags), until the request ends."""
+        pos = 0
+        loop = asyncio.get_running_loop()
+        while True:
+            n = len(self.tokens)
+            if pos < n:
+                batch = self.tokens[pos:n]
+                pos = n
+                yield batch
+                continue
+            if self.finish_reason is not None:
+                return
+            self._waiter = loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def wait(self) -> None:
+        async for _ in self.deltas():
+            pass
+
+
+class MockEngine:
+    """A simulated vLLM-like engine. ``await start()``, ``submit()`` requests, ``await stop()``."""
+
+    backend = "mock"
+
+    def __init__(
+        self,
+        config: MockConfig | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config = (config or MockConfig()).validate()
+        self.tokenizer: Tokenizer = tokenizer or BuiltinTokenizer()
+        self.clock = clock
+        self.salt = new_salt(config.seed)
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.retention = Retention(self.pool, int(config.pin_budget * config.num_blocks))
+        self.scheduler = Scheduler(
+            self.pool,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
+            before_free=self._before_free,
+        )
+        self.metrics = EngineMetrics(
+            config.model,
+            num_running=lambda: self.scheduler.num_running,
+            num_waiting=lambda: self.scheduler.num_waiting,
+            kv_usage=lambda: self.pool.usage,
+            num_retained=lambda: self.retention.num_retained,
+        )
+        self.publisher: KvEventPublisher | None = None
+        self._streams: dict[str, TokenStream] = {}
+        self._ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.steps = 0
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def open_events(self) -> None:
+        """Bind the KV-event sockets, if configured (raises ConfigError if they cannot be bound)."""
+        cfg = self.config
+        if cfg.kv_events_endpoint is not None and self.publisher is None:
+            # The engine is a server: it binds what it is told, and routers connect to it.
+            self.publisher = KvEventPublisher(
+                cfg.kv_events_endpoint,
+                replay_endpoint=cfg.kv_replay_endpoint,
+                block_size=cfg.block_size,
+                data_parallel_rank=0,
+                bind=True,
+            )
+
+    async def start(self) -> None:
+        """Open the event sockets (if configured) and start the step loop; idempotent."""
+        if self._task is not None:
+            return
+        self.open_events()
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="kvmesh-mock-engine")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        if self.publisher is not None:
+            self.publisher.close(timeout=0.2)
+            self.publisher = None
+
+    @property
+    def events_endpoint(self) -> str | None:
+        return self.publisher.endpoint if self.publisher else None
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.publisher.replay_endpoint if self.publisher else None
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def submit(self, params: GenerationParams, request_id: str | None = None) -> TokenStream:
+        """Queue a request; its tokens arrive on the returned stream."""
+        if self._task is None:
+            raise RuntimeError("the engine is not running; await start() first")
+        cfg = self.config
+        request_id = request_id or f"req-{next(self._ids)}"
+        prompt = params.prompt_token_ids
+        room = cfg.model_len - len(prompt)
+        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + max_tokens exceeds max_model_len {cfg.model_len}"
+            )
+        natural = params.max_tokens is None and not params.ignore_eos
+        sampler = OutputSampler(
+            sampler_key(cfg.seed if params.seed is None else params.seed, prompt), natural_stop=natural
+        )
+        if sampler.stop_after is not None and sampler.stop_after < params.min_tokens:
+            sampler.stop_after = params.min_tokens
+        now = self.clock()
+        req = EngineRequest(
+            request_id=request_id,
+            prompt_len=len(prompt),
+            token_ids=list(prompt),
+            max_tokens=room if params.max_tokens is None else params.max_tokens,
+            sampler=sampler,
+            salt=self.salt,
+            block_size=cfg.block_size,
+            arrival=now,
+            priority=params.priority,
+            min_tokens=params.min_tokens,
+            ignore_eos=params.ignore_eos,
+            session_id=params.session_id,
+        )
+        stream = TokenStream(request_id, len(prompt), now)
+        self.scheduler.add_request(req)
+        self._streams[request_id] = stream
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request (client went away) and free its blocks; False if it already ended."""
+        stream = self._streams.pop(request_id, None)
+        req = self.scheduler.abort(request_id)
+        if stream is not None and not stream.finished:
+            stream._finish("abort")
+            self.metrics.finished("abort")
+        if req is not None:
+            self._wakeup.set()  # freed blocks may let a waiting request in
+        return req is not None
+
+    # --- worker RPCs ---------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "backend": self.backend,
+            "model": cfg.model,
+            "block_size": cfg.block_size,
+            "dp_size": 1,
+            "kv_events_endpoints": [self.events_endpoint] if self.publisher else [],
+            "kv_replay_endpoints": [self.replay_endpoint] if self.publisher else [],
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "total_kv_blocks": cfg.num_blocks,
+            "priority_polarity": "lower_first" if cfg.scheduling_policy == "priority" else "none",
+            "max_model_len": cfg.model_len,
+        }
+
+    def kv_state(self) -> dict[str, Any]:
+        """Every cached block plus the last published sequence number, from one instant."""
+        return {
+            "block_size": self.config.block_size,
+            "ranks": [
+                {
+                    "dp_rank": 0,
+                    "last_seq": self.publisher.last_seq if self.publisher else None,
+                    "events": [event_to_json(e) for e in self.pool.snapshot()],
+                }
+            ],
+        }
+
+    def pin_prefix(self, token_ids: list[int], ttl_seconds: float) -> int:
+        """Keep the cached blocks of this prefix resident for ``ttl_seconds``; return how many."""
+        hashes: list[int] = []
+        extend_block_hashes(hashes, token_ids, self.config.block_size, self.salt)
+        blocks = self.pool.cached_prefix(hashes, len(hashes))
+        pinned = self.retention.pin(blocks, ttl_seconds, self.clock())
+        self._wakeup.set()  # the loop re-reads its next deadline
+        return pinned
+
+    def open_session(self, session_id: str, timeout: float) -> bool:
+        created = self.retention.open_session(session_id, timeout, self.clock())
+        self._wakeup.set()
+        return created
+
+    def close_session(self, session_id: str) -> bool:
+        closed = self.retention.close_session(session_id)
+        self._wakeup.set()
+        return closed
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (publishes AllBlocksCleared); False while blocks are in use."""
+        ok = self.pool.reset_prefix_cache()
+        self._publish_events()
+        return ok
+
+    # --- the step loop -------------------------------------------------------------------------
+
+    def _before_free(self, req: EngineRequest) -> None:
+        if req.session_id is not None and req.status in (
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_STOP,
+        ):
+            self.retention.retain_for_session(
+                req.session_id, req.blocks[: req.num_cached_blocks], self.clock()
+            )
+
+    def _publish_events(self) -> None:
+        events = self.pool.take_events()
+        publisher = self.publisher
+        if not events or publisher is None:
+            return
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                publisher.stored(ev.block_hashes, ev.token_ids, parent_block_hash=ev.parent_block_hash)  # type: ignore[arg-type]
+            elif isinstance(ev, BlockRemoved):
+                publisher.removed(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                publisher.cleared()
+        publisher.flush()
+
+    async def _idle(self, deadline: float | None) -> None:
+        """Sleep until something changes (a request, an abort, a pin) or the next deadline."""
+        self._wakeup.clear()
+        timeout = None if deadline is None else max(0.0, deadline - self.clock())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+
+    async def _run(self) -> None:
+        sched = self.scheduler
+        speedup = self.config.speedup
+        clock = self.clock
+        try:
+            while True:
+                start = clock()
+                deadline = self.retention.expire(start)
+                if not sched.has_work:
+                    await self._idle(deadline)
+                    continue
+                out = sched.schedule()
+                self._publish_events()
+                if out.empty:
+                    # Work is waiting but no block can be had (pins/sessions hold the rest):
+                    # wait for an abort, an expiry or a change instead of spinning.
+                    await self._idle(deadline)
+                    continue
+                delay = (
+                    start
+                    + step_seconds(out.num_prefill_tokens, out.num_emitting, self.pool.usage, speedup)
+                    - clock()
+                )
+                await asyncio.sleep(delay if delay > 0 else 0)
+                self._finish_step(out, clock())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # pragma: no cover - a bug; fail every request loudly instead of hanging them
+            logger.exception("mock engine step loop failed")
+            for request_id in list(self._streams):
+                self.abort(request_id)
+            raise
+
+    def _finish_step(self, out: SchedulerOutput, now: float) -> None:
+        sched = self.scheduler
+        result = sched.update(out)
+        self.steps += 1
+        streams = self._streams
+        m = self.metrics
+        for req, token in result.tokens:
+            stream = streams.get(req.request_id)
+            if stream is None:
+                continue
+            if stream.first_token_time is None:
+                stream.first_token_time = now
+                stream.cached_tokens = max(req.num_cached_tokens, 0)
+                m.ttft.observe(now - stream.arrival)
+            stream._push(token)
+        for req in result.finished:
+            stream = streams.pop(req.request_id, None)
+            if stream is None:
+                continue
+            reason = req.status.value
+            stream._finish(reason)
+            m.finished(reason)
+            m.e2e.observe(now - stream.arrival)
+        m.steps.inc()
+        if out.admitted:
+            m.prefix_cache_queries.inc(out.prefix_queries)
+            m.prefix_cache_hits.inc(out.prefix_hits)
+        if out.preempted:
+            m.preemptions.inc(len(out.preempted))
+        if out.num_prefill_tokens:
+            m.prompt_tokens.inc(out.num_prefill_tokens)
+        if result.tokens:
+            m.generation_tokens.inc(len(result.tokens))

@@ -1,0 +1,191 @@
+"""OpenAI request validation and response shapes for the mock engine, as vLLM serves them.
+
+:func:`parse_generation` turns a ``/v1/chat/completions`` or ``/v1/completions`` body into
+:class:`GenerationParams` or raises :class:`RequestError` naming the field. The ``*_chunk`` and
+``*_response`` helpers build the JSON objects of the streaming and non-streaming answers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvmesh.errors import RequestError
+from kvmesh.mock.config import MockConfig
+from kvmesh.mock.engine import GenerationParams
+from kvmesh.router.tokenizer import Tokenizer, prompt_token_ids
+
+Endpoint = Literal["chat", "completions"]
+
+
+class ModelNotFound(RequestError):
+    status = 404
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    model: str
+    params: GenerationParams
+    stream: bool
+    include_usage: bool
+
+
+def parse_generation(
+    body: Any, endpoint: Endpoint, config: MockConfig, tokenizer: Tokenizer
+) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", field="body")
+    model = body.get("model", config.model)
+    if model != config.model:
+        raise ModelNotFound(f"The model `{model}` does not exist.", field="model")
+    stream = _bool(body, "stream", False)
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise RequestError("'stream_options' must be an object", field="stream_options")
+        if not stream:
+            raise RequestError(
+                "Stream options can only be defined when `stream=True`.", field="stream_options"
+            )
+        include_usage = _bool(options, "include_usage", False, prefix="stream_options.")
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise RequestError("'n' must be 1: the mock engine generates one choice per request", field="n")
+    for name, lo, hi in (
+        ("temperature", 0.0, 2.0),
+        ("top_p", 0.0, 1.0),
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+    ):
+        _number(body, name, lo, hi)
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False, 0):
+        raise RequestError("'logprobs' are not supported by the mock engine", field="logprobs")
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise RequestError("'stop' must be a string or a list of strings", field="stop")
+
+    max_field = "max_tokens"
+    max_tokens = _opt_int(body, "max_tokens", 1)
+    if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+        max_field = "max_completion_tokens"
+        max_tokens = _opt_int(body, "max_completion_tokens", 1)
+    min_tokens = _opt_int(body, "min_tokens", 0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise RequestError(
+            f"'min_tokens' must be at most '{max_field}' ({max_tokens}), got {min_tokens}", field="min_tokens"
+        )
+    ignore_eos = _bool(body, "ignore_eos", False)
+    seed = _opt_int(body, "seed", -(2**63))
+    priority = _opt_int(body, "priority", -(2**63)) or 0
+    if priority != 0 and config.scheduling_policy != "priority":
+        raise RequestError(
+            "'priority' can only be set when the engine runs with --scheduling-policy priority",
+            field="priority",
+        )
+
+    prompt = prompt_token_ids(tokenizer, body, endpoint)
+    prompt_field = "messages" if endpoint == "chat" else "prompt"
+    limit = config.model_len
+    if len(prompt) >= limit:
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{len(prompt)} input tokens. Please reduce the length of the input.",
+            field=prompt_field,
+        )
+    if max_tokens is not None and len(prompt) + max_tokens > limit:
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the input, {max_tokens} in the completion). "
+            "Please reduce the length of the input or completion.",
+            field=max_field,
+        )
+    params = GenerationParams(
+        prompt_token_ids=prompt,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
+        seed=seed,
+        priority=priority,
+        session_id=_session_id(body),
+    )
+    return ParsedRequest(endpoint, config.model, params, stream, include_usage)
+
+
+def _session_id(body: Mapping[str, Any]) -> str | None:
+    """The engine session a request belongs to: SGLang's ``session_params.id`` or kvmesh's nvext."""
+    params = body.get("session_params")
+    if params is not None:
+        if not isinstance(params, dict) or not isinstance(params.get("id"), str):
+            raise RequestError("'session_params.id' must be a string", field="session_params.id")
+        return str(params["id"])
+    nvext = body.get("nvext")
+    if isinstance(nvext, dict):
+        control = nvext.get("session_control")
+        if isinstance(control, dict) and isinstance(control.get("session_id"), str):
+            return str(control["session_id"])
+    return None
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool, *, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"'{prefix}{name}' must be a boolean, got {value!r}", field=prefix + name)
+    return value
+
+
+def _opt_int(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or value < minimum:
+        bound = (
+            "a positive integer"
+            if minimum == 1
+            else ("a non-negative integer" if minimum == 0 else "an integer")
+        )
+        raise RequestError(f"'{name}' must be {bound}, got {value!r}", field=name)
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, lo: float, hi: float) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not lo <= value <= hi
+    ):
+        raise RequestError(f"'{name}' must be a number in [{lo:g}, {hi:g}], got {value!r}", field=name)
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def error_body(message: str, *, status: int, field: str | None) -> dict[str, Any]:
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        409: "ConflictError",
+    }.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+    return {"error": {"message": message, "type": kind, "param": field, "code": status}}

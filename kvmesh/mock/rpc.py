@@ -1,0 +1,170 @@
+"""The worker-side RPCs a kvmesh router calls, as Starlette routes under ``/kvmesh/``.
+
+Any engine can serve them by implementing :class:`WorkerBackend` (methods may be sync or async)::
+
+    GET  /kvmesh/info             -> backend, model, block size, dp size, event endpoints, ...
+    GET  /kvmesh/kv_state         -> {"block_size", "ranks": [{"dp_rank", "last_seq", "events"}]}
+    POST /kvmesh/pin_prefix       {"token_ids": [...], "ttl_seconds": s} -> {"status", "blocks_pinned"}
+    POST /kvmesh/session_control  {"action": "open_session"|"close_session", "session_id", "timeout"}
+    POST /kvmesh/reset_prefix_cache -> {"status": "ok"} (409 while blocks are in use)
+
+With an admin token configured, every route wants ``Authorization: Bearer <token>`` or
+``x-kvmesh-admin-token: <token>`` and answers 401 otherwise.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import json
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvmesh.errors import RequestError
+
+T = TypeVar("T")
+DEFAULT_SESSION_TIMEOUT = 300.0
+MAX_TTL_SECONDS = 7 * 24 * 3600.0
+ADMIN_HEADER = "x-kvmesh-admin-token"
+
+
+class WorkerBackend(Protocol):
+    def info(self) -> dict[str, Any] | Awaitable[dict[str, Any]]: ...
+    def kv_state(self) -> dict[str, Any] | Awaitable[dict[str, Any]]: ...
+    def pin_prefix(self, token_ids: list[int], ttl_seconds: float) -> int | Awaitable[int]: ...
+    def open_session(self, session_id: str, timeout: float) -> bool | Awaitable[bool]: ...
+    def close_session(self, session_id: str) -> bool | Awaitable[bool]: ...
+    def reset_prefix_cache(self) -> bool | Awaitable[bool]: ...
+
+
+def error_response(message: str, status: int, field: str | None = None) -> JSONResponse:
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        409: "ConflictError",
+    }.get(status, "BadRequestError")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": field, "code": status}}, status)
+
+
+def admin_token_ok(request: Request, token: str | None) -> bool:
+    """True when no token is configured or the request carries the right one."""
+    if not token:
+        return True
+    given = request.headers.get(ADMIN_HEADER)
+    if given is None:
+        auth = request.headers.get("authorization", "")
+        scheme, _, value = auth.partition(" ")
+        given = value.strip() if scheme.lower() == "bearer" else None
+    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+async def _call(value: T | Awaitable[T]) -> T:
+    if inspect.isawaitable(value):
+        return await value  # type: ignore[no-any-return]
+    return value
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        raise RequestError("the request body is not valid JSON", field="body") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", field="body")
+    return body
+
+
+def _positive_number(body: dict[str, Any], name: str, default: float | None = None) -> float:
+    value = body.get(name, default)
+    if value is None:
+        raise RequestError(f"'{name}' is required", field=name)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise RequestError(f"'{name}' must be a positive number of seconds, got {value!r}", field=name)
+    if value > MAX_TTL_SECONDS:
+        raise RequestError(f"'{name}' must be at most {MAX_TTL_SECONDS:g} seconds, got {value!r}", field=name)
+    return float(value)
+
+
+def worker_rpc_routes(backend: WorkerBackend, *, admin_token: str | None = None) -> list[Route]:
+    """The ``/kvmesh/*`` routes over ``backend``, guarded by ``admin_token`` when set."""
+
+    def guarded(
+        handler: Callable[[Request], Awaitable[dict[str, Any]]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            if not admin_token_ok(request, admin_token):
+                return error_response("missing or wrong kvmesh admin token", 401)
+            try:
+                return JSONResponse(await handler(request))
+            except RequestError as e:
+                return error_response(str(e), e.status, e.field)
+
+        return endpoint
+
+    async def info(request: Request) -> dict[str, Any]:
+        return await _call(backend.info())
+
+    async def kv_state(request: Request) -> dict[str, Any]:
+        return await _call(backend.kv_state())
+
+    async def pin_prefix(request: Request) -> dict[str, Any]:
+        body = await _json_object(request)
+        token_ids = body.get("token_ids")
+        if (
+            not isinstance(token_ids, list)
+            or not token_ids
+            or not all(type(t) is int and t >= 0 for t in token_ids)
+        ):
+            raise RequestError(
+                "'token_ids' must be a non-empty list of non-negative integers", field="token_ids"
+            )
+        ttl = _positive_number(body, "ttl_seconds")
+        pinned = await _call(backend.pin_prefix(token_ids, ttl))
+        return {"status": "ok", "blocks_pinned": pinned, "ttl_seconds": ttl}
+
+    async def session_control(request: Request) -> dict[str, Any]:
+        body = await _json_object(request)
+        action = body.get("action")
+        session_id = body.get("session_id")
+        if not isinstance(session_id, str) or not session_id:
+            raise RequestError("'session_id' must be a non-empty string", field="session_id")
+        if action == "open_session":
+            timeout = _positive_number(body, "timeout", DEFAULT_SESSION_TIMEOUT)
+            created = await _call(backend.open_session(session_id, timeout))
+            return {
+                "status": "ok",
+                "session_id": session_id,
+                "action": action,
+                "created": created,
+                "timeout": timeout,
+            }
+        if action == "close_session":
+            closed = await _call(backend.close_session(session_id))
+            return {"status": "ok", "session_id": session_id, "action": action, "closed": closed}
+        raise RequestError(
+            f"'action' must be 'open_session' or 'close_session', got {action!r}", field="action"
+        )
+
+    async def reset_prefix_cache(request: Request) -> dict[str, Any]:
+        if not await _call(backend.reset_prefix_cache()):
+            raise RequestError("cannot reset the prefix cache while blocks are in use", status=409)
+        return {"status": "ok"}
+
+    return [
+        Route("/kvmesh/info", guarded(info), methods=["GET"]),
+        Route("/kvmesh/kv_state", guarded(kv_state), methods=["GET"]),
+        Route("/kvmesh/pin_prefix", guarded(pin_prefix), methods=["POST"]),
+        Route("/kvmesh/session_control", guarded(session_control), methods=["POST"]),
+        Route("/kvmesh/reset_prefix_cache", guarded(reset_prefix_cache), methods=["POST"]),
+    ]

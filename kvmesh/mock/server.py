@@ -1,0 +1,247 @@
+"""The mock engine's OpenAI-compatible HTTP server (a Starlette app, served by uvicorn).
+
+    POST /v1/chat/completions, POST /v1/completions   streaming (SSE, ``data: [DONE]``) or not
+    GET  /v1/models, GET /health, GET /metrics
+    /kvmesh/*                                        worker RPCs (rpc.py)
+
+``build_app(engine, middleware=[...])`` returns the app; extra ASGI middleware (for example
+kvmesh's router middleware) wraps it exactly as ``vllm serve --middleware`` would wrap vLLM's.
+The app's lifespan starts and stops the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgspec
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvmesh.errors import ConfigError, RequestError
+from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
+from kvmesh.mock.engine import MockEngine, TokenStream
+from kvmesh.mock.protocol import Endpoint, ParsedRequest, parse_generation, usage
+from kvmesh.mock.rpc import error_response, worker_rpc_routes
+from kvmesh.router.tokenizer import EOS, BuiltinTokenizer
+
+_encode = msgspec.json.Encoder().encode
+_DONE = b"data: [DONE]\n\n"
+
+
+class _TokenText:
+    """Text of the mock's output tokens (builtin vocabulary), cached per id."""
+
+    def __init__(self) -> None:
+        self._tok = BuiltinTokenizer()
+        self._cache: dict[int, str] = {EOS: ""}
+
+    def __call__(self, ids: list[int]) -> str:
+        cache = self._cache
+        parts = []
+        for i in ids:
+            text = cache.get(i)
+            if text is None:
+                text = cache[i] = self._tok.decode([i])
+            parts.append(text)
+        return "".join(parts)
+
+
+def build_app(
+    engine: MockEngine,
+    *,
+    middleware: Sequence[Middleware] = (),
+    admin_token: str | None = None,
+) -> Starlette:
+    """The engine's ASGI app; ``middleware`` wraps it (outermost first), as Starlette applies it."""
+    token = admin_token if admin_token is not None else engine.config.admin_token
+    text_of = _TokenText()
+    model = engine.config.model
+    created_at = int(time.time())
+
+    async def generate(request: Request, endpoint: Endpoint) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return error_response("the request body is not valid JSON", 400, "body")
+        try:
+            parsed = parse_generation(body, endpoint, engine.config, engine.tokenizer)
+        except RequestError as e:
+            return error_response(str(e), e.status, e.field)
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        response_id = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+        request_id = uuid.uuid4().hex
+        stream = engine.submit(parsed.params, request_id)
+        if parsed.stream:
+            return EngineStreamResponse(
+                _sse(stream, parsed, response_id, text_of),
+                lambda: engine.abort(request_id),
+                headers=[(b"x-request-id", response_id.encode())],
+            )  # type: ignore[return-value]
+        if not await until_disconnect(request.receive, stream.wait()):
+            engine.abort(request_id)
+            return Response(status_code=499)
+        if stream.finish_reason == "abort":
+            return error_response("the engine stopped before the request finished", 503)
+        return JSONResponse(
+            _full_response(stream, parsed, response_id, text_of), headers={"x-request-id": response_id}
+        )
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completions")
+
+    async def models(request: Request) -> Response:
+        card = {
+            "id": model,
+            "object": "model",
+            "created": created_at,
+            "owned_by": "kvmesh",
+            "root": model,
+            "parent": None,
+            "max_model_len": engine.config.model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(request: Request) -> Response:
+        # The engine's own registry plus the process-wide one (where embedded router metrics live).
+        data = generate_latest(engine.metrics.registry) + generate_latest(REGISTRY)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *worker_rpc_routes(engine, admin_token=token),
+    ]
+    app = Starlette(routes=routes, middleware=list(middleware), lifespan=lifespan)
+    app.state.engine = engine
+    return app
+
+
+def add_middleware(app: Starlette, spec: str) -> None:
+    """Add ASGI middleware named ``module:Name`` (or ``module.Name``) the way vLLM's ``--middleware``
+    does: a class is added with ``app.add_middleware``, a coroutine function becomes an HTTP
+    middleware ``(request, call_next) -> response``."""
+    module_name, sep, name = spec.partition(":")
+    if not sep:
+        module_name, _, name = spec.rpartition(".")
+    if not module_name or not name:
+        raise ConfigError(f"--middleware must look like module:Name, got {spec!r}")
+    try:
+        target = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"--middleware {spec!r} cannot be imported: {e}") from None
+    if inspect.isclass(target):
+        app.add_middleware(target)  # type: ignore[arg-type]
+    elif inspect.iscoroutinefunction(target):
+        app.add_middleware(BaseHTTPMiddleware, dispatch=target)
+    else:
+        raise ConfigError(f"--middleware {spec!r} is neither a middleware class nor an async function")
+
+
+async def _sse(
+    stream: TokenStream, parsed: ParsedRequest, response_id: str, text_of: _TokenText
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    chat = parsed.endpoint == "chat"
+    head: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": parsed.model,
+    }
+    if parsed.include_usage:
+        head["usage"] = None
+
+    def chunk(text: str, finish_reason: str | None, *, role: bool = False) -> bytes:
+        if chat:
+            delta = {"role": "assistant", "content": text} if role else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
+        head["choices"] = [choice]
+        return b"data: " + _encode(head) + b"\n\n"
+
+    if chat:
+        yield chunk("", None, role=True)
+    seen = 0
+    async for batch in stream.deltas():
+        seen += len(batch)
+        done = stream.finished and seen == len(stream.tokens)
+        reason = stream.finish_reason if done else None
+        if reason == "abort":
+            return
+        yield chunk(text_of(batch), reason)
+    if stream.finish_reason == "abort":
+        return
+    if parsed.include_usage:
+        head["choices"] = []
+        head["usage"] = usage(stream.prompt_tokens, len(stream.tokens), stream.cached_tokens)
+        yield b"data: " + _encode(head) + b"\n\n"
+    yield _DONE
+
+
+def _full_response(
+    stream: TokenStream, parsed: ParsedRequest, response_id: str, text_of: _TokenText
+) -> dict[str, Any]:
+    text = text_of(stream.tokens)
+    if parsed.endpoint == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": stream.finish_reason,
+            "stop_reason": None,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": stream.finish_reason,
+            "stop_reason": None,
+        }
+        kind = "text_completion"
+    return {
+        "id": response_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": parsed.model,
+        "choices": [choice],
+        "usage": usage(stream.prompt_tokens, len(stream.tokens), stream.cached_tokens),
+    }

@@ -85,9 +85,10 @@ class WorkerSpec:
 
 def normalize_url(url: str, what: str = "worker URL") -> str:
     """``host:port`` or ``http://host:port/`` -> ``http://host:port``; ConfigError if unusable."""
-    text = url.strip().rstrip("/")
+    text = url.strip()
     if "://" not in text:
         text = "http://" + text
+    text = text.rstrip("/")
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{what} {url!r} must look like http://host:port")
@@ -172,7 +173,15 @@ class MeshSettings:
         if self.health_interval <= 0:
             raise ConfigError(f"KVMESH_HEALTH_INTERVAL must be positive, got {self.health_interval}")
         if self.self_url is not None and self.self_worker_id is None:
+            if not self.workers:  # an engine on its own is a fleet of one
+                object.__setattr__(self, "workers", (WorkerSpec(self.self_url, self.self_url),))
+                ids = [self.self_url]
             match = next((w.worker_id for w in self.workers if w.url == self.self_url), None)
+            if match is None:
+                raise ConfigError(
+                    f"this engine ({self.self_url}) is not among the workers ({', '.join(ids)}); "
+                    "add it to KVMESH_WORKERS"
+                )
             object.__setattr__(self, "self_worker_id", match)
         if self.self_worker_id is not None and self.self_worker_id not in ids:
             raise ConfigError(

@@ -1,0 +1,43 @@
+"""``kvmesh router --workers URL[,URL...]``: the standalone KV-aware router in front of remote workers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvmesh.router.config import RouterConfig
+    from kvmesh.router.settings import add_arguments as add_mesh_arguments
+
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on [8000]")
+    parser.add_argument("--log-level", default="info", help="uvicorn log level [info]")
+    add_mesh_arguments(parser)
+    RouterConfig.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvmesh.errors import ConfigError
+    from kvmesh.router.app import build_router_app
+    from kvmesh.router.settings import MeshSettings
+
+    try:
+        settings = MeshSettings.load(args=args, self_url=None, self_worker_id=None)
+    except ConfigError as e:
+        print(f"kvmesh router: {e}", file=sys.stderr)
+        return 2
+    if not settings.workers:
+        print("kvmesh router: no workers; pass --workers URL[,URL...] or set KVMESH_WORKERS", file=sys.stderr)
+        return 2
+    app = build_router_app(settings)
+    print(
+        f"kvmesh router on http://{args.host}:{args.port} -> {len(settings.workers)} worker(s), "
+        f"mode {settings.router.router_mode}",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

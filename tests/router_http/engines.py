@@ -1,0 +1,123 @@
+"""A tiny OpenAI-compatible engine for middleware tests (no KV cache, no events).
+
+It records what it received, streams a fixed number of chunks with a fixed gap, reports
+``usage.prompt_tokens_details.cached_tokens`` and keeps a live count of requests in flight, so a
+test can see a client disconnect reach the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+@dataclass
+class EngineState:
+    name: str
+    block_size: int = 16
+    chunks: int = 4
+    gap: float = 0.0
+    hold: float = 0.0  # seconds before the response head (a long prefill)
+    polarity: str = "lower_first"
+    received: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    active: int = 0
+    finished: int = 0
+    aborted: int = 0
+    chunk_times: list[float] = field(default_factory=list)
+
+
+def engine_app(state: EngineState) -> Starlette:
+    async def info(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "backend": "test",
+                "model": "test-model",
+                "block_size": state.block_size,
+                "dp_size": 1,
+                "kv_events_endpoints": [],
+                "kv_replay_endpoints": [],
+                "max_num_batched_tokens": 8192,
+                "total_kv_blocks": 10000,
+                "priority_polarity": state.polarity,
+            }
+        )
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "test-model", "object": "model"}]})
+
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        state.received.append(body)
+        state.headers.append(dict(request.headers))
+        if state.hold:
+            await asyncio.sleep(state.hold)
+        usage = {
+            "prompt_tokens": 100,
+            "completion_tokens": state.chunks,
+            "total_tokens": 100 + state.chunks,
+            "prompt_tokens_details": {"cached_tokens": 32},
+        }
+        if not body.get("stream"):
+            return JSONResponse(
+                {
+                    "id": "cmpl-1",
+                    "object": "chat.completion",
+                    "model": "test-model",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": state.name}}],
+                    "usage": usage,
+                }
+            )
+
+        async def events() -> Any:
+            state.active += 1
+            try:
+                for i in range(state.chunks):
+                    if i and state.gap:
+                        await asyncio.sleep(state.gap)
+                    state.chunk_times.append(time.perf_counter())
+                    chunk = {
+                        "id": "chatcmpl-1",
+                        "object": "chat.completion.chunk",
+                        "model": "test-model",
+                        "choices": [{"index": 0, "delta": {"content": f"{state.name}:{i} "}}],
+                    }
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                final = {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion.chunk",
+                    "model": "test-model",
+                    "choices": [],
+                    "usage": usage,
+                }
+                yield f"data: {json.dumps(final)}\n\n"
+                yield "data: [DONE]\n\n"
+                state.finished += 1
+            except asyncio.CancelledError:
+                state.aborted += 1
+                raise
+            finally:
+                state.active -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(
+        routes=[
+            Route("/kvmesh/info", info),
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", generate, methods=["POST"]),
+            Route("/v1/completions", generate, methods=["POST"]),
+        ]
+    )

@@ -1,0 +1,76 @@
+"""Real loopback servers for the middleware tests: uvicorn in the test's own event loop.
+
+``serve(app)`` starts an ASGI app on a free 127.0.0.1 port; ``crash()`` on the handle aborts every
+open connection and stops listening, the way a killed engine process disappears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+
+def bound_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@dataclass
+class Server:
+    url: str
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    sock: socket.socket
+
+    def crash(self) -> None:
+        """Drop every connection mid-flight and stop accepting new ones."""
+        for connection in list(self.server.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.abort()
+        for srv in getattr(self.server, "servers", []):
+            srv.close()
+        self.server.should_exit = True
+        self.server.force_exit = True
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any, sock: socket.socket | None = None) -> AsyncIterator[Server]:
+    sock = sock or bound_socket()
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="auto", timeout_graceful_shutdown=1
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    for _ in range(500):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()
+    handle = Server(f"http://127.0.0.1:{port}", server, task, sock)
+    try:
+        yield handle
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 5)
+        sock.close()
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)

@@ -108,7 +108,7 @@ async def test_killing_a_worker_loses_no_request_that_had_not_started(http: aioh
     ):
 
         async def one(i: int) -> tuple[int, str]:
-            status, data, headers = await _post(http, front.url, chat(f"q{i}"))
+            status, data, _headers = await _post(http, front.url, chat(f"q{i}"))
             return status, data["choices"][0]["message"]["content"] if status == 200 else str(data)
 
         tasks = [asyncio.create_task(one(i)) for i in range(8)]

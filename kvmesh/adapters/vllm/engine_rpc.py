@@ -1,0 +1,254 @@
+"""kvmesh's worker RPCs inside vLLM's engine-core process, where the block pool lives.
+
+vLLM's API server reaches the engine core through *utility calls*: the client sends a method name
+and arguments, and ``EngineCore`` runs ``getattr(self, method)(*args)`` between scheduler steps, in
+the scheduler's own thread. kvmesh's general plugin adds one method, ``kvmesh_rpc(name, payload)``,
+that dispatches to an :class:`EngineRpc` created on first use. So pins and sessions touch the real
+block pool with no locking and no scheduler subclass (a custom ``--scheduler-cls`` would switch
+off vLLM's async scheduling).
+
+Pins take an ordinary reference on each cached block of a prefix (``BlockPool.touch``: a cached
+block with no other user leaves the free queue, so it cannot be evicted) and drop it on expiry
+(``BlockPool.free_blocks``: back to the tail of the free queue, still cached). The engine-agnostic
+bookkeeping (TTL, distinct-block budget, sessions) is :mod:`kvmesh.adapters.retention`.
+
+Sessions: vLLM carries a request's ``session_id`` (body field, ``X-Session-ID`` header or
+``vllm_xargs``) into the engine core. The plugin wraps ``EngineCore.add_request`` to note, for an
+open session, the newest request's block-hash list (vLLM's own, which grows as the answer is
+generated); every ``tick`` re-pins the session's cached prefix from it and slides its deadline.
+Deadlines are checked on every RPC and on ``tick``, which the API server calls periodically.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvmesh.adapters.retention import RetentionLedger, SessionTable
+from kvmesh.adapters.vllm._vllm import import_vllm
+from kvmesh.errors import ConfigError
+
+logger = logging.getLogger("kvmesh.adapters.vllm")
+
+DEFAULT_PIN_BUDGET = 0.25
+PIN_BUDGET_ENV = "KVMESH_PIN_BUDGET"
+"""Fraction of the KV cache that pins and open sessions together may hold resident."""
+
+RPC_METHOD = "kvmesh_rpc"
+"""The utility method the general plugin adds to vLLM's EngineCore."""
+
+
+def pin_budget_from_env(environ: dict[str, str] | None = None) -> float:
+    env = os.environ if environ is None else environ
+    text = env.get(PIN_BUDGET_ENV)
+    if text is None:
+        return DEFAULT_PIN_BUDGET
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{PIN_BUDGET_ENV} must be a fraction between 0 and 1, got {text!r}") from None
+    if not (0.0 <= value <= 1.0) or math.isnan(value):
+        raise ConfigError(f"{PIN_BUDGET_ENV} must be a fraction between 0 and 1, got {text!r}")
+    return value
+
+
+class EngineRpc:
+    """Pins, sessions and kv_state for one engine core (one data-parallel rank)."""
+
+    def __init__(
+        self,
+        kv_cache_manager: Any,
+        block_hasher: Callable[[Any], list[Any]] | None,
+        *,
+        publisher: Any = None,
+        budget_fraction: float = DEFAULT_PIN_BUDGET,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.block_pool = kv_cache_manager.block_pool
+        self.block_hasher = block_hasher
+        self.publisher = publisher
+        self.clock = clock
+        usable = self.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        self.ledger: RetentionLedger[int] = RetentionLedger(int(usable * budget_fraction))
+        self.sessions = SessionTable()
+        # session -> (the live block-hash list of its newest request, its length when last pinned)
+        self._turns: dict[str, tuple[Sequence[Any], int]] = {}
+
+    @classmethod
+    def for_engine_core(cls, core: Any) -> EngineRpc:
+        scheduler = core.scheduler
+        return cls(
+            scheduler.kv_cache_manager,
+            core.request_block_hasher,
+            publisher=getattr(scheduler, "kv_event_publisher", None),
+            budget_fraction=pin_budget_from_env(),
+        )
+
+    # ------------------------------------------------------------------ dispatch
+    def call(self, name: str, payload: dict[str, Any]) -> dict[str, Any]:
+        self._expire()
+        if name == "pin_prefix":
+            return {"blocks_pinned": self.pin_prefix(payload["token_ids"], float(payload["ttl_seconds"]))}
+        if name == "open_session":
+            return {"created": self.open_session(payload["session_id"], float(payload["timeout"]))}
+        if name == "close_session":
+            return {"closed": self.close_session(payload["session_id"])}
+        if name == "kv_state":
+            return self.kv_state()
+        if name == "tick":
+            return self.tick()
+        if name == "stats":
+            return self.stats()
+        raise ValueError(f"unknown kvmesh engine RPC {name!r}")
+
+    # ------------------------------------------------------------------ pins
+    def pin_prefix(self, token_ids: list[int], ttl_seconds: float) -> int:
+        """Hold the cached blocks of ``token_ids``' longest cached prefix for ``ttl_seconds``;
+        returns how many blocks are pinned (fewer when the budget runs out)."""
+        if self.block_hasher is None:
+            return 0  # prefix caching is off: nothing is ever cached
+        blocks = self._cached_block_ids(self._hashes_of(token_ids))
+        if not blocks:
+            return 0
+        owner = ("pin", blocks[-1])  # a pinned block's id names its whole prefix while pinned
+        expires = self.clock() + ttl_seconds
+        previous = self.ledger.expiry_of(owner)
+        change = self.ledger.hold(owner, blocks, max(expires, previous or expires))
+        self._apply(change.acquire, change.release)
+        return change.held
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self, session_id: str, timeout: float) -> bool:
+        created = session_id not in self.sessions
+        if not self.sessions.open(session_id, timeout):
+            raise ValueError(f"too many open sessions ({self.sessions.max_sessions})")
+        owner = ("session", session_id)
+        if not self.ledger.extend(owner, self.clock() + timeout):
+            self.ledger.hold(owner, (), self.clock() + timeout)
+        return created
+
+    def close_session(self, session_id: str) -> bool:
+        self._turns.pop(session_id, None)
+        self._apply((), self.ledger.release(("session", session_id)))
+        return self.sessions.close(session_id)
+
+    def note_request(self, request: Any) -> None:
+        """Called for every request the engine core admits; remembers an open session's newest turn."""
+        session_id = getattr(request, "session_id", None)
+        if session_id is None or session_id not in self.sessions:
+            return
+        self._turns[session_id] = (request.block_hashes, -1)
+        timeout = self.sessions.timeout_of(session_id)
+        assert timeout is not None
+        self.ledger.extend(("session", session_id), self.clock() + timeout)
+
+    def _retain_turns(self) -> None:
+        for session_id, (hashes, pinned_len) in list(self._turns.items()):
+            if len(hashes) == pinned_len:
+                continue  # no new full block since the last pin
+            owner = ("session", session_id)
+            expires = self.ledger.expiry_of(owner)
+            if expires is None:
+                continue
+            blocks = self._cached_block_ids(list(hashes))
+            change = self.ledger.hold(owner, blocks, expires)
+            self._apply(change.acquire, change.release)
+            self._turns[session_id] = (hashes, len(hashes))
+
+    # ------------------------------------------------------------------ state and time
+    def kv_state(self) -> dict[str, Any]:
+        snapshot = getattr(self.publisher, "snapshot", None)
+        if snapshot is None:
+            return {"error": "the engine's KV events are not published by kvmesh's publisher"}
+        return snapshot()  # type: ignore[no-any-return]
+
+    def tick(self) -> dict[str, Any]:
+        """Pin new session turns and expire what ran out; says when the next deadline is."""
+        self._retain_turns()
+        self._expire()
+        deadline = self.ledger.next_expiry()
+        return {"next_expiry_in": None if deadline is None else max(0.0, deadline - self.clock())}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "held_blocks": self.ledger.held_blocks,
+            "budget_blocks": self.ledger.budget_blocks,
+            "holds": len(self.ledger),
+            "sessions": len(self.sessions),
+        }
+
+    def _expire(self) -> None:
+        for owner, released in self.ledger.expire(self.clock()):
+            if isinstance(owner, tuple) and owner[0] == "session":
+                self.sessions.close(owner[1])
+                self._turns.pop(owner[1], None)
+            self._apply((), released)
+
+    # ------------------------------------------------------------------ the block pool
+    def _hashes_of(self, token_ids: list[int]) -> list[Any]:
+        """vLLM's own block hashes for a prompt: a throwaway Request run through the engine's hasher."""
+        import_vllm()
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        request = Request(
+            request_id="kvmesh-pin",
+            prompt_token_ids=list(token_ids),
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            block_hasher=self.block_hasher,
+        )
+        return list(request.block_hashes)
+
+    def _cached_block_ids(self, block_hashes: list[Any]) -> list[int]:
+        """Ids of the cached blocks of the longest cached prefix, position by position."""
+        if not block_hashes:
+            return []
+        max_len = len(block_hashes) * self.block_pool.hash_block_size
+        per_group, _, _ = self.kv_cache_manager.coordinator.find_longest_cache_hit(block_hashes, max_len)
+        ids: list[int] = []
+        for position in range(max((len(g) for g in per_group), default=0)):
+            for group in per_group:
+                if position < len(group) and not group[position].is_null:
+                    ids.append(group[position].block_id)
+        return ids
+
+    def _apply(self, acquire: Sequence[int], release: Sequence[int]) -> None:
+        pool = self.block_pool
+        if acquire:
+            pool.touch([pool.blocks[i] for i in acquire])
+        if release:
+            # Tail blocks first: they are evicted first, the shared head of a prefix last.
+            pool.free_blocks([pool.blocks[i] for i in reversed(release)])
+
+
+def kvmesh_rpc(self: Any, name: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """``EngineCore.kvmesh_rpc``: the utility method the general plugin installs."""
+    rpc: EngineRpc | None = self.__dict__.get("_kvmesh_rpc")
+    if rpc is None:
+        rpc = self._kvmesh_rpc = EngineRpc.for_engine_core(self)
+    return rpc.call(name, payload)
+
+
+def wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``EngineCore.add_request`` that also shows each admitted request to kvmesh's sessions."""
+
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, request, *args, **kwargs)
+        rpc = self.__dict__.get("_kvmesh_rpc")
+        if rpc is not None and request.session_id is not None:
+            try:
+                rpc.note_request(request)
+            except Exception:  # never let session bookkeeping fail a request
+                logger.exception("kvmesh: could not note session turn")
+        return result
+
+    add_request.__kvmesh_wrapped__ = original  # type: ignore[attr-defined]
+    add_request.__name__ = original.__name__
+    add_request.__doc__ = original.__doc__
+    return add_request

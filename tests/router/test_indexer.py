@@ -109,7 +109,9 @@ stored_op = st.tuples(
     st.lists(st.integers(0, 2), min_size=B, max_size=4 * B),  # tokens from a tiny vocabulary
 )
 removed_op = st.tuples(
-    st.just("remove"), st.sampled_from(WORKERS), st.sampled_from(list(MEDIUMS)),
+    st.just("remove"),
+    st.sampled_from(WORKERS),
+    st.sampled_from(list(MEDIUMS)),
     st.lists(st.integers(0, 11), min_size=1, max_size=3),
 )
 cleared_op = st.tuples(st.just("clear"), st.sampled_from(WORKERS))
@@ -169,7 +171,7 @@ def queries(model: Model, rng: random.Random) -> list[list[int]]:
     out = [[rng.getrandbits(64)]]
     for p in paths[:12]:
         out.append(p)
-        out.append(p + [rng.getrandbits(64)])
+        out.append([*p, rng.getrandbits(64)])
         out.append(p[:-1])
     return out
 

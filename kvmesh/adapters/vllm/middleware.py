@@ -37,7 +37,7 @@ class KvMeshMiddleware(_CoreMiddleware):
     def __init__(self, app: Any, *, settings: MeshSettings | None = None) -> None:
         if settings is None:
             settings = MeshSettings.load()
-            if "KVMESH_TOKENIZER" not in os.environ and "tokenizer" not in _config_keys():
+            if "KVMESH_TOKENIZER" not in os.environ and "tokenizer" not in _config_file_keys():
                 settings = settings.replace(tokenizer="engine")
         self.engine_tokenizer = EngineTokenizer()
         super().__init__(app, settings=settings, tokenizer=self.engine_tokenizer)
@@ -51,12 +51,13 @@ class KvMeshMiddleware(_CoreMiddleware):
         await super().__call__(scope, receive, send)
 
 
-def _config_keys() -> set[str]:
-    """Top-level keys of the KVMESH_CONFIG file, if any (a tokenizer set there wins too)."""
+def _config_file_keys() -> set[str]:
+    """Top-level keys of the KVMESH_CONFIG file, if any (a tokenizer named there wins too).
+    MeshSettings.load() has already read and validated the file."""
     path = os.environ.get("KVMESH_CONFIG")
     if not path:
         return set()
-    import tomllib
+    import tomllib  # KVMESH_CONFIG already requires Python 3.11+
 
     with open(path, "rb") as f:
         return set(tomllib.load(f))

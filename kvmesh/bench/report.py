@@ -159,23 +159,20 @@ def write_plot(runs: Sequence[RunResult], summaries: Sequence[dict[str, Any]], p
     ax_hit.bar(names, hits, color=[f"C{i}" for i in range(len(names))])
     ax_hit.set_ylabel("engine-reported prefix hit ratio (%)")
     ax_hit.set_title("Prefix cache hits")
-    all_workers = sorted({w for s in summaries for w in s["per_worker"]})
+    # Runs may use different workers (fresh fleets on new ports): compare them by position.
+    columns = max((len(s["per_worker"]) for s in summaries), default=0)
     width = 0.8 / max(len(summaries), 1)
     for i, s in enumerate(summaries):
-        xs = [j + i * width for j in range(len(all_workers))]
-        ax_workers.bar(xs, [s["per_worker"].get(w, 0) for w in all_workers], width=width, label=s["name"])
-    ax_workers.set_xticks([j + width * (len(summaries) - 1) / 2 for j in range(len(all_workers))])
-    ax_workers.set_xticklabels([_short(w) for w in all_workers], rotation=15)
+        counts = [n for _, n in sorted(s["per_worker"].items())]
+        ax_workers.bar([j + i * width for j in range(len(counts))], counts, width=width, label=s["name"])
+    ax_workers.set_xticks([j + width * (len(summaries) - 1) / 2 for j in range(columns)])
+    ax_workers.set_xticklabels([f"worker {j + 1}" for j in range(columns)])
     ax_workers.set_ylabel("requests")
     ax_workers.set_title("Requests per worker")
-    if all_workers:
+    if columns:
         ax_workers.legend()
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
-
-
-def _short(worker: str) -> str:
-    return worker.rsplit("//", 1)[-1]

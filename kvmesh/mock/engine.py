@@ -153,6 +153,8 @@ class MockEngine:
             num_retained=lambda: self.retention.num_retained,
         )
         self.publisher: KvEventPublisher | None = None
+        self._events_endpoint: str | None = None
+        self._replay_endpoint: str | None = None
         self._streams: dict[str, TokenStream] = {}
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
@@ -173,6 +175,8 @@ class MockEngine:
                 data_parallel_rank=0,
                 bind=True,
             )
+            self._events_endpoint = self.publisher.endpoint
+            self._replay_endpoint = self.publisher.replay_endpoint
 
     async def start(self) -> None:
         """Open the event sockets (if configured) and start the step loop; idempotent."""
@@ -196,11 +200,12 @@ class MockEngine:
 
     @property
     def events_endpoint(self) -> str | None:
-        return self.publisher.endpoint if self.publisher else None
+        """Where KV events are published (the bound address, port 0 resolved); kept after stop()."""
+        return self._events_endpoint
 
     @property
     def replay_endpoint(self) -> str | None:
-        return self.publisher.replay_endpoint if self.publisher else None
+        return self._replay_endpoint
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -263,8 +268,8 @@ class MockEngine:
             "model": cfg.model,
             "block_size": cfg.block_size,
             "dp_size": 1,
-            "kv_events_endpoints": [self.events_endpoint] if self.publisher else [],
-            "kv_replay_endpoints": [self.replay_endpoint] if self.publisher else [],
+            "kv_events_endpoints": [self._events_endpoint] if self._events_endpoint else [],
+            "kv_replay_endpoints": [self._replay_endpoint] if self._events_endpoint else [],
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "total_kv_blocks": cfg.num_blocks,
             "priority_polarity": "lower_first" if cfg.scheduling_policy == "priority" else "none",

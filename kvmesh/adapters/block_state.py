@@ -8,7 +8,11 @@ loads the dump and resumes the live stream right after that sequence.
 
 Engine-agnostic: it only reads kvmesh's wire structs. Blocks are keyed by ``(group, hash)`` so
 that hybrid models, whose KV-cache groups publish the same hash once per group, keep one entry
-per group exactly as their events describe them.
+per group exactly as their events describe them. A hash stored twice without a removal in between
+counts twice: vLLM caches a second physical block under the same hash when it recomputes the last
+block of a fully cached prompt, and removes (and reports) each copy separately, so the hash stays
+cached until its last copy goes. (vLLM's opt-in ``kv_cache_report_mode="full"`` re-announces reused
+blocks without a matching removal; this state would then keep them too long.)
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class CachedBlockState:
 
     def __init__(self) -> None:
         self._blocks: dict[_Key, _Block] = {}
+        self._copies: dict[_Key, int] = {}  # extra copies of a key beyond the first
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -64,6 +69,7 @@ class CachedBlockState:
 
     def apply(self, events: Iterable[Event]) -> None:
         blocks = self._blocks
+        copies = self._copies
         for event in events:
             if isinstance(event, BlockStored):
                 group = _group(event)
@@ -71,7 +77,10 @@ class CachedBlockState:
                 tokens = event.token_ids
                 parent = event.parent_block_hash
                 for i, engine_hash in enumerate(event.block_hashes):
-                    blocks[(group, engine_hash)] = _Block(
+                    key = (group, engine_hash)
+                    if key in blocks:
+                        copies[key] = copies.get(key, 0) + 1
+                    blocks[key] = _Block(
                         parent=parent,
                         token_ids=tuple(tokens[i * size : (i + 1) * size]),
                         block_size=size,
@@ -84,12 +93,19 @@ class CachedBlockState:
             elif isinstance(event, BlockRemoved):
                 group = _group(event)
                 for engine_hash in event.block_hashes:
-                    blocks.pop((group, engine_hash), None)
+                    key = (group, engine_hash)
+                    extra = copies.get(key)
+                    if extra:
+                        copies[key] = extra - 1
+                    else:
+                        copies.pop(key, None)
+                        blocks.pop(key, None)
             elif isinstance(event, AllBlocksCleared):
-                blocks.clear()
+                self.clear()
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._copies.clear()
 
     def dump(self) -> list[BlockStored]:
         """The cached blocks as BlockStored events, every parent before its children; a chain of

@@ -102,3 +102,17 @@ def test_replaying_the_dump_rebuilds_the_same_state() -> None:
     rebuilt.apply(decode_batch(encode_batch(EventBatch(0.0, list(dump)))).events)
     assert rebuilt.hashes() == state.hashes() == set(live)
     assert [e.token_ids for e in rebuilt.dump()] == [e.token_ids for e in dump]
+
+
+def test_a_hash_cached_twice_stays_until_its_last_copy_is_removed() -> None:
+    """vLLM caches a second block under the same hash when it recomputes a fully cached prompt's
+    last block, and reports each copy's eviction separately."""
+    state = CachedBlockState()
+    state.apply([stored([1, 2], None), stored([2], 1, first_token=2)])
+    state.apply([BlockRemoved(block_hashes=[2])])
+    assert state.hashes() == {1, 2}
+    state.apply([BlockRemoved(block_hashes=[2])])
+    assert state.hashes() == {1}
+    state.apply([stored([2], 1, first_token=2), AllBlocksCleared(), stored([2], 1, first_token=2)])
+    state.apply([BlockRemoved(block_hashes=[2])])
+    assert state.hashes() == set()

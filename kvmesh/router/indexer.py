@@ -28,11 +28,12 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import repeat
 from typing import Union
 
 from xxhash import xxh3_64_intdigest
 
-from kvmesh._types import EngineHash, Tier, WorkerKey
+from kvmesh._types import EngineHash, Tier, WorkerKey, tier_of_medium
 from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvmesh.hashing import block_hashes
 
@@ -40,6 +41,7 @@ CHUNK = 16
 _PACK = [struct.Struct(f"<{i}Q").pack for i in range(CHUNK + 1)]
 _ONE = _PACK[1]
 _LEVEL_OF_TIER = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.EXTERNAL: 2}
+_LEVEL_OF_MEDIUM: dict[str | None, int] = {None: 0, "GPU": 0, "CPU": 1, "CPU_PINNED": 1, "DISK": 2}
 # Levels a block is present at, from its stored tier bits (t0 device, t1 host, t2 disk).
 _LEVELS = [(1 if p & 1 else 0) | (2 if p & 3 else 0) | (4 if p else 0) for p in range(8)]
 _U64 = (1 << 64) - 1
@@ -50,18 +52,62 @@ STATUS_BLOCK_NOT_FOUND = "block_not_found"
 STATUS_INVALID = "invalid"
 
 
-class _Node:
-    __slots__ = ("children", "depth", "key", "parent", "reach", "seed", "stored", "tail")
+_SHIFT = 20
+_LOW = (1 << _SHIFT) - 1
+_ROOT = -1
+"""Handle of the empty prefix. A block's handle is ``segment id << 20 | index in the segment``."""
 
-    def __init__(self, key: int, parent: _Node | None, depth: int, seed: int, tail: bytes) -> None:
-        self.key = key
+
+class _Seg:
+    """A run of blocks stored together (one event's new blocks): parent -> b0 -> b1 -> ... -> bn-1.
+
+    ``full`` holds the le64 local hashes of the run, preceded by the in-chunk blocks before it
+    (``head`` blocks), so any block's chunk tail is a slice. Per-block state lives in two int lists;
+    children other than the next block in the run hang off ``branches[index]`` as segment ids.
+    Nothing here is a per-block Python object, so storing a run is a few bulk operations and the
+    cyclic GC has one object per run to look at.
+    """
+
+    __slots__ = (
+        "branches",
+        "depth0",
+        "full",
+        "head",
+        "id",
+        "keys",
+        "live",
+        "n_branches",
+        "parent",
+        "reach",
+        "seed0",
+        "stored",
+    )
+
+    def __init__(
+        self,
+        sid: int,
+        parent: int,
+        depth0: int,
+        head: int,
+        full: bytes,
+        seed0: int,
+        keys: list[int],
+        stored: int,
+        reach: int,
+    ) -> None:
+        self.id = sid
         self.parent = parent
-        self.depth = depth
-        self.seed = seed
-        self.tail = tail
-        self.stored = 0
-        self.reach = 0
-        self.children: list[_Node] | None = None
+        self.depth0 = depth0
+        self.head = head
+        self.full = full
+        self.seed0 = seed0
+        self.keys = keys
+        n = len(keys)
+        self.stored = [stored] * n
+        self.reach = [reach] * n
+        self.live = n if stored else 0
+        self.branches: dict[int, list[int]] | None = None
+        self.n_branches = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +120,17 @@ class TierDepths:
 
 
 class _ChainIndex:
-    """Nodes, slots and the reach bits; the variants add how entries come and go."""
+    """Segments, slots and the reach bits; the variants add how entries come and go."""
 
     def __init__(self) -> None:
-        self._root = _Node(0, None, 0, 0, b"")
-        self._root.reach = -1  # every slot reaches the empty prefix at every level
-        self._nodes: dict[int, _Node] = {}
+        self._nodes: dict[int, int] = {}  # prefix key -> handle
+        self._segs: dict[int, _Seg] = {}
+        self._next_seg = 0
         self._slot_of: dict[WorkerKey, int] = {}
         self._worker_of: list[WorkerKey | None] = []
         self._free: list[int] = []
         self._counts: list[int] = []
-        self._dups: dict[tuple[int, int, _Node], int] = {}
+        self._dups: dict[tuple[int, int, int], int] = {}
         self._level_bits = [0, 0, 0]  # bits of registered slots per level
         self._all_bits = 0
 
@@ -126,7 +172,7 @@ class _ChainIndex:
         return list(self._slot_of)
 
     def block_count(self, worker: WorkerKey) -> int:
-        """Entries indexed for a worker (tree size, for tie-breaks and snapshots)."""
+        """Blocks indexed for a worker (tree size, for tie-breaks and snapshots)."""
         slot = self._slot_of.get(worker)
         return 0 if slot is None else self._counts[slot]
 
@@ -139,49 +185,157 @@ class _ChainIndex:
 
     @property
     def node_count(self) -> int:
+        """Distinct prefixes with an entry in the key map (blocks of live segments)."""
         return len(self._nodes)
 
-    # ------------------------------------------------------------------ nodes
-    def _child(self, parent: _Node, local_hash: int) -> _Node:
-        depth = parent.depth + 1
-        if parent.depth % CHUNK == 0:
-            seed = parent.key
-            tail = _ONE(local_hash & _U64)
-        else:
-            seed = parent.seed
-            tail = parent.tail + _ONE(local_hash & _U64)
-        key = xxh3_64_intdigest(tail, seed)
-        node = self._nodes.get(key)
-        if node is None:
-            node = _Node(key, parent, depth, seed, tail)
-            self._nodes[key] = node
-            if parent.children is None:
-                parent.children = [node]
-            else:
-                parent.children.append(node)
-        return node
+    @property
+    def segment_count(self) -> int:
+        return len(self._segs)
 
-    def _path(self, node: _Node) -> list[int]:
-        """Local hashes from the root down to ``node`` (for dumps)."""
+    # ------------------------------------------------------------------ keys
+    def _origin(self, parent: int) -> tuple[int, int, bytes]:
+        """(depth, chunk seed, in-chunk head bytes) for blocks appended under ``parent``."""
+        if parent == _ROOT:
+            return 0, 0, b""
+        seg = self._segs[parent >> _SHIFT]
+        i = parent & _LOW
+        depth = seg.depth0 + i
+        if depth % CHUNK == 0:
+            return depth, seg.keys[i], b""
+        anchor = depth - depth % CHUNK
+        first = seg.depth0 - seg.head  # depth of the first block in ``full``
+        seed = seg.keys[anchor - seg.depth0] if anchor >= seg.depth0 else seg.seed0
+        return depth, seed, seg.full[(anchor + 1 - first) * 8 : (depth + 1 - first) * 8]
+
+    def _run_keys(
+        self, depth: int, seed: int, head: bytes, locals_: Sequence[int]
+    ) -> tuple[list[int], bytes]:
+        """Prefix keys of ``locals_`` appended at ``depth``: one xxh3 over a chunk-tail slice per block,
+        iterated in C (map over cached slice objects) because this runs for every stored block."""
+        n = len(locals_)
+        full = head + _packer(n)(*locals_)
+        keys: list[int] = []
+        pos = len(head) // 8  # block offset in ``full`` of the next block
+        base = 0  # block offset of the current chunk's first block
+        d = depth
+        getitem = full.__getitem__
+        while len(keys) < n:
+            if d % CHUNK == 0 and keys:
+                seed = keys[-1]
+                base = pos
+            stop = min(n - len(keys), CHUNK - d % CHUNK)
+            keys += map(xxh3_64_intdigest, map(getitem, _slices(base, pos - base, stop)), repeat(seed, stop))
+            pos += stop
+            d += stop
+        return keys, full
+
+    def _insert_run(
+        self, parent: int, locals_: Sequence[int], slot: int | None, tier: int, *, dup_ok: bool = True
+    ) -> list[int]:
+        """Handles of the run ``locals_`` under ``parent``: existing blocks get the slot's tier bit via
+        ``_add``; the new tail becomes one segment, its bits set in bulk. ``slot=None`` only builds
+        the structure; ``dup_ok=False`` leaves blocks that already carry the bit alone."""
+        depth, seed, head = self._origin(parent)
+        keys, full = self._run_keys(depth, seed, head, locals_)
+        nodes = self._nodes
+        # existing prefixes are prefix-closed (a segment only dies whole), so bisect for the first new one
+        lo, hi = 0, len(keys)
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if keys[mid] in nodes:
+                lo = mid + 1
+            else:
+                hi = mid
+        handles = [nodes[k] for k in keys[:lo]]
+        if slot is not None:
+            bit = 1 << (3 * slot + tier)
+            segs = self._segs
+            for h in handles:
+                if dup_ok or not segs[h >> _SHIFT].stored[h & _LOW] & bit:
+                    self._add(slot, tier, h)
+        if lo == len(keys):
+            return handles
+        at = handles[-1] if handles else parent
+        if slot is None:
+            stored = reach = 0
+        else:
+            shift = 3 * slot
+            stored = 1 << (shift + tier)
+            reach = (_LEVELS[1 << tier] & (self._reach_of(at) >> shift) & 7) << shift
+        sid = self._next_seg
+        self._next_seg += 1
+        new = keys[lo:]
+        cut = len(head) // 8 + lo
+        # the new segment's head: in-chunk blocks before its first block
+        first_depth = depth + lo + 1
+        chunk_first = first_depth - (first_depth - 1) % CHUNK
+        head_blocks = first_depth - chunk_first
+        seg_seed = seed if lo == 0 else self._seed_for(keys, lo, depth, seed)
+        seg = _Seg(
+            sid, at, first_depth, head_blocks, full[(cut - head_blocks) * 8 :], seg_seed, new, stored, reach
+        )
+        self._segs[sid] = seg
+        base = sid << _SHIFT
+        fresh = list(range(base, base + len(new)))  # one int object per block, shared by both maps
+        nodes.update(zip(new, fresh, strict=True))
+        self._link(at, sid)
+        if slot is not None:
+            self._counts[slot] += len(new)
+        handles += fresh
+        return handles
+
+    @staticmethod
+    def _seed_for(keys: list[int], lo: int, depth: int, seed: int) -> int:
+        """Chunk seed of the block ``keys[lo]`` (at depth ``depth + lo + 1``) within a run."""
+        d = depth + lo + 1
+        anchor = d - 1 - (d - 1) % CHUNK  # depth of the anchor before that block's chunk
+        return keys[anchor - depth - 1] if anchor > depth else seed
+
+    def _link(self, parent: int, sid: int) -> None:
+        if parent == _ROOT:
+            return
+        pseg = self._segs[parent >> _SHIFT]
+        if pseg.branches is None:
+            pseg.branches = {}
+        pseg.branches.setdefault(parent & _LOW, []).append(sid)
+        pseg.n_branches += 1
+
+    def _reach_of(self, h: int) -> int:
+        if h == _ROOT:
+            return -1  # every slot reaches the empty prefix at every level
+        return self._segs[h >> _SHIFT].reach[h & _LOW]
+
+    def _path(self, h: int) -> list[int]:
+        """Local hashes from the root down to block ``h`` (for dumps)."""
+        parts: list[tuple[int, ...]] = []
+        while h != _ROOT:
+            seg = self._segs[h >> _SHIFT]
+            i = h & _LOW
+            parts.append(struct.unpack_from(f"<{i + 1}Q", seg.full, seg.head * 8))
+            h = seg.parent
         out: list[int] = []
-        while node.parent is not None:
-            out.append(struct.unpack_from("<Q", node.tail, len(node.tail) - 8)[0])
-            node = node.parent
-        out.reverse()
+        for part in reversed(parts):
+            out += part
         return out
 
-    def _add(self, slot: int, tier: int, node: _Node) -> None:
+    # ------------------------------------------------------------------ entries
+    def _add(self, slot: int, tier: int, h: int) -> None:
+        seg = self._segs[h >> _SHIFT]
+        i = h & _LOW
         bit = 1 << (3 * slot + tier)
-        if node.stored & bit:
-            k = (slot, tier, node)
+        old = seg.stored[i]
+        if old & bit:
+            k = (slot, tier, h)
             self._dups[k] = self._dups.get(k, 0) + 1
             return
-        node.stored |= bit
+        if not old:
+            seg.live += 1
+        seg.stored[i] = old | bit
         self._counts[slot] += 1
-        self._refresh(node, slot)
+        self._refresh(seg, i, slot)
 
-    def _remove(self, slot: int, tier: int, node: _Node) -> None:
-        k = (slot, tier, node)
+    def _remove(self, slot: int, tier: int, h: int) -> None:
+        k = (slot, tier, h)
         extra = self._dups.get(k)
         if extra:
             if extra == 1:
@@ -189,55 +343,79 @@ class _ChainIndex:
             else:
                 self._dups[k] = extra - 1
             return
-        node.stored &= ~(1 << (3 * slot + tier))
+        seg = self._segs[h >> _SHIFT]
+        i = h & _LOW
+        seg.stored[i] &= ~(1 << (3 * slot + tier))
         self._counts[slot] -= 1
-        self._refresh(node, slot)
-        self._collect(node)
+        if not seg.stored[i]:
+            seg.live -= 1
+        self._refresh(seg, i, slot)
+        self._collect(seg)
 
-    def _refresh(self, node: _Node, slot: int) -> None:
-        """Recompute ``slot``'s reach bits at ``node`` and push changes down to its descendants."""
+    def _refresh(self, seg: _Seg, i: int, slot: int) -> None:
+        """Recompute ``slot``'s reach bits at block (seg, i) and push changes down its descendants."""
         shift = 3 * slot
         clear = ~(7 << shift)
-        stack = [node]
+        segs = self._segs
+        stack = [(seg, i)]
         while stack:
-            n = stack.pop()
-            parent = n.parent
-            assert parent is not None
-            new = _LEVELS[(n.stored >> shift) & 7] & (parent.reach >> shift) & 7
-            if new == (n.reach >> shift) & 7:
+            s, j = stack.pop()
+            parent_reach = s.reach[j - 1] if j else self._reach_of(s.parent)
+            new = _LEVELS[(s.stored[j] >> shift) & 7] & (parent_reach >> shift) & 7
+            old = s.reach[j]
+            if new == (old >> shift) & 7:
                 continue
-            n.reach = (n.reach & clear) | (new << shift)
-            if n.children:
-                for child in n.children:
-                    if (child.stored >> shift) & 7:
-                        stack.append(child)
+            s.reach[j] = (old & clear) | (new << shift)
+            if j + 1 < len(s.keys) and (s.stored[j + 1] >> shift) & 7:
+                stack.append((s, j + 1))
+            if s.branches is not None:
+                for sid in s.branches.get(j, ()):
+                    child = segs[sid]
+                    if (child.stored[0] >> shift) & 7:
+                        stack.append((child, 0))
 
-    def _collect(self, node: _Node) -> None:
-        """Free nodes nobody holds and nothing hangs under, walking up."""
-        while node.parent is not None and not node.stored and not node.children:
-            parent = node.parent
-            del self._nodes[node.key]
-            assert parent.children is not None
-            parent.children.remove(node)
-            if not parent.children:
-                parent.children = None
-            node = parent
+    def _collect(self, seg: _Seg) -> None:
+        """Free segments nobody holds a block of and nothing hangs under, walking up."""
+        nodes = self._nodes
+        while not seg.live and not seg.n_branches:
+            for k in seg.keys:
+                del nodes[k]
+            del self._segs[seg.id]
+            if seg.parent == _ROOT:
+                return
+            pseg = self._segs[seg.parent >> _SHIFT]
+            assert pseg.branches is not None
+            i = seg.parent & _LOW
+            siblings = pseg.branches[i]
+            siblings.remove(seg.id)
+            if not siblings:
+                del pseg.branches[i]
+            pseg.n_branches -= 1
+            seg = pseg
 
     # ------------------------------------------------------------------ queries
+    def _probe(self, key: int, bits: int) -> int:
+        h = self._nodes.get(key)
+        if h is None:
+            return 0
+        return self._segs[h >> _SHIFT].reach[h & _LOW] & bits
+
     def _match_bits(self, hashes: Sequence[int], alive: int) -> dict[int, int]:
-        """Depth of every bit in ``alive``: the deepest query prefix whose node has that reach bit."""
+        """Depth of every bit in ``alive``: the deepest query prefix whose block has that reach bit."""
         depths: dict[int, int] = {}
         n = len(hashes)
         if not alive or n == 0:
             return depths
         nodes_get = self._nodes.get
+        segs = self._segs
         seed = 0
         start = 0
         while True:
             end = start + CHUNK if start + CHUNK < n else n
             chunk = _PACK[end - start](*hashes[start:end])
-            node = nodes_get(xxh3_64_intdigest(chunk, seed))
-            reached = (node.reach & alive) if node is not None else 0
+            key = xxh3_64_intdigest(chunk, seed)
+            h = nodes_get(key)
+            reached = (segs[h >> _SHIFT].reach[h & _LOW] & alive) if h is not None else 0
             dropped = alive & ~reached
             if dropped:
                 self._bisect(chunk, seed, start, end, dropped, depths)
@@ -247,21 +425,19 @@ class _ChainIndex:
             if end == n:
                 _assign(alive, n, depths)
                 return depths
-            assert node is not None
-            seed = node.key
+            seed = key
             start = end
 
     def _bisect(self, chunk: bytes, seed: int, lo: int, hi: int, bits: int, depths: dict[int, int]) -> None:
         # invariant for each entry: every bit is set at depth lo and clear at depth hi
-        nodes_get = self._nodes.get
+        start = lo
+        probe = self._probe
         stack = [(lo, hi, bits)]
         while stack:
             lo, hi, bits = stack.pop()
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
-                off = (mid - 1) // CHUNK * CHUNK
-                node = nodes_get(xxh3_64_intdigest(chunk[: 8 * (mid - off)], seed))
-                up = (node.reach & bits) if node is not None else 0
+                up = probe(xxh3_64_intdigest(chunk[: 8 * (mid - start)], seed), bits)
                 if up and up != bits:
                     stack.append((mid, hi, up))
                     bits &= ~up
@@ -291,10 +467,6 @@ class _ChainIndex:
                 per_slot.setdefault(bit // 3, [0, 0, 0])[bit % 3] = depth
         worker_of = self._worker_of
         return {worker_of[s]: TierDepths(*d) for s, d in per_slot.items()}  # type: ignore[misc]
-
-    def _drop_slot_entries(self, slot: int, entries: Iterable[tuple[int, _Node]]) -> None:
-        for tier, node in entries:
-            self._remove(slot, tier, node)
 
 
 def _assign(bits: int, depth: int, depths: dict[int, int]) -> None:
@@ -334,9 +506,7 @@ class PrefixIndex(_ChainIndex):
         self.block_size = block_size
         self.max_entries = max_entries
         self.prune_target_ratio = prune_target_ratio
-        self._engine: list[
-            tuple[dict[EngineHash, _Node], dict[EngineHash, _Node], dict[EngineHash, _Node]]
-        ] = []
+        self._engine: list[tuple[dict[EngineHash, int], dict[EngineHash, int], dict[EngineHash, int]]] = []
         self.applied: dict[tuple[str, str], int] = {}
         self.pruned_blocks = 0
         self._total = 0
@@ -367,11 +537,15 @@ class PrefixIndex(_ChainIndex):
         maps = self._engine[slot]
         parent_hash = event.parent_block_hash
         if parent_hash is None:
-            parent = self._root
+            parent = _ROOT
         else:
-            found = maps[0].get(parent_hash) or maps[1].get(parent_hash) or maps[2].get(parent_hash)
+            found = maps[0].get(parent_hash)
             if found is None:
-                return STATUS_PARENT_NOT_FOUND
+                found = maps[1].get(parent_hash)
+                if found is None:
+                    found = maps[2].get(parent_hash)
+                    if found is None:
+                        return STATUS_PARENT_NOT_FOUND
             parent = found
         block_size = event.block_size or self.block_size
         if not block_size or block_size <= 0:
@@ -385,92 +559,70 @@ class PrefixIndex(_ChainIndex):
         except (OverflowError, TypeError, ValueError):
             return STATUS_INVALID
         engine = event.block_hashes
-        if len(locals_) < len(engine):
-            return STATUS_INVALID
-        self._store_chain(slot, _LEVEL_OF_TIER[event.tier], parent, engine, locals_)
+        if len(locals_) < len(engine) or not engine:
+            return STATUS_INVALID if engine else STATUS_OK
+        medium = event.medium or None
+        tier = _LEVEL_OF_MEDIUM.get(medium)  # type: ignore[arg-type]
+        if tier is None:
+            tier = _LEVEL_OF_TIER[tier_of_medium(medium)]  # type: ignore[arg-type]
+        self._store_run(
+            slot, tier, parent, engine, locals_ if len(locals_) == len(engine) else locals_[: len(engine)]
+        )
         return STATUS_OK
 
-    def _store_chain(
-        self, slot: int, tier: int, parent: _Node, engine: Sequence[EngineHash], locals_: Sequence[int]
+    def _store_run(
+        self, slot: int, tier: int, parent: int, engine: Sequence[EngineHash], locals_: Sequence[int]
     ) -> None:
-        # Hot path (every engine step): keys of the whole run come from one packed buffer, and a
-        # freshly created node gets its bits directly (it has no descendants to push reach to).
+        handles = self._insert_run(parent, locals_, slot, tier)
         emap = self._engine[slot][tier]
-        nodes = self._nodes
-        shift = 3 * slot
-        tier_bit = 1 << (shift + tier)
-        level_bits = _LEVELS[1 << tier]
-        n = len(engine)
-        depth = parent.depth
-        if depth % CHUNK:
-            seed = parent.seed
-            head = parent.tail
-        else:
-            seed = parent.key
-            head = b""
-        buf = head + _packer(n)(*locals_[:n])
-        base = 0
-        end = len(head)
-        added = 0
-        for eh in engine:
-            if depth and depth % CHUNK == 0:
-                seed = parent.key
-                base = end
-            depth += 1
-            end += 8
-            tail = buf[base:end]
-            key = xxh3_64_intdigest(tail, seed)
-            node = nodes.get(key)
-            if node is None:
-                node = _Node(key, parent, depth, seed, tail)
-                nodes[key] = node
-                if parent.children is None:
-                    parent.children = [node]
-                else:
-                    parent.children.append(node)
-                old = emap.get(eh)
-                emap[eh] = node
-                node.stored = tier_bit
-                node.reach = (level_bits & (parent.reach >> shift) & 7) << shift
-                self._counts[slot] += 1
-                added += 1
-                if old is not None:
-                    self._remove(slot, tier, old)
-                    added -= 1
+        if emap.keys().isdisjoint(engine):
+            # the common case, in bulk: no hash of this run was known before
+            before = len(emap)
+            emap.update(zip(engine, handles, strict=True))
+            self._total += len(emap) - before
+            if len(emap) - before != len(engine):
+                # a hash repeated inside the run: the later block wins, as if applied one by one
+                seen: dict[EngineHash, int] = {}
+                for eh, h in zip(engine, handles, strict=True):
+                    prev = seen.get(eh)
+                    if prev is not None:
+                        self._remove(slot, tier, prev)
+                    seen[eh] = h
+            return
+        for eh, h in zip(engine, handles, strict=True):
+            old = emap.get(eh)
+            emap[eh] = h
+            if old is None:
+                self._total += 1
             else:
-                old = emap.get(eh)
-                if old is not node:
-                    emap[eh] = node
-                    self._add(slot, tier, node)  # before the removal, so ``node`` cannot be collected
-                    added += 1
-                    if old is not None:
-                        self._remove(slot, tier, old)
-                        added -= 1
-            parent = node
-        self._total += added
+                # the hash now names another block (or the same one: this undoes the extra count)
+                self._remove(slot, tier, old)
 
     def _removed(self, slot: int, event: BlockRemoved) -> str:
         tier = _LEVEL_OF_TIER[event.tier]
         emap = self._engine[slot][tier]
         status = STATUS_OK
         for eh in event.block_hashes:
-            node = emap.pop(eh, None)
-            if node is None:
+            h = emap.pop(eh, None)
+            if h is None:
                 status = STATUS_BLOCK_NOT_FOUND
                 continue
-            self._remove(slot, tier, node)
+            self._remove(slot, tier, h)
             self._total -= 1
         return status
 
+    def _depth_of(self, h: int) -> int:
+        return self._segs[h >> _SHIFT].depth0 + (h & _LOW)
+
     def _clear_slot(self, slot: int) -> None:
         for tier, emap in enumerate(self._engine[slot]):
-            nodes = list(emap.values())
+            handles = list(emap.values())
             emap.clear()
-            self._total -= len(nodes)
+            self._total -= len(handles)
             # children first, so the reach push-down stays local
-            nodes.sort(key=_depth, reverse=True)
-            for node in nodes:
-                self._remove(slot, tier, node)
+            handles.sort(key=self._depth_of, reverse=True)
+            for h in handles:
+                self._remove(slot, tier, h)
 
     def _prune(self) -> None:
         target = int(self.max_entries * self.prune_target_ratio)
@@ -479,8 +631,8 @@ class PrefixIndex(_ChainIndex):
             for tier, emap in enumerate(self._engine[slot]):
                 if emap:
                     eh = next(iter(emap))
-                    node = emap.pop(eh)
-                    self._remove(slot, tier, node)
+                    h = emap.pop(eh)
+                    self._remove(slot, tier, h)
                     self._total -= 1
                     self.pruned_blocks += 1
                     break
@@ -505,26 +657,27 @@ class PrefixIndex(_ChainIndex):
     def dump(self) -> list[DumpedBlock]:
         """Every entry, parents before children; ``load`` of it rebuilds an identical index."""
         out: list[tuple[int, DumpedBlock]] = []
-        paths: dict[_Node, tuple[int, ...]] = {}
+        paths: dict[int, tuple[int, ...]] = {}
         for worker, slot in self._slot_of.items():
             for tier, emap in enumerate(self._engine[slot]):
-                for eh, node in emap.items():
-                    path = paths.get(node)
+                for eh, h in emap.items():
+                    path = paths.get(h)
                     if path is None:
-                        path = paths[node] = tuple(self._path(node))
-                    out.append((node.depth, DumpedBlock(worker, eh, _TIERS[tier], path)))
+                        path = paths[h] = tuple(self._path(h))
+                    out.append((len(path), DumpedBlock(worker, eh, _TIERS[tier], path)))
         out.sort(key=lambda x: x[0])
         return [b for _, b in out]
 
     def load(self, blocks: Iterable[DumpedBlock]) -> None:
         for b in blocks:
             slot = self._slot(b.worker)
-            tier = _LEVEL_OF_TIER[b.tier]
-            parent = self._root
-            for lh in b.path[:-1]:
-                parent = self._child(parent, lh)
-            self._store_chain(slot, tier, parent, (b.engine_hash,), (b.path[-1],))
-            # _store_chain created nodes along the path; unused ones are collected with the entry
+            parent = _ROOT
+            if len(b.path) > 1:
+                # the parent prefix may be held by nobody (an orphaned entry): build it bare
+                parent = self._insert_run(_ROOT, b.path[:-1], None, 0)[-1]
+            self._store_run(slot, _LEVEL_OF_TIER[b.tier], parent, (b.engine_hash,), (b.path[-1],))
+            if len(b.path) > 1:
+                self._collect(self._segs[parent >> _SHIFT])
 
     def load_stored(self, worker: WorkerKey, events: Iterable[BlockStored]) -> None:
         """Cold start from a worker's ``kv_state``: replace its state with these stored events."""
@@ -532,13 +685,15 @@ class PrefixIndex(_ChainIndex):
         self.apply(worker, events)
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=4096)
+def _slices(base: int, first: int, count: int) -> tuple[slice, ...]:
+    """Byte slices of the chunk tails ending at blocks ``base+first .. base+first+count-1``."""
+    return tuple(slice(base * 8, (base + i + 1) * 8) for i in range(first, first + count))
+
+
+@lru_cache(maxsize=1024)
 def _packer(n: int) -> Callable[..., bytes]:
     return struct.Struct(f"<{n}Q").pack
-
-
-def _depth(node: _Node) -> int:
-    return node.depth
 
 
 # ---------------------------------------------------------------------- approximate index
@@ -557,30 +712,30 @@ class ApproxIndex(_ChainIndex):
         self.ttl = ttl
         self.max_blocks = max_blocks
         self.prune_target_ratio = prune_target_ratio
-        # (slot, node) -> expiry; insertion order is expiry order because ttl is fixed and
+        # (handle << 10 | slot) -> expiry; insertion order is expiry order because ttl is fixed and
         # ``now`` never goes back (a refresh moves the entry to the end).
-        self._expiry: dict[tuple[int, _Node], float] = {}
+        self._expiry: dict[int, float] = {}
         self.pruned_blocks = 0
         self.expired_blocks = 0
 
     def record(self, worker: WorkerKey, local_hashes: Sequence[int], now: float) -> None:
         """Remember that ``worker`` now holds this prefix (refreshing the TTL of known blocks)."""
+        if not local_hashes:
+            return
         slot = self._slot(worker)
+        if slot >= 1024:
+            raise ValueError("the approximate index supports at most 1024 (worker, dp_rank) slots")
         expiry = self._expiry
         until = now + self.ttl
-        parent = self._root
-        bit = 1 << (3 * slot)
-        for lh in local_hashes:
-            node = self._child(parent, lh)
-            k = (slot, node)
-            if node.stored & bit:
-                del expiry[k]
-            else:
-                self._add(slot, 0, node)
+        for h in self._insert_run(_ROOT, local_hashes, slot, 0, dup_ok=False):
+            k = (h << 10) | slot
+            expiry.pop(k, None)
             expiry[k] = until
-            parent = node
         if len(expiry) > self.max_blocks:
             self._prune(int(self.max_blocks * self.prune_target_ratio))
+
+    def _drop(self, k: int) -> None:
+        self._remove(k & 1023, 0, k >> 10)
 
     def expire(self, now: float) -> int:
         """Drop entries whose TTL has passed; returns how many."""
@@ -591,7 +746,7 @@ class ApproxIndex(_ChainIndex):
             if expiry[k] > now:
                 break
             del expiry[k]
-            self._remove(k[0], 0, k[1])
+            self._drop(k)
             gone += 1
         self.expired_blocks += gone
         return gone
@@ -601,18 +756,19 @@ class ApproxIndex(_ChainIndex):
         while len(expiry) > target:
             k = next(iter(expiry))
             del expiry[k]
-            self._remove(k[0], 0, k[1])
+            self._drop(k)
             self.pruned_blocks += 1
 
     def remove_worker(self, worker: WorkerKey) -> None:
         slot = self._slot_of.get(worker)
         if slot is None:
             return
-        mine = [k for k in self._expiry if k[0] == slot]
-        mine.sort(key=lambda k: k[1].depth, reverse=True)
+        mine = [k for k in self._expiry if k & 1023 == slot]
+        segs = self._segs
+        mine.sort(key=lambda k: segs[k >> (10 + _SHIFT)].depth0 + ((k >> 10) & _LOW), reverse=True)
         for k in mine:
             del self._expiry[k]
-            self._remove(slot, 0, k[1])
+            self._drop(k)
         self._release_slot(slot)
 
     def clear(self) -> None:

@@ -210,7 +210,7 @@ def test_removing_everything_frees_every_node(ops: list) -> None:
     index, _ = run_ops(ops)
     for w in WORKERS:
         index.apply(w, [AllBlocksCleared()])
-    assert index.node_count == 0
+    assert index.segment_count == 0
     assert index.total_entries == 0
 
 
@@ -275,7 +275,7 @@ def test_more_engine_hashes_than_full_blocks_is_invalid_not_a_crash() -> None:
     index = PrefixIndex(block_size=B)
     index.apply(("a", 0), [BlockStored([1, 2, 3], None, tokens(1, 2), B)])
     assert index.applied == {("stored", "invalid"): 1}
-    assert index.node_count == 0
+    assert index.segment_count == 0
 
 
 def test_the_block_budget_prunes_oldest_entries_and_counts_them() -> None:
@@ -309,7 +309,7 @@ def test_approx_entries_expire_after_their_ttl_and_a_reroute_refreshes_them() ->
     index.expire(15.0)
     assert index.find_matches(hashes) == {}
     assert index.size == 0
-    assert index.node_count == 0
+    assert index.segment_count == 0
 
 
 def test_approx_size_cap_prunes_earliest_expiry_first_to_the_target_ratio() -> None:

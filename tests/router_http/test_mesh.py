@@ -39,9 +39,8 @@ async def test_shared_prefix_follows_the_events_whichever_engine_is_asked() -> N
             # the engine confirms the hit the router predicted
             usage = data["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.8 * usage["prompt_tokens"]
-        # the answer came back through the replica that was asked, the engine that served is `first`
-        served = [n for n in nodes if n.url == first][0]
-        assert served.engine.metrics is not None
+        # answers came back through whichever replica was asked; only `first` ever computed
+        assert [n.engine.steps > 0 for n in nodes] == [n.url == first for n in nodes]
 
 
 def _slow_events(engine: Any, delay: float) -> None:

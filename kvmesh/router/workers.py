@@ -286,7 +286,7 @@ class WorkerRegistry:
                         f"no /kvmesh/info ({e}); describe it in the config (block_size, kv_events_endpoints, "
                         "max_num_batched_tokens, total_kv_blocks) or use --router-mode round-robin"
                     ) from None
-                if not (spec.described or self._need_events):
+                if not (spec.described or self._need_events or self.is_local(w.worker_id)):
                     # A plain OpenAI server is enough here, but it must answer.
                     await self._probe(w)
         info = _merge(spec, raw if isinstance(raw, dict) else None, self.block_size or 16)

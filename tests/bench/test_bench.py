@@ -1,0 +1,91 @@
+"""kvmesh bench: deterministic workloads, the runner against a real loopback engine, the report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.bench import report
+from kvmesh.bench.runner import LoadSpec, RequestResult, RunResult, run_workload
+from kvmesh.bench.workloads import WORKLOADS, Answer, WorkloadSpec, build
+from kvmesh.mock.testing import run_mock
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workloads_are_deterministic(name: str) -> None:
+    a = build(WorkloadSpec(name, sessions=4, seed=3))
+    b = build(WorkloadSpec(name, sessions=4, seed=3))
+    c = build(WorkloadSpec(name, sessions=4, seed=4))
+    assert [s.next_step(None) for s in a] == [s.next_step(None) for s in b]
+    assert [s.messages for s in a] != [s.messages for s in c]
+
+
+def test_agentic_conversations_share_system_prompt_and_grow_turn_by_turn() -> None:
+    sessions = build(WorkloadSpec("agentic", sessions=4, turns=3, groups=2))
+    first = [s.next_step(None) for s in sessions]
+    assert first[0][0]["messages"][0] == first[2][0]["messages"][0]  # same agent type
+    assert first[0][0]["messages"][0] != first[1][0]["messages"][0]
+    assert first[0][0]["tools"] == first[2][0]["tools"]
+    second = sessions[0].next_step([Answer("the model said this", True)])
+    assert second is not None
+    messages = second[0]["messages"]
+    assert messages[: len(first[0][0]["messages"])] == first[0][0]["messages"]  # a pure extension
+    assert messages[-2] == {"role": "assistant", "content": "the model said this"}
+    assert sessions[0].next_step([Answer("", False)]) is None  # a failed turn ends the conversation
+
+
+def test_best_of_n_sends_bursts_of_identical_siblings() -> None:
+    (session,) = build(WorkloadSpec("best-of-n", sessions=1, burst=5))
+    burst = session.next_step(None)
+    assert burst is not None and len(burst) == 5 and all(b == burst[0] for b in burst)
+
+
+def test_percentiles_and_table() -> None:
+    assert report.percentile([], 50) is None
+    assert report.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    results = [
+        RequestResult("s", 1, "u", 0.0, ttft=0.1, latency=0.5, chunk_gaps=[0.01, 0.02], output_chunks=3,
+                      prompt_tokens=100, cached_tokens=50, completion_tokens=3, worker_id="w1"),
+        RequestResult("s", 2, "u", 0.5, ttft=0.3, latency=0.7, prompt_tokens=100, cached_tokens=0,
+                      completion_tokens=3, worker_id="w2"),
+        RequestResult("s", 3, "u", 0.9, error="HTTP 503: busy"),
+    ]  # fmt: skip
+    summary = report.summarize(RunResult("x", results, 2.0, 1))
+    assert summary["ok"] == 2 and summary["errors"] == 1
+    assert summary["prefix_hit_ratio"] == 0.25
+    assert summary["per_worker"] == {"w1": 1, "w2": 1}
+    assert summary["throughput_rps"] == 1.0
+    table = report.format_table([summary])
+    assert "TTFT p50 (ms)" in table and "200.0" in table and "25.0%" in table
+
+
+async def test_runner_against_a_mock_engine(tmp_path: Path) -> None:
+    async with run_mock(block_size=16, num_blocks=2048, speedup=50.0) as mock:
+        sessions = build(WorkloadSpec("agentic", sessions=4, turns=3, prefix_words=200, max_tokens=8))
+        run = await run_workload("agentic", sessions, LoadSpec(urls=(mock.base_url,), concurrency=2))
+    assert len(run.results) == 12 and all(r.ok for r in run.results), [r.error for r in run.results]
+    assert all(r.ttft is not None and r.ttft > 0 for r in run.results)
+    summary = report.summarize(run)
+    # later turns and later conversations of the same agent hit the mock's prefix cache
+    assert summary["prefix_hit_ratio"] > 0.5
+    path = report.write_plot([run], [summary], tmp_path / "plot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_bench_command_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    async with run_mock(block_size=16, speedup=50.0) as mock:
+        proc = await __import__("asyncio").create_subprocess_exec(
+            sys.executable, "-m", "kvmesh", "bench", "--url", mock.base_url, "--workload", "shared-prefix",
+            "--sessions", "6", "--concurrency", "3", "--max-tokens", "4", "--json", str(out), "--no-nvext",
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        stdout, stderr = await proc.communicate()
+    assert proc.returncode == 0, stderr.decode()
+    assert "TTFT p99 (ms)" in stdout.decode()
+    doc = json.loads(out.read_text())
+    assert doc["runs"][0]["summary"]["ok"] == 6

@@ -212,13 +212,16 @@ class BatchPublisher:
                 logger.warning("ignoring malformed replay request (%d frames)", len(frames))
                 continue
             client, _, start = frames
-            self._replay_from(client, int.from_bytes(start, "big"))
+            try:
+                self._replay_from(client, int.from_bytes(start, "big"))
+            except zmq.ZMQError as e:  # one client's trouble must not stop the publisher
+                logger.warning("replay to a subscriber failed: %s", e)
 
     def _replay_from(self, client: bytes, start_seq: int) -> None:
         assert self._replay is not None
         # Buffered sequence numbers are consecutive, so the start position is arithmetic.
         skip = max(0, start_seq - self._buffer[0][0]) if self._buffer else 0
-        for seq, payload in islice(self._buffer, skip, None):
+        for seq, payload in islice(self._buffer, min(skip, len(self._buffer)), None):
             self._replay.send_multipart((client, b"", self._topic, pack_seq(seq), payload))
         self._replay.send_multipart((client, b"", *end_marker_frames()))
 

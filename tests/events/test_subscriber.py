@@ -1,0 +1,484 @@
+"""EventSubscriber against real publishers on loopback tcp and ipc: every batch exactly once and
+in order through late starts, disconnects, lossy links, slow joiners, restarts and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+import pytest
+import zmq
+import zmq.asyncio
+from eventkit import Collector, free_tcp_port, make_batch
+
+from kvmesh.errors import ConfigError
+from kvmesh.events.publisher import BatchPublisher
+from kvmesh.events.subscriber import EventSubscriber
+from kvmesh.events.wire import encode_batch, pack_seq
+
+N = 10_000
+Endpoints = Callable[[str], str]
+
+
+@asynccontextmanager
+async def running(subscriber: EventSubscriber) -> AsyncIterator[EventSubscriber]:
+    subscriber.start()
+    try:
+        yield subscriber
+    finally:
+        await subscriber.stop()
+
+
+@contextmanager
+def publisher(endpoint: str, replay: str | None = None, **kwargs: object) -> Iterator[BatchPublisher]:
+    kwargs.setdefault("bind", True)
+    pub = BatchPublisher(endpoint, replay_endpoint=replay, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield pub
+    finally:
+        pub.close()
+
+
+def expected(seqs: range | list[int], salt: int = 0) -> list[tuple[int, object]]:
+    return [(i, make_batch(i, salt=salt)) for i in seqs]
+
+
+async def wait_sent(pub: BatchPublisher, seq: int) -> None:
+    """Wait until the sender thread has put ``seq`` on the wire: publish() only queues it, and a
+    test that means "before the subscriber connected" must know it has left. The replay socket
+    answers from the same thread, after sending, so it is the witness."""
+    assert pub.replay_endpoint is not None
+    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.replay_endpoint)
+    try:
+        for _ in range(500):
+            dealer.send_multipart([b"", pack_seq(seq)])
+            while True:
+                assert dealer.poll(5000)
+                frames = dealer.recv_multipart()
+                if frames[2] == pack_seq(seq):
+                    return
+                if frames[2] == b"\xff" * 8:
+                    break
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"seq {seq} was never sent")
+    finally:
+        dealer.close(linger=0)
+
+
+async def publish_paced(pub: BatchPublisher, seqs: range, *, every: int = 500, salt: int = 0) -> None:
+    """Publish, yielding to the event loop now and then so the subscriber runs concurrently."""
+    for i in seqs:
+        assert pub.publish(make_batch(i, salt=salt)) == i
+        if i % every == 0:
+            await asyncio.sleep(0.001)
+
+
+# --- 10,000 batches, exactly once and in order ----------------------------------------------
+
+
+async def test_late_subscriber_replays_what_it_missed(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
+        for i in range(N // 2):
+            pub.publish(make_batch(i))
+        await wait_sent(pub, N // 2 - 1)
+        sub = EventSubscriber(
+            pub.endpoint, got.on_batch, replay_endpoint=pub.replay_endpoint, on_reset=got.on_reset
+        )
+        async with running(sub):
+            await asyncio.sleep(0.1)  # connected, but the first half is long gone from the PUB socket
+            await publish_paced(pub, range(N // 2, N))
+            await got.wait_for(N)
+            await asyncio.sleep(0.05)  # nothing more, nothing twice
+    assert got.batches == expected(range(N))
+    assert got.resets == []
+    assert sub.stats.gaps >= 1 and sub.stats.replayed >= N // 2
+    assert sub.stats.delivered == N and sub.stats.malformed == 0 and sub.stats.unrecoverable == 0
+
+
+async def test_disconnect_mid_stream_then_reconnect(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
+        sub = EventSubscriber(
+            pub.endpoint, got.on_batch, replay_endpoint=pub.replay_endpoint, on_reset=got.on_reset
+        )
+        async with running(sub):
+            await asyncio.sleep(0.1)
+            await publish_paced(pub, range(3000))
+            await got.wait_for(3000)
+        # Disconnected: these go nowhere.
+        await publish_paced(pub, range(3000, 7000))
+        async with running(sub):
+            # Catches up through the replay socket at once, before any new live batch.
+            await got.wait_for(7000)
+            await publish_paced(pub, range(7000, N))
+            await got.wait_for(N)
+            await asyncio.sleep(0.05)
+    assert got.batches == expected(range(N))
+    assert got.resets == [] and sub.stats.replayed >= 4000
+
+
+class LossyForwarder:
+    """SUB -> PUB relay on a thread that drops every message whose seq % 20 == 7 (5%), except the
+    last one (nothing after it would reveal the gap)."""
+
+    def __init__(self, upstream: str, downstream: str, *, last_seq: int) -> None:
+        ctx = zmq.Context.instance()
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(upstream)
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self._pub.bind(downstream)
+        self.endpoint = downstream
+        self.last_seq = last_seq
+        self.dropped: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._sub.poll(20):
+                    continue
+                frames = self._sub.recv_multipart()
+                seq = int.from_bytes(frames[1], "big")
+                if seq % 20 == 7 and seq != self.last_seq:
+                    self.dropped.append(seq)
+                    continue
+                self._pub.send_multipart(frames)
+        finally:
+            self._sub.close(linger=0)
+            self._pub.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+async def test_lossy_link_is_repaired_through_replay(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
+        relay = LossyForwarder(pub.endpoint, endpoint_factory("relay"), last_seq=N - 1)
+        try:
+            sub = EventSubscriber(
+                relay.endpoint, got.on_batch, replay_endpoint=pub.replay_endpoint, on_reset=got.on_reset
+            )
+            async with running(sub):
+                await asyncio.sleep(0.2)  # relay and subscriber both connected
+                await publish_paced(pub, range(N), every=50)
+                await got.wait_for(N, timeout=30)
+                await asyncio.sleep(0.05)
+        finally:
+            relay.close()
+    assert relay.dropped == [s for s in range(N - 1) if s % 20 == 7]
+    assert got.batches == expected(range(N))
+    assert got.resets == []
+    assert sub.stats.replayed >= len(relay.dropped) and sub.stats.gaps >= 1
+
+
+# --- joining, restarting, resuming ----------------------------------------------------------
+
+
+async def test_slow_joiner_publisher_connecting_to_a_bound_subscriber(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    endpoint, replay = endpoint_factory("sub"), endpoint_factory("replay")
+    sub = EventSubscriber(endpoint, got.on_batch, replay_endpoint=replay, bind=True, on_reset=got.on_reset)
+    # The engine connects and publishes before the router has bound its address: ZMQ drops those.
+    with publisher(endpoint, replay, bind=False) as pub:
+        for i in range(100):
+            pub.publish(make_batch(i))
+        await asyncio.sleep(0.05)  # sent into the void
+        async with running(sub):
+            for i in range(100, 300):  # over ~1 s: ZMQ reconnects every 100 ms
+                pub.publish(make_batch(i))
+                await asyncio.sleep(0.005)
+            await got.wait_for(300)
+            await asyncio.sleep(0.05)
+    assert got.batches == expected(range(300))
+    assert got.resets == [] and sub.stats.replayed >= 100
+
+
+async def test_publisher_restart_resets_then_follows_the_new_stream(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    endpoint, replay = endpoint_factory("pub"), endpoint_factory("replay")
+    with publisher(endpoint, replay) as first:
+        sub = EventSubscriber(endpoint, got.on_batch, replay_endpoint=replay, on_reset=got.on_reset)
+        sub.start()
+        await asyncio.sleep(0.1)
+        await publish_paced(first, range(50), salt=1)
+        await got.wait_for(50)
+    try:
+        with publisher(endpoint, replay) as second:  # same addresses, sequence starts at 0 again
+            for i in range(30):
+                second.publish(make_batch(i, salt=2))
+                await asyncio.sleep(0.02)
+            await got.wait_for(80)
+            await asyncio.sleep(0.05)
+    finally:
+        await sub.stop()
+    assert got.batches == expected(range(50), salt=1) + expected(range(30), salt=2)
+    assert len(got.resets) == 1
+    assert got.resets[0].startswith("publisher restarted: sequence went back from 49 to ")
+    assert sub.stats.restarts == 1
+
+
+async def test_gap_beyond_the_replay_buffer_is_reported_unrecoverable(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay"), buffer_batches=10) as pub:
+        for i in range(100):
+            pub.publish(make_batch(i))
+        await wait_sent(pub, 99)
+        sub = EventSubscriber(
+            pub.endpoint, got.on_batch, replay_endpoint=pub.replay_endpoint, on_reset=got.on_reset
+        )
+        async with running(sub):
+            await asyncio.sleep(0.1)
+            pub.publish(make_batch(100))  # reveals the gap; the buffer now holds 91..100
+            await got.wait_for(10)
+            await asyncio.sleep(0.05)
+    assert got.resets == ["gap: seqs 0..90 are no longer in the publisher's replay buffer; unrecoverable"]
+    assert got.batches == expected(range(91, 101))
+    assert sub.stats.unrecoverable == 1
+
+
+async def test_gap_without_a_replay_endpoint(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
+        for i in range(5):
+            pub.publish(make_batch(i))
+        await wait_sent(pub, 4)
+        sub = EventSubscriber(
+            pub.endpoint, got.on_batch, on_reset=got.on_reset
+        )  # not told of the replay socket
+        async with running(sub):
+            await asyncio.sleep(0.1)
+            pub.publish(make_batch(5))
+            pub.publish(make_batch(6))
+            await got.wait_for(2)
+    assert got.resets == ["gap: expected seq 0, got 5; unrecoverable without a replay endpoint"]
+    assert got.batches == expected([5, 6])
+
+
+async def test_live_only_subscriber_starts_with_the_first_batch_it_sees(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
+        for i in range(5):
+            pub.publish(make_batch(i))
+        await wait_sent(pub, 4)
+        sub = EventSubscriber(
+            pub.endpoint, got.on_batch, replay_endpoint=pub.replay_endpoint, from_beginning=False
+        )
+        async with running(sub):
+            await asyncio.sleep(0.1)
+            pub.publish(make_batch(5))
+            pub.publish(make_batch(6))
+            await got.wait_for(2)
+            await asyncio.sleep(0.05)
+    assert got.batches == expected([5, 6]) and sub.stats.replayed == 0
+
+
+async def test_resume_from_catches_up_at_once_even_when_idle(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
+        for i in range(20):
+            pub.publish(make_batch(i))
+        sub = EventSubscriber(
+            pub.endpoint, got.on_batch, replay_endpoint=pub.replay_endpoint, on_reset=got.on_reset
+        )
+        sub.resume_from(9)  # e.g. the last_seq of a kv_state snapshot
+        async with running(sub):
+            await got.wait_for(10)  # no new batch was published: the replay came unasked
+            await asyncio.sleep(0.1)
+            pub.publish(make_batch(20))
+            await got.wait_for(11)
+    assert got.batches == expected(range(10, 21)) and got.resets == []
+
+
+async def test_replay_endpoint_that_never_answers(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    silent_replay = f"tcp://127.0.0.1:{free_tcp_port()}"
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
+        for i in range(5):
+            pub.publish(make_batch(i))
+        await wait_sent(pub, 4)
+        sub = EventSubscriber(
+            pub.endpoint,
+            got.on_batch,
+            replay_endpoint=silent_replay,
+            on_reset=got.on_reset,
+            replay_timeout=0.1,
+            replay_attempts=3,
+        )
+        async with running(sub):
+            await asyncio.sleep(0.1)
+            for i in range(5, 10):
+                pub.publish(make_batch(i))
+            await got.wait_for(5)
+    assert got.resets == ["gap: replay from seq 0 got no answer after 3 attempts; unrecoverable"]
+    assert got.batches == expected(range(5, 10))  # held during the replay attempts, then applied
+    assert sub.stats.replay_timeouts == 3
+
+
+# --- bad input, errors ----------------------------------------------------------------------
+
+
+@contextmanager
+def raw_publisher(endpoint: str) -> Iterator[zmq.Socket[bytes]]:
+    """An XPUB, so the test can wait until the subscription has arrived before sending."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.XPUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close(linger=0)
+
+
+async def wait_subscribed(xpub: zmq.Socket[bytes]) -> None:
+    for _ in range(500):
+        if xpub.poll(0):
+            assert xpub.recv()[:1] == b"\x01"
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no subscription arrived")
+
+
+async def test_malformed_messages_are_counted_and_the_next_good_batch_applies(
+    endpoint_factory: Endpoints, caplog: pytest.LogCaptureFixture
+) -> None:
+    got = Collector()
+    endpoint = endpoint_factory("pub")
+    with raw_publisher(endpoint) as xpub:
+        sub = EventSubscriber(endpoint, got.on_batch, on_reset=got.on_reset, name="worker-1")
+        async with running(sub):
+            await wait_subscribed(xpub)
+            good = lambda i: [b"", pack_seq(i), encode_batch(make_batch(i))]  # noqa: E731
+            for frames in [
+                good(0),
+                [b"", pack_seq(1)],  # two frames
+                [b"", b"\x00" * 7, encode_batch(make_batch(1))],  # short sequence frame
+                [b"", pack_seq(1), b"\xc1 not msgpack"],  # garbage payload, readable seq
+                [
+                    b"",
+                    pack_seq(2),
+                    encode_batch(make_batch(2)).replace(b"block_size\x04", b"block_size\xa14"),
+                ],
+                [b"", b"\xff" * 8, b""],  # a replay end marker has no business on the live socket
+                good(3),
+                good(4),
+            ]:
+                xpub.send_multipart(frames)
+            await got.wait_for(3)
+            await asyncio.sleep(0.05)
+    assert got.batches == expected([0, 3, 4])
+    assert got.resets == [] and sub.stats.gaps == 0
+    assert sub.stats.malformed == 5 and sub.stats.received == 8
+    warnings = [
+        r.getMessage() for r in caplog.records if r.name == "kvmesh.events" and r.levelno == logging.WARNING
+    ]
+    assert len(warnings) == 5
+    assert all(w.startswith("worker-1: dropping malformed KV-event batch") for w in warnings)
+    assert "KV-event message must have 3 frames, got 2" in warnings[0]
+    assert "sequence frame must be 8 bytes, got 7" in warnings[1]
+    assert "(seq 1): malformed KV-event payload" in warnings[2]
+    assert "(seq 2): malformed KV event #0: Expected `int`, got `str` - at `$.block_size`" in warnings[3]
+
+
+async def test_on_batch_errors_are_logged_and_the_stream_goes_on(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+
+    def on_batch(seq: int, batch: object) -> None:
+        got.on_batch(seq, batch)  # type: ignore[arg-type]
+        if seq == 2:
+            raise RuntimeError("index exploded")
+
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
+        sub = EventSubscriber(pub.endpoint, on_batch, replay_endpoint=pub.replay_endpoint)
+        async with running(sub):
+            await asyncio.sleep(0.1)
+            for i in range(5):
+                pub.publish(make_batch(i))
+            await got.wait_for(5)
+    assert got.seqs == [0, 1, 2, 3, 4] and sub.stats.callback_errors == 1
+
+
+async def test_socket_error_reconnects_with_back_off(
+    endpoint_factory: Endpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    got = Collector()
+    real_poll = zmq.asyncio.Poller.poll
+    failures = iter([False] * 3 + [True, True])  # fail the 4th and 5th polls, then behave
+
+    def flaky_poll(self: zmq.asyncio.Poller, timeout: int | None = None) -> object:
+        if next(failures, False):
+            raise zmq.ZMQError(errno.EIO, "injected failure")
+        return real_poll(self, timeout)
+
+    monkeypatch.setattr(zmq.asyncio.Poller, "poll", flaky_poll)
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
+        sub = EventSubscriber(
+            pub.endpoint,
+            got.on_batch,
+            replay_endpoint=pub.replay_endpoint,
+            on_reset=got.on_reset,
+            backoff_initial=0.05,
+        )
+        async with running(sub):
+            await asyncio.sleep(0.1)
+            for i in range(20):
+                pub.publish(make_batch(i))
+                await asyncio.sleep(0.01)
+            await got.wait_for(20)
+    assert got.batches == expected(range(20))
+    assert sub.stats.reconnects == 2 and got.resets == []
+
+
+async def test_topic_filter(endpoint_factory: Endpoints) -> None:
+    mine, other = Collector(), Collector()
+    with publisher(endpoint_factory("pub"), topic="kv-rank0") as pub:
+        subs = [
+            EventSubscriber(pub.endpoint, mine.on_batch, topic=b"kv-rank0"),
+            EventSubscriber(pub.endpoint, other.on_batch, topic=b"kv-rank1"),
+        ]
+        for s in subs:
+            s.start()
+        try:
+            await asyncio.sleep(0.1)
+            pub.publish(make_batch(0))
+            await mine.wait_for(1)
+            await asyncio.sleep(0.05)
+        finally:
+            for s in subs:
+                await s.stop()
+    assert mine.seqs == [0] and other.seqs == []
+
+
+async def test_inproc_between_publisher_thread_and_subscriber_loop() -> None:
+    got = Collector()
+    with publisher("inproc://kvmesh-sub-test", "inproc://kvmesh-sub-test-replay") as pub:
+        pub.publish(make_batch(0))
+        sub = EventSubscriber(
+            "inproc://kvmesh-sub-test", got.on_batch, replay_endpoint="inproc://kvmesh-sub-test-replay"
+        )
+        async with running(sub):
+            await asyncio.sleep(0.05)
+            pub.publish(make_batch(1))
+            await got.wait_for(2)
+    assert got.batches == expected(range(2))
+
+
+async def test_bad_endpoint_fails_run_with_config_error() -> None:
+    sub = EventSubscriber("tcp://nonsense", Collector().on_batch)
+    with pytest.raises(
+        ConfigError, match=r"^cannot connect to KV-event endpoint 'tcp://nonsense': Invalid argument"
+    ):
+        await sub.run()

@@ -139,7 +139,9 @@ async def test_vllm_events_reach_a_kvmesh_subscriber_unchanged_and_its_index_mat
         raw.close(linger=0)
 
     # The workload evicted (so removals were exercised) and re-cached hashes twice.
-    removed = sum(1 for payload in sent for e in decode_batch(payload).events if type(e).__name__ == "BlockRemoved")
+    removed = sum(
+        1 for payload in sent for e in decode_batch(payload).events if type(e).__name__ == "BlockRemoved"
+    )
     assert removed > 0
     # The router's index sees what vLLM's pool really holds: same block count, and for every
     # prompt the same prefix depth as vLLM's own prefix-cache lookup.
@@ -167,7 +169,11 @@ def test_kv_state_is_the_pools_cached_set_with_the_last_published_seq(publisher:
     cached = pool_hashes(manager)
     listed: set[int] = set()
     for event in stored:
-        assert event.parent_block_hash is None or event.parent_block_hash in listed or event.parent_block_hash not in cached
+        assert (
+            event.parent_block_hash is None
+            or event.parent_block_hash in listed
+            or event.parent_block_hash not in cached
+        )
         listed.update(event.block_hashes)  # type: ignore[arg-type]
     assert listed == cached
     # A router cold-starting from it matches vLLM's prefix-cache lookups.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import queue
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -238,5 +237,11 @@ class LoopbackEngineClient:
         return all(c.core.scheduler.kv_cache_manager.reset_prefix_cache() for c in self.engine_core.cores)
 
 
-def vllm_module_names() -> set[str]:
-    return {name for name in sys.modules if name == "vllm" or name.startswith("vllm.")}
+def use_cpu_platform(monkeypatch: Any) -> None:
+    """Make vLLM resolve its CPU platform, even if something resolved it before the env was set
+    (vLLM's argument parser builds a DeviceConfig, which needs a platform with a device type)."""
+    import vllm.platforms
+
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    if not vllm.platforms.current_platform.device_type:
+        monkeypatch.setattr(vllm.platforms, "_current_platform", None)

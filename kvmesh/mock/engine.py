@@ -41,6 +41,8 @@ from kvmesh.router.tokenizer import BuiltinTokenizer, Tokenizer
 
 logger = logging.getLogger("kvmesh.mock")
 
+_TIMER_SLACK = 0.002  # seconds a sleep may overshoot and still count as on time
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationParams:
@@ -151,6 +153,8 @@ class MockEngine:
             num_waiting=lambda: self.scheduler.num_waiting,
             kv_usage=lambda: self.pool.usage,
             num_retained=lambda: self.retention.num_retained,
+            modelled_seconds=lambda: self.modelled_seconds,
+            busy_seconds=lambda: self.busy_seconds,
         )
         self.publisher: KvEventPublisher | None = None
         self._events_endpoint: str | None = None
@@ -159,7 +163,10 @@ class MockEngine:
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Step time the model asked for vs the wall time steps really took: the loop's overhead.
         self.steps = 0
+        self.modelled_seconds = 0.0
+        self.busy_seconds = 0.0
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -350,6 +357,10 @@ class MockEngine:
         sched = self.scheduler
         speedup = self.config.speedup
         clock = self.clock
+        # Steps are laid end to end on a timeline, so the event loop's timer slack (epoll rounds
+        # timeouts up to the next millisecond) does not add up over thousands of short steps at a
+        # high --speedup. After an idle period or a real overrun the timeline restarts at "now".
+        timeline = clock()
         try:
             while True:
                 start = clock()
@@ -364,13 +375,19 @@ class MockEngine:
                     # wait for an abort, an expiry or a change instead of spinning.
                     await self._idle(deadline)
                     continue
-                delay = (
-                    start
-                    + step_seconds(out.num_prefill_tokens, out.num_emitting, self.pool.usage, speedup)
-                    - clock()
-                )
+                if start - timeline > _TIMER_SLACK:
+                    timeline = start
+                modelled = step_seconds(out.num_prefill_tokens, out.num_emitting, self.pool.usage, speedup)
+                timeline += modelled
+                delay = timeline - clock()
                 await asyncio.sleep(delay if delay > 0 else 0)
-                self._finish_step(out, clock())
+                end = clock()
+                self._finish_step(out, end)
+                self.modelled_seconds += modelled
+                self.busy_seconds += end - start
+                # Let the readers just woken run (and clients submit their next request) before
+                # the next step is scheduled, as a real engine takes new arrivals between steps.
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except Exception:  # pragma: no cover - a bug; fail every request loudly instead of hanging them

@@ -42,6 +42,8 @@ class EngineMetrics:
         num_waiting: Callable[[], float],
         kv_usage: Callable[[], float],
         num_retained: Callable[[], float],
+        modelled_seconds: Callable[[], float],
+        busy_seconds: Callable[[], float],
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
@@ -55,6 +57,13 @@ class EngineMetrics:
         gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", num_waiting)
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage)
         gauge("kvmesh_mock_retained_blocks", "KV blocks held by pins and open sessions.", num_retained)
+        # Their ratio is the simulation's fidelity: above 1, Python overhead stretches the steps.
+        gauge(
+            "kvmesh_mock_modelled_step_seconds",
+            "Sum of the step times the timing model asked for.",
+            modelled_seconds,
+        )
+        gauge("kvmesh_mock_busy_step_seconds", "Sum of the wall time the steps really took.", busy_seconds)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r).labels(model)  # type: ignore[no-any-return]

@@ -1,0 +1,121 @@
+"""``kvmesh mock`` as a real process, and its --middleware hook."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware.gzip import GZipMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.testclient import TestClient
+
+from kvmesh.errors import ConfigError
+from kvmesh.mock.engine import MockEngine
+from kvmesh.mock.server import add_middleware, build_app
+
+pytestmark = pytest.mark.e2e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_kvmesh_mock_serves_until_terminated() -> None:
+    port, events = _free_port(), _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvmesh",
+        "mock",
+        "--port",
+        str(port),
+        "--speedup",
+        "50",
+        "--num-blocks",
+        "256",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{events}",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "kvmesh mock did not come up"
+            time.sleep(0.05)
+        info = httpx.get(f"http://127.0.0.1:{port}/kvmesh/info").json()
+        assert info["kv_events_endpoints"] == [f"tcp://127.0.0.1:{events}"]
+        assert info["kv_replay_endpoints"] == [None] and info["total_kv_blocks"] == 256
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert f"serving 'kvmesh-mock' on http://127.0.0.1:{port}, KV events on tcp://127.0.0.1:{events}" in err
+
+
+def test_a_busy_events_port_is_a_clear_error() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvmesh",
+            "mock",
+            "--port",
+            str(_free_port()),
+            "--kv-events-endpoint",
+            f"tcp://127.0.0.1:{taken}",
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert f"kvmesh mock: cannot bind KV-event socket to 'tcp://127.0.0.1:{taken}'" in done.stderr
+
+
+def test_bad_flags_name_the_flag() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "mock", "--block-size", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert "kvmesh mock: --block-size must be a positive integer, got 0" in done.stderr
+
+
+async def stamp(request: Request, call_next):  # type: ignore[no-untyped-def]
+    response: Response = await call_next(request)
+    response.headers["x-stamped"] = "yes"
+    return response
+
+
+def test_middleware_is_added_like_vllms_flag() -> None:
+    app = build_app(MockEngine())
+    add_middleware(app, "starlette.middleware.gzip:GZipMiddleware")
+    add_middleware(app, f"{__name__}.stamp")
+    assert any(m.cls is GZipMiddleware for m in app.user_middleware)
+    with TestClient(app) as client:
+        r = client.get("/v1/models")
+        assert r.status_code == 200 and r.headers["x-stamped"] == "yes"
+    for spec, message in (
+        ("nocolon", "must look like module:Name"),
+        ("kvmesh.nope:X", "cannot be imported"),
+        ("kvmesh.mock.config:DEFAULT_MODEL", "neither a middleware class nor an async function"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            add_middleware(Starlette(), spec)

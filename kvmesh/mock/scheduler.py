@@ -178,12 +178,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        bs = self.block_size
         scheduled: dict[EngineRequest, int] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            total = req.num_computed_tokens + n
+            if total <= len(req.blocks) * bs and total // bs <= req.num_cached_blocks:
+                # the common decode step: room in the last block and no block completes
+                scheduled[req] = n
+                budget -= n
+                i += 1
+                continue
             while not self._allocate(req, n):
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)

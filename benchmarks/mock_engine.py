@@ -181,10 +181,11 @@ def mock_process(cfg: MockConfig):  # type: ignore[no-untyped-def]
         str(cfg.max_num_seqs),
         "--max-num-batched-tokens",
         str(cfg.max_num_batched_tokens),
+        # port 0: the engine's ZMQ sockets pick free ports themselves (no race with the HTTP port)
         "--kv-events-endpoint",
-        f"tcp://127.0.0.1:{_free_port()}",
+        "tcp://127.0.0.1:0",
         "--kv-replay-endpoint",
-        f"tcp://127.0.0.1:{_free_port()}",
+        "tcp://127.0.0.1:0",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

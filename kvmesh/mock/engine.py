@@ -360,7 +360,7 @@ class MockEngine:
         # Steps are laid end to end on a timeline, so the event loop's timer slack (epoll rounds
         # timeouts up to the next millisecond) does not add up over thousands of short steps at a
         # high --speedup. After an idle period or a real overrun the timeline restarts at "now".
-        timeline = clock()
+        timeline = last_end = clock()
         try:
             while True:
                 start = clock()
@@ -376,15 +376,17 @@ class MockEngine:
                     await self._idle(deadline)
                     continue
                 if start - timeline > _TIMER_SLACK:
-                    timeline = start
+                    timeline = begin = start  # after idling or an overrun: a fresh timeline
+                else:
+                    begin = last_end  # back to back: the time between steps belongs to this one
                 modelled = step_seconds(out.num_prefill_tokens, out.num_emitting, self.pool.usage, speedup)
                 timeline += modelled
                 delay = timeline - clock()
                 await asyncio.sleep(delay if delay > 0 else 0)
-                end = clock()
-                self._finish_step(out, end)
+                last_end = clock()
+                self._finish_step(out, last_end)
                 self.modelled_seconds += modelled
-                self.busy_seconds += end - start
+                self.busy_seconds += last_end - begin
                 # Let the readers just woken run (and clients submit their next request) before
                 # the next step is scheduled, as a real engine takes new arrivals between steps.
                 await asyncio.sleep(0)

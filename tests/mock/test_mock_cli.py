@@ -28,8 +28,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held open while choosing, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_kvmesh_mock_serves_until_terminated() -> None:
-    port, events = _free_port(), _free_port()
+    port, events = _free_ports(2)
     cmd = [
         sys.executable,
         "-m",

@@ -43,6 +43,7 @@ bench: venv
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]' 2> >(grep -v "is ignored" >&2)
 	$(PY) benchmarks/hashing.py
 	$(PY) benchmarks/wire.py
+	$(PY) benchmarks/mock_engine.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,43 @@
+"""Fixtures of the engine-tier tests (tests/engines/), which run inside the engine environments
+built by ``scripts/engine-env.sh``.
+
+Those environments hold the engine, kvmesh's runtime dependencies, pytest, pytest-asyncio,
+pytest-timeout and httpx, nothing else, so this file imports only the standard library, pytest,
+zmq and kvmesh. The core run collects these files too (and deselects the tests by marker), so the
+engines are imported only inside fixtures, and an engine that does not import fails the test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvmesh.events.subscriber import async_context
+
+
+@pytest.fixture
+def ipc_endpoint(tmp_path: Path) -> Callable[[str], str]:
+    def make(name: str) -> str:
+        path = tmp_path / f"{name}.sock"
+        assert len(str(path)) < 100, "ipc paths are limited to ~107 bytes"
+        return f"ipc://{path}"
+
+    return make
+
+
+def _open_sockets() -> set[Any]:
+    contexts = [zmq.Context.instance(), async_context()]
+    return {s for ctx in contexts for s in list(ctx._sockets) if not s.closed}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_sockets() -> Iterator[None]:
+    """Fail a test that leaves a ZMQ socket open (the engines' publishers close theirs on shutdown)."""
+    before = _open_sockets()
+    yield
+    leaked = _open_sockets() - before
+    assert not leaked, f"sockets left open: {leaked}"

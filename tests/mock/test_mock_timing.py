@@ -14,7 +14,7 @@ import pytest
 from kvmesh.mock.testing import run_mock
 from kvmesh.mock.timing import decode_ms, prefill_ms
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 
 BS = 64
 NUM_BLOCKS = 1024

@@ -1,50 +1,51 @@
 """Prefix index: which worker holds the longest cached prefix of a prompt.
 
-Data structure (chosen for pure-Python speed; a node-per-block walk costs ~50 ns x depth):
+Data structure (chosen for pure-Python speed: per stored block the interpreter does no work of its
+own, only bulk C operations over the run, and a query touches a few objects per *run*, not per block):
 
-* **Router keys.** Every cached block is a node keyed by a 64-bit *prefix key* that identifies the
-  whole prefix ending at it. Prefixes are cut into chunks of ``CHUNK`` blocks; the key of the
-  prefix of depth ``d`` is ``xxh3_64(le64 bytes of local[k*CHUNK:d], seed=A_k)`` where
-  ``k = (d-1) // CHUNK`` and the *anchor* ``A_k`` is the key of depth ``k*CHUNK`` (``A_0 = 0``).
-  A node stores its chunk seed and the bytes of its in-chunk prefix, so a child's key costs one
-  xxh3 call; a query computes any depth's key with one ``struct.pack`` per chunk plus one xxh3.
-* **Holders as bits.** Each (worker, dp_rank) owns a *slot*; a node keeps two ints: ``stored``
+* **A trie of runs.** Blocks form a trie keyed by local hash: a child is one block further down the
+  prefix. A *segment* is a chain parent -> b0 -> b1 -> ... -> bn-1 stored as one object: the local
+  hashes in an ``array('Q')`` and per-block state in two int lists. A run stored under the last
+  block of a segment with no other child extends that segment in place, so a conversation that
+  grows turn by turn (or a decode that adds one block per step) stays one segment. Children other
+  than the next block of a segment hang off ``branches[index][local hash]`` as segment ids; the
+  roots off ``_roots[local hash]``. A block's *handle* is ``segment id << 20 | index``.
+* **Matching compares runs, not blocks.** A query follows the trie: one dict lookup per segment it
+  enters, one array comparison (memcmp) for the blocks inside it, a bisection only where it diverges.
+  Storing a run walks the same way, so blocks another worker already holds are shared, and the new
+  tail costs a few slices and list repeats whatever its length.
+* **Holders as bits.** Each (worker, dp_rank) owns a *slot*; a block keeps two ints: ``stored``
   (bit ``3*slot + tier``: the worker holds this block in that tier) and ``reach`` (bit
   ``3*slot + level``: the worker holds every block from the root down to here at a tier <= level).
-  ``reach`` is therefore prefix-closed along every chain, which makes a query a gallop over chunk
-  anchors plus a bisection inside the last chunk - all workers at once, one dict lookup per probe.
-  ``reach`` is exact: when a block is removed or re-stored, the change is pushed down to the
-  descendants the worker holds, so a query equals a brute-force block-by-block walk.
+  ``reach`` is therefore prefix-closed along every chain, which makes a query all workers at once:
+  the bits still alive at the end of a segment, and a bisection over the segment's ``reach`` list for
+  the ones that dropped inside it. ``reach`` is exact: when a block is removed or re-stored, the
+  change is pushed down to the descendants the worker holds, so a query equals a brute-force
+  block-by-block walk.
 * **Two key spaces.** Engines name blocks with opaque hashes. Per slot and tier a dict maps engine
-  hash -> node, so removals apply; two workers caching the same content under different engine
-  hashes share one node and are both indexed.
+  hash -> handle, so removals apply; two workers caching the same content under different engine
+  hashes share one block and are both indexed.
 
 Levels: 0 = device, 1 = device or host, 2 = any tier (disk and external storage).
 """
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Callable, Iterable, Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import repeat
+from operator import and_, indexOf, ne, or_
 from typing import Union
-
-from xxhash import xxh3_64_intdigest
 
 from kvmesh._types import EngineHash, Tier, WorkerKey, tier_of_medium
 from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvmesh.hashing import block_hashes
 
-CHUNK = 16
-_PACK = [struct.Struct(f"<{i}Q").pack for i in range(CHUNK + 1)]
-_ONE = _PACK[1]
 _LEVEL_OF_TIER = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.EXTERNAL: 2}
 _LEVEL_OF_MEDIUM: dict[str | None, int] = {None: 0, "GPU": 0, "CPU": 1, "CPU_PINNED": 1, "DISK": 2}
 # Levels a block is present at, from its stored tier bits (t0 device, t1 host, t2 disk).
 _LEVELS = [(1 if p & 1 else 0) | (2 if p & 3 else 0) | (4 if p else 0) for p in range(8)]
-_U64 = (1 << 64) - 1
 
 STATUS_OK = "ok"
 STATUS_PARENT_NOT_FOUND = "parent_not_found"
@@ -59,55 +60,49 @@ _ROOT = -1
 
 
 class _Seg:
-    """A run of blocks stored together (one event's new blocks): parent -> b0 -> b1 -> ... -> bn-1.
+    """A chain of blocks parent -> b0 -> ... -> bn-1 (one or more stored runs laid end to end).
 
-    ``full`` holds the le64 local hashes of the run, preceded by the in-chunk blocks before it
-    (``head`` blocks), so any block's chunk tail is a slice. Per-block state lives in two int lists;
-    children other than the next block in the run hang off ``branches[index]`` as segment ids.
-    Nothing here is a per-block Python object, so storing a run is a few bulk operations and the
-    cyclic GC has one object per run to look at.
+    Nothing here is a per-block Python object (the lists hold shared ints until a bit changes), so
+    storing a run is a few bulk operations and the cyclic GC has one object per segment to look at.
     """
 
-    __slots__ = (
-        "branches",
-        "depth0",
-        "full",
-        "head",
-        "id",
-        "keys",
-        "live",
-        "n_branches",
-        "parent",
-        "reach",
-        "seed0",
-        "stored",
-    )
+    __slots__ = ("branches", "depth0", "id", "live", "locals", "n_branches", "parent", "reach", "stored")
 
     def __init__(
-        self,
-        sid: int,
-        parent: int,
-        depth0: int,
-        head: int,
-        full: bytes,
-        seed0: int,
-        keys: list[int],
-        stored: int,
-        reach: int,
+        self, sid: int, parent: int, depth0: int, locals_: array[int], stored: int, reach: int
     ) -> None:
         self.id = sid
         self.parent = parent
-        self.depth0 = depth0
-        self.head = head
-        self.full = full
-        self.seed0 = seed0
-        self.keys = keys
-        n = len(keys)
+        self.depth0 = depth0  # prefix depth of block 0 (the root's children have depth 1)
+        self.locals = locals_
+        n = len(locals_)
         self.stored = [stored] * n
         self.reach = [reach] * n
-        self.live = n if stored else 0
-        self.branches: dict[int, list[int]] | None = None
+        self.live = n if stored else 0  # blocks somebody holds; the segment dies at 0 without branches
+        self.branches: dict[int, dict[int, int]] | None = None  # index -> {first local hash: child sid}
         self.n_branches = 0
+
+
+def _common(a: array[int], b: array[int]) -> int:
+    """Length of the common prefix of two equally long arrays (whole-slice memcmp, then bisection)."""
+    if a == b:
+        return len(a)
+    lo, hi = 0, len(a)  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 8:
+        mid = (lo + hi) >> 1
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo + indexOf(map(ne, a[lo:hi], b[lo:hi]), True)
+
+
+def _as_locals(hashes: Sequence[int]) -> array[int] | None:
+    """Local hashes as an unsigned 64-bit array; None if one cannot be a local hash at all."""
+    try:
+        return array("Q", hashes)
+    except (OverflowError, TypeError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +118,10 @@ class _ChainIndex:
     """Segments, slots and the reach bits; the variants add how entries come and go."""
 
     def __init__(self) -> None:
-        self._nodes: dict[int, int] = {}  # prefix key -> handle
+        self._roots: dict[int, int] = {}  # local hash of a first block -> segment id
         self._segs: dict[int, _Seg] = {}
         self._next_seg = 0
+        self._n_blocks = 0
         self._slot_of: dict[WorkerKey, int] = {}
         self._worker_of: list[WorkerKey | None] = []
         self._free: list[int] = []
@@ -185,119 +181,97 @@ class _ChainIndex:
 
     @property
     def node_count(self) -> int:
-        """Distinct prefixes with an entry in the key map (blocks of live segments)."""
-        return len(self._nodes)
+        """Distinct prefixes in the trie (blocks of live segments)."""
+        return self._n_blocks
 
     @property
     def segment_count(self) -> int:
         return len(self._segs)
 
-    # ------------------------------------------------------------------ keys
-    def _origin(self, parent: int) -> tuple[int, int, bytes]:
-        """(depth, chunk seed, in-chunk head bytes) for blocks appended under ``parent``."""
-        if parent == _ROOT:
-            return 0, 0, b""
-        seg = self._segs[parent >> _SHIFT]
-        i = parent & _LOW
-        depth = seg.depth0 + i
-        if depth % CHUNK == 0:
-            return depth, seg.keys[i], b""
-        anchor = depth - depth % CHUNK
-        first = seg.depth0 - seg.head  # depth of the first block in ``full``
-        seed = seg.keys[anchor - seg.depth0] if anchor >= seg.depth0 else seg.seed0
-        return depth, seed, seg.full[(anchor + 1 - first) * 8 : (depth + 1 - first) * 8]
-
-    def _run_keys(
-        self, depth: int, seed: int, head: bytes, locals_: Sequence[int]
-    ) -> tuple[list[int], bytes]:
-        """Prefix keys of ``locals_`` appended at ``depth``: one xxh3 over a chunk-tail slice per block,
-        iterated in C (map over cached slice objects) because this runs for every stored block."""
-        n = len(locals_)
-        full = head + _packer(n)(*locals_)
-        keys: list[int] = []
-        pos = len(head) // 8  # block offset in ``full`` of the next block
-        base = 0  # block offset of the current chunk's first block
-        d = depth
-        getitem = full.__getitem__
-        while len(keys) < n:
-            if d % CHUNK == 0 and keys:
-                seed = keys[-1]
-                base = pos
-            stop = min(n - len(keys), CHUNK - d % CHUNK)
-            keys += map(xxh3_64_intdigest, map(getitem, _slices(base, pos - base, stop)), repeat(seed, stop))
-            pos += stop
-            d += stop
-        return keys, full
-
+    # ------------------------------------------------------------------ structure
     def _insert_run(
         self, parent: int, locals_: Sequence[int], slot: int | None, tier: int, *, dup_ok: bool = True
     ) -> list[int]:
-        """Handles of the run ``locals_`` under ``parent``: existing blocks get the slot's tier bit via
-        ``_add``; the new tail becomes one segment, its bits set in bulk. ``slot=None`` only builds
-        the structure; ``dup_ok=False`` leaves blocks that already carry the bit alone."""
-        depth, seed, head = self._origin(parent)
-        keys, full = self._run_keys(depth, seed, head, locals_)
-        nodes = self._nodes
-        # existing prefixes are prefix-closed (a segment only dies whole), so bisect for the first new one
-        lo, hi = 0, len(keys)
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if keys[mid] in nodes:
-                lo = mid + 1
+        """Handles of the run ``locals_`` under ``parent``: blocks already in the trie get the slot's
+        tier bit via ``_add``; the new tail extends the parent's segment or becomes a new one, its
+        bits set in bulk. ``slot=None`` only builds the structure; ``dup_ok=False`` leaves blocks
+        that already carry the bit alone."""
+        run = locals_ if isinstance(locals_, array) else array("Q", locals_)
+        n = len(run)
+        segs = self._segs
+        at = parent
+        pos = 0  # blocks of the run found in the trie so far
+        handles: list[int] = []
+        while pos < n:
+            first = run[pos]
+            if at == _ROOT:
+                sid = self._roots.get(first)
+                start = 0
             else:
-                hi = mid
-        handles = [nodes[k] for k in keys[:lo]]
-        if slot is not None:
-            bit = 1 << (3 * slot + tier)
-            segs = self._segs
-            for h in handles:
-                if dup_ok or not segs[h >> _SHIFT].stored[h & _LOW] & bit:
-                    self._add(slot, tier, h)
-        if lo == len(keys):
+                seg = segs[at >> _SHIFT]
+                i = at & _LOW
+                if i + 1 < len(seg.stored) and seg.locals[i + 1] == first:
+                    sid, start = seg.id, i + 1
+                else:
+                    start = 0
+                    kids = seg.branches.get(i) if seg.branches is not None else None
+                    sid = kids.get(first) if kids is not None else None
+            if sid is None:
+                break
+            seg = segs[sid]
+            avail = min(len(seg.stored) - start, n - pos)
+            m = _common(seg.locals[start : start + avail], run[pos : pos + avail])
+            base = (sid << _SHIFT) | start
+            if slot is not None:
+                self._add_range(slot, tier, seg, start, start + m, dup_ok)
+            handles += range(base, base + m)
+            pos += m
+            at = base + m - 1
+        if pos == n:
             return handles
-        at = handles[-1] if handles else parent
+        new = run[pos:] if pos else run
+        k = len(new)
         if slot is None:
             stored = reach = 0
         else:
             shift = 3 * slot
             stored = 1 << (shift + tier)
             reach = (_LEVELS[1 << tier] & (self._reach_of(at) >> shift) & 7) << shift
+        self._n_blocks += k
+        if slot is not None:
+            self._counts[slot] += k
+        if at != _ROOT:
+            seg = segs[at >> _SHIFT]
+            i = at & _LOW
+            size = len(seg.stored)
+            if i + 1 == size and (seg.branches is None or i not in seg.branches) and size + k <= _LOW + 1:
+                # the parent ends its segment and has no other child: grow the segment in place
+                seg.locals += new
+                seg.stored += [stored] * k
+                seg.reach += [reach] * k
+                if stored:
+                    seg.live += k
+                handles += range(at + 1, at + 1 + k)
+                return handles
+            depth0 = seg.depth0 + i + 1
+        else:
+            depth0 = 1
         sid = self._next_seg
         self._next_seg += 1
-        new = keys[lo:]
-        cut = len(head) // 8 + lo
-        # the new segment's head: in-chunk blocks before its first block
-        first_depth = depth + lo + 1
-        chunk_first = first_depth - (first_depth - 1) % CHUNK
-        head_blocks = first_depth - chunk_first
-        seg_seed = seed if lo == 0 else self._seed_for(keys, lo, depth, seed)
-        seg = _Seg(
-            sid, at, first_depth, head_blocks, full[(cut - head_blocks) * 8 :], seg_seed, new, stored, reach
-        )
-        self._segs[sid] = seg
+        self._segs[sid] = _Seg(sid, at, depth0, new, stored, reach)
+        self._link(at, sid, new[0])
         base = sid << _SHIFT
-        fresh = list(range(base, base + len(new)))  # one int object per block, shared by both maps
-        nodes.update(zip(new, fresh, strict=True))
-        self._link(at, sid)
-        if slot is not None:
-            self._counts[slot] += len(new)
-        handles += fresh
+        handles += range(base, base + k)
         return handles
 
-    @staticmethod
-    def _seed_for(keys: list[int], lo: int, depth: int, seed: int) -> int:
-        """Chunk seed of the block ``keys[lo]`` (at depth ``depth + lo + 1``) within a run."""
-        d = depth + lo + 1
-        anchor = d - 1 - (d - 1) % CHUNK  # depth of the anchor before that block's chunk
-        return keys[anchor - depth - 1] if anchor > depth else seed
-
-    def _link(self, parent: int, sid: int) -> None:
+    def _link(self, parent: int, sid: int, first: int) -> None:
         if parent == _ROOT:
+            self._roots[first] = sid
             return
         pseg = self._segs[parent >> _SHIFT]
         if pseg.branches is None:
             pseg.branches = {}
-        pseg.branches.setdefault(parent & _LOW, []).append(sid)
+        pseg.branches.setdefault(parent & _LOW, {})[first] = sid
         pseg.n_branches += 1
 
     def _reach_of(self, h: int) -> int:
@@ -307,11 +281,10 @@ class _ChainIndex:
 
     def _path(self, h: int) -> list[int]:
         """Local hashes from the root down to block ``h`` (for dumps)."""
-        parts: list[tuple[int, ...]] = []
+        parts: list[array[int]] = []
         while h != _ROOT:
             seg = self._segs[h >> _SHIFT]
-            i = h & _LOW
-            parts.append(struct.unpack_from(f"<{i + 1}Q", seg.full, seg.head * 8))
+            parts.append(seg.locals[: (h & _LOW) + 1])
             h = seg.parent
         out: list[int] = []
         for part in reversed(parts):
@@ -333,6 +306,43 @@ class _ChainIndex:
         seg.stored[i] = old | bit
         self._counts[slot] += 1
         self._refresh(seg, i, slot)
+
+    def _add_range(self, slot: int, tier: int, seg: _Seg, start: int, stop: int, dup_ok: bool) -> None:
+        """``_add`` for blocks ``start:stop`` of ``seg`` (a chain), in bulk when none carries the bit
+        yet: one reach refresh then walks the whole range instead of one per block."""
+        bit = 1 << (3 * slot + tier)
+        held = seg.stored[start:stop]
+        if any(map(and_, held, repeat(bit, stop - start))):
+            sid = seg.id << _SHIFT
+            for j, old in enumerate(held, start):
+                if dup_ok or not old & bit:
+                    self._add(slot, tier, sid | j)
+            return
+        seg.live += held.count(0)
+        stored = seg.stored
+        stored[start:stop] = map(or_, held, repeat(bit, stop - start))
+        self._counts[slot] += stop - start
+        # every block of the range changed, so recompute them all in order (a refresh from ``start``
+        # alone stops where a block's reach happens not to change), pushing changes off the range
+        shift = 3 * slot
+        clear = ~(7 << shift)
+        reach = seg.reach
+        branches = seg.branches
+        above = reach[start - 1] if start else self._reach_of(seg.parent)
+        changed = False
+        for j in range(start, stop):
+            new = _LEVELS[(stored[j] >> shift) & 7] & (above >> shift) & 7
+            above = reach[j]
+            changed = new != (above >> shift) & 7
+            if changed:
+                above = reach[j] = (above & clear) | (new << shift)
+                if branches is not None and j in branches:
+                    for sid in branches[j].values():
+                        child = self._segs[sid]
+                        if (child.stored[0] >> shift) & 7:
+                            self._refresh(child, 0, slot)
+        if changed and stop < len(stored) and (stored[stop] >> shift) & 7:
+            self._refresh(seg, stop, slot)
 
     def _remove(self, slot: int, tier: int, h: int) -> None:
         k = (slot, tier, h)
@@ -366,87 +376,75 @@ class _ChainIndex:
             if new == (old >> shift) & 7:
                 continue
             s.reach[j] = (old & clear) | (new << shift)
-            if j + 1 < len(s.keys) and (s.stored[j + 1] >> shift) & 7:
+            if j + 1 < len(s.stored) and (s.stored[j + 1] >> shift) & 7:
                 stack.append((s, j + 1))
             if s.branches is not None:
-                for sid in s.branches.get(j, ()):
-                    child = segs[sid]
-                    if (child.stored[0] >> shift) & 7:
-                        stack.append((child, 0))
+                kids = s.branches.get(j)
+                if kids is not None:
+                    for sid in kids.values():
+                        child = segs[sid]
+                        if (child.stored[0] >> shift) & 7:
+                            stack.append((child, 0))
 
     def _collect(self, seg: _Seg) -> None:
         """Free segments nobody holds a block of and nothing hangs under, walking up."""
-        nodes = self._nodes
         while not seg.live and not seg.n_branches:
-            for k in seg.keys:
-                del nodes[k]
             del self._segs[seg.id]
+            self._n_blocks -= len(seg.stored)
+            first = seg.locals[0]
             if seg.parent == _ROOT:
+                del self._roots[first]
                 return
             pseg = self._segs[seg.parent >> _SHIFT]
             assert pseg.branches is not None
             i = seg.parent & _LOW
-            siblings = pseg.branches[i]
-            siblings.remove(seg.id)
-            if not siblings:
+            kids = pseg.branches[i]
+            del kids[first]
+            if not kids:
                 del pseg.branches[i]
             pseg.n_branches -= 1
             seg = pseg
 
     # ------------------------------------------------------------------ queries
-    def _probe(self, key: int, bits: int) -> int:
-        h = self._nodes.get(key)
-        if h is None:
-            return 0
-        return self._segs[h >> _SHIFT].reach[h & _LOW] & bits
-
     def _match_bits(self, hashes: Sequence[int], alive: int) -> dict[int, int]:
         """Depth of every bit in ``alive``: the deepest query prefix whose block has that reach bit."""
         depths: dict[int, int] = {}
         n = len(hashes)
         if not alive or n == 0:
             return depths
-        nodes_get = self._nodes.get
+        sid = self._roots.get(hashes[0])
+        if sid is None:
+            return depths
         segs = self._segs
-        seed = 0
-        start = 0
+        query = hashes if isinstance(hashes, list) else list(hashes)
+        d = 0  # query blocks matched so far
+        start = 0  # index in the segment of the block at depth d + 1
         while True:
-            end = start + CHUNK if start + CHUNK < n else n
-            chunk = _PACK[end - start](*hashes[start:end])
-            key = xxh3_64_intdigest(chunk, seed)
-            h = nodes_get(key)
-            reached = (segs[h >> _SHIFT].reach[h & _LOW] & alive) if h is not None else 0
+            seg = segs[sid]
+            avail = min(len(seg.stored) - start, n - d)
+            mine = seg.locals[start : start + avail]
+            theirs = _as_locals(query[d : d + avail])
+            if theirs is not None:
+                m = _common(mine, theirs)
+            else:  # the query holds a value no local hash can have: compare one by one
+                m = next((j for j, (x, y) in enumerate(zip(mine, query[d:], strict=False)) if x != y), avail)
+            last = start + m - 1
+            reach = seg.reach
+            reached = reach[last] & alive
             dropped = alive & ~reached
             if dropped:
-                self._bisect(chunk, seed, start, end, dropped, depths)
+                _bisect(reach, start - 1, last, dropped, d + 1 - start, depths)
             alive = reached
+            d += m
             if not alive:
                 return depths
-            if end == n:
-                _assign(alive, n, depths)
+            kids = seg.branches.get(last) if seg.branches is not None and d < n else None
+            nxt = kids.get(query[d]) if kids is not None else None
+            if nxt is None:
+                _assign(alive, d, depths)
                 return depths
-            seed = key
-            start = end
-
-    def _bisect(self, chunk: bytes, seed: int, lo: int, hi: int, bits: int, depths: dict[int, int]) -> None:
-        # invariant for each entry: every bit is set at depth lo and clear at depth hi
-        start = lo
-        probe = self._probe
-        stack = [(lo, hi, bits)]
-        while stack:
-            lo, hi, bits = stack.pop()
-            while hi - lo > 1:
-                mid = (lo + hi) >> 1
-                up = probe(xxh3_64_intdigest(chunk[: 8 * (mid - start)], seed), bits)
-                if up and up != bits:
-                    stack.append((mid, hi, up))
-                    bits &= ~up
-                    hi = mid
-                elif up:
-                    lo = mid
-                else:
-                    hi = mid
-            _assign(bits, lo, depths)
+            sid = nxt
+            start = 0
 
     def find_matches(self, local_hashes: Sequence[int]) -> dict[WorkerKey, int]:
         """Each worker's longest consecutive device-tier prefix of the query (workers with >0 only)."""
@@ -467,6 +465,26 @@ class _ChainIndex:
                 per_slot.setdefault(bit // 3, [0, 0, 0])[bit % 3] = depth
         worker_of = self._worker_of
         return {worker_of[s]: TierDepths(*d) for s, d in per_slot.items()}  # type: ignore[misc]
+
+
+def _bisect(reach: list[int], lo: int, hi: int, bits: int, offset: int, depths: dict[int, int]) -> None:
+    """Depths of ``bits``, each set at index ``lo`` (-1: the segment's parent) and clear at ``hi``;
+    index ``j`` is depth ``j + offset``. Bits that part ways split the range."""
+    stack = [(lo, hi, bits)]
+    while stack:
+        lo, hi, bits = stack.pop()
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            up = reach[mid] & bits
+            if up and up != bits:
+                stack.append((mid, hi, up))
+                bits &= ~up
+                hi = mid
+            elif up:
+                lo = mid
+            else:
+                hi = mid
+        _assign(bits, lo + offset, depths)
 
 
 def _assign(bits: int, depth: int, depths: dict[int, int]) -> None:
@@ -683,17 +701,6 @@ class PrefixIndex(_ChainIndex):
         """Cold start from a worker's ``kv_state``: replace its state with these stored events."""
         self.clear_worker(worker)
         self.apply(worker, events)
-
-
-@lru_cache(maxsize=4096)
-def _slices(base: int, first: int, count: int) -> tuple[slice, ...]:
-    """Byte slices of the chunk tails ending at blocks ``base+first .. base+first+count-1``."""
-    return tuple(slice(base * 8, (base + i + 1) * 8) for i in range(first, first + count))
-
-
-@lru_cache(maxsize=1024)
-def _packer(n: int) -> Callable[..., bytes]:
-    return struct.Struct(f"<{n}Q").pack
 
 
 # ---------------------------------------------------------------------- approximate index

@@ -245,6 +245,45 @@ def test_removing_a_middle_block_cuts_the_prefix_and_restoring_it_heals_it() -> 
     assert index.find_matches(query) == {("a", 0): 40}
 
 
+def test_storing_a_known_run_at_another_tier_recomputes_every_block_of_it() -> None:
+    # a holds b0 on disk and b1 on host; storing b1, b2 on device (blocks b's chain already built)
+    # must give b2 disk-level reach even though b1's own reach does not change
+    index = PrefixIndex(block_size=B)
+    toks = tokens(6, 3)
+    a = ("a", 0)
+    index.apply(a, [BlockStored([1], None, toks[:B], B, medium="DISK")])
+    index.apply(a, [BlockStored([2], 1, toks[B : 2 * B], B, medium="CPU")])
+    index.apply(("b", 0), [BlockStored([9, 10, 11], None, toks, B)])
+    index.apply(a, [BlockStored([12, 13], 1, toks[B:], B, medium="GPU")])
+    assert index.find_matches_tiered(block_hashes(toks, B))[a] == TierDepths(0, 0, 3)
+
+
+def test_runs_stored_one_after_another_extend_one_segment_and_branch_where_they_differ() -> None:
+    index = PrefixIndex(block_size=B)
+    toks = tokens(7, 6)
+    w = ("a", 0)
+    for i in range(6):  # a decode: one block per event, each under the previous one
+        index.apply(w, [BlockStored([i], i - 1 if i else None, toks[i * B : (i + 1) * B], B)])
+    assert index.segment_count == 1
+    other = toks[: 3 * B] + tokens(8, 2)
+    index.apply(("b", 0), [BlockStored([20, 21, 22, 23, 24], None, other, B)])
+    assert index.segment_count == 2
+    assert index.find_matches(block_hashes(toks, B)) == {w: 6, ("b", 0): 3}
+    assert index.find_matches(block_hashes(other, B)) == {w: 3, ("b", 0): 5}
+    index.apply(w, [BlockRemoved([3])])
+    assert index.find_matches(block_hashes(toks, B)) == {w: 3, ("b", 0): 3}
+
+
+def test_query_values_no_local_hash_can_have_match_up_to_them() -> None:
+    index = PrefixIndex(block_size=B)
+    toks = tokens(9, 3)
+    index.apply(("a", 0), [BlockStored([1, 2, 3], None, toks, B)])
+    hashes = block_hashes(toks, B)
+    assert index.find_matches([*hashes[:2], -1]) == {("a", 0): 2}
+    assert index.find_matches([hashes[0], 2**64, hashes[2]]) == {("a", 0): 1}
+    assert index.find_matches([-1]) == {}
+
+
 def test_apply_outcomes_are_counted_by_type_and_status() -> None:
     index = PrefixIndex(block_size=B)
     w = ("a", 0)

@@ -133,9 +133,9 @@ def engine_batches(vllm: SimpleNamespace) -> list[Any]:
 
 
 def as_builtins(batch: Any) -> Any:
-    """A batch as plain msgpack-shaped data (what either side puts on the wire, minus the header
-    widths): the neutral ground on which vLLM's objects and kvmesh's are compared."""
-    return msgspec.to_builtins(batch)
+    """A batch as the plain data its msgpack encoding carries: the neutral ground on which vLLM's
+    objects and kvmesh's are compared."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
 
 
 @contextmanager

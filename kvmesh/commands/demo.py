@@ -6,10 +6,11 @@ peers, follows every peer's KV events, and serves or forwards each request it re
 client spreads conversations over the four engines' own ports, as a plain load balancer would.
 Both runs start from a fresh fleet (empty caches) and send exactly the same conversations.
 
-All engines run in this one process (one event loop): on a small machine that starts in well
-under a second and leaves the other core to the operating system. The engines' step times follow
-the reference mocker's fitted model, so time to first token grows with the uncached prompt length
-the way it does on a GPU, and cache hits show up as shorter TTFTs.
+Each engine is its own ``kvmesh mock --middleware kvmesh.router.KvMeshMiddleware`` process,
+configured only through ``KVMESH_*`` variables, the way ``vllm serve`` embeds it (``--in-process``
+runs them in this process instead, as the tests do). The engines' step times follow the reference
+mocker's fitted model, so time to first token grows with the uncached prompt length the way it
+does on a GPU, and cache hits show up as shorter TTFTs.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", type=int, default=4, help="simulated engines in the mesh [4]")
-    parser.add_argument("--sessions", type=int, default=32, help="agent conversations per run [32]")
-    parser.add_argument("--turns", type=int, default=6, help="turns per conversation [6]")
+    parser.add_argument("--sessions", type=int, default=24, help="agent conversations per run [24]")
+    parser.add_argument("--turns", type=int, default=10, help="turns per conversation [10]")
     parser.add_argument("--concurrency", type=int, default=16, help="conversations in flight [16]")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per turn [32]")
     parser.add_argument("--speedup", type=float, default=1.0, help="simulated engine speed-up ratio [1]")
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="workload seed (both runs send the same prompts)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--in-process", action="store_true", help="run the engines in this process instead of one process each"
+    )
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,9 @@ class MeshNode:
 
 
 def _free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose proto says
+    # TCP, and without it every small response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     return sock
@@ -134,6 +140,79 @@ async def start_mesh(
             sock.close()
 
 
+def _free_port() -> int:
+    with _free_socket() as sock:
+        return int(sock.getsockname()[1])
+
+
+async def _wait_for_mesh(urls: list[str], check: Any, timeout: float) -> None:
+    """Until every replica's /kvmesh/workers shows every worker up."""
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            while True:
+                if loop.time() > deadline:
+                    raise TimeoutError(f"the simulated mesh did not come up within {timeout}s")
+                check()
+                with contextlib.suppress(aiohttp.ClientError, OSError, ValueError):
+                    async with http.get(url + "/kvmesh/workers") as r:
+                        doc = await r.json()
+                    if sum(w["state"] == "up" for w in doc["workers"]) == len(urls):
+                        break
+                await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def start_mesh_processes(
+    n: int, router_mode: str, mock_args: list[str], *, startup_timeout: float = 30.0
+) -> AsyncIterator[list[str]]:
+    """``n`` ``kvmesh mock`` processes, each with ``--middleware kvmesh.router.KvMeshMiddleware``
+    and configured only through KVMESH_* variables: exactly how ``vllm serve`` embeds it."""
+    import os
+    import subprocess
+
+    ports = [_free_port() for _ in range(n)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for port, url in zip(ports, urls, strict=True):
+            env = {
+                **os.environ,
+                "KVMESH_WORKERS": ",".join(urls),
+                "KVMESH_SELF_URL": url,
+                "KVMESH_TOKENIZER": "builtin",
+                "KVMESH_ROUTER_MODE": router_mode,
+                "KVMESH_HEALTH_INTERVAL": "0.25",
+            }
+            cmd = [
+                sys.executable, "-m", "kvmesh", "mock", "--port", str(port), "--log-level", "error",
+                "--kv-events-endpoint", f"tcp://127.0.0.1:{_free_port()}",
+                "--kv-replay-endpoint", f"tcp://127.0.0.1:{_free_port()}",
+                "--middleware", "kvmesh.router.KvMeshMiddleware", *mock_args,
+            ]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+
+        def check() -> None:
+            for proc in procs:
+                if proc.poll() is not None:
+                    err = proc.stderr.read().decode() if proc.stderr else ""
+                    raise RuntimeError(f"a simulated engine exited during start-up:\n{err}")
+
+        await _wait_for_mesh(urls, check, startup_timeout)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 async def _run_demo(args: argparse.Namespace) -> int:
     from kvmesh.bench import report
     from kvmesh.bench.runner import LoadSpec, Progress, RunResult, run_workload
@@ -157,17 +236,24 @@ async def _run_demo(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
     )
+    mock_args = [
+        "--block-size", str(args.block_size), "--num-blocks", str(args.num_blocks),
+        "--speedup", str(args.speedup), "--max-num-batched-tokens", "8192",
+    ]  # fmt: skip
     runs: list[RunResult] = []
     for name, mode in (("kv-routing", "kv"), ("round-robin", "round-robin")):
-        router = RouterConfig(router_mode=mode)  # type: ignore[arg-type]
-        print(
-            f"kvmesh demo: {name}: starting {args.engines} simulated engines ...", file=sys.stderr, flush=True
-        )
-        async with start_mesh(args.engines, router, mock) as nodes:
+        print(f"kvmesh demo: {name}: starting {args.engines} simulated engines ...", file=sys.stderr, flush=True)
+        mesh: Any
+        if args.in_process:
+            mesh = start_mesh(args.engines, RouterConfig(router_mode=mode), mock)  # type: ignore[arg-type]
+        else:
+            mesh = start_mesh_processes(args.engines, mode, mock_args)
+        async with mesh as nodes:
+            urls = tuple(n.url if isinstance(n, MeshNode) else n for n in nodes)
             sessions = build(spec)
             total = sum(s.total_requests for s in sessions)
             progress = Progress(total, f"{name:>11}", enabled=False if args.no_progress else None)
-            load = LoadSpec(urls=tuple(n.url for n in nodes), concurrency=args.concurrency, seed=args.seed)
+            load = LoadSpec(urls=urls, concurrency=args.concurrency, seed=args.seed)
             runs.append(await run_workload(name, sessions, load, progress=progress))
     summaries = [report.summarize(r) for r in runs]
     print()

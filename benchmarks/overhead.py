@@ -26,12 +26,12 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import machine, percentile, table  # noqa: E402
+from _harness import machine, percentile, table
 
 BODY = b'{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"Say hello to the benchmark, briefly please."}]}'
 ANSWER = (
@@ -154,13 +154,10 @@ async def _measure(url: str, n: int, concurrency: int) -> tuple[list[float], flo
     return latencies, len(latencies) / elapsed
 
 
-@contextlib.asynccontextmanager
-async def _nothing() -> AsyncIterator[None]:
-    yield
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=3000, help="timed requests per configuration")
     parser.add_argument("--serve", choices=("upstream", "embedded"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -172,18 +169,25 @@ def main() -> None:
     print(f"routing overhead on loopback; {machine()}")
     print(f"{args.requests} small non-streaming chat completions per row, after 200 warm-up requests\n")
     results: dict[tuple[str, int], tuple[list[float], float]] = {}
-    with _server("upstream") as upstream:
-        with _router(upstream, "round-robin") as rr, _router(upstream, "kv") as kv:
-            for concurrency in (1, 32):
-                for name, url in (("direct", upstream), ("router round-robin", rr), ("router kv", kv)):
-                    results[(name, concurrency)] = asyncio.run(_measure(url, args.requests, concurrency))
+    with (
+        _server("upstream") as upstream,
+        _router(upstream, "round-robin") as rr,
+        _router(upstream, "kv") as kv,
+    ):
+        for concurrency in (1, 32):
+            for name, url in (("direct", upstream), ("router round-robin", rr), ("router kv", kv)):
+                results[(name, concurrency)] = asyncio.run(_measure(url, args.requests, concurrency))
     with _server("upstream") as plain, _server("embedded") as embedded:
         for concurrency in (1, 32):
             for name, url in (("engine alone", plain), ("engine + middleware (local)", embedded)):
                 results[(name, concurrency)] = asyncio.run(_measure(url, args.requests, concurrency))
 
     rows = []
-    baseline = {"router round-robin": "direct", "router kv": "direct", "engine + middleware (local)": "engine alone"}
+    baseline = {
+        "router round-robin": "direct",
+        "router kv": "direct",
+        "engine + middleware (local)": "engine alone",
+    }
     for (name, concurrency), (lat, rps) in results.items():
         med = statistics.median(lat) * 1000
         p99 = percentile(lat, 99) * 1000
@@ -195,14 +199,27 @@ def main() -> None:
             ratio = f"{rps / results[(base, concurrency)][1]:.2f}"
         else:
             added_med = added_p99 = ratio = "(baseline)"
-        rows.append([name, str(concurrency), f"{med:.3f}", f"{p99:.3f}", added_med, added_p99, f"{rps:,.0f}", ratio])
+        rows.append(
+            [name, str(concurrency), f"{med:.3f}", f"{p99:.3f}", added_med, added_p99, f"{rps:,.0f}", ratio]
+        )
     print(
         table(
-            ["path", "conc.", "median ms", "p99 ms", "added median ms", "added p99 ms", "req/s", "req/s vs baseline"],
+            [
+                "path",
+                "conc.",
+                "median ms",
+                "p99 ms",
+                "added median ms",
+                "added p99 ms",
+                "req/s",
+                "req/s vs baseline",
+            ],
             rows,
         )
     )
-    goal = statistics.median(results[("router round-robin", 1)][0]) - statistics.median(results[("direct", 1)][0])
+    goal = statistics.median(results[("router round-robin", 1)][0]) - statistics.median(
+        results[("direct", 1)][0]
+    )
     goal_kv = statistics.median(results[("router kv", 1)][0]) - statistics.median(results[("direct", 1)][0])
     print(
         f"\ngoal: median added latency <= 0.5 ms at concurrency 1 -> round-robin {goal * 1000:.3f} ms, "

@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (both runs send the same prompts)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
-        "--in-process", action="store_true", help="run the engines in this process instead of one process each"
+        "--in-process",
+        action="store_true",
+        help="run the engines in this process instead of one process each",
     )
 
 
@@ -242,7 +244,9 @@ async def _run_demo(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     runs: list[RunResult] = []
     for name, mode in (("kv-routing", "kv"), ("round-robin", "round-robin")):
-        print(f"kvmesh demo: {name}: starting {args.engines} simulated engines ...", file=sys.stderr, flush=True)
+        print(
+            f"kvmesh demo: {name}: starting {args.engines} simulated engines ...", file=sys.stderr, flush=True
+        )
         mesh: Any
         if args.in_process:
             mesh = start_mesh(args.engines, RouterConfig(router_mode=mode), mock)  # type: ignore[arg-type]

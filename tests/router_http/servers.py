@@ -64,7 +64,6 @@ async def serve(app: Any, sock: socket.socket | None = None) -> AsyncIterator[Se
         yield handle
     finally:
         server.should_exit = True
-        server.force_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 5)
         sock.close()

@@ -15,7 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", required=True, help="base URL(s), comma-separated; sessions are spread round-robin"
     )
-    parser.add_argument("--workload", choices=WORKLOADS, default="agentic", help="what to send (default: agentic)")
+    parser.add_argument(
+        "--workload", choices=WORKLOADS, default="agentic", help="what to send (default: agentic)"
+    )
     parser.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument(
@@ -36,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--think-time", type=float, default=0.0, help="seconds between an answer and the next turn"
     )
-    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (same seed, same prompts)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="workload and arrival seed (same seed, same prompts)"
+    )
     parser.add_argument(
         "--header", action="append", default=[], metavar="NAME:VALUE", help="extra request header"
     )

@@ -18,7 +18,7 @@ import struct
 import sys
 from collections.abc import Sequence
 from functools import lru_cache
-from itertools import islice, repeat
+from itertools import repeat
 
 from xxhash import xxh3_64_intdigest
 
@@ -54,9 +54,18 @@ def block_hashes(tokens: Sequence[int], block_size: int, lora_name: str | None =
     n_blocks = len(tokens) // block_size
     if n_blocks == 0:
         return []
-    data = token_bytes(tokens[: n_blocks * block_size])
-    slices = islice(_block_slices(block_size, n_blocks), n_blocks)
-    return list(map(xxh3_64_intdigest, map(data.__getitem__, slices), repeat(seed_for(lora_name), n_blocks)))
+    buf = array.array("I")
+    # the common case (a list of whole blocks) converts in place, without a copy of the list first
+    if len(tokens) == n_blocks * block_size and isinstance(tokens, list):
+        buf.fromlist(tokens)
+    else:
+        buf.fromlist(list(tokens[: n_blocks * block_size]))
+    if sys.byteorder != "little":  # pragma: no cover
+        buf.byteswap()
+    data = buf.tobytes()
+    # ``repeat`` bounds the outer map (the cached slice list may be longer than this prompt)
+    slices = map(data.__getitem__, _block_slices(block_size, n_blocks))
+    return list(map(xxh3_64_intdigest, slices, repeat(seed_for(lora_name), n_blocks)))
 
 
 _SLICES: dict[int, list[slice]] = {}

@@ -236,7 +236,8 @@ class _ChainIndex:
         else:
             shift = 3 * slot
             stored = 1 << (shift + tier)
-            reach = (_LEVELS[1 << tier] & (self._reach_of(at) >> shift) & 7) << shift
+            above = self._segs[at >> _SHIFT].reach[at & _LOW] if at != _ROOT else -1
+            reach = (_LEVELS[1 << tier] & (above >> shift) & 7) << shift
         self._n_blocks += k
         if slot is not None:
             self._counts[slot] += k
@@ -532,22 +533,22 @@ class PrefixIndex(_ChainIndex):
     def _on_new_slot(self) -> None:
         self._engine.append(({}, {}, {}))
 
-    def _count(self, kind: str, status: str) -> None:
-        k = (kind, status)
-        self.applied[k] = self.applied.get(k, 0) + 1
-
     # ------------------------------------------------------------------ events
     def apply(self, worker: WorkerKey, events: Iterable[Event]) -> None:
         """Apply a batch's events for one (worker_id, dp_rank)."""
         slot = self._slot(worker)
+        applied = self.applied
         for event in events:
             if isinstance(event, BlockStored):
-                self._count("stored", self._stored(slot, event))
+                outcome = ("stored", self._stored(slot, event))
             elif isinstance(event, BlockRemoved):
-                self._count("removed", self._removed(slot, event))
+                outcome = ("removed", self._removed(slot, event))
             elif isinstance(event, AllBlocksCleared):
                 self._clear_slot(slot)
-                self._count("cleared", STATUS_OK)
+                outcome = ("cleared", STATUS_OK)
+            else:
+                continue
+            applied[outcome] = applied.get(outcome, 0) + 1
         if self._total > self.max_entries:
             self._prune()
 

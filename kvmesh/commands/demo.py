@@ -142,9 +142,13 @@ async def start_mesh(
             sock.close()
 
 
-def _free_port() -> int:
-    with _free_socket() as sock:
-        return int(sock.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held open while choosing, so none is handed out twice)."""
+    socks = [_free_socket() for _ in range(n)]
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for sock in socks:
+        sock.close()
+    return ports
 
 
 async def _wait_for_mesh(urls: list[str], check: Any, timeout: float) -> None:
@@ -176,11 +180,11 @@ async def start_mesh_processes(
     import os
     import subprocess
 
-    ports = [_free_port() for _ in range(n)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    ports = _free_ports(3 * n)  # HTTP, events and replay for each engine
+    urls = [f"http://127.0.0.1:{p}" for p in ports[:n]]
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for port, url in zip(ports, urls, strict=True):
+        for i, url in enumerate(urls):
             env = {
                 **os.environ,
                 "KVMESH_WORKERS": ",".join(urls),
@@ -190,9 +194,9 @@ async def start_mesh_processes(
                 "KVMESH_HEALTH_INTERVAL": "0.25",
             }
             cmd = [
-                sys.executable, "-m", "kvmesh", "mock", "--port", str(port), "--log-level", "error",
-                "--kv-events-endpoint", f"tcp://127.0.0.1:{_free_port()}",
-                "--kv-replay-endpoint", f"tcp://127.0.0.1:{_free_port()}",
+                sys.executable, "-m", "kvmesh", "mock", "--port", str(ports[i]), "--log-level", "error",
+                "--kv-events-endpoint", f"tcp://127.0.0.1:{ports[n + i]}",
+                "--kv-replay-endpoint", f"tcp://127.0.0.1:{ports[2 * n + i]}",
                 "--middleware", "kvmesh.router.KvMeshMiddleware", *mock_args,
             ]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))

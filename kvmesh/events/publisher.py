@@ -60,6 +60,15 @@ def should_bind(endpoint: str) -> bool:
     )
 
 
+def _unbind(sock: zmq.Socket[bytes], address: str) -> None:
+    # Closing alone releases a listening address some time later, in ZMQ's I/O thread; unbinding
+    # first frees it at once, so a restarted publisher can bind the same address straight away.
+    # It also discards the socket's queued messages, so only sockets with nothing worth
+    # delivering at close (the replay ROUTER) are unbound.
+    with contextlib.suppress(zmq.ZMQError):
+        sock.unbind(address)
+
+
 def _bound_address(sock: zmq.Socket[bytes], requested: str) -> str:
     """The address a bound socket really listens on (resolves a tcp port of 0)."""
     last = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -184,8 +193,12 @@ class BatchPublisher:
         except Exception:  # pragma: no cover - a bug here must not take the engine down with it
             logger.exception("KV-event publisher thread failed")
         finally:
+            # Not unbound first: unbinding drops what is still queued for connected subscribers,
+            # and the linger below exists to deliver it. The address is released a moment later.
             self._pub.close(linger=int(self._close_timeout * 1000))
             if self._replay is not None:
+                assert self.replay_endpoint is not None
+                _unbind(self._replay, self.replay_endpoint)
                 self._replay.close(linger=0)
 
     def _send_pending(self) -> None:

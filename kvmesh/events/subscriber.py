@@ -222,6 +222,10 @@ class EventSubscriber:
 
     def _close(self) -> None:
         self._drop_replay()
+        if self._sub is not None and self.bind:
+            # Frees the address at once (closing alone releases it later, in ZMQ's I/O thread).
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.unbind(self._sub.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint)
         for sock in (self._sub, self._wake_rx, self._wake_tx):
             if sock is not None:
                 sock.close(linger=0)

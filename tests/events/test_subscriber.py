@@ -7,6 +7,7 @@ import asyncio
 import errno
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
@@ -37,6 +38,24 @@ async def running(subscriber: EventSubscriber) -> AsyncIterator[EventSubscriber]
 def publisher(endpoint: str, replay: str | None = None, **kwargs: object) -> Iterator[BatchPublisher]:
     kwargs.setdefault("bind", True)
     pub = BatchPublisher(endpoint, replay_endpoint=replay, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield pub
+    finally:
+        pub.close()
+
+
+@contextmanager
+def restarted_publisher(endpoint: str, replay: str) -> Iterator[BatchPublisher]:
+    """A new publisher on the addresses of one just closed. ZMQ releases a closed socket's
+    listening address a moment later, in its I/O thread, so binding is retried briefly."""
+    for _ in range(100):
+        try:
+            pub = BatchPublisher(endpoint, replay_endpoint=replay, bind=True)
+            break
+        except ConfigError:
+            time.sleep(0.02)
+    else:
+        raise AssertionError(f"{endpoint} was not released")
     try:
         yield pub
     finally:
@@ -221,7 +240,7 @@ async def test_publisher_restart_resets_then_follows_the_new_stream(endpoint_fac
         await publish_paced(first, range(50), salt=1)
         await got.wait_for(50)
     try:
-        with publisher(endpoint, replay) as second:  # same addresses, sequence starts at 0 again
+        with restarted_publisher(endpoint, replay) as second:  # same addresses, seq from 0 again
             for i in range(30):
                 second.publish(make_batch(i, salt=2))
                 await asyncio.sleep(0.02)

@@ -33,7 +33,11 @@ def test_every_subcommand_has_help_for_every_flag() -> None:
             if stripped.startswith("--") and len(stripped.split("  ")) == 1:
                 # The description may wrap onto the next line; a flag with no text at all is a defect.
                 index = result.stdout.splitlines().index(line)
-                following = result.stdout.splitlines()[index + 1] if index + 1 < len(result.stdout.splitlines()) else ""
+                following = (
+                    result.stdout.splitlines()[index + 1]
+                    if index + 1 < len(result.stdout.splitlines())
+                    else ""
+                )
                 assert following.startswith(" " * 10), f"kvmesh {name}: flag without help: {stripped}"
 
 

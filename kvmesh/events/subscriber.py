@@ -68,7 +68,7 @@ class SubscriberStats:
 
 @dataclass
 class _Replay:
-    sock: zmq.asyncio.Socket
+    sock: zmq.Socket[bytes]
     start: int
     attempt: int
     deadline: float
@@ -118,10 +118,10 @@ class EventSubscriber:
         self._kick = False  # resume_from() asked for the held batches to be looked at again
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sub: zmq.asyncio.Socket | None = None
-        self._wake_rx: zmq.asyncio.Socket | None = None
-        self._wake_tx: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sub: zmq.Socket[bytes] | None = None
+        self._wake_rx: zmq.Socket[bytes] | None = None
+        self._wake_tx: zmq.Socket[bytes] | None = None
         self._poller: zmq.asyncio.Poller | None = None
 
     # --- public API ---------------------------------------------------------------------------
@@ -162,7 +162,9 @@ class EventSubscriber:
         """Follow the stream until ``stop()``. Raises ConfigError if the first attempt to open the
         sockets fails (a bad endpoint); later failures are retried with back-off."""
         self._stopping = False
-        self._ctx = async_context()
+        # Plain sockets of the process-wide context (so inproc:// reaches a publisher in this
+        # process); only the waiting is asynchronous, and reads never block: they follow a poll.
+        self._ctx = zmq.Context.instance()
         backoff = self._backoff_initial
         opened_once = False
         try:
@@ -257,12 +259,12 @@ class EventSubscriber:
                 timeout_ms = max(0, int((self._replay.deadline - loop.time()) * 1000))
             ready = dict(await self._poller.poll(timeout_ms))
             if self._wake_rx in ready:
-                await _drain(self._wake_rx, lambda _frames: None)
+                _drain(self._wake_rx, lambda _frames: None)
             if self._replay is not None and self._replay.sock in ready:
-                await self._drain_replay(self._replay)
+                self._drain_replay(self._replay)
             got_live = self._sub in ready
             if got_live:
-                await _drain(self._sub, self._on_live_message)
+                _drain(self._sub, self._on_live_message)
             if self._replay is not None and loop.time() >= self._replay.deadline:
                 self._replay_timed_out()
             if got_live:
@@ -393,13 +395,13 @@ class EventSubscriber:
                 self._poller.unregister(replay.sock)
         replay.sock.close(linger=0)
 
-    async def _drain_replay(self, replay: _Replay) -> None:
+    def _drain_replay(self, replay: _Replay) -> None:
         # Handling one answer may end this replay (end marker, reset) and close its socket.
         for _ in range(_DRAIN_LIMIT):
             if self._replay is not replay:
                 return
             try:
-                frames = await replay.sock.recv_multipart(zmq.NOBLOCK)
+                frames = replay.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._on_replay_message(replay, frames)
@@ -483,23 +485,11 @@ class EventSubscriber:
         logger.warning("%s: dropping malformed KV-event batch (%s): %s", self.name, where, error)
 
 
-_async_ctx: zmq.asyncio.Context | None = None
-
-
-def async_context() -> zmq.asyncio.Context:
-    """An asyncio view of the process-wide ZMQ context, so inproc:// endpoints work between a
-    subscriber and a publisher (which uses ``zmq.Context.instance()``) in the same process."""
-    global _async_ctx
-    shared: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    if _async_ctx is None or _async_ctx.underlying != shared.underlying:  # new after a fork
-        _async_ctx = zmq.asyncio.Context.shadow(shared.underlying)
-    return _async_ctx
-
-
-async def _drain(sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], None]) -> None:
+def _drain(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None]) -> None:
+    """Read what is queued, without waiting: the poller said it is there."""
     for _ in range(_DRAIN_LIMIT):
         try:
-            frames = await sock.recv_multipart(zmq.NOBLOCK)
+            frames = sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return
         handle(frames)

@@ -16,8 +16,6 @@ from typing import Any
 import pytest
 import zmq
 
-from kvmesh.events.subscriber import async_context
-
 
 @pytest.fixture
 def ipc_endpoint(tmp_path: Path) -> Callable[[str], str]:
@@ -30,8 +28,7 @@ def ipc_endpoint(tmp_path: Path) -> Callable[[str], str]:
 
 
 def _open_sockets() -> set[Any]:
-    contexts = [zmq.Context.instance(), async_context()]
-    return {s for ctx in contexts for s in list(ctx._sockets) if not s.closed}
+    return {s for s in list(zmq.Context.instance()._sockets) if not s.closed}
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,6 @@ import pytest
 import zmq
 from eventkit import free_tcp_port
 
-from kvmesh.events.subscriber import async_context
-
 
 @pytest.fixture(params=["tcp", "ipc"])
 def endpoint_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str], str]:
@@ -28,8 +26,7 @@ def endpoint_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Callable
 
 
 def _open_sockets() -> set[zmq.Socket[bytes]]:
-    contexts = [zmq.Context.instance(), async_context()]
-    return {s for ctx in contexts for s in list(ctx._sockets) if not s.closed}  # type: ignore[attr-defined]
+    return {s for s in list(zmq.Context.instance()._sockets) if not s.closed}  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)

@@ -66,7 +66,7 @@ def blocks_in(batch: EventBatch) -> int:
 
 def untyped_walk(payload: bytes) -> list[tuple[Any, ...]]:
     """The baseline consumer: decode to builtins, then pick the fields out of each dict."""
-    ts, events, rank = msgspec.msgpack.decode(payload)
+    _ts, events, _rank = msgspec.msgpack.decode(payload)
     out = []
     for e in events:
         kind = e["type"]
@@ -111,7 +111,7 @@ def bench_decode(repeat: int) -> str:
         results: dict[str, list[float]] = {name: [] for name in candidates}
         for _ in range(10):  # interleaved rounds: machine noise hits every candidate alike
             for name, fn in candidates.items():
-                results[name] += time_calls(lambda fn=fn: fn(payload), repeat=repeat // 10, warmup=5)
+                results[name] += time_calls(lambda fn=fn, p=payload: fn(p), repeat=repeat // 10, warmup=5)
         baseline = median(results["baseline: untyped decode + dict walk"])
         for name, samples in results.items():
             t = median(samples)

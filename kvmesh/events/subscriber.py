@@ -75,7 +75,16 @@ class _Replay:
 
 
 class EventSubscriber:
-    """SUB socket (+ DEALER for replays) following one worker's KV-event stream."""
+    """SUB socket (+ a DEALER per replay) following one worker's KV-event stream.
+
+    ``on_batch(seq, batch)`` gets every batch once, in sequence order. ``on_reset(reason)`` says
+    the stream could not be repaired (the owner should drop that worker's state, may cold-start
+    from a snapshot and call ``resume_from``). ``bind=True`` binds ``endpoint`` for publishers that
+    connect. ``from_beginning``: when the first batch seen is not seq 0, replay from 0 (True) or
+    start with that batch (False, a live tap). A replay that gets no answer for ``replay_timeout``
+    seconds is retried up to ``replay_attempts`` times, then given up as unrecoverable; socket
+    errors reopen the sockets after ``backoff_initial`` seconds, doubling up to ``backoff_max``.
+    """
 
     def __init__(
         self,
@@ -115,7 +124,9 @@ class EventSubscriber:
         # Live order is sequence order, so the dict's insertion order is ascending.
         self._held: dict[int, EventBatch | None] = {}
         self._replay: _Replay | None = None
-        self._kick = False  # resume_from() asked for the held batches to be looked at again
+        # Set by resume_from() and reconnects: catch up (apply held batches or replay) before the
+        # next poll, without waiting for a live batch to reveal the gap.
+        self._kick = False
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None

@@ -450,3 +450,23 @@ def test_encode_decode_roundtrip(batch: EventBatch) -> None:
     payload = encode_batch(batch)
     assert decode_batch(payload) == batch
     assert encode_batch(decode_batch(payload)) == payload
+
+
+def test_package_exports() -> None:
+    import kvmesh.events as events
+
+    assert events.__all__ == sorted(events.__all__)
+    assert set(events.__all__) == {
+        "AllBlocksCleared",
+        "BatchPublisher",
+        "BlockRemoved",
+        "BlockStored",
+        "Event",
+        "EventBatch",
+        "EventSubscriber",
+        "KvEventPublisher",
+        "SubscriberStats",
+        "decode_batch",
+        "encode_batch",
+        "event_to_json",
+    }

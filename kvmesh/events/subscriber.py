@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -128,6 +128,7 @@ class EventSubscriber:
         # next poll, without waiting for a live batch to reveal the gap.
         self._kick = False
         self._stopping = False
+        self._healthy = False  # live traffic arrived since the last socket error
         self._task: asyncio.Task[None] | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sub: zmq.Socket[bytes] | None = None
@@ -194,12 +195,15 @@ class EventSubscriber:
                     continue
                 opened_once = True
                 try:
-                    async for _ in self._pump():
-                        backoff = self._backoff_initial  # healthy traffic resets the back-off
-                except (zmq.ZMQError, OSError) as e:
+                    await self._pump()
+                except Exception as e:  # whatever went wrong, reopen rather than die
                     if self._stopping:
                         break
+                    if not isinstance(e, (zmq.ZMQError, OSError)):
+                        logger.exception("%s: unexpected error in the KV-event loop", self.name)
                     self._close()
+                    if self._healthy:  # it worked since the last failure: start the back-off over
+                        backoff, self._healthy = self._backoff_initial, False
                     await self._back_off(backoff, e)
                     backoff = min(backoff * 2, self._backoff_max)
         finally:
@@ -257,8 +261,8 @@ class EventSubscriber:
 
     # --- the loop -----------------------------------------------------------------------------
 
-    async def _pump(self) -> AsyncIterator[None]:
-        """Poll the sockets and dispatch; yields after each wake-up that read live traffic."""
+    async def _pump(self) -> None:
+        """Poll the sockets and dispatch until stopped (or a socket error escapes)."""
         loop = asyncio.get_running_loop()
         while not self._stopping:
             if self._kick:
@@ -276,10 +280,9 @@ class EventSubscriber:
             got_live = self._sub in ready
             if got_live:
                 _drain(self._sub, self._on_live_message)
+                self._healthy = True
             if self._replay is not None and loop.time() >= self._replay.deadline:
                 self._replay_timed_out()
-            if got_live:
-                yield None
 
     # --- live stream --------------------------------------------------------------------------
 

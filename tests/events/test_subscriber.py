@@ -435,7 +435,7 @@ async def test_on_batch_errors_are_logged_and_the_stream_goes_on(endpoint_factor
 
 
 async def test_socket_error_reconnects_with_back_off(
-    endpoint_factory: Endpoints, monkeypatch: pytest.MonkeyPatch
+    endpoint_factory: Endpoints, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     got = Collector()
     real_poll = zmq.asyncio.Poller.poll
@@ -463,6 +463,12 @@ async def test_socket_error_reconnects_with_back_off(
             await got.wait_for(20)
     assert got.batches == expected(range(20))
     assert sub.stats.reconnects == 2 and got.resets == []
+    waits = [
+        r.getMessage().rpartition("reconnecting in ")[2]
+        for r in caplog.records
+        if "reconnecting in" in r.getMessage()
+    ]
+    assert waits == ["0.05 s", "0.10 s"]  # two failures in a row: the back-off doubles
 
 
 async def test_topic_filter(endpoint_factory: Endpoints) -> None:

@@ -7,6 +7,13 @@ relay) as arrays ``["BlockStored", field, ...]``. The decoder accepts both, igno
 know (newer vLLM adds several) and tolerates missing optional keys (SGLang omits None values).
 
 Block hashes are opaque: signed or unsigned 64-bit ints, or raw bytes.
+
+Encoding reproduces vLLM 0.33.0's bytes exactly. msgspec sizes a struct's map header by the
+fields the struct *declares* (then patches the count), so the header width depends on the
+declaration, not on the keys present: vLLM's BlockStored declares 15 fields (+ the tag) and gets
+a map16 header (``de 0008``), SGLang 0.5.23's declares 9 and gets a fixmap (``0x87``). kvmesh
+declares vLLM's fields in vLLM's order; re-encoding an SGLang payload therefore differs from the
+original only in those header bytes (and drops SGLang's ``cache_salt``, which kvmesh does not keep).
 """
 
 from __future__ import annotations

@@ -63,9 +63,12 @@ def block_hashes(tokens: Sequence[int], block_size: int, lora_name: str | None =
     if sys.byteorder != "little":  # pragma: no cover
         buf.byteswap()
     data = buf.tobytes()
+    slices = _SLICES.get(block_size)
+    if slices is None or len(slices) < n_blocks:
+        slices = _block_slices(block_size, n_blocks)
+    seed = seed_for(lora_name) if lora_name else BASE_SEED
     # ``repeat`` bounds the outer map (the cached slice list may be longer than this prompt)
-    slices = map(data.__getitem__, _block_slices(block_size, n_blocks))
-    return list(map(xxh3_64_intdigest, slices, repeat(seed_for(lora_name), n_blocks)))
+    return list(map(xxh3_64_intdigest, map(data.__getitem__, slices), repeat(seed, n_blocks)))
 
 
 _SLICES: dict[int, list[slice]] = {}

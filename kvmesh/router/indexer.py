@@ -191,15 +191,30 @@ class _ChainIndex:
     # ------------------------------------------------------------------ structure
     def _insert_run(
         self, parent: int, locals_: Sequence[int], slot: int | None, tier: int, *, dup_ok: bool = True
-    ) -> list[int]:
+    ) -> Sequence[int]:
         """Handles of the run ``locals_`` under ``parent``: blocks already in the trie get the slot's
         tier bit via ``_add``; the new tail extends the parent's segment or becomes a new one, its
         bits set in bulk. ``slot=None`` only builds the structure; ``dup_ok=False`` leaves blocks
         that already carry the bit alone."""
         run = locals_ if isinstance(locals_, array) else array("Q", locals_)
+        first = run[0]
+        if parent == _ROOT:
+            if first not in self._roots:
+                return self._attach(parent, None, run, slot, tier)
+        else:
+            seg = self._segs[parent >> _SHIFT]
+            i = parent & _LOW
+            known = (i + 1 < len(seg.stored) and seg.locals[i + 1] == first) or (
+                seg.branches is not None and first in seg.branches.get(i, ())
+            )
+            if not known:  # the common case: the whole run is new
+                return self._attach(parent, seg, run, slot, tier)
+        return self._follow(parent, run, slot, tier, dup_ok)
+
+    def _follow(self, at: int, run: array[int], slot: int | None, tier: int, dup_ok: bool) -> list[int]:
+        """``_insert_run`` for a run whose first block is in the trie: walk down it, then attach the rest."""
         n = len(run)
         segs = self._segs
-        at = parent
         pos = 0  # blocks of the run found in the trie so far
         handles: list[int] = []
         while pos < n:
@@ -217,6 +232,9 @@ class _ChainIndex:
                     kids = seg.branches.get(i) if seg.branches is not None else None
                     sid = kids.get(first) if kids is not None else None
             if sid is None:
+                handles += self._attach(
+                    at, segs[at >> _SHIFT] if at != _ROOT else None, run[pos:], slot, tier
+                )
                 break
             seg = segs[sid]
             avail = min(len(seg.stored) - start, n - pos)
@@ -227,53 +245,47 @@ class _ChainIndex:
             handles += range(base, base + m)
             pos += m
             at = base + m - 1
-        if pos == n:
-            return handles
-        new = run[pos:] if pos else run
+        return handles
+
+    def _attach(self, at: int, seg: _Seg | None, new: array[int], slot: int | None, tier: int) -> range:
+        """Handles of the new blocks ``new`` under block ``at`` (in ``seg``; None for the root): they
+        extend ``seg`` when ``at`` ends it with no other child, else they become a new segment."""
         k = len(new)
         if slot is None:
             stored = reach = 0
         else:
             shift = 3 * slot
             stored = 1 << (shift + tier)
-            above = self._segs[at >> _SHIFT].reach[at & _LOW] if at != _ROOT else -1
+            above = seg.reach[at & _LOW] if seg is not None else -1  # the root reaches every level
             reach = (_LEVELS[1 << tier] & (above >> shift) & 7) << shift
-        self._n_blocks += k
-        if slot is not None:
             self._counts[slot] += k
-        if at != _ROOT:
-            seg = segs[at >> _SHIFT]
+        self._n_blocks += k
+        if seg is None:
+            depth0 = 1
+        else:
             i = at & _LOW
             size = len(seg.stored)
             if i + 1 == size and (seg.branches is None or i not in seg.branches) and size + k <= _LOW + 1:
-                # the parent ends its segment and has no other child: grow the segment in place
+                # ``at`` ends its segment and has no other child: grow the segment in place
                 seg.locals += new
                 seg.stored += [stored] * k
                 seg.reach += [reach] * k
                 if stored:
                     seg.live += k
-                handles += range(at + 1, at + 1 + k)
-                return handles
+                return range(at + 1, at + 1 + k)
             depth0 = seg.depth0 + i + 1
-        else:
-            depth0 = 1
         sid = self._next_seg
         self._next_seg += 1
         self._segs[sid] = _Seg(sid, at, depth0, new, stored, reach)
-        self._link(at, sid, new[0])
+        if seg is None:
+            self._roots[new[0]] = sid
+        else:
+            if seg.branches is None:
+                seg.branches = {}
+            seg.branches.setdefault(at & _LOW, {})[new[0]] = sid
+            seg.n_branches += 1
         base = sid << _SHIFT
-        handles += range(base, base + k)
-        return handles
-
-    def _link(self, parent: int, sid: int, first: int) -> None:
-        if parent == _ROOT:
-            self._roots[first] = sid
-            return
-        pseg = self._segs[parent >> _SHIFT]
-        if pseg.branches is None:
-            pseg.branches = {}
-        pseg.branches.setdefault(parent & _LOW, {})[first] = sid
-        pseg.n_branches += 1
+        return range(base, base + k)
 
     def _reach_of(self, h: int) -> int:
         if h == _ROOT:

@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 test: test-core test-engines
 
 test-core: venv
-	$(PYTEST) -m "not engine_vllm and not engine_sglang" -p no:cacheprovider
+	$(PYTEST) -m "not engine_vllm and not engine_sglang" -p no:cacheprovider --ignore=tests/engines
 
 # Engine environments live in ~/.cache/kvmesh/envs (built once, keyed by recipe).
 engine-envs:
@@ -28,8 +28,8 @@ engine-envs:
 	scripts/engine-env.sh sglang >/dev/null
 
 test-engines: venv
-	PYTHONPATH=$(CURDIR) $$(scripts/engine-env.sh vllm) -m pytest -m engine_vllm -p no:cacheprovider tests/engines
-	PYTHONPATH=$(CURDIR) $$(scripts/engine-env.sh sglang) -m pytest -m engine_sglang -p no:cacheprovider tests/engines
+	PYTHONPATH=$(CURDIR) $$(scripts/engine-env.sh vllm) -m pytest -m engine_vllm -p no:cacheprovider tests/engines/test_*vllm*.py
+	PYTHONPATH=$(CURDIR) $$(scripts/engine-env.sh sglang) -m pytest -m engine_sglang -p no:cacheprovider tests/engines/test_*sglang*.py
 
 lint: venv
 	$(PY) -m ruff check kvmesh tests benchmarks examples

@@ -38,3 +38,19 @@ def no_leaked_sockets() -> Iterator[None]:
     yield
     leaked = _open_sockets() - before
     assert not leaked, f"sockets left open: {leaked}"
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The engine tier never skips silently: a skipped engine test fails the run."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if skipped:
+        terminalreporter.write_line(
+            f"engine tier: {len(skipped)} test(s) skipped; that is a failure here", red=True
+        )
+        config._kvmesh_engine_skips = len(skipped)  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    skipped = session.config.pluginmanager.get_plugin("terminalreporter")
+    if skipped is not None and skipped.stats.get("skipped") and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -27,7 +27,6 @@ import pytest
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # torch's, at import
-    pytest.importorskip("vllm")
     import httpx
     import uvicorn
     import vllm.plugins as vllm_plugins

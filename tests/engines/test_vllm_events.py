@@ -13,7 +13,6 @@ import pytest
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # torch's, at import
-    pytest.importorskip("vllm")
     import msgspec
     import zmq
     from vllm.config.kv_events import KVEventsConfig

@@ -9,7 +9,6 @@ import pytest
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # torch's, at import
-    pytest.importorskip("vllm")
     from vllm.v1.engine.core import EngineCore
 
     from kvmesh.adapters.vllm.engine_rpc import EngineRpc

@@ -12,7 +12,6 @@ import tomllib
 with warnings.catch_warnings():
     # Importing vLLM imports torch, whose import-time deprecation warnings are not ours to fix.
     warnings.simplefilter("ignore", DeprecationWarning)
-    pytest.importorskip("vllm")
     import vllm.plugins as vllm_plugins
     from pydantic import TypeAdapter, ValidationError
     from vllm.config.kv_events import KVEventsConfig

@@ -11,13 +11,18 @@ A request's life, as the middleware drives it::
                      └─> Rejected  (busy, queue full, unknown worker, no workers)
 
 Every Decision is already counted as load on its worker; feedback calls undo it.
+
+Two optional hooks, both given by the caller so the core stays pure: a ``clock`` (any
+``() -> seconds`` callable) times the prefix lookup of each ``route()`` (``last_find_matches``),
+and an ``observer`` (:class:`RoutingObserver`) hears of every decision and every load release,
+which is how replica sync shares them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from kvmesh._types import DpRank, WorkerId, WorkerKey
 from kvmesh.errors import WorkerError
@@ -160,6 +165,25 @@ class RouterStats:
     queue_rejected: int = 0
 
 
+class RoutingObserver(Protocol):
+    """Hears of this router's own decisions and load releases (not of ``track()``-ed requests'
+    arrival, but of their release too: filter by id)."""
+
+    def routed(
+        self,
+        request_id: str,
+        worker: WorkerKey,
+        local_hashes: Sequence[int],
+        isl_tokens: int,
+        overlap_blocks: int,
+        osl: int | None,
+    ) -> None: ...
+
+    def prefill_done(self, request_id: str) -> None: ...
+
+    def freed(self, request_id: str) -> None: ...
+
+
 _UNSET: object = object()
 
 
@@ -186,9 +210,15 @@ _NO_TIERS = TierDepths(0, 0, 0)
 class KvRouter:
     """The routing brain. Not thread-safe: call it from one event loop."""
 
-    def __init__(self, config: RouterConfig, rng: random.Random) -> None:
+    def __init__(
+        self, config: RouterConfig, rng: random.Random, *, clock: Callable[[], float] | None = None
+    ) -> None:
         self.config = config
         self._rng = rng
+        self._clock = clock
+        self.last_find_matches: float | None = None
+        """Seconds the last ``route()`` spent in prefix lookups (None: none ran, or no clock)."""
+        self.observer: RoutingObserver | None = None
         self._workers: dict[WorkerId, _Worker] = {}
         self._keys: list[WorkerKey] = []
         self._block_size: int | None = None
@@ -307,6 +337,7 @@ class KvRouter:
     # ---------------------------------------------------------------- routing
     def route(self, req: RouteRequest, now: float) -> RouteResult:
         """Decide, queue or refuse. A Decision is counted as load immediately."""
+        self.last_find_matches = None
         if not self._keys:
             return Rejected(req.request_id, "no_workers", "no workers are registered")
         if req.session_id is not None:
@@ -423,6 +454,8 @@ class KvRouter:
     def _overlaps(self, req: RouteRequest) -> dict[WorkerKey, TierDepths]:
         if self.config.overlap_score_credit == 0 and req.overlap_score_credit in (None, 0):
             return {}
+        clock = self._clock
+        started = clock() if clock is not None else 0.0
         hashes = req.local_hashes
         overlaps = self._index.find_matches_tiered(hashes)
         if self._predicted is not None:
@@ -430,6 +463,8 @@ class KvRouter:
                 have = overlaps.get(key, _NO_TIERS)
                 if depth > have.device:
                     overlaps[key] = TierDepths(depth, max(depth, have.host), max(depth, have.disk))
+        if clock is not None:
+            self.last_find_matches = (self.last_find_matches or 0.0) + clock() - started
         return overlaps
 
     def _busy_flags(self, candidates: Sequence[WorkerKey]) -> list[bool]:
@@ -540,6 +575,8 @@ class KvRouter:
         prompt: PromptBlocks | None,
     ) -> Decision:
         self._commit(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, now, req.osl, prompt)
+        if self.observer is not None:
+            self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
         if req.session_id is not None and req.session_action in ("open", "bind"):
             self._sessions.bind(req.session_id, worker, now, req.session_timeout)
         bs = self._block_size or 1
@@ -582,6 +619,8 @@ class KvRouter:
     def first_token(self, request_id: str, now: float) -> None:
         """Prefill is done: its prompt tokens stop counting as prefill load."""
         self._load.prefill_done(request_id, now)
+        if self.observer is not None:
+            self.observer.prefill_done(request_id)
 
     def output_tokens(self, request_id: str, n: int, now: float) -> None:
         """``n`` more tokens were generated (output-block tracking, and liveness)."""
@@ -589,13 +628,26 @@ class KvRouter:
 
     def finished(self, request_id: str, now: float) -> None:
         """The stream ended: free the request's load. Unknown ids are ignored."""
-        self._load.free(request_id)
+        if self._load.free(request_id) and self.observer is not None:
+            self.observer.freed(request_id)
 
     def cancel(self, request_id: str, now: float) -> bool:
         """Client gone: drop a queued request or free an in-flight one. True if it was known."""
         if self._queue.cancel(request_id) is not None:
             return True
-        return self._load.free(request_id)
+        freed = self._load.free(request_id)
+        if freed and self.observer is not None:
+            self.observer.freed(request_id)
+        return freed
+
+    def tracking(self, request_id: str) -> bool:
+        """True while ``request_id`` counts as load somewhere."""
+        return request_id in self._load
+
+    def knows(self, worker: WorkerKey) -> bool:
+        """True when ``worker`` (id, dp rank) is registered."""
+        info = self._workers.get(worker[0])
+        return info is not None and 0 <= worker[1] < info.dp_size
 
     def expire(self, now: float) -> list[ExpiredSession]:
         """Housekeeping: expire idle sessions (returned, so engine sessions can be closed),

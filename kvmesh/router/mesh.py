@@ -2,7 +2,9 @@
 
 ``Mesh`` owns the KvRouter, the worker registry, the HTTP client towards peers, the tokenizer and
 the waiters of queued requests, plus one housekeeping task (release queued requests, expire idle
-sessions and stale requests). It starts on the ASGI lifespan startup or, when the server sends no
+sessions and stale requests). With ``--router-replica-sync`` it also owns the ReplicaSync sockets
+and finds the peers to follow: every up worker that answers ``GET /kvmesh/router`` (an engine
+embedding the middleware), plus the configured ``sync_peers``. It starts on the ASGI lifespan startup or, when the server sends no
 lifespan events, on the first request: engines like vLLM build the middleware with no arguments
 before any event loop runs.
 
@@ -19,6 +21,7 @@ import os
 import random
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -27,6 +30,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.kv_router import Decision, KvRouter
 from kvmesh.router.metrics import GaugeSource, WorkerRow, get_metrics
 from kvmesh.router.proxy import ConnectFailed, Forwarder
+from kvmesh.router.replica_sync import ReplicaSync
 from kvmesh.router.settings import MeshSettings
 from kvmesh.router.tokenizer import BuiltinTokenizer, HfTokenizer, Tokenizer
 from kvmesh.router.workers import WorkerRegistry
@@ -37,6 +41,9 @@ ASGIApp = Any
 _HOUSEKEEPING_INTERVAL = 0.25
 # Exponential moving average weight of one request in the reported/predicted cached-token ratio.
 _RATIO_ALPHA = 0.05
+ROUTER_PATH = "/kvmesh/router"
+# A worker that does not answer GET /kvmesh/router (no middleware) is asked again after this long.
+_PEER_RETRY_SECS = 30.0
 
 
 def load_tokenizer(name: str, engine_tokenizer: Tokenizer | None) -> Tokenizer:
@@ -63,7 +70,8 @@ class Mesh:
     ) -> None:
         self.settings = settings
         self.config = settings.router
-        self.router = KvRouter(settings.router, rng or random.Random())
+        # perf_counter times find_matches inside route() (the core never reads a clock itself)
+        self.router = KvRouter(settings.router, rng or random.Random(), clock=time.perf_counter)
         self.forwarder = Forwarder(connect_timeout=settings.connect_timeout)
         self.metrics = get_metrics()
         self.tokenizer = load_tokenizer(settings.tokenizer, tokenizer)
@@ -76,7 +84,25 @@ class Mesh:
             local_call=self.local_call if self.local_app is not None else None,
         )
         self.replica = settings.self_worker_id or f"router-{os.getpid()}-{id(self) & 0xFFFF:x}"
+        # A random per-process epoch makes request ids unique across restarts and replicas: peers
+        # key their copy of our load by them.
+        self.epoch = int.from_bytes(os.urandom(4), "big")
+        self._id_prefix = f"{self.replica}-{self.epoch:08x}-"
         self.kv_mode = self.config.router_mode == "kv"
+        self.sync: ReplicaSync | None = None
+        if self.config.router_replica_sync and self.kv_mode:
+            host = urlsplit(settings.self_url).hostname if settings.self_url else None
+            self.sync = ReplicaSync(
+                self.router,
+                self.replica,
+                self.epoch,
+                endpoint=settings.sync_endpoint or f"tcp://{host or '127.0.0.1'}:*",
+                advertise_host=host,
+                interval=min(settings.health_interval, 1.0),
+            )
+        self._peer_endpoints: dict[WorkerId, str] = {}
+        self._peer_retry: dict[WorkerId, float] = {}
+        self._discovery: asyncio.Task[None] | None = None
         self.waiters: dict[str, asyncio.Future[Decision]] = {}
         self._ids = itertools.count()
         self._started = False
@@ -89,7 +115,7 @@ class Mesh:
                 self.replica,
                 self._worker_rows,
                 lambda: self.router.queue_pending,
-                lambda: self._ratio.items(),
+                self._live_ratios,
             ),
         )
 
@@ -98,6 +124,11 @@ class Mesh:
         if self._started:
             return
         self._started = True
+        if self.sync is not None:
+            self.sync.start()
+            for endpoint in self.settings.sync_peers:
+                self.sync.follow(endpoint)
+            self._discovery = asyncio.create_task(self._discover_peers(), name="kvmesh-sync-discovery")
         await self.registry.start()
         self._housekeeping = asyncio.create_task(self._housekeep(), name="kvmesh-housekeeping")
 
@@ -108,11 +139,14 @@ class Mesh:
                 await asyncio.wait_for(ready.wait(), self.settings.connect_timeout + 2.0)
 
     async def stop(self) -> None:
-        if self._housekeeping is not None:
-            self._housekeeping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._housekeeping
-            self._housekeeping = None
+        for task in (self._housekeeping, self._discovery):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._housekeeping = self._discovery = None
+        if self.sync is not None:
+            await self.sync.stop()
         await self.registry.stop()
         await self.forwarder.close()
         for fut in self.waiters.values():
@@ -139,7 +173,67 @@ class Mesh:
 
     # ---------------------------------------------------------------- requests
     def next_request_id(self) -> str:
-        return f"{self.replica}-{next(self._ids)}"
+        return f"{self._id_prefix}{next(self._ids)}"
+
+    # ---------------------------------------------------------------- replica sync
+    def describe(self) -> dict[str, Any]:
+        """``GET /kvmesh/router``: who this replica is and where peers follow its decisions."""
+        sync = self.sync
+        return {
+            "replica": self.replica,
+            "epoch": self.epoch,
+            "router_mode": self.config.router_mode,
+            "replica_sync": sync is not None,
+            "router_sync_endpoint": sync.endpoint if sync is not None else None,
+            **({"sync": sync.describe()} if sync is not None else {}),
+        }
+
+    async def _discover_peers(self) -> None:
+        """Follow the sync endpoint of every up worker that embeds the middleware; unfollow the
+        ones that went down or were removed (their requests expire with their heartbeats)."""
+        await self.registry.ready.wait()
+        while True:
+            try:
+                await self._discover_once(time.monotonic())
+            except Exception:  # discovery must survive a bug in one round
+                logger.exception("kvmesh replica discovery round failed")
+            await asyncio.sleep(self.settings.health_interval)
+
+    async def _discover_once(self, now: float) -> None:
+        sync = self.sync
+        assert sync is not None
+        registry = self.registry
+        for worker_id in [w for w in self._peer_endpoints if w not in registry.routable]:
+            sync.unfollow(self._peer_endpoints.pop(worker_id))
+            self._peer_retry.pop(worker_id, None)
+        asks = [
+            w
+            for w in registry.routable
+            if w not in self._peer_endpoints
+            and not registry.is_local(w)
+            and self._peer_retry.get(w, 0.0) <= now
+        ]
+        answers = await asyncio.gather(*(self._ask_router(w) for w in asks))
+        for worker_id, endpoint in zip(asks, answers, strict=True):
+            if endpoint is None:
+                self._peer_retry[worker_id] = now + _PEER_RETRY_SECS
+            elif worker_id in registry.routable:
+                self._peer_endpoints[worker_id] = endpoint
+                sync.follow(endpoint)
+
+    async def _ask_router(self, worker_id: WorkerId) -> str | None:
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            return None
+        headers = {"x-kvmesh-admin-token": self.settings.admin_token} if self.settings.admin_token else None
+        try:
+            doc = await self.forwarder.get_json(
+                worker.url + ROUTER_PATH, timeout=self.settings.connect_timeout, headers=headers
+            )
+        except ConnectFailed:
+            return None
+        endpoint = doc.get("router_sync_endpoint") if isinstance(doc, dict) else None
+        return endpoint if isinstance(endpoint, str) and endpoint.startswith("tcp://") else None
 
     def pump(self, now: float) -> None:
         """Hand capacity freed by feedback to queued requests."""
@@ -165,6 +259,10 @@ class Mesh:
             sample = min(reported / predicted, 2.0)
             old = self._ratio.get(worker)
             self._ratio[worker] = sample if old is None else old + _RATIO_ALPHA * (sample - old)
+
+    def _live_ratios(self) -> list[tuple[WorkerId, float]]:
+        workers = self.registry.workers  # a removed worker's ratio goes with it
+        return [(w, r) for w, r in self._ratio.items() if w in workers]
 
     def _worker_rows(self) -> list[WorkerRow]:
         return [

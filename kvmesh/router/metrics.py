@@ -182,6 +182,17 @@ class Metrics:
             for name in ("tokenize", "hashing", "find_matches", "scheduling", "total")
         }
 
+    def observe_routing(self, route_seconds: float, find_matches: float | None, total: float) -> None:
+        """One ``KvRouter.route()`` call of ``route_seconds``: its prefix lookups (``find_matches``,
+        None when it did none) and the rest of it (``scheduling``: load model, costs, selection),
+        plus the request's whole routing overhead since arrival (``total``)."""
+        phase = self.phase
+        if find_matches is not None:
+            phase["find_matches"].observe(find_matches)
+            route_seconds -= find_matches
+        phase["scheduling"].observe(max(route_seconds, 0.0))
+        phase["total"].observe(total)
+
     def track(self, owner: Any, source: GaugeSource) -> None:
         """Report ``source``'s gauges while ``owner`` is alive."""
         self._live.add(owner, source)

@@ -30,6 +30,7 @@ import msgspec
 
 from kvmesh.errors import ConfigError, KvMeshError, RequestError
 from kvmesh.hashing import block_hashes
+from kvmesh.router import admin_api
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.kv_router import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh import Mesh
@@ -45,6 +46,8 @@ Message = dict[str, Any]
 
 GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 HOP_HEADER = b"x-kvmesh-hop"
+# The forwarding replica's request id: the peer counts the request under it, as replica sync does.
+REQUEST_ID_HEADER = b"x-kvmesh-request-id"
 WORKER_ID_HEADER = b"x-kvmesh-worker-id"
 _WORKER_HEADER_B = WORKER_HEADER.encode()
 _PREFILL_HEADER_B = PREFILL_HEADER.encode()
@@ -85,6 +88,10 @@ class KvMeshMiddleware:
                     await _HopRequest(self.mesh, self.app, scope, receive, send, value).run()
                     return
             await _RoutedRequest(self.mesh, self.app, scope, receive, send).run()
+        elif admin_api.handles(path, scope["method"]):
+            await self.mesh.ensure_started()
+            await self.mesh.wait_ready()
+            await admin_api.handle(self.mesh, scope, receive, send)
         elif path == "/kvmesh/workers" or path == "/busy_threshold":
             await self.mesh.ensure_started()
             await _admin(self.mesh, scope, receive, send)
@@ -270,12 +277,13 @@ class _RoutedRequest:
         metrics = mesh.metrics
         hashes: list[int] = []
         isl = 0
+        lora = mesh.registry.lora_of(body.get("model")) if mesh.registry.adapters else None
         if mesh.kv_mode:
             t = time.perf_counter()
             tokens = prompt_token_ids(mesh.tokenizer, body, self.endpoint)
             t_hash = time.perf_counter()
             block_size = mesh.registry.block_size or 16
-            hashes = block_hashes(tokens, block_size)
+            hashes = block_hashes(tokens, block_size, lora)
             metrics.phase["tokenize"].observe(t_hash - t)
             metrics.phase["hashing"].observe(time.perf_counter() - t_hash)
             isl = len(tokens)
@@ -296,16 +304,16 @@ class _RoutedRequest:
             session_id=session.session_id if session else None,
             session_action=session.action if session else None,
             session_timeout=session.timeout if session else None,
-            allowed_workers=mesh.registry.routable,
+            allowed_workers=mesh.registry.routable if lora is None else mesh.registry.adapters[lora],
+            lora_name=lora,
         )
 
     def _route(self, request: RouteRequest) -> RouteResult:
+        router = self.mesh.router
         t = time.perf_counter()
-        result = self.mesh.router.route(request, time.monotonic())
+        result = router.route(request, time.monotonic())
         self.routed_at = done = time.perf_counter()
-        phase = self.mesh.metrics.phase
-        phase["scheduling"].observe(done - t)
-        phase["total"].observe(done - self.t0)
+        self.mesh.metrics.observe_routing(done - t, router.last_find_matches, done - self.t0)
         return result
 
     async def _settle(self, result: RouteResult, request: RouteRequest) -> Decision | None:
@@ -455,9 +463,10 @@ class _RoutedRequest:
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in self.scope["headers"]
-            if k not in HOP_BY_HOP
+            if k not in HOP_BY_HOP and k != REQUEST_ID_HEADER
         ]
         headers.append(("x-kvmesh-hop", self.mesh.replica))
+        headers.append(("x-kvmesh-request-id", self.request_id))
         path = self.endpoint
         if self.scope.get("query_string"):
             path += "?" + self.scope["query_string"].decode("latin-1")
@@ -629,8 +638,11 @@ class _HopRequest:
         try:
             body = _decode(raw)
             tokens = prompt_token_ids(mesh.tokenizer, body, self.scope["path"])
-            hashes = block_hashes(tokens, mesh.registry.block_size or 16)
-            self.request_id = f"hop-{self.origin.decode('latin-1')}-{mesh.next_request_id()}"
+            lora = mesh.registry.lora_of(body.get("model")) if mesh.registry.adapters else None
+            hashes = block_hashes(tokens, mesh.registry.block_size or 16, lora)
+            self.request_id = self._origin_request_id() or (
+                f"hop-{self.origin.decode('latin-1')}-{mesh.next_request_id()}"
+            )
             mesh.router.track(self.request_id, (self_id, 0), hashes, len(tokens), time.monotonic())
             tracked = True
         except (msgspec.DecodeError, KvMeshError, AttributeError, ValueError):
@@ -644,6 +656,14 @@ class _HopRequest:
         finally:
             if not tap.complete:
                 self.end(False)
+
+    def _origin_request_id(self) -> str | None:
+        """The forwarding replica's id for this request: with replica sync, the same request
+        arrives from that replica's decision stream too, and must count once."""
+        for name, value in self.scope["headers"]:
+            if name == REQUEST_ID_HEADER:
+                return value.decode("latin-1") or None
+        return None
 
     def first_event(self) -> None:
         self.mesh.router.first_token(self.request_id, time.monotonic())

@@ -14,6 +14,10 @@ Environment variables::
     KVMESH_MAX_BODY_BYTES    largest request body accepted (413 beyond) [8 MiB]
     KVMESH_BLOCK_SIZE        the fleet's KV block size when no worker describes it [16]
     KVMESH_HEALTH_INTERVAL   seconds between worker health checks [2]
+    KVMESH_SYNC_ENDPOINT     with --router-replica-sync: where this replica publishes its routing
+                             decisions (tcp://host:port; port * picks one) [tcp://<self host>:*]
+    KVMESH_SYNC_PEERS        comma-separated sync endpoints of replicas that are not workers
+                             (standalone routers); embedded replicas are found through the workers
     KVMESH_CONFIG            path of a TOML file (below)
     KVMESH_ROUTER_*          routing flags (see RouterConfig)
 
@@ -34,6 +38,8 @@ TOML file::
     kv_replay_endpoints = ["tcp://10.0.0.2:5558"]
     max_num_batched_tokens = 8192
     total_kv_blocks = 20000
+
+``sync_endpoint`` and ``sync_peers`` (a list) set the replica-sync sockets in the file.
 """
 
 from __future__ import annotations
@@ -112,31 +118,55 @@ def parse_worker_list(text: str) -> tuple[WorkerSpec, ...]:
 
 
 _INT_FIELDS = ("block_size", "dp_size", "max_num_batched_tokens", "total_kv_blocks")
+WORKER_KEYS = frozenset(
+    ("url", "id", "worker_id", "backend", "model", "kv_events_endpoints", "kv_replay_endpoints",
+     "priority_polarity", *_INT_FIELDS)
+)  # fmt: skip
 
 
-def worker_from_mapping(table: Mapping[str, Any], index: int) -> WorkerSpec:
-    where = f"workers[{index}]"
-    known = {"url", "id", "worker_id", "backend", "model", "kv_events_endpoints", "kv_replay_endpoints",
-             "priority_polarity", *_INT_FIELDS}  # fmt: skip
-    unknown = set(table) - known
+class WorkerSpecError(ConfigError):
+    """A worker description with a bad field; ``field`` names it (for an HTTP 400)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec:
+    """A WorkerSpec from a ``[[workers]]`` table or a ``POST /kvmesh/workers`` body.
+
+    ``where`` prefixes messages (``workers[2]``); WorkerSpecError names the bad field."""
+    prefix = f"{where}." if where else ""
+
+    def bad(name: str, problem: str) -> WorkerSpecError:
+        return WorkerSpecError(f"{prefix}{name} {problem}", name)
+
+    unknown = set(table) - WORKER_KEYS
     if unknown:
-        raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}")
+        key = sorted(unknown)[0]
+        raise WorkerSpecError(f"{where + ': ' if where else ''}unknown key {key!r}", key)
     if not isinstance(table.get("url"), str):
-        raise ConfigError(f"{where}.url must be a string")
-    url = normalize_url(table["url"])
-    values: dict[str, Any] = {"url": url, "worker_id": str(table.get("id", table.get("worker_id", url)))}
+        raise bad("url", "must be a string")
+    try:
+        url = normalize_url(table["url"])
+    except ConfigError as e:
+        raise WorkerSpecError(str(e), "url") from None
+    worker_id = table.get("id", table.get("worker_id", url))
+    if not isinstance(worker_id, str) or not worker_id:
+        raise bad("id", "must be a non-empty string")
+    values: dict[str, Any] = {"url": url, "worker_id": worker_id}
     for name in _INT_FIELDS:
         if name in table:
             value = table[name]
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{where}.{name} must be a positive integer, got {value!r}")
+                raise bad(name, f"must be a positive integer, got {value!r}")
             values[name] = value
     for name in ("backend", "model"):
         if name in table:
             values[name] = str(table[name])
     if "priority_polarity" in table:
         if table["priority_polarity"] not in POLARITIES:
-            raise ConfigError(f"{where}.priority_polarity must be one of {', '.join(POLARITIES)}")
+            raise bad("priority_polarity", f"must be one of {', '.join(POLARITIES)}")
         values["priority_polarity"] = table["priority_polarity"]
     for name in ("kv_events_endpoints", "kv_replay_endpoints"):
         if name in table:
@@ -144,9 +174,20 @@ def worker_from_mapping(table: Mapping[str, Any], index: int) -> WorkerSpec:
             if isinstance(value, str):
                 value = [value]
             if not isinstance(value, list) or not all(v is None or isinstance(v, str) for v in value):
-                raise ConfigError(f"{where}.{name} must be a list of endpoint strings")
+                raise bad(name, "must be a list of endpoint strings")
             values[name] = tuple(value)
     return WorkerSpec(**values)
+
+
+def check_sync_endpoint(endpoint: str, what: str = "KVMESH_SYNC_ENDPOINT") -> str:
+    """``tcp://host:port`` (port may be ``*`` or 0: any free one); ConfigError otherwise."""
+    text = endpoint.strip()
+    host, sep, port = text.removeprefix("tcp://").rpartition(":")
+    if not text.startswith("tcp://") or not sep or not host or not (port == "*" or port.isdigit()):
+        raise ConfigError(f"{what} {endpoint!r} must look like tcp://host:port")
+    if port.isdigit() and int(port) > 65535:
+        raise ConfigError(f"{what} {endpoint!r} has an invalid port")
+    return text
 
 
 @dataclass(frozen=True)
@@ -162,6 +203,10 @@ class MeshSettings:
     health_interval: float = 2.0
     health_failures: int = 2
     connect_timeout: float = 3.0
+    sync_endpoint: str | None = None
+    """Replica sync PUB address (with ``router.router_replica_sync``); None: self host, any port."""
+    sync_peers: tuple[str, ...] = ()
+    """Sync endpoints of replicas that are not workers (standalone routers)."""
 
     def __post_init__(self) -> None:
         ids = [w.worker_id for w in self.workers]
@@ -172,6 +217,13 @@ class MeshSettings:
             raise ConfigError(f"KVMESH_MAX_BODY_BYTES must be positive, got {self.max_body_bytes}")
         if self.health_interval <= 0:
             raise ConfigError(f"KVMESH_HEALTH_INTERVAL must be positive, got {self.health_interval}")
+        if self.sync_endpoint is not None:
+            object.__setattr__(self, "sync_endpoint", check_sync_endpoint(self.sync_endpoint))
+        object.__setattr__(
+            self,
+            "sync_peers",
+            tuple(check_sync_endpoint(p, "KVMESH_SYNC_PEERS entry") for p in self.sync_peers),
+        )
         if self.self_url is not None and self.self_worker_id is None:
             if not self.workers:  # an engine on its own is a fleet of one
                 object.__setattr__(self, "workers", (WorkerSpec(self.self_url, self.self_url),))
@@ -261,6 +313,10 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         out["block_size"] = _positive_int("KVMESH_BLOCK_SIZE", env["KVMESH_BLOCK_SIZE"])
     if env.get("KVMESH_HEALTH_INTERVAL"):
         out["health_interval"] = _positive_float("KVMESH_HEALTH_INTERVAL", env["KVMESH_HEALTH_INTERVAL"])
+    if env.get("KVMESH_SYNC_ENDPOINT"):
+        out["sync_endpoint"] = env["KVMESH_SYNC_ENDPOINT"]
+    if env.get("KVMESH_SYNC_PEERS"):
+        out["sync_peers"] = tuple(split_csv([env["KVMESH_SYNC_PEERS"]]))
     return out
 
 
@@ -269,10 +325,20 @@ def _from_args(args: argparse.Namespace) -> dict[str, Any]:
     workers = getattr(args, "workers", None)
     if workers:
         out["workers"] = parse_worker_list(",".join(workers) if isinstance(workers, list) else workers)
-    for name in ("tokenizer", "admin_token", "max_body_bytes", "block_size", "health_interval"):
+    for name in (
+        "tokenizer",
+        "admin_token",
+        "max_body_bytes",
+        "block_size",
+        "health_interval",
+        "sync_endpoint",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             out[name] = value
+    peers = getattr(args, "sync_peers", None)
+    if peers:
+        out["sync_peers"] = tuple(split_csv(peers))
     return out
 
 
@@ -304,6 +370,7 @@ def _from_toml(path: str) -> tuple[dict[str, Any], RouterConfig]:
         ("max_body_bytes", int),
         ("block_size", int),
         ("health_interval", (int, float)),
+        ("sync_endpoint", str),
     ):
         if key in data:
             value = data.pop(key)
@@ -312,6 +379,11 @@ def _from_toml(path: str) -> tuple[dict[str, Any], RouterConfig]:
             out["self_worker_id" if key == "worker_id" else key] = value
     if "self_url" in out:
         out["self_url"] = normalize_url(out["self_url"], "self_url")
+    if "sync_peers" in data:
+        peers = data.pop("sync_peers")
+        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+            raise ConfigError(f"{path}: sync_peers must be a list of endpoint strings")
+        out["sync_peers"] = tuple(peers)
     if data:
         raise ConfigError(f"{path}: unknown setting {sorted(data)[0]!r}")
     return out, router
@@ -326,7 +398,7 @@ def _workers_from_toml(workers: Any, path: str) -> tuple[WorkerSpec, ...]:
             url = normalize_url(item)
             specs.append(WorkerSpec(url=url, worker_id=url))
         elif isinstance(item, dict):
-            specs.append(worker_from_mapping(item, i))
+            specs.append(worker_from_mapping(item, f"workers[{i}]"))
         else:
             raise ConfigError(f"{path}: workers[{i}] must be a URL or a table")
     return tuple(specs)
@@ -356,6 +428,21 @@ def add_arguments(parser: argparse.ArgumentParser, *, workers_required: bool = F
     )
     parser.add_argument(
         "--health-interval", type=float, default=None, help="seconds between health checks [2]"
+    )
+    parser.add_argument(
+        "--router-sync-endpoint",
+        dest="sync_endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="with --router-replica-sync: where to publish routing decisions (or KVMESH_SYNC_ENDPOINT)",
+    )
+    parser.add_argument(
+        "--router-sync-peers",
+        dest="sync_peers",
+        action="append",
+        default=None,
+        metavar="ENDPOINT[,ENDPOINT...]",
+        help="sync endpoints of other standalone router replicas (or KVMESH_SYNC_PEERS)",
     )
 
 

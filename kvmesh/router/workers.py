@@ -11,7 +11,17 @@ For each configured worker the registry
 3. registers it with the KvRouter, cold-starts its index from ``/kvmesh/kv_state`` and follows its
    KV events (one :class:`EventSubscriber` per data-parallel rank) from the snapshot's sequence;
 4. health-checks it; a dead worker leaves routing and its blocks leave the index, and it is
-   re-admitted through steps 1-3 when it answers again.
+   re-admitted through steps 1-3 when it answers again;
+5. after each quiet spell of its event stream, asks once whether anything was published since
+   the last batch it holds (a replay from the next sequence, or the ``kv_state`` sequence when
+   the worker has no replay socket): a batch lost just before a quiet period is revealed by no
+   later batch, so without this the index would stay wrong until the next burst;
+6. learns which LoRA adapters it serves (``lora_adapters`` in its info, else the ``/v1/models``
+   entries whose ``parent`` is another model), so prompts for an adapter are hashed the way the
+   engine salts that adapter's blocks and go only to workers that serve it.
+
+Workers come from the settings, and at runtime from the admin API (:meth:`WorkerRegistry.add`,
+:meth:`WorkerRegistry.remove`).
 
 The worker the middleware is embedded in is reached in-process (``local_call``), never over the
 network: it is up by definition while this code runs.
@@ -40,12 +50,18 @@ from kvmesh.router.settings import POLARITIES, MeshSettings, WorkerSpec
 logger = logging.getLogger("kvmesh.router")
 
 PENDING, UP, DOWN, REFUSED = "pending", "up", "down", "refused"
+# Adapters are re-read every this many health checks (engines can load adapters at runtime).
+_ADAPTER_REFRESH_CHECKS = 5
 # Capacity assumed for a worker that describes nothing (round-robin / random over plain servers).
 _DEFAULT_TOTAL_BLOCKS = 1 << 20
 _DEFAULT_BATCHED_TOKENS = 1 << 20
 
 LocalCall = Callable[[str, str, Any], Awaitable[Any]]
 """(method, path, json payload or None) -> decoded JSON answer of the embedding engine."""
+
+
+class WorkerConflict(WorkerError):
+    """A runtime-added worker that clashes with the fleet (duplicate, other block size)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +91,13 @@ class Worker:
     since: float = field(default_factory=time.monotonic)
     subscribers: list[EventSubscriber] = field(default_factory=list)
     events_applied: int = 0
+    adapters: frozenset[str] = frozenset()
+    """LoRA adapter names the worker serves."""
+    checks: int = 0
+    # Per dp rank: the subscriber's received count at the last health check, and the count at
+    # which a quiet stream was last probed for a lost final batch.
+    seen_received: dict[int, int] = field(default_factory=dict)
+    probed_received: dict[int, int] = field(default_factory=dict)
 
     @property
     def worker_id(self) -> WorkerId:
@@ -153,6 +176,8 @@ class WorkerRegistry:
         self.block_size: int | None = settings.block_size
         self.routable: frozenset[WorkerId] = frozenset()
         self.models: list[str] = []
+        self.adapters: dict[str, frozenset[WorkerId]] = {}
+        """LoRA adapter name -> the up workers serving it."""
         self._tasks: list[asyncio.Task[Any]] = []
         self._admitting: set[WorkerId] = set()
         self.ready = asyncio.Event()
@@ -228,6 +253,7 @@ class WorkerRegistry:
                     "block_size": info.block_size if info else None,
                     "dp_size": info.dp_size if info else None,
                     "priority_polarity": info.priority_polarity if info else None,
+                    "lora_adapters": sorted(w.adapters),
                     "events_applied": w.events_applied,
                     "active_requests": sum(r["active_requests"] for r in ranks),
                     "indexed_blocks": sum(r["indexed_blocks"] for r in ranks),
@@ -245,12 +271,61 @@ class WorkerRegistry:
             log("worker %s is %s%s", w.worker_id, state, f": {reason}" if reason else "")
         w.state = state
         w.reason = reason
-        self.routable = frozenset(x.worker_id for x in self.workers.values() if x.state == UP)
-        self.models = sorted(
-            {x.info.model for x in self.workers.values() if x.info and x.info.model and x.state == UP}
-        )
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        up = [x for x in self.workers.values() if x.state == UP]
+        self.routable = frozenset(x.worker_id for x in up)
+        self.models = sorted({x.info.model for x in up if x.info and x.info.model})
+        adapters: dict[str, set[WorkerId]] = {}
+        for x in up:
+            for name in x.adapters:
+                adapters.setdefault(name, set()).add(x.worker_id)
+        self.adapters = {name: frozenset(ids) for name, ids in adapters.items()}
         if self.on_change is not None:
             self.on_change()
+
+    def lora_of(self, model: Any) -> str | None:
+        """The adapter name when ``model`` (a request's "model") names a LoRA adapter."""
+        return model if isinstance(model, str) and model in self.adapters else None
+
+    # ---------------------------------------------------------------- runtime admin
+    async def add(self, spec: WorkerSpec) -> Worker:
+        """Register a worker at runtime and admit it now; WorkerConflict if it clashes.
+
+        A worker that does not answer yet stays registered (down) and is admitted when it does."""
+        if spec.worker_id in self.workers:
+            raise WorkerConflict(f"worker id {spec.worker_id!r} is already registered")
+        same_url = next((w.worker_id for w in self.workers.values() if w.url == spec.url), None)
+        if same_url is not None:
+            raise WorkerConflict(f"worker {spec.url} is already registered as {same_url!r}")
+        if spec.block_size is not None and self.block_size is not None and spec.block_size != self.block_size:
+            raise WorkerConflict(
+                f"block size {spec.block_size} differs from the fleet's {self.block_size}; "
+                "KV hashes would never match"
+            )
+        w = self.workers[spec.worker_id] = Worker(spec)
+        await self._admit(w)
+        if w.state == REFUSED:
+            self.workers.pop(spec.worker_id, None)
+            self._refresh_views()
+            raise WorkerConflict(w.reason or "refused")
+        return w
+
+    async def remove(self, worker_id: WorkerId) -> bool:
+        """Forget a worker: out of routing, its index blocks and load dropped, events unfollowed."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return False
+        self.router.remove_worker(worker_id)
+        await self._unsubscribe(w)
+        self._refresh_views()
+        logger.info("worker %s removed", worker_id)
+        return True
+
+    def _current(self, w: Worker) -> bool:
+        """False once ``w`` was removed (an admission in flight must not bring it back)."""
+        return self.workers.get(w.worker_id) is w
 
     async def mark_down(self, worker_id: WorkerId, reason: str) -> None:
         """Take a worker out of routing now (a forward found it unreachable)."""
@@ -289,6 +364,8 @@ class WorkerRegistry:
                 if not (spec.described or self._need_events or self.is_local(w.worker_id)):
                     # A plain OpenAI server is enough here, but it must answer.
                     await self._probe(w)
+        if not self._current(w):
+            return
         info = _merge(spec, raw if isinstance(raw, dict) else None, self.block_size or 16)
         if self.block_size is None:
             self.block_size = info.block_size
@@ -311,13 +388,44 @@ class WorkerRegistry:
             max_num_batched_tokens=info.max_num_batched_tokens,
             block_size=info.block_size,
         )
+        await self._read_adapters(w, raw if isinstance(raw, dict) else None)
         if self._need_events:
             await self._subscribe(w, info)
+        if not self._current(w):
+            self.router.remove_worker(w.worker_id)
+            await self._unsubscribe(w)
+            return
         w.failures = 0
         self._set_state(w, UP)
 
+    async def _read_adapters(self, w: Worker, raw_info: dict[str, Any] | None) -> None:
+        """``lora_adapters`` from the worker's info, else its ``/v1/models`` entries with a parent."""
+        listed = raw_info.get("lora_adapters") if raw_info is not None else None
+        names: set[str] = set()
+        if isinstance(listed, list):
+            names = {a for a in listed if isinstance(a, str) and a}
+        else:
+            try:
+                doc = await self._call(w, "GET", "/v1/models", None)
+            except ConnectFailed:
+                doc = None
+            data = doc.get("data") if isinstance(doc, dict) else None
+            for entry in data if isinstance(data, list) else ():
+                if not isinstance(entry, dict):
+                    continue
+                name, parent = entry.get("id"), entry.get("parent")
+                # vLLM lists an adapter with its base model as "parent"; base models have none.
+                if isinstance(name, str) and isinstance(parent, str) and parent and parent != name:
+                    names.add(name)
+        if frozenset(names) != w.adapters:
+            w.adapters = frozenset(names)
+            if w.state == UP:
+                self._refresh_views()
+
     async def _subscribe(self, w: Worker, info: WorkerInfo) -> None:
         await self._unsubscribe(w)
+        w.seen_received.clear()
+        w.probed_received.clear()
         last_seqs: dict[int, int | None] = {}
         if info.has_rpc:
             try:
@@ -333,6 +441,8 @@ class WorkerRegistry:
                 logger.warning(
                     "worker %s: no kv_state cold start (%s); following live events only", w.worker_id, e
                 )
+        if not self._current(w):
+            return
         for rank, endpoint in enumerate(info.kv_events_endpoints):
             sub = EventSubscriber(
                 endpoint,
@@ -383,17 +493,60 @@ class WorkerRegistry:
             self._tasks.remove(task)
 
     async def _resync(self, w: Worker, rank: int) -> None:
+        state = await self._rank_state(w, rank)
+        if state is not None:
+            self._load_rank_state(w, rank, state)
+
+    async def _rank_state(self, w: Worker, rank: int) -> dict[str, Any] | None:
+        """One rank's part of the worker's ``/kvmesh/kv_state`` (None when unavailable)."""
         try:
             state = await self._call(w, "GET", "/kvmesh/kv_state", None)
         except ConnectFailed as e:
             logger.warning("worker %s: kv_state re-sync failed: %s", w.worker_id, e)
+            return None
+        for r in state.get("ranks", []) if isinstance(state, dict) else ():
+            if isinstance(r, dict) and int(r.get("dp_rank", 0)) == rank:
+                return r
+        return None
+
+    def _load_rank_state(self, w: Worker, rank: int, r: dict[str, Any]) -> None:
+        if not self._current(w):
             return
-        for r in state.get("ranks", []):
-            if int(r.get("dp_rank", 0)) == rank:
-                events = [_stored_from_json(e) for e in r.get("events", []) if e.get("type") == "BlockStored"]
-                self.router.load_state(w.worker_id, rank, events)
-                if r.get("last_seq") is not None and rank < len(w.subscribers):
-                    w.subscribers[rank].resume_from(int(r["last_seq"]))
+        events = [_stored_from_json(e) for e in r.get("events", []) if e.get("type") == "BlockStored"]
+        self.router.load_state(w.worker_id, rank, events)
+        if r.get("last_seq") is not None and rank < len(w.subscribers):
+            w.subscribers[rank].resume_from(int(r["last_seq"]))
+
+    async def _check_quiet_streams(self, w: Worker) -> None:
+        """A batch lost right before a quiet period is revealed by no later batch. Once per quiet
+        spell (no batch read for a whole health interval), ask whether the worker published more
+        than we hold: a replay from the next sequence (it answers with nothing when we are in
+        step), or, without a replay socket, the kv_state's sequence and a cold start if ahead."""
+        for rank, sub in enumerate(list(w.subscribers)):
+            received = sub.stats.received
+            if w.seen_received.get(rank) != received:  # traffic: a later batch reveals gaps itself
+                w.seen_received[rank] = received
+                continue
+            if w.probed_received.get(rank) == received:
+                continue  # already probed during this quiet spell
+            w.probed_received[rank] = received
+            expected = sub.expected_seq
+            if sub.replay_endpoint is not None:
+                sub.resume_from((expected or 0) - 1)
+            elif w.info is not None and w.info.has_rpc:
+                r = await self._rank_state(w, rank)
+                last = r.get("last_seq") if r is not None else None
+                if r is None or last is None or (expected is not None and int(last) < expected):
+                    continue
+                logger.warning(
+                    "worker %s rank %d: published up to seq %d, we hold %s; cold start from kv_state",
+                    w.worker_id,
+                    rank,
+                    int(last),
+                    "nothing" if expected is None else f"up to {expected - 1}",
+                )
+                self.router.clear_worker_index(w.worker_id, rank)
+                self._load_rank_state(w, rank, r)
 
     async def _unsubscribe(self, w: Worker) -> None:
         subs, w.subscribers = w.subscribers, []
@@ -413,6 +566,8 @@ class WorkerRegistry:
         if self.is_local(w.worker_id):
             if w.state != UP and w.state != REFUSED:
                 await self._admit(w)
+            elif w.state == UP:
+                await self._routine(w)
             return
         if w.state == REFUSED:
             return
@@ -426,6 +581,20 @@ class WorkerRegistry:
         w.failures = 0
         if w.state != UP:
             await self._admit(w)
+        else:
+            await self._routine(w)
+
+    async def _routine(self, w: Worker) -> None:
+        """What an up worker gets at each health check besides the probe."""
+        w.checks += 1
+        if w.subscribers:
+            await self._check_quiet_streams(w)
+        if w.checks % _ADAPTER_REFRESH_CHECKS == 0 and w.info is not None:
+            raw = None
+            if w.info.has_rpc:
+                with contextlib.suppress(ConnectFailed):
+                    raw = await self._call(w, "GET", "/kvmesh/info", None)
+            await self._read_adapters(w, raw if isinstance(raw, dict) else None)
 
     async def _probe(self, w: Worker) -> None:
         """Alive = answers HTTP at all (a 404 on /health from a plain server is still alive)."""

@@ -32,9 +32,10 @@ Levels: 0 = device, 1 = device or host, 2 = any tier (disk and external storage)
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import islice, repeat
 from operator import and_, indexOf, ne, or_
 from typing import Union
 
@@ -606,20 +607,17 @@ class PrefixIndex(_ChainIndex):
     ) -> None:
         handles = self._insert_run(parent, locals_, slot, tier)
         emap = self._engine[slot][tier]
-        if emap.keys().isdisjoint(engine):
-            # the common case, in bulk: no hash of this run was known before
-            before = len(emap)
-            emap.update(zip(engine, handles, strict=True))
-            self._total += len(emap) - before
-            if len(emap) - before != len(engine):
-                # a hash repeated inside the run: the later block wins, as if applied one by one
-                seen: dict[EngineHash, int] = {}
-                for eh, h in zip(engine, handles, strict=True):
-                    prev = seen.get(eh)
-                    if prev is not None:
-                        self._remove(slot, tier, prev)
-                    seen[eh] = h
+        # the common case in one probe per hash: every hash of the run is new to this map
+        before = len(emap)
+        deque(map(emap.setdefault, engine, handles), maxlen=0)
+        added = len(emap) - before
+        if added == len(engine):
+            self._total += added
             return
+        # a hash was known already, or repeats inside the run: take back what setdefault just
+        # appended (the newest keys) and apply the run one hash at a time
+        for eh in list(islice(reversed(emap), added)):
+            del emap[eh]
         for eh, h in zip(engine, handles, strict=True):
             old = emap.get(eh)
             emap[eh] = h

@@ -5,13 +5,15 @@ own, only bulk C operations over the run, and a query touches a few objects per 
 
 * **A trie of runs.** Blocks form a trie keyed by local hash: a child is one block further down the
   prefix. A *segment* is a chain parent -> b0 -> b1 -> ... -> bn-1 stored as one object: the local
-  hashes in an ``array('Q')`` and per-block state in two int lists. A run stored under the last
-  block of a segment with no other child extends that segment in place, so a conversation that
-  grows turn by turn (or a decode that adds one block per step) stays one segment. Children other
-  than the next block of a segment hang off ``branches[index][local hash]`` as segment ids; the
-  roots off ``_roots[local hash]``. A block's *handle* is ``segment id << 20 | index``.
+  hashes and the per-block state in three lists. (An ``array('Q')`` of hashes would save ~33 bytes
+  per block, but converting every stored run and every query to it cost ~7% of store throughput
+  and more of a query.) A run stored under the last block of a segment with no other child extends
+  that segment in place, so a conversation that grows turn by turn (or a decode that adds one block
+  per step) stays one segment. Children other than the next block of a segment hang off
+  ``branches[index][local hash]`` as segment ids; the roots off ``_roots[local hash]``. A block's
+  *handle* is ``segment id << 20 | index``.
 * **Matching compares runs, not blocks.** A query follows the trie: one dict lookup per segment it
-  enters, one array comparison (memcmp) for the blocks inside it, a bisection only where it diverges.
+  enters, one list comparison (a C loop) for the blocks inside it, a bisection only where it diverges.
   Storing a run walks the same way, so blocks another worker already holds are shared, and the new
   tail costs a few slices and list repeats whatever its length.
 * **Holders as bits.** Each (worker, dp_rank) owns a *slot*; a block keeps two ints: ``stored``
@@ -31,7 +33,6 @@ Levels: 0 = device, 1 = device or host, 2 = any tier (disk and external storage)
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -63,14 +64,15 @@ _ROOT = -1
 class _Seg:
     """A chain of blocks parent -> b0 -> ... -> bn-1 (one or more stored runs laid end to end).
 
-    Nothing here is a per-block Python object (the lists hold shared ints until a bit changes), so
-    storing a run is a few bulk operations and the cyclic GC has one object per segment to look at.
+    No per-block Python object is made here (the local hashes are the run's own ints, the state lists
+    hold shared ints until a bit changes), so storing a run is a few bulk operations and the cyclic
+    GC has a few objects per segment to look at.
     """
 
     __slots__ = ("branches", "depth0", "id", "live", "locals", "n_branches", "parent", "reach", "stored")
 
     def __init__(
-        self, sid: int, parent: int, depth0: int, locals_: array[int], stored: int, reach: int
+        self, sid: int, parent: int, depth0: int, locals_: list[int], stored: int, reach: int
     ) -> None:
         self.id = sid
         self.parent = parent
@@ -84,8 +86,8 @@ class _Seg:
         self.n_branches = 0
 
 
-def _common(a: array[int], b: array[int]) -> int:
-    """Length of the common prefix of two equally long arrays (whole-slice memcmp, then bisection)."""
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two equally long lists (whole-list compare, then bisection)."""
     if a == b:
         return len(a)
     lo, hi = 0, len(a)  # a[:lo] == b[:lo], a[:hi] != b[:hi]
@@ -96,14 +98,6 @@ def _common(a: array[int], b: array[int]) -> int:
         else:
             hi = mid
     return lo + indexOf(map(ne, a[lo:hi], b[lo:hi]), True)
-
-
-def _as_locals(hashes: Sequence[int]) -> array[int] | None:
-    """Local hashes as an unsigned 64-bit array; None if one cannot be a local hash at all."""
-    try:
-        return array("Q", hashes)
-    except (OverflowError, TypeError):
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +191,7 @@ class _ChainIndex:
         tier bit via ``_add``; the new tail extends the parent's segment or becomes a new one, its
         bits set in bulk. ``slot=None`` only builds the structure; ``dup_ok=False`` leaves blocks
         that already carry the bit alone."""
-        run = locals_ if isinstance(locals_, array) else array("Q", locals_)
+        run = list(locals_)  # the index keeps (slices of) it: never the caller's list
         first = run[0]
         if parent == _ROOT:
             if first not in self._roots:
@@ -212,7 +206,7 @@ class _ChainIndex:
                 return self._attach(parent, seg, run, slot, tier)
         return self._follow(parent, run, slot, tier, dup_ok)
 
-    def _follow(self, at: int, run: array[int], slot: int | None, tier: int, dup_ok: bool) -> list[int]:
+    def _follow(self, at: int, run: list[int], slot: int | None, tier: int, dup_ok: bool) -> list[int]:
         """``_insert_run`` for a run whose first block is in the trie: walk down it, then attach the rest."""
         n = len(run)
         segs = self._segs
@@ -248,7 +242,7 @@ class _ChainIndex:
             at = base + m - 1
         return handles
 
-    def _attach(self, at: int, seg: _Seg | None, new: array[int], slot: int | None, tier: int) -> range:
+    def _attach(self, at: int, seg: _Seg | None, new: list[int], slot: int | None, tier: int) -> range:
         """Handles of the new blocks ``new`` under block ``at`` (in ``seg``; None for the root): they
         extend ``seg`` when ``at`` ends it with no other child, else they become a new segment."""
         k = len(new)
@@ -295,7 +289,7 @@ class _ChainIndex:
 
     def _path(self, h: int) -> list[int]:
         """Local hashes from the root down to block ``h`` (for dumps)."""
-        parts: list[array[int]] = []
+        parts: list[list[int]] = []
         while h != _ROOT:
             seg = self._segs[h >> _SHIFT]
             parts.append(seg.locals[: (h & _LOW) + 1])
@@ -436,12 +430,7 @@ class _ChainIndex:
         while True:
             seg = segs[sid]
             avail = min(len(seg.stored) - start, n - d)
-            mine = seg.locals[start : start + avail]
-            theirs = _as_locals(query[d : d + avail])
-            if theirs is not None:
-                m = _common(mine, theirs)
-            else:  # the query holds a value no local hash can have: compare one by one
-                m = next((j for j, (x, y) in enumerate(zip(mine, query[d:], strict=False)) if x != y), avail)
+            m = _common(seg.locals[start : start + avail], query[d : d + avail])
             last = start + m - 1
             reach = seg.reach
             reached = reach[last] & alive

@@ -166,8 +166,9 @@ class RouterStats:
 
 
 class RoutingObserver(Protocol):
-    """Hears of this router's own decisions and load releases (not of ``track()``-ed requests'
-    arrival, but of their release too: filter by id)."""
+    """Hears of this router's decisions (``route()`` / ``release()``, not ``track()``), and of
+    every first token and load release, whichever way the request was counted: an observer that
+    only cares about its own decisions filters those by request id."""
 
     def routed(
         self,

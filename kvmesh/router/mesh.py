@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import random
+import socket
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -83,7 +84,9 @@ class Mesh:
             self.metrics,
             local_call=self.local_call if self.local_app is not None else None,
         )
-        self.replica = settings.self_worker_id or f"router-{os.getpid()}-{id(self) & 0xFFFF:x}"
+        self.replica = settings.self_worker_id or (
+            f"router-{socket.gethostname()}-{os.getpid()}-{id(self) & 0xFFFF:x}"
+        )
         # A random per-process epoch makes request ids unique across restarts and replicas: peers
         # key their copy of our load by them.
         self.epoch = int.from_bytes(os.urandom(4), "big")

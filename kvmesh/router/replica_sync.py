@@ -17,8 +17,8 @@ middleware in the ``x-kvmesh-request-id`` header of a forwarded request, so a re
 there both as a hop and through sync counts once.
 
 A heartbeat reconciles: a tracked request the peer no longer lists is freed (its Freed was lost).
-A peer silent for ``peer_timeout`` seconds, or one that restarted (new epoch), has its requests
-dropped.
+A peer is one (replica, epoch): a process. One silent for ``peer_timeout`` seconds has its requests
+dropped, which is also what becomes of a replica's old process after a restart.
 
 Known limit: PUB/SUB drops what is sent before a subscriber is connected, so requests already in
 flight when two replicas first connect are not counted by the newcomer.
@@ -141,7 +141,7 @@ class ReplicaSync:
         """The address peers connect to (known once started)."""
         self._seq = 0
         self._mine: set[str] = set()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[tuple[str, int], _Peer] = {}
         self._following: set[str] = set()
         self._pub: zmq.Socket[bytes] | None = None
         self._sub: zmq.Socket[bytes] | None = None
@@ -220,9 +220,6 @@ class ReplicaSync:
         if self._sub is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.disconnect(endpoint)
-
-    def knows_replica(self, replica: str) -> bool:
-        return replica in self._peers
 
     def describe(self) -> dict[str, Any]:
         """What ``GET /kvmesh/router`` shows about sync."""
@@ -307,7 +304,7 @@ class ReplicaSync:
             self._forget(peer)
 
     def _forget(self, peer: _Peer) -> None:
-        self._peers.pop(peer.replica, None)
+        self._peers.pop((peer.replica, peer.epoch), None)
         now = time.monotonic()
         for rid in peer.requests:
             self.router.cancel(rid, now)
@@ -337,11 +334,10 @@ class ReplicaSync:
             return
         if env.replica == self.replica and env.epoch == self.epoch:
             return  # our own, through a loop in the configuration
-        peer = self._peers.get(env.replica)
-        if peer is None or peer.epoch != env.epoch:
-            if peer is not None:  # it restarted: what the old process had in flight is gone
-                self._forget(peer)
-            peer = self._peers[env.replica] = _Peer(env.replica, env.epoch, now, env.seq - 1)
+        key = (env.replica, env.epoch)
+        peer = self._peers.get(key)
+        if peer is None:
+            peer = self._peers[key] = _Peer(env.replica, env.epoch, now, env.seq - 1)
         if env.seq > peer.seq + 1:
             self.stats.lost += env.seq - peer.seq - 1
         peer.seq = env.seq

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import pytest
 import zmq
 
 from kvmesh.commands.demo import start_mesh
+from kvmesh.errors import ConfigError
 from kvmesh.mock.config import MockConfig
 from kvmesh.router.app import build_router_app
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.replica_sync import Envelope, Heartbeat, Routed, encode
-from kvmesh.router.settings import MeshSettings, WorkerSpec
+from kvmesh.router.settings import MeshSettings, WorkerSpec, add_arguments
 
 from .engines import EngineState, engine_app
 from .servers import serve
@@ -198,3 +201,30 @@ async def test_a_standalone_replica_follows_a_configured_peer_and_drops_it_when_
                 assert stats["reconciled"] == 1
     finally:
         peer.close(linger=0)
+
+
+def test_sync_settings_from_env_and_flags() -> None:
+    env = {
+        "KVMESH_ROUTER_REPLICA_SYNC": "true",
+        "KVMESH_SYNC_ENDPOINT": "tcp://127.0.0.1:5600",
+        "KVMESH_SYNC_PEERS": "tcp://127.0.0.1:5601, tcp://127.0.0.1:5602",
+    }
+    s = MeshSettings.load(env)
+    assert s.router.router_replica_sync is True
+    assert s.sync_endpoint == "tcp://127.0.0.1:5600"
+    assert s.sync_peers == ("tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    RouterConfig.add_arguments(parser)
+    args = parser.parse_args(
+        ["--router-replica-sync", "--router-sync-endpoint", "tcp://127.0.0.1:*",
+         "--router-sync-peers", "tcp://127.0.0.1:7001"]
+    )  # fmt: skip
+    s = MeshSettings.load({}, args)
+    assert (s.router.router_replica_sync, s.sync_endpoint, s.sync_peers) == (
+        True, "tcp://127.0.0.1:*", ("tcp://127.0.0.1:7001",)
+    )  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"KVMESH_SYNC_ENDPOINT 'http://x:1' must look like tcp://host:port"
+    ):
+        MeshSettings.load({"KVMESH_SYNC_ENDPOINT": "http://x:1"})

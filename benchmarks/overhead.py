@@ -10,9 +10,13 @@ One run measures, against a trivial upstream (a raw ASGI app answering a small c
 
 at concurrency 1 (latency) and 32 (latency and requests per second). Each server is its own
 process (uvicorn, as deployed); the client is this process (aiohttp, keep-alive). Added latency is
-the router's median / p99 minus the direct path's, measured in the same run.
+the router's median / p99 minus the direct path's, measured in the same round; ``--rounds``
+repeats every measurement, interleaved, and the table shows the median over rounds with the
+range in brackets (the machine may be shared: a single round is noisy). "server CPU" is the CPU
+time (user + system, from /proc) the process the client talks to spent per request: the most
+noise-resistant measure of the router's own cost.
 
-    .venv/bin/python benchmarks/overhead.py [--requests 3000]
+    .venv/bin/python benchmarks/overhead.py [--requests 2000] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +89,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    pid: int
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.contextmanager
-def _process(args: list[str], port: int) -> Iterator[str]:
+def _process(args: list[str], port: int) -> Iterator[Endpoint]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -99,7 +119,7 @@ def _process(args: list[str], port: int) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{args} did not start")
             time.sleep(0.05)
-        yield url
+        yield Endpoint(f"http://127.0.0.1:{port}", proc.pid)
     finally:
         proc.terminate()
         try:
@@ -108,32 +128,42 @@ def _process(args: list[str], port: int) -> Iterator[str]:
             proc.kill()
 
 
-def _server(kind: str) -> contextlib.AbstractContextManager[str]:
+def _server(kind: str) -> contextlib.AbstractContextManager[Endpoint]:
     port = _free_port()
     return _process([sys.executable, __file__, "--serve", kind, "--port", str(port)], port)
 
 
-def _router(upstream: str, mode: str) -> contextlib.AbstractContextManager[str]:
+def _router(upstream: Endpoint, mode: str) -> contextlib.AbstractContextManager[Endpoint]:
     port = _free_port()
-    kvmesh = [sys.executable, "-m", "kvmesh", "router", "--workers", upstream, "--port", str(port)]
+    kvmesh = [sys.executable, "-m", "kvmesh", "router", "--workers", upstream.url, "--port", str(port)]
     extra = ["--router-mode", mode, "--log-level", "error"]
     if mode == "kv":
         extra.append("--no-router-kv-events")
     return _process([*kvmesh, *extra], port)
 
 
-async def _measure(url: str, n: int, concurrency: int) -> tuple[list[float], float]:
+@dataclass(frozen=True)
+class Sample:
+    """One measurement of one path at one concurrency."""
+
+    median: float
+    p99: float
+    rps: float
+    cpu_per_request: float | None
+
+
+async def _measure(target: Endpoint, n: int, concurrency: int) -> Sample:
     import aiohttp
 
     latencies: list[float] = []
-    target = url + "/v1/chat/completions"
+    url = target.url + "/v1/chat/completions"
     headers = {"content-type": "application/json"}
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
     async with aiohttp.ClientSession(connector=connector) as http:
 
         async def one() -> None:
             t = time.perf_counter()
-            async with http.post(target, data=BODY, headers=headers) as r:
+            async with http.post(url, data=BODY, headers=headers) as r:
                 await r.read()
                 if r.status != 200:
                     raise RuntimeError(f"{url}: HTTP {r.status}")
@@ -148,17 +178,44 @@ async def _measure(url: str, n: int, concurrency: int) -> tuple[list[float], flo
             for _ in range(per_worker):
                 await one()
 
+        cpu0 = _cpu_seconds(target.pid)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
-    return latencies, len(latencies) / elapsed
+        cpu1 = _cpu_seconds(target.pid)
+    cpu = (cpu1 - cpu0) / len(latencies) if cpu0 is not None and cpu1 is not None else None
+    return Sample(statistics.median(latencies), percentile(latencies, 99), len(latencies) / elapsed, cpu)
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """``median [min, max]`` of per-round values (just the value for a single round)."""
+    mid = format(statistics.median(values), fmt)
+    if len(values) == 1:
+        return mid
+    return f"{mid} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
+
+
+def _http_parser() -> str:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+BASELINE = {
+    "router round-robin": "direct",
+    "router kv": "direct",
+    "engine + middleware (local)": "engine alone",
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--requests", type=int, default=3000, help="timed requests per configuration")
+    parser.add_argument("--requests", type=int, default=2000, help="timed requests per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every measurement")
     parser.add_argument("--serve", choices=("upstream", "embedded"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -166,42 +223,55 @@ def main() -> None:
         _serve(args.serve, args.port)
         return
 
-    print(f"routing overhead on loopback; {machine()}")
-    print(f"{args.requests} small non-streaming chat completions per row, after 200 warm-up requests\n")
-    results: dict[tuple[str, int], tuple[list[float], float]] = {}
+    print(f"routing overhead on loopback; {machine()}; uvicorn HTTP parser: {_http_parser()}")
+    print(
+        f"{args.requests} small non-streaming chat completions per measurement, after 200 warm-up "
+        f"requests; {args.rounds} round(s): median [min, max] over rounds\n"
+    )
+    samples: dict[tuple[str, int], list[Sample]] = {}
+
+    def run(paths: list[tuple[str, Endpoint]]) -> None:
+        for _ in range(args.rounds):
+            for concurrency in (1, 32):
+                for name, target in paths:
+                    sample = asyncio.run(_measure(target, args.requests, concurrency))
+                    samples.setdefault((name, concurrency), []).append(sample)
+
     with (
         _server("upstream") as upstream,
         _router(upstream, "round-robin") as rr,
         _router(upstream, "kv") as kv,
     ):
-        for concurrency in (1, 32):
-            for name, url in (("direct", upstream), ("router round-robin", rr), ("router kv", kv)):
-                results[(name, concurrency)] = asyncio.run(_measure(url, args.requests, concurrency))
+        run([("direct", upstream), ("router round-robin", rr), ("router kv", kv)])
     with _server("upstream") as plain, _server("embedded") as embedded:
-        for concurrency in (1, 32):
-            for name, url in (("engine alone", plain), ("engine + middleware (local)", embedded)):
-                results[(name, concurrency)] = asyncio.run(_measure(url, args.requests, concurrency))
+        run([("engine alone", plain), ("engine + middleware (local)", embedded)])
 
     rows = []
-    baseline = {
-        "router round-robin": "direct",
-        "router kv": "direct",
-        "engine + middleware (local)": "engine alone",
-    }
-    for (name, concurrency), (lat, rps) in results.items():
-        med = statistics.median(lat) * 1000
-        p99 = percentile(lat, 99) * 1000
-        base = baseline.get(name)
+    for (name, concurrency), runs in samples.items():
+        base = BASELINE.get(name)
+        cpu = [s.cpu_per_request * 1e6 for s in runs if s.cpu_per_request is not None]
+        row = [
+            name,
+            str(concurrency),
+            _spread([s.median * 1000 for s in runs], ".3f"),
+            _spread([s.p99 * 1000 for s in runs], ".3f"),
+        ]
         if base is not None:
-            base_lat = results[(base, concurrency)][0]
-            added_med = f"{med - statistics.median(base_lat) * 1000:+.3f}"
-            added_p99 = f"{p99 - percentile(base_lat, 99) * 1000:+.3f}"
-            ratio = f"{rps / results[(base, concurrency)][1]:.2f}"
+            base_runs = samples[(base, concurrency)]
+            pairs = list(zip(runs, base_runs, strict=True))
+            row += [
+                _spread([(s.median - b.median) * 1000 for s, b in pairs], "+.3f"),
+                _spread([(s.p99 - b.p99) * 1000 for s, b in pairs], "+.3f"),
+            ]
         else:
-            added_med = added_p99 = ratio = "(baseline)"
-        rows.append(
-            [name, str(concurrency), f"{med:.3f}", f"{p99:.3f}", added_med, added_p99, f"{rps:,.0f}", ratio]
-        )
+            row += ["(baseline)", "(baseline)"]
+        row.append(_spread([s.rps for s in runs], ",.0f"))
+        if base is not None:
+            row.append(_spread([s.rps / b.rps for s, b in pairs], ".2f"))
+        else:
+            row.append("(baseline)")
+        row.append(_spread(cpu, ".0f") if cpu else "n/a")
+        rows.append(row)
     print(
         table(
             [
@@ -213,17 +283,19 @@ def main() -> None:
                 "added p99 ms",
                 "req/s",
                 "req/s vs baseline",
+                "server CPU us/req",
             ],
             rows,
         )
     )
-    goal = statistics.median(results[("router round-robin", 1)][0]) - statistics.median(
-        results[("direct", 1)][0]
-    )
-    goal_kv = statistics.median(results[("router kv", 1)][0]) - statistics.median(results[("direct", 1)][0])
+
+    def added(name: str) -> float:
+        pairs = zip(samples[(name, 1)], samples[("direct", 1)], strict=True)
+        return statistics.median([(s.median - b.median) * 1000 for s, b in pairs])
+
     print(
-        f"\ngoal: median added latency <= 0.5 ms at concurrency 1 -> round-robin {goal * 1000:.3f} ms, "
-        f"kv {goal_kv * 1000:.3f} ms"
+        f"\ngoal: median added latency <= 0.5 ms at concurrency 1 -> "
+        f"round-robin {added('router round-robin'):.3f} ms, kv {added('router kv'):.3f} ms"
     )
 
 

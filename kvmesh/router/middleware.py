@@ -460,13 +460,9 @@ class _RoutedRequest:
 
     async def _open(self, url: str) -> tuple[UpstreamResponse, bytes | None]:
         """Send upstream and wait for the first body bytes: until then a failure may fail over."""
-        headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in self.scope["headers"]
-            if k not in HOP_BY_HOP and k != REQUEST_ID_HEADER
-        ]
-        headers.append(("x-kvmesh-hop", self.mesh.replica))
-        headers.append(("x-kvmesh-request-id", self.request_id))
+        headers = [(k, v) for k, v in self.scope["headers"] if k not in HOP_BY_HOP and k != REQUEST_ID_HEADER]
+        headers.append((HOP_HEADER, self.mesh.replica.encode()))
+        headers.append((REQUEST_ID_HEADER, self.request_id.encode()))
         path = self.endpoint
         if self.scope.get("query_string"):
             path += "?" + self.scope["query_string"].decode("latin-1")

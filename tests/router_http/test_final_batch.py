@@ -27,7 +27,7 @@ class LossyForwarder:
     """Relays a KV-event PUB stream on loopback, dropping every message while ``dropping``."""
 
     def __init__(self, upstream: str) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")

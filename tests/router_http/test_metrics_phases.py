@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh.hashing import block_hashes
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.app import build_router_app
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.config import RouterConfig, RouterMode
 from kvmesh.router.kv_router import Decision, KvRouter, RouteRequest
 from kvmesh.router.settings import MeshSettings, WorkerSpec
 
@@ -37,10 +37,10 @@ async def _phases(http: aiohttp.ClientSession, url: str) -> dict[str, tuple[floa
     return {p: (c, s) for p, (c, s) in out.items()}
 
 
-async def _route_some(mode: str, n: int) -> dict[str, tuple[float, float]]:
+async def _route_some(mode: RouterMode, n: int) -> dict[str, tuple[float, float]]:
     """Send ``n`` requests through a standalone router; the phases' (count, sum) increments."""
     async with run_mock(block_size=16, speedup=50.0) as mock, aiohttp.ClientSession() as http:
-        config = RouterConfig(router_mode=mode)  # type: ignore[arg-type]
+        config = RouterConfig(router_mode=mode)
         settings = MeshSettings(workers=(WorkerSpec(mock.base_url, "m"),), router=config)
         async with serve(build_router_app(settings)) as front:
             body = {

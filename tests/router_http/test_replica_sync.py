@@ -137,7 +137,7 @@ async def test_without_replica_sync_other_replicas_see_only_their_own_load() -> 
 async def test_a_standalone_replica_follows_a_configured_peer_and_drops_it_when_it_goes_silent() -> None:
     """A peer speaking the sync protocol on a plain ZMQ socket: its decisions become load in the
     router's view; a heartbeat that no longer lists one frees it; silence drops the rest."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     peer = ctx.socket(zmq.PUB)
     peer.setsockopt(zmq.LINGER, 0)
     port = peer.bind_to_random_port("tcp://127.0.0.1")

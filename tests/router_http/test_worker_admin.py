@@ -130,9 +130,9 @@ async def test_admin_api_refusals() -> None:
             # a good one serves at once
             status, row = await _add(http, front.url, {"url": e1.url, "id": "e1"})
             assert (status, row["state"]) == (201, "up")
-            body = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
+            hello = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
             async with http.post(
-                front.url + "/v1/chat/completions", json=body, headers={"x-worker-instance-id": "e1"}
+                front.url + "/v1/chat/completions", json=hello, headers={"x-worker-instance-id": "e1"}
             ) as r:
                 assert r.status == 200
                 assert r.headers["x-kvmesh-worker-id"] == "e1"

@@ -11,7 +11,7 @@ own, only bulk C operations over the run, and a query touches a few objects per 
   that segment in place, so a conversation that grows turn by turn (or a decode that adds one block
   per step) stays one segment. Children other than the next block of a segment hang off
   ``branches[index][local hash]`` as segment ids; the roots off ``_roots[local hash]``. A block's
-  *handle* is ``segment id << 20 | index``.
+  *handle* is ``segment id << 32 | index``.
 * **Matching compares runs, not blocks.** A query follows the trie: one dict lookup per segment it
   enters, one list comparison (a C loop) for the blocks inside it, a bisection only where it diverges.
   Storing a run walks the same way, so blocks another worker already holds are shared, and the new
@@ -55,10 +55,12 @@ STATUS_BLOCK_NOT_FOUND = "block_not_found"
 STATUS_INVALID = "invalid"
 
 
-_SHIFT = 20
+# A segment holds at most 2**32 blocks: more than one event can carry, and extending a segment
+# past it starts a new one. Handles stay two-digit ints (32 bytes) up to 2**28 segments.
+_SHIFT = 32
 _LOW = (1 << _SHIFT) - 1
 _ROOT = -1
-"""Handle of the empty prefix. A block's handle is ``segment id << 20 | index in the segment``."""
+"""Handle of the empty prefix. A block's handle is ``segment id << 32 | index in the segment``."""
 
 
 class _Seg:
@@ -192,6 +194,8 @@ class _ChainIndex:
         bits set in bulk. ``slot=None`` only builds the structure; ``dup_ok=False`` leaves blocks
         that already carry the bit alone."""
         run = list(locals_)  # the index keeps (slices of) it: never the caller's list
+        if not run:
+            return run
         first = run[0]
         if parent == _ROOT:
             if first not in self._roots:

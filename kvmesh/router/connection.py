@@ -125,6 +125,11 @@ class Http1Connection(asyncio.Protocol):
         """The whole response has been received (it may still be waiting in :meth:`read`)."""
         return self._complete
 
+    @property
+    def drained(self) -> bool:
+        """The whole response has been received and handed out: :meth:`read` has nothing more."""
+        return self._complete and not self._body
+
     def close(self) -> None:
         """Drop the connection now (the worker sees a disconnect); pending reads fail."""
         self._fail(ConnectionClosed("connection closed by the router"))

@@ -16,6 +16,7 @@ MAX_HEAD_BYTES = 64 * 1024
 _MAX_CHUNK_LINE = 4096
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
 _DIGITS = re.compile(rb"[0-9]{1,18}")
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: |\Z)")
 
 # Parser states.
 _IDLE, _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE = range(8)
@@ -206,13 +207,7 @@ class ResponseParser:
 
 def _status_line(line: bytes) -> tuple[int, int]:
     """``HTTP/1.x NNN reason`` -> (status, x)."""
-    if (
-        len(line) < 12
-        or not line.startswith(b"HTTP/1.")
-        or line[8] != 0x20
-        or not line[9:12].isdigit()
-        or (len(line) > 12 and line[12] != 0x20)
-        or line[7] not in b"01"
-    ):
+    match = _STATUS_LINE.match(line)
+    if match is None:
         raise ProtocolError(f"malformed status line {line[:100]!r}")
-    return int(line[9:12]), line[7] - 0x30
+    return int(match[2]), line[7] - 0x30

@@ -56,6 +56,8 @@ _QUEUE_TIMEOUT = 120.0
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 _JSON = [(b"content-type", b"application/json")]
+# kvmesh_requests_total children by (counter, endpoint, route, status): labels() costs more than inc().
+_REQUEST_COUNTERS: dict[tuple[Any, str, str, int], Any] = {}
 
 
 class KvMeshMiddleware:
@@ -235,13 +237,15 @@ class _RoutedRequest:
                 return
             self.raw_body = raw
             request = self._parse(raw)
-            await mesh.wait_ready()
+            if not mesh.registry.ready.is_set():
+                await mesh.wait_ready()
             if mesh.local_app is not None and not mesh.registry.routable:
                 # Peers not known yet (or all gone): this engine can always serve its own requests.
                 await self._serve_local_untracked()
                 return
             result = self._route(request)
-            decision = await self._settle(result, request)
+            # The common case, a decision right away, skips the coroutine that waits in the queue.
+            decision = result if isinstance(result, Decision) else await self._settle(result, request)
             if decision is None:
                 return
             await self._dispatch(decision, request)
@@ -379,7 +383,14 @@ class _RoutedRequest:
         await _send_json(self.send, status, _error_body(status, message, field), headers)
 
     def _count(self, route: str, status: int) -> None:
-        self.mesh.metrics.requests.labels(self.endpoint, route, str(status)).inc()
+        counter = self.mesh.metrics.requests
+        key = (counter, self.endpoint, route, status)
+        child = _REQUEST_COUNTERS.get(key)
+        if child is None:
+            child = counter.labels(self.endpoint, route, str(status))
+            if len(_REQUEST_COUNTERS) < 4096:
+                _REQUEST_COUNTERS[key] = child
+        child.inc()
 
     # ------------------------------------------------------------------ dispatch
     def _engine_body(self, worker_id: str) -> bytes:
@@ -480,14 +491,20 @@ class _RoutedRequest:
 
     async def _relay(self, upstream: UpstreamResponse, first: bytes | None) -> None:
         tap = ResponseTap(self.send, self, extra_headers=[(WORKER_ID_HEADER, self.worker_id.encode())])
-        watcher = asyncio.ensure_future(self._watch_client(upstream))
+        # A response that arrived whole (small JSON answers) goes out at once: a client leaving
+        # now has nothing left to abort, so only a response still on the wire is watched.
+        whole = upstream.drained
+        watcher = None if whole else asyncio.get_running_loop().create_task(self._watch_client(upstream))
         try:
             await tap({"type": "http.response.start", "status": upstream.status, "headers": upstream.headers})
-            if first is not None:
-                await tap({"type": "http.response.body", "body": first, "more_body": True})
-                async for chunk in upstream.chunks():
-                    await tap({"type": "http.response.body", "body": chunk, "more_body": True})
-            await tap({"type": "http.response.body", "body": b"", "more_body": False})
+            if whole:
+                await tap({"type": "http.response.body", "body": first or b"", "more_body": False})
+            else:
+                if first is not None:
+                    await tap({"type": "http.response.body", "body": first, "more_body": True})
+                    async for chunk in upstream.chunks():
+                        await tap({"type": "http.response.body", "body": chunk, "more_body": True})
+                await tap({"type": "http.response.body", "body": b"", "more_body": False})
             upstream.release()
             self._count("forwarded", upstream.status)
         except StreamBroken as e:
@@ -495,7 +512,8 @@ class _RoutedRequest:
             if not self.disconnected:
                 await self._broken(tap, str(e))
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             if not tap.complete:
                 upstream.close()
                 self.end(False)

@@ -82,6 +82,11 @@ class UpstreamResponse:
                 return value.decode("latin-1")
         return ""
 
+    @property
+    def drained(self) -> bool:
+        """Every body byte has been handed out: iterating further yields nothing."""
+        return self._conn.drained
+
     def chunks(self) -> UpstreamResponse:
         """Body bytes as they arrive (the response is its own iterator: a second call continues it);
         raises StreamBroken if the worker breaks off."""

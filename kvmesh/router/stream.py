@@ -197,24 +197,30 @@ class ResponseTap:
         self._buffer.clear()
         observer = self._observer
         observer.first_event()
-        try:
-            doc = _json_decode(data)
-        except msgspec.DecodeError:
-            doc = None
-        if isinstance(doc, dict):
-            usage = doc.get("usage")
-            if isinstance(usage, dict):
-                observer.usage(usage)
-                completion = usage.get("completion_tokens")
-                if isinstance(completion, int) and completion > 0:
-                    observer.events(completion)
-            echo = observer.echo()
-            if echo is not None:
+        echo = observer.echo()
+        if echo is None:
+            # Nothing to merge: the answer goes out as it came, and usage is read once it is gone.
+            await self._flush_start(len(data))
+            await self._send({"type": "http.response.body", "body": data, "more_body": False})
+            self._account(_json_object(data))
+        else:
+            doc = _json_object(data)
+            self._account(doc)
+            if doc is not None:
                 doc["nvext"] = {**doc["nvext"], **echo} if isinstance(doc.get("nvext"), dict) else echo
                 data = _json_encode(doc)
-        await self._flush_start(len(data))
-        await self._send({"type": "http.response.body", "body": data, "more_body": False})
+            await self._flush_start(len(data))
+            await self._send({"type": "http.response.body", "body": data, "more_body": False})
         self._finish()
+
+    def _account(self, doc: dict[str, Any] | None) -> None:
+        """Report a whole JSON answer's ``usage``: cached prompt tokens, completion tokens."""
+        usage = doc.get("usage") if doc is not None else None
+        if isinstance(usage, dict):
+            self._observer.usage(usage)
+            completion = usage.get("completion_tokens")
+            if isinstance(completion, int) and completion > 0:
+                self._observer.events(completion)
 
     async def _flush_start(self, length: int | None) -> None:
         start = self._start
@@ -231,3 +237,11 @@ class ResponseTap:
     def _finish(self) -> None:
         self.complete = True
         self._observer.end(True)
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        doc = _json_decode(data)
+    except msgspec.DecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None

@@ -65,13 +65,14 @@ class UpstreamResponse:
     connection to the pool, or :meth:`close` it to make the worker see a disconnect.
     """
 
-    __slots__ = ("_conn", "_origin", "_pool", "headers", "status", "worker_url")
+    __slots__ = ("_conn", "_origin", "_pool", "_released", "headers", "status", "worker_url")
 
     def __init__(self, worker_url: str, conn: Http1Connection, pool: ConnectionPool, origin: Origin) -> None:
         self.worker_url = worker_url
         self._conn = conn
         self._pool = pool
         self._origin = origin
+        self._released = False
         self.status = conn.status
         self.headers: list[tuple[bytes, bytes]] = [(k, v) for k, v in conn.headers if k not in HOP_BY_HOP]
 
@@ -117,11 +118,14 @@ class UpstreamResponse:
 
     def close(self) -> None:
         """Drop the connection (the worker sees a disconnect and can abort the request)."""
-        self._conn.close()
+        if not self._released:  # once released, the connection may carry someone else's request
+            self._conn.close()
 
     def release(self) -> None:
         """Give a fully read connection back to the pool (an unfinished one is closed)."""
-        self._pool.give_back(self._origin, self._conn)
+        if not self._released:
+            self._released = True
+            self._pool.give_back(self._origin, self._conn)
 
 
 class Forwarder:

@@ -4,7 +4,8 @@
 pass-through (the wrapped engine app calls it as its ``send``) and the forwarded path (the proxy
 turns the worker's response into the same messages).
 
-* ``text/event-stream``: every body message goes out as soon as it comes in. The tap counts
+* ``text/event-stream``: every body message goes out as soon as it comes in (an unfinished last
+  line waits for the rest of itself, so an event split across reads is handled whole). The tap counts
   ``data:`` events (the first one means prefill is done), reads ``usage`` where a chunk carries
   ``cached_tokens``, and, when the client asked for ``nvext.extra_fields``, sends one more data
   event carrying ``nvext`` just before ``data: [DONE]`` (or at the end of a stream without one).
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 import msgspec
 
 _DONE = b"data: [DONE]"
+# An unfinished SSE line longer than this is passed on as it is rather than held back.
+_MAX_PARTIAL_LINE = 64 * 1024
 _DATA = b"data:"
 _json_decode = msgspec.json.decode
 _json_encode = msgspec.json.encode
@@ -49,6 +52,7 @@ class ResponseTap:
         "_json_limit",
         "_mode",
         "_observer",
+        "_partial",
         "_seen_events",
         "_send",
         "_start",
@@ -75,6 +79,7 @@ class ResponseTap:
         self._buffer: list[bytes] = []
         self._buffered = 0
         self._seen_events = 0
+        self._partial = b""
         self._echoed = False
         self._stream_meta: dict[str, Any] | None = None
         self.status = 0
@@ -121,6 +126,19 @@ class ResponseTap:
 
     # ---------------------------------------------------------------- SSE
     async def _sse(self, body: bytes, more: bool) -> None:
+        # Only whole lines go on: a line the worker split across two writes ("data: [DO" +
+        # "NE]") waits for its end, so events, usage and the [DONE] marker are always seen whole.
+        # A partial event is of no use to the client before its end arrives anyway.
+        if self._partial:
+            body = self._partial + body
+            self._partial = b""
+        if more:
+            cut = body.rfind(b"\n") + 1
+            if cut < len(body) and len(body) - cut <= _MAX_PARTIAL_LINE:
+                self._partial = body[cut:]
+                body = body[:cut]
+                if not body:
+                    return
         observer = self._observer
         n = body.count(_DATA) if body else 0
         if n:

@@ -1,9 +1,8 @@
 """``data: [DONE]`` split across two TCP reads must still get the nvext echo *before* it.
 
 The upstream flushes ``data: [DO`` and ``NE]\\n\\n`` separately, so the router's response tap
-sees the terminator in two body chunks. Known bug in kvmesh/router/stream.py (the tap looks for
-the whole marker inside one chunk, and otherwise appends the echo at the very end, after
-``[DONE]``); the strict xfail turns into a failure once it is fixed, as a reminder to drop it.
+sees the terminator in two body chunks (the tap holds an unfinished line back until its end
+arrives).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import json
 from typing import Any
 
 import aiohttp
-import pytest
 
 from kvmesh.router.app import build_router_app
 from kvmesh.router.config import RouterConfig
@@ -47,7 +45,6 @@ async def split_done_upstream(scope: dict[str, Any], receive: Any, send: Any) ->
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-@pytest.mark.xfail(strict=True, reason="stream.py: a [DONE] split across reads puts the nvext echo after it")
 async def test_nvext_echo_precedes_a_done_marker_split_across_reads() -> None:
     async with serve(split_done_upstream) as upstream, aiohttp.ClientSession() as http:
         settings = MeshSettings(

@@ -43,7 +43,9 @@ bench: venv
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,bench]' 2> >(grep -v "is ignored" >&2)
 	$(PY) benchmarks/hashing.py
 	$(PY) benchmarks/wire.py
+	$(PY) benchmarks/router_core.py
 	$(PY) benchmarks/mock_engine.py
+	$(PY) benchmarks/overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

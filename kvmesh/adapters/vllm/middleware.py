@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from kvmesh.adapters.vllm.tokenizer import EngineTokenizer
+from kvmesh.adapters.vllm.tokenizer import VllmTokenizer
 from kvmesh.router.middleware import GENERATION_PATHS
 from kvmesh.router.middleware import KvMeshMiddleware as _CoreMiddleware
 from kvmesh.router.settings import MeshSettings
@@ -39,12 +39,12 @@ class KvMeshMiddleware(_CoreMiddleware):
             settings = MeshSettings.load()
             if "KVMESH_TOKENIZER" not in os.environ and "tokenizer" not in _config_file_keys():
                 settings = settings.replace(tokenizer="engine")
-        self.engine_tokenizer = EngineTokenizer()
+        self.engine_tokenizer = VllmTokenizer()
         super().__init__(app, settings=settings, tokenizer=self.engine_tokenizer)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            if self.engine_tokenizer.bound is None and "app" in scope:
+            if not self.engine_tokenizer.bound and "app" in scope:
                 self.engine_tokenizer.bind_from_app(scope["app"])
             if scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
                 scope, receive = await _tag_session(scope, receive, self.settings.max_body_bytes)

@@ -22,6 +22,8 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.errors import RequestError
+from kvmesh.router.asgi_json import read_body, send_error, send_json
 from kvmesh.router.mesh import ROUTER_PATH, Mesh
 from kvmesh.router.settings import WorkerSpecError, worker_from_mapping
 from kvmesh.router.workers import WorkerConflict
@@ -43,13 +45,13 @@ def handles(path: str, method: str) -> bool:
 
 async def handle(mesh: Mesh, scope: dict[str, Any], receive: Any, send: Any) -> None:
     if not authorized(mesh.settings.admin_token, scope["headers"]):
-        await _answer(send, 401, _error(401, "admin token missing or wrong", kind="unauthorized"))
+        await send_error(send, 401, "admin token missing or wrong", kind="unauthorized")
         return
     path = scope["path"]
     if path == ROUTER_PATH:
-        await _answer(send, 200, mesh.describe())
+        await send_json(send, 200, msgspec.json.encode(mesh.describe()))
     elif path == WORKERS_PATH:
-        await _add(mesh, receive, send)
+        await _add(mesh, scope, receive, send)
     else:
         await _remove(mesh, path[len(_WORKER_PREFIX) :], send)
 
@@ -66,11 +68,11 @@ def authorized(token: str | None, headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
-async def _add(mesh: Mesh, receive: Any, send: Any) -> None:
+async def _add(mesh: Mesh, scope: dict[str, Any], receive: Any, send: Any) -> None:
     try:
-        raw = await _read_body(receive)
-    except _TooLarge:
-        await _answer(send, 413, _error(413, f"request body larger than {_BODY_LIMIT} bytes"))
+        raw = await read_body(scope, receive, _BODY_LIMIT)
+    except RequestError as e:
+        await send_error(send, e.status, str(e), e.field)
         return
     if raw is None:
         return
@@ -79,68 +81,30 @@ async def _add(mesh: Mesh, receive: Any, send: Any) -> None:
     except msgspec.DecodeError:
         doc = None
     if not isinstance(doc, dict):
-        await _answer(send, 400, _error(400, "body must be a JSON object with at least 'url'", "body"))
+        await send_error(send, 400, "body must be a JSON object with at least 'url'", "body")
         return
     try:
         spec = worker_from_mapping(doc)
     except WorkerSpecError as e:
-        await _answer(send, 400, _error(400, str(e), e.field))
+        await send_error(send, 400, str(e), e.field)
         return
     registry = mesh.registry
     try:
         await registry.add(spec)
     except WorkerConflict as e:
-        await _answer(send, 409, _error(409, str(e), kind="conflict"))
+        await send_error(send, 409, str(e), kind="conflict")
         return
     row = next(r for r in registry.snapshot() if r["worker_id"] == spec.worker_id)
-    await _answer(send, 201, row)
+    await send_json(send, 201, msgspec.json.encode(row))
 
 
 async def _remove(mesh: Mesh, worker_id: str, send: Any) -> None:
     registry = mesh.registry
     if registry.get(worker_id) is None:
-        await _answer(send, 404, _error(404, f"unknown worker id {worker_id!r}", kind="not_found"))
+        await send_error(send, 404, f"unknown worker id {worker_id!r}", kind="not_found")
         return
     if registry.is_local(worker_id):
-        await _answer(send, 409, _error(409, f"worker {worker_id!r} is this engine itself", kind="conflict"))
+        await send_error(send, 409, f"worker {worker_id!r} is this engine itself", kind="conflict")
         return
     await registry.remove(worker_id)
-    await _answer(send, 200, {"removed": worker_id})
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _read_body(receive: Any) -> bytes | None:
-    """The body, None if the client left; _TooLarge past the limit."""
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > _BODY_LIMIT:
-            raise _TooLarge
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)
-
-
-def _error(status: int, message: str, field: str | None = None, kind: str | None = None) -> dict[str, Any]:
-    kind = kind or ("invalid_request_error" if status < 500 else "service_unavailable")
-    return {"error": {"message": message, "type": kind, "param": field, "code": status}}
-
-
-async def _answer(send: Any, status: int, doc: Any) -> None:
-    body = msgspec.json.encode(doc)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await send_json(send, 200, msgspec.json.encode({"removed": worker_id}))

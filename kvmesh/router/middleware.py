@@ -31,6 +31,7 @@ import msgspec
 from kvmesh.errors import ConfigError, KvMeshError, RequestError
 from kvmesh.hashing import block_hashes
 from kvmesh.router import admin_api
+from kvmesh.router.asgi_json import read_body, send_error, send_json
 from kvmesh.router.config import RouterConfig
 from kvmesh.router.kv_router import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh import Mesh
@@ -51,11 +52,9 @@ REQUEST_ID_HEADER = b"x-kvmesh-request-id"
 WORKER_ID_HEADER = b"x-kvmesh-worker-id"
 _WORKER_HEADER_B = WORKER_HEADER.encode()
 _PREFILL_HEADER_B = PREFILL_HEADER.encode()
-_ADMIN_HEADER = b"x-kvmesh-admin-token"
 _QUEUE_TIMEOUT = 120.0
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
-_JSON = [(b"content-type", b"application/json")]
 # kvmesh_requests_total children by (counter, endpoint, route, status): labels() costs more than inc().
 _REQUEST_COUNTERS: dict[tuple[Any, str, str, int], Any] = {}
 
@@ -114,52 +113,6 @@ class KvMeshMiddleware:
 
 
 # ---------------------------------------------------------------------------- helpers
-async def _read_body(scope: Scope, receive: Any, limit: int) -> bytes | None:
-    """The request body, or None if the client left; RequestError(413) past ``limit``."""
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                declared = int(value)
-            except ValueError:
-                raise RequestError("invalid content-length header", field="content-length") from None
-            if declared > limit:
-                raise RequestError(f"request body larger than {limit} bytes", status=413)
-            break
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise RequestError(f"request body larger than {limit} bytes", status=413)
-            parts.append(chunk)
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def _error_body(status: int, message: str, field: str | None = None, kind: str | None = None) -> bytes:
-    if kind is None:
-        kind = "invalid_request_error" if status < 500 else "service_unavailable"
-    return _encode({"error": {"message": message, "type": kind, "param": field, "code": status}})
-
-
-async def _send_json(
-    send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *(headers or ())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
 def _replace_body(scope: Scope, body: bytes) -> Scope:
     headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
     headers.append((b"content-length", str(len(body)).encode()))
@@ -232,7 +185,7 @@ class _RoutedRequest:
     async def run(self) -> None:
         mesh = self.mesh
         try:
-            raw = await _read_body(self.scope, self.receive, mesh.settings.max_body_bytes)
+            raw = await read_body(self.scope, self.receive, mesh.settings.max_body_bytes)
             if raw is None:
                 return
             self.raw_body = raw
@@ -251,7 +204,7 @@ class _RoutedRequest:
             await self._dispatch(decision, request)
         except RequestError as e:
             self._count("rejected", e.status)
-            await _send_json(self.send, e.status, _error_body(e.status, str(e), e.field))
+            await send_error(self.send, e.status, str(e), e.field)
 
     # ------------------------------------------------------------------ parse + route
     def _parse(self, raw: bytes) -> RouteRequest:
@@ -380,7 +333,7 @@ class _RoutedRequest:
         headers = []
         if retry_after is not None:
             headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
-        await _send_json(self.send, status, _error_body(status, message, field), headers)
+        await send_error(self.send, status, message, field, headers=headers)
 
     def _count(self, route: str, status: int) -> None:
         counter = self.mesh.metrics.requests
@@ -526,7 +479,7 @@ class _RoutedRequest:
         """The worker broke off mid-response: end the client's response cleanly."""
         self._count("forwarded", 502)
         if not tap.started:
-            await _send_json(self.send, 502, _error_body(502, message, kind="upstream_error"))
+            await send_error(self.send, 502, message, kind="upstream_error")
             return
         event = (
             b"data: "
@@ -642,9 +595,9 @@ class _HopRequest:
             await self.app(self.scope, self.receive, self.send)
             return
         try:
-            raw = await _read_body(self.scope, self.receive, mesh.settings.max_body_bytes)
+            raw = await read_body(self.scope, self.receive, mesh.settings.max_body_bytes)
         except RequestError as e:
-            await _send_json(self.send, e.status, _error_body(e.status, str(e), e.field))
+            await send_error(self.send, e.status, str(e), e.field)
             return
         if raw is None:
             return
@@ -720,29 +673,27 @@ async def _admin(mesh: Mesh, scope: Scope, receive: Any, send: Any) -> None:
             "block_size": registry.block_size,
             "workers": registry.snapshot(),
         }
-        await _send_json(send, 200, _encode(doc))
+        await send_json(send, 200, _encode(doc))
         return
     if path == "/busy_threshold" and method == "GET":
-        await _send_json(send, 200, _encode(_thresholds(mesh)))
+        await send_json(send, 200, _encode(_thresholds(mesh)))
         return
     if path == "/busy_threshold" and method == "POST":
-        if not _authorized(mesh, scope):
-            await _send_json(send, 401, _error_body(401, "admin token missing or wrong", kind="unauthorized"))
+        if not admin_api.authorized(mesh.settings.admin_token, scope["headers"]):
+            await send_error(send, 401, "admin token missing or wrong", kind="unauthorized")
             return
         try:
-            raw = await _read_body(scope, receive, 64 * 1024)
+            raw = await read_body(scope, receive, 64 * 1024)
             if raw is None:
                 return
             changes = _parse_thresholds(raw)
             mesh.router.set_busy_thresholds(**changes)
         except RequestError as e:
-            await _send_json(send, e.status, _error_body(e.status, str(e), e.field))
+            await send_error(send, e.status, str(e), e.field)
             return
-        await _send_json(send, 200, _encode(_thresholds(mesh)))
+        await send_json(send, 200, _encode(_thresholds(mesh)))
         return
-    await _send_json(
-        send, 405, _error_body(405, f"{method} not allowed on {path}"), [(b"allow", b"GET, POST")]
-    )
+    await send_error(send, 405, f"{method} not allowed on {path}", headers=[(b"allow", b"GET, POST")])
 
 
 def _thresholds(mesh: Mesh) -> dict[str, Any]:
@@ -773,18 +724,6 @@ def _parse_thresholds(raw: bytes) -> dict[str, Any]:
     except ConfigError as e:
         raise RequestError(str(e), field=next(iter(changes))) from None
     return changes
-
-
-def _authorized(mesh: Mesh, scope: Scope) -> bool:
-    token = mesh.settings.admin_token
-    if not token:
-        return True
-    for name, value in scope["headers"]:
-        if name == _ADMIN_HEADER and value.decode("latin-1") == token:
-            return True
-        if name == b"authorization" and value.decode("latin-1") == f"Bearer {token}":
-            return True
-    return False
 
 
 __all__ = ["KvMeshMiddleware"]

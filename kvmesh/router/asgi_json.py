@@ -1,0 +1,74 @@
+"""JSON over raw ASGI, as the routing middleware and its admin endpoints speak it: a request body
+read up to a size limit, and answers that are a JSON document or an OpenAI-style error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvmesh.errors import RequestError
+
+__all__ = ["read_body", "send_error", "send_json"]
+
+_encode = msgspec.json.encode
+_CONTENT_TYPE = (b"content-type", b"application/json")
+
+
+async def read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes | None:
+    """The request body, or None if the client left; RequestError(413) past ``limit`` bytes
+    (before reading when ``content-length`` declares more), RequestError(400) for a
+    ``content-length`` that is not a number."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                raise RequestError("invalid content-length header", field="content-length") from None
+            if declared > limit:
+                raise RequestError(f"request body larger than {limit} bytes", status=413)
+            break
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(f"request body larger than {limit} bytes", status=413)
+            parts.append(chunk)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def send_json(
+    send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """Answer with ``body``, an encoded JSON document, and any extra ``headers``."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [_CONTENT_TYPE, (b"content-length", str(len(body)).encode()), *(headers or ())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(
+    send: Any,
+    status: int,
+    message: str,
+    field: str | None = None,
+    *,
+    kind: str | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """Answer with an OpenAI-style error; ``kind`` defaults by status (client error or not)."""
+    if kind is None:
+        kind = "invalid_request_error" if status < 500 else "service_unavailable"
+    body = _encode({"error": {"message": message, "type": kind, "param": field, "code": status}})
+    await send_json(send, status, body, headers)

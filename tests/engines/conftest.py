@@ -3,8 +3,9 @@ built by ``scripts/engine-env.sh``.
 
 Those environments hold the engine, kvmesh's runtime dependencies, pytest, pytest-asyncio,
 pytest-timeout and httpx, nothing else, so this file imports only the standard library, pytest,
-zmq and kvmesh. The core run collects these files too (and deselects the tests by marker), so the
-engines are imported only inside fixtures, and an engine that does not import fails the test.
+zmq, kvmesh and ``tests/events/eventkit.py`` (on pytest's ``pythonpath``; it needs no more). The
+core run collects these files too (and deselects the tests by marker), so the engines are
+imported only inside fixtures, and an engine that does not import fails the test.
 """
 
 from __future__ import annotations
@@ -13,31 +14,23 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import eventkit
 import pytest
-import zmq
 
 
 @pytest.fixture
 def ipc_endpoint(tmp_path: Path) -> Callable[[str], str]:
     def make(name: str) -> str:
-        path = tmp_path / f"{name}.sock"
-        assert len(str(path)) < 100, "ipc paths are limited to ~107 bytes"
-        return f"ipc://{path}"
+        return eventkit.ipc_endpoint(tmp_path, name)
 
     return make
-
-
-def _open_sockets() -> set[Any]:
-    return {s for s in list(zmq.Context.instance()._sockets) if not s.closed}
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_sockets() -> Iterator[None]:
     """Fail a test that leaves a ZMQ socket open (the engines' publishers close theirs on shutdown)."""
-    before = _open_sockets()
-    yield
-    leaked = _open_sockets() - before
-    assert not leaked, f"sockets left open: {leaked}"
+    with eventkit.no_sockets_left_open():
+        yield
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

@@ -1,24 +1,43 @@
-"""Helpers for the engine-tier tests (tests/engines/). Like conftest.py, this imports only the
-standard library, pytest, zmq and kvmesh: the engine environments hold nothing else."""
+"""Helpers for the engine-tier tests (tests/engines/), and the scenarios every engine's publisher
+goes through. Like conftest.py, this imports only the standard library, zmq, msgspec, kvmesh and
+``tests/events/eventkit.py``: the engine environments hold little else."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import os
-import socket
 import subprocess
 import sys
-import threading
+import time
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any, Protocol
 
+import msgspec
 import zmq
+from eventkit import Collector, LossyRelay, drop_5_percent
 
-from kvmesh.events.wire import EventBatch, pack_seq
+from kvmesh.events.publisher import BatchPublisher
+from kvmesh.events.subscriber import EventSubscriber
+from kvmesh.events.wire import decode_batch, pack_seq
 
 REPO = Path(__file__).resolve().parents[2]
+# How long a scenario waits for the batches of a healthy link; a lossy one gets longer.
+WAIT_S = 20.0
+
+
+class EnginePublisher(Protocol):
+    """An engine's own ZMQ event publisher, publishing its own batch objects."""
+
+    def publish(self, batch: Any) -> None: ...
+
+
+AsBuiltins = Callable[[Any], Any]
+"""A batch as plain data, the ground on which the engine's objects and kvmesh's are compared."""
 
 
 def import_engine_module(name: str) -> ModuleType:
@@ -27,38 +46,6 @@ def import_engine_module(name: str) -> ModuleType:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return importlib.import_module(name)
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Collector:
-    """EventSubscriber callbacks that record what was delivered and every reset."""
-
-    def __init__(self) -> None:
-        self.batches: list[tuple[int, EventBatch]] = []
-        self.resets: list[str] = []
-
-    def on_batch(self, seq: int, batch: EventBatch) -> None:
-        self.batches.append((seq, batch))
-
-    def on_reset(self, reason: str) -> None:
-        self.resets.append(reason)
-
-    @property
-    def seqs(self) -> list[int]:
-        return [s for s, _ in self.batches]
-
-    async def wait_for(self, count: int, timeout: float = 20.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while len(self.batches) < count:
-            if loop.time() > deadline:
-                raise AssertionError(f"got {len(self.batches)} of {count} batches within {timeout} s")
-            await asyncio.sleep(0.005)
 
 
 def replay_answers(replay_endpoint: str, start: int, *, timeout_ms: int = 5000) -> list[list[bytes]]:
@@ -91,46 +78,30 @@ async def wait_sent(replay_endpoint: str, seq: int) -> None:
     raise AssertionError(f"seq {seq} was never sent")
 
 
-class LossyRelay:
-    """SUB -> PUB relay on a thread that drops every message whose seq % 20 == 7 (5%), except the
-    one numbered ``last_seq`` (nothing after it would reveal the gap)."""
+REPLAY_STARTS = (0, 3, 6, 8, 2**40)
+"""Replay requests that start before, inside, right after and far past a buffer of seqs 3..7."""
 
-    def __init__(self, upstream: str, downstream: str, *, last_seq: int) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sub = ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.RCVHWM, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(upstream)
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, 0)
-        self._pub.bind(downstream)
-        self.endpoint = downstream
-        self.last_seq = last_seq
-        self.dropped: list[int] = []
-        self.highest_seen = -1
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                if not self._sub.poll(20):
-                    continue
-                frames = self._sub.recv_multipart()
-                seq = int.from_bytes(frames[1], "big")
-                self.highest_seen = seq
-                if seq % 20 == 7 and seq != self.last_seq:
-                    self.dropped.append(seq)
-                    continue
-                self._pub.send_multipart(frames)
-        finally:
-            self._sub.close(linger=0)
-            self._pub.close(linger=0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+def replay_answers_of_both(
+    engine: EnginePublisher, engine_replay: str, ours: BatchPublisher, batches: Sequence[Any]
+) -> list[tuple[list[list[bytes]], list[list[bytes]]]]:
+    """Publish 8 engine batches through the engine's publisher and kvmesh's ``BatchPublisher``
+    (each keeping the last 5); return both replay sockets' answers, (theirs, ours), to each of
+    :data:`REPLAY_STARTS`. kvmesh's answer from 0 must be the buffered seqs 3..7."""
+    assert len(batches) == 8
+    assert ours.replay_endpoint is not None
+    encoder = msgspec.msgpack.Encoder()
+    for batch in batches:
+        engine.publish(batch)
+        ours.publish(decode_batch(encoder.encode(batch)))
+    asyncio.run(wait_sent(engine_replay, 7))
+    asyncio.run(wait_sent(ours.replay_endpoint, 7))
+    pairs = [
+        (replay_answers(engine_replay, start), replay_answers(ours.replay_endpoint, start))
+        for start in REPLAY_STARTS
+    ]
+    assert [int.from_bytes(f[2], "big") for f in pairs[0][1][:-1]] == [3, 4, 5, 6, 7]
+    return pairs
 
 
 def run_tap(*args: str, timeout: float = 60) -> subprocess.Popen[str]:
@@ -145,3 +116,130 @@ def run_tap(*args: str, timeout: float = 60) -> subprocess.Popen[str]:
         text=True,
         env=env,
     )
+
+
+# --- an engine's publisher -> kvmesh's subscriber ------------------------------------------------
+
+
+async def late_subscriber_recovers(
+    engine: EnginePublisher, endpoint: str, replay: str, batches: Sequence[Any], as_builtins: AsBuiltins
+) -> None:
+    """A subscriber that starts after half the batches went out gets that half from the engine's
+    replay socket and the rest live: every batch once, in order, as the engine made it."""
+    got = Collector()
+    half = len(batches) // 2
+    for batch in batches[:half]:
+        engine.publish(batch)
+    await wait_sent(replay, half - 1)
+    sub = EventSubscriber(endpoint, got.on_batch, replay_endpoint=replay, on_reset=got.on_reset)
+    sub.start()
+    try:
+        await asyncio.sleep(0.1)
+        for i, batch in enumerate(batches[half:]):
+            engine.publish(batch)
+            if i % 100 == 0:
+                await asyncio.sleep(0.001)
+        await got.wait_for(len(batches), timeout=WAIT_S)
+        await asyncio.sleep(0.05)
+    finally:
+        await sub.stop()
+    assert got.seqs == list(range(len(batches)))
+    assert [as_builtins(b) for _, b in got.batches] == [as_builtins(b) for b in batches]
+    assert got.resets == [] and sub.stats.replayed >= half
+
+
+async def bound_subscriber_catches_up(
+    engine: EnginePublisher, endpoint: str, replay: str, batches: Sequence[Any], as_builtins: AsBuiltins
+) -> None:
+    """The engine's PUB connects to a subscriber that binds ``endpoint``: the 100 batches sent
+    before anyone listened are lost on the live path and come back through replay."""
+    got = Collector()
+    for batch in batches[:100]:
+        engine.publish(batch)
+    await wait_sent(replay, 99)
+    sub = EventSubscriber(endpoint, got.on_batch, replay_endpoint=replay, bind=True, on_reset=got.on_reset)
+    sub.start()
+    try:
+        for batch in batches[100:300]:
+            engine.publish(batch)
+            await asyncio.sleep(0.005)
+        await got.wait_for(300, timeout=WAIT_S)
+        await asyncio.sleep(0.05)
+    finally:
+        await sub.stop()
+    assert got.seqs == list(range(300))
+    assert [as_builtins(b) for _, b in got.batches] == [as_builtins(b) for b in batches[:300]]
+    assert got.resets == [] and sub.stats.replayed >= 100
+
+
+async def lossy_link_is_repaired(
+    engine: EnginePublisher,
+    endpoint: str,
+    replay: str,
+    relay_endpoint: str,
+    batches: Sequence[Any],
+    as_builtins: AsBuiltins,
+) -> None:
+    """A relay on ``relay_endpoint`` drops 5% of the live stream; the subscriber behind it gets
+    the missing batches from the engine's replay socket."""
+    got = Collector()
+    n = len(batches)
+    relay = LossyRelay(endpoint, relay_endpoint, drop=drop_5_percent(n - 1))
+    sub = EventSubscriber(relay.endpoint, got.on_batch, replay_endpoint=replay, on_reset=got.on_reset)
+    sub.start()
+    try:
+        await asyncio.sleep(0.3)
+        for i, batch in enumerate(batches):
+            engine.publish(batch)
+            if i % 50 == 0:
+                await asyncio.sleep(0.002)
+        await got.wait_for(n, timeout=60)
+        while relay.highest_seen < n - 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+    finally:
+        await sub.stop()
+        relay.close()
+    assert relay.dropped == [s for s in range(n - 1) if s % 20 == 7]
+    assert got.seqs == list(range(n))
+    assert [as_builtins(b) for _, b in got.batches] == [as_builtins(b) for b in batches]
+    assert got.resets == [] and sub.stats.replayed >= len(relay.dropped)
+
+
+def tap_shows_batches(
+    engine: EnginePublisher,
+    endpoint: str,
+    replay: str,
+    batches: Sequence[Any],
+    check_event: Callable[[dict[str, Any], Any], None],
+) -> None:
+    """``kvmesh events tap --json`` from seq 0 shows the engine's first 12 batches (5 of them from
+    replay); ``check_event(shown, event)`` compares each shown event with the engine's own."""
+    for batch in batches[:5]:
+        engine.publish(batch)
+    tap = run_tap(
+        endpoint,
+        "--replay-endpoint",
+        replay,
+        "--from-seq",
+        "0",
+        "--count",
+        "12",
+        "--json",
+        "--timeout",
+        "60",
+    )
+    deadline = time.monotonic() + 90
+    rest = iter(batches[5:])
+    while tap.poll() is None and time.monotonic() < deadline:
+        engine.publish(next(rest))
+        time.sleep(0.05)
+    out, err = tap.communicate(timeout=30)
+    assert tap.returncode == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["seq"] for line in lines] == list(range(12))
+    for line, batch in zip(lines, batches, strict=False):
+        assert line["dp_rank"] == 0 and line["ts"] == batch.ts
+        assert [e["type"] for e in line["events"]] == [type(e).__name__ for e in batch.events]
+        for shown, event in zip(line["events"], batch.events, strict=True):
+            check_event(shown, event)

@@ -16,7 +16,6 @@ Run inside the env from ``scripts/engine-env.sh sglang`` (``make test-engines``)
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import json
 import random
@@ -30,17 +29,17 @@ from typing import Any
 import msgspec
 import pytest
 from enginekit import (
-    Collector,
-    LossyRelay,
-    free_tcp_port,
+    bound_subscriber_catches_up,
     import_engine_module,
+    late_subscriber_recovers,
+    lossy_link_is_repaired,
     replay_answers,
-    run_tap,
-    wait_sent,
+    replay_answers_of_both,
+    tap_shows_batches,
 )
+from eventkit import free_tcp_port
 
 from kvmesh.events.publisher import BatchPublisher, KvEventPublisher
-from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import BlockStored, decode_batch, encode_batch
 
 pytestmark = [pytest.mark.engine_sglang, pytest.mark.timeout(180)]
@@ -190,8 +189,6 @@ def test_sglang_decodes_what_kvmesh_publishes(
 def test_replay_protocol_answers_like_sglang(
     sglang: SimpleNamespace, engine_batches: list[Any], ipc_endpoint: Callable[[str], str]
 ) -> None:
-    encoder = msgspec.msgpack.Encoder()
-    batches = engine_batches[:8]
     with (
         sglang_publisher(
             sglang, ipc_endpoint("s-pub"), ipc_endpoint("s-replay"), buffer_steps=5, topic="kv"
@@ -200,21 +197,13 @@ def test_replay_protocol_answers_like_sglang(
             ipc_endpoint("k-pub"), replay_endpoint=ipc_endpoint("k-replay"), buffer_batches=5, topic="kv"
         ) as ours,
     ):
-        for batch in batches:
-            theirs.publish(batch)
-            ours.publish(decode_batch(encoder.encode(batch)))
-        s_replay, k_replay = theirs._replay_endpoint, ours.replay_endpoint
-        assert k_replay is not None
-        asyncio.run(wait_sent(s_replay, 7))
-        asyncio.run(wait_sent(k_replay, 7))
-        for start in (0, 3, 6, 8, 2**40):
-            expected, got = replay_answers(s_replay, start), replay_answers(k_replay, start)
-            # Frames are identical except inside BlockStored payloads, whose map headers differ
-            # in width (SGLang's struct declares fewer fields) and which lose cache_salt.
-            assert [f[:3] for f in got] == [f[:3] for f in expected]
-            assert [decode_batch(f[3]) for f in got[:-1]] == [decode_batch(f[3]) for f in expected[:-1]]
-            assert got[-1] == expected[-1] == [b"", b"", b"\xff" * 8, b""]
-        assert [int.from_bytes(f[2], "big") for f in replay_answers(k_replay, 0)[:-1]] == [3, 4, 5, 6, 7]
+        pairs = replay_answers_of_both(theirs, theirs._replay_endpoint, ours, engine_batches[:8])
+    for expected, got in pairs:
+        # Frames are identical except inside BlockStored payloads, whose map headers differ
+        # in width (SGLang's struct declares fewer fields) and which lose cache_salt.
+        assert [f[:3] for f in got] == [f[:3] for f in expected]
+        assert [decode_batch(f[3]) for f in got[:-1]] == [decode_batch(f[3]) for f in expected[:-1]]
+        assert got[-1] == expected[-1] == [b"", b"", b"\xff" * 8, b""]
 
 
 # --- SGLang's publisher -> kvmesh's subscriber --------------------------------------------------
@@ -223,120 +212,45 @@ def test_replay_protocol_answers_like_sglang(
 async def test_late_subscriber_recovers_through_sglangs_replay(
     sglang: SimpleNamespace, engine_batches: list[Any]
 ) -> None:
-    got = Collector()
     endpoint, replay = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
     # SGLang's explicit bind= lets it bind a concrete loopback address.
     with sglang_publisher(sglang, endpoint, replay, bind=True) as theirs:
-        for batch in engine_batches[: N // 2]:
-            theirs.publish(batch)
-        await wait_sent(replay, N // 2 - 1)
-        sub = EventSubscriber(endpoint, got.on_batch, replay_endpoint=replay, on_reset=got.on_reset)
-        sub.start()
-        try:
-            await asyncio.sleep(0.1)
-            for i, batch in enumerate(engine_batches[N // 2 :]):
-                theirs.publish(batch)
-                if i % 100 == 0:
-                    await asyncio.sleep(0.001)
-            await got.wait_for(N)
-            await asyncio.sleep(0.05)
-        finally:
-            await sub.stop()
-    assert got.seqs == list(range(N))
-    assert [as_builtins(b) for _, b in got.batches] == [as_builtins(b) for b in engine_batches]
-    assert got.resets == [] and sub.stats.replayed >= N // 2
+        await late_subscriber_recovers(theirs, endpoint, replay, engine_batches, as_builtins)
 
 
 async def test_sglang_connecting_to_a_bound_subscriber_slow_joiner(
     sglang: SimpleNamespace, engine_batches: list[Any]
 ) -> None:
-    got = Collector()
     endpoint, replay = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
     with sglang_publisher(sglang, endpoint, replay, bind=False) as theirs:
-        for batch in engine_batches[:100]:  # before anyone listens: lost on the live path
-            theirs.publish(batch)
-        await wait_sent(replay, 99)
-        sub = EventSubscriber(
-            endpoint, got.on_batch, replay_endpoint=replay, bind=True, on_reset=got.on_reset
-        )
-        sub.start()
-        try:
-            for batch in engine_batches[100:300]:
-                theirs.publish(batch)
-                await asyncio.sleep(0.005)
-            await got.wait_for(300)
-            await asyncio.sleep(0.05)
-        finally:
-            await sub.stop()
-    assert got.seqs == list(range(300))
-    assert [as_builtins(b) for _, b in got.batches] == [as_builtins(b) for b in engine_batches[:300]]
-    assert got.resets == [] and sub.stats.replayed >= 100
+        await bound_subscriber_catches_up(theirs, endpoint, replay, engine_batches, as_builtins)
 
 
 async def test_lossy_link_repaired_through_sglangs_replay(
     sglang: SimpleNamespace, engine_batches: list[Any], ipc_endpoint: Callable[[str], str]
 ) -> None:
-    got = Collector()
     with sglang_publisher(sglang, ipc_endpoint("pub"), ipc_endpoint("replay")) as theirs:
-        relay = LossyRelay(theirs._endpoint, ipc_endpoint("relay"), last_seq=N - 1)
-        sub = EventSubscriber(
-            relay.endpoint, got.on_batch, replay_endpoint=theirs._replay_endpoint, on_reset=got.on_reset
+        await lossy_link_is_repaired(
+            theirs,
+            theirs._endpoint,
+            theirs._replay_endpoint,
+            ipc_endpoint("relay"),
+            engine_batches,
+            as_builtins,
         )
-        sub.start()
-        try:
-            await asyncio.sleep(0.3)
-            for i, batch in enumerate(engine_batches):
-                theirs.publish(batch)
-                if i % 50 == 0:
-                    await asyncio.sleep(0.002)
-            await got.wait_for(N, timeout=60)
-            while relay.highest_seen < N - 1:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
-        finally:
-            await sub.stop()
-            relay.close()
-    assert relay.dropped == [s for s in range(N - 1) if s % 20 == 7]
-    assert got.seqs == list(range(N))
-    assert [as_builtins(b) for _, b in got.batches] == [as_builtins(b) for b in engine_batches]
-    assert got.resets == [] and sub.stats.replayed >= len(relay.dropped)
 
 
 def test_tap_reads_sglangs_publisher(
     sglang: SimpleNamespace, engine_batches: list[Any], ipc_endpoint: Callable[[str], str]
 ) -> None:
+    def check_event(shown: dict[str, Any], event: Any) -> None:
+        if shown["type"] == "BlockStored":
+            assert shown["block_hashes"] == event.block_hashes
+            assert shown["parent_block_hash"] == event.parent_block_hash
+            assert shown["token_ids"] == [list(t) if isinstance(t, tuple) else t for t in event.token_ids]
+            assert (shown["medium"], shown["lora_name"]) == (event.medium, event.lora_name)
+        elif shown["type"] == "BlockRemoved":
+            assert (shown["block_hashes"], shown["medium"]) == (event.block_hashes, event.medium)
+
     with sglang_publisher(sglang, ipc_endpoint("pub"), ipc_endpoint("replay")) as theirs:
-        for batch in engine_batches[:5]:
-            theirs.publish(batch)
-        tap = run_tap(
-            theirs._endpoint,
-            "--replay-endpoint",
-            theirs._replay_endpoint,
-            "--from-seq",
-            "0",
-            "--count",
-            "12",
-            "--json",
-            "--timeout",
-            "60",
-        )
-        deadline = time.monotonic() + 90
-        rest = iter(engine_batches[5:])
-        while tap.poll() is None and time.monotonic() < deadline:
-            theirs.publish(next(rest))
-            time.sleep(0.05)
-        out, err = tap.communicate(timeout=30)
-    assert tap.returncode == 0, err
-    lines = [json.loads(line) for line in out.splitlines()]
-    assert [line["seq"] for line in lines] == list(range(12))
-    for line, batch in zip(lines, engine_batches, strict=False):
-        assert line["dp_rank"] == 0 and line["ts"] == batch.ts
-        assert [e["type"] for e in line["events"]] == [type(e).__name__ for e in batch.events]
-        for shown, event in zip(line["events"], batch.events, strict=True):
-            if shown["type"] == "BlockStored":
-                assert shown["block_hashes"] == event.block_hashes
-                assert shown["parent_block_hash"] == event.parent_block_hash
-                assert shown["token_ids"] == [list(t) if isinstance(t, tuple) else t for t in event.token_ids]
-                assert (shown["medium"], shown["lora_name"]) == (event.medium, event.lora_name)
-            elif shown["type"] == "BlockRemoved":
-                assert (shown["block_hashes"], shown["medium"]) == (event.block_hashes, event.medium)
+        tap_shows_batches(theirs, theirs._endpoint, theirs._replay_endpoint, engine_batches, check_event)

@@ -12,8 +12,6 @@ Run inside the env from ``scripts/engine-env.sh vllm`` (``make test-engines``).
 
 from __future__ import annotations
 
-import asyncio
-import json
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -25,17 +23,17 @@ import msgspec
 import pytest
 import zmq
 from enginekit import (
-    Collector,
-    LossyRelay,
-    free_tcp_port,
+    bound_subscriber_catches_up,
     import_engine_module,
+    late_subscriber_recovers,
+    lossy_link_is_repaired,
     replay_answers,
-    run_tap,
-    wait_sent,
+    replay_answers_of_both,
+    tap_shows_batches,
 )
+from eventkit import free_tcp_port
 
 from kvmesh.events.publisher import BatchPublisher, KvEventPublisher
-from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -234,8 +232,6 @@ def test_vllm_decodes_what_kvmesh_publishes(
 def test_replay_protocol_answers_like_vllm_byte_for_byte(
     vllm: SimpleNamespace, engine_batches: list[Any], ipc_endpoint: Callable[[str], str]
 ) -> None:
-    encoder = msgspec.msgpack.Encoder()
-    batches = engine_batches[:8]
     with (
         vllm_publisher(
             vllm, ipc_endpoint("v-pub"), ipc_endpoint("v-replay"), buffer_steps=5, topic="kv@0"
@@ -244,18 +240,12 @@ def test_replay_protocol_answers_like_vllm_byte_for_byte(
             ipc_endpoint("k-pub"), replay_endpoint=ipc_endpoint("k-replay"), buffer_batches=5, topic="kv@0"
         ) as ours,
     ):
-        for batch in batches:
-            theirs.publish(batch)
-            ours.publish(decode_batch(encoder.encode(batch)))
-        v_replay, k_replay = theirs.get_publisher_config().replay_endpoint, ours.replay_endpoint
-        assert k_replay is not None
-        asyncio.run(wait_sent(v_replay, 7))
-        asyncio.run(wait_sent(k_replay, 7))
-        for start in (0, 3, 6, 8, 2**40):
-            expected = replay_answers(v_replay, start)
-            assert replay_answers(k_replay, start) == expected
-        assert [f[2] for f in expected] == [b"\xff" * 8]
-        assert [int.from_bytes(f[2], "big") for f in replay_answers(k_replay, 0)[:-1]] == [3, 4, 5, 6, 7]
+        pairs = replay_answers_of_both(
+            theirs, theirs.get_publisher_config().replay_endpoint, ours, engine_batches[:8]
+        )
+    for expected, got in pairs:
+        assert got == expected
+    assert [f[2] for f in pairs[-1][0]] == [b"\xff" * 8]  # from far past the end: only the end marker
 
 
 def test_pub_frames_match_vllm_byte_for_byte(
@@ -299,128 +289,52 @@ def test_pub_frames_match_vllm_byte_for_byte(
 async def test_late_subscriber_recovers_through_vllms_replay(
     vllm: SimpleNamespace, engine_batches: list[Any], ipc_endpoint: Callable[[str], str]
 ) -> None:
-    got = Collector()
     with vllm_publisher(vllm, ipc_endpoint("pub"), ipc_endpoint("replay")) as theirs:
         config = theirs.get_publisher_config()
-        for batch in engine_batches[:1000]:
-            theirs.publish(batch)
-        await wait_sent(config.replay_endpoint, 999)
-        sub = EventSubscriber(
-            config.endpoint, got.on_batch, replay_endpoint=config.replay_endpoint, on_reset=got.on_reset
+        await late_subscriber_recovers(
+            theirs, config.endpoint, config.replay_endpoint, engine_batches, as_builtins
         )
-        sub.start()
-        try:
-            await asyncio.sleep(0.1)
-            for i, batch in enumerate(engine_batches[1000:]):
-                theirs.publish(batch)
-                if i % 100 == 0:
-                    await asyncio.sleep(0.001)
-            await got.wait_for(2000)
-            await asyncio.sleep(0.05)
-        finally:
-            await sub.stop()
-    assert got.seqs == list(range(2000))
-    assert [as_builtins(b) for _, b in got.batches] == [as_builtins(b) for b in engine_batches]
-    assert got.resets == [] and sub.stats.replayed >= 1000
 
 
 async def test_vllm_connecting_to_a_bound_subscriber_slow_joiner(
     vllm: SimpleNamespace, engine_batches: list[Any]
 ) -> None:
-    got = Collector()
     endpoint, replay = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
     # A concrete tcp address: vLLM connects its PUB to it (and binds only the replay ROUTER).
     with vllm_publisher(vllm, endpoint, replay) as theirs:
-        for batch in engine_batches[:100]:  # before anyone listens: lost on the live path
-            theirs.publish(batch)
-        await wait_sent(replay, 99)
-        sub = EventSubscriber(
-            endpoint, got.on_batch, replay_endpoint=replay, bind=True, on_reset=got.on_reset
-        )
-        sub.start()
-        try:
-            for batch in engine_batches[100:300]:
-                theirs.publish(batch)
-                await asyncio.sleep(0.005)
-            await got.wait_for(300)
-            await asyncio.sleep(0.05)
-        finally:
-            await sub.stop()
-    assert got.seqs == list(range(300))
-    assert [as_builtins(b) for _, b in got.batches] == [as_builtins(b) for b in engine_batches[:300]]
-    assert got.resets == [] and sub.stats.replayed >= 100
+        await bound_subscriber_catches_up(theirs, endpoint, replay, engine_batches, as_builtins)
 
 
 async def test_lossy_link_repaired_through_vllms_replay(
     vllm: SimpleNamespace, engine_batches: list[Any], ipc_endpoint: Callable[[str], str]
 ) -> None:
-    got = Collector()
-    n = len(engine_batches)
     with vllm_publisher(vllm, ipc_endpoint("pub"), ipc_endpoint("replay")) as theirs:
         config = theirs.get_publisher_config()
-        relay = LossyRelay(config.endpoint, ipc_endpoint("relay"), last_seq=n - 1)
-        sub = EventSubscriber(
-            relay.endpoint, got.on_batch, replay_endpoint=config.replay_endpoint, on_reset=got.on_reset
+        await lossy_link_is_repaired(
+            theirs,
+            config.endpoint,
+            config.replay_endpoint,
+            ipc_endpoint("relay"),
+            engine_batches,
+            as_builtins,
         )
-        sub.start()
-        try:
-            await asyncio.sleep(0.3)
-            for i, batch in enumerate(engine_batches):
-                theirs.publish(batch)
-                if i % 50 == 0:
-                    await asyncio.sleep(0.002)
-            await got.wait_for(n, timeout=60)
-            while relay.highest_seen < n - 1:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
-        finally:
-            await sub.stop()
-            relay.close()
-    assert relay.dropped == [s for s in range(n - 1) if s % 20 == 7]
-    assert got.seqs == list(range(n))
-    assert [as_builtins(b) for _, b in got.batches] == [as_builtins(b) for b in engine_batches]
-    assert got.resets == [] and sub.stats.replayed >= len(relay.dropped)
 
 
 def test_tap_reads_vllms_publisher(
     vllm: SimpleNamespace, engine_batches: list[Any], ipc_endpoint: Callable[[str], str]
 ) -> None:
+    def check_event(shown: dict[str, Any], event: Any) -> None:
+        if shown["type"] == "BlockStored":
+            assert shown["block_hashes"] == event.block_hashes
+            assert shown["parent_block_hash"] == event.parent_block_hash
+            assert shown["token_ids"] == event.token_ids
+            assert (shown["block_size"], shown["medium"], shown["lora_name"]) == (BLOCK_SIZE, "GPU", None)
+        elif shown["type"] == "BlockRemoved":
+            assert shown["block_hashes"] == event.block_hashes
+
     with vllm_publisher(vllm, ipc_endpoint("pub"), ipc_endpoint("replay")) as theirs:
         config = theirs.get_publisher_config()
-        for batch in engine_batches[:5]:
-            theirs.publish(batch)
-        tap = run_tap(
-            config.endpoint,
-            "--replay-endpoint",
-            config.replay_endpoint,
-            "--from-seq",
-            "0",
-            "--count",
-            "12",
-            "--json",
-            "--timeout",
-            "60",
-        )
-        deadline = time.monotonic() + 90
-        rest = iter(engine_batches[5:])
-        while tap.poll() is None and time.monotonic() < deadline:
-            theirs.publish(next(rest))
-            time.sleep(0.05)
-        out, err = tap.communicate(timeout=30)
-    assert tap.returncode == 0, err
-    lines = [json.loads(line) for line in out.splitlines()]
-    assert [line["seq"] for line in lines] == list(range(12))
-    for line, batch in zip(lines, engine_batches, strict=False):
-        assert line["dp_rank"] == 0 and line["ts"] == batch.ts
-        assert [e["type"] for e in line["events"]] == [type(e).__name__ for e in batch.events]
-        for shown, event in zip(line["events"], batch.events, strict=True):
-            if shown["type"] == "BlockStored":
-                assert shown["block_hashes"] == event.block_hashes
-                assert shown["parent_block_hash"] == event.parent_block_hash
-                assert shown["token_ids"] == event.token_ids
-                assert (shown["block_size"], shown["medium"], shown["lora_name"]) == (BLOCK_SIZE, "GPU", None)
-            elif shown["type"] == "BlockRemoved":
-                assert shown["block_hashes"] == event.block_hashes
+        tap_shows_batches(theirs, config.endpoint, config.replay_endpoint, engine_batches, check_event)
 
 
 def test_kvmesh_structs_accept_every_vllm_event_field(vllm: SimpleNamespace) -> None:

@@ -7,8 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import zmq
-from eventkit import free_tcp_port
+from eventkit import free_tcp_port, ipc_endpoint, no_sockets_left_open
 
 
 @pytest.fixture(params=["tcp", "ipc"])
@@ -18,21 +17,13 @@ def endpoint_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Callable
     def make(name: str) -> str:
         if request.param == "tcp":
             return f"tcp://127.0.0.1:{free_tcp_port()}"
-        path = tmp_path / f"{name}.sock"
-        assert len(str(path)) < 100, "ipc paths are limited to ~107 bytes"
-        return f"ipc://{path}"
+        return ipc_endpoint(tmp_path, name)
 
     return make
-
-
-def _open_sockets() -> set[zmq.Socket[bytes]]:
-    return {s for s in list(zmq.Context.instance()._sockets) if not s.closed}  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_sockets() -> Iterator[None]:
     """Fail a test that leaves a ZMQ socket open (publisher threads close theirs on close())."""
-    before = _open_sockets()
-    yield
-    leaked = _open_sockets() - before
-    assert not leaked, f"sockets left open: {leaked}"
+    with no_sockets_left_open():
+        yield

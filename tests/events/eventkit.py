@@ -1,10 +1,20 @@
-"""Helpers for the KV-event tests: free ports, batches with checkable contents, and a collecting
-subscriber callback."""
+"""Helpers for the KV-event tests: free ports, batches with checkable contents, a collecting
+subscriber callback, a lossy relay and a ZMQ socket-hygiene check.
+
+The KV-event tests of other directories (the engine tiers, the mock, the router) use them too:
+pyproject.toml puts this directory on pytest's ``pythonpath``. It imports only the standard
+library, zmq and kvmesh, which is all the engine environments hold besides pytest."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import zmq
 
 from kvmesh.events.wire import BlockStored, EventBatch
 
@@ -13,6 +23,12 @@ def free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def ipc_endpoint(directory: Path, name: str) -> str:
+    path = directory / f"{name}.sock"
+    assert len(str(path)) < 100, "ipc paths are limited to ~107 bytes"
+    return f"ipc://{path}"
 
 
 def make_batch(i: int, *, salt: int = 0) -> EventBatch:
@@ -58,3 +74,65 @@ class Collector:
             if loop.time() > deadline:
                 raise AssertionError(f"got {len(self.batches)} of {count} batches within {timeout} s")
             await asyncio.sleep(0.005)
+
+
+def drop_5_percent(last_seq: int) -> Callable[[int], bool]:
+    """Selects every message whose seq % 20 == 7, except ``last_seq`` (nothing after it would
+    reveal the gap)."""
+    return lambda seq: seq % 20 == 7 and seq != last_seq
+
+
+class LossyRelay:
+    """SUB -> PUB relay of a KV-event stream, on a thread, that drops the messages whose sequence
+    number ``drop`` selects. It binds ``downstream`` (``tcp://127.0.0.1:*`` takes a free port) and
+    names the bound address in ``endpoint``."""
+
+    def __init__(self, upstream: str, downstream: str, *, drop: Callable[[int], bool]) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(upstream)
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self._pub.bind(downstream)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.drop = drop
+        self.dropped: list[int] = []
+        self.highest_seen = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._sub.poll(20):
+                    continue
+                frames = self._sub.recv_multipart()
+                seq = int.from_bytes(frames[1], "big")
+                self.highest_seen = seq
+                if self.drop(seq):
+                    self.dropped.append(seq)
+                    continue
+                self._pub.send_multipart(frames)
+        finally:
+            self._sub.close(linger=0)
+            self._pub.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def _open_sockets() -> set[zmq.Socket[bytes]]:
+    return {s for s in list(zmq.Context.instance()._sockets) if not s.closed}  # type: ignore[attr-defined]
+
+
+@contextmanager
+def no_sockets_left_open() -> Iterator[None]:
+    """Fail if the block leaves a socket of the process-wide ZMQ context open."""
+    before = _open_sockets()
+    yield
+    leaked = _open_sockets() - before
+    assert not leaked, f"sockets left open: {leaked}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -14,7 +13,7 @@ from contextlib import asynccontextmanager, contextmanager
 import pytest
 import zmq
 import zmq.asyncio
-from eventkit import Collector, free_tcp_port, make_batch
+from eventkit import Collector, LossyRelay, drop_5_percent, free_tcp_port, make_batch
 
 from kvmesh.errors import ConfigError
 from kvmesh.events.publisher import BatchPublisher
@@ -143,52 +142,10 @@ async def test_disconnect_mid_stream_then_reconnect(endpoint_factory: Endpoints)
     assert got.resets == [] and sub.stats.replayed >= 4000
 
 
-class LossyForwarder:
-    """SUB -> PUB relay on a thread that drops every message whose seq % 20 == 7 (5%), except the
-    last one (nothing after it would reveal the gap)."""
-
-    def __init__(self, upstream: str, downstream: str, *, last_seq: int) -> None:
-        ctx = zmq.Context.instance()
-        self._sub = ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.RCVHWM, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(upstream)
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, 0)
-        self._pub.bind(downstream)
-        self.endpoint = downstream
-        self.last_seq = last_seq
-        self.dropped: list[int] = []
-        self.highest_seen = -1
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                if not self._sub.poll(20):
-                    continue
-                frames = self._sub.recv_multipart()
-                seq = int.from_bytes(frames[1], "big")
-                self.highest_seen = seq
-                if seq % 20 == 7 and seq != self.last_seq:
-                    self.dropped.append(seq)
-                    continue
-                self._pub.send_multipart(frames)
-        finally:
-            self._sub.close(linger=0)
-            self._pub.close(linger=0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
 async def test_lossy_link_is_repaired_through_replay(endpoint_factory: Endpoints) -> None:
     got = Collector()
     with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
-        relay = LossyForwarder(pub.endpoint, endpoint_factory("relay"), last_seq=N - 1)
+        relay = LossyRelay(pub.endpoint, endpoint_factory("relay"), drop=drop_5_percent(N - 1))
         try:
             sub = EventSubscriber(
                 relay.endpoint, got.on_batch, replay_endpoint=pub.replay_endpoint, on_reset=got.on_reset

@@ -7,57 +7,19 @@ start when it is ahead)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
-import zmq
-import zmq.asyncio
+from eventkit import LossyRelay
 
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.app import build_router_app
 from kvmesh.router.settings import MeshSettings, WorkerSpec
 
 from .servers import serve
-
-
-class LossyForwarder:
-    """Relays a KV-event PUB stream on loopback, dropping every message while ``dropping``."""
-
-    def __init__(self, upstream: str) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.sub = ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(upstream)
-        self.pub = ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
-        self.dropping = False
-        self.dropped = 0
-        self.forwarded = 0
-
-    async def run(self) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(self.sub, zmq.POLLIN)
-        while True:
-            await poller.poll()
-            while True:
-                try:
-                    frames = self.sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if self.dropping:
-                    self.dropped += 1
-                else:
-                    self.pub.send_multipart(frames)
-                    self.forwarded += 1
-
-    def close(self) -> None:
-        self.sub.close(linger=0)
-        self.pub.close(linger=0)
 
 
 async def _until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
@@ -72,8 +34,8 @@ async def _until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> 
 async def test_a_dropped_final_batch_is_repaired_after_the_quiet_period(replay: bool) -> None:
     async with run_mock(block_size=16, speedup=50.0) as mock, aiohttp.ClientSession() as http:
         assert mock.events_endpoint is not None
-        forwarder = LossyForwarder(mock.events_endpoint)
-        relay = asyncio.create_task(forwarder.run())
+        losing = threading.Event()
+        forwarder = LossyRelay(mock.events_endpoint, "tcp://127.0.0.1:*", drop=lambda _seq: losing.is_set())
         try:
             spec = WorkerSpec(
                 mock.base_url,
@@ -108,19 +70,16 @@ async def test_a_dropped_final_batch_is_repaired_after_the_quiet_period(replay: 
 
                 await ask("the first prompt passes ")
                 await _until(in_step)
-                forwarder.dropping = True
+                losing.set()
                 await ask("the second prompt is lost on the way ")
 
                 async def dropped() -> bool:
-                    return forwarder.dropped > 0
+                    return bool(forwarder.dropped)
 
                 await _until(dropped)
-                forwarder.dropping = False
+                losing.clear()
                 # the loss is real, and no later batch will reveal it: the engine is idle now
                 assert await indexed_blocks() < await engine_blocks()
                 await _until(in_step)
         finally:
-            relay.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await relay
             forwarder.close()

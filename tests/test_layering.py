@@ -5,9 +5,16 @@ Levels (imports only go down or stay inside the same package):
     5  kvmesh.cli, kvmesh.commands
     4  kvmesh.adapters.<engine>      (the only place an engine is imported, and only in functions)
     3  kvmesh.mock, kvmesh.bench     (siblings: neither imports the other)
-    2  kvmesh.router
+    2  kvmesh.router, kvmesh.worker  (siblings: neither imports the other)
     1  kvmesh.events
     0  kvmesh.hashing, kvmesh.errors, kvmesh._types
+
+``kvmesh.worker`` is the engine-agnostic worker side (the ``/kvmesh/*`` RPC routes, the pin and
+session retention ledger, the cached-block state behind ``kv_state``) that every backend serves:
+the mock engine and each adapter import it, and it needs only the events package and the leaves.
+The router and the worker side are the two ends of one protocol (HTTP RPCs and ZMQ events), so
+neither imports the other: the router can run without any engine code, and a worker without the
+routing core. (The mock engine, a level up, still uses the router's built-in tokenizer.)
 """
 
 from __future__ import annotations
@@ -28,12 +35,17 @@ LEVELS = {
     "kvmesh.mock": 3,
     "kvmesh.bench": 3,
     "kvmesh.router": 2,
+    "kvmesh.worker": 2,
     "kvmesh.events": 1,
     "kvmesh.hashing": 0,
     "kvmesh.errors": 0,
     "kvmesh._types": 0,
     "kvmesh": 0,  # the package root re-exports leaves only
 }
+SIBLINGS = [
+    {"kvmesh.mock", "kvmesh.bench"},
+    {"kvmesh.router", "kvmesh.worker"},
+]
 PURE_CORE = {"indexer", "load", "selector", "queue", "sessions"}
 IMPURE_MODULES = {
     "time",
@@ -126,8 +138,9 @@ def _violations() -> list[str]:
                 continue  # an unknown kvmesh.* module: reported by test_every_module_has_a_level
             if target == unit:
                 continue
-            if {unit, target} == {"kvmesh.mock", "kvmesh.bench"}:
-                problems.append(f"{where}: mock and bench are siblings and must not import each other")
+            if {unit, target} in SIBLINGS:
+                a, b = sorted({unit, target})
+                problems.append(f"{where}: {a} and {b} are siblings and must not import each other")
             elif unit.startswith("kvmesh.adapters.") and target.startswith("kvmesh.adapters."):
                 problems.append(f"{where}: one adapter must not import another")
             elif LEVELS[target] > level:
@@ -159,6 +172,15 @@ def test_imports_only_go_down() -> None:
         pytest.param("import vllm\n", "kvmesh.adapters.vllm.plugin", "inside functions", id="engine-eager"),
         pytest.param("import time\n", "kvmesh.router.indexer", "pure routing core", id="clock"),
         pytest.param("from kvmesh.bench import x\n", "kvmesh.mock.server", "siblings", id="siblings"),
+        pytest.param(
+            "from kvmesh.router import tokenizer\n", "kvmesh.worker.rpc", "siblings", id="worker-router"
+        ),
+        pytest.param(
+            "from kvmesh.worker import rpc\n", "kvmesh.router.proxy", "siblings", id="router-worker"
+        ),
+        pytest.param(
+            "from kvmesh.mock import engine\n", "kvmesh.worker.retention", "must not import", id="worker-up"
+        ),
     ],
 )
 def test_the_checker_catches(

@@ -7,7 +7,8 @@
 
 Layers, bottom up: ``block_pool`` (blocks, ref counts, LRU free list, KV events as a side
 output), ``scheduler`` (vLLM-style continuous batching, pure), ``engine`` (the asyncio step loop
-and the event publisher), ``server`` + ``rpc`` (the HTTP surface), ``testing`` (``run_mock``).
+and the event publisher), ``server`` (the HTTP surface), ``testing`` (``run_mock``). Pins,
+sessions and the ``/kvmesh/*`` routes are the engine-agnostic ones of :mod:`kvmesh.worker`.
 """
 
 from kvmesh.mock.config import MockConfig

@@ -27,17 +27,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.events.publisher import KvEventPublisher
-from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, event_to_json
+from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.mock.block_hash import extend_block_hashes, new_salt
-from kvmesh.mock.block_pool import BlockPool
+from kvmesh.mock.block_pool import BlockPool, KVBlock
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.metrics import EngineMetrics
 from kvmesh.mock.request import EngineRequest, RequestStatus
-from kvmesh.mock.retention import Retention
 from kvmesh.mock.sampler import OutputSampler, sampler_key
 from kvmesh.mock.scheduler import Scheduler, SchedulerOutput
 from kvmesh.mock.timing import step_seconds
 from kvmesh.router.tokenizer import BuiltinTokenizer, Tokenizer
+from kvmesh.worker.block_state import kv_state_answer, rank_state
+from kvmesh.worker.retention import Retention
 
 logger = logging.getLogger("kvmesh.mock")
 
@@ -139,7 +140,16 @@ class MockEngine:
         self.clock = clock
         self.salt = new_salt(config.seed)
         self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.retention = Retention(self.pool, int(config.pin_budget * config.num_blocks))
+        # Pins and sessions hold ordinary block references, so the pool never evicts them; past the
+        # budget a pin is refused whole (HTTP 409) rather than cut short.
+        self.retention: Retention[KVBlock] = Retention(
+            int(config.pin_budget * config.num_blocks),
+            acquire=self.pool.touch,
+            release=self.pool.free,
+            on_over_budget="reject",
+            total_blocks=config.num_blocks,
+            budget_setting="--pin-budget",
+        )
         self.scheduler = Scheduler(
             self.pool,
             max_num_seqs=config.max_num_seqs,
@@ -285,16 +295,8 @@ class MockEngine:
 
     def kv_state(self) -> dict[str, Any]:
         """Every cached block plus the last published sequence number, from one instant."""
-        return {
-            "block_size": self.config.block_size,
-            "ranks": [
-                {
-                    "dp_rank": 0,
-                    "last_seq": self.publisher.last_seq if self.publisher else None,
-                    "events": [event_to_json(e) for e in self.pool.snapshot()],
-                }
-            ],
-        }
+        last_seq = self.publisher.last_seq if self.publisher else None
+        return kv_state_answer(self.config.block_size, [rank_state(0, last_seq, self.pool.snapshot())])
 
     def pin_prefix(self, token_ids: list[int], ttl_seconds: float) -> int:
         """Keep the cached blocks of this prefix resident for ``ttl_seconds``; return how many."""
@@ -328,9 +330,9 @@ class MockEngine:
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_STOP,
         ):
-            self.retention.retain_for_session(
-                req.session_id, req.blocks[: req.num_cached_blocks], self.clock()
-            )
+            retention = self.retention
+            retention.retain_for_session(req.session_id, req.blocks[: req.num_cached_blocks])
+            retention.touch_session(req.session_id, self.clock())
 
     def _publish_events(self) -> None:
         events = self.pool.take_events()
@@ -364,7 +366,8 @@ class MockEngine:
         try:
             while True:
                 start = clock()
-                deadline = self.retention.expire(start)
+                self.retention.expire(start)
+                deadline = self.retention.next_expiry()
                 if not sched.has_work:
                     await self._idle(deadline)
                     continue

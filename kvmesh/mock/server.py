@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions, POST /v1/completions   streaming (SSE, ``data: [DONE]``) or not
     GET  /v1/models, GET /health, GET /metrics
-    /kvmesh/*                                        worker RPCs (rpc.py)
+    /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc)
 
 ``build_app(engine, middleware=[...])`` returns the app; extra ASGI middleware (for example
 kvmesh's router middleware) wraps it exactly as ``vllm serve --middleware`` would wrap vLLM's.
@@ -34,8 +34,8 @@ from kvmesh.errors import ConfigError, RequestError
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.engine import MockEngine, TokenStream
 from kvmesh.mock.protocol import Endpoint, ParsedRequest, parse_generation, usage
-from kvmesh.mock.rpc import error_response, worker_rpc_routes
 from kvmesh.router.tokenizer import EOS, BuiltinTokenizer
+from kvmesh.worker.rpc import error_response, worker_rpc_routes
 
 _encode = msgspec.json.Encoder().encode
 _DONE = b"data: [DONE]\n\n"

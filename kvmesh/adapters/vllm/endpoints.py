@@ -1,7 +1,7 @@
 """kvmesh's ``vllm.endpoint_plugins`` entry point: the worker RPCs on vLLM's own HTTP server.
 
 Loaded by vLLM's API server only, and only when ``VLLM_PLUGINS`` names ``kvmesh``. The routes and
-their validation are the engine-agnostic ones of :mod:`kvmesh.mock.rpc` (shared with the mock
+their validation are the engine-agnostic ones of :mod:`kvmesh.worker.rpc` (shared with the mock
 engine); this module only implements their backend for vLLM: every call becomes a vLLM *utility
 call* to ``EngineCore.kvmesh_rpc`` (installed by the general plugin), once per data-parallel
 engine, and the per-rank answers are merged.
@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 
 from kvmesh.adapters.vllm.engine_rpc import RPC_METHOD
 from kvmesh.errors import RequestError
-from kvmesh.mock.rpc import worker_rpc_routes
+from kvmesh.worker.block_state import kv_state_answer
+from kvmesh.worker.rpc import worker_rpc_routes
 
 logger = logging.getLogger("kvmesh.adapters.vllm")
 
@@ -36,7 +37,7 @@ PRIORITY_WARNING = (
 
 
 class VllmWorkerBackend:
-    """kvmesh's :class:`~kvmesh.mock.rpc.WorkerBackend` over a vLLM ``EngineClient``."""
+    """kvmesh's :class:`~kvmesh.worker.rpc.WorkerBackend` over a vLLM ``EngineClient``."""
 
     def __init__(self, engine_client: Any, args: Namespace, *, advertise_host: str | None = None) -> None:
         self.engine_client = engine_client
@@ -89,10 +90,7 @@ class VllmWorkerBackend:
                 '--kv-events-config \'{"enable_kv_cache_events": true, "publisher": "kvmesh", ...}\'',
                 status=409,
             )
-        return {
-            "block_size": self.engine_client.vllm_config.cache_config.block_size,
-            "ranks": sorted(ranks, key=lambda r: r["dp_rank"]),
-        }
+        return kv_state_answer(self.engine_client.vllm_config.cache_config.block_size, ranks)
 
     async def pin_prefix(self, token_ids: list[int], ttl_seconds: float) -> int:
         answers = await self._each_rank("pin_prefix", {"token_ids": token_ids, "ttl_seconds": ttl_seconds})

@@ -10,7 +10,8 @@ off vLLM's async scheduling).
 Pins take an ordinary reference on each cached block of a prefix (``BlockPool.touch``: a cached
 block with no other user leaves the free queue, so it cannot be evicted) and drop it on expiry
 (``BlockPool.free_blocks``: back to the tail of the free queue, still cached). The engine-agnostic
-bookkeeping (TTL, distinct-block budget, sessions) is :mod:`kvmesh.adapters.retention`.
+bookkeeping (TTL, distinct-block budget, sessions) is :mod:`kvmesh.worker.retention`; a pin that
+does not fit in the budget keeps the longest prefix that does (policy ``"truncate"``).
 
 Sessions: vLLM carries a request's ``session_id`` (body field, ``X-Session-ID`` header or
 ``vllm_xargs``) into the engine core. The plugin wraps ``EngineCore.add_request`` to note, for an
@@ -28,15 +29,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvmesh.adapters.retention import RetentionLedger, SessionTable
 from kvmesh.adapters.vllm._vllm import import_vllm
 from kvmesh.errors import ConfigError
+from kvmesh.worker.retention import Retention
 
 logger = logging.getLogger("kvmesh.adapters.vllm")
 
 DEFAULT_PIN_BUDGET = 0.25
 PIN_BUDGET_ENV = "KVMESH_PIN_BUDGET"
 """Fraction of the KV cache that pins and open sessions together may hold resident."""
+
+MAX_SESSIONS = 100_000
+"""Open sessions per engine core; one more is refused (a leak guard, not a tuning knob)."""
 
 RPC_METHOD = "kvmesh_rpc"
 """The utility method the general plugin adds to vLLM's EngineCore."""
@@ -74,8 +78,15 @@ class EngineRpc:
         self.publisher = publisher
         self.clock = clock
         usable = self.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
-        self.ledger: RetentionLedger[int] = RetentionLedger(int(usable * budget_fraction))
-        self.sessions = SessionTable()
+        self.retention: Retention[int] = Retention(
+            int(usable * budget_fraction),
+            acquire=self._acquire,
+            release=self._release,
+            on_over_budget="truncate",
+            total_blocks=usable,
+            budget_setting=PIN_BUDGET_ENV,
+            max_sessions=MAX_SESSIONS,
+        )
         # session -> (the live block-hash list of its newest request, its length when last pinned)
         self._turns: dict[str, tuple[Sequence[Any], int]] = {}
 
@@ -113,51 +124,33 @@ class EngineRpc:
         if self.block_hasher is None:
             return 0  # prefix caching is off: nothing is ever cached
         blocks = self._cached_block_ids(self._hashes_of(token_ids))
-        if not blocks:
-            return 0
-        owner = ("pin", blocks[-1])  # a pinned block's id names its whole prefix while pinned
-        expires = self.clock() + ttl_seconds
-        previous = self.ledger.expiry_of(owner)
-        change = self.ledger.hold(owner, blocks, max(expires, previous or expires))
-        self._apply(change.acquire, change.release)
-        return change.held
+        return self.retention.pin(blocks, ttl_seconds, self.clock())
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, session_id: str, timeout: float) -> bool:
-        created = session_id not in self.sessions
-        if not self.sessions.open(session_id, timeout):
-            raise ValueError(f"too many open sessions ({self.sessions.max_sessions})")
-        owner = ("session", session_id)
-        if not self.ledger.extend(owner, self.clock() + timeout):
-            self.ledger.hold(owner, (), self.clock() + timeout)
-        return created
+        return self.retention.open_session(session_id, timeout, self.clock())
 
     def close_session(self, session_id: str) -> bool:
         self._turns.pop(session_id, None)
-        self._apply((), self.ledger.release(("session", session_id)))
-        return self.sessions.close(session_id)
+        return self.retention.close_session(session_id)
 
     def note_request(self, request: Any) -> None:
-        """Called for every request the engine core admits; remembers an open session's newest turn."""
+        """Called for every request the engine core admits; remembers an open session's newest
+        turn and restarts the session's idle timeout."""
         session_id = getattr(request, "session_id", None)
-        if session_id is None or session_id not in self.sessions:
+        if session_id is None or not self.retention.touch_session(session_id, self.clock()):
             return
         self._turns[session_id] = (request.block_hashes, -1)
-        timeout = self.sessions.timeout_of(session_id)
-        assert timeout is not None
-        self.ledger.extend(("session", session_id), self.clock() + timeout)
 
     def _retain_turns(self) -> None:
+        retention = self.retention
         for session_id, (hashes, pinned_len) in list(self._turns.items()):
             if len(hashes) == pinned_len:
                 continue  # no new full block since the last pin
-            owner = ("session", session_id)
-            expires = self.ledger.expiry_of(owner)
-            if expires is None:
+            if session_id not in retention.sessions:
+                del self._turns[session_id]
                 continue
-            blocks = self._cached_block_ids(list(hashes))
-            change = self.ledger.hold(owner, blocks, expires)
-            self._apply(change.acquire, change.release)
+            retention.retain_for_session(session_id, self._cached_block_ids(list(hashes)))
             self._turns[session_id] = (hashes, len(hashes))
 
     # ------------------------------------------------------------------ state and time
@@ -171,23 +164,21 @@ class EngineRpc:
         """Pin new session turns and expire what ran out; says when the next deadline is."""
         self._retain_turns()
         self._expire()
-        deadline = self.ledger.next_expiry()
+        deadline = self.retention.next_expiry()
         return {"next_expiry_in": None if deadline is None else max(0.0, deadline - self.clock())}
 
     def stats(self) -> dict[str, Any]:
+        retention = self.retention
         return {
-            "held_blocks": self.ledger.held_blocks,
-            "budget_blocks": self.ledger.budget_blocks,
-            "holds": len(self.ledger),
-            "sessions": len(self.sessions),
+            "held_blocks": retention.num_retained,
+            "budget_blocks": retention.budget_blocks,
+            "holds": retention.num_holds,
+            "sessions": len(retention.sessions),
         }
 
     def _expire(self) -> None:
-        for owner, released in self.ledger.expire(self.clock()):
-            if isinstance(owner, tuple) and owner[0] == "session":
-                self.sessions.close(owner[1])
-                self._turns.pop(owner[1], None)
-            self._apply((), released)
+        for session_id in self.retention.expire(self.clock()):
+            self._turns.pop(session_id, None)
 
     # ------------------------------------------------------------------ the block pool
     def _hashes_of(self, token_ids: list[int]) -> list[Any]:
@@ -218,13 +209,14 @@ class EngineRpc:
                     ids.append(group[position].block_id)
         return ids
 
-    def _apply(self, acquire: Sequence[int], release: Sequence[int]) -> None:
+    def _acquire(self, block_ids: Sequence[int]) -> None:
         pool = self.block_pool
-        if acquire:
-            pool.touch([pool.blocks[i] for i in acquire])
-        if release:
-            # Tail blocks first: they are evicted first, the shared head of a prefix last.
-            pool.free_blocks([pool.blocks[i] for i in reversed(release)])
+        pool.touch([pool.blocks[i] for i in block_ids])
+
+    def _release(self, block_ids: Sequence[int]) -> None:
+        # The ledger hands them tail first: freed blocks are evicted in that order.
+        pool = self.block_pool
+        pool.free_blocks([pool.blocks[i] for i in block_ids])
 
 
 def kvmesh_rpc(self: Any, name: str, payload: dict[str, Any]) -> dict[str, Any]:

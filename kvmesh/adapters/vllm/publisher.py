@@ -3,7 +3,7 @@
 It sends vLLM's own event batches unchanged (same ZMQ frames and msgpack payload as vLLM's
 ``zmq`` publisher, so every existing consumer keeps working) through kvmesh's
 :class:`~kvmesh.events.publisher.BatchPublisher`, and it keeps the engine's current set of cached
-blocks (:class:`~kvmesh.adapters.block_state.CachedBlockState`) so that ``/kvmesh/kv_state`` can
+blocks (:class:`~kvmesh.worker.block_state.CachedBlockState`) so that ``/kvmesh/kv_state`` can
 hand a router that starts late, or lost more than the replay buffer, a consistent snapshot: the
 blocks plus the sequence number of the last batch they include.
 
@@ -19,10 +19,10 @@ from typing import Any
 
 import msgspec
 
-from kvmesh.adapters.block_state import CachedBlockState
 from kvmesh.adapters.vllm._vllm import import_vllm
 from kvmesh.events.publisher import BatchPublisher
-from kvmesh.events.wire import decode_batch, event_to_json
+from kvmesh.events.wire import decode_batch
+from kvmesh.worker.block_state import CachedBlockState, rank_state
 
 PUBLISHER_NAME = "kvmesh"
 
@@ -81,11 +81,7 @@ class KvMeshPublisher:
         with self._lock:
             events = self._state.dump()
             last_seq = self._pub.last_seq
-        return {
-            "dp_rank": self.data_parallel_rank,
-            "last_seq": last_seq,
-            "events": [event_to_json(e) for e in events],
-        }
+        return rank_state(self.data_parallel_rank, last_seq, events)
 
     def shutdown(self) -> None:
         self._pub.close()

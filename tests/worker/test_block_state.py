@@ -1,10 +1,9 @@
-"""kvmesh.adapters.block_state: the cached set rebuilt from events, dumped parents-first."""
+"""kvmesh.worker.block_state: the cached set rebuilt from events, dumped parents-first; kv_state's shape."""
 
 from __future__ import annotations
 
 import random
 
-from kvmesh.adapters.block_state import CachedBlockState
 from kvmesh.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -13,6 +12,7 @@ from kvmesh.events.wire import (
     decode_batch,
     encode_batch,
 )
+from kvmesh.worker.block_state import CachedBlockState, kv_state_answer, rank_state
 
 BS = 2
 
@@ -116,3 +116,20 @@ def test_a_hash_cached_twice_stays_until_its_last_copy_is_removed() -> None:
     state.apply([stored([2], 1, first_token=2), AllBlocksCleared(), stored([2], 1, first_token=2)])
     state.apply([BlockRemoved(block_hashes=[2])])
     assert state.hashes() == set()
+
+
+def test_kv_state_answer_lists_each_rank_by_rank_with_json_events() -> None:
+    state = CachedBlockState()
+    state.apply([stored([1, 2], None)])
+    ranks = [rank_state(1, None, []), rank_state(0, 7, state.dump())]
+    answer = kv_state_answer(BS, ranks)
+    assert answer["block_size"] == BS
+    assert [(r["dp_rank"], r["last_seq"]) for r in answer["ranks"]] == [(0, 7), (1, None)]
+    (event,) = answer["ranks"][0]["events"]
+    assert event["type"] == "BlockStored"
+    assert (event["block_hashes"], event["parent_block_hash"], event["token_ids"]) == (
+        [1, 2],
+        None,
+        [0, 1, 2, 3],
+    )
+    assert answer["ranks"][1]["events"] == []

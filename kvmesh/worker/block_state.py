@@ -13,6 +13,10 @@ counts twice: vLLM caches a second physical block under the same hash when it re
 block of a fully cached prompt, and removes (and reports) each copy separately, so the hash stays
 cached until its last copy goes. (vLLM's opt-in ``kv_cache_report_mode="full"`` re-announces reused
 blocks without a matching removal; this state would then keep them too long.)
+
+:func:`rank_state` and :func:`kv_state_answer` give every backend's ``/kvmesh/kv_state`` answer the
+same shape, whether its cached set comes from this state (the vLLM adapter) or from its own pool
+(the mock engine).
 """
 
 from __future__ import annotations
@@ -21,9 +25,17 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHashT, Event, TokenT
+from kvmesh.events.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHashT,
+    Event,
+    TokenT,
+    event_to_json,
+)
 
-__all__ = ["CachedBlockState"]
+__all__ = ["CachedBlockState", "kv_state_answer", "rank_state"]
 
 _Key = tuple[int, EngineHashT]
 
@@ -157,3 +169,15 @@ def _as_event(run: list[tuple[EngineHashT, _Block]]) -> BlockStored:
         lora_name=first.lora_name,
         group_idx=first.group_idx,
     )
+
+
+def rank_state(dp_rank: int, last_seq: int | None, events: Iterable[Event]) -> dict[str, Any]:
+    """One data-parallel rank's part of ``/kvmesh/kv_state``: its cached blocks as JSON events,
+    parents first, and the sequence number of the last published batch they include (None before
+    the first batch)."""
+    return {"dp_rank": dp_rank, "last_seq": last_seq, "events": [event_to_json(e) for e in events]}
+
+
+def kv_state_answer(block_size: int, ranks: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The ``/kvmesh/kv_state`` answer: the engine's block size and every rank's state, by rank."""
+    return {"block_size": block_size, "ranks": sorted(ranks, key=lambda r: int(r["dp_rank"]))}

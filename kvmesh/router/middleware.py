@@ -189,9 +189,10 @@ class _RoutedRequest:
             if raw is None:
                 return
             self.raw_body = raw
-            request = self._parse(raw)
+            # Discovery first: parsing reads the fleet's block size and routable workers.
             if not mesh.registry.ready.is_set():
                 await mesh.wait_ready()
+            request = self._parse(raw)
             if mesh.local_app is not None and not mesh.registry.routable:
                 # Peers not known yet (or all gone): this engine can always serve its own requests.
                 await self._serve_local_untracked()

@@ -26,6 +26,7 @@ class EngineState:
     chunks: int = 4
     gap: float = 0.0
     hold: float = 0.0  # seconds before the response head (a long prefill)
+    info_delay: float = 0.0  # seconds before /kvmesh/info answers (slow discovery)
     polarity: str = "lower_first"
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -37,6 +38,8 @@ class EngineState:
 
 def engine_app(state: EngineState) -> Starlette:
     async def info(request: Request) -> Response:
+        if state.info_delay:
+            await asyncio.sleep(state.info_delay)
         return JSONResponse(
             {
                 "backend": "test",

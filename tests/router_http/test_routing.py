@@ -36,15 +36,18 @@ async def test_requests_sharing_a_prefix_land_on_the_same_worker(http: aiohttp.C
 
 
 async def test_load_spreads_under_concurrency(http: aiohttp.ClientSession) -> None:
-    async with fleet(3, engine_kwargs={"chunks": 3, "gap": 0.1}) as (front, states, _):
+    # Each answer streams for about a second, so all 12 requests are in flight together even on a
+    # loaded machine; with shorter answers they can run one after another on an idle fleet, where
+    # the tie-break is random and a fair share is not guaranteed.
+    async with fleet(3, engine_kwargs={"chunks": 5, "gap": 0.25}) as (front, states, _):
 
         async def one(i: int) -> str:
             body = chat(
                 f"unrelated prompt number {i} " * 20, stream=True, nvext={"extra_fields": ["worker_id"]}
             )
             async with http.post(front.url + "/v1/chat/completions", json=body) as r:
-                assert r.status == 200
                 text = await r.text()
+                assert r.status == 200, text
             return text
 
         await asyncio.gather(*(one(i) for i in range(12)))
@@ -206,3 +209,16 @@ async def test_metrics_health_and_models(http: aiohttp.ClientSession) -> None:
             assert r.status == 200 and (await r.json())["workers_up"] == 2
         async with http.get(front.url + "/v1/models") as r:
             assert [m["id"] for m in (await r.json())["data"]] == ["test-model"]
+
+
+async def test_a_request_sent_during_discovery_waits_for_it(http: aiohttp.ClientSession) -> None:
+    """The router answers as soon as it listens; a request that arrives before the workers have
+    described themselves waits for that, instead of seeing an empty fleet (503)."""
+    async with fleet(2, engine_kwargs={"info_delay": 0.5, "block_size": 32}) as (front, states, _):
+        body = chat("early bird " * 30, nvext={"extra_fields": ["worker_id"]})
+        async with http.post(front.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+        async with http.get(front.url + "/kvmesh/workers") as r:
+            rows = (await r.json())["workers"]
+        assert {row["block_size"] for row in rows} == {32}
+        assert sum(len(s.received) for s in states) == 1

@@ -377,7 +377,7 @@ class _RoutedRequest:
             worker = registry.get(worker_id)
             assert worker is not None
             try:
-                upstream, first = await self._open(worker.url)
+                opened = await self._open_while_client_waits(worker.url)
             except ConnectFailed as e:
                 mesh.router.cancel(self.request_id, time.monotonic())
                 mesh.metrics.failovers.inc()
@@ -395,7 +395,11 @@ class _RoutedRequest:
                     return
                 decision = next_decision
                 continue
-            await self._relay(upstream, first)
+            if opened is None:  # the client left before the worker answered
+                self._count("disconnected", 499)
+                self.end(False)
+                return
+            await self._relay(*opened)
             return
 
     def _before_dispatch(self, decision: Decision) -> None:
@@ -423,6 +427,22 @@ class _RoutedRequest:
                 )
             )
 
+    async def _open_while_client_waits(self, url: str) -> tuple[UpstreamResponse, bytes | None] | None:
+        """``_open``, abandoned when the client disconnects first (None): closing the upstream
+        connection tells the worker to abort, so a long prefill does not run for nobody."""
+        opening = asyncio.ensure_future(self._open(url))
+        gone = asyncio.ensure_future(self._wait_disconnect())
+        try:
+            await asyncio.wait((opening, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if opening.done():
+            return opening.result()
+        opening.cancel()
+        with contextlib.suppress(asyncio.CancelledError, KvMeshError):
+            await opening
+        return None
+
     async def _open(self, url: str) -> tuple[UpstreamResponse, bytes | None]:
         """Send upstream and wait for the first body bytes: until then a failure may fail over."""
         headers = [(k, v) for k, v in self.scope["headers"] if k not in HOP_BY_HOP and k != REQUEST_ID_HEADER]
@@ -441,6 +461,9 @@ class _RoutedRequest:
         except StreamBroken as e:
             upstream.close()
             raise ConnectFailed(url, f"failed before the first byte: {e}") from None
+        except BaseException:  # cancelled: the client left
+            upstream.close()
+            raise
         return upstream, first
 
     async def _relay(self, upstream: UpstreamResponse, first: bytes | None) -> None:

@@ -64,8 +64,13 @@ def engine_app(state: EngineState) -> Starlette:
         body = await request.json()
         state.received.append(body)
         state.headers.append(dict(request.headers))
-        if state.hold:
-            await asyncio.sleep(state.hold)
+        if state.hold:  # a long prefill that, like a real engine, stops when its client leaves
+            deadline = time.perf_counter() + state.hold
+            while time.perf_counter() < deadline:
+                if await request.is_disconnected():
+                    state.aborted += 1
+                    return Response(status_code=499)
+                await asyncio.sleep(0.02)
         usage = {
             "prompt_tokens": 100,
             "completion_tokens": state.chunks,

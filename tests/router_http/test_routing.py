@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -222,3 +223,25 @@ async def test_a_request_sent_during_discovery_waits_for_it(http: aiohttp.Client
             rows = (await r.json())["workers"]
         assert {row["block_size"] for row in rows} == {32}
         assert sum(len(s.received) for s in states) == 1
+
+
+async def test_a_client_leaving_during_a_long_prefill_aborts_it_on_the_worker(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Before the worker's first byte the router holds the response (to fail over); a client that
+    gives up meanwhile must still reach the worker as a disconnect, and free its load at once."""
+    async with fleet(1, engine_kwargs={"hold": 3.0}) as (front, states, _):
+        with contextlib.suppress(asyncio.TimeoutError):
+            await http.post(
+                front.url + "/v1/chat/completions",
+                json=chat("a long prompt " * 50),
+                timeout=aiohttp.ClientTimeout(total=0.3),
+            )
+        for _ in range(100):
+            if states[0].aborted:
+                break
+            await asyncio.sleep(0.02)
+        assert states[0].aborted == 1  # well before the 3 s prefill would have ended
+        async with http.get(front.url + "/kvmesh/workers") as r:
+            (row,) = (await r.json())["workers"]
+        assert row["active_requests"] == 0

@@ -36,7 +36,7 @@ from kvmesh.router.config import RouterConfig
 from kvmesh.router.kv_router import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh import Mesh
 from kvmesh.router.nvext import EMPTY, PREFILL_HEADER, WORKER_HEADER, Nvext, parse_nvext
-from kvmesh.router.proxy import HOP_BY_HOP, ConnectFailed, StreamBroken, UpstreamResponse
+from kvmesh.router.proxy import ConnectFailed, StreamBroken, UpstreamResponse, end_to_end_headers
 from kvmesh.router.settings import MeshSettings
 from kvmesh.router.stream import ResponseTap
 from kvmesh.router.tokenizer import Tokenizer, prompt_token_ids
@@ -133,6 +133,19 @@ def _body_receive(body: bytes, receive: Any) -> Any:
     return body_receive
 
 
+def _prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any], endpoint: str) -> list[int]:
+    """The prompt's token ids. A body the tokenizer or its chat template cannot render (a template
+    that raises on role order, a tool call of the wrong shape) is the client's 400, as the engine
+    would answer it; a tokenizer that is not ready (ConfigError) stays a server error."""
+    try:
+        return prompt_token_ids(tokenizer, body, endpoint)
+    except (RequestError, ConfigError):
+        raise
+    except Exception as e:
+        field = "messages" if endpoint.endswith("chat/completions") else "prompt"
+        raise RequestError(f"the prompt could not be tokenized: {e!r}", field=field) from None
+
+
 # ---------------------------------------------------------------------------- routed request
 class _RoutedRequest:
     """One routed generation request: parse, route, serve or forward, feed back."""
@@ -156,6 +169,7 @@ class _RoutedRequest:
         "send",
         "t0",
         "t_first",
+        "tokens",
         "wall0",
         "worker_id",
     )
@@ -173,6 +187,7 @@ class _RoutedRequest:
         self.nvext: Nvext = EMPTY
         self.body: dict[str, Any] = {}
         self.raw_body = b""
+        self.tokens: list[int] = []
         self.decision: Decision | None = None
         self.worker_id = ""
         self.isl = 0
@@ -238,7 +253,7 @@ class _RoutedRequest:
         lora = mesh.registry.lora_of(body.get("model")) if mesh.registry.adapters else None
         if mesh.kv_mode:
             t = time.perf_counter()
-            tokens = prompt_token_ids(mesh.tokenizer, body, self.endpoint)
+            self.tokens = tokens = _prompt_tokens(mesh.tokenizer, body, self.endpoint)
             t_hash = time.perf_counter()
             block_size = mesh.registry.block_size or 16
             hashes = block_hashes(tokens, block_size, lora)
@@ -418,12 +433,11 @@ class _RoutedRequest:
                 )
             )
         if nv.cache_ttl is not None and mesh.kv_mode:
-            tokens = prompt_token_ids(mesh.tokenizer, self.body, self.endpoint)
             mesh.spawn(
                 mesh.registry.rpc(
                     decision.worker[0],
                     "/kvmesh/pin_prefix",
-                    {"token_ids": tokens, "ttl_seconds": nv.cache_ttl},
+                    {"token_ids": self.tokens, "ttl_seconds": nv.cache_ttl},
                 )
             )
 
@@ -445,7 +459,7 @@ class _RoutedRequest:
 
     async def _open(self, url: str) -> tuple[UpstreamResponse, bytes | None]:
         """Send upstream and wait for the first body bytes: until then a failure may fail over."""
-        headers = [(k, v) for k, v in self.scope["headers"] if k not in HOP_BY_HOP and k != REQUEST_ID_HEADER]
+        headers = end_to_end_headers(self.scope["headers"], REQUEST_ID_HEADER)
         headers.append((HOP_HEADER, self.mesh.replica.encode()))
         headers.append((REQUEST_ID_HEADER, self.request_id.encode()))
         path = self.endpoint

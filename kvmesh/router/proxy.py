@@ -39,7 +39,25 @@ HOP_BY_HOP: frozenset[bytes] = frozenset(
     )
 )
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+_CONNECTION = b"connection"
 _FAILURES = (OSError, asyncio.TimeoutError, ProtocolError)
+
+
+def end_to_end_headers(headers: list[tuple[bytes, bytes]], drop: bytes = b"") -> list[tuple[bytes, bytes]]:
+    """Lower-case ``headers`` without the hop-by-hop ones: HOP_BY_HOP, every header the
+    ``Connection`` header names (RFC 9110 section 7.6.1) and ``drop``."""
+    out: list[tuple[bytes, bytes]] = []
+    named: set[bytes] | None = None
+    for name, value in headers:
+        if name in HOP_BY_HOP or name == drop:
+            if name == _CONNECTION:
+                tokens = {token.strip().lower() for token in value.split(b",")}
+                named = tokens if named is None else named | tokens
+            continue
+        out.append((name, value))
+    if named:
+        out = [(name, value) for name, value in out if name not in named]
+    return out
 
 
 class UpstreamError(WorkerError):
@@ -74,7 +92,7 @@ class UpstreamResponse:
         self._origin = origin
         self._released = False
         self.status = conn.status
-        self.headers: list[tuple[bytes, bytes]] = [(k, v) for k, v in conn.headers if k not in HOP_BY_HOP]
+        self.headers = end_to_end_headers(conn.headers)
 
     @property
     def content_type(self) -> str:

@@ -245,3 +245,40 @@ async def test_a_client_leaving_during_a_long_prefill_aborts_it_on_the_worker(
         async with http.get(front.url + "/kvmesh/workers") as r:
             (row,) = (await r.json())["workers"]
         assert row["active_requests"] == 0
+
+
+async def test_a_prompt_the_tokenizer_cannot_render_is_a_400_naming_the_field(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A body that passes the shape checks but breaks the tokenizer or its chat template (a tool
+    call whose ``function`` is not an object; a template that raises on role order) is the
+    client's mistake: a 400 naming the field, never a 500, and no load is left behind."""
+    async with fleet(1) as (front, states, _):
+        body = {
+            "model": "test-model",
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"function": "get_weather"}]},
+            ],
+        }
+        status, doc, _h = await _post(http, front.url, body)
+        assert status == 400, doc
+        assert doc["error"]["param"] == "messages"
+        assert "tokenize" in doc["error"]["message"]
+        assert states[0].received == []
+        async with http.post(front.url + "/v1/completions", json={"model": "m", "prompt": "ok"}) as r:
+            assert r.status == 200
+        async with http.get(front.url + "/kvmesh/workers") as r:
+            (row,) = (await r.json())["workers"]
+        assert row["active_requests"] == 0
+
+
+async def test_headers_named_in_connection_are_not_forwarded(http: aiohttp.ClientSession) -> None:
+    """RFC 9110 section 7.6.1: a header the client lists in ``Connection`` is for this hop only."""
+    async with fleet(1) as (front, states, _):
+        headers = {"connection": "keep-alive, X-Hop-Secret", "x-hop-secret": "s", "x-end-to-end": "e"}
+        status, _d, _h = await _post(http, front.url, chat("hello"), headers=headers)
+        assert status == 200
+        seen = states[0].headers[-1]
+        assert "x-hop-secret" not in seen
+        assert seen["x-end-to-end"] == "e"

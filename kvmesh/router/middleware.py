@@ -146,6 +146,19 @@ def _prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any], endpoint: str) ->
         raise RequestError(f"the prompt could not be tokenized: {e!r}", field=field) from None
 
 
+def _check_worker_ids(mesh: Mesh, nv: Nvext, headers: dict[str, str] | None) -> None:
+    """Every worker id the request names must be registered: 400 naming the field that carried it."""
+    registry = mesh.registry
+    for worker_id, header, key in (
+        (nv.backend_instance_id, WORKER_HEADER, "nvext.backend_instance_id"),
+        (nv.decode_worker_id, None, "nvext.decode_worker_id"),
+        (nv.prefill_worker_id, PREFILL_HEADER, "nvext.prefill_worker_id"),
+    ):
+        if worker_id is not None and registry.get(worker_id) is None:
+            field = header if header is not None and headers and header in headers else key
+            raise RequestError(f"unknown worker id {worker_id!r}", field=field)
+
+
 # ---------------------------------------------------------------------------- routed request
 class _RoutedRequest:
     """One routed generation request: parse, route, serve or forward, feed back."""
@@ -239,13 +252,8 @@ class _RoutedRequest:
         self.nvext = nv = parse_nvext(body, headers) if ("nvext" in body or headers) else EMPTY
         mesh = self.mesh
         pinned = nv.pinned_worker
-        if pinned is not None and mesh.registry.get(pinned) is None:
-            field = (
-                "x-worker-instance-id"
-                if headers and WORKER_HEADER in headers
-                else "nvext.backend_instance_id"
-            )
-            raise RequestError(f"unknown worker id {pinned!r}", field=field)
+        if pinned is not None:
+            _check_worker_ids(mesh, nv, headers)
         self.request_id = mesh.next_request_id()
         metrics = mesh.metrics
         hashes: list[int] = []

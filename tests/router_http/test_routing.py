@@ -282,3 +282,26 @@ async def test_headers_named_in_connection_are_not_forwarded(http: aiohttp.Clien
         seen = states[0].headers[-1]
         assert "x-hop-secret" not in seen
         assert seen["x-end-to-end"] == "e"
+
+
+async def test_an_unknown_worker_id_is_refused_naming_the_field_that_carried_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with fleet(1) as (front, states, engines):
+        known = engines[0].url
+        cases: list[tuple[dict[str, Any], dict[str, str], str]] = [
+            ({"decode_worker_id": "nobody"}, {}, "nvext.decode_worker_id"),
+            ({"prefill_worker_id": "nobody"}, {}, "nvext.prefill_worker_id"),
+            ({"decode_worker_id": known, "prefill_worker_id": "nobody"}, {}, "nvext.prefill_worker_id"),
+            ({"backend_instance_id": known}, {"x-prefill-instance-id": "nobody"}, "x-prefill-instance-id"),
+            ({"backend_instance_id": "nobody"}, {}, "nvext.backend_instance_id"),
+            ({}, {"x-worker-instance-id": "nobody"}, "x-worker-instance-id"),
+        ]
+        for nvext, headers, field in cases:
+            status, doc, _h = await _post(http, front.url, chat("x", nvext=nvext), headers=headers)
+            assert status == 400, (nvext, headers, doc)
+            assert doc["error"]["param"] == field, (nvext, headers, doc)
+            assert "unknown worker id 'nobody'" in doc["error"]["message"]
+        assert states[0].received == []
+        status, _d, _h = await _post(http, front.url, chat("x", nvext={"decode_worker_id": known}))
+        assert status == 200

@@ -337,6 +337,19 @@ class _RoutedRequest:
         self.disconnected = True
 
     async def _reject(self, rejected: Rejected) -> None:
+        pinned = self.nvext.pinned_worker
+        if (
+            rejected.reason == "unknown_worker"
+            and pinned is not None
+            and self.mesh.registry.get(pinned) is not None
+        ):
+            # Registered (``_parse`` checked), just not routable now: the client may retry.
+            await self._error(
+                503,
+                f"worker {pinned!r} is down or not yet discovered",
+                retry_after=self.mesh.config.busy_retry_after_secs,
+            )
+            return
         status = {
             "busy": 503,
             "queue_full": 429,

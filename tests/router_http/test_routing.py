@@ -305,3 +305,30 @@ async def test_an_unknown_worker_id_is_refused_naming_the_field_that_carried_it(
         assert states[0].received == []
         status, _d, _h = await _post(http, front.url, chat("x", nvext={"decode_worker_id": known}))
         assert status == 200
+
+
+async def test_a_request_pinned_to_a_worker_that_is_down_gets_503_with_retry_after(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The id is valid (the worker is registered), the worker is only unavailable: a retryable 503,
+    not a 400 'unknown worker' that tells the client its request is wrong."""
+    async with fleet(2) as (front, _states, engines):
+        down = engines[1].url
+        engines[1].crash()
+
+        async def states() -> dict[str, str]:
+            async with http.get(front.url + "/kvmesh/workers") as r:
+                return {w["worker_id"]: w["state"] for w in (await r.json())["workers"]}
+
+        for _ in range(250):
+            if (await states())[down] == "down":
+                break
+            await asyncio.sleep(0.02)
+        assert (await states())[down] == "down"
+        for nvext, headers in (({"backend_instance_id": down}, {}), ({}, {"x-worker-instance-id": down})):
+            status, doc, response_headers = await _post(
+                http, front.url, chat("x", nvext=nvext), headers=headers
+            )
+            assert status == 503, doc
+            assert "down" in doc["error"]["message"]
+            assert int(response_headers["retry-after"]) >= 1

@@ -532,12 +532,18 @@ class PrefixIndex(_ChainIndex):
         self.max_entries = max_entries
         self.prune_target_ratio = prune_target_ratio
         self._engine: list[tuple[dict[EngineHash, int], dict[EngineHash, int], dict[EngineHash, int]]] = []
+        # Per slot: (tier, engine hash) -> extra copies. vLLM caches a second physical block under a
+        # hash it already caches (two requests computing one prefix in a step, or the recomputed
+        # last block of a fully cached prompt), reports each as stored and each eviction as removed:
+        # the block stays cached until its last copy goes.
+        self._copies: list[dict[tuple[int, EngineHash], int]] = []
         self.applied: dict[tuple[str, str], int] = {}
         self.pruned_blocks = 0
         self._total = 0
 
     def _on_new_slot(self) -> None:
         self._engine.append(({}, {}, {}))
+        self._copies.append({})
 
     # ------------------------------------------------------------------ events
     def apply(self, worker: WorkerKey, events: Iterable[Event]) -> None:
@@ -611,20 +617,34 @@ class PrefixIndex(_ChainIndex):
         # appended (the newest keys) and apply the run one hash at a time
         for eh in list(islice(reversed(emap), added)):
             del emap[eh]
+        copies = self._copies[slot]
         for eh, h in zip(engine, handles, strict=True):
             old = emap.get(eh)
             emap[eh] = h
             if old is None:
                 self._total += 1
-            else:
-                # the hash now names another block (or the same one: this undoes the extra count)
-                self._remove(slot, tier, old)
+                continue
+            if old == h:  # another copy of the same block: one more removal before it goes
+                copies[tier, eh] = copies.get((tier, eh), 0) + 1
+            else:  # the hash now names another block
+                copies.pop((tier, eh), None)
+            # undo the extra bit count the store just took (or drop the block the hash named)
+            self._remove(slot, tier, old)
 
     def _removed(self, slot: int, event: BlockRemoved) -> str:
         tier = _LEVEL_OF_TIER[event.tier]
         emap = self._engine[slot][tier]
+        copies = self._copies[slot]
         status = STATUS_OK
         for eh in event.block_hashes:
+            if copies:
+                extra = copies.get((tier, eh))
+                if extra:  # one copy of several evicted: the block stays cached
+                    if extra == 1:
+                        del copies[tier, eh]
+                    else:
+                        copies[tier, eh] = extra - 1
+                    continue
             h = emap.pop(eh, None)
             if h is None:
                 status = STATUS_BLOCK_NOT_FOUND
@@ -637,6 +657,7 @@ class PrefixIndex(_ChainIndex):
         return self._segs[h >> _SHIFT].depth0 + (h & _LOW)
 
     def _clear_slot(self, slot: int) -> None:
+        self._copies[slot].clear()
         for tier, emap in enumerate(self._engine[slot]):
             handles = list(emap.values())
             emap.clear()
@@ -654,6 +675,7 @@ class PrefixIndex(_ChainIndex):
                 if emap:
                     eh = next(iter(emap))
                     h = emap.pop(eh)
+                    self._copies[slot].pop((tier, eh), None)
                     self._remove(slot, tier, h)
                     self._total -= 1
                     self.pruned_blocks += 1
@@ -677,16 +699,20 @@ class PrefixIndex(_ChainIndex):
 
     # ------------------------------------------------------------------ dump / load
     def dump(self) -> list[DumpedBlock]:
-        """Every entry, parents before children; ``load`` of it rebuilds an identical index."""
+        """Every entry (an entry with copies once per copy), parents before children; ``load`` of it
+        rebuilds an identical index."""
         out: list[tuple[int, DumpedBlock]] = []
         paths: dict[int, tuple[int, ...]] = {}
         for worker, slot in self._slot_of.items():
+            copies = self._copies[slot]
             for tier, emap in enumerate(self._engine[slot]):
                 for eh, h in emap.items():
                     path = paths.get(h)
                     if path is None:
                         path = paths[h] = tuple(self._path(h))
-                    out.append((len(path), DumpedBlock(worker, eh, _TIERS[tier], path)))
+                    block = DumpedBlock(worker, eh, _TIERS[tier], path)
+                    # every copy, so that ``load`` counts them again
+                    out.extend(repeat((len(path), block), 1 + copies.get((tier, eh), 0)))
         out.sort(key=lambda x: x[0])
         return [b for _, b in out]
 

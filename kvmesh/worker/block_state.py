@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from kvmesh.events.wire import (
@@ -122,7 +123,8 @@ class CachedBlockState:
     def dump(self) -> list[BlockStored]:
         """The cached blocks as BlockStored events, every parent before its children; a chain of
         blocks with equal metadata becomes one event. A block whose parent is no longer cached
-        (evicted first) starts a chain and keeps its parent's hash, exactly as the engine said."""
+        (evicted first) starts a chain and keeps its parent's hash, exactly as the engine said. A
+        block cached more than once appears once more per extra copy."""
         out: list[BlockStored] = []
         run: list[tuple[EngineHashT, _Block]] = []
         for key, block in self._walk():
@@ -134,6 +136,11 @@ class CachedBlockState:
             run = [(key[1], block)]
         if run:
             out.append(_as_event(run))
+        # Extra copies last (their parents are out by then), once each: a router that loads the
+        # dump then needs as many removals as the engine will send before the block goes.
+        for key, extra in self._copies.items():
+            if extra:
+                out.extend(repeat(_as_event([(key[1], self._blocks[key])]), extra))
         return out
 
     def _walk(self) -> Iterator[tuple[_Key, _Block]]:

@@ -115,6 +115,7 @@ removed_op = st.tuples(
     st.lists(st.integers(0, 11), min_size=1, max_size=3),
 )
 cleared_op = st.tuples(st.just("clear"), st.sampled_from(WORKERS))
+again_op = st.tuples(st.just("again"), st.integers(0, 40))  # repeat an earlier store exactly
 
 
 class Model:
@@ -124,6 +125,28 @@ class Model:
         self.maps: dict[tuple[str, int], dict[Tier, dict[int, tuple[int, ...]]]] = {
             w: {t: {} for t in MEDIUMS} for w in WORKERS
         }
+        # extra copies: the same engine hash stored again for the same block, removed one by one
+        self.copies: dict[tuple[tuple[str, int], Tier, int], int] = {}
+
+    def store(self, worker: tuple[str, int], tier: Tier, eh: int, path: tuple[int, ...]) -> None:
+        key = (worker, tier, eh)
+        if self.maps[worker][tier].get(eh) == path:
+            self.copies[key] = self.copies.get(key, 0) + 1
+        else:
+            self.copies.pop(key, None)
+            self.maps[worker][tier][eh] = path
+
+    def remove(self, worker: tuple[str, int], tier: Tier, eh: int) -> None:
+        key = (worker, tier, eh)
+        if self.copies.get(key):
+            self.copies[key] -= 1
+        else:
+            self.maps[worker][tier].pop(eh, None)
+
+    def clear(self, worker: tuple[str, int]) -> None:
+        for t in MEDIUMS:
+            self.maps[worker][t].clear()
+        self.copies = {k: n for k, n in self.copies.items() if k[0] != worker}
 
     def depth(self, worker: tuple[str, int], level: int, query: list[int]) -> int:
         held = set()
@@ -137,13 +160,22 @@ class Model:
 
 def run_ops(ops: list) -> tuple[PrefixIndex, Model]:
     index, model = PrefixIndex(block_size=B), Model()
+    done: list[tuple] = []  # stores as applied, for "again"
     for op in ops:
+        if op[0] == "again" and done:
+            op = done[op[1] % len(done)]
         if op[0] == "store":
             _, w, tier, pick, ehs, toks = op
-            known = [eh for t in MEDIUMS for eh in model.maps[w][t]]
-            parent = known[pick % len(known)] if known and pick < 15 else None
+            if isinstance(pick, tuple):  # repeated: the parent it had then
+                (parent,) = pick
+            else:
+                known = [eh for t in MEDIUMS for eh in model.maps[w][t]]
+                parent = known[pick % len(known)] if known and pick < 15 else None
             n = min(len(ehs), len(toks) // B)
             ehs, toks = ehs[:n], toks[: n * B]
+            if parent is not None and not any(parent in model.maps[w][t] for t in MEDIUMS):
+                continue  # its parent is gone: the repeat would be parent_not_found
+            done.append(("store", w, tier, (parent,), ehs, toks))
             index.apply(w, [BlockStored(ehs, parent, toks, B, medium=MEDIUMS[tier])])
             if parent is None:
                 path: tuple[int, ...] = ()
@@ -152,17 +184,16 @@ def run_ops(ops: list) -> tuple[PrefixIndex, Model]:
                 path = next(model.maps[w][t][parent] for t in MEDIUMS if parent in model.maps[w][t])
             for eh, h in zip(ehs, block_hashes(toks, B), strict=True):
                 path = (*path, h)
-                model.maps[w][tier][eh] = path
+                model.store(w, tier, eh, path)
         elif op[0] == "remove":
             _, w, tier, ehs = op
             index.apply(w, [BlockRemoved(ehs, medium=MEDIUMS[tier])])
             for eh in ehs:
-                model.maps[w][tier].pop(eh, None)
-        else:
+                model.remove(w, tier, eh)
+        elif op[0] == "clear":
             _, w = op
             index.apply(w, [AllBlocksCleared()])
-            for t in MEDIUMS:
-                model.maps[w][t].clear()
+            model.clear(w)
     return index, model
 
 
@@ -177,7 +208,10 @@ def queries(model: Model, rng: random.Random) -> list[list[int]]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(stored_op, stored_op, removed_op, cleared_op), max_size=40), st.integers(0, 9))
+@given(
+    st.lists(st.one_of(stored_op, stored_op, removed_op, cleared_op, again_op), max_size=40),
+    st.integers(0, 9),
+)
 def test_find_matches_equals_brute_force(ops: list, seed: int) -> None:
     index, model = run_ops(ops)
     for query in queries(model, random.Random(seed)):
@@ -188,7 +222,7 @@ def test_find_matches_equals_brute_force(ops: list, seed: int) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.one_of(stored_op, removed_op, cleared_op), max_size=30))
+@given(st.lists(st.one_of(stored_op, removed_op, cleared_op, again_op), max_size=30))
 def test_dump_then_load_rebuilds_an_identical_index(ops: list) -> None:
     index, model = run_ops(ops)
     copy = PrefixIndex(block_size=B)
@@ -205,7 +239,7 @@ def test_dump_then_load_rebuilds_an_identical_index(ops: list) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.one_of(stored_op, removed_op, cleared_op), max_size=30))
+@given(st.lists(st.one_of(stored_op, removed_op, cleared_op, again_op), max_size=30))
 def test_removing_everything_frees_every_node(ops: list) -> None:
     index, _ = run_ops(ops)
     for w in WORKERS:
@@ -272,6 +306,34 @@ def test_runs_stored_one_after_another_extend_one_segment_and_branch_where_they_
     assert index.find_matches(block_hashes(other, B)) == {w: 3, ("b", 0): 5}
     index.apply(w, [BlockRemoved([3])])
     assert index.find_matches(block_hashes(toks, B)) == {w: 3, ("b", 0): 3}
+
+
+def test_a_hash_stored_twice_stays_cached_until_both_copies_are_removed() -> None:
+    # vLLM caches a second physical block under a hash it already caches (two requests computing
+    # the same prefix in one step, or the recomputed last block of a fully cached prompt), sends
+    # BlockStored for each and BlockRemoved for each copy it evicts: one removal leaves one copy.
+    index = PrefixIndex(block_size=B)
+    toks = tokens(10, 3)
+    w = ("a", 0)
+    query = block_hashes(toks, B)
+    index.apply(w, [BlockStored([1, 2, 3], None, toks, B)])
+    index.apply(w, [BlockStored([1, 2, 3], None, toks, B)])
+    index.apply(w, [BlockRemoved([1])])
+    assert index.find_matches(query) == {w: 3}
+    assert index.block_counts() == {w: 3}
+    index.apply(w, [BlockRemoved([3]), BlockRemoved([3])])
+    assert index.find_matches(query) == {w: 2}
+    index.apply(w, [BlockRemoved([3])])
+    assert index.applied[("removed", "block_not_found")] == 1  # both copies of 3 are gone
+    index.apply(w, [BlockRemoved([2, 1])])  # 2 keeps a copy, 1 had none left
+    assert index.find_matches(query) == {}
+    index.apply(w, [BlockRemoved([2])])
+    assert index.segment_count == 0
+    # a clear forgets the copies too: one store after it is undone by one removal
+    index.apply(w, [BlockStored([1], None, toks[:B], B), BlockStored([1], None, toks[:B], B)])
+    index.apply(w, [AllBlocksCleared(), BlockStored([1], None, toks[:B], B), BlockRemoved([1])])
+    assert index.find_matches(query) == {}
+    assert index.total_entries == 0
 
 
 def test_query_values_no_local_hash_can_have_match_up_to_them() -> None:

@@ -118,6 +118,19 @@ def test_a_hash_cached_twice_stays_until_its_last_copy_is_removed() -> None:
     assert state.hashes() == set()
 
 
+def test_the_dump_repeats_a_block_once_per_extra_copy() -> None:
+    """A router cold-started from the dump must count the copies too, or the first copy's
+    eviction would drop a block the engine still caches."""
+    state = CachedBlockState()
+    state.apply([stored([1, 2], None), stored([2], 1, first_token=2)])
+    rebuilt = CachedBlockState()
+    rebuilt.apply(decode_batch(encode_batch(EventBatch(0.0, list(state.dump())))).events)
+    rebuilt.apply([BlockRemoved(block_hashes=[2])])
+    assert rebuilt.hashes() == {1, 2}
+    rebuilt.apply([BlockRemoved(block_hashes=[2])])
+    assert rebuilt.hashes() == {1}
+
+
 def test_kv_state_answer_lists_each_rank_by_rank_with_json_events() -> None:
     state = CachedBlockState()
     state.apply([stored([1, 2], None)])

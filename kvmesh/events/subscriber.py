@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,6 +85,8 @@ class EventSubscriber:
     start with that batch (False, a live tap). A replay that gets no answer for ``replay_timeout``
     seconds is retried up to ``replay_attempts`` times, then given up as unrecoverable; socket
     errors reopen the sockets after ``backoff_initial`` seconds, doubling up to ``backoff_max``.
+    The last ``history_batches`` delivered batches are kept for a ``resume_from`` to a point
+    already passed (a few seconds of steps; a batch holds a step's new token ids, so not more).
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class EventSubscriber:
         replay_timeout: float = 2.0,
         replay_attempts: int = 3,
         max_held_batches: int = 100_000,
+        history_batches: int = 64,
         backoff_initial: float = 0.05,
         backoff_max: float = 5.0,
     ) -> None:
@@ -123,6 +127,9 @@ class EventSubscriber:
         # Batches above the expected sequence, waiting for a replay to fill the gap below them.
         # Live order is sequence order, so the dict's insertion order is ascending.
         self._held: dict[int, EventBatch | None] = {}
+        # The last batches delivered, consecutive: resume_from() to a point already passed (a
+        # snapshot older than the stream) hands them out again without asking the publisher.
+        self._history: deque[tuple[int, EventBatch | None]] = deque(maxlen=history_batches)
         self._replay: _Replay | None = None
         # Set by resume_from() and reconnects: catch up (apply held batches or replay) before the
         # next poll, without waiting for a live batch to reveal the gap.
@@ -146,10 +153,18 @@ class EventSubscriber:
     def resume_from(self, last_seq: int) -> None:
         """Continue after ``last_seq`` (e.g. the sequence of a kv_state snapshot): the next batch
         delivered is ``last_seq + 1``. With a replay endpoint, what the publisher still buffers is
-        asked for at once; ``resume_from(-1)`` starts from the very beginning."""
+        asked for at once; ``resume_from(-1)`` starts from the very beginning. Batches after
+        ``last_seq`` that were delivered already are delivered again, from the subscriber's own
+        history of the last ``history_batches`` when it still covers them (or from the replay)."""
+        previous = self._expected
         self._expected = last_seq + 1
         self._drop_replay()
-        self._held = {s: b for s, b in self._held.items() if s > last_seq}
+        held = {s: b for s, b in self._held.items() if s > last_seq}
+        if previous is not None and last_seq + 1 < previous:
+            again = [(s, b) for s, b in self._history if last_seq < s < previous]
+            if len(again) == previous - last_seq - 1:  # the whole range, so no gap opens
+                held = {**dict(again), **held}
+        self._held = held
         self._kick = True
         self._wake()
 
@@ -309,6 +324,7 @@ class EventSubscriber:
         self.stats.restarts += 1
         self._drop_replay()
         self._held.clear()
+        self._history.clear()
         self._expected = 0
         self._report_reset(f"publisher restarted: sequence went back from {previous} to {seq}")
 
@@ -362,6 +378,10 @@ class EventSubscriber:
 
     def _deliver(self, seq: int, batch: EventBatch | None) -> None:
         self._expected = seq + 1
+        history = self._history
+        if history and history[-1][0] != seq - 1:
+            history.clear()  # keep it consecutive
+        history.append((seq, batch))
         if batch is None:  # malformed, already counted and logged: skip it, keep the order
             return
         self.stats.delivered += 1

@@ -283,6 +283,30 @@ async def test_resume_from_catches_up_at_once_even_when_idle(endpoint_factory: E
     assert got.batches == expected(range(10, 21)) and got.resets == []
 
 
+async def test_resume_from_an_older_snapshot_redelivers_from_history_without_a_replay_endpoint(
+    endpoint_factory: Endpoints,
+) -> None:
+    # After a reset the owner loads a kv_state snapshot taken at seq 2 while the stream had already
+    # delivered up to 5, and resumes from 2: batches 3..5 must be applied again on top of the
+    # snapshot. Without a replay socket (vLLM's default), only the subscriber still has them;
+    # without them the next live batch is a gap, and the owner resets and re-syncs again.
+    got = Collector()
+    with publisher(endpoint_factory("pub")) as pub:
+        sub = EventSubscriber(pub.endpoint, got.on_batch, on_reset=got.on_reset)
+        async with running(sub):
+            await asyncio.sleep(0.1)
+            for i in range(6):
+                pub.publish(make_batch(i))
+            await got.wait_for(6)
+            sub.resume_from(2)
+            await got.wait_for(9)
+            pub.publish(make_batch(6))
+            await got.wait_for(10)
+            await asyncio.sleep(0.05)
+    assert got.batches == expected([0, 1, 2, 3, 4, 5, 3, 4, 5, 6])
+    assert got.resets == [] and sub.stats.gaps == 0
+
+
 async def test_replay_endpoint_that_never_answers(endpoint_factory: Endpoints) -> None:
     got = Collector()
     silent_replay = f"tcp://127.0.0.1:{free_tcp_port()}"

@@ -107,6 +107,7 @@ class Mesh:
         self._peer_retry: dict[WorkerId, float] = {}
         self._discovery: asyncio.Task[None] | None = None
         self.waiters: dict[str, asyncio.Future[Decision]] = {}
+        self._spawned: set[asyncio.Task[Any]] = set()
         self._ids = itertools.count()
         self._started = False
         self._housekeeping: asyncio.Task[None] | None = None
@@ -148,6 +149,8 @@ class Mesh:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._housekeeping = self._discovery = None
+        for task in list(self._spawned):
+            task.cancel()
         if self.sync is not None:
             await self.sync.stop()
         await self.registry.stop()
@@ -250,8 +253,11 @@ class Mesh:
                 self.router.cancel(decision.request_id, now)
 
     def spawn(self, coro: Any) -> None:
-        """Fire-and-forget a worker RPC; failures are logged, never raised at a request."""
+        """Fire-and-forget a worker RPC; failures are logged, never raised at a request. The task
+        is kept in a set until it ends: the event loop holds tasks only weakly."""
         task = asyncio.get_running_loop().create_task(coro)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
         task.add_done_callback(_log_failure)
 
     def record_cached(self, worker: WorkerId, predicted: int, reported: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import aiohttp
@@ -10,6 +11,8 @@ import aiohttp
 from kvmesh.commands.demo import start_mesh
 from kvmesh.mock.config import MockConfig
 from kvmesh.router.config import RouterConfig
+from kvmesh.router.mesh import Mesh
+from kvmesh.router.settings import MeshSettings, parse_worker_list
 
 MOCK = MockConfig(block_size=16, num_blocks=4096, speedup=20.0)
 SHARED = "You are a meticulous assistant working on the kvmesh project. " * 30  # ~ 60 blocks
@@ -100,3 +103,27 @@ async def test_pinned_request_is_served_by_the_peer_once_and_metrics_are_in_the_
             rows = (await r.json())["workers"]
         assert [row["state"] for row in rows] == ["up", "up"]
         assert [row["local"] for row in rows] == [False, True]
+
+
+async def test_fire_and_forget_rpcs_are_held_until_done_and_cancelled_on_stop() -> None:
+    """The event loop keeps only weak references to tasks: a spawned worker RPC must be held by
+    the mesh (or it may be collected mid-flight) and must not outlive the mesh's stop()."""
+    mesh = Mesh(MeshSettings(workers=parse_worker_list("http://127.0.0.1:9")))
+    finished = asyncio.Event()
+    cancelled = []
+
+    async def rpc(hold: bool) -> None:
+        try:
+            await (asyncio.Event().wait() if hold else asyncio.sleep(0.05))
+            finished.set()
+        except asyncio.CancelledError:
+            cancelled.append(hold)
+            raise
+
+    mesh.spawn(rpc(hold=False))
+    mesh.spawn(rpc(hold=True))
+    gc.collect()
+    await asyncio.wait_for(finished.wait(), 2.0)
+    await mesh.stop()
+    await asyncio.sleep(0)
+    assert cancelled == [True]

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,7 +27,6 @@ import pytest
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # torch's, at import
     import httpx
-    import uvicorn
     import vllm.plugins as vllm_plugins
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
@@ -51,6 +49,7 @@ with warnings.catch_warnings():
         use_cpu_platform,
         write_dist_info,
     )
+    from tests.router_http.servers import bound_socket, serve
 
 pytestmark = pytest.mark.engine_vllm
 
@@ -99,8 +98,7 @@ async def vllm_app(
     monkeypatch.setenv("VLLM_PLUGINS", "kvmesh")
     register()
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bound_socket()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     monkeypatch.setenv("KVMESH_WORKERS", url)
     monkeypatch.setenv("KVMESH_SELF_URL", url)
@@ -144,19 +142,13 @@ async def vllm_app(
     init_entrypoints_middleware(args, app, ("generate",))
     await init_endpoint_plugins_state(client, app.state, args)
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        yield url, recorder, client, runner
+        async with serve(app, sock):
+            yield url, recorder, client, runner
     finally:
-        server.should_exit = True
-        await serving
         for plugin in app.state.endpoint_plugins:
             await plugin.stop()
         publisher.shutdown()
-        sock.close()
 
 
 def _auth() -> dict[str, str]:

@@ -7,21 +7,19 @@ methods, since the routes accept both). It is served by uvicorn on a free loopba
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 
 from kvmesh.worker.retention import Retention
 from kvmesh.worker.rpc import MAX_TTL_SECONDS, worker_rpc_routes
+from tests.router_http.servers import serve as serve_app
 
 pytestmark = pytest.mark.e2e
 
@@ -78,24 +76,8 @@ class CustomEngine:
 @contextlib.asynccontextmanager
 async def serve(engine: CustomEngine, admin_token: str | None = None) -> AsyncIterator[httpx.AsyncClient]:
     app = Starlette(routes=worker_rpc_routes(engine, admin_token=admin_token))
-    # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say TCP (no delayed-ACK stalls).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        for _ in range(500):
-            if server.started or task.done():
-                break
-            await asyncio.sleep(0.01)
-        assert server.started, "the test server did not start"
-        port = sock.getsockname()[1]
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
-            yield http
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 5)
-        sock.close()
+    async with serve_app(app) as server, httpx.AsyncClient(base_url=server.url, timeout=5) as http:
+        yield http
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from kvmesh._http import SseLines, sse_data
 from kvmesh.bench.workloads import Answer, Session
 
 
@@ -152,16 +153,12 @@ async def _one_request(
 async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, sent: float) -> None:
     last = None
     parts: list[str] = []
-    buffer = b""
+    lines = SseLines()
     async for chunk in response.content.iter_any():
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
+        _, whole, _ = lines.feed(chunk)
+        for line in whole.splitlines():
+            payload = sse_data(line)
+            if payload is None or payload.strip() == b"[DONE]":
                 continue
             event = json.loads(payload)
             now = time.perf_counter()

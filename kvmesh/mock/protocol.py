@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvmesh._http import error_body as shared_error_body
 from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import GenerationParams
@@ -182,10 +183,4 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def error_body(message: str, *, status: int, field: str | None) -> dict[str, Any]:
-    kind = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        409: "ConflictError",
-    }.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
-    return {"error": {"message": message, "type": kind, "param": field, "code": status}}
+    return shared_error_body(message, status, field)

@@ -450,7 +450,14 @@ class _RoutedRequest:
                 mesh.registry.rpc(
                     decision.worker[0],
                     "/kvmesh/session_control",
-                    {"action": "open_session", "session_id": session.session_id, "timeout": session.timeout},
+                    {
+                        "action": "open_session",
+                        "session_id": session.session_id,
+                        # the worker holds the session's blocks as long as the router keeps it bound
+                        "timeout": mesh.router.config.router_session_timeout_secs
+                        if session.timeout is None
+                        else session.timeout,
+                    },
                 )
             )
         if nv.cache_ttl is not None and mesh.kv_mode:

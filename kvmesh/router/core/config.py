@@ -124,7 +124,7 @@ class RouterConfig:
         """Build from ``KVMESH_ROUTER_*`` variables; absent ones keep ``base`` (or the defaults)."""
         raw: dict[str, Any] = {}
         for spec in _FLAGS:
-            if spec.env in environ:
+            if spec.env is not None and spec.env in environ:
                 raw[spec.field] = environ[spec.env]
         for name in (ENV_PREFIX + "KV_OVERLAP_SCORE_WEIGHT",):
             if name in environ:

@@ -429,7 +429,7 @@ class WorkerRegistry:
         last_seqs: dict[int, int | None] = {}
         if info.has_rpc:
             try:
-                state = await self._call(w, "GET", "/kvmesh/kv_state", None)
+                state = await self._call(w, "GET", "/kvmesh/kv_state", None, self.settings.kv_state_timeout)
                 for rank in state.get("ranks", []):
                     dp_rank = int(rank.get("dp_rank", 0))
                     events = [
@@ -500,7 +500,7 @@ class WorkerRegistry:
     async def _rank_state(self, w: Worker, rank: int) -> dict[str, Any] | None:
         """One rank's part of the worker's ``/kvmesh/kv_state`` (None when unavailable)."""
         try:
-            state = await self._call(w, "GET", "/kvmesh/kv_state", None)
+            state = await self._call(w, "GET", "/kvmesh/kv_state", None, self.settings.kv_state_timeout)
         except ConnectFailed as e:
             logger.warning("worker %s: kv_state re-sync failed: %s", w.worker_id, e)
             return None
@@ -602,12 +602,15 @@ class WorkerRegistry:
         if status >= 500:
             raise ConnectFailed(w.url, f"/health answered HTTP {status}")
 
-    async def _call(self, w: Worker, method: str, path: str, payload: Any) -> Any:
-        """A worker RPC: in-process for the embedding engine, HTTP for the others."""
+    async def _call(
+        self, w: Worker, method: str, path: str, payload: Any, timeout: float | None = None
+    ) -> Any:
+        """A worker RPC: in-process for the embedding engine, HTTP for the others; ``timeout``
+        bounds the whole exchange (default: the connect timeout, enough for a small document)."""
         if self.is_local(w.worker_id) and self.local_call is not None:
             return await self.local_call(method, path, payload)
         url = w.url + path
-        timeout = self.settings.connect_timeout
+        timeout = self.settings.connect_timeout if timeout is None else timeout
         if method == "GET":
             return await self.forwarder.get_json(url, timeout=timeout, headers=self._auth)
         return await self.forwarder.post_json(url, payload, timeout=timeout, headers=self._auth)

@@ -307,13 +307,8 @@ def _endpoints(items: Any, name: str) -> tuple[str, ...]:
     return tuple(check_sync_endpoint(p, f"{name} entry") for p in items)
 
 
-def _positive(kind: type, field: str, flag: str | None, help: str, **more: Any) -> Setting:
-    """A number > 0 (>= 1 for an integer), spelled ``--flag`` / ``KVMESH_FIELD`` / ``field``."""
-    low, low_open = (1.0, False) if kind is int else (0.0, True)
-    env = "KVMESH_" + field.upper()
-    return Setting(field, flag, env, field, kind, help, low, low_open=low_open, **more)
-
-
+# Each row: field, flag, variable, TOML key, type, help, then the range (low, high, low_open,
+# choices), None allowed (optional), a normaliser (convert) and the default as --help shows it.
 SETTINGS: tuple[Setting, ...] = bind_defaults(
     MeshSettings,
     (
@@ -331,8 +326,10 @@ SETTINGS: tuple[Setting, ...] = bind_defaults(
             "shared token guarding the /kvmesh/* RPCs and POST /busy_threshold",
             optional=True, shown="none",
         ),
-        _positive(int, "max_body_bytes", "--max-body-bytes", "largest request body accepted (413 beyond)",
-                  shown="8 MiB"),
+        Setting(
+            "max_body_bytes", "--max-body-bytes", "KVMESH_MAX_BODY_BYTES", "max_body_bytes", int,
+            "largest request body accepted (413 beyond)", 1, shown="8 MiB",
+        ),
         Setting(
             "self_url", None, "KVMESH_SELF_URL", "self_url", str,
             "this engine's own base URL when the middleware is embedded",
@@ -342,15 +339,27 @@ SETTINGS: tuple[Setting, ...] = bind_defaults(
             "self_worker_id", None, "KVMESH_WORKER_ID", "worker_id", str,
             "this engine's worker id (default: the worker whose URL is the self URL)", optional=True,
         ),
-        _positive(int, "block_size", "--block-size", "the fleet's KV block size when no worker describes it",
-                  optional=True, shown="from the workers, else 16"),
-        _positive(float, "health_interval", "--health-interval", "seconds between worker health checks"),
-        _positive(int, "health_failures", "--health-failures",
-                  "failed health checks in a row that take a worker out of routing"),
-        _positive(float, "connect_timeout", "--connect-timeout",
-                  "seconds for a connection, a health check or a small worker RPC"),
-        _positive(float, "kv_state_timeout", "--kv-state-timeout",
-                  "seconds for a worker's whole /kvmesh/kv_state (the cold start of its index)"),
+        Setting(
+            "block_size", "--block-size", "KVMESH_BLOCK_SIZE", "block_size", int,
+            "the fleet's KV block size when no worker describes it", 1,
+            optional=True, shown="from the workers, else 16",
+        ),
+        Setting(
+            "health_interval", "--health-interval", "KVMESH_HEALTH_INTERVAL", "health_interval", float,
+            "seconds between worker health checks", 0, low_open=True,
+        ),
+        Setting(
+            "health_failures", "--health-failures", "KVMESH_HEALTH_FAILURES", "health_failures", int,
+            "failed health checks in a row that take a worker out of routing", 1,
+        ),
+        Setting(
+            "connect_timeout", "--connect-timeout", "KVMESH_CONNECT_TIMEOUT", "connect_timeout", float,
+            "seconds for a connection, a health check or a small worker RPC", 0, low_open=True,
+        ),
+        Setting(
+            "kv_state_timeout", "--kv-state-timeout", "KVMESH_KV_STATE_TIMEOUT", "kv_state_timeout", float,
+            "seconds for a worker's whole /kvmesh/kv_state (the cold start of its index)", 0, low_open=True,
+        ),
         Setting(
             "sync_endpoint", "--router-sync-endpoint", "KVMESH_SYNC_ENDPOINT", "sync_endpoint", str,
             "with --router-replica-sync: where this replica publishes its routing decisions",

@@ -243,7 +243,9 @@ class RoutedRequest:
         worker_id = decision.worker[0]
         session = nv.session
         if session is not None and session.action == "open":
-            mesh.spawn(mesh.open_session(worker_id, session.session_id, session.timeout))
+            # the worker holds the session's blocks as long as the router keeps it bound
+            timeout = mesh.config.router_session_timeout_secs if session.timeout is None else session.timeout
+            mesh.spawn(mesh.open_session(worker_id, session.session_id, timeout))
         if nv.cache_ttl is not None and mesh.kv_mode:
             mesh.spawn(mesh.pin_prefix(worker_id, parsed.tokens, nv.cache_ttl))
 

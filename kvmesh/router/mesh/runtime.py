@@ -79,6 +79,7 @@ class Mesh:
         self.rpc = WorkerRpc(
             self.forwarder,
             timeout=settings.connect_timeout,
+            state_timeout=settings.kv_state_timeout,
             token=settings.admin_token,
             local_id=settings.self_worker_id,
             local_app=self.local_app,

@@ -11,6 +11,7 @@ from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.hashing import block_hashes
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.kv_router import Decision, ExpiredSession, KvRouter, Queued, Rejected, RouteRequest
+from kvmesh.router.request.nvext import parse_nvext
 
 B = 4
 
@@ -168,6 +169,18 @@ def test_sessions_stick_slide_and_expire() -> None:
     assert isinstance(again, Decision) and (again.worker, again.reason) == (home, "session")
     assert r.expire(now=14.0) == []  # slid to 15
     assert r.expire(now=15.0) == [ExpiredSession("s", home)]
+
+
+def test_a_session_the_client_gave_no_timeout_lives_for_the_configured_default() -> None:
+    r = router("ab", router_session_timeout_secs=20.0)
+    nv = parse_nvext({"nvext": {"session_control": {"session_id": "s", "action": "open"}}})
+    assert nv.session is not None and nv.session.timeout is None
+    opened = r.route(
+        req("r1", toks(1, 4), session_id="s", session_action="open", session_timeout=nv.session.timeout), 0.0
+    )
+    assert isinstance(opened, Decision)
+    assert r.expire(now=19.0) == []
+    assert r.expire(now=20.0) == [ExpiredSession("s", opened.worker)]
 
 
 def test_session_close_routes_home_once_more() -> None:

@@ -111,24 +111,23 @@ class EventConverter:
     def convert(self, events: Iterable[dict[str, Any]]) -> list[tuple[int, Event]]:
         out: list[tuple[int, Event]] = []
         for event in events:
+            before = len(out)
             try:
-                produced = self._one(event)
-            except (KeyError, TypeError, ValueError):
+                self._one(event, out)
+            except (KeyError, TypeError, ValueError, AttributeError):
                 self.dropped["malformed"] += 1
-                continue
-            if produced:
+            if len(out) > before:
                 self.bridged += 1
-                out.extend(produced)
         return out
 
     # ------------------------------------------------------------------ one event
-    def _one(self, event: dict[str, Any]) -> list[tuple[int, Event]]:
+    def _one(self, event: dict[str, Any], out: list[tuple[int, Event]]) -> None:
+        """Append what ``event`` becomes to ``out`` (a re-sync stays even if the rest is malformed)."""
         rank_id = int(event.get("attention_dp_rank") or 0)
         state = self.rank(rank_id)
-        out: list[tuple[int, Event]] = []
         event_id = event.get("event_id")
-        data = event["data"]
-        kind = data["type"]
+        data = event.get("data")
+        kind = data.get("type") if isinstance(data, dict) else None
         if isinstance(event_id, int) and not isinstance(event_id, bool):
             expected = 0 if state.last_event_id is None else state.last_event_id + 1
             if event_id != expected:
@@ -140,6 +139,8 @@ class EventConverter:
                 if event_id == 0 and kind == "created":
                     self._created_windows.clear()
             state.last_event_id = event_id
+        if data is None or kind is None:
+            raise KeyError("data.type")
         window = event.get("window_size")
         if kind == "created":
             if window is not None:
@@ -149,13 +150,13 @@ class EventConverter:
                     if levels:
                         self.capacity_blocks[rank_id] = int(levels[0])
             self.dropped["created"] += 1
-            return out
+            return
         if window is not None:
             self._seen_windows.add(int(window))
             top = self.max_window
             if top is not None and int(window) != top:
                 self.dropped["window"] += 1
-                return out
+                return
         if kind == "stored":
             stored = self._stored(state, data)
             if stored is not None:
@@ -168,7 +169,6 @@ class EventConverter:
             self.dropped["updated"] += 1
         else:
             self.dropped["unknown_type"] += 1
-        return out
 
     def _stored(self, state: _Rank, data: dict[str, Any]) -> BlockStored | None:
         raw_parent = data.get("parent_hash")

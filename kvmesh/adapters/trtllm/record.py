@@ -14,13 +14,14 @@ the same events:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from kvmesh.worker.block_state import CachedBlockState
 
 __all__ = ["RankRecord"]
 
-_Edge = tuple[int | None, tuple[int, ...]]
+_Edge = tuple[int | None, tuple[Any, ...]]
 
 
 class RankRecord:
@@ -42,7 +43,7 @@ class RankRecord:
                 for i, key in enumerate(event.block_hashes):
                     assert isinstance(key, int)
                     block_tokens = event.token_ids[i * size : (i + 1) * size]
-                    edge = (parent if isinstance(parent, int) else None, tuple(block_tokens))  # type: ignore[arg-type]
+                    edge = (parent if isinstance(parent, int) else None, tuple(block_tokens))
                     self._child[edge] = key
                     self._edge[key] = edge
                     parent = key

@@ -102,6 +102,7 @@ class KvEventBridge:
             r: publisher_factory(
                 offset_endpoint(endpoint, r),
                 replay_endpoint=None if replay_endpoint is None else offset_endpoint(replay_endpoint, r),
+                bind=True,  # the engine side listens; routers dial it
             )
             for r in range(dp_size)
         }

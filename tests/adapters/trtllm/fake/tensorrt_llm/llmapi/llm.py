@@ -304,6 +304,13 @@ class LLM:
 
         return gen()
 
+    def restart(self) -> None:
+        """Test knob: the executor came back empty (event ids restart at 0 with ``created``)."""
+        for i, cache in enumerate(self.caches):
+            fresh = _Cache(self, cache.rank, cache.capacity)
+            self.caches[i] = fresh
+            fresh.emit({"type": "created", "num_blocks_per_cache_level": [cache.capacity, 0]})
+
     def shutdown(self) -> None:
         pass
 

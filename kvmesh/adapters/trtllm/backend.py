@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,8 +84,16 @@ def dp_size_of(llm: Any) -> int:
 class TrtllmWorker:
     """The WorkerBackend over one TensorRT-LLM LLM, plus the tasks that keep it current."""
 
-    def __init__(self, llm: Any, *, model: str | None, options: WorkerOptions) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        model: str | None,
+        options: WorkerOptions,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.llm = llm
+        self.clock = clock
         self.model = model
         self.options = options
         self.block_size = block_size_of(llm)
@@ -160,7 +170,7 @@ class TrtllmWorker:
                     status=409,
                 )
             ledger = RankRetention(
-                rank, self.bridge.records[rank], capacity, self.options.pin_budget, self.claims
+                rank, self.bridge.records[rank], capacity, self.options.pin_budget, self.claims, self.clock
             )
             self._retention[rank] = ledger
         return ledger
@@ -192,7 +202,8 @@ class TrtllmWorker:
     async def pin_prefix(self, token_ids: list[int], ttl_seconds: float) -> int:
         total = 0
         for rank in range(self.dp_size):
-            total += (await self.retention(rank)).pin(token_ids, ttl_seconds)
+            if self.bridge.records[rank].cached_prefix(token_ids):  # nothing cached: nothing to hold
+                total += (await self.retention(rank)).pin(token_ids, ttl_seconds)
         return total
 
     async def open_session(self, session_id: str, timeout: float) -> bool:

@@ -26,7 +26,9 @@ class Follower:
     def __init__(self, endpoint: str, replay: str | None) -> None:
         self.collector = Collector()
         self.state = CachedBlockState()
-        self.sub = EventSubscriber(endpoint, self._on_batch, replay_endpoint=replay, on_reset=self.collector.on_reset)
+        self.sub = EventSubscriber(
+            endpoint, self._on_batch, replay_endpoint=replay, on_reset=self.collector.on_reset
+        )
 
     def _on_batch(self, seq: int, batch: Any) -> None:
         self.collector.on_batch(seq, batch)
@@ -37,13 +39,19 @@ class Follower:
 
 
 @pytest.fixture
-async def rig(fake_trtllm: ModuleType, request: pytest.FixtureRequest) -> AsyncIterator[tuple[Any, KvEventBridge, list[Follower]]]:
+async def rig(
+    fake_trtllm: ModuleType, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[Any, KvEventBridge, list[Follower]]]:
     from tensorrt_llm.llmapi import LLM
 
     kwargs = getattr(request, "param", {})
-    llm = LLM(kv_cache_config={"tokens_per_block": B, "event_buffer_max_size": 4096}, capacity_blocks=8, **kwargs)
+    llm = LLM(
+        kv_cache_config={"tokens_per_block": B, "event_buffer_max_size": 4096}, capacity_blocks=8, **kwargs
+    )
     dp = llm.args.tensor_parallel_size if llm.args.enable_attention_dp else 1
-    bridge = KvEventBridge(llm, block_size=B, dp_size=dp, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    bridge = KvEventBridge(
+        llm, block_size=B, dp_size=dp, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0"
+    )
     followers = [Follower(bridge.endpoints[r], bridge.replay_endpoints[r]) for r in range(dp)]
     for f in followers:
         f.sub.start()
@@ -81,7 +89,12 @@ async def test_the_subscriber_index_matches_the_engines_full_blocks(rig: Any) ->
         await settle(bridge, [follower])
         assert follower.state.hashes() == expected(llm, 0)
     assert bridge.converter.dropped["partial_block"] > 0
-    assert any(e for _, batch in follower.collector.batches for e in batch.events if type(e).__name__ == "BlockRemoved")
+    assert any(
+        e
+        for _, batch in follower.collector.batches
+        for e in batch.events
+        if type(e).__name__ == "BlockRemoved"
+    )
     assert follower.collector.resets == []
     assert EVENTS_BRIDGED._value.get() > bridged_before
     # kv_state serves the bridge's own record: the same blocks, and the seq they include.
@@ -136,9 +149,9 @@ async def test_lost_events_clear_the_rank_and_the_index_never_holds_what_the_eng
     assert bridge.converter.resyncs == 1
     llm.generate_async([5] * 9)
     await settle(bridge, [follower])
-    assert {map_hash(k) for k in llm.caches[0].full_block_keys() if llm.caches[0].blocks[k].tokens[0] == 5} <= (
-        follower.state.hashes()
-    )
+    assert {
+        map_hash(k) for k in llm.caches[0].full_block_keys() if llm.caches[0].blocks[k].tokens[0] == 5
+    } <= (follower.state.hashes())
 
 
 async def test_an_engine_restart_clears_and_rebuilds(rig: Any) -> None:

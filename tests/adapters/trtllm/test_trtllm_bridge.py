@@ -73,7 +73,7 @@ async def settle(bridge: KvEventBridge, followers: list[Follower]) -> None:
 
 PROMPTS = [
     list(range(1, 12)),  # 2 full blocks + a partial tail (10 stored tokens)
-    list(range(1, 10)) + [50, 51, 52, 53, 54],  # shares 2 blocks, adds one more
+    [*list(range(1, 10)), 50, 51, 52, 53, 54],  # shares 2 blocks, adds one more
     [7] * 9,
     [8] * 17,  # 4 full blocks: the 8-block cache starts evicting
     list(range(1, 12)),

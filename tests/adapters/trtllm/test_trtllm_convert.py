@@ -91,7 +91,7 @@ def test_hex_hashes_and_newer_block_fields() -> None:
     h1, h2 = "11" * 32, "22" * 32
     b1 = block(h1, [1, 2, 3, 4]) | {"lora_id": 3, "lora_name": "ad", "cache_salt": "s", "mm_keys": []}
     out = c.convert([created(0), stored(1, "00" * 32, [b1])])
-    ((rank, event),) = out
+    ((_rank, event),) = out
     assert isinstance(event, BlockStored)
     assert event.block_hashes == [map_hash(h1)]
     assert event.parent_block_hash == 0

@@ -17,7 +17,7 @@ from kvmesh.adapters.trtllm.retention import DEFAULT_PRIORITY, PIN_PRIORITY
 
 B = 4
 P1 = list(range(1, 14))  # 13 tokens: 3 full blocks stored (the last token never is)
-P2 = list(range(1, 9)) + [70, 71, 72, 73, 74]  # shares P1's first 2 blocks
+P2 = [*range(1, 9), 70, 71, 72, 73, 74]  # shares P1's first 2 blocks
 
 
 class Clock:
@@ -126,7 +126,7 @@ async def test_a_pin_of_nothing_cached_sends_nothing(setup: Any) -> None:
 
 
 async def test_a_session_retains_its_conversation_after_each_turn(setup: Any) -> None:
-    llm, worker, clock = setup
+    llm, worker, _clock = setup
     await warm(llm, worker)  # the created event: capacity known
     assert await worker.open_session("s1", 120.0) is True
     token = SESSION.set("s1")

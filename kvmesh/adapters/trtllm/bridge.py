@@ -91,6 +91,10 @@ class KvEventBridge:
     ) -> None:
         if not 0 < min_delay <= max_delay:
             raise ValueError(f"need 0 < min_delay <= max_delay, got {min_delay}, {max_delay}")
+        if "get_kv_cache_events_async" in getattr(llm, "__dict__", {}):
+            raise RuntimeError(
+                "this LLM's KV-event queue already has a reader installed (one bridge per LLM)"
+            )
         self.llm = llm
         self.block_size = block_size
         self.dp_size = dp_size

@@ -243,7 +243,9 @@ def test_trtllm_serve_runs_with_kvmesh_inside(launched: Running) -> None:
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert llm.calls[0]["priority"] is None  # this engine has no request priority
     # The embedded router follows the bridge's ZMQ stream and indexes the blocks.
-    workers = r.wait(lambda: (w := r.http.get("/kvmesh/workers").json()["workers"]) and w[0]["indexed_blocks"] > 0 and w)
+    workers = r.wait(
+        lambda: (w := r.http.get("/kvmesh/workers").json()["workers"]) and w[0]["indexed_blocks"] > 0 and w
+    )
     assert workers[0]["local"] is True and workers[0]["backend"] == "trtllm"
     state = r.http.get("/kvmesh/kv_state").json()
     stored = {h for rank in state["ranks"] for e in rank["events"] for h in e["block_hashes"]}

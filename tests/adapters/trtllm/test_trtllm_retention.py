@@ -162,7 +162,8 @@ async def test_info_without_engine_priority(setup: Any, caplog: pytest.LogCaptur
     assert info["priority_polarity"] == "none"
     assert info["pin_semantics"] == "retention"
     with caplog.at_level(logging.WARNING, logger="kvmesh.adapters.trtllm"):
-        TrtllmWorker(llm, model="m", options=OPTIONS)
+        other = TrtllmWorker(type(llm)(), model="m", options=OPTIONS)
+    await other.stop()
     assert NO_PRIORITY_LOG in caplog.messages
 
 

@@ -34,6 +34,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvmesh"
 ENGINES = {"vllm", "sglang", "tensorrt_llm"}
+ADAPTERS = {"vllm", "sglang", "trtllm"}
 LEVELS = {
     "kvmesh.cli": 5,
     "kvmesh.commands": 5,
@@ -80,12 +81,21 @@ def _module_name(path: Path) -> str:
 
 
 def _unit(module: str) -> str:
-    """The layering unit a module belongs to: the longest LEVELS key that prefixes it."""
+    """The layering unit a module belongs to: the longest LEVELS key that prefixes it; each engine's
+    adapter is a unit of its own (``kvmesh.adapters.vllm``), so adapters cannot import each other."""
     best = ""
     for key in LEVELS:
         if (module == key or module.startswith(key + ".")) and len(key) > len(best):
             best = key
+    if best == "kvmesh.adapters":
+        parts = module.split(".")
+        if len(parts) > 2 and (parts[2] in ADAPTERS or (PACKAGE / "adapters" / parts[2]).is_dir()):
+            return ".".join(parts[:3])
     return best
+
+
+def _level_key(unit: str) -> str:
+    return "kvmesh.adapters" if unit.startswith("kvmesh.adapters.") else unit
 
 
 def _router_layer(module: str) -> str | None:
@@ -135,7 +145,7 @@ def _violations() -> list[str]:
     for path in _sources():
         module = _module_name(path)
         unit = _unit(module)
-        level = LEVELS[unit]
+        level = LEVELS[_level_key(unit)]
         tree = ast.parse(path.read_text(), filename=str(path))
         for imported, line, eager, typing_only in _imports(tree, module):
             where = f"{path.relative_to(PACKAGE.parent)}:{line} imports {imported}"
@@ -170,9 +180,9 @@ def _violations() -> list[str]:
                 problems.append(f"{where}: {a} and {b} are siblings and must not import each other")
             elif unit.startswith("kvmesh.adapters.") and target.startswith("kvmesh.adapters."):
                 problems.append(f"{where}: one adapter must not import another")
-            elif LEVELS[target] > level:
+            elif LEVELS[_level_key(target)] > level:
                 problems.append(
-                    f"{where}: {unit} (level {level}) must not import {target} (level {LEVELS[target]})"
+                    f"{where}: {unit} (level {level}) must not import {target} (level {LEVELS[_level_key(target)]})"
                 )
     return problems
 
@@ -212,6 +222,12 @@ def test_imports_only_go_down() -> None:
             id="engine-outside",
         ),
         pytest.param("import vllm\n", "kvmesh.adapters.vllm.plugin", "inside functions", id="engine-eager"),
+        pytest.param(
+            "from kvmesh.adapters.vllm import middleware\n",
+            "kvmesh.adapters.trtllm.middleware",
+            "one adapter must not import another",
+            id="adapter-adapter",
+        ),
         pytest.param("import time\n", "kvmesh.router.core.indexer", "pure routing core", id="clock"),
         pytest.param("import asyncio\n", "kvmesh.router.request.nvext", "pure routing core", id="request-io"),
         pytest.param(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.adapters.vllm.middleware import _tag_session
+from kvmesh.adapters.session_tag import tag_session
 from kvmesh.router import KvMeshMiddleware as _CoreMiddleware
 from kvmesh.router import MeshSettings
 
@@ -27,5 +27,5 @@ class KvMeshMiddleware(_CoreMiddleware):  # type: ignore[misc, valid-type]
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
-            scope, receive = await _tag_session(scope, receive, self.settings.max_body_bytes)
+            scope, receive = await tag_session(scope, receive, self.settings.max_body_bytes)
         await super().__call__(scope, receive, send)

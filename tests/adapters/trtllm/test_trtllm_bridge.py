@@ -9,13 +9,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from eventkit import Collector
 
 from kvmesh.adapters.trtllm.bridge import EVENTS_BRIDGED, KvEventBridge, offset_endpoint
 from kvmesh.adapters.trtllm.convert import map_hash
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import AllBlocksCleared, EventBatch
 from kvmesh.worker.block_state import CachedBlockState
+from tests.events.eventkit import Collector
 
 B = 4
 

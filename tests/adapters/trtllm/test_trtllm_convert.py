@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from payloads import block, created, removed, stored, updated
 
 from kvmesh.adapters.trtllm.convert import EventConverter, map_hash
 from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.adapters.trtllm.payloads import block, created, removed, stored, updated
 
 B = 4
 

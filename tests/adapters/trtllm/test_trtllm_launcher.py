@@ -17,12 +17,12 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from eventkit import free_tcp_port
 
 from kvmesh.adapters.trtllm._trtllm import import_trtllm
 from kvmesh.adapters.trtllm.argv import DEFAULT_EVENT_BUFFER, prepare, split_kvmesh_flags
 from kvmesh.adapters.trtllm.hints import engine_priority
 from kvmesh.errors import ConfigError
+from tests.events.eventkit import free_tcp_port
 
 
 # ---------------------------------------------------------------------------- arguments

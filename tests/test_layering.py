@@ -228,7 +228,7 @@ def test_imports_only_go_down() -> None:
             "one adapter must not import another",
             id="adapter-adapter",
         ),
-        pytest.param("import time\n", "kvmesh.router.core.indexer", "pure routing core", id="clock"),
+        pytest.param("import time\n", "kvmesh.router.core.event_index", "pure routing core", id="clock"),
         pytest.param("import asyncio\n", "kvmesh.router.request.nvext", "pure routing core", id="request-io"),
         pytest.param(
             "from kvmesh.router.mesh import runtime\n", "kvmesh.router.core.load", "above it", id="core-up"

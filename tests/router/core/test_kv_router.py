@@ -284,3 +284,11 @@ def test_event_statistics_are_exposed() -> None:
     store(r, "a", toks(1, 2))
     assert r.stats.events_applied == {("stored", "ok"): 1}
     assert r.worker_snapshot()[0].indexed_blocks == 2
+
+
+def test_prediction_prunes_are_counted_once_however_often_stats_are_read() -> None:
+    r = router("a", router_predicted_ttl_secs=5.0, router_max_tree_size=10)
+    r.route(req("r1", toks(1, 20)), now=0.0)  # 20 predicted entries > 10 -> pruned down to 8
+    assert r.stats.approx_pruned_blocks == 12
+    assert r.stats.approx_pruned_blocks == 12
+    assert r.stats.index_pruned_blocks == 0

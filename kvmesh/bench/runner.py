@@ -179,10 +179,17 @@ async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, 
                 result.cached_tokens = details.get("cached_tokens")
             nvext = event.get("nvext")
             if isinstance(nvext, dict) and nvext.get("worker_id") is not None:
-                result.worker_id = str(nvext["worker_id"])
+                result.worker_id = _decode_worker(nvext["worker_id"])
             if "error" in event:
                 result.error = f"stream error: {event['error']}"
     result.text = "".join(parts)
+
+
+def _decode_worker(worker_id: Any) -> str:
+    """The worker that produced the answer: a disaggregated echo names both stages."""
+    if isinstance(worker_id, dict):
+        return str(worker_id.get("decode_worker_id"))
+    return str(worker_id)
 
 
 def _delta_text(event: dict[str, Any]) -> str | None:

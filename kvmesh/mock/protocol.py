@@ -32,6 +32,9 @@ class ParsedRequest:
     params: GenerationParams
     stream: bool
     include_usage: bool
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's disaggregation hand-off: ``do_remote_decode`` (prefill here) or ``do_remote_prefill``
+    (the KV comes from a prefill engine)."""
 
 
 def parse_generation(
@@ -116,7 +119,10 @@ def parse_generation(
         priority=priority,
         session_id=_session_id(body),
     )
-    return ParsedRequest(endpoint, config.model, params, stream, include_usage)
+    transfer = body.get("kv_transfer_params")
+    if transfer is not None and not isinstance(transfer, dict):
+        raise RequestError("'kv_transfer_params' must be an object", field="kv_transfer_params")
+    return ParsedRequest(endpoint, config.model, params, stream, include_usage, transfer)
 
 
 def _session_id(body: Mapping[str, Any]) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvmesh._types import WorkerKey
 from kvmesh.router.core.kv_router import Decision
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.nvext import Nvext
@@ -56,6 +57,7 @@ class RoutedAccount(LoadAccount):
         "last_event",
         "nvext",
         "out_events",
+        "prefill_worker",
         "routed_at",
         "t0",
         "t_first",
@@ -71,6 +73,8 @@ class RoutedAccount(LoadAccount):
         self.routed_at = 0.0
         self.decision: Decision | None = None
         self.worker_id = ""
+        self.prefill_worker: WorkerKey | None = None
+        """(worker, dp rank) that ran the prefill stage of a disaggregated request."""
         self.t_first = 0.0
         self.last_event = 0.0
         self.out_events = 0
@@ -108,7 +112,17 @@ class RoutedAccount(LoadAccount):
             return None
         out: dict[str, Any] = {}
         if nv.want_worker_id:
-            out["worker_id"] = self.worker_id
+            prefill = self.prefill_worker
+            if prefill is None:
+                out["worker_id"] = self.worker_id
+            else:  # both stages, as the reference names them
+                decode_rank = self.decision.worker[1] if self.decision is not None else None
+                out["worker_id"] = {
+                    "prefill_worker_id": prefill[0],
+                    "decode_worker_id": self.worker_id,
+                    "prefill_dp_rank": prefill[1],
+                    "decode_dp_rank": decode_rank,
+                }
         if nv.want_timing:
             now = time.perf_counter()
             decision = self.decision

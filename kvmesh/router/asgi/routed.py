@@ -19,6 +19,7 @@ import msgspec
 from kvmesh._http import replay_body, wait_disconnect
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi.accounting import RoutedAccount
+from kvmesh.router.asgi.disagg import TwoStage
 from kvmesh.router.asgi.forwarding import Dispatch, replace_body
 from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.core.kv_router import Decision, Queued, Rejected, RouteRequest, RouteResult
@@ -78,32 +79,15 @@ class RoutedRequest:
                 return
             account = RoutedAccount(mesh, mesh.next_request_id(), parsed.nvext, self.t0, self.wall0)
             request = self._route_request(parsed, account.request_id)
-            result = self._route(request, account)
+            if mesh.registry.prefill_routable:
+                await TwoStage(self, parsed, account, request).run()
+                return
+            result = self.route(request, account)
             # The common case, a decision right away, skips the coroutine that waits in the queue.
-            decision = (
-                result if isinstance(result, Decision) else await self._settle(result, request, account)
-            )
+            decision = result if isinstance(result, Decision) else await self.settle(result, request, account)
             if decision is None:
                 return
-            self._side_calls(decision, parsed)
-
-            async def reroute(allowed: frozenset[str]) -> Decision | None:
-                request.allowed_workers = allowed
-                return await self._settle(self._route(request, account), request, account)
-
-            dispatch = Dispatch(
-                mesh,
-                self.app,
-                self.scope,
-                self.receive,
-                self.send,
-                parsed,
-                account,
-                reroute=reroute,
-                error=self._error_reply,
-                count=self._count,
-            )
-            await dispatch.run(decision, pinned=request.backend_instance_id is not None)
+            await self.dispatch(decision, parsed, account, request)
         except RequestError as e:
             self._count("rejected", e.status)
             await send_error(self.send, e.status, str(e), e.field)
@@ -152,7 +136,31 @@ class RoutedRequest:
             lora_name=parsed.lora,
         )
 
-    def _route(self, request: RouteRequest, account: RoutedAccount) -> RouteResult:
+    async def dispatch(
+        self, decision: Decision, parsed: ParsedRequest, account: RoutedAccount, request: RouteRequest
+    ) -> None:
+        """Serve on the decided worker (session open and pins first), failing over if it is gone."""
+        self._side_calls(decision, parsed)
+
+        async def reroute(allowed: frozenset[str]) -> Decision | None:
+            request.allowed_workers = allowed
+            return await self.settle(self.route(request, account), request, account)
+
+        dispatch = Dispatch(
+            self.mesh,
+            self.app,
+            self.scope,
+            self.receive,
+            self.send,
+            parsed,
+            account,
+            reroute=reroute,
+            error=self._error_reply,
+            count=self._count,
+        )
+        await dispatch.run(decision, pinned=request.backend_instance_id is not None)
+
+    def route(self, request: RouteRequest, account: RoutedAccount) -> RouteResult:
         router = self.mesh.router
         t = time.perf_counter()
         result = router.route(request, time.monotonic())
@@ -160,7 +168,7 @@ class RoutedRequest:
         self.mesh.metrics.observe_routing(done - t, router.last_find_matches, done - self.t0)
         return result
 
-    async def _settle(
+    async def settle(
         self, result: RouteResult, request: RouteRequest, account: RoutedAccount
     ) -> Decision | None:
         """Turn a route result into a decision: wait out the queue, refuse with a status."""

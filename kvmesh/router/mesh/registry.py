@@ -40,7 +40,7 @@ from kvmesh.errors import KvMeshError, WorkerError
 from kvmesh.router.core.kv_router import KvRouter
 from kvmesh.router.mesh.event_feed import EventFeed, FeedTarget
 from kvmesh.router.mesh.metrics import Metrics
-from kvmesh.router.mesh.settings import POLARITIES, MeshSettings, WorkerSpec
+from kvmesh.router.mesh.settings import POLARITIES, ROLES, MeshSettings, WorkerSpec
 from kvmesh.router.mesh.worker_rpc import WorkerRpc
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
 
@@ -73,6 +73,9 @@ class WorkerInfo:
     priority_polarity: str
     has_rpc: bool
     """The worker serves kvmesh's RPCs (/kvmesh/kv_state, session_control, pin_prefix)."""
+    role: str = "aggregated"
+    """``aggregated`` | ``prefill`` | ``decode`` (disaggregated serving)."""
+    bootstrap_port: int | None = None
 
 
 @dataclass(slots=True)
@@ -112,6 +115,10 @@ def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: in
     polarity = str(pick("priority_polarity", "none"))
     if polarity not in POLARITIES:
         raise WorkerError(f"{spec.url}: unknown priority_polarity {polarity!r}")
+    role = str(pick("role", "aggregated"))
+    if role not in ROLES:
+        raise WorkerError(f"{spec.url}: unknown role {role!r}")
+    bootstrap = pick("bootstrap_port", None)
     dp_size = int(pick("dp_size", max(len(endpoints), 1)))
     return WorkerInfo(
         backend=str(pick("backend", "openai")),
@@ -124,6 +131,8 @@ def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: in
         total_kv_blocks=int(pick("total_kv_blocks", _DEFAULT_TOTAL_BLOCKS)),
         priority_polarity=polarity,
         has_rpc=info is not None,
+        role=role,
+        bootstrap_port=int(bootstrap) if bootstrap is not None else None,
     )
 
 
@@ -150,6 +159,9 @@ class WorkerRegistry:
         self.workers: dict[WorkerId, Worker] = {w.worker_id: Worker(w) for w in settings.workers}
         self.block_size: int | None = settings.block_size
         self.routable: frozenset[WorkerId] = frozenset()
+        """Up workers that serve whole requests or the decode stage (aggregated and decode)."""
+        self.prefill_routable: frozenset[WorkerId] = frozenset()
+        """Up workers with role ``prefill``: when any, requests are routed in two stages."""
         self.models: list[str] = []
         self.adapters: dict[str, frozenset[WorkerId]] = {}
         """LoRA adapter name -> the up workers serving it."""
@@ -236,6 +248,7 @@ class WorkerRegistry:
                     "block_size": info.block_size if info else None,
                     "dp_size": info.dp_size if info else None,
                     "priority_polarity": info.priority_polarity if info else None,
+                    "role": info.role if info else w.spec.role,
                     "lora_adapters": sorted(w.adapters),
                     "events_applied": self.feed.events_applied(w.worker_id),
                     "active_requests": sum(r["active_requests"] for r in ranks),
@@ -258,7 +271,10 @@ class WorkerRegistry:
 
     def _refresh_views(self) -> None:
         up = [x for x in self.workers.values() if x.state == UP]
-        self.routable = frozenset(x.worker_id for x in up)
+        self.routable = frozenset(x.worker_id for x in up if x.info is None or x.info.role != "prefill")
+        self.prefill_routable = frozenset(
+            x.worker_id for x in up if x.info is not None and x.info.role == "prefill"
+        )
         self.models = sorted({x.info.model for x in up if x.info and x.info.model})
         adapters: dict[str, set[WorkerId]] = {}
         for x in up:

@@ -247,13 +247,15 @@ class Mesh:
             elif fut is None:  # its client left between release and now
                 self.router.cancel(decision.request_id, now)
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """Fire-and-forget a worker RPC; failures are logged, never raised at a request. The task
-        is kept in a set until it ends: the event loop holds tasks only weakly."""
+        is kept in a set until it ends (the event loop holds tasks only weakly) and cancelled on
+        stop."""
         task = asyncio.get_running_loop().create_task(coro)
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
         task.add_done_callback(_log_failure)
+        return task
 
     def record_cached(self, worker: WorkerId, predicted: int, reported: int) -> None:
         """Compare the router's predicted cached tokens with what the engine reported."""

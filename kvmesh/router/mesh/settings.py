@@ -71,6 +71,8 @@ else:  # the same parser, before it joined the standard library
 DEFAULT_BODY_LIMIT = 8 * 1024 * 1024
 DEFAULT_BLOCK_SIZE = 16
 POLARITIES = ("lower_first", "higher_first", "none")
+ROLES = ("aggregated", "prefill", "decode")
+"""A worker's part in disaggregated serving; a fleet with prefill workers routes in two stages."""
 # vLLM schedules lower values first; what a backend name implies when its spec does not say.
 BACKEND_POLARITY = {"vllm": "lower_first", "mock": "lower_first", "sglang": "higher_first", "trtllm": "none"}
 
@@ -90,6 +92,9 @@ class WorkerSpec:
     max_num_batched_tokens: int | None = None
     total_kv_blocks: int | None = None
     priority_polarity: str | None = None
+    role: str | None = None
+    bootstrap_port: int | None = None
+    """SGLang's ``--disaggregation-bootstrap-port`` on a prefill worker."""
 
     @property
     def described(self) -> bool:
@@ -130,10 +135,10 @@ def parse_worker_list(text: str) -> tuple[WorkerSpec, ...]:
     return tuple(specs)
 
 
-_INT_FIELDS = ("block_size", "dp_size", "max_num_batched_tokens", "total_kv_blocks")
+_INT_FIELDS = ("block_size", "dp_size", "max_num_batched_tokens", "total_kv_blocks", "bootstrap_port")
 WORKER_KEYS = frozenset(
     ("url", "id", "worker_id", "backend", "model", "kv_events_endpoints", "kv_replay_endpoints",
-     "priority_polarity", *_INT_FIELDS)
+     "priority_polarity", "role", *_INT_FIELDS)
 )  # fmt: skip
 
 
@@ -181,6 +186,10 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
         if table["priority_polarity"] not in POLARITIES:
             raise bad("priority_polarity", f"must be one of {', '.join(POLARITIES)}")
         values["priority_polarity"] = table["priority_polarity"]
+    if "role" in table:
+        if table["role"] not in ROLES:
+            raise bad("role", f"must be one of {', '.join(ROLES)}")
+        values["role"] = table["role"]
     for name in ("kv_events_endpoints", "kv_replay_endpoints"):
         if name in table:
             value = table[name]
@@ -208,6 +217,8 @@ class MeshSettings:
     """The fleet and the runtime around the routing core; one row of ``SETTINGS`` per field."""
 
     workers: tuple[WorkerSpec, ...] = ()
+    prefill_workers: tuple[WorkerSpec, ...] = ()
+    """Workers with role ``prefill`` (merged into ``workers`` on construction)."""
     router: RouterConfig = field(default_factory=RouterConfig)
     tokenizer: str = "builtin"
     admin_token: str | None = None
@@ -228,6 +239,10 @@ class MeshSettings:
 
     def __post_init__(self) -> None:
         check_all(self, SETTINGS)
+        if self.prefill_workers:
+            prefill = tuple(dataclasses.replace(w, role="prefill") for w in self.prefill_workers)
+            object.__setattr__(self, "workers", (*self.workers, *prefill))
+            object.__setattr__(self, "prefill_workers", ())
         ids = [w.worker_id for w in self.workers]
         dup = {i for i in ids if ids.count(i) > 1}
         if dup:
@@ -315,6 +330,11 @@ SETTINGS: tuple[Setting, ...] = bind_defaults(
         Setting(
             "workers", "--workers", "KVMESH_WORKERS", "workers", list,
             "worker base URLs, comma-separated or repeated ([[workers]] tables in the file)",
+            metavar="URL[,URL...]", convert=_worker_specs, shown="none",
+        ),
+        Setting(
+            "prefill_workers", "--prefill-workers", "KVMESH_PREFILL_WORKERS", "prefill_workers", list,
+            "prefill worker base URLs: with any, requests are routed in two stages (prefill, then decode)",
             metavar="URL[,URL...]", convert=_worker_specs, shown="none",
         ),
         Setting(

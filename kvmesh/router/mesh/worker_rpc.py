@@ -96,53 +96,58 @@ class WorkerRpc:
         app = self.local_app
         assert app is not None
         body = b"" if payload is None else msgspec.json.encode(payload)
-        headers = [(b"host", b"kvmesh.local"), (b"content-length", str(len(body)).encode())]
-        if payload is not None:
-            headers.append((b"content-type", b"application/json"))
+        headers = [(b"content-type", b"application/json")] if payload is not None else []
         if self.token:
             headers.append((ADMIN_TOKEN_HEADER.encode(), self.token.encode()))
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": method,
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 0),
-            "server": ("127.0.0.1", 0),
-            "state": {},
-        }
-        sent = False
-        status = 0
-        chunks: list[bytes] = []
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # an in-process caller never disconnects
-            raise AssertionError("unreachable")
-
-        async def send(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-
         try:
-            await app(scope, receive, send)
+            status, data = await call_app(app, method, path, headers, body)
         except Exception as e:
             raise ConnectFailed("local", f"{method} {path} raised {e!r}") from None
-        data = b"".join(chunks)
         if status != 200:
             raise ConnectFailed("local", f"{method} {path}: HTTP {status}: {data[:200]!r}")
         try:
             return msgspec.json.decode(data)
         except msgspec.DecodeError:
             raise ConnectFailed("local", f"{method} {path}: not JSON") from None
+
+
+async def call_app(
+    app: ASGIApp, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+) -> tuple[int, bytes]:
+    """One whole request to an ASGI app in-process: (status, body). The caller never disconnects."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"kvmesh.local"), (b"content-length", str(len(body)).encode()), *headers],
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 0),
+        "state": {},
+    }
+    sent = False
+    status = 0
+    chunks: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # an in-process caller never disconnects
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(chunks)

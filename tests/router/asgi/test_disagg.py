@@ -223,9 +223,11 @@ async def test_mock_pools_place_prefill_by_prefix_and_decode_finds_the_prompt_ca
 
 async def test_decode_spreads_by_load() -> None:
     p0 = EngineState("p0", backend="vllm", role="prefill", transfer_params=TRANSFER)
-    decode = [EngineState(f"d{i}", backend="vllm", role="decode", chunks=3, gap=0.3) for i in range(2)]
+    decode = [EngineState(f"d{i}", backend="vllm", role="decode", chunks=3, gap=1.0) for i in range(2)]
     async with pools([p0], decode) as (front, _, _d), aiohttp.ClientSession() as http:
-        results = await asyncio.gather(*(_stream(http, front.url, chat("same prompt")) for _ in range(6)))
+        # unrelated prompts (no prefix to favour a worker), all in flight together: load decides
+        prompts = [chat(f"question number {i} " + "word " * i) for i in range(6)]
+        results = await asyncio.gather(*(_stream(http, front.url, p) for p in prompts))
         assert all(status == 200 for status, _ in results)
-        assert sorted(len(s.received) for s in decode) == [3, 3]  # equal prompts, equal load: spread
+        assert sorted(len(s.received) for s in decode) == [3, 3]
         assert len(p0.received) == 6

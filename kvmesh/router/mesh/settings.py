@@ -9,6 +9,7 @@ variable, TOML key, type, range and help come from there, so every source accept
 same values. ``kvmesh router --help`` shows each with its default. Environment variables::
 
     KVMESH_WORKERS           comma-separated worker base URLs (http://host:port)
+    KVMESH_PREFILL_WORKERS   comma-separated prefill worker URLs (two-stage, disaggregated routing)
     KVMESH_SELF_URL          this engine's own base URL when the middleware is embedded
     KVMESH_WORKER_ID         this engine's worker id (default: the worker whose URL is KVMESH_SELF_URL)
     KVMESH_TOKENIZER         "builtin" (mock fleets), "engine" (the engine's own) or a local HF path

@@ -161,6 +161,7 @@ def test_a_negative_block_size_is_refused_by_every_source(tmp_path: Path, source
 _SAMPLES: dict[str, tuple[str, str, Any]] = {
     # field: (flag / variable text, TOML literal, the value it becomes)
     "workers": ("127.0.0.1:1,127.0.0.1:2", '["127.0.0.1:1", "127.0.0.1:2"]', ("http://127.0.0.1:1", "http://127.0.0.1:2")),
+    "prefill_workers": ("127.0.0.1:3", '["127.0.0.1:3"]', ("http://127.0.0.1:3",)),
     "tokenizer": ("engine", '"engine"', "engine"),
     "admin_token": ("s3cret", '"s3cret"', "s3cret"),
     "max_body_bytes": ("1000", "1000", 1000),
@@ -177,8 +178,10 @@ _SAMPLES: dict[str, tuple[str, str, Any]] = {
 
 
 def _value(s: MeshSettings, field: str) -> Any:
+    if field == "prefill_workers":  # merged into the fleet, with their role
+        return tuple(w.url for w in s.workers if w.role == "prefill")
     value = getattr(s, field)
-    return tuple(w.url for w in value) if field == "workers" else value
+    return tuple(w.url for w in value if w.role != "prefill") if field == "workers" else value
 
 
 def test_every_row_has_a_sample_and_samples_differ_from_the_defaults() -> None:
@@ -255,7 +258,7 @@ def test_router_help_shows_every_setting_with_its_default() -> None:
             flag = None
     texts = {flag: " ".join(block.split()) for flag, block in blocks.items()}
     shown = {
-        "workers": "none", "admin_token": "none", "max_body_bytes": "8 MiB",
+        "workers": "none", "prefill_workers": "none", "admin_token": "none", "max_body_bytes": "8 MiB",
         "block_size": "from the workers, else 16", "sync_endpoint": "tcp://<self host>:*", "sync_peers": "none",
     }  # fmt: skip
     for row in SETTINGS:

@@ -222,9 +222,9 @@ def test_pin_keeps_a_prefix_under_eviction_pressure_until_its_ttl(sg: Any) -> No
     clock = Clock()
     pins = RadixPins(cache, page_size=PAGE, total_tokens=400, budget_fraction=0.5, clock=clock)
     kept = list(range(100, 116))  # 4 pages
-    insert(sg, cache, slots, kept + [7, 7])  # the partial page is never cached
+    insert(sg, cache, slots, [*kept, 7, 7])  # the partial page is never cached
     insert(sg, cache, slots, list(range(200, 220)))
-    assert pins.pin(kept + [1, 2, 3, 4], ttl_seconds=30) == 4
+    assert pins.pin([*kept, 1, 2, 3, 4], ttl_seconds=30) == 4
     assert cache.protected_size() == 16
     cache.evict(sg.base.EvictParams(num_tokens=10_000))  # everything evictable goes
     assert cached_prefix(sg, cache, kept) == 16

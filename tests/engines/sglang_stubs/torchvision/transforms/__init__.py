@@ -2,7 +2,7 @@
 
 import enum
 
-from torchvision.transforms import functional
+from torchvision.transforms import functional as functional
 
 
 class InterpolationMode(enum.Enum):

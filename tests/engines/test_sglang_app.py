@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 import pytest
+
 from tests.engines import sglang_env
 
 pytestmark = [
@@ -129,11 +130,10 @@ def test_session_control_maps_to_sglangs_native_sessions(served: Any) -> None:
 
 def test_pin_prefix_reaches_the_schedulers_radix_cache(served: Any) -> None:
     """The HTTP route -> control socket -> the scheduler hook draining it, over a real RadixCache."""
-    from tests.engines.test_sglang_cache import PAGE, SlotRecorder, Slots, cached_prefix, insert
-
     from kvmesh.adapters.sglang import scheduler_hooks
     from kvmesh.adapters.sglang.control import ControlServer, control_endpoint
     from kvmesh.adapters.sglang.pins import RadixPins
+    from tests.engines.test_sglang_cache import PAGE, SlotRecorder, Slots, cached_prefix, insert
 
     radix = sglang_env.engine("sglang.srt.mem_cache.radix_cache")
     base = sglang_env.engine("sglang.srt.mem_cache.base_prefix_cache")

@@ -17,12 +17,12 @@ import random
 from typing import Any
 
 import pytest
-from tests.engines import sglang_env
-from tests.events.eventkit import free_tcp_port
 
 from kvmesh.adapters.sglang.follower import KvStateFollower
 from kvmesh.adapters.sglang.pins import RadixPins
 from kvmesh.events.wire import BlockStored
+from tests.engines import sglang_env
+from tests.events.eventkit import free_tcp_port
 
 pytestmark = [pytest.mark.engine_sglang, pytest.mark.timeout(300)]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tests.engines import sglang_env
 
 pytestmark = [pytest.mark.engine_sglang, pytest.mark.timeout(300)]
@@ -71,9 +72,8 @@ def test_scheduler_hooks_are_applied_by_sglangs_registry(loaded: dict[str, Any])
 
 
 def test_factory_creates_kvmesh_publisher_per_rank(loaded: dict[str, Any]) -> None:
-    from tests.events.eventkit import free_tcp_port
-
     from kvmesh.adapters.sglang.publisher import KvMeshPublisher
+    from tests.events.eventkit import free_tcp_port
 
     base, replay = free_tcp_port(), free_tcp_port()
     config = json.dumps(

@@ -1,6 +1,6 @@
 """kvmesh's router embedded in SGLang's own HTTP server (mounted by the launcher, see :mod:`.app`).
 
-The engine-agnostic :class:`kvmesh.router.middleware.KvMeshMiddleware` with SGLang's glue:
+The engine-agnostic :class:`kvmesh.router.asgi.middleware.KvMeshMiddleware` with SGLang's glue:
 
 * the tokenizer defaults to SGLang's own (``KVMESH_TOKENIZER=engine``), bound on the first request
   to the objects SGLang's lifespan created (:mod:`.tokenizer`);
@@ -23,9 +23,9 @@ from typing import Any
 import msgspec
 
 from kvmesh.adapters.sglang.tokenizer import SglangTokenizer
-from kvmesh.router.middleware import GENERATION_PATHS
-from kvmesh.router.middleware import KvMeshMiddleware as _CoreMiddleware
-from kvmesh.router.settings import MeshSettings
+from kvmesh.router.asgi.middleware import GENERATION_PATHS
+from kvmesh.router.asgi.middleware import KvMeshMiddleware as _CoreMiddleware
+from kvmesh.router.mesh.settings import MeshSettings
 
 
 class _Namespace(msgspec.Struct):

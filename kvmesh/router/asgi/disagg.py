@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
@@ -40,14 +40,12 @@ import msgspec
 from kvmesh.errors import KvMeshError
 from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.forwarding import HOP_HEADER, REQUEST_ID_HEADER
-from kvmesh.router.core.kv_router import Decision, RouteRequest
+from kvmesh.router.core.kv_router import Decision, RouteRequest, RouteResult
 from kvmesh.router.mesh.registry import Worker
+from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.worker_rpc import call_app
 from kvmesh.router.request.parse import ParsedRequest
 from kvmesh.router.upstream.forwarder import ConnectFailed, StreamBroken, end_to_end_headers
-
-if TYPE_CHECKING:
-    from kvmesh.router.asgi.routed import RoutedRequest
 
 logger = logging.getLogger("kvmesh.router")
 
@@ -73,6 +71,23 @@ def protocol_of(worker: Worker) -> str | None:
     return _PROTOCOL.get(worker.info.backend) if worker.info is not None else None
 
 
+class Router(Protocol):
+    """What a stage needs from the routed request that owns it (asgi/routed.RoutedRequest)."""
+
+    mesh: Mesh
+    scope: dict[str, Any]
+
+    def route(self, request: RouteRequest, account: RoutedAccount) -> RouteResult: ...
+
+    async def settle(
+        self, result: RouteResult, request: RouteRequest, account: RoutedAccount
+    ) -> Decision | None: ...
+
+    async def dispatch(
+        self, decision: Decision, parsed: ParsedRequest, account: RoutedAccount, request: RouteRequest
+    ) -> None: ...
+
+
 class PrefillFailed(KvMeshError):
     """The prefill stage gave no usable answer; the request falls back to aggregated serving."""
 
@@ -83,7 +98,7 @@ class TwoStage:
     __slots__ = ("account", "parsed", "request", "routed")
 
     def __init__(
-        self, routed: RoutedRequest, parsed: ParsedRequest, account: RoutedAccount, request: RouteRequest
+        self, routed: Router, parsed: ParsedRequest, account: RoutedAccount, request: RouteRequest
     ) -> None:
         self.routed = routed
         self.parsed = parsed

@@ -48,8 +48,8 @@ def import_nats() -> Any:
     """The ``nats`` package, or ImportError with the install hint."""
     try:
         import nats
-        import nats.js.api  # noqa: F401 - submodules used through the package
-        import nats.js.errors  # noqa: F401
+        import nats.js.api
+        import nats.js.errors
     except ImportError as e:
         raise ImportError(f"{INSTALL_HINT} ({e})") from None
     return nats
@@ -332,7 +332,9 @@ async def worker_bucket(js: Any, options: NatsOptions, ttl: float) -> Any:
         return await js.key_value(options.bucket)
     except nats.js.errors.BucketNotFoundError:
         pass
-    config = nats.js.api.KeyValueConfig(bucket=options.bucket, history=1, ttl=ttl, replicas=options.stream_replicas)
+    config = nats.js.api.KeyValueConfig(
+        bucket=options.bucket, history=1, ttl=ttl, replicas=options.stream_replicas
+    )
     try:
         return await js.create_key_value(config=config)
     except nats.js.errors.BadRequestError:  # another process created it meanwhile

@@ -86,7 +86,9 @@ class NatsEventSubscriber:
             for s, b in again:
                 self._deliver(s, b)
             return
-        logger.info("%s: resume from seq %d is older than the history; re-reading the stream", self.name, last_seq)
+        logger.info(
+            "%s: resume from seq %d is older than the history; re-reading the stream", self.name, last_seq
+        )
         self._restart.set()
 
     def start(self) -> asyncio.Task[None]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmesh.errors import ConfigError
+from kvmesh.events.nats_link import parse_event_plane
 
 DEFAULT_MODEL = "kvmesh-mock"
 
@@ -26,6 +27,9 @@ class MockConfig:
     seed: int = 0
     pin_budget: float = 0.5  # share of the cache that pins and open sessions may hold
     admin_token: str | None = None
+    event_plane: str = "zmq"  # or nats://host:port[,...]: KV events to JetStream, registration in the bucket
+    advertise_url: str | None = None  # with NATS: the URL registered in the worker bucket at start
+    event_name: str | None = None  # its subject token on NATS (default: a random one per process)
 
     def validate(self) -> MockConfig:
         """Return self, or raise ConfigError naming the flag at fault."""
@@ -53,6 +57,10 @@ class MockConfig:
             )
         if self.kv_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ConfigError("--kv-replay-endpoint needs --kv-events-endpoint")
+        if parse_event_plane(self.event_plane) and self.kv_events_endpoint is not None:
+            raise ConfigError("--event-plane nats://... replaces --kv-events-endpoint; give one of them")
+        if self.advertise_url is not None and not parse_event_plane(self.event_plane):
+            raise ConfigError("an advertised URL needs --event-plane nats://...")
         return self
 
     @property

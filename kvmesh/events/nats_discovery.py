@@ -97,14 +97,23 @@ class WorkerWatcher:
         """key -> (worker id, last renewal (monotonic), ttl)."""
         self._task: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._rewatch = asyncio.Event()
 
     def start(self) -> None:
         if self._task is None:
             loop = asyncio.get_running_loop()
+            self._rewatch = asyncio.Event()
+            self.link.on_up(self._on_link_up)
             self._task = loop.create_task(self._run(), name="kvmesh-discovery-watch")
             self._reaper = loop.create_task(self._reap(), name="kvmesh-discovery-reap")
 
+    async def _on_link_up(self) -> None:
+        # After a reconnection the server may have lost the watch's consumer: watch again, which
+        # also hands out every current entry (renewing them all).
+        self._rewatch.set()
+
     async def stop(self) -> None:
+        self.link.remove_listener(self._on_link_up)
         for task in (self._task, self._reaper):
             if task is not None:
                 task.cancel()
@@ -117,12 +126,15 @@ class WorkerWatcher:
         while True:
             await self.link.wait_connected()
             watcher = None
+            self._rewatch.clear()
             try:
                 kv = await worker_bucket(self.link.js, self.link.options, self._default_ttl)
                 watcher = await kv.watchall()
-                async for entry in watcher:
-                    if entry is not None:
-                        await self._handle(entry)
+                while not self._rewatch.is_set():
+                    with contextlib.suppress(nats.errors.TimeoutError):
+                        entry = await watcher.updates(timeout=0.5)
+                        if entry is not None:
+                            await self._handle(entry)
             except asyncio.CancelledError:
                 raise
             except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as e:
@@ -133,7 +145,8 @@ class WorkerWatcher:
                 if watcher is not None:
                     with contextlib.suppress(Exception):
                         await watcher.stop()
-            await asyncio.sleep(0.5)
+            if not self._rewatch.is_set():
+                await asyncio.sleep(0.5)
 
     async def _handle(self, entry: Any) -> None:
         if entry.operation in ("DEL", "PURGE"):
@@ -153,19 +166,15 @@ class WorkerWatcher:
         await self._on_seen(doc)
 
     async def _reap(self) -> None:
-        """Forget entries not renewed for their ttl, counting only time connected to NATS."""
-        last = time.monotonic()
+        """Forget entries not renewed for their ttl, counting only time connected to NATS: a
+        deadline runs from the later of the last renewal and the last (re)connection."""
         while True:
             await asyncio.sleep(0.25)
+            if not self.link.connected:
+                continue  # cut off: no renewal could reach us, so none is missing
             now = time.monotonic()
-            if not self.link.connected or self.link.since > now - 0.5:
-                # Cut off (or just back): no renewal could reach us; move every deadline on.
-                for key, (wid, seen, ttl) in list(self.workers.items()):
-                    self.workers[key] = (wid, seen + (now - last), ttl)
-            else:
-                for key, (wid, seen, ttl) in list(self.workers.items()):
-                    if now - seen > ttl:
-                        self.workers.pop(key, None)
-                        logger.warning("worker %s: registration not renewed for %.1f s; gone", wid, ttl)
-                        await self._on_gone(wid)
-            last = now
+            for key, (wid, seen, ttl) in list(self.workers.items()):
+                if now - max(seen, self.link.since) > ttl:
+                    self.workers.pop(key, None)
+                    logger.warning("worker %s: registration not renewed for %.1f s; gone", wid, ttl)
+                    await self._on_gone(wid)

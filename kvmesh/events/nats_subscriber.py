@@ -61,6 +61,8 @@ class NatsEventSubscriber:
         self._old_until = 0
         self._history: deque[tuple[int, EventBatch | None]] = deque(maxlen=history_batches)
         self._sub: Any = None
+        self._generation = 0  # +1 per subscription: a replaced one's late messages are ignored
+        self._sseq = 0  # the stream position of the last message read; 0: read the subject from its start
         self._stopping = False
         self._restart = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -89,15 +91,26 @@ class NatsEventSubscriber:
         logger.info(
             "%s: resume from seq %d is older than the history; re-reading the stream", self.name, last_seq
         )
+        self._sseq = 0
+        self._generation += 1  # what the current subscription still delivers is ignored
         self._restart.set()
 
     def start(self) -> asyncio.Task[None]:
         if self._task is None or self._task.done():
             self._stopping = False
+            self.link.on_up(self._on_link_up)
             self._task = asyncio.get_running_loop().create_task(self.run(), name=f"kvmesh-nats {self.name}")
         return self._task
 
+    async def _on_link_up(self) -> None:
+        # Reconnected: the server may have lost our consumer (a restart, a node gone); subscribe
+        # again from the next stream position rather than wait for missed heartbeats.
+        if self._sub is not None:
+            self._generation += 1
+            self._restart.set()
+
     async def stop(self) -> None:
+        self.link.remove_listener(self._on_link_up)
         self._stopping = True
         self._restart.set()
         task, self._task = self._task, None
@@ -135,11 +148,23 @@ class NatsEventSubscriber:
             self._old_until = int(last.seq)
         except nats.js.errors.NotFoundError:
             self._old_until = 0
-        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL)
+        if self._sseq > 0:  # continue after the last message read
+            config = api.ConsumerConfig(
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._sseq + 1
+            )
+        else:
+            config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.ALL)
+        self._generation += 1
+        generation = self._generation
+
+        async def on_message(msg: Any) -> None:
+            if generation == self._generation:
+                await self._on_message(msg)
+
         self._sub = await js.subscribe(
             self.subject,
             stream=self.link.options.stream,
-            cb=self._on_message,
+            cb=on_message,
             ordered_consumer=True,
             idle_heartbeat=self.link.options.consumer_heartbeat,
             config=config,
@@ -154,6 +179,7 @@ class NatsEventSubscriber:
 
     async def _on_message(self, msg: Any) -> None:
         self.stats.received += 1
+        self._sseq = max(self._sseq, int(msg.metadata.sequence.stream))
         headers = msg.headers or {}
         try:
             seq = int(headers[SEQ_HEADER])

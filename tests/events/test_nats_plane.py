@@ -62,6 +62,7 @@ async def test_live_batches_arrive_in_order_with_the_publishers_bytes(link: Nats
         pub.close()
 
 
+@pytest.mark.slow
 async def test_a_late_router_rebuilds_10000_batches_from_the_stream(link: NatsLink) -> None:
     pub = NatsBatchPublisher(link.options, "busy")
     try:

@@ -23,6 +23,19 @@ same values. ``kvmesh router --help`` shows each with its default. Environment v
                              decisions (tcp://host:port; port * picks one) [tcp://<self host>:*]
     KVMESH_SYNC_PEERS        comma-separated sync endpoints of replicas that are not workers
                              (standalone routers); embedded replicas are found through the workers
+    KVMESH_EVENT_PLANE       "zmq" (direct links, the default) or nats://host:port[,...] (docs/scale.md)
+    KVMESH_NATS_TOKEN        NATS token; or KVMESH_NATS_USER + KVMESH_NATS_PASSWORD; or
+    KVMESH_NATS_USER         ...
+    KVMESH_NATS_PASSWORD     ...
+    KVMESH_NATS_CREDS        a NATS credentials file (JWT + NKey seed)
+    KVMESH_NATS_TLS_CA       CA bundle for tls:// servers
+    KVMESH_NATS_TLS_CERT     client certificate and key for mutual TLS
+    KVMESH_NATS_TLS_KEY      ...
+    KVMESH_NATS_PREFIX       first token of every kvmesh subject [kvmesh]
+    KVMESH_NATS_STREAM_MAX_AGE    seconds a KV-event batch stays replayable [600]
+    KVMESH_NATS_STREAM_MAX_BYTES  size limit of the KV-event stream [1 GiB]
+    KVMESH_NATS_REPLICAS     JetStream replicas of the stream and the worker bucket [1]
+    KVMESH_NATS_WORKER_TTL   seconds a worker registration lives without renewal [6]
     KVMESH_CONFIG            path of a TOML file (below)
     KVMESH_ROUTER_*          routing flags (see RouterConfig)
 

@@ -308,7 +308,11 @@ class KvEventPublisher:
         else:
             assert endpoint is not None
             self._publisher = BatchPublisher(
-                endpoint, replay_endpoint=replay_endpoint, topic=topic, buffer_batches=buffer_batches, bind=bind
+                endpoint,
+                replay_endpoint=replay_endpoint,
+                topic=topic,
+                buffer_batches=buffer_batches,
+                bind=bind,
             )
 
     @property

@@ -286,7 +286,9 @@ class MeshSettings:
         object.__setattr__(self, "sync_peers", _endpoints(self.sync_peers, "KVMESH_SYNC_PEERS"))
         servers = parse_event_plane(self.event_plane)
         object.__setattr__(self, "event_plane", ",".join(servers) if servers else "zmq")
-        stray = [r.name for r in SETTINGS if r.field in _NATS_DEFAULTS and getattr(self, r.field) != r.default]
+        stray = [
+            r.name for r in SETTINGS if r.field in _NATS_DEFAULTS and getattr(self, r.field) != r.default
+        ]
         if not servers and stray:
             raise ConfigError(f"{stray[0]} needs --event-plane nats://host:port (the event plane is zmq)")
         self.nats_options  # noqa: B018 - checks the combination (TLS pair, token vs user)

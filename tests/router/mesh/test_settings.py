@@ -236,8 +236,14 @@ def test_every_setting_is_read_from_the_file_the_environment_and_its_flag(
             {"KVMESH_SYNC_PEERS": "udp://x:1"},
             "KVMESH_SYNC_PEERS entry 'udp://x:1' must look like tcp://host:port",
         ),
-        ({"KVMESH_EVENT_PLANE": "redis://x:1"}, "event plane server 'redis://x:1' must look like nats://host:port"),
-        ({"KVMESH_NATS_TOKEN": "t"}, "--nats-token needs --event-plane nats://host:port (the event plane is zmq)"),
+        (
+            {"KVMESH_EVENT_PLANE": "redis://x:1"},
+            "event plane server 'redis://x:1' must look like nats://host:port",
+        ),
+        (
+            {"KVMESH_NATS_TOKEN": "t"},
+            "--nats-token needs --event-plane nats://host:port (the event plane is zmq)",
+        ),
         (
             {"KVMESH_EVENT_PLANE": "nats://x:1", "KVMESH_NATS_TLS_CERT": "c.pem"},
             "--nats-tls-cert and --nats-tls-key go together",

@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bind a ZMQ ROUTER socket here that replays missed event batches, e.g. tcp://127.0.0.1:5558 [none]",
     )
     parser.add_argument(
+        "--event-plane",
+        default=os.environ.get("KVMESH_EVENT_PLANE") or "zmq",
+        help="zmq, or nats://host:port[,...]: publish KV events to the NATS stream and register this "
+        "engine in the worker bucket (needs kvmesh[nats]) [$KVMESH_EVENT_PLANE, else zmq]",
+    )
+    parser.add_argument(
         "--scheduling-policy",
         choices=("fcfs", "priority"),
         default=d.scheduling_policy,
@@ -130,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
             speedup=args.speedup,
             kv_events_endpoint=args.kv_events_endpoint,
             kv_replay_endpoint=args.kv_replay_endpoint,
+            event_plane=args.event_plane,
+            event_name=f"{args.host}:{args.port}",
+            advertise_url=f"http://{args.host}:{args.port}" if args.event_plane != "zmq" else None,
             scheduling_policy=args.scheduling_policy,
             seed=args.seed,
             pin_budget=args.pin_budget,

@@ -29,8 +29,12 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kvmesh router: {e}", file=sys.stderr)
         return 2
-    if not settings.workers:
-        print("kvmesh router: no workers; pass --workers URL[,URL...] or set KVMESH_WORKERS", file=sys.stderr)
+    if not settings.workers and settings.event_plane == "zmq":  # on NATS, workers register themselves
+        print(
+            "kvmesh router: no workers; pass --workers URL[,URL...], set KVMESH_WORKERS, or use "
+            "--event-plane nats://... where workers register themselves",
+            file=sys.stderr,
+        )
         return 2
     app = build_router_app(settings)
     print(

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from itertools import islice
 from types import TracebackType
+from typing import Protocol
 
 import zmq
 
@@ -256,16 +257,32 @@ def _open_with_options(
     return sock
 
 
+class BatchSink(Protocol):
+    """Where a KvEventPublisher's batches go: a ZMQ :class:`BatchPublisher` or the NATS one."""
+
+    endpoint: str
+    replay_endpoint: str | None
+
+    @property
+    def last_seq(self) -> int | None: ...
+
+    def publish(self, batch: EventBatch) -> int: ...
+
+    def close(self, timeout: float = 1.0) -> None: ...
+
+
 class KvEventPublisher:
     """What a custom engine calls: record cache changes during a step, ``flush()`` once per step.
 
     Mirrors vLLM 0.33.0's events field for field (``lora_id`` null, ``medium`` and ``lora_name``
     always present), so vLLM's and SGLang's own decoders, Dynamo and kvmesh all read the output.
+    Batches go to a ZMQ PUB socket at ``endpoint``, or to ``sink`` (e.g. a
+    :class:`~kvmesh.events.nats_publisher.NatsBatchPublisher` for the NATS event plane).
     """
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | None = None,
         *,
         replay_endpoint: str | None = None,
         block_size: int,
@@ -273,16 +290,30 @@ class KvEventPublisher:
         topic: str = "",
         buffer_batches: int = 10_000,
         bind: bool | None = None,
+        sink: BatchSink | None = None,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be at least 1, got {block_size}")
+        if (endpoint is None) == (sink is None):
+            raise ConfigError("give a KV-event publisher either a ZMQ endpoint or a sink, not both")
+        if sink is not None and replay_endpoint is not None:
+            raise ConfigError("a replay endpoint belongs to a ZMQ publisher, not to a sink")
         self.block_size = block_size
         self.data_parallel_rank = data_parallel_rank
         self._events: list[Event] = []
         self._lock = threading.Lock()
-        self._publisher = BatchPublisher(
-            endpoint, replay_endpoint=replay_endpoint, topic=topic, buffer_batches=buffer_batches, bind=bind
-        )
+        self._publisher: BatchSink
+        if sink is not None:
+            self._publisher = sink
+        else:
+            assert endpoint is not None
+            self._publisher = BatchPublisher(
+                endpoint,
+                replay_endpoint=replay_endpoint,
+                topic=topic,
+                buffer_batches=buffer_batches,
+                bind=bind,
+            )
 
     @property
     def endpoint(self) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvmesh.errors import ConfigError
+from kvmesh.events.nats_link import parse_event_plane
 
 DEFAULT_MODEL = "kvmesh-mock"
 
@@ -30,6 +31,9 @@ class MockConfig:
     role: Literal["aggregated", "prefill", "decode"] = "aggregated"
     transfer_ms_per_block: float = 0.1  # pulling one block's KV from the prefill engine
     transfer_fixed_ms: float = 2.0  # per hand-off: handshake and the transfer's completion notice
+    event_plane: str = "zmq"  # or nats://host:port[,...]: KV events to JetStream, registration in the bucket
+    advertise_url: str | None = None  # with NATS: the URL registered in the worker bucket at start
+    event_name: str | None = None  # its subject token on NATS (default: a random one per process)
 
     def validate(self) -> MockConfig:
         """Return self, or raise ConfigError naming the flag at fault."""
@@ -65,6 +69,10 @@ class MockConfig:
                 raise ConfigError(f"{flag} must be a non-negative number, got {ms!r}")
         if self.kv_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ConfigError("--kv-replay-endpoint needs --kv-events-endpoint")
+        if parse_event_plane(self.event_plane) and self.kv_events_endpoint is not None:
+            raise ConfigError("--event-plane nats://... replaces --kv-events-endpoint; give one of them")
+        if self.advertise_url is not None and not parse_event_plane(self.event_plane):
+            raise ConfigError("an advertised URL needs --event-plane nats://...")
         return self
 
     @property

@@ -21,12 +21,17 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.errors import ConfigError
+from kvmesh.events.nats_discovery import WorkerAnnouncer
+from kvmesh.events.nats_link import NatsLink, NatsOptions, parse_event_plane
+from kvmesh.events.nats_publisher import NatsBatchPublisher
 from kvmesh.events.publisher import KvEventPublisher
 from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.mock.block_hash import extend_block_hashes, new_salt
@@ -169,6 +174,8 @@ class MockEngine:
             busy_seconds=lambda: self.busy_seconds,
         )
         self.publisher: KvEventPublisher | None = None
+        self.nats_options: NatsOptions | None = None
+        self._announcer: WorkerAnnouncer | None = None
         self._events_endpoint: str | None = None
         self._replay_endpoint: str | None = None
         self._streams: dict[str, TokenStream] = {}
@@ -185,6 +192,16 @@ class MockEngine:
     def open_events(self) -> None:
         """Bind the KV-event sockets, if configured (raises ConfigError if they cannot be bound)."""
         cfg = self.config
+        servers = parse_event_plane(cfg.event_plane)
+        if servers and self.publisher is None:
+            # The NATS event plane: batches go to the JetStream stream; routers find the subject
+            # in /kvmesh/info (kv_events_endpoints = ["nats:<subject>"]).
+            name = cfg.event_name or f"mock-{os.getpid()}-{os.urandom(3).hex()}"
+            self.nats_options = NatsOptions(servers)
+            sink = NatsBatchPublisher(self.nats_options, name, rank=0)
+            self.publisher = KvEventPublisher(block_size=cfg.block_size, data_parallel_rank=0, sink=sink)
+            self._events_endpoint = sink.endpoint
+            self._replay_endpoint = None
         if cfg.kv_events_endpoint is not None and self.publisher is None:
             # The engine is a server: it binds what it is told, and routers connect to it.
             self.publisher = KvEventPublisher(
@@ -202,6 +219,8 @@ class MockEngine:
         if self._task is not None:
             return
         self.open_events()
+        if self.config.advertise_url is not None:
+            await self.announce(self.config.advertise_url)
         self._wakeup = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="kvmesh-mock-engine")
 
@@ -213,9 +232,24 @@ class MockEngine:
                 await task
         for request_id in list(self._streams):
             self.abort(request_id)
+        if self._announcer is not None:
+            await self._announcer.stop()
+            await self._announcer.link.close()
+            self._announcer = None
         if self.publisher is not None:
             self.publisher.close(timeout=0.2)
             self.publisher = None
+
+    async def announce(self, url: str, *, interval: float = 2.0) -> None:
+        """On the NATS event plane: register ``url`` and this engine's info in the worker bucket,
+        renewed every ``interval`` seconds until stop(); routers watching the bucket add it."""
+        if self.nats_options is None:
+            raise ConfigError("announce() needs the NATS event plane (--event-plane nats://...)")
+        if self._announcer is None:
+            link = NatsLink(self.nats_options, name=f"kvmesh-mock {url}", stream=False)
+            link.start()
+            self._announcer = WorkerAnnouncer(link, url, url, self.info, interval=interval)
+            self._announcer.start()
 
     @property
     def events_endpoint(self) -> str | None:

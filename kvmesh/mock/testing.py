@@ -63,15 +63,18 @@ async def run_mock(
     port: int = 0,
     middleware: Sequence[Middleware] = (),
     startup_timeout: float = 10.0,
+    announce_interval: float = 2.0,
     **overrides: Any,
 ) -> AsyncIterator[RunningMock]:
     """Start a mock engine (config plus ``overrides``, e.g. ``speedup=10``) and its HTTP server.
 
     With ``events`` (the default) and no endpoints configured, the engine publishes KV events on
-    free loopback ports. ``port=0`` picks a free HTTP port.
+    free loopback ports. ``port=0`` picks a free HTTP port. With ``event_plane="nats://..."`` the
+    events go to NATS and the mock registers in the worker bucket every ``announce_interval`` s.
     """
     cfg = (config or MockConfig()).replace(**overrides) if overrides else (config or MockConfig()).validate()
-    if events and cfg.kv_events_endpoint is None:
+    nats = cfg.event_plane != "zmq"
+    if events and cfg.kv_events_endpoint is None and not nats:
         cfg = cfg.replace(kv_events_endpoint=f"tcp://{HOST}:0", kv_replay_endpoint=f"tcp://{HOST}:0")
     engine = MockEngine(cfg)
     app = build_app(engine, middleware=middleware)
@@ -89,6 +92,8 @@ async def run_mock(
                 raise TimeoutError(f"the mock's HTTP server did not start within {startup_timeout} s")
             await asyncio.sleep(0.01)
         bound = server.servers[0].sockets[0].getsockname()[1]
+        if nats:  # the NATS event plane: register in the worker bucket, as `kvmesh mock` does
+            await engine.announce(f"http://{HOST}:{bound}", interval=announce_interval)
         yield RunningMock(engine=engine, app=app, host=HOST, port=bound)
     finally:
         server.should_exit = True

@@ -32,6 +32,7 @@ def build_router_app(settings: MeshSettings, *, tokenizer: Tokenizer | None = No
             "status": "ok" if up else "no workers",
             "workers_up": up,
             "workers": len(mesh.registry.workers),
+            "event_plane": mesh.event_plane_status(),
         }
         return JSONResponse(body, status_code=200 if up else 503)
 

@@ -4,7 +4,8 @@ For one worker the feed
 
 1. cold-starts the index from ``/kvmesh/kv_state`` (when the worker serves kvmesh's RPCs) and
    remembers each data-parallel rank's last published sequence;
-2. follows one :class:`EventSubscriber` per rank from that sequence, applying every batch to the
+2. follows one :class:`EventSubscriber` per rank from that sequence (a
+   :class:`NatsEventSubscriber` for a rank published on the NATS event plane, ``nats:<subject>``), applying every batch to the
    KvRouter and counting it;
 3. on a stream reset (a gap replay could not fill, an engine restart) clears that rank's part of the
    index and re-syncs it from ``kv_state``;
@@ -25,6 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh._types import WorkerId
+from kvmesh.errors import WorkerError
+from kvmesh.events.nats_link import NATS_ENDPOINT_PREFIX, NatsLink
+from kvmesh.events.nats_subscriber import NatsEventSubscriber
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.router.core.kv_router import KvRouter
@@ -39,7 +43,7 @@ logger = logging.getLogger("kvmesh.router")
 class Streams:
     """One worker's event subscriptions and what the quiet-stream probe remembers about them."""
 
-    subscribers: list[EventSubscriber] = field(default_factory=list)
+    subscribers: list[EventSubscriber | NatsEventSubscriber] = field(default_factory=list)
     events_applied: int = 0
     # Per dp rank: the subscriber's received count at the last check, and the count at which a
     # quiet stream was last probed for a lost final batch.
@@ -68,8 +72,11 @@ class EventFeed:
         metrics: Metrics,
         *,
         spawn: Callable[[Any], None],
+        nats: NatsLink | None = None,
     ) -> None:
         self.router = router
+        self.nats = nats
+        """The NATS event plane, when the router runs on one: ``nats:<subject>`` endpoints."""
         self.rpc = rpc
         self.metrics = metrics
         self._spawn = spawn
@@ -83,6 +90,11 @@ class EventFeed:
         """Cold-start then subscribe to every rank; ``still_wanted`` is asked after each await
         (a worker removed meanwhile must not be followed)."""
         await self.unfollow(target.worker_id)
+        if self.nats is None and any(e.startswith(NATS_ENDPOINT_PREFIX) for e in target.kv_events_endpoints):
+            raise WorkerError(
+                f"its KV events are on NATS ({target.kv_events_endpoints[0]}); "
+                "start the router with --event-plane nats://host:port"
+            )
         streams = self.streams[target.worker_id] = Streams()
         last_seqs: dict[int, int | None] = {}
         if target.has_rpc:
@@ -99,13 +111,24 @@ class EventFeed:
         if not still_wanted() or self.streams.get(target.worker_id) is not streams:
             return
         for rank, endpoint in enumerate(target.kv_events_endpoints):
-            sub = EventSubscriber(
-                endpoint,
-                self._on_batch(target.worker_id, streams, rank),
-                replay_endpoint=target.kv_replay_endpoints[rank],
-                on_reset=self._on_reset(target, rank),
-                name=f"{target.worker_id}#{rank}",
-            )
+            sub: EventSubscriber | NatsEventSubscriber
+            if endpoint.startswith(NATS_ENDPOINT_PREFIX):
+                assert self.nats is not None
+                sub = NatsEventSubscriber(
+                    self.nats,
+                    endpoint.removeprefix(NATS_ENDPOINT_PREFIX),
+                    self._on_batch(target.worker_id, streams, rank),
+                    on_reset=self._on_reset(target, rank),
+                    name=f"{target.worker_id}#{rank}",
+                )
+            else:
+                sub = EventSubscriber(
+                    endpoint,
+                    self._on_batch(target.worker_id, streams, rank),
+                    replay_endpoint=target.kv_replay_endpoints[rank],
+                    on_reset=self._on_reset(target, rank),
+                    name=f"{target.worker_id}#{rank}",
+                )
             last = last_seqs.get(rank)
             if last is not None:
                 sub.resume_from(last)

@@ -46,6 +46,8 @@ class GaugeSource:
     workers: Callable[[], Iterable[WorkerRow]]
     queue: Callable[[], tuple[int, int]]  # (pending requests, pending tokens)
     cached_ratio: Callable[[], Iterable[tuple[str, float]]]
+    event_plane: Callable[[], tuple[str, float]] = lambda: ("zmq", 1.0)
+    """(plane kind, 1 if connected else 0): 0 means routing on the last known state."""
 
 
 class _LiveRouters(Collector):
@@ -82,6 +84,11 @@ class _LiveRouters(Collector):
             "Engine-reported cached tokens / router-predicted cached tokens (far below 1: tokenizer or hash mismatch)",
             labels=["replica", "worker"],
         )
+        plane = GaugeMetricFamily(
+            "kvmesh_event_plane_connected",
+            "1 while the router reaches its event plane (always 1 for zmq); 0: routing on the last known state",
+            labels=["replica", "plane"],
+        )
         with self._lock:
             owners = list(self._sources)
         for owner in owners:
@@ -94,7 +101,9 @@ class _LiveRouters(Collector):
             pending_tokens.add_metric([source.replica], tokens_pending)
             for worker, value in source.cached_ratio():
                 ratio.add_metric([source.replica, worker], value)
-        yield from (decode, prefill, pending, pending_tokens, ratio)
+            kind, up = source.event_plane()
+            plane.add_metric([source.replica, kind], up)
+        yield from (decode, prefill, pending, pending_tokens, ratio, plane)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())

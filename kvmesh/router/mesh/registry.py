@@ -37,6 +37,7 @@ from typing import Any
 
 from kvmesh._types import WorkerId
 from kvmesh.errors import KvMeshError, WorkerError
+from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import KvRouter
 from kvmesh.router.mesh.event_feed import EventFeed, FeedTarget
 from kvmesh.router.mesh.metrics import Metrics
@@ -148,13 +149,14 @@ class WorkerRegistry:
         rpc: WorkerRpc,
         *,
         on_change: Callable[[], None] | None = None,
+        nats: NatsLink | None = None,
     ) -> None:
         self.settings = settings
         self.router = router
         self.forwarder = forwarder
         self.metrics = metrics
         self.rpc = rpc
-        self.feed = EventFeed(router, rpc, metrics, spawn=self._spawn)
+        self.feed = EventFeed(router, rpc, metrics, spawn=self._spawn, nats=nats)
         self.on_change = on_change
         self.workers: dict[WorkerId, Worker] = {w.worker_id: Worker(w) for w in settings.workers}
         self.block_size: int | None = settings.block_size

@@ -22,6 +22,12 @@ dropped, which is also what becomes of a replica's old process after a restart.
 
 Known limit: PUB/SUB drops what is sent before a subscriber is connected, so requests already in
 flight when two replicas first connect are not counted by the newcomer.
+
+On the NATS event plane (``nats=`` a :class:`~kvmesh.events.nats_link.NatsLink`) the same
+envelopes go to ``<prefix>.sync.<replica>`` and every replica listens on ``<prefix>.sync.*``: one
+connection per replica instead of N² links, and no peer discovery. Messages are queued and sent by
+one task (a publish needs the event loop); while NATS is away they wait in the client's buffer or
+are counted as ``send_dropped``, and the heartbeats reconcile once it is back.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import zmq.asyncio
 
 from kvmesh._types import WorkerKey
 from kvmesh.errors import ConfigError
+from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import KvRouter
 
 logger = logging.getLogger("kvmesh.router")
@@ -127,8 +134,13 @@ class ReplicaSync:
         advertise_host: str | None = None,
         interval: float = 2.0,
         peer_timeout: float | None = None,
+        nats: NatsLink | None = None,
     ) -> None:
         self.router = router
+        self.nats = nats
+        self._outbox: list[bytes] = []
+        self._outbox_ready = asyncio.Event()
+        self._nats_sub: Any = None
         self.replica = replica
         self.epoch = epoch
         self.stats = SyncStats()
@@ -150,7 +162,10 @@ class ReplicaSync:
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Bind the PUB socket, open the SUB socket and start listening (on the running loop)."""
-        if self._pub is not None:
+        if self._pub is not None or self._tasks:
+            return
+        if self.nats is not None:
+            self._start_nats(self.nats)
             return
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         pub = ctx.socket(zmq.PUB)
@@ -180,7 +195,50 @@ class ReplicaSync:
             loop.create_task(self._tick(), name="kvmesh-sync-heartbeat"),
         ]
 
+    def _start_nats(self, link: NatsLink) -> None:
+        self.router.observer = self
+        link.on_up(self._nats_subscribe)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._nats_flush(link), name="kvmesh-sync-nats-send"),
+            loop.create_task(self._tick(), name="kvmesh-sync-heartbeat"),
+        ]
+
+    async def _nats_subscribe(self) -> None:
+        """Once connected: listen to every replica (the client re-subscribes after reconnects)."""
+        link = self.nats
+        if link is None or self._nats_sub is not None:
+            return
+
+        async def on_message(msg: Any) -> None:
+            self.apply(msg.data, time.monotonic())
+
+        self._nats_sub = await link.nc.subscribe(link.options.sync_subject_all, cb=on_message)
+
+    async def _nats_flush(self, link: NatsLink) -> None:
+        subject = link.options.sync_subject(self.replica)
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            frames, self._outbox = self._outbox, []
+            if not link.connected or link.nc is None:
+                self.stats.send_dropped += len(frames)
+                continue
+            for i, frame in enumerate(frames):
+                try:
+                    await link.nc.publish(subject, frame)
+                    self.stats.published += 1
+                except Exception:  # the client's buffer is full or closed: NATS is away
+                    self.stats.send_dropped += len(frames) - i
+                    break
+
     async def stop(self) -> None:
+        if self.nats is not None:
+            self.nats.remove_listener(self._nats_subscribe)
+            sub, self._nats_sub = self._nats_sub, None
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         if self.router.observer is self:
             self.router.observer = None
         for task in self._tasks:
@@ -225,6 +283,7 @@ class ReplicaSync:
         """What ``GET /kvmesh/router`` shows about sync."""
         now = time.monotonic()
         return {
+            "transport": "nats" if self.nats is not None else "zmq",
             "following": sorted(self._following),
             "in_flight": len(self._mine),
             "peers": [
@@ -264,6 +323,12 @@ class ReplicaSync:
 
     # ---------------------------------------------------------------- publishing
     def _send(self, message: SyncMessage) -> None:
+        if self.nats is not None:
+            if self._tasks:
+                self._seq += 1
+                self._outbox.append(encode(Envelope(self.replica, self.epoch, self._seq, message)))
+                self._outbox_ready.set()
+            return
         pub = self._pub
         if pub is None:
             return

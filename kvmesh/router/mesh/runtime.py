@@ -26,7 +26,9 @@ from urllib.parse import urlsplit
 
 from kvmesh._types import WorkerId
 from kvmesh.errors import ConfigError
+from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import Decision, KvRouter
+from kvmesh.router.mesh.event_plane import NatsDiscovery
 from kvmesh.router.mesh.metrics import GaugeSource, WorkerRow, get_metrics
 from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.replica_sync import ReplicaSync
@@ -84,9 +86,17 @@ class Mesh:
             local_id=settings.self_worker_id,
             local_app=self.local_app,
         )
-        self.registry = WorkerRegistry(settings, self.router, self.forwarder, self.metrics, self.rpc)
         self.replica = settings.self_worker_id or (
             f"router-{socket.gethostname()}-{os.getpid()}-{id(self) & 0xFFFF:x}"
+        )
+        nats_options = settings.nats_options
+        # --event-plane nats://...: one connection carries KV events, replica sync and discovery.
+        self.nats = NatsLink(nats_options, name=f"kvmesh-router {self.replica}") if nats_options else None
+        self.registry = WorkerRegistry(
+            settings, self.router, self.forwarder, self.metrics, self.rpc, nats=self.nats
+        )
+        self.discovery = (
+            NatsDiscovery(self.nats, self.registry, ttl=settings.nats_worker_ttl) if self.nats else None
         )
         # A random per-process epoch makes request ids unique across restarts and replicas: peers
         # key their copy of our load by them.
@@ -103,6 +113,7 @@ class Mesh:
                 endpoint=settings.sync_endpoint or f"tcp://{host or '127.0.0.1'}:*",
                 advertise_host=host,
                 interval=min(settings.health_interval, 1.0),
+                nats=self.nats,
             )
         self._peer_endpoints: dict[WorkerId, str] = {}
         self._peer_retry: dict[WorkerId, float] = {}
@@ -121,6 +132,7 @@ class Mesh:
                 self._worker_rows,
                 lambda: self.router.queue_pending,
                 self._live_ratios,
+                self._plane_connected,
             ),
         )
 
@@ -129,12 +141,19 @@ class Mesh:
         if self._started:
             return
         self._started = True
+        if self.nats is not None:
+            self.nats.start()
+            # A short wait lets the first discovery use the plane; NATS being away delays nothing more.
+            await self.nats.wait_connected(min(self.settings.connect_timeout, 2.0))
         if self.sync is not None:
             self.sync.start()
             for endpoint in self.settings.sync_peers:
                 self.sync.follow(endpoint)
-            self._discovery = asyncio.create_task(self._discover_peers(), name="kvmesh-sync-discovery")
+            if self.nats is None:  # on NATS every replica listens on one subject: nothing to find
+                self._discovery = asyncio.create_task(self._discover_peers(), name="kvmesh-sync-discovery")
         await self.registry.start()
+        if self.discovery is not None:
+            self.discovery.start()
         self._housekeeping = asyncio.create_task(self._housekeep(), name="kvmesh-housekeeping")
 
     async def wait_ready(self) -> None:
@@ -152,9 +171,13 @@ class Mesh:
         self._housekeeping = self._discovery = None
         for task in list(self._spawned):
             task.cancel()
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.sync is not None:
             await self.sync.stop()
         await self.registry.stop()
+        if self.nats is not None:
+            await self.nats.close()
         await self.forwarder.close()
         for fut in self.waiters.values():
             fut.cancel()
@@ -187,7 +210,24 @@ class Mesh:
             "replica_sync": sync is not None,
             "router_sync_endpoint": sync.endpoint if sync is not None else None,
             **({"sync": sync.describe()} if sync is not None else {}),
+            "event_plane": self.event_plane_status(),
         }
+
+    def event_plane_status(self) -> dict[str, Any]:
+        """``{"kind": "zmq"}``, or the NATS connection's state and the workers found through it."""
+        if self.nats is None:
+            return {"kind": "zmq"}
+        status = self.nats.describe()
+        if self.discovery is not None:
+            status.update(self.discovery.describe())
+        if not status["connected"]:
+            status["note"] = "NATS unreachable: routing on the last known state; re-syncs on reconnection"
+        return status
+
+    def _plane_connected(self) -> tuple[str, float]:
+        if self.nats is None:
+            return "zmq", 1.0
+        return "nats", 1.0 if self.nats.connected else 0.0
 
     async def _discover_peers(self) -> None:
         """Follow the sync endpoint of every up worker that embeds the middleware; unfollow the

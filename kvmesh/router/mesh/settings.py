@@ -24,6 +24,19 @@ same values. ``kvmesh router --help`` shows each with its default. Environment v
                              decisions (tcp://host:port; port * picks one) [tcp://<self host>:*]
     KVMESH_SYNC_PEERS        comma-separated sync endpoints of replicas that are not workers
                              (standalone routers); embedded replicas are found through the workers
+    KVMESH_EVENT_PLANE       "zmq" (direct links, the default) or nats://host:port[,...] (docs/scale.md)
+    KVMESH_NATS_TOKEN        NATS token; or KVMESH_NATS_USER + KVMESH_NATS_PASSWORD; or
+    KVMESH_NATS_USER         ...
+    KVMESH_NATS_PASSWORD     ...
+    KVMESH_NATS_CREDS        a NATS credentials file (JWT + NKey seed)
+    KVMESH_NATS_TLS_CA       CA bundle for tls:// servers
+    KVMESH_NATS_TLS_CERT     client certificate and key for mutual TLS
+    KVMESH_NATS_TLS_KEY      ...
+    KVMESH_NATS_PREFIX       first token of every kvmesh subject [kvmesh]
+    KVMESH_NATS_STREAM_MAX_AGE    seconds a KV-event batch stays replayable [600]
+    KVMESH_NATS_STREAM_MAX_BYTES  size limit of the KV-event stream [1 GiB]
+    KVMESH_NATS_REPLICAS     JetStream replicas of the stream and the worker bucket [1]
+    KVMESH_NATS_WORKER_TTL   seconds a worker registration lives without renewal [6]
     KVMESH_CONFIG            path of a TOML file (below)
     KVMESH_ROUTER_*          routing flags (see RouterConfig)
 
@@ -60,6 +73,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvmesh.errors import ConfigError
+from kvmesh.events.nats_link import NatsOptions, parse_event_plane
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.settings_table import Setting, bind_defaults, check_all, key_index
 from kvmesh.router.core.settings_table import add_arguments as add_table_arguments
@@ -237,6 +251,41 @@ class MeshSettings:
     """Replica sync PUB address (with ``router.router_replica_sync``); None: self host, any port."""
     sync_peers: tuple[str, ...] = ()
     """Sync endpoints of replicas that are not workers (standalone routers)."""
+    event_plane: str = "zmq"
+    """``zmq`` (direct links, no broker) or ``nats://host:port[,...]`` (see docs/scale.md)."""
+    nats_token: str | None = None
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_creds: str | None = None
+    nats_tls_ca: str | None = None
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
+    nats_prefix: str = "kvmesh"
+    nats_stream_max_age: float = 600.0
+    nats_stream_max_bytes: int = 1 << 30
+    nats_replicas: int = 1
+    nats_worker_ttl: float = 6.0
+
+    @property
+    def nats_options(self) -> NatsOptions | None:
+        """The NATS event plane's options, None with ``event_plane = zmq``."""
+        servers = parse_event_plane(self.event_plane)
+        if not servers:
+            return None
+        return NatsOptions(
+            servers,
+            token=self.nats_token,
+            user=self.nats_user,
+            password=self.nats_password,
+            creds_file=self.nats_creds,
+            tls_ca=self.nats_tls_ca,
+            tls_cert=self.nats_tls_cert,
+            tls_key=self.nats_tls_key,
+            prefix=self.nats_prefix,
+            stream_max_age=self.nats_stream_max_age,
+            stream_max_bytes=self.nats_stream_max_bytes,
+            stream_replicas=self.nats_replicas,
+        )
 
     def __post_init__(self) -> None:
         check_all(self, SETTINGS)
@@ -251,6 +300,14 @@ class MeshSettings:
         if self.sync_endpoint is not None:
             object.__setattr__(self, "sync_endpoint", check_sync_endpoint(self.sync_endpoint))
         object.__setattr__(self, "sync_peers", _endpoints(self.sync_peers, "KVMESH_SYNC_PEERS"))
+        servers = parse_event_plane(self.event_plane)
+        object.__setattr__(self, "event_plane", ",".join(servers) if servers else "zmq")
+        stray = [
+            r.name for r in SETTINGS if r.field in _NATS_DEFAULTS and getattr(self, r.field) != r.default
+        ]
+        if not servers and stray:
+            raise ConfigError(f"{stray[0]} needs --event-plane nats://host:port (the event plane is zmq)")
+        self.nats_options  # noqa: B018 - checks the combination (TLS pair, token vs user)
         if self.self_url is not None and self.self_worker_id is None:
             if not self.workers:  # an engine on its own is a fleet of one
                 object.__setattr__(self, "workers", (WorkerSpec(self.self_url, self.self_url),))
@@ -391,10 +448,68 @@ SETTINGS: tuple[Setting, ...] = bind_defaults(
             "sync endpoints of router replicas that are not workers (standalone routers)",
             metavar="ENDPOINT[,ENDPOINT...]", convert=_endpoints,
         ),
+        Setting(
+            "event_plane", "--event-plane", "KVMESH_EVENT_PLANE", "event_plane", str,
+            "how KV events, replica sync and discovery travel: 'zmq' (direct, no broker) or "
+            "nats://host:port[,...] (needs kvmesh[nats]; see docs/scale.md)",
+            metavar="zmq|nats://HOST:PORT[,...]",
+        ),
+        Setting(
+            "nats_token", "--nats-token", "KVMESH_NATS_TOKEN", "nats_token", str,
+            "NATS authentication token", optional=True, shown="none",
+        ),
+        Setting(
+            "nats_user", "--nats-user", "KVMESH_NATS_USER", "nats_user", str,
+            "NATS user name (with --nats-password)", optional=True, shown="none",
+        ),
+        Setting(
+            "nats_password", "--nats-password", "KVMESH_NATS_PASSWORD", "nats_password", str,
+            "NATS password", optional=True, shown="none",
+        ),
+        Setting(
+            "nats_creds", "--nats-creds", "KVMESH_NATS_CREDS", "nats_creds", str,
+            "NATS credentials file (JWT + NKey seed)", optional=True, metavar="FILE", shown="none",
+        ),
+        Setting(
+            "nats_tls_ca", "--nats-tls-ca", "KVMESH_NATS_TLS_CA", "nats_tls_ca", str,
+            "CA bundle that signs the NATS servers' certificates", optional=True, metavar="FILE", shown="none",
+        ),
+        Setting(
+            "nats_tls_cert", "--nats-tls-cert", "KVMESH_NATS_TLS_CERT", "nats_tls_cert", str,
+            "client certificate for NATS mutual TLS (with --nats-tls-key)", optional=True, metavar="FILE",
+            shown="none",
+        ),
+        Setting(
+            "nats_tls_key", "--nats-tls-key", "KVMESH_NATS_TLS_KEY", "nats_tls_key", str,
+            "client key for NATS mutual TLS", optional=True, metavar="FILE", shown="none",
+        ),
+        Setting(
+            "nats_prefix", "--nats-prefix", "KVMESH_NATS_PREFIX", "nats_prefix", str,
+            "first subject token of every kvmesh subject; fleets sharing one NATS use different ones",
+        ),
+        Setting(
+            "nats_stream_max_age", "--nats-stream-max-age", "KVMESH_NATS_STREAM_MAX_AGE", "nats_stream_max_age",
+            float, "seconds a KV-event batch stays replayable in the stream", 0, low_open=True,
+        ),
+        Setting(
+            "nats_stream_max_bytes", "--nats-stream-max-bytes", "KVMESH_NATS_STREAM_MAX_BYTES",
+            "nats_stream_max_bytes", int, "largest size of the KV-event stream (oldest batches go first)", 1,
+            shown="1 GiB",
+        ),
+        Setting(
+            "nats_replicas", "--nats-replicas", "KVMESH_NATS_REPLICAS", "nats_replicas", int,
+            "JetStream replicas of the event stream and the worker bucket (3 on a 3-node cluster)", 1, 5,
+        ),
+        Setting(
+            "nats_worker_ttl", "--nats-worker-ttl", "KVMESH_NATS_WORKER_TTL", "nats_worker_ttl", float,
+            "seconds a worker registration lives without renewal (workers renew every third of it)",
+            0, low_open=True,
+        ),
     ),
     exclude=("router",),
 )  # fmt: skip
 _BY_KEY = key_index(SETTINGS)
+_NATS_DEFAULTS = frozenset(f.name for f in dataclasses.fields(MeshSettings) if f.name.startswith("nats_"))
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

@@ -174,7 +174,25 @@ _SAMPLES: dict[str, tuple[str, str, Any]] = {
     "kv_state_timeout": ("120", "120", 120.0),
     "sync_endpoint": ("tcp://127.0.0.1:5600", '"tcp://127.0.0.1:5600"', "tcp://127.0.0.1:5600"),
     "sync_peers": ("tcp://127.0.0.1:5601", '["tcp://127.0.0.1:5601"]', ("tcp://127.0.0.1:5601",)),
+    "event_plane": ("nats://127.0.0.1:4222", '"nats://127.0.0.1:4222"', "nats://127.0.0.1:4222"),
+    "nats_token": ("s3cret", '"s3cret"', "s3cret"),
+    "nats_user": ("kv", '"kv"', "kv"),
+    "nats_password": ("pw", '"pw"', "pw"),
+    "nats_creds": ("/etc/kvmesh.creds", '"/etc/kvmesh.creds"', "/etc/kvmesh.creds"),
+    "nats_tls_ca": ("/etc/ca.pem", '"/etc/ca.pem"', "/etc/ca.pem"),
+    "nats_tls_cert": ("/etc/c.pem", '"/etc/c.pem"', "/etc/c.pem"),
+    "nats_tls_key": ("/etc/k.pem", '"/etc/k.pem"', "/etc/k.pem"),
+    "nats_prefix": ("fleet2", '"fleet2"', "fleet2"),
+    "nats_stream_max_age": ("60", "60", 60.0),
+    "nats_stream_max_bytes": ("1048576", "1048576", 1048576),
+    "nats_replicas": ("3", "3", 3),
+    "nats_worker_ttl": ("20", "20", 20.0),
 }  # fmt: skip
+# What a row needs besides itself: NATS options need the NATS plane, a TLS certificate its key.
+_NEEDS = {
+    "nats_tls_cert": {"KVMESH_NATS_TLS_KEY": "/etc/k.pem"},
+    "nats_tls_key": {"KVMESH_NATS_TLS_CERT": "/etc/c.pem"},
+}
 
 
 def _value(s: MeshSettings, field: str) -> Any:
@@ -197,6 +215,8 @@ def test_every_setting_is_read_from_the_file_the_environment_and_its_flag(
     text, literal, expected = _SAMPLES[row.field]
     # the self URL must be one of the workers: give the fleet in every case
     fleet = {"KVMESH_WORKERS": "127.0.0.1:1,127.0.0.1:2"} if row.field != "workers" else {}
+    if row.field.startswith("nats_"):
+        fleet = {**fleet, "KVMESH_EVENT_PLANE": "nats://127.0.0.1:4222", **_NEEDS.get(row.field, {})}
     path = tmp_path / "kvmesh.toml"
     path.write_text(f"{row.key} = {literal}\n")
     assert _value(MeshSettings.load({**fleet, "KVMESH_CONFIG": str(path)}), row.field) == expected
@@ -218,6 +238,18 @@ def test_every_setting_is_read_from_the_file_the_environment_and_its_flag(
         (
             {"KVMESH_SYNC_PEERS": "udp://x:1"},
             "KVMESH_SYNC_PEERS entry 'udp://x:1' must look like tcp://host:port",
+        ),
+        (
+            {"KVMESH_EVENT_PLANE": "redis://x:1"},
+            "event plane server 'redis://x:1' must look like nats://host:port",
+        ),
+        (
+            {"KVMESH_NATS_TOKEN": "t"},
+            "--nats-token needs --event-plane nats://host:port (the event plane is zmq)",
+        ),
+        (
+            {"KVMESH_EVENT_PLANE": "nats://x:1", "KVMESH_NATS_TLS_CERT": "c.pem"},
+            "--nats-tls-cert and --nats-tls-key go together",
         ),
     ],
 )
@@ -260,6 +292,9 @@ def test_router_help_shows_every_setting_with_its_default() -> None:
     shown = {
         "workers": "none", "prefill_workers": "none", "admin_token": "none", "max_body_bytes": "8 MiB",
         "block_size": "from the workers, else 16", "sync_endpoint": "tcp://<self host>:*", "sync_peers": "none",
+        **dict.fromkeys(("nats_token", "nats_user", "nats_password", "nats_creds", "nats_tls_ca",
+                         "nats_tls_cert", "nats_tls_key"), "none"),
+        "nats_stream_max_bytes": "1 GiB",
     }  # fmt: skip
     for row in SETTINGS:
         if row.flag is not None:

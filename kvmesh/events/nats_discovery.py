@@ -1,0 +1,180 @@
+"""Worker discovery through a NATS key-value bucket: workers announce, routers watch.
+
+A worker's entry (key: its name as a subject token) is JSON ``{"id", "url", "info", "ttl"}``:
+its id, base URL and its ``/kvmesh/info`` facts. :class:`WorkerAnnouncer` writes it every
+``interval`` seconds and deletes it on a clean stop. :class:`WorkerWatcher` follows the bucket and
+calls ``on_seen(doc)`` for every write and ``on_gone(worker_id)`` when an entry is deleted or was
+not renewed for its ``ttl``. The bucket's own TTL cleans entries up for later watchers; the
+watcher keeps its own timers as well, because a TTL expiry is not announced by every server
+version. Timers only run while NATS is connected: a router cut off from NATS keeps its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvmesh.events.nats_link import NatsLink, import_nats, subject_token, worker_bucket
+
+logger = logging.getLogger("kvmesh.events")
+
+
+class WorkerAnnouncer:
+    """Keeps one worker's entry in the bucket alive while it runs."""
+
+    def __init__(
+        self,
+        link: NatsLink,
+        worker_id: str,
+        url: str,
+        info: Callable[[], dict[str, Any]],
+        *,
+        interval: float = 2.0,
+        ttl: float | None = None,
+    ) -> None:
+        self.link = link
+        self.worker_id = worker_id
+        self.url = url
+        self.key = subject_token(worker_id)
+        self._info = info
+        self.interval = interval
+        self.ttl = ttl if ttl is not None else 3 * interval
+        self.puts = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvmesh-announce")
+
+    async def stop(self, *, delete: bool = True) -> None:
+        """Stop renewing; ``delete`` removes the entry at once (else it expires after ``ttl``)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if delete and self.link.connected:
+            with contextlib.suppress(Exception):
+                kv = await worker_bucket(self.link.js, self.link.options, self.ttl)
+                await kv.delete(self.key)
+
+    async def _run(self) -> None:
+        kv = None
+        while True:
+            if await self.link.wait_connected(self.interval):
+                try:
+                    if kv is None:
+                        kv = await worker_bucket(self.link.js, self.link.options, self.ttl)
+                    doc = {"id": self.worker_id, "url": self.url, "info": self._info(), "ttl": self.ttl}
+                    await kv.put(self.key, json.dumps(doc).encode())
+                    self.puts += 1
+                except Exception as e:  # NATS away or electing: the next round tries again
+                    logger.debug("worker announcement failed: %s", e)
+                await asyncio.sleep(self.interval)
+
+
+class WorkerWatcher:
+    """Follows the bucket; reports workers that appear, renew and disappear."""
+
+    def __init__(
+        self,
+        link: NatsLink,
+        on_seen: Callable[[dict[str, Any]], Awaitable[None]],
+        on_gone: Callable[[str], Awaitable[None]],
+        *,
+        default_ttl: float = 6.0,
+    ) -> None:
+        self.link = link
+        self._on_seen = on_seen
+        self._on_gone = on_gone
+        self._default_ttl = default_ttl
+        self.workers: dict[str, tuple[str, float, float]] = {}
+        """key -> (worker id, last renewal (monotonic), ttl)."""
+        self._task: asyncio.Task[None] | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self._rewatch = asyncio.Event()
+
+    def start(self) -> None:
+        if self._task is None:
+            loop = asyncio.get_running_loop()
+            self._rewatch = asyncio.Event()
+            self.link.on_up(self._on_link_up)
+            self._task = loop.create_task(self._run(), name="kvmesh-discovery-watch")
+            self._reaper = loop.create_task(self._reap(), name="kvmesh-discovery-reap")
+
+    async def _on_link_up(self) -> None:
+        # After a reconnection the server may have lost the watch's consumer: watch again, which
+        # also hands out every current entry (renewing them all).
+        self._rewatch.set()
+
+    async def stop(self) -> None:
+        self.link.remove_listener(self._on_link_up)
+        for task in (self._task, self._reaper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._reaper = None
+
+    async def _run(self) -> None:
+        nats = import_nats()
+        while True:
+            await self.link.wait_connected()
+            watcher = None
+            self._rewatch.clear()
+            try:
+                kv = await worker_bucket(self.link.js, self.link.options, self._default_ttl)
+                watcher = await kv.watchall()
+                while not self._rewatch.is_set():
+                    with contextlib.suppress(nats.errors.TimeoutError):
+                        entry = await watcher.updates(timeout=0.5)
+                        if entry is not None:
+                            await self._handle(entry)
+            except asyncio.CancelledError:
+                raise
+            except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as e:
+                logger.debug("worker watch interrupted (%s); watching again", e)
+            except Exception:
+                logger.exception("worker watch failed; watching again")
+            finally:
+                if watcher is not None:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
+            if not self._rewatch.is_set():
+                await asyncio.sleep(0.5)
+
+    async def _handle(self, entry: Any) -> None:
+        if entry.operation in ("DEL", "PURGE"):
+            known = self.workers.pop(entry.key, None)
+            if known is not None:
+                await self._on_gone(known[0])
+            return
+        try:
+            doc = json.loads(entry.value)
+            worker_id = str(doc["id"])
+            str(doc["url"])
+            ttl = float(doc.get("ttl") or self._default_ttl)
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("ignoring a malformed worker entry %r: %s", entry.key, e)
+            return
+        self.workers[entry.key] = (worker_id, time.monotonic(), ttl)
+        await self._on_seen(doc)
+
+    async def _reap(self) -> None:
+        """Forget entries not renewed for their ttl, counting only time connected to NATS: a
+        deadline runs from the later of the last renewal and the last (re)connection."""
+        while True:
+            await asyncio.sleep(0.25)
+            if not self.link.connected:
+                continue  # cut off: no renewal could reach us, so none is missing
+            now = time.monotonic()
+            for key, (wid, seen, ttl) in list(self.workers.items()):
+                if now - max(seen, self.link.since) > ttl:
+                    self.workers.pop(key, None)
+                    logger.warning("worker %s: registration not renewed for %.1f s; gone", wid, ttl)
+                    await self._on_gone(wid)

@@ -1,0 +1,101 @@
+"""The router's end of the NATS event plane: one connection, discovery into the registry, status.
+
+With ``--event-plane nats://...`` a router process keeps one :class:`NatsLink` (instead of a ZMQ
+socket per worker rank and per peer replica). Through it
+
+* the event feed follows ``nats:<subject>`` event streams (:mod:`kvmesh.events.nats_subscriber`);
+* replica sync publishes and listens on ``<prefix>.sync.*`` (:mod:`.replica_sync`);
+* :class:`NatsDiscovery` watches the worker bucket and adds / removes workers at the registry.
+  Workers from ``--workers`` stay under the router's own control: the bucket never removes them,
+  and one registered under the same id is the same worker.
+
+When NATS is away the router keeps routing on what it knows: discovered workers stay, indexes
+stay, health checks go on over HTTP; ``describe()`` (in ``/kvmesh/router`` and ``/health``) and
+the ``kvmesh_event_plane_connected`` gauge say so. On reconnection the subscribers re-sync from
+the stream and the bucket is read again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from kvmesh._types import WorkerId
+from kvmesh.errors import ConfigError
+from kvmesh.events.nats_discovery import WorkerWatcher
+from kvmesh.events.nats_link import NatsLink
+from kvmesh.router.mesh.registry import WorkerConflict, WorkerRegistry
+from kvmesh.router.mesh.settings import WORKER_KEYS, worker_from_mapping
+
+logger = logging.getLogger("kvmesh.router")
+
+# /kvmesh/info keys that describe a worker to the registry (the rest is informational).
+_SPEC_KEYS = WORKER_KEYS - {"url", "id", "worker_id"}
+
+
+class NatsDiscovery:
+    """Workers that announce themselves in the bucket join the registry; expired ones leave it."""
+
+    def __init__(self, link: NatsLink, registry: WorkerRegistry, *, ttl: float) -> None:
+        self.registry = registry
+        self.static: frozenset[WorkerId] = frozenset(registry.workers)
+        self.discovered: set[WorkerId] = set()
+        self.refused: dict[WorkerId, str] = {}
+        self._adding: set[WorkerId] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.watcher = WorkerWatcher(link, self._seen, self._gone, default_ttl=ttl)
+
+    def start(self) -> None:
+        self.watcher.start()
+
+    async def stop(self) -> None:
+        await self.watcher.stop()
+        for task in list(self._tasks):
+            task.cancel()
+
+    def describe(self) -> dict[str, Any]:
+        return {"discovered": sorted(self.discovered), "refused": dict(self.refused)}
+
+    async def _seen(self, doc: dict[str, Any]) -> None:
+        worker_id = str(doc["id"])
+        if worker_id in self.static or worker_id in self._adding or worker_id in self.registry.workers:
+            return
+        info = doc.get("info")
+        if not isinstance(info, dict):
+            info = {}
+        table = {k: v for k, v in info.items() if k in _SPEC_KEYS and v is not None}
+        try:
+            spec = worker_from_mapping(
+                {**table, "url": doc["url"], "id": worker_id}, f"bucket entry {worker_id}"
+            )
+        except ConfigError as e:
+            self._refuse(worker_id, str(e))
+            return
+        self._adding.add(worker_id)
+        task = asyncio.get_running_loop().create_task(self._add(spec))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _add(self, spec: Any) -> None:
+        try:
+            await self.registry.add(spec)
+            self.discovered.add(spec.worker_id)
+            self.refused.pop(spec.worker_id, None)
+            logger.info("worker %s (%s) discovered through NATS", spec.worker_id, spec.url)
+        except WorkerConflict as e:
+            self._refuse(spec.worker_id, str(e))
+        finally:
+            self._adding.discard(spec.worker_id)
+
+    def _refuse(self, worker_id: WorkerId, reason: str) -> None:
+        if self.refused.get(worker_id) != reason:
+            logger.error("worker %s from the NATS bucket refused: %s", worker_id, reason)
+        self.refused[worker_id] = reason
+
+    async def _gone(self, worker_id: str) -> None:
+        self.refused.pop(worker_id, None)
+        if worker_id in self.discovered:
+            self.discovered.discard(worker_id)
+            await self.registry.remove(worker_id)
+            logger.info("worker %s left the NATS bucket", worker_id)

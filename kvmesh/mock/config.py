@@ -26,6 +26,7 @@ class MockConfig:
     seed: int = 0
     pin_budget: float = 0.5  # share of the cache that pins and open sessions may hold
     admin_token: str | None = None
+    report_profile: bool = False  # serve the step-time model in /kvmesh/info (real engines have none)
 
     def validate(self) -> MockConfig:
         """Return self, or raise ConfigError naming the flag at fault."""

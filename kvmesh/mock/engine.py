@@ -35,7 +35,7 @@ from kvmesh.mock.metrics import EngineMetrics
 from kvmesh.mock.request import EngineRequest, RequestStatus
 from kvmesh.mock.sampler import OutputSampler, sampler_key
 from kvmesh.mock.scheduler import Scheduler, SchedulerOutput
-from kvmesh.mock.timing import step_seconds
+from kvmesh.mock.timing import profile, step_seconds
 from kvmesh.router.tokenizer import BuiltinTokenizer, Tokenizer
 from kvmesh.worker.block_state import kv_state_answer, rank_state
 from kvmesh.worker.retention import Retention
@@ -280,7 +280,7 @@ class MockEngine:
 
     def info(self) -> dict[str, Any]:
         cfg = self.config
-        return {
+        info: dict[str, Any] = {
             "backend": self.backend,
             "model": cfg.model,
             "block_size": cfg.block_size,
@@ -292,6 +292,9 @@ class MockEngine:
             "priority_polarity": "lower_first" if cfg.scheduling_policy == "priority" else "none",
             "max_model_len": cfg.model_len,
         }
+        if cfg.report_profile:
+            info["timing_profile"] = profile(cfg.speedup)
+        return info
 
     def kv_state(self) -> dict[str, Any]:
         """Every cached block plus the last published sequence number, from one instant."""

@@ -52,6 +52,8 @@ ENGINE_ARGS = (
     "--speedup", "1", "--block-size", "16", "--num-blocks", "2048", "--max-num-batched-tokens", "8192",
 )  # fmt: skip
 """Every engine of every fleet: 2,048 blocks of 16 tokens (32k tokens of KV cache), 8k-token steps."""
+SHORT_ENGINE_ARGS = (*ENGINE_ARGS[:-4], "--num-blocks", "1024", "--max-num-batched-tokens", "8192")
+"""``--short``: half the cache, so half-length conversations press on it as the full ones do."""
 
 MODEL = "kvmesh-mock"
 WORKLOADS = ("agent-long", "chat-pressure", "chat-fits", "siblings", "hot-prefix", "mixed")
@@ -69,12 +71,16 @@ class Contender:
 class Case:
     workload: str
     engines: int
-    scale: float = 1.0
-    """Sessions, concurrency and rate are multiplied by ``scale * engines / 4``."""
+    short: bool = False
+    """Half the turns and think times, one wave of sessions, half the KV cache per engine."""
 
     @property
     def label(self) -> str:
         return f"{self.workload} x{self.engines}"
+
+    @property
+    def engine_args(self) -> tuple[str, ...]:
+        return SHORT_ENGINE_ARGS if self.short else ENGINE_ARGS
 
 
 def _has_cost_models() -> bool:
@@ -99,24 +105,32 @@ def contenders() -> list[Contender]:
 
 def cases(short: bool) -> list[Case]:
     if short:
-        return [Case(w, 4, 0.5) for w in WORKLOADS] + [Case("hot-prefix", 8, 0.5)]
+        return [Case(w, 4, short=True) for w in WORKLOADS]
     return [Case(w, 4) for w in WORKLOADS] + [
         Case(w, 8) for w in ("agent-long", "chat-pressure", "hot-prefix")
     ]
 
 
 def load_for(case: Case, ask_worker_id: bool, seed: int) -> tuple[Any, LoadSpec]:
-    """The case's sessions and load: the workload preset, scaled to the fleet."""
+    """The case's sessions and load: the workload preset, scaled to the fleet (sessions,
+    concurrency and rate grow with ``engines / 4``), shortened for ``--short``."""
     p = preset(case.workload)
-    k = case.scale * case.engines / 4
-    spec = p.spec.replace(sessions=max(1, round(p.spec.sessions * k)), seed=seed)
+    k = case.engines / 4
+    sessions = max(1, round(p.spec.sessions * k))
+    concurrency = None if p.rate else max(1, round((p.concurrency or 8) * k))
+    spec = p.spec.replace(sessions=sessions, seed=seed)
+    think, ramp = p.think_time, p.ramp
+    if case.short:
+        sessions = min(sessions, concurrency) if concurrency else sessions // 2
+        spec = spec.replace(sessions=sessions, turns=max(2, spec.turns // 2))
+        think, ramp = think / 2, ramp / 2
     load = LoadSpec(
         urls=(),
         model=MODEL,  # sglang-router lists its workers' model as "unknown" at /v1/models
-        concurrency=None if p.rate else max(1, round((p.concurrency or 8) * k)),
-        rate=p.rate * case.engines / 4 if p.rate else None,
-        think_time=p.think_time,
-        ramp=p.ramp,
+        concurrency=concurrency,
+        rate=p.rate * k if p.rate else None,
+        think_time=think,
+        ramp=ramp,
         ask_worker_id=ask_worker_id,
         seed=seed,
     )
@@ -125,7 +139,7 @@ def load_for(case: Case, ask_worker_id: bool, seed: int) -> tuple[Any, LoadSpec]
 
 async def run_one(case: Case, contender: Contender, seed: int, progress: bool) -> dict[str, Any]:
     sessions, load = load_for(case, contender.ask_worker_id, seed)
-    engine_args = (*ENGINE_ARGS, *contender.engine_args)
+    engine_args = (*case.engine_args, *contender.engine_args)
     async with start_fleet(case.engines, engine_args, contender.front) as fleet:
         load = dataclasses.replace(load, urls=(fleet.front_url,))
         total = sum(s.total_requests for s in sessions)
@@ -272,7 +286,8 @@ async def main_async(args: argparse.Namespace) -> int:
         names = args.contenders.split(",")
         people = [c for c in people if c.name in names]
     print(f"machine: {machine()}")
-    print(f"engines: kvmesh mock {' '.join(ENGINE_ARGS)}; seed {args.seed}; rounds {args.rounds}")
+    engine_args = SHORT_ENGINE_ARGS if args.short else ENGINE_ARGS
+    print(f"engines: kvmesh mock {' '.join(engine_args)}; seed {args.seed}; rounds {args.rounds}")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     started = time.monotonic()
     runs_total = len(chosen) * len(people) * args.rounds
@@ -292,7 +307,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 per[contender.name].append(await run_one(case, contender, args.seed, not args.no_progress))
         results[case.label] = per
         p = preset(case.workload)
-        print(f"\n### {case.label}: {p.note} (scaled x{case.scale * case.engines / 4:g})\n")
+        size = "short: half the turns, one wave, half the cache" if case.short else f"x{case.engines / 4:g}"
+        print(f"\n### {case.label}: {p.note} ({size})\n")
         print(case_table(per))
         sys.stdout.flush()
     summary = verdicts(results)

@@ -44,7 +44,7 @@ from kvmesh.mock.request import EngineRequest
 from kvmesh.mock.sampler import OutputSampler, sampler_key
 from kvmesh.mock.scheduler import Scheduler
 from kvmesh.mock.timing import step_seconds
-from kvmesh.router.tokenizer import BuiltinTokenizer
+from kvmesh.router.request.tokenizer import BuiltinTokenizer
 
 WORDS = [
     "alpha",

@@ -73,8 +73,8 @@ def _serve(kind: str, port: int) -> None:
     app: Any = upstream_app
     if kind == "embedded":
         from kvmesh.router import KvMeshMiddleware
-        from kvmesh.router.config import RouterConfig
-        from kvmesh.router.settings import MeshSettings
+        from kvmesh.router.core.config import RouterConfig
+        from kvmesh.router.mesh.settings import MeshSettings
 
         url = f"http://127.0.0.1:{port}"
         settings = MeshSettings(self_url=url, router=RouterConfig(use_kv_events=False))

@@ -34,9 +34,9 @@ from _harness import machine, median, percentile, table
 
 from kvmesh.events.wire import BlockStored
 from kvmesh.hashing import block_hashes
-from kvmesh.router.config import RouterConfig
-from kvmesh.router.indexer import PrefixIndex
-from kvmesh.router.kv_router import KvRouter, RouteRequest
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.core.indexer import PrefixIndex
+from kvmesh.router.core.kv_router import KvRouter, RouteRequest
 
 PREFIXES = 100
 PREFIX_BLOCKS = 32

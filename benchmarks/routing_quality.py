@@ -46,7 +46,7 @@ from kvmesh.bench import report
 from kvmesh.bench.fleet import FrontCommand, engine_stats, kvmesh_router, sglang_router, start_fleet
 from kvmesh.bench.runner import LoadSpec, Progress, run_workload
 from kvmesh.bench.workloads import build, preset
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.core.config import RouterConfig
 
 ENGINE_ARGS = (
     "--speedup", "1", "--block-size", "16", "--num-blocks", "2048", "--max-num-batched-tokens", "8192",

@@ -23,7 +23,7 @@ import argparse
 from fastapi import FastAPI, Request
 
 from kvmesh.router import KvMeshMiddleware
-from kvmesh.router.config import RouterConfig
+from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.settings import MeshSettings, parse_worker_list
 
 

@@ -9,6 +9,13 @@ Levels (imports only go down or stay inside the same package):
     1  kvmesh.events
     0  kvmesh.hashing, kvmesh.errors, kvmesh._types
 
+Inside ``kvmesh.router`` the layers are folders, imports again only going down:
+
+    core < request < upstream < mesh < asgi
+
+``core`` and ``request`` are pure (no clock, no I/O, no randomness of their own). Only the package's
+face (``kvmesh/router/__init__.py`` and the public ``settings`` alias) sits outside the folders.
+
 ``kvmesh.worker`` is the engine-agnostic worker side (the ``/kvmesh/*`` RPC routes, the pin and
 session retention ledger, the cached-block state behind ``kv_state``) that every backend serves:
 the mock engine and each adapter import it, and it needs only the events package and the leaves.
@@ -46,7 +53,9 @@ SIBLINGS = [
     {"kvmesh.mock", "kvmesh.bench"},
     {"kvmesh.router", "kvmesh.worker"},
 ]
-PURE_CORE = {"indexer", "load", "selector", "queue", "sessions"}
+ROUTER_LAYERS = ("core", "request", "upstream", "mesh", "asgi")
+PURE_ROUTER_LAYERS = {"core", "request"}
+ROUTER_FACE = {"kvmesh.router", "kvmesh.router.settings"}
 IMPURE_MODULES = {
     "time",
     "asyncio",
@@ -76,6 +85,14 @@ def _unit(module: str) -> str:
         if (module == key or module.startswith(key + ".")) and len(key) > len(best):
             best = key
     return best
+
+
+def _router_layer(module: str) -> str | None:
+    """The folder of kvmesh.router a module lives in (None outside the router or for its face)."""
+    parts = module.split(".")
+    if parts[:2] != ["kvmesh", "router"] or module in ROUTER_FACE or len(parts) < 3:
+        return None
+    return parts[2]
 
 
 def _imports(tree: ast.AST, module: str) -> list[tuple[str, int, bool, bool]]:
@@ -128,11 +145,20 @@ def _violations() -> list[str]:
                     problems.append(f"{where}: only {engine_dir} may import {root}")
                 elif eager:
                     problems.append(f"{where}: engines are imported inside functions, never at module top")
+            layer = _router_layer(module)
             if root != "kvmesh":
-                in_pure_core = module.startswith("kvmesh.router.") and module.rsplit(".", 1)[-1] in PURE_CORE
-                if in_pure_core and root in IMPURE_MODULES and not typing_only:
+                if layer in PURE_ROUTER_LAYERS and root in IMPURE_MODULES and not typing_only:
                     problems.append(f"{where}: the pure routing core does no I/O and reads no clock")
                 continue
+            target_layer = _router_layer(imported)
+            if layer and target_layer and layer in ROUTER_LAYERS and target_layer in ROUTER_LAYERS:
+                if ROUTER_LAYERS.index(target_layer) > ROUTER_LAYERS.index(layer):
+                    problems.append(
+                        f"{where}: router/{layer} must not import router/{target_layer} (above it)"
+                    )
+                continue
+            if layer and imported in ROUTER_FACE:
+                problems.append(f"{where}: router/{layer} imports the package face; import the layer module")
             target = _unit(imported)
             if target == "kvmesh" and imported != "kvmesh":
                 continue  # an unknown kvmesh.* module: reported by test_every_module_has_a_level
@@ -155,6 +181,15 @@ def test_every_module_has_a_level() -> None:
     assert not unknown, f"modules outside every layer of DESIGN.md: {unknown}; add them to LEVELS"
 
 
+def test_every_router_module_lives_in_a_layer_folder() -> None:
+    strays = [
+        m
+        for m in map(_module_name, _sources())
+        if m.startswith("kvmesh.router") and m not in ROUTER_FACE and _router_layer(m) not in ROUTER_LAYERS
+    ]
+    assert not strays, f"router modules outside core/request/upstream/mesh/asgi: {strays}"
+
+
 def test_imports_only_go_down() -> None:
     problems = _violations()
     assert not problems, "layering violations:\n" + "\n".join(problems)
@@ -164,19 +199,42 @@ def test_imports_only_go_down() -> None:
     ("source", "module", "expected"),
     [
         pytest.param(
-            "from kvmesh.router import kv_router\n", "kvmesh.events.subscriber", "must not import", id="up"
+            "from kvmesh.router.core import kv_router\n",
+            "kvmesh.events.subscriber",
+            "must not import",
+            id="up",
         ),
         pytest.param(
-            "import vllm\n", "kvmesh.router.proxy", "only kvmesh.adapters.vllm", id="engine-outside"
+            "import vllm\n",
+            "kvmesh.router.upstream.forwarder",
+            "only kvmesh.adapters.vllm",
+            id="engine-outside",
         ),
         pytest.param("import vllm\n", "kvmesh.adapters.vllm.plugin", "inside functions", id="engine-eager"),
-        pytest.param("import time\n", "kvmesh.router.indexer", "pure routing core", id="clock"),
-        pytest.param("from kvmesh.bench import x\n", "kvmesh.mock.server", "siblings", id="siblings"),
+        pytest.param("import time\n", "kvmesh.router.core.indexer", "pure routing core", id="clock"),
+        pytest.param("import asyncio\n", "kvmesh.router.request.nvext", "pure routing core", id="request-io"),
         pytest.param(
-            "from kvmesh.router import tokenizer\n", "kvmesh.worker.rpc", "siblings", id="worker-router"
+            "from kvmesh.router.mesh import runtime\n", "kvmesh.router.core.load", "above it", id="core-up"
         ),
         pytest.param(
-            "from kvmesh.worker import rpc\n", "kvmesh.router.proxy", "siblings", id="router-worker"
+            "from kvmesh.router.asgi import tap\n",
+            "kvmesh.router.upstream.http1",
+            "above it",
+            id="upstream-up",
+        ),
+        pytest.param("from kvmesh.router import settings\n", "kvmesh.router.mesh.x", "face", id="face"),
+        pytest.param("from kvmesh.bench import x\n", "kvmesh.mock.server", "siblings", id="siblings"),
+        pytest.param(
+            "from kvmesh.router.request import tokenizer\n",
+            "kvmesh.worker.rpc",
+            "siblings",
+            id="worker-router",
+        ),
+        pytest.param(
+            "from kvmesh.worker import rpc\n",
+            "kvmesh.router.upstream.forwarder",
+            "siblings",
+            id="router-worker",
         ),
         pytest.param(
             "from kvmesh.mock import engine\n", "kvmesh.worker.retention", "must not import", id="worker-up"

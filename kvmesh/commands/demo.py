@@ -83,8 +83,8 @@ async def start_mesh(
 
     from kvmesh.mock.engine import MockEngine
     from kvmesh.mock.server import build_app
-    from kvmesh.router.middleware import KvMeshMiddleware
-    from kvmesh.router.settings import MeshSettings, WorkerSpec
+    from kvmesh.router.asgi.middleware import KvMeshMiddleware
+    from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 
     socks = [_free_socket() for _ in range(n)]
     urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks]
@@ -224,7 +224,7 @@ async def _run_demo(args: argparse.Namespace) -> int:
     from kvmesh.bench.runner import LoadSpec, Progress, RunResult, run_workload
     from kvmesh.bench.workloads import WorkloadSpec, build
     from kvmesh.mock.config import MockConfig
-    from kvmesh.router.config import RouterConfig
+    from kvmesh.router.core.config import RouterConfig
 
     mock = MockConfig(
         block_size=args.block_size,

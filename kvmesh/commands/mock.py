@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         ).validate()
         tokenizer = None
         if args.tokenizer:
-            from kvmesh.router.tokenizer import HfTokenizer
+            from kvmesh.router.request.tokenizer import HfTokenizer
 
             tokenizer = HfTokenizer(args.tokenizer)
         engine = MockEngine(config, tokenizer=tokenizer)

@@ -7,8 +7,8 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvmesh.router.config import RouterConfig
-    from kvmesh.router.settings import add_arguments as add_mesh_arguments
+    from kvmesh.router.core.config import RouterConfig
+    from kvmesh.router.mesh.settings import add_arguments as add_mesh_arguments
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on [8000]")
@@ -21,8 +21,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvmesh.errors import ConfigError
-    from kvmesh.router.app import build_router_app
-    from kvmesh.router.settings import MeshSettings
+    from kvmesh.router.asgi.standalone import build_router_app
+    from kvmesh.router.mesh.settings import MeshSettings
 
     try:
         settings = MeshSettings.load(args=args, self_url=None, self_worker_id=None)

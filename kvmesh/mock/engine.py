@@ -36,7 +36,7 @@ from kvmesh.mock.request import EngineRequest, RequestStatus
 from kvmesh.mock.sampler import OutputSampler, sampler_key
 from kvmesh.mock.scheduler import Scheduler, SchedulerOutput
 from kvmesh.mock.timing import profile, step_seconds
-from kvmesh.router.tokenizer import BuiltinTokenizer, Tokenizer
+from kvmesh.router.request.tokenizer import BuiltinTokenizer, Tokenizer
 from kvmesh.worker.block_state import kv_state_answer, rank_state
 from kvmesh.worker.retention import Retention
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import GenerationParams
-from kvmesh.router.tokenizer import Tokenizer, prompt_token_ids
+from kvmesh.router.request.tokenizer import Tokenizer, prompt_token_ids
 
 Endpoint = Literal["chat", "completions"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvmesh.mock.block_hash import extend_block_hashes
 from kvmesh.mock.block_pool import KVBlock
 from kvmesh.mock.sampler import OutputSampler
-from kvmesh.router.tokenizer import EOS
+from kvmesh.router.request.tokenizer import EOS
 
 
 class RequestStatus(enum.Enum):

@@ -13,7 +13,7 @@ import random
 from xxhash import xxh3_64_intdigest
 
 from kvmesh.hashing import token_bytes
-from kvmesh.router.tokenizer import EOS, BuiltinTokenizer
+from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
 
 NATURAL_MIN = 16
 NATURAL_MAX = 128

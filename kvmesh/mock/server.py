@@ -34,7 +34,7 @@ from kvmesh.errors import ConfigError, RequestError
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.engine import MockEngine, TokenStream
 from kvmesh.mock.protocol import Endpoint, ParsedRequest, parse_generation, usage
-from kvmesh.router.tokenizer import EOS, BuiltinTokenizer
+from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
 from kvmesh.worker.rpc import error_response, worker_rpc_routes
 
 _encode = msgspec.json.Encoder().encode

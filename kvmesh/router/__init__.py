@@ -10,19 +10,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvmesh.router.middleware import KvMeshMiddleware
-    from kvmesh.router.settings import MeshSettings
+    from kvmesh.router.asgi.middleware import KvMeshMiddleware
+    from kvmesh.router.mesh.settings import MeshSettings
 
 __all__ = ["KvMeshMiddleware", "MeshSettings"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "KvMeshMiddleware":
-        from kvmesh.router.middleware import KvMeshMiddleware
+        from kvmesh.router.asgi.middleware import KvMeshMiddleware
 
         return KvMeshMiddleware
     if name == "MeshSettings":
-        from kvmesh.router.settings import MeshSettings
+        from kvmesh.router.mesh.settings import MeshSettings
 
         return MeshSettings
     raise AttributeError(f"module 'kvmesh.router' has no attribute {name!r}")

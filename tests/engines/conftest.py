@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import eventkit
 import pytest
+
+from tests.events import eventkit
 
 
 @pytest.fixture

@@ -19,11 +19,11 @@ from typing import Any, Protocol
 
 import msgspec
 import zmq
-from eventkit import Collector, LossyRelay, drop_5_percent
 
 from kvmesh.events.publisher import BatchPublisher
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import decode_batch, pack_seq
+from tests.events.eventkit import Collector, LossyRelay, drop_5_percent
 
 REPO = Path(__file__).resolve().parents[2]
 # How long a scenario waits for the batches of a healthy link; a lossy one gets longer.

@@ -28,7 +28,10 @@ from typing import Any
 
 import msgspec
 import pytest
-from enginekit import (
+
+from kvmesh.events.publisher import BatchPublisher, KvEventPublisher
+from kvmesh.events.wire import BlockStored, decode_batch, encode_batch
+from tests.engines.enginekit import (
     bound_subscriber_catches_up,
     import_engine_module,
     late_subscriber_recovers,
@@ -37,10 +40,7 @@ from enginekit import (
     replay_answers_of_both,
     tap_shows_batches,
 )
-from eventkit import free_tcp_port
-
-from kvmesh.events.publisher import BatchPublisher, KvEventPublisher
-from kvmesh.events.wire import BlockStored, decode_batch, encode_batch
+from tests.events.eventkit import free_tcp_port
 
 pytestmark = [pytest.mark.engine_sglang, pytest.mark.timeout(180)]
 

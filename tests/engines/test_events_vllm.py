@@ -22,16 +22,6 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from enginekit import (
-    bound_subscriber_catches_up,
-    import_engine_module,
-    late_subscriber_recovers,
-    lossy_link_is_repaired,
-    replay_answers,
-    replay_answers_of_both,
-    tap_shows_batches,
-)
-from eventkit import free_tcp_port
 
 from kvmesh.events.publisher import BatchPublisher, KvEventPublisher
 from kvmesh.events.wire import (
@@ -42,6 +32,16 @@ from kvmesh.events.wire import (
     decode_batch,
     encode_batch,
 )
+from tests.engines.enginekit import (
+    bound_subscriber_catches_up,
+    import_engine_module,
+    late_subscriber_recovers,
+    lossy_link_is_repaired,
+    replay_answers,
+    replay_answers_of_both,
+    tap_shows_batches,
+)
+from tests.events.eventkit import free_tcp_port
 
 pytestmark = [pytest.mark.engine_vllm, pytest.mark.timeout(180)]
 

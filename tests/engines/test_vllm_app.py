@@ -49,7 +49,7 @@ with warnings.catch_warnings():
         use_cpu_platform,
         write_dist_info,
     )
-    from tests.router_http.servers import bound_socket, serve
+    from tests.router.servers import bound_socket, serve
 
 pytestmark = pytest.mark.engine_vllm
 

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from eventkit import free_tcp_port, ipc_endpoint, no_sockets_left_open
+
+from tests.events.eventkit import free_tcp_port, ipc_endpoint, no_sockets_left_open
 
 
 @pytest.fixture(params=["tcp", "ipc"])

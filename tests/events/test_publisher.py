@@ -11,7 +11,6 @@ from contextlib import contextmanager
 import msgspec
 import pytest
 import zmq
-from eventkit import free_tcp_port, make_batch
 
 from kvmesh.errors import ConfigError
 from kvmesh.events.publisher import BatchPublisher, KvEventPublisher, should_bind
@@ -23,6 +22,7 @@ from kvmesh.events.wire import (
     encode_batch,
     pack_seq,
 )
+from tests.events.eventkit import free_tcp_port, make_batch
 
 END = [b"", b"", b"\xff" * 8, b""]
 

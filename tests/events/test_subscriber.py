@@ -13,12 +13,12 @@ from contextlib import asynccontextmanager, contextmanager
 import pytest
 import zmq
 import zmq.asyncio
-from eventkit import Collector, LossyRelay, drop_5_percent, free_tcp_port, make_batch
 
 from kvmesh.errors import ConfigError
 from kvmesh.events.publisher import BatchPublisher
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import encode_batch, pack_seq
+from tests.events.eventkit import Collector, LossyRelay, drop_5_percent, free_tcp_port, make_batch
 
 N = 10_000
 Endpoints = Callable[[str], str]

@@ -12,10 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from eventkit import free_tcp_port, make_batch
 
 from kvmesh.events.publisher import BatchPublisher
 from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from tests.events.eventkit import free_tcp_port, make_batch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_engine_publisher.py"
 

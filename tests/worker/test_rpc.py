@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 
 from kvmesh.worker.retention import Retention
 from kvmesh.worker.rpc import MAX_TTL_SECONDS, worker_rpc_routes
-from tests.router_http.servers import serve as serve_app
+from tests.router.servers import serve as serve_app
 
 pytestmark = pytest.mark.e2e
 

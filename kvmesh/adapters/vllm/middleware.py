@@ -1,6 +1,6 @@
 """``--middleware kvmesh.adapters.vllm.KvMeshMiddleware``: kvmesh's router embedded in ``vllm serve``.
 
-The engine-agnostic :class:`kvmesh.router.middleware.KvMeshMiddleware` with the vLLM glue that
+The engine-agnostic :class:`kvmesh.router.asgi.middleware.KvMeshMiddleware` with the vLLM glue that
 vLLM's no-argument ``app.add_middleware(cls)`` cannot pass in:
 
 * the tokenizer defaults to the served model's own (``KVMESH_TOKENIZER=engine``), bound to vLLM's
@@ -23,9 +23,9 @@ from typing import Any
 import msgspec
 
 from kvmesh.adapters.vllm.tokenizer import VllmTokenizer
-from kvmesh.router.middleware import GENERATION_PATHS
-from kvmesh.router.middleware import KvMeshMiddleware as _CoreMiddleware
-from kvmesh.router.settings import MeshSettings
+from kvmesh.router.asgi.middleware import GENERATION_PATHS
+from kvmesh.router.asgi.middleware import KvMeshMiddleware as _CoreMiddleware
+from kvmesh.router.mesh.settings import MeshSettings
 
 SESSION_HEADER = b"x-session-id"
 _SESSION_MARK = b'"session_control"'

@@ -1,4 +1,4 @@
-"""The served model's own tokenizer and chat template, as a kvmesh :class:`~kvmesh.router.tokenizer.Tokenizer`.
+"""The served model's own tokenizer and chat template, as a kvmesh :class:`~kvmesh.router.request.tokenizer.Tokenizer`.
 
 A router that hashes different token ids than the engine caches never finds a prefix hit. When
 the middleware is embedded in ``vllm serve``, it tokenizes with vLLM's own renderer: the same

@@ -1,0 +1,7 @@
+"""The routing core: which worker should serve a request, decided without I/O.
+
+Pure by rule (tests/test_layering.py): no clock, no sockets, no randomness of its own; time and the
+random generator are arguments. ``kv_router.KvRouter`` ties the prefix index, the load model, the
+selector, the admission queue and session affinity together; ``config.RouterConfig`` holds every
+routing flag.
+"""

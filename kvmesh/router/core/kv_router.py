@@ -1,0 +1,732 @@
+"""KvRouter: the object that ties the prefix index, load model, selector, queue and sessions.
+
+Pure: no I/O, no clock, no global randomness. Every call that depends on time takes ``now``
+(seconds, any monotonic origin) and randomness comes from the ``random.Random`` given at
+construction, so a test can replay a run exactly.
+
+A request's life, as the middleware drives it::
+
+    route(req, now) ─┬─> Decision  ─> first_token() ─> output_tokens()* ─> finished() | cancel()
+                     ├─> Queued    ─> release(now) later returns its Decision (or cancel())
+                     └─> Rejected  (busy, queue full, unknown worker, no workers)
+
+Every Decision is already counted as load on its worker; feedback calls undo it.
+
+Two optional hooks, both given by the caller so the core stays pure: a ``clock`` (any
+``() -> seconds`` callable) times the prefix lookup of each ``route()`` (``last_find_matches``),
+and an ``observer`` (:class:`RoutingObserver`) hears of every decision and every load release,
+which is how replica sync shares them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from kvmesh._types import DpRank, WorkerId, WorkerKey
+from kvmesh.errors import WorkerError
+from kvmesh.events.wire import BlockStored, EventBatch
+from kvmesh.router.core import selector
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.core.indexer import ApproxIndex, PrefixIndex, TierDepths
+from kvmesh.router.core.load import ActiveSequences, PromptBlocks
+from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
+from kvmesh.router.core.sessions import SessionTable
+
+if TYPE_CHECKING:
+    import random
+
+SessionAction = Literal["open", "close", "bind"]
+RejectReason = Literal["busy", "queue_full", "unknown_worker", "no_workers", "no_target"]
+DecisionReason = Literal["kv", "pinned", "session", "round-robin", "random", "direct"]
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What the router needs to know about one request (the middleware builds it from the body)."""
+
+    request_id: str
+    local_hashes: Sequence[int]
+    """Per-block local hashes of the prompt (``kvmesh.hashing.block_hashes``; full blocks only)."""
+    isl_tokens: int
+    """Prompt length in tokens (may exceed ``len(local_hashes) * block_size``: a partial block)."""
+    arrival: float = 0.0
+    lora_name: str | None = None
+    backend_instance_id: WorkerId | None = None
+    """Explicit pin (``nvext.backend_instance_id`` / ``x-worker-instance-id``): skip the cost model."""
+    dp_rank: DpRank | None = None
+    """With a pin: a specific data-parallel rank; None lets the router pick the rank."""
+    priority: float | None = None
+    """``agent_hints.priority`` (higher = more important); queue jump ``max(priority, 0)``."""
+    latency_sensitivity: float | None = None
+    """``agent_hints.latency_sensitivity`` in seconds; the queue jump when no priority is given."""
+    osl: int | None = None
+    """``agent_hints.osl``: expected output tokens, used for output-block decay."""
+    overlap_score_credit: float | None = None
+    """``agent_hints.kv_overlap_score_credit``: per-request override of the overlap credit."""
+    session_id: str | None = None
+    session_action: SessionAction | None = None
+    session_timeout: float | None = None
+    allowed_workers: frozenset[WorkerId] | None = None
+    """Restrict candidates (e.g. healthy workers only); None means every registered worker."""
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateScore:
+    """One candidate's numbers behind a decision (kept for metrics and ``/kvmesh/workers`` debugging)."""
+
+    worker: WorkerKey
+    overlap_blocks: int
+    """Device-tier prefix blocks cached on this worker (max of event index and predicted index)."""
+    host_blocks: int
+    """Further prefix blocks held in host memory beyond the device prefix."""
+    disk_blocks: int
+    """Further prefix blocks on disk / external storage beyond the host prefix."""
+    prefill_tokens: float
+    """Projected prefill tokens: active prefill tokens + this request's uncredited tokens."""
+    prefill_blocks: float
+    """``prefill_tokens / block_size`` (what the cost weighs with ``prefill_load_scale``)."""
+    decode_blocks: float
+    """Projected decode blocks: active blocks + this request's blocks not already active."""
+    cost: float
+    busy: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    request_id: str
+    worker: WorkerKey
+    overlap_blocks: int
+    """Device prefix blocks the chosen worker is expected to have cached."""
+    cached_tokens: int
+    """``overlap_blocks * block_size`` capped at the prompt length (compare with engine usage)."""
+    reason: DecisionReason
+    breakdown: tuple[CandidateScore, ...] = ()
+    waited: float = 0.0
+    """Seconds the request spent in the admission queue."""
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    request_id: str
+    position: int
+    """0-based rank in the queue order at the time of queueing."""
+    pending: int
+    """Requests waiting, this one included."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    request_id: str
+    reason: RejectReason
+    message: str
+    retry_after: float | None = None
+    """Seconds for an HTTP ``Retry-After`` header (busy / queue full), else None."""
+
+
+RouteResult = Decision | Queued | Rejected
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiredSession:
+    session_id: str
+    worker: WorkerKey
+
+
+@dataclass(frozen=True, slots=True)
+class BusyThresholds:
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    worker: WorkerKey
+    active_prefill_tokens: int
+    active_decode_blocks: float
+    active_requests: int
+    indexed_blocks: int
+    total_blocks: int
+    max_num_batched_tokens: int
+    busy: bool
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """Counters for metrics; read them, never reset them."""
+
+    events_applied: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(event type, status) -> count; status in ok / parent_not_found / block_not_found."""
+    index_pruned_blocks: int = 0
+    approx_pruned_blocks: int = 0
+    requests_expired: int = 0
+    queue_rejected: int = 0
+
+
+class RoutingObserver(Protocol):
+    """Hears of this router's decisions (``route()`` / ``release()``, not ``track()``), and of
+    every first token and load release, whichever way the request was counted: an observer that
+    only cares about its own decisions filters those by request id."""
+
+    def routed(
+        self,
+        request_id: str,
+        worker: WorkerKey,
+        local_hashes: Sequence[int],
+        isl_tokens: int,
+        overlap_blocks: int,
+        osl: int | None,
+    ) -> None: ...
+
+    def prefill_done(self, request_id: str) -> None: ...
+
+    def freed(self, request_id: str) -> None: ...
+
+
+_UNSET: object = object()
+
+
+@dataclass(slots=True)
+class _Worker:
+    dp_size: int
+    total_blocks: int
+    max_num_batched_tokens: int
+    block_size: int
+
+
+@dataclass(slots=True)
+class _Pending:
+    """What a queued request needs at release: the request and its arrival-time overlaps."""
+
+    req: RouteRequest
+    overlaps: dict[WorkerKey, TierDepths] | None
+    queued_at: float
+
+
+_NO_TIERS = TierDepths(0, 0, 0)
+
+
+class KvRouter:
+    """The routing brain. Not thread-safe: call it from one event loop."""
+
+    def __init__(
+        self, config: RouterConfig, rng: random.Random, *, clock: Callable[[], float] | None = None
+    ) -> None:
+        self.config = config
+        self._rng = rng
+        self._clock = clock
+        self.last_find_matches: float | None = None
+        """Seconds the last ``route()`` spent in prefix lookups (None: none ran, or no clock)."""
+        self.observer: RoutingObserver | None = None
+        self._workers: dict[WorkerId, _Worker] = {}
+        self._keys: list[WorkerKey] = []
+        self._block_size: int | None = None
+        self._index: PrefixIndex | ApproxIndex
+        if config.use_kv_events:
+            self._index = PrefixIndex(max_entries=config.router_index_max_blocks)
+        else:
+            self._index = ApproxIndex(
+                ttl=config.router_ttl_secs,
+                max_blocks=config.router_max_tree_size,
+                prune_target_ratio=config.router_prune_target_ratio,
+            )
+        self._predicted: ApproxIndex | None = None
+        if config.use_kv_events and config.router_predicted_ttl_secs is not None:
+            self._predicted = ApproxIndex(
+                ttl=config.router_predicted_ttl_secs,
+                max_blocks=config.router_max_tree_size,
+                prune_target_ratio=config.router_prune_target_ratio,
+            )
+        self._load = ActiveSequences(
+            block_size=16,  # replaced by the fleet's block size at the first add_worker
+            assume_kv_reuse=config.router_assume_kv_reuse,
+            track_prefill_tokens=config.router_track_prefill_tokens,
+            track_active_blocks=config.router_track_active_blocks,
+            track_output_blocks=config.router_track_output_blocks,
+        )
+        self._sessions = SessionTable(config.router_session_timeout_secs)
+        self._queue = AdmissionQueue(config.router_queue_policy, config.router_queue_max_length)
+        self._busy = BusyThresholds(
+            config.active_decode_blocks_threshold,
+            config.active_prefill_tokens_threshold,
+            config.active_prefill_tokens_threshold_frac,
+        )
+        self._weights = selector.CostWeights(
+            config.overlap_score_credit,
+            config.host_cache_hit_weight,
+            config.disk_cache_hit_weight,
+            config.prefill_load_scale,
+        )
+        self._rr = 0
+        self._stats = RouterStats()
+
+    # ---------------------------------------------------------------- fleet
+    def add_worker(
+        self,
+        worker_id: WorkerId,
+        *,
+        dp_size: int = 1,
+        total_blocks: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+    ) -> None:
+        """Register a worker with ``dp_size`` schedulable ranks. Re-adding updates its limits."""
+        if dp_size < 1 or block_size < 1:
+            raise WorkerError(f"worker {worker_id}: dp_size and block_size must be >= 1")
+        if self._block_size is None:
+            self._block_size = block_size
+            self._load.block_size = block_size
+        elif block_size != self._block_size:
+            raise WorkerError(
+                f"worker {worker_id} uses block size {block_size}, the fleet uses {self._block_size}; "
+                "prefix hashes would never match"
+            )
+        old = self._workers.get(worker_id)
+        self._workers[worker_id] = _Worker(dp_size, total_blocks, max_num_batched_tokens, block_size)
+        if old is not None and old.dp_size > dp_size:
+            for rank in range(dp_size, old.dp_size):
+                self._forget_rank((worker_id, rank))
+        for rank in range(dp_size):
+            self._load.add_worker((worker_id, rank))
+        self._keys = [(w, r) for w, info in self._workers.items() for r in range(info.dp_size)]
+
+    def remove_worker(self, worker_id: WorkerId) -> list[ExpiredSession]:
+        """Forget a worker: its index state, load and in-flight requests; returns its sessions."""
+        info = self._workers.pop(worker_id, None)
+        if info is not None:
+            for rank in range(info.dp_size):
+                self._forget_rank((worker_id, rank))
+        self._keys = [(w, r) for w, i in self._workers.items() for r in range(i.dp_size)]
+        return [ExpiredSession(sid, w) for sid, w in self._sessions.remove_worker(worker_id)]
+
+    def _forget_rank(self, key: WorkerKey) -> None:
+        self._index.remove_worker(key)
+        if self._predicted is not None:
+            self._predicted.remove_worker(key)
+        self._load.remove_worker(key)
+
+    @property
+    def workers(self) -> list[WorkerKey]:
+        return list(self._keys)
+
+    @property
+    def block_size(self) -> int | None:
+        return self._block_size
+
+    # ---------------------------------------------------------------- KV state
+    def apply_events(self, worker_id: WorkerId, batch: EventBatch) -> None:
+        """Apply one engine batch (dp rank from ``batch.data_parallel_rank``, None -> 0)."""
+        if isinstance(self._index, PrefixIndex):
+            self._index.apply((worker_id, batch.data_parallel_rank or 0), batch.events)
+
+    def load_state(self, worker_id: WorkerId, dp_rank: DpRank, events: Sequence[BlockStored]) -> None:
+        """Cold start: replace the rank's index state with these stored events (parents first)."""
+        if isinstance(self._index, PrefixIndex):
+            self._index.load_stored((worker_id, dp_rank), events)
+
+    def clear_worker_index(self, worker_id: WorkerId, dp_rank: DpRank | None = None) -> None:
+        """Drop index state (subscriber reset: the stream could not be recovered)."""
+        if not isinstance(self._index, PrefixIndex):
+            return
+        info = self._workers.get(worker_id)
+        ranks = [dp_rank] if dp_rank is not None else range(info.dp_size if info else 1)
+        for rank in ranks:
+            self._index.clear_worker((worker_id, rank))
+
+    # ---------------------------------------------------------------- routing
+    def route(self, req: RouteRequest, now: float) -> RouteResult:
+        """Decide, queue or refuse. A Decision is counted as load immediately."""
+        self.last_find_matches = None
+        if not self._keys:
+            return Rejected(req.request_id, "no_workers", "no workers are registered")
+        if req.session_id is not None:
+            bound = self._sessions.lookup(req.session_id, now)
+            if bound is not None and bound[0] in self._workers:
+                if req.session_action == "close":
+                    self._sessions.close(req.session_id)
+                elif req.session_timeout is not None:
+                    self._sessions.bind(req.session_id, bound, now, req.session_timeout)
+                return self._decide(req, [bound], now, None, "session", filter_busy=False)
+        if req.backend_instance_id is not None:
+            info = self._workers.get(req.backend_instance_id)
+            if info is None or (req.dp_rank is not None and not 0 <= req.dp_rank < info.dp_size):
+                rank = "" if req.dp_rank is None else f" rank {req.dp_rank}"
+                return Rejected(
+                    req.request_id, "unknown_worker", f"unknown worker {req.backend_instance_id!r}{rank}"
+                )
+            ranks = [req.dp_rank] if req.dp_rank is not None else list(range(info.dp_size))
+            pinned = [(req.backend_instance_id, r) for r in ranks]
+            return self._decide(req, pinned, now, None, "pinned", filter_busy=False)
+        if self.config.router_mode == "direct":
+            return Rejected(req.request_id, "no_target", "router mode 'direct' needs backend_instance_id")
+        candidates = self._candidates(req)
+        if not candidates:
+            return Rejected(req.request_id, "no_workers", "no allowed worker is registered")
+        if self.config.router_queue_threshold is not None and (len(self._queue) or self._saturated()):
+            return self._enqueue(req, now)
+        return self._decide(req, candidates, now, None, self._mode_reason())
+
+    def _mode_reason(self) -> DecisionReason:
+        mode = self.config.router_mode
+        return "kv" if mode in ("kv", "direct") else mode  # type: ignore[return-value]
+
+    def _candidates(self, req: RouteRequest) -> list[WorkerKey]:
+        if req.allowed_workers is None:
+            return self._keys
+        return [k for k in self._keys if k[0] in req.allowed_workers]
+
+    def _saturated(self) -> bool:
+        """Every worker has more active prefill tokens than threshold * max_num_batched_tokens."""
+        threshold = self.config.router_queue_threshold
+        assert threshold is not None
+        load = self._load
+        for key in self._keys:
+            if load.prefill_tokens(key) <= threshold * self._workers[key[0]].max_num_batched_tokens:
+                return False
+        return True
+
+    def _enqueue(self, req: RouteRequest, now: float) -> RouteResult:
+        overlaps = self._overlaps(req) if self.config.router_mode == "kv" else None
+        best = max((d.device for d in overlaps.values()), default=0) if overlaps else 0
+        uncached = max(req.isl_tokens - best * (self._block_size or 1), 0)
+        jump = jump_of(req.priority, req.latency_sensitivity)
+        key = queue_key(self.config.router_queue_policy, jump, req.arrival, uncached)
+        item = Waiting(req.request_id, key, req.arrival, req.isl_tokens, _Pending(req, overlaps, now))
+        position = self._queue.push(item)
+        if position is None:
+            self._stats.queue_rejected += 1
+            return Rejected(
+                req.request_id,
+                "queue_full",
+                f"admission queue is full ({self._queue.max_length} requests waiting)",
+                self.config.busy_retry_after_secs,
+            )
+        return Queued(req.request_id, position, len(self._queue))
+
+    def release(self, now: float) -> list[Decision]:
+        """Queued requests that may go now (call after feedback frees capacity, or on a timer)."""
+        out: list[Decision] = []
+        queue = self._queue
+        while len(queue) and self._keys and not self._saturated():
+            item = queue.pop()
+            assert item is not None
+            pending: _Pending = item.payload
+            req = pending.req
+            fresh = now - pending.queued_at <= self.config.router_queue_refresh_secs
+            candidates = self._candidates(req)
+            result = (
+                self._decide(req, candidates, now, pending.overlaps if fresh else None, self._mode_reason())
+                if candidates
+                else None
+            )
+            if not isinstance(result, Decision):
+                queue.push(item)  # every candidate busy (or none left): try again later
+                break
+            out.append(
+                Decision(
+                    result.request_id,
+                    result.worker,
+                    result.overlap_blocks,
+                    result.cached_tokens,
+                    result.reason,
+                    result.breakdown,
+                    now - pending.queued_at,
+                )
+            )
+        return out
+
+    def track(
+        self,
+        request_id: str,
+        worker: WorkerKey,
+        local_hashes: Sequence[int],
+        isl_tokens: int,
+        now: float,
+        *,
+        overlap_blocks: int = 0,
+        osl: int | None = None,
+    ) -> None:
+        """Count a request routed elsewhere (a peer replica's decision) as load on ``worker``."""
+        self._commit(request_id, worker, local_hashes, isl_tokens, overlap_blocks, now, osl, None)
+
+    # ---------------------------------------------------------------- decision
+    def _overlaps(self, req: RouteRequest) -> dict[WorkerKey, TierDepths]:
+        if self.config.overlap_score_credit == 0 and req.overlap_score_credit in (None, 0):
+            return {}
+        clock = self._clock
+        started = clock() if clock is not None else 0.0
+        hashes = req.local_hashes
+        overlaps = self._index.find_matches_tiered(hashes)
+        if self._predicted is not None:
+            for key, depth in self._predicted.find_matches(hashes).items():
+                have = overlaps.get(key, _NO_TIERS)
+                if depth > have.device:
+                    overlaps[key] = TierDepths(depth, max(depth, have.host), max(depth, have.disk))
+        if clock is not None:
+            self.last_find_matches = (self.last_find_matches or 0.0) + clock() - started
+        return overlaps
+
+    def _busy_flags(self, candidates: Sequence[WorkerKey]) -> list[bool]:
+        t = self._busy
+        if (
+            t.active_decode_blocks_threshold is None
+            and t.active_prefill_tokens_threshold is None
+            and t.active_prefill_tokens_threshold_frac is None
+        ):
+            return [False] * len(candidates)
+        load = self._load
+        out = []
+        for key in candidates:
+            info = self._workers[key[0]]
+            out.append(
+                selector.is_busy(
+                    load.decode_blocks(key),
+                    load.prefill_tokens(key),
+                    total_blocks=info.total_blocks,
+                    max_num_batched_tokens=info.max_num_batched_tokens,
+                    decode_blocks_frac=t.active_decode_blocks_threshold,
+                    prefill_tokens_abs=t.active_prefill_tokens_threshold,
+                    prefill_tokens_frac=t.active_prefill_tokens_threshold_frac,
+                )
+            )
+        return out
+
+    def _decide(
+        self,
+        req: RouteRequest,
+        candidates: Sequence[WorkerKey],
+        now: float,
+        overlaps: dict[WorkerKey, TierDepths] | None,
+        reason: DecisionReason,
+        *,
+        filter_busy: bool = True,
+    ) -> RouteResult:
+        if filter_busy:
+            busy = self._busy_flags(candidates)
+            if all(busy):
+                return Rejected(
+                    req.request_id,
+                    "busy",
+                    f"all {len(candidates)} candidate workers are busy",
+                    self.config.busy_retry_after_secs,
+                )
+            if any(busy):
+                candidates = [k for k, b in zip(candidates, busy, strict=True) if not b]
+        if reason in ("round-robin", "random"):
+            if reason == "random":
+                chosen = candidates[self._rng.randrange(len(candidates))]
+            else:
+                chosen = candidates[self._rr % len(candidates)]
+                self._rr += 1
+            return self._finish(req, chosen, 0, (), now, None)
+        if overlaps is None:
+            overlaps = self._overlaps(req)
+        prompt = (
+            PromptBlocks(req.local_hashes)
+            if self.config.router_track_active_blocks and self.config.router_assume_kv_reuse
+            else None
+        )
+        bs = self._block_size or 1
+        weights = self._weights
+        if req.overlap_score_credit is not None:
+            weights = selector.CostWeights(
+                req.overlap_score_credit,
+                weights.host_cache_hit_weight,
+                weights.disk_cache_hit_weight,
+                weights.prefill_load_scale,
+            )
+        load = self._load
+        index = self._index
+        scores: list[CandidateScore] = []
+        costs: list[float] = []
+        trees: list[int] = []
+        n_blocks = len(req.local_hashes)
+        isl = req.isl_tokens
+        for key in candidates:
+            depths = overlaps.get(key, _NO_TIERS)
+            dev = depths.device
+            host = depths.host - dev
+            disk = depths.disk - depths.host
+            prefill = selector.projected_prefill_tokens(
+                load.prefill_tokens(key), isl, dev, host, disk, bs, weights
+            )
+            if prompt is not None:
+                new = load.new_blocks(key, prompt, isl)
+            elif self.config.router_track_active_blocks:
+                new = n_blocks + (1 if isl > n_blocks * bs else 0)
+            else:
+                new = 0
+            decode = load.decode_blocks(key) + new
+            c = selector.cost(prefill, decode, bs, weights.prefill_load_scale)
+            scores.append(CandidateScore(key, dev, host, disk, prefill, prefill / bs, decode, c))
+            costs.append(c)
+            trees.append(index.block_count(key))
+        i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
+        return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt)
+
+    def _finish(
+        self,
+        req: RouteRequest,
+        worker: WorkerKey,
+        overlap: int,
+        breakdown: tuple[CandidateScore, ...],
+        now: float,
+        prompt: PromptBlocks | None,
+    ) -> Decision:
+        self._commit(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, now, req.osl, prompt)
+        if self.observer is not None:
+            self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
+        if req.session_id is not None and req.session_action in ("open", "bind"):
+            self._sessions.bind(req.session_id, worker, now, req.session_timeout)
+        bs = self._block_size or 1
+        return Decision(
+            req.request_id,
+            worker,
+            overlap,
+            min(overlap * bs, req.isl_tokens),
+            self._reason_for(req),
+            breakdown,
+        )
+
+    def _reason_for(self, req: RouteRequest) -> DecisionReason:
+        if req.session_id is not None and req.session_id in self._sessions and req.session_action != "open":
+            return "session"
+        if req.backend_instance_id is not None:
+            return "pinned"
+        return self._mode_reason()
+
+    def _commit(
+        self,
+        request_id: str,
+        worker: WorkerKey,
+        local_hashes: Sequence[int],
+        isl_tokens: int,
+        overlap: int,
+        now: float,
+        osl: int | None,
+        prompt: PromptBlocks | None,
+    ) -> None:
+        if prompt is None:
+            prompt = PromptBlocks(local_hashes) if self._load.assume_kv_reuse else _bare_prompt(local_hashes)
+        self._load.add(request_id, worker, prompt, isl_tokens, overlap, now, osl=osl)
+        if isinstance(self._index, ApproxIndex):
+            self._index.record(worker, local_hashes, now)
+        if self._predicted is not None:
+            self._predicted.record(worker, local_hashes, now)
+
+    # ---------------------------------------------------------------- feedback
+    def first_token(self, request_id: str, now: float) -> None:
+        """Prefill is done: its prompt tokens stop counting as prefill load."""
+        self._load.prefill_done(request_id, now)
+        if self.observer is not None:
+            self.observer.prefill_done(request_id)
+
+    def output_tokens(self, request_id: str, n: int, now: float) -> None:
+        """``n`` more tokens were generated (output-block tracking, and liveness)."""
+        self._load.generated(request_id, n, now)
+
+    def finished(self, request_id: str, now: float) -> None:
+        """The stream ended: free the request's load. Unknown ids are ignored."""
+        if self._load.free(request_id) and self.observer is not None:
+            self.observer.freed(request_id)
+
+    def cancel(self, request_id: str, now: float) -> bool:
+        """Client gone: drop a queued request or free an in-flight one. True if it was known."""
+        if self._queue.cancel(request_id) is not None:
+            return True
+        freed = self._load.free(request_id)
+        if freed and self.observer is not None:
+            self.observer.freed(request_id)
+        return freed
+
+    def tracking(self, request_id: str) -> bool:
+        """True while ``request_id`` counts as load somewhere."""
+        return request_id in self._load
+
+    def knows(self, worker: WorkerKey) -> bool:
+        """True when ``worker`` (id, dp rank) is registered."""
+        info = self._workers.get(worker[0])
+        return info is not None and 0 <= worker[1] < info.dp_size
+
+    def expire(self, now: float) -> list[ExpiredSession]:
+        """Housekeeping: expire idle sessions (returned, so engine sessions can be closed),
+        in-flight requests whose finish never came, and approximate-index blocks past their TTL."""
+        gone = self._load.expire(now, self.config.router_request_timeout_secs)
+        self._stats.requests_expired += len(gone)
+        if isinstance(self._index, ApproxIndex):
+            self._index.expire(now)
+        if self._predicted is not None:
+            self._predicted.expire(now)
+        return [ExpiredSession(sid, w) for sid, w in self._sessions.expire(now)]
+
+    # ---------------------------------------------------------------- runtime knobs / views
+    def busy_thresholds(self) -> BusyThresholds:
+        return self._busy
+
+    def set_busy_thresholds(
+        self,
+        *,
+        active_decode_blocks_threshold: float | object | None = _UNSET,
+        active_prefill_tokens_threshold: int | object | None = _UNSET,
+        active_prefill_tokens_threshold_frac: float | object | None = _UNSET,
+    ) -> BusyThresholds:
+        """Change the busy thresholds at runtime (omitted ones stay; None turns one off)."""
+        cur = self._busy
+        changes = {
+            "active_decode_blocks_threshold": active_decode_blocks_threshold,
+            "active_prefill_tokens_threshold": active_prefill_tokens_threshold,
+            "active_prefill_tokens_threshold_frac": active_prefill_tokens_threshold_frac,
+        }
+        merged = {k: (getattr(cur, k) if v is _UNSET else v) for k, v in changes.items()}
+        # validate through the config so the messages name the flags and their ranges
+        self.config.with_overrides(**merged)
+        self._busy = BusyThresholds(**merged)  # type: ignore[arg-type]
+        return self._busy
+
+    def worker_snapshot(self) -> list[WorkerSnapshot]:
+        busy = self._busy_flags(self._keys)
+        load = self._load
+        out = []
+        for key, b in zip(self._keys, busy, strict=True):
+            info = self._workers[key[0]]
+            out.append(
+                WorkerSnapshot(
+                    key,
+                    load.prefill_tokens(key),
+                    load.decode_blocks(key),
+                    load.requests(key),
+                    self._index.block_count(key),
+                    info.total_blocks,
+                    info.max_num_batched_tokens,
+                    b,
+                )
+            )
+        return out
+
+    @property
+    def stats(self) -> RouterStats:
+        s = self._stats
+        if isinstance(self._index, PrefixIndex):
+            s.events_applied = dict(self._index.applied)
+            s.index_pruned_blocks = self._index.pruned_blocks
+        else:
+            s.approx_pruned_blocks = self._index.pruned_blocks
+        if self._predicted is not None:
+            s.approx_pruned_blocks += self._predicted.pruned_blocks
+        return s
+
+    @property
+    def queue_pending(self) -> tuple[int, int]:
+        """(requests, prompt tokens) waiting in the admission queue."""
+        return len(self._queue), self._queue.pending_tokens
+
+
+def _bare_prompt(local_hashes: Sequence[int]) -> PromptBlocks:
+    """A PromptBlocks without identities, for when shared blocks are not deduplicated."""
+    p = PromptBlocks.__new__(PromptBlocks)
+    p.ids = []
+    p.n_anchors = 0
+    p.n_blocks = len(local_hashes)
+    return p

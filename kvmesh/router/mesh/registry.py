@@ -1,0 +1,620 @@
+"""The worker registry: which workers exist, what they are, whether they are up.
+
+For each configured worker the registry
+
+1. learns what it is: its ``/kvmesh/info`` (backend, model, block size, dp size, events endpoints,
+   max_num_batched_tokens, total KV blocks, priority polarity), with fields of the configured spec
+   taking precedence, so a plain ``vllm serve --kv-events-config ...`` can be described in full
+   by its spec instead; in round-robin / random mode (or without KV events) a plain
+   OpenAI-compatible server needs nothing but its URL;
+2. refuses it, loudly, when its block size differs from the fleet's (hashes would never match);
+3. registers it with the KvRouter, cold-starts its index from ``/kvmesh/kv_state`` and follows its
+   KV events (one :class:`EventSubscriber` per data-parallel rank) from the snapshot's sequence;
+4. health-checks it; a dead worker leaves routing and its blocks leave the index, and it is
+   re-admitted through steps 1-3 when it answers again;
+5. after each quiet spell of its event stream, asks once whether anything was published since
+   the last batch it holds (a replay from the next sequence, or the ``kv_state`` sequence when
+   the worker has no replay socket): a batch lost just before a quiet period is revealed by no
+   later batch, so without this the index would stay wrong until the next burst;
+6. learns which LoRA adapters it serves (``lora_adapters`` in its info, else the ``/v1/models``
+   entries whose ``parent`` is another model), so prompts for an adapter are hashed the way the
+   engine salts that adapter's blocks and go only to workers that serve it.
+
+Workers come from the settings, and at runtime from the admin API (:meth:`WorkerRegistry.add`,
+:meth:`WorkerRegistry.remove`).
+
+The worker the middleware is embedded in is reached in-process (``local_call``), never over the
+network: it is up by definition while this code runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh._types import WorkerId
+from kvmesh.errors import KvMeshError, WorkerError
+from kvmesh.events.subscriber import EventSubscriber
+from kvmesh.events.wire import BlockStored, EventBatch
+from kvmesh.router.core.kv_router import KvRouter
+from kvmesh.router.mesh.metrics import Metrics
+from kvmesh.router.mesh.settings import POLARITIES, MeshSettings, WorkerSpec
+from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
+
+logger = logging.getLogger("kvmesh.router")
+
+PENDING, UP, DOWN, REFUSED = "pending", "up", "down", "refused"
+# Adapters are re-read every this many health checks (engines can load adapters at runtime).
+_ADAPTER_REFRESH_CHECKS = 5
+# Capacity assumed for a worker that describes nothing (round-robin / random over plain servers).
+_DEFAULT_TOTAL_BLOCKS = 1 << 20
+_DEFAULT_BATCHED_TOKENS = 1 << 20
+
+LocalCall = Callable[[str, str, Any], Awaitable[Any]]
+"""(method, path, json payload or None) -> decoded JSON answer of the embedding engine."""
+
+
+class WorkerConflict(WorkerError):
+    """A runtime-added worker that clashes with the fleet (duplicate, other block size)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker's description, merged from its spec and its ``/kvmesh/info``."""
+
+    backend: str
+    model: str | None
+    block_size: int
+    dp_size: int
+    kv_events_endpoints: tuple[str, ...]
+    kv_replay_endpoints: tuple[str | None, ...]
+    max_num_batched_tokens: int
+    total_kv_blocks: int
+    priority_polarity: str
+    has_rpc: bool
+    """The worker serves kvmesh's RPCs (/kvmesh/kv_state, session_control, pin_prefix)."""
+
+
+@dataclass(slots=True)
+class Worker:
+    spec: WorkerSpec
+    state: str = PENDING
+    reason: str | None = None
+    info: WorkerInfo | None = None
+    failures: int = 0
+    since: float = field(default_factory=time.monotonic)
+    subscribers: list[EventSubscriber] = field(default_factory=list)
+    events_applied: int = 0
+    adapters: frozenset[str] = frozenset()
+    """LoRA adapter names the worker serves."""
+    checks: int = 0
+    # Per dp rank: the subscriber's received count at the last health check, and the count at
+    # which a quiet stream was last probed for a lost final batch.
+    seen_received: dict[int, int] = field(default_factory=dict)
+    probed_received: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def worker_id(self) -> WorkerId:
+        return self.spec.worker_id
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+
+def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: int) -> WorkerInfo:
+    """Spec fields win over the worker's own description; missing ones get safe defaults."""
+    got = info or {}
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(spec, name)
+        if value is not None:
+            return value
+        value = got.get(name)
+        return default if value is None else value
+
+    endpoints = tuple(pick("kv_events_endpoints", ()))
+    replay = tuple(pick("kv_replay_endpoints", ()))
+    polarity = str(pick("priority_polarity", "none"))
+    if polarity not in POLARITIES:
+        raise WorkerError(f"{spec.url}: unknown priority_polarity {polarity!r}")
+    dp_size = int(pick("dp_size", max(len(endpoints), 1)))
+    return WorkerInfo(
+        backend=str(pick("backend", "openai")),
+        model=pick("model", None),
+        block_size=int(pick("block_size", default_block_size)),
+        dp_size=dp_size,
+        kv_events_endpoints=endpoints,
+        kv_replay_endpoints=replay + (None,) * (len(endpoints) - len(replay)),
+        max_num_batched_tokens=int(pick("max_num_batched_tokens", _DEFAULT_BATCHED_TOKENS)),
+        total_kv_blocks=int(pick("total_kv_blocks", _DEFAULT_TOTAL_BLOCKS)),
+        priority_polarity=polarity,
+        has_rpc=info is not None,
+    )
+
+
+def _stored_from_json(d: dict[str, Any]) -> BlockStored:
+    def h(x: Any) -> Any:
+        return bytes.fromhex(x) if isinstance(x, str) else x
+
+    return BlockStored(
+        block_hashes=[h(x) for x in d["block_hashes"]],
+        parent_block_hash=h(d.get("parent_block_hash")),
+        token_ids=list(d["token_ids"]),
+        block_size=int(d["block_size"]),
+        lora_name=d.get("lora_name"),
+        medium=d.get("medium"),
+    )
+
+
+class WorkerRegistry:
+    """Discovery, health and event subscriptions for every configured worker."""
+
+    def __init__(
+        self,
+        settings: MeshSettings,
+        router: KvRouter,
+        forwarder: Forwarder,
+        metrics: Metrics,
+        *,
+        local_call: LocalCall | None = None,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.router = router
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.local_call = local_call
+        self.on_change = on_change
+        self.workers: dict[WorkerId, Worker] = {w.worker_id: Worker(w) for w in settings.workers}
+        self.block_size: int | None = settings.block_size
+        self.routable: frozenset[WorkerId] = frozenset()
+        self.models: list[str] = []
+        self.adapters: dict[str, frozenset[WorkerId]] = {}
+        """LoRA adapter name -> the up workers serving it."""
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._admitting: set[WorkerId] = set()
+        self.ready = asyncio.Event()
+        cfg = settings.router
+        self._need_events = cfg.router_mode == "kv" and cfg.use_kv_events
+        self._auth = {"x-kvmesh-admin-token": settings.admin_token} if settings.admin_token else None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """First discovery of every worker (concurrently), then the health loop."""
+        if self._tasks:
+            return
+        self._tasks.append(asyncio.create_task(self._first_discovery(), name="kvmesh-discovery"))
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="kvmesh-health"))
+
+    async def _first_discovery(self) -> None:
+        try:
+            await asyncio.gather(*(self._admit(w) for w in self.workers.values()))
+        finally:
+            self.ready.set()
+        refused = [w for w in self.workers.values() if w.state == REFUSED]
+        for w in refused:
+            print(f"kvmesh: REFUSED worker {w.worker_id}: {w.reason}", file=sys.stderr, flush=True)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        for w in self.workers.values():
+            await self._unsubscribe(w)
+
+    # ---------------------------------------------------------------- queries
+    def get(self, worker_id: WorkerId) -> Worker | None:
+        return self.workers.get(worker_id)
+
+    def is_local(self, worker_id: WorkerId) -> bool:
+        return worker_id == self.settings.self_worker_id
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """One row per worker for ``GET /kvmesh/workers``: state, load and indexed blocks."""
+        load: dict[WorkerId, list[dict[str, Any]]] = {}
+        for snap in self.router.worker_snapshot():
+            wid, rank = snap.worker
+            load.setdefault(wid, []).append(
+                {
+                    "dp_rank": rank,
+                    "active_requests": snap.active_requests,
+                    "active_prefill_tokens": snap.active_prefill_tokens,
+                    "active_decode_blocks": snap.active_decode_blocks,
+                    "indexed_blocks": snap.indexed_blocks,
+                    "total_blocks": snap.total_blocks,
+                    "busy": snap.busy,
+                }
+            )
+        rows = []
+        now = time.monotonic()
+        for w in self.workers.values():
+            info = w.info
+            ranks = load.get(w.worker_id, [])
+            rows.append(
+                {
+                    "worker_id": w.worker_id,
+                    "url": w.url,
+                    "state": w.state,
+                    "reason": w.reason,
+                    "local": self.is_local(w.worker_id),
+                    "state_for_s": round(now - w.since, 3),
+                    "backend": info.backend if info else None,
+                    "model": info.model if info else None,
+                    "block_size": info.block_size if info else None,
+                    "dp_size": info.dp_size if info else None,
+                    "priority_polarity": info.priority_polarity if info else None,
+                    "lora_adapters": sorted(w.adapters),
+                    "events_applied": w.events_applied,
+                    "active_requests": sum(r["active_requests"] for r in ranks),
+                    "indexed_blocks": sum(r["indexed_blocks"] for r in ranks),
+                    "ranks": ranks,
+                }
+            )
+        return rows
+
+    # ---------------------------------------------------------------- state changes
+    def _set_state(self, w: Worker, state: str, reason: str | None = None) -> None:
+        if w.state != state:
+            w.since = time.monotonic()
+            self.metrics.worker_state_changes.labels(state).inc()
+            log = logger.error if state == REFUSED else logger.warning if state == DOWN else logger.info
+            log("worker %s is %s%s", w.worker_id, state, f": {reason}" if reason else "")
+        w.state = state
+        w.reason = reason
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        up = [x for x in self.workers.values() if x.state == UP]
+        self.routable = frozenset(x.worker_id for x in up)
+        self.models = sorted({x.info.model for x in up if x.info and x.info.model})
+        adapters: dict[str, set[WorkerId]] = {}
+        for x in up:
+            for name in x.adapters:
+                adapters.setdefault(name, set()).add(x.worker_id)
+        self.adapters = {name: frozenset(ids) for name, ids in adapters.items()}
+        if self.on_change is not None:
+            self.on_change()
+
+    def lora_of(self, model: Any) -> str | None:
+        """The adapter name when ``model`` (a request's "model") names a LoRA adapter."""
+        return model if isinstance(model, str) and model in self.adapters else None
+
+    # ---------------------------------------------------------------- runtime admin
+    async def add(self, spec: WorkerSpec) -> Worker:
+        """Register a worker at runtime and admit it now; WorkerConflict if it clashes.
+
+        A worker that does not answer yet stays registered (down) and is admitted when it does."""
+        if spec.worker_id in self.workers:
+            raise WorkerConflict(f"worker id {spec.worker_id!r} is already registered")
+        same_url = next((w.worker_id for w in self.workers.values() if w.url == spec.url), None)
+        if same_url is not None:
+            raise WorkerConflict(f"worker {spec.url} is already registered as {same_url!r}")
+        if spec.block_size is not None and self.block_size is not None and spec.block_size != self.block_size:
+            raise WorkerConflict(
+                f"block size {spec.block_size} differs from the fleet's {self.block_size}; "
+                "KV hashes would never match"
+            )
+        w = self.workers[spec.worker_id] = Worker(spec)
+        await self._admit(w)
+        if w.state == REFUSED:
+            self.workers.pop(spec.worker_id, None)
+            self._refresh_views()
+            raise WorkerConflict(w.reason or "refused")
+        return w
+
+    async def remove(self, worker_id: WorkerId) -> bool:
+        """Forget a worker: out of routing, its index blocks and load dropped, events unfollowed."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return False
+        self.router.remove_worker(worker_id)
+        await self._unsubscribe(w)
+        self._refresh_views()
+        logger.info("worker %s removed", worker_id)
+        return True
+
+    def _current(self, w: Worker) -> bool:
+        """False once ``w`` was removed (an admission in flight must not bring it back)."""
+        return self.workers.get(w.worker_id) is w
+
+    async def mark_down(self, worker_id: WorkerId, reason: str) -> None:
+        """Take a worker out of routing now (a forward found it unreachable)."""
+        w = self.workers.get(worker_id)
+        if w is None or w.state != UP or self.is_local(worker_id):
+            return
+        self.router.remove_worker(worker_id)
+        self._set_state(w, DOWN, reason)
+        await self._unsubscribe(w)
+
+    async def _admit(self, w: Worker) -> None:
+        """Discover, check, register, cold-start and subscribe one worker."""
+        if w.worker_id in self._admitting:
+            return
+        self._admitting.add(w.worker_id)
+        try:
+            await self._admit_once(w)
+        except KvMeshError as e:
+            if w.state != REFUSED:
+                self._set_state(w, DOWN, str(e))
+        finally:
+            self._admitting.discard(w.worker_id)
+
+    async def _admit_once(self, w: Worker) -> None:
+        spec = w.spec
+        raw: dict[str, Any] | None = None
+        if not spec.described or self._need_events:
+            try:
+                raw = await self._call(w, "GET", "/kvmesh/info", None)
+            except ConnectFailed as e:
+                if self._need_events and not spec.described:
+                    raise WorkerError(
+                        f"no /kvmesh/info ({e}); describe it in the config (block_size, kv_events_endpoints, "
+                        "max_num_batched_tokens, total_kv_blocks) or use --router-mode round-robin"
+                    ) from None
+                if not (spec.described or self._need_events or self.is_local(w.worker_id)):
+                    # A plain OpenAI server is enough here, but it must answer.
+                    await self._probe(w)
+        if not self._current(w):
+            return
+        info = _merge(spec, raw if isinstance(raw, dict) else None, self.block_size or 16)
+        if self.block_size is None:
+            self.block_size = info.block_size
+        elif info.block_size != self.block_size:
+            w.info = info
+            self._set_state(
+                w,
+                REFUSED,
+                f"block size {info.block_size} differs from the fleet's {self.block_size}; "
+                "KV hashes would never match",
+            )
+            return
+        if self._need_events and not info.kv_events_endpoints:
+            raise WorkerError("publishes no KV events (kv_events_endpoints is empty)")
+        w.info = info
+        self.router.add_worker(
+            w.worker_id,
+            dp_size=info.dp_size,
+            total_blocks=info.total_kv_blocks,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            block_size=info.block_size,
+        )
+        await self._read_adapters(w, raw if isinstance(raw, dict) else None)
+        if self._need_events:
+            await self._subscribe(w, info)
+        if not self._current(w):
+            self.router.remove_worker(w.worker_id)
+            await self._unsubscribe(w)
+            return
+        w.failures = 0
+        self._set_state(w, UP)
+
+    async def _read_adapters(self, w: Worker, raw_info: dict[str, Any] | None) -> None:
+        """``lora_adapters`` from the worker's info, else its ``/v1/models`` entries with a parent."""
+        listed = raw_info.get("lora_adapters") if raw_info is not None else None
+        names: set[str] = set()
+        if isinstance(listed, list):
+            names = {a for a in listed if isinstance(a, str) and a}
+        else:
+            try:
+                doc = await self._call(w, "GET", "/v1/models", None)
+            except ConnectFailed:
+                doc = None
+            data = doc.get("data") if isinstance(doc, dict) else None
+            for entry in data if isinstance(data, list) else ():
+                if not isinstance(entry, dict):
+                    continue
+                name, parent = entry.get("id"), entry.get("parent")
+                # vLLM lists an adapter with its base model as "parent"; base models have none.
+                if isinstance(name, str) and isinstance(parent, str) and parent and parent != name:
+                    names.add(name)
+        if frozenset(names) != w.adapters:
+            w.adapters = frozenset(names)
+            if w.state == UP:
+                self._refresh_views()
+
+    async def _subscribe(self, w: Worker, info: WorkerInfo) -> None:
+        await self._unsubscribe(w)
+        w.seen_received.clear()
+        w.probed_received.clear()
+        last_seqs: dict[int, int | None] = {}
+        if info.has_rpc:
+            try:
+                state = await self._call(w, "GET", "/kvmesh/kv_state", None)
+                for rank in state.get("ranks", []):
+                    dp_rank = int(rank.get("dp_rank", 0))
+                    events = [
+                        _stored_from_json(e) for e in rank.get("events", []) if e.get("type") == "BlockStored"
+                    ]
+                    self.router.load_state(w.worker_id, dp_rank, events)
+                    last_seqs[dp_rank] = rank.get("last_seq")
+            except (ConnectFailed, KeyError, TypeError, ValueError) as e:
+                logger.warning(
+                    "worker %s: no kv_state cold start (%s); following live events only", w.worker_id, e
+                )
+        if not self._current(w):
+            return
+        for rank, endpoint in enumerate(info.kv_events_endpoints):
+            sub = EventSubscriber(
+                endpoint,
+                self._on_batch(w, rank),
+                replay_endpoint=info.kv_replay_endpoints[rank],
+                on_reset=self._on_reset(w, rank),
+                name=f"{w.worker_id}#{rank}",
+            )
+            last = last_seqs.get(rank)
+            if last is not None:
+                sub.resume_from(last)
+            w.subscribers.append(sub)
+            sub.start()
+
+    def _on_batch(self, w: Worker, rank: int) -> Callable[[int, EventBatch], None]:
+        worker_id = w.worker_id
+        applied = self.metrics.events_applied
+
+        def on_batch(seq: int, batch: EventBatch) -> None:
+            if batch.data_parallel_rank is None and rank:
+                batch = EventBatch(batch.ts, batch.events, rank)
+            try:
+                self.router.apply_events(worker_id, batch)
+            except Exception:
+                applied.labels("batch", "error").inc()
+                raise
+            w.events_applied += len(batch.events)
+            for event in batch.events:
+                applied.labels(type(event).__name__, "ok").inc()
+
+        return on_batch
+
+    def _on_reset(self, w: Worker, rank: int) -> Callable[[str], None]:
+        def on_reset(reason: str) -> None:
+            logger.warning(
+                "worker %s rank %d: event stream reset (%s); re-syncing", w.worker_id, rank, reason
+            )
+            self.router.clear_worker_index(w.worker_id, rank)
+            if w.info is not None and w.info.has_rpc:
+                task = asyncio.get_running_loop().create_task(self._resync(w, rank))
+                self._tasks.append(task)
+                task.add_done_callback(self._forget_task)
+
+        return on_reset
+
+    def _forget_task(self, task: asyncio.Task[Any]) -> None:
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
+
+    async def _resync(self, w: Worker, rank: int) -> None:
+        state = await self._rank_state(w, rank)
+        if state is not None:
+            self._load_rank_state(w, rank, state)
+
+    async def _rank_state(self, w: Worker, rank: int) -> dict[str, Any] | None:
+        """One rank's part of the worker's ``/kvmesh/kv_state`` (None when unavailable)."""
+        try:
+            state = await self._call(w, "GET", "/kvmesh/kv_state", None)
+        except ConnectFailed as e:
+            logger.warning("worker %s: kv_state re-sync failed: %s", w.worker_id, e)
+            return None
+        for r in state.get("ranks", []) if isinstance(state, dict) else ():
+            if isinstance(r, dict) and int(r.get("dp_rank", 0)) == rank:
+                return r
+        return None
+
+    def _load_rank_state(self, w: Worker, rank: int, r: dict[str, Any]) -> None:
+        if not self._current(w):
+            return
+        events = [_stored_from_json(e) for e in r.get("events", []) if e.get("type") == "BlockStored"]
+        self.router.load_state(w.worker_id, rank, events)
+        if r.get("last_seq") is not None and rank < len(w.subscribers):
+            w.subscribers[rank].resume_from(int(r["last_seq"]))
+
+    async def _check_quiet_streams(self, w: Worker) -> None:
+        """A batch lost right before a quiet period is revealed by no later batch. Once per quiet
+        spell (no batch read for a whole health interval), ask whether the worker published more
+        than we hold: a replay from the next sequence (it answers with nothing when we are in
+        step), or, without a replay socket, the kv_state's sequence and a cold start if ahead."""
+        for rank, sub in enumerate(list(w.subscribers)):
+            received = sub.stats.received
+            if w.seen_received.get(rank) != received:  # traffic: a later batch reveals gaps itself
+                w.seen_received[rank] = received
+                continue
+            if w.probed_received.get(rank) == received:
+                continue  # already probed during this quiet spell
+            w.probed_received[rank] = received
+            expected = sub.expected_seq
+            if sub.replay_endpoint is not None:
+                sub.resume_from((expected or 0) - 1)
+            elif w.info is not None and w.info.has_rpc:
+                r = await self._rank_state(w, rank)
+                last = r.get("last_seq") if r is not None else None
+                if r is None or last is None or (expected is not None and int(last) < expected):
+                    continue
+                logger.warning(
+                    "worker %s rank %d: published up to seq %d, we hold %s; cold start from kv_state",
+                    w.worker_id,
+                    rank,
+                    int(last),
+                    "nothing" if expected is None else f"up to {expected - 1}",
+                )
+                self.router.clear_worker_index(w.worker_id, rank)
+                self._load_rank_state(w, rank, r)
+
+    async def _unsubscribe(self, w: Worker) -> None:
+        subs, w.subscribers = w.subscribers, []
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.stop()
+
+    # ---------------------------------------------------------------- health
+    async def _health_loop(self) -> None:
+        await self.ready.wait()
+        interval = self.settings.health_interval
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(self._check(w) for w in self.workers.values()), return_exceptions=True)
+
+    async def _check(self, w: Worker) -> None:
+        if self.is_local(w.worker_id):
+            if w.state != UP and w.state != REFUSED:
+                await self._admit(w)
+            elif w.state == UP:
+                await self._routine(w)
+            return
+        if w.state == REFUSED:
+            return
+        try:
+            await self._probe(w)
+        except ConnectFailed as e:
+            w.failures += 1
+            if w.state == UP and w.failures >= self.settings.health_failures:
+                await self.mark_down(w.worker_id, f"health check failed: {e}")
+            return
+        w.failures = 0
+        if w.state != UP:
+            await self._admit(w)
+        else:
+            await self._routine(w)
+
+    async def _routine(self, w: Worker) -> None:
+        """What an up worker gets at each health check besides the probe."""
+        w.checks += 1
+        if w.subscribers:
+            await self._check_quiet_streams(w)
+        if w.checks % _ADAPTER_REFRESH_CHECKS == 0 and w.info is not None:
+            raw = None
+            if w.info.has_rpc:
+                with contextlib.suppress(ConnectFailed):
+                    raw = await self._call(w, "GET", "/kvmesh/info", None)
+            await self._read_adapters(w, raw if isinstance(raw, dict) else None)
+
+    async def _probe(self, w: Worker) -> None:
+        """Alive = answers HTTP at all (a 404 on /health from a plain server is still alive)."""
+        status = await self.forwarder.status(w.url + "/health", timeout=self.settings.connect_timeout)
+        if status >= 500:
+            raise ConnectFailed(w.url, f"/health answered HTTP {status}")
+
+    async def _call(self, w: Worker, method: str, path: str, payload: Any) -> Any:
+        """A worker RPC: in-process for the embedding engine, HTTP for the others."""
+        if self.is_local(w.worker_id) and self.local_call is not None:
+            return await self.local_call(method, path, payload)
+        url = w.url + path
+        timeout = self.settings.connect_timeout
+        if method == "GET":
+            return await self.forwarder.get_json(url, timeout=timeout, headers=self._auth)
+        return await self.forwarder.post_json(url, payload, timeout=timeout, headers=self._auth)
+
+    async def rpc(self, worker_id: WorkerId, path: str, payload: Any) -> Any:
+        """POST a kvmesh RPC (session_control, pin_prefix) to a worker that serves them."""
+        w = self.workers.get(worker_id)
+        if w is None or w.info is None or not w.info.has_rpc:
+            return None
+        return await self._call(w, "POST", path, payload)

@@ -1,0 +1,253 @@
+"""Keep-alive HTTP/1.1 client connections on asyncio protocols, pooled per worker origin.
+
+:class:`Http1Connection` carries one request at a time: :meth:`~Http1Connection.request` writes
+it and waits for the response head, :meth:`~Http1Connection.read` hands back whatever body bytes
+arrived since the last call (so an SSE stream goes on chunk by chunk) and pauses reading from the
+socket while too much is waiting, so a slow client slows the worker down instead of filling memory.
+:class:`ConnectionPool` keeps idle connections per origin, newest first, and drops the ones the
+server closed while they sat idle.
+
+Failures surface as ``OSError`` (connect, reset, closed early), ``asyncio.TimeoutError`` (connect)
+or :class:`~kvmesh.router.upstream.http1.ProtocolError`; translating them is the caller's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+from kvmesh.router.upstream.http1 import ProtocolError, ResponseParser
+
+# Pause reading from a worker once this much body waits for a slow client; resume below half.
+_HIGH_WATER = 256 * 1024
+
+
+class ConnectionClosed(ConnectionResetError):
+    """The worker closed or reset the connection before the response was complete."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """The server part of a URL: what to connect to and what to say in ``Host``."""
+
+    host: str
+    port: int
+    tls: bool
+    host_header: bytes
+
+    @classmethod
+    def parse(cls, url: str) -> Origin:
+        parts = urlsplit(url)
+        tls = parts.scheme == "https"
+        host = parts.hostname or ""
+        port = parts.port or (443 if tls else 80)
+        return cls(host, port, tls, parts.netloc.rpartition("@")[2].encode("idna"))
+
+
+class Http1Connection(asyncio.Protocol):
+    """One client connection; one request in flight at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.requests = 0
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = False
+        self._parser = ResponseParser(self)
+        self._head: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._body: list[bytes] = []
+        self._buffered = 0
+        self._complete = False
+        self._error: BaseException | None = None
+        self._paused = False
+        self._on_lost: list[Http1Connection] | None = None  # the idle list holding this connection
+
+    # ---------------------------------------------------------------- caller side
+    @property
+    def usable(self) -> bool:
+        """Open, idle and not told to close: can carry another request."""
+        return (
+            self._error is None
+            and self.keep_alive
+            and self._parser.idle
+            and self.transport is not None
+            and not self.transport.is_closing()
+        )
+
+    async def request(self, data: bytes, *, head_request: bool = False) -> None:
+        """Write a whole request and wait for its response head (``status``, ``headers``)."""
+        if self._error is not None:
+            raise self._error
+        transport = self.transport
+        assert transport is not None
+        self._parser.expect(head_request=head_request)
+        self.requests += 1
+        self.keep_alive = True
+        self._complete = False
+        self._body.clear()
+        self._buffered = 0
+        head = self._head = asyncio.get_running_loop().create_future()
+        transport.write(data)
+        try:
+            await head
+        finally:
+            self._head = None
+
+    async def read(self) -> bytes:
+        """The body bytes received since the last call; ``b""`` once the response is complete."""
+        while True:
+            body = self._body
+            if body:
+                data = body[0] if len(body) == 1 else b"".join(body)
+                body.clear()
+                self._buffered = 0
+                if self._paused:
+                    self._paused = False
+                    if self.transport is not None:
+                        self.transport.resume_reading()
+                return data
+            if self._complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    @property
+    def complete(self) -> bool:
+        """The whole response has been received (it may still be waiting in :meth:`read`)."""
+        return self._complete
+
+    @property
+    def drained(self) -> bool:
+        """The whole response has been received and handed out: :meth:`read` has nothing more."""
+        return self._complete and not self._body
+
+    def close(self) -> None:
+        """Drop the connection now (the worker sees a disconnect); pending reads fail."""
+        self._fail(ConnectionClosed("connection closed by the router"))
+        if self.transport is not None:
+            self.transport.abort()
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed(data)
+        except ProtocolError as e:
+            self._fail(e)
+            assert self.transport is not None
+            self.transport.abort()
+
+    def eof_received(self) -> bool:
+        try:
+            self._parser.feed_eof()
+        except ProtocolError:
+            self._fail(ConnectionClosed("the worker closed the connection mid-response"))
+        self.keep_alive = False
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(
+            ConnectionClosed(f"connection lost: {exc!r}") if exc else ConnectionClosed("connection closed")
+        )
+        idle = self._on_lost
+        if idle is not None:
+            self._on_lost = None
+            if self in idle:
+                idle.remove(self)
+
+    # ---------------------------------------------------------------- ResponseSink
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool) -> None:
+        self.status = status
+        self.headers = headers
+        self.keep_alive = keep_alive
+        head = self._head
+        if head is not None and not head.done():
+            head.set_result(None)
+
+    def on_body(self, data: bytes) -> None:
+        self._body.append(data)
+        self._buffered += len(data)
+        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_end(self) -> None:
+        self._complete = True
+        self._wake()
+
+    # ---------------------------------------------------------------- internals
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is not None:
+            return
+        self._error = error
+        self.keep_alive = False
+        for future in (self._head, self._waiter):
+            if future is not None and not future.done():
+                future.set_exception(error)
+
+
+class ConnectionPool:
+    """Idle keep-alive connections per origin; new ones are opened on demand."""
+
+    def __init__(self, *, connect_timeout: float, max_idle_per_origin: int = 256) -> None:
+        self._connect_timeout = connect_timeout
+        self._max_idle = max_idle_per_origin
+        self._idle: dict[Origin, list[Http1Connection]] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def take_idle(self, origin: Origin) -> Http1Connection | None:
+        """The most recently used idle connection that is still usable, if any."""
+        idle = self._idle.get(origin)
+        while idle:
+            conn = idle.pop()
+            conn._on_lost = None
+            if conn.usable:
+                return conn
+            conn.close()
+        return None
+
+    async def connect(self, origin: Origin) -> Http1Connection:
+        """A fresh connection (TCP_NODELAY is set by the event loop for TCP transports)."""
+        loop = asyncio.get_running_loop()
+        ssl_context: ssl.SSLContext | None = None
+        if origin.tls:
+            ssl_context = self._ssl = self._ssl or ssl.create_default_context()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(Http1Connection, origin.host, origin.port, ssl=ssl_context),
+            self._connect_timeout,
+        )
+        return conn
+
+    def give_back(self, origin: Origin, conn: Http1Connection) -> None:
+        """Keep a connection whose response was read to the end; close it if it cannot be reused."""
+        idle = self._idle.setdefault(origin, [])
+        if conn.usable and conn.complete and len(idle) < self._max_idle:
+            conn._on_lost = idle
+            idle.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn._on_lost = None
+                conn.close()
+        self._idle.clear()

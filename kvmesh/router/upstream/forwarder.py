@@ -1,0 +1,274 @@
+"""Forward one HTTP request to a worker and hand back its response as it arrives.
+
+The app's :class:`Forwarder` speaks HTTP/1.1 over pooled keep-alive connections
+(:mod:`kvmesh.router.upstream.connection`): one buffer out per request, the response head parsed by
+:mod:`kvmesh.router.upstream.http1`, body bytes handed on as the socket delivers them and never
+decompressed, so an SSE stream reaches the client event by event. Socket and protocol errors never
+leave this module: a failure before the response head arrived becomes :class:`ConnectFailed` (the
+caller may retry on another worker: nothing reached the client yet), a failure while reading the
+body becomes :class:`StreamBroken` (the client already has bytes; only a clean error is possible).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+from kvmesh.errors import WorkerError
+from kvmesh.router.upstream.connection import ConnectionPool, Http1Connection, Origin
+from kvmesh.router.upstream.http1 import ProtocolError, encode_request
+
+# Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus the ones
+# the client recomputes for the new connection.
+HOP_BY_HOP: frozenset[bytes] = frozenset(
+    (
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    )
+)
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_CONNECTION = b"connection"
+_FAILURES = (OSError, asyncio.TimeoutError, ProtocolError)
+
+
+def end_to_end_headers(headers: list[tuple[bytes, bytes]], drop: bytes = b"") -> list[tuple[bytes, bytes]]:
+    """Lower-case ``headers`` without the hop-by-hop ones: HOP_BY_HOP, every header the
+    ``Connection`` header names (RFC 9110 section 7.6.1) and ``drop``."""
+    out: list[tuple[bytes, bytes]] = []
+    named: set[bytes] | None = None
+    for name, value in headers:
+        if name in HOP_BY_HOP or name == drop:
+            if name == _CONNECTION:
+                tokens = {token.strip().lower() for token in value.split(b",")}
+                named = tokens if named is None else named | tokens
+            continue
+        out.append((name, value))
+    if named:
+        out = [(name, value) for name, value in out if name not in named]
+    return out
+
+
+class UpstreamError(WorkerError):
+    """A worker could not serve a forwarded request."""
+
+    def __init__(self, worker_url: str, message: str) -> None:
+        super().__init__(f"{worker_url}: {message}")
+        self.worker_url = worker_url
+
+
+class ConnectFailed(UpstreamError):
+    """Nothing came back before the connection failed: safe to retry on another worker."""
+
+
+class StreamBroken(UpstreamError):
+    """The worker's response broke off after it started."""
+
+
+class UpstreamResponse:
+    """A worker's response head, with the body still on the wire.
+
+    Iterate it (or :meth:`chunks`) for the body; then :meth:`release` a fully read response's
+    connection to the pool, or :meth:`close` it to make the worker see a disconnect.
+    """
+
+    __slots__ = ("_conn", "_origin", "_pool", "_released", "headers", "status", "worker_url")
+
+    def __init__(self, worker_url: str, conn: Http1Connection, pool: ConnectionPool, origin: Origin) -> None:
+        self.worker_url = worker_url
+        self._conn = conn
+        self._pool = pool
+        self._origin = origin
+        self._released = False
+        self.status = conn.status
+        self.headers = end_to_end_headers(conn.headers)
+
+    @property
+    def content_type(self) -> str:
+        for name, value in self.headers:
+            if name == b"content-type":
+                return value.decode("latin-1")
+        return ""
+
+    @property
+    def drained(self) -> bool:
+        """Every body byte has been handed out: iterating further yields nothing."""
+        return self._conn.drained
+
+    def chunks(self) -> UpstreamResponse:
+        """Body bytes as they arrive (the response is its own iterator: a second call continues it);
+        raises StreamBroken if the worker breaks off."""
+        return self
+
+    def __aiter__(self) -> UpstreamResponse:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            data = await self._conn.read()
+        except _FAILURES as e:
+            raise StreamBroken(self.worker_url, f"response broke off: {e!r}") from None
+        if not data:
+            raise StopAsyncIteration
+        return data
+
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body (for small JSON answers); StreamBroken past ``limit`` bytes or on failure."""
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self:
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise StreamBroken(self.worker_url, f"response larger than {limit} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        """Drop the connection (the worker sees a disconnect and can abort the request)."""
+        if not self._released:  # once released, the connection may carry someone else's request
+            self._conn.close()
+
+    def release(self) -> None:
+        """Give a fully read connection back to the pool (an unfinished one is closed)."""
+        if not self._released:
+            self._released = True
+            self._pool.give_back(self._origin, self._conn)
+
+
+class Forwarder:
+    """The app's HTTP client towards workers: keep-alive connections, pooled per worker."""
+
+    def __init__(self, *, connect_timeout: float = 3.0, pool_size: int = 256) -> None:
+        self._pool = ConnectionPool(connect_timeout=connect_timeout, max_idle_per_origin=pool_size)
+        self._targets: dict[str, tuple[Origin, bytes]] = {}
+
+    async def open(
+        self,
+        worker_url: str,
+        method: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> UpstreamResponse:
+        """Send the request and wait for the response head (not the body).
+
+        ``headers`` are lower-case (name, value) pairs without hop-by-hop ones (see HOP_BY_HOP).
+        """
+        origin, prefix = self._target(worker_url)
+        try:
+            data = encode_request(method.encode(), prefix + path.encode(), origin.host_header, headers, body)
+        except ValueError as e:
+            raise UpstreamError(worker_url, str(e)) from None
+        return await self._send(worker_url, origin, data, method == "HEAD")
+
+    async def _send(self, url: str, origin: Origin, data: bytes, head_request: bool) -> UpstreamResponse:
+        pool = self._pool
+        conn = pool.take_idle(origin)
+        if conn is not None:
+            try:
+                await conn.request(data, head_request=head_request)
+                return UpstreamResponse(url, conn, pool, origin)
+            except _FAILURES:
+                # The worker closed this idle connection as it was reused, before any response
+                # byte: the request goes once more on a fresh connection (a dead worker refuses it).
+                conn.close()
+            except BaseException:
+                conn.close()
+                raise
+        conn = None
+        try:
+            conn = await pool.connect(origin)
+            await conn.request(data, head_request=head_request)
+        except _FAILURES as e:
+            if conn is not None:
+                conn.close()
+            raise ConnectFailed(url, f"no response: {e!r}") from None
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        return UpstreamResponse(url, conn, pool, origin)
+
+    def _target(self, url: str) -> tuple[Origin, bytes]:
+        """(origin, path prefix) of a worker URL; cached, the fleet's URLs are few."""
+        target = self._targets.get(url)
+        if target is None:
+            parts = urlsplit(url)
+            path = parts.path.rstrip("/")
+            if parts.query:
+                path += "?" + parts.query
+            target = (Origin.parse(url), path.encode())
+            if len(self._targets) < 4096:
+                self._targets[url] = target
+        return target
+
+    async def status(self, url: str, *, timeout: float = 3.0) -> int:
+        """The HTTP status of a GET (a liveness probe); ConnectFailed when nothing answers."""
+        status, _ = await self._exchange("GET", url, None, timeout, None)
+        return status
+
+    async def get_json(self, url: str, *, timeout: float = 3.0, headers: dict[str, str] | None = None) -> Any:
+        """GET a small JSON document (worker RPCs); ConnectFailed on any failure."""
+        return await self._json("GET", url, None, timeout, headers)
+
+    async def post_json(
+        self, url: str, payload: Any, *, timeout: float = 3.0, headers: dict[str, str] | None = None
+    ) -> Any:
+        return await self._json("POST", url, payload, timeout, headers)
+
+    async def _json(
+        self, method: str, url: str, payload: Any, timeout: float, headers: dict[str, str] | None
+    ) -> Any:
+        status, body = await self._exchange(method, url, payload, timeout, headers)
+        if status != 200:
+            raise ConnectFailed(url, f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}")
+        try:
+            return msgspec.json.decode(body)
+        except msgspec.DecodeError as e:
+            raise ConnectFailed(url, f"request failed: answer is not JSON: {e}") from None
+
+    async def _exchange(
+        self, method: str, url: str, payload: Any, timeout: float, headers: dict[str, str] | None
+    ) -> tuple[int, bytes]:
+        """One whole request/response (worker RPCs and probes), bounded by ``timeout``."""
+        origin, target = self._target(url)
+        wire = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+        body = b""
+        if payload is not None:
+            body = msgspec.json.encode(payload)
+            wire += _JSON_HEADERS
+        try:
+            data = encode_request(method.encode(), target or b"/", origin.host_header, wire, body)
+        except ValueError as e:
+            raise ConnectFailed(url, f"request failed: {e}") from None
+
+        async def exchange() -> tuple[int, bytes]:
+            response = await self._send(url, origin, data, method == "HEAD")
+            try:
+                body = await response.read()
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+            return response.status, body
+
+        try:
+            return await asyncio.wait_for(exchange(), timeout)
+        except asyncio.TimeoutError:
+            raise ConnectFailed(url, f"request failed: no answer within {timeout:g}s") from None
+        except StreamBroken as e:
+            raise ConnectFailed(url, f"request failed: {e}") from None
+
+    async def close(self) -> None:
+        self._pool.close()

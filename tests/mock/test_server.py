@@ -1,0 +1,285 @@
+"""The mock's OpenAI-compatible server, driven by the official openai client and raw httpx on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from kvmesh.mock.testing import run_mock
+from kvmesh.router.request.tokenizer import BuiltinTokenizer
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "kvmesh-mock"
+SYSTEM = {"role": "system", "content": "You are a helpful assistant who answers briefly. " * 12}
+
+
+def _client(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+async def _wait_idle(engine, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while engine.scheduler.has_work:
+        assert asyncio.get_running_loop().time() < deadline, "engine did not go idle"
+        await asyncio.sleep(0.01)
+
+
+async def test_openai_client_chat_and_completions() -> None:
+    async with run_mock(block_size=16, num_blocks=256, speedup=20) as mock, _client(mock.base_url) as client:
+        messages = [SYSTEM, {"role": "user", "content": "Say hello."}]
+        first = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7)  # type: ignore[arg-type]
+        assert first.object == "chat.completion"
+        assert first.choices[0].finish_reason == "length"
+        assert first.choices[0].message.role == "assistant" and first.choices[0].message.content
+        assert first.usage is not None
+        prompt_len = len(BuiltinTokenizer().apply_chat_template(messages))
+        assert first.usage.prompt_tokens == prompt_len
+        assert first.usage.completion_tokens == 7
+        assert first.usage.total_tokens == prompt_len + 7
+        assert first.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+
+        # Same conversation again: every full block but the one holding the last token is cached.
+        again = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7)  # type: ignore[arg-type]
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert again.usage.prompt_tokens_details.cached_tokens == (prompt_len - 1) // 16 * 16
+        assert again.choices[0].message.content == first.choices[0].message.content  # same seed, same output
+
+        completion = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
+        assert completion.object == "text_completion"
+        assert completion.choices[0].finish_reason == "length" and completion.choices[0].text
+        assert completion.usage is not None and completion.usage.completion_tokens == 4
+
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_openai_client_streaming_with_usage() -> None:
+    async with run_mock(block_size=16, num_blocks=256, speedup=20) as mock, _client(mock.base_url) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[SYSTEM, {"role": "user", "content": "Count."}],  # type: ignore[list-item]
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+        assert content and all(c.choices[0].finish_reason is None for c in chunks[:-2])
+        assert chunks[-2].choices[0].finish_reason == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 6
+        assert all(c.usage is None for c in chunks[:-1])
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+        full = await client.chat.completions.create(
+            model=MODEL,
+            messages=[SYSTEM, {"role": "user", "content": "Count."}],  # type: ignore[list-item]
+            max_tokens=6,
+        )
+        assert full.choices[0].message.content == text
+
+        completion_stream = await client.completions.create(
+            model=MODEL, prompt=[5000, 5001, 5002], max_tokens=3, stream=True
+        )
+        parts = [c async for c in completion_stream]
+        assert [p.choices[0].finish_reason for p in parts] == [None, None, "length"]
+
+
+async def test_raw_sse_framing_ends_with_done() -> None:
+    async with (
+        run_mock(block_size=16, num_blocks=64, speedup=50) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 2, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            raw = (await r.aread()).decode()
+        events = raw.split("\n\n")
+        assert events[-1] == "" and events[-2] == "data: [DONE]"
+        payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+        assert [p["object"] for p in payloads] == ["text_completion"] * 2
+        assert "usage" not in payloads[0]  # only with stream_options.include_usage
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        pytest.param("/v1/chat/completions", {"model": MODEL}, "messages", "required", id="no-messages"),
+        pytest.param(
+            "/v1/chat/completions",
+            {"messages": [{"role": "robot", "content": "x"}]},
+            "messages[0].role",
+            "must be one of",
+            id="role",
+        ),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 0},
+            "max_tokens",
+            "positive integer",
+            id="max-tokens",
+        ),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 10**6},
+            "max_tokens",
+            "maximum context length",
+            id="too-long",
+        ),
+        pytest.param(
+            "/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", "must be a boolean", id="stream"
+        ),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "only be defined when",
+            id="stream-options",
+        ),
+        pytest.param("/v1/completions", {"prompt": "x", "n": 2}, "n", "must be 1", id="n"),
+        pytest.param(
+            "/v1/completions", {"prompt": "x", "temperature": 3}, "temperature", "in [0, 2]", id="temperature"
+        ),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": "x", "priority": 1},
+            "priority",
+            "--scheduling-policy priority",
+            id="priority-fcfs",
+        ),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": "x", "min_tokens": 5, "max_tokens": 2},
+            "min_tokens",
+            "at most",
+            id="min-tokens",
+        ),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": "x", "session_params": {"id": 3}},
+            "session_params.id",
+            "string",
+            id="session",
+        ),
+    ],
+)
+async def test_bad_requests_get_openai_style_400s_naming_the_field(
+    path: str, body: dict, param: str, message: str
+) -> None:
+    async with (
+        run_mock(block_size=16, num_blocks=64, events=False) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        r = await http.post(path, json=body)
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["param"] == param and error["code"] == 400 and error["type"] == "BadRequestError"
+        assert message in error["message"]
+
+
+async def test_openai_client_sees_the_error() -> None:
+    async with run_mock(block_size=16, num_blocks=64, events=False) as mock, _client(mock.base_url) as client:
+        with pytest.raises(openai.BadRequestError, match="positive integer") as info:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+        assert isinstance(info.value.body, dict) and info.value.body["param"] == "max_tokens"
+        with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist"):
+            await client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+
+
+async def test_health_models_and_metrics() -> None:
+    async with (
+        run_mock(block_size=16, num_blocks=64, speedup=50) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        assert (await http.get("/health")).status_code == 200
+        r = await http.post("/v1/completions", json={"prompt": "hello " * 40, "max_tokens": 3})
+        assert r.status_code == 200
+        await http.post("/v1/completions", json={"prompt": "hello " * 40, "max_tokens": 3})
+        text = (await http.get("/metrics")).text
+        for name in (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+        ):
+            assert f'{name}{{model_name="kvmesh-mock"}} 0.0' in text
+        queries = _metric(text, "vllm:prefix_cache_queries_total")
+        hits = _metric(text, "vllm:prefix_cache_hits_total")
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        assert queries == 2 * prompt_tokens
+        assert hits == (prompt_tokens - 1) // 16 * 16
+        assert _metric(text, 'vllm:request_success_total{finished_reason="length",') == 2
+
+
+def _metric(text: str, prefix: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric {prefix} in:\n{text}")
+
+
+async def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks() -> None:
+    async with (
+        run_mock(block_size=16, num_blocks=128, speedup=5) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        engine = mock.engine
+        body = {"prompt": "tell me a long story " * 20, "max_tokens": 1500, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            assert engine.scheduler.num_running == 1
+        await _wait_idle(engine)
+        assert engine.pool.num_used == 0
+
+        # A non-streaming request whose client gives up is aborted too.
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/completions", json={"prompt": "again", "max_tokens": 1500}, timeout=0.3)
+        await _wait_idle(engine)
+        assert engine.pool.num_used == 0
+        text = (await http.get("/metrics")).text
+        assert _metric(text, 'vllm:request_success_total{finished_reason="abort",') == 2
+
+
+async def test_outputs_depend_on_the_seed_only() -> None:
+    async with (
+        run_mock(block_size=16, num_blocks=64, speedup=50, seed=3) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+
+        async def text(**extra: object) -> str:
+            r = await http.post("/v1/completions", json={"prompt": "same prompt", "max_tokens": 12, **extra})
+            return str(r.json()["choices"][0]["text"])
+
+        default = await text()
+        assert default == await text() == await text(seed=3)
+        assert await text(seed=4) != default
+    async with (
+        run_mock(block_size=16, num_blocks=64, speedup=50, seed=3) as other,
+        httpx.AsyncClient(base_url=other.base_url) as http,
+    ):
+        r = await http.post("/v1/completions", json={"prompt": "same prompt", "max_tokens": 12})
+        assert r.json()["choices"][0]["text"] == default  # another process-lifetime, same seed
+
+
+async def test_without_max_tokens_a_request_stops_at_a_natural_length() -> None:
+    async with (
+        run_mock(block_size=16, num_blocks=128, speedup=50) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        r = (await http.post("/v1/completions", json={"prompt": "open ended"})).json()
+        assert r["choices"][0]["finish_reason"] == "stop"
+        assert 16 <= r["usage"]["completion_tokens"] <= 129
+        fixed = (
+            await http.post(
+                "/v1/completions", json={"prompt": "open ended", "max_tokens": 300, "ignore_eos": True}
+            )
+        ).json()
+        assert fixed["choices"][0]["finish_reason"] == "length" and fixed["usage"]["completion_tokens"] == 300

@@ -1,0 +1,137 @@
+"""Runtime worker admin API: POST /kvmesh/workers adds a worker, DELETE /kvmesh/workers/{id} removes it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from kvmesh.mock.testing import run_mock
+from kvmesh.router.asgi.standalone import build_router_app
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.engines import EngineState, engine_app
+from tests.router.servers import serve
+
+TOKEN = {"x-kvmesh-admin-token": "s3cret"}
+
+
+async def _rows(http: aiohttp.ClientSession, front: str) -> dict[str, dict[str, Any]]:
+    async with http.get(front + "/kvmesh/workers") as r:
+        return {row["worker_id"]: row for row in (await r.json())["workers"]}
+
+
+async def _add(
+    http: aiohttp.ClientSession, front: str, body: Any, headers: dict[str, str] | None = TOKEN
+) -> tuple[int, Any]:
+    async with http.post(front + "/kvmesh/workers", json=body, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def _delete(
+    http: aiohttp.ClientSession, front: str, worker_id: str, headers: dict[str, str] | None = TOKEN
+) -> tuple[int, Any]:
+    async with http.delete(front + "/kvmesh/workers/" + worker_id, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def test_a_worker_added_at_runtime_is_discovered_followed_and_removed() -> None:
+    async with (
+        run_mock(block_size=16, speedup=50.0) as m0,
+        run_mock(block_size=16, speedup=50.0, seed=1) as m1,
+        aiohttp.ClientSession() as http,
+    ):
+        settings = MeshSettings(workers=(WorkerSpec(m0.base_url, "m0"),), admin_token="s3cret")
+        async with serve(build_router_app(settings)) as front:
+            status, row = await _add(http, front.url, {"url": m1.base_url, "id": "m1"})
+            assert status == 201, row
+            # discovered through its /kvmesh/info, like a configured worker
+            described = (row["worker_id"], row["state"], row["backend"], row["block_size"])
+            assert described == ("m1", "up", "mock", 16)
+            body = {
+                "model": m1.config.model,
+                "messages": [{"role": "user", "content": "runtime worker " * 30}],
+                "max_tokens": 2,
+                "nvext": {"backend_instance_id": "m1"},
+            }
+            async with http.post(front.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                assert r.headers["x-kvmesh-worker-id"] == "m1"
+            for _ in range(200):  # its KV events reach the index
+                if (await _rows(http, front.url))["m1"]["indexed_blocks"] > 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await _rows(http, front.url))["m1"]["indexed_blocks"] > 0
+
+            assert await _delete(http, front.url, "m1") == (200, {"removed": "m1"})
+            assert list(await _rows(http, front.url)) == ["m0"]
+            async with http.get(front.url + "/metrics") as r:
+                gauges = [line for line in (await r.text()).splitlines() if line.startswith("kvmesh_worker_")]
+            assert gauges and not [g for g in gauges if 'worker="m1"' in g]  # its load went with it
+            async with http.post(front.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["param"] == "nvext.backend_instance_id"
+            assert (await _delete(http, front.url, "m1"))[0] == 404
+
+
+async def test_admin_api_refusals() -> None:
+    odd = EngineState("odd", block_size=32)
+    async with (
+        serve(engine_app(EngineState("e0"))) as e0,
+        serve(engine_app(EngineState("e1"))) as e1,
+        serve(engine_app(odd)) as bad,
+        aiohttp.ClientSession() as http,
+    ):
+        settings = MeshSettings(
+            workers=(WorkerSpec(e0.url, "e0"),),
+            router=RouterConfig(use_kv_events=False),
+            admin_token="s3cret",
+        )
+        async with serve(build_router_app(settings)) as front:
+            # the token guards both verbs
+            assert (await _add(http, front.url, {"url": e1.url}, headers=None))[0] == 401
+            wrong = {"authorization": "Bearer nope"}
+            assert (await _add(http, front.url, {"url": e1.url}, headers=wrong))[0] == 401
+            assert (await _delete(http, front.url, "e0", headers=None))[0] == 401
+            # a bad spec names its field
+            for body, field in (
+                ({"url": e1.url, "block_size": -1}, "block_size"),
+                ({"url": 5}, "url"),
+                ({"url": "ftp://x:1"}, "url"),
+                ({"url": e1.url, "colour": "red"}, "colour"),
+                ({"url": e1.url, "kv_events_endpoints": 3}, "kv_events_endpoints"),
+                ([e1.url], "body"),
+            ):
+                status, answer = await _add(http, front.url, body)
+                assert (status, answer["error"]["param"]) == (400, field), answer
+            status, answer = await _add(http, front.url, {"url": e1.url, "block_size": -1})
+            assert answer["error"]["message"] == "block_size must be a positive integer, got -1"
+            # conflicts
+            status, answer = await _add(http, front.url, {"url": e1.url, "id": "e0"})
+            assert (status, answer["error"]["message"]) == (409, "worker id 'e0' is already registered")
+            status, answer = await _add(http, front.url, {"url": e0.url, "id": "again"})
+            assert status == 409
+            assert answer["error"]["message"] == f"worker {e0.url} is already registered as 'e0'"
+            status, answer = await _add(http, front.url, {"url": bad.url, "id": "odd"})
+            assert status == 409
+            assert answer["error"]["message"] == (
+                "block size 32 differs from the fleet's 16; KV hashes would never match"
+            )
+            status, answer = await _add(http, front.url, {"url": e1.url, "block_size": 64})
+            assert status == 409
+            assert list(await _rows(http, front.url)) == ["e0"]  # nothing was kept
+            assert odd.received == []
+            # a worker that does not answer yet is kept, down, and admitted later
+            status, row = await _add(http, front.url, {"url": "http://127.0.0.1:9", "id": "later"})
+            assert (status, row["state"]) == (201, "down")
+            assert (await _delete(http, front.url, "later"))[0] == 200
+            # a good one serves at once
+            status, row = await _add(http, front.url, {"url": e1.url, "id": "e1"})
+            assert (status, row["state"]) == (201, "up")
+            hello = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
+            async with http.post(
+                front.url + "/v1/chat/completions", json=hello, headers={"x-worker-instance-id": "e1"}
+            ) as r:
+                assert r.status == 200
+                assert r.headers["x-kvmesh-worker-id"] == "e1"

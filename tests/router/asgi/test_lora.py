@@ -1,0 +1,127 @@
+"""LoRA: a request whose model names an adapter is hashed with the adapter's seed, like the
+engine salts that adapter's blocks, and goes only to workers serving the adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvmesh.events.publisher import KvEventPublisher
+from kvmesh.router.asgi.standalone import build_router_app
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.servers import serve
+
+BASE = "base-model"
+ADAPTER = "sql-lora"
+PROMPT = list(range(100, 164))  # four full blocks of 16
+
+
+@contextlib.contextmanager
+def _publisher() -> Iterator[KvEventPublisher]:
+    pub = KvEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", block_size=16)
+    try:
+        yield pub
+    finally:
+        pub.close()
+
+
+def _upstream(pub: KvEventPublisher, adapters: list[str], source: str, received: list[str]) -> Starlette:
+    """An engine that serves ``adapters`` and says so in its info or in its model list."""
+
+    async def info(request: Request) -> Response:
+        doc: dict[str, Any] = {
+            "backend": "fake",
+            "model": BASE,
+            "block_size": 16,
+            "dp_size": 1,
+            "kv_events_endpoints": [pub.endpoint],
+            "kv_replay_endpoints": [pub.replay_endpoint],
+            "max_num_batched_tokens": 8192,
+            "total_kv_blocks": 1000,
+        }
+        if source == "info":
+            doc["lora_adapters"] = adapters
+        return JSONResponse(doc)
+
+    async def models(request: Request) -> Response:
+        data = [{"id": BASE, "object": "model", "root": "/models/base", "parent": None}]
+        if source == "models":
+            data += [{"id": a, "object": "model", "root": f"/adapters/{a}", "parent": BASE} for a in adapters]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        received.append(body["model"])
+        usage = {"prompt_tokens": len(PROMPT), "completion_tokens": 1, "total_tokens": len(PROMPT) + 1}
+        return JSONResponse(
+            {"id": "cmpl-1", "object": "text_completion", "model": body["model"],
+             "choices": [{"index": 0, "text": "x"}], "usage": usage}
+        )  # fmt: skip
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    return Starlette(
+        routes=[
+            Route("/kvmesh/info", info),
+            Route("/v1/models", models),
+            Route("/health", health),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
+
+
+@pytest.mark.parametrize("source", ["info", "models"])
+async def test_adapter_requests_hash_with_the_adapter_and_reach_its_workers(source: str) -> None:
+    got_x: list[str] = []
+    got_y: list[str] = []
+    with _publisher() as pub_x, _publisher() as pub_y:
+        async with (
+            serve(_upstream(pub_x, [ADAPTER], source, got_x)) as x,
+            serve(_upstream(pub_y, [], source, got_y)) as y,
+            aiohttp.ClientSession() as http,
+        ):
+            settings = MeshSettings(
+                workers=(WorkerSpec(x.url, "x"), WorkerSpec(y.url, "y")), health_interval=0.2
+            )
+            async with serve(build_router_app(settings)) as front:
+                # x cached the prompt under the adapter, y under the base model
+                pub_x.stored([1, 2, 3, 4], PROMPT, lora_name=ADAPTER)
+                pub_x.flush()
+                pub_y.stored([11, 12, 13, 14], PROMPT)
+                pub_y.flush()
+                rows: dict[str, Any] = {}
+                for _ in range(250):
+                    async with http.get(front.url + "/kvmesh/workers") as r:
+                        rows = {row["worker_id"]: row for row in (await r.json())["workers"]}
+                    if rows["x"]["indexed_blocks"] == rows["y"]["indexed_blocks"] == 4:
+                        break
+                    await asyncio.sleep(0.02)
+                assert rows["x"]["indexed_blocks"] == rows["y"]["indexed_blocks"] == 4
+                assert (rows["x"]["lora_adapters"], rows["y"]["lora_adapters"]) == ([ADAPTER], [])
+
+                async def ask(model: str) -> tuple[str, int]:
+                    body = {
+                        "model": model,
+                        "prompt": PROMPT,
+                        "max_tokens": 1,
+                        "nvext": {"extra_fields": ["worker_id", "timing"]},
+                    }
+                    async with http.post(front.url + "/v1/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+                        nvext = (await r.json())["nvext"]
+                    return nvext["worker_id"], nvext["timing"]["cached_tokens_predicted"]
+
+                # the adapter's prompt matches the adapter-salted blocks on x, not y's base blocks
+                assert await ask(ADAPTER) == ("x", 64)
+                assert await ask(BASE) == ("y", 64)
+                assert (got_x, got_y) == ([ADAPTER], [BASE])

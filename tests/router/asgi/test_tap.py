@@ -1,0 +1,120 @@
+"""kvmesh/router/asgi/tap.py with a raw ASGI recorder: message boundaries, not just content."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvmesh.router.asgi.tap import ResponseTap
+
+
+class Recorder:
+    def __init__(self, echo: dict[str, Any] | None = None) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self.calls: list[str] = []
+        self._echo = echo
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+    def first_event(self) -> None:
+        self.calls.append("first")
+
+    def events(self, n: int) -> None:
+        self.calls.append(f"events:{n}")
+
+    def usage(self, usage: dict[str, Any]) -> None:
+        self.calls.append(f"cached:{usage['prompt_tokens_details']['cached_tokens']}")
+
+    def echo(self) -> dict[str, Any] | None:
+        return self._echo
+
+    def end(self, complete: bool) -> None:
+        self.calls.append(f"end:{complete}")
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+SSE_HEAD = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [(b"content-type", b"text/event-stream")],
+}
+
+
+async def test_sse_goes_out_message_by_message_with_nvext_before_done() -> None:
+    rec = Recorder(echo={"worker_id": "w1"})
+    tap = ResponseTap(rec.send, rec, extra_headers=[(b"x-kvmesh-worker-id", b"w1")])
+    chunk = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "model": "m",
+        "choices": [{"delta": {"content": "a"}}],
+    }
+    usage = {
+        "id": "c1",
+        "choices": [],
+        "usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 4}},
+    }
+    await tap(SSE_HEAD)
+    assert rec.sent[0]["headers"][-1] == (b"x-kvmesh-worker-id", b"w1")  # the head is not held back
+    await tap({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+    await tap({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+    assert [m.get("more_body") for m in rec.sent[1:]] == [True, True]  # each chunk went out at once
+    await tap({"type": "http.response.body", "body": _event(usage) + b"data: [DONE]\n\n", "more_body": False})
+    assert [m.get("more_body") for m in rec.sent[1:]] == [True, True, False]
+    last = rec.sent[-1]["body"].split(b"\n\n")
+    assert last[0] == _event(usage).rstrip()
+    echoed = json.loads(last[1][len(b"data: ") :])
+    assert echoed == {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "model": "m",
+        "choices": [],
+        "nvext": {"worker_id": "w1"},
+    }
+    assert last[2] == b"data: [DONE]"
+    assert rec.calls == ["first", "events:1", "events:1", "events:1", "cached:4", "end:True"]
+    assert tap.complete
+
+
+async def test_json_answer_gets_nvext_and_a_correct_content_length() -> None:
+    rec = Recorder(echo={"worker_id": "w2"})
+    tap = ResponseTap(rec.send, rec)
+    body = json.dumps(
+        {"id": "x", "usage": {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 7}}}
+    )
+    await tap(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    assert rec.sent == []  # held until the body is complete: its length changes
+    await tap({"type": "http.response.body", "body": body[:10].encode(), "more_body": True})
+    await tap({"type": "http.response.body", "body": body[10:].encode(), "more_body": False})
+    start, message = rec.sent
+    doc = json.loads(message["body"])
+    assert doc["nvext"] == {"worker_id": "w2"}
+    assert dict(start["headers"])[b"content-length"] == str(len(message["body"])).encode()
+    assert rec.calls == ["first", "cached:7", "events:3", "end:True"]
+
+
+async def test_errors_and_other_content_types_pass_through_untouched() -> None:
+    rec = Recorder(echo={"worker_id": "w3"})
+    tap = ResponseTap(rec.send, rec)
+    head = {"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]}
+    await tap(head)
+    await tap({"type": "http.response.body", "body": b'{"error": "bad"}', "more_body": False})
+    assert rec.sent == [head, {"type": "http.response.body", "body": b'{"error": "bad"}', "more_body": False}]
+
+
+async def test_an_unfinished_stream_is_not_complete() -> None:
+    rec = Recorder()
+    tap = ResponseTap(rec.send, rec)
+    await tap(SSE_HEAD)
+    await tap({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+    assert not tap.complete and "end:True" not in rec.calls

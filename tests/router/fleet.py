@@ -1,0 +1,42 @@
+"""A standalone router in front of test engines, all on loopback, and a chat body builder."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvmesh.router.asgi.standalone import build_router_app
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.engines import EngineState, engine_app
+from tests.router.servers import Server, serve
+
+
+@contextlib.asynccontextmanager
+async def fleet(
+    n: int = 2,
+    *,
+    router: RouterConfig | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+    **settings: Any,
+) -> AsyncIterator[tuple[Server, list[EngineState], list[Server]]]:
+    """``n`` test engines and a standalone router (approximate KV mode: no events needed)."""
+    states = [EngineState(name=f"e{i}", **(engine_kwargs or {})) for i in range(n)]
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(serve(engine_app(s))) for s in states]
+        config = router or RouterConfig(use_kv_events=False)
+        mesh = MeshSettings(
+            workers=tuple(WorkerSpec(e.url, e.url) for e in engines),
+            router=config,
+            health_interval=settings.pop("health_interval", 0.2),
+            health_failures=1,
+            **settings,
+        )
+        app = build_router_app(mesh)
+        front = await stack.enter_async_context(serve(app))
+        yield front, states, engines
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "test-model", "messages": [{"role": "user", "content": text}], **extra}

@@ -1,0 +1,146 @@
+"""Worker registry behaviour seen from outside: refusal, health, re-admission, busy, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import aiohttp
+
+from kvmesh.mock.testing import run_mock
+from kvmesh.router.asgi.standalone import build_router_app
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.engines import EngineState, engine_app
+from tests.router.fleet import chat, fleet
+from tests.router.servers import serve
+
+
+async def _workers(http: aiohttp.ClientSession, url: str) -> dict[str, dict[str, Any]]:
+    async with http.get(url + "/kvmesh/workers") as r:
+        return {row["url"]: row for row in (await r.json())["workers"]}
+
+
+async def _until_state(http: aiohttp.ClientSession, front: str, worker: str, state: str) -> None:
+    for _ in range(200):
+        if (await _workers(http, front))[worker]["state"] == state:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{worker} never became {state}: {await _workers(http, front)}")
+
+
+async def test_a_worker_with_another_block_size_is_refused_loudly(http: aiohttp.ClientSession) -> None:
+    odd = EngineState("odd", block_size=32)
+    async with serve(engine_app(EngineState("e0"))) as good, serve(engine_app(odd)) as bad:
+        settings = MeshSettings(
+            workers=(WorkerSpec(good.url, good.url), WorkerSpec(bad.url, bad.url)),
+            router=RouterConfig(use_kv_events=False),
+        )
+        async with serve(build_router_app(settings)) as front:
+            rows = await _workers(http, front.url)
+            assert rows[good.url]["state"] == "up"
+            assert rows[bad.url]["state"] == "refused"
+            assert (
+                rows[bad.url]["reason"]
+                == "block size 32 differs from the fleet's 16; KV hashes would never match"
+            )
+            for _ in range(4):
+                async with http.post(front.url + "/v1/chat/completions", json=chat("x")) as r:
+                    assert r.status == 200
+            assert odd.received == []
+
+
+async def test_a_dead_worker_leaves_routing_and_is_readmitted_when_it_returns(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with fleet(2, router=RouterConfig(router_mode="round-robin")) as (front, states, engines):
+        port = int(engines[1].url.rsplit(":", 1)[1])
+        engines[1].crash()
+        await _until_state(http, front.url, engines[1].url, "down")
+        for _ in range(4):
+            async with http.post(front.url + "/v1/chat/completions", json=chat("x")) as r:
+                assert r.status == 200
+        served_while_down = len(states[0].received)
+        assert served_while_down >= 4
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        revived = EngineState("revived")
+        async with serve(engine_app(revived), sock):
+            await _until_state(http, front.url, engines[1].url, "up")
+            for _ in range(4):
+                async with http.post(front.url + "/v1/chat/completions", json=chat("x")) as r:
+                    assert r.status == 200
+            assert len(revived.received) == 2
+
+
+async def test_all_workers_busy_is_503_with_retry_after(http: aiohttp.ClientSession) -> None:
+    config = RouterConfig(use_kv_events=False, active_decode_blocks_threshold=0.0, busy_retry_after_secs=3)
+    async with fleet(1, router=config, engine_kwargs={"chunks": 20, "gap": 0.05}) as (front, _, _e):
+        body = chat("keep me busy " * 20, stream=True)
+        async with http.post(front.url + "/v1/chat/completions", json=body) as first:
+            assert first.status == 200  # nothing in flight yet: admitted
+            async with http.post(front.url + "/v1/chat/completions", json=chat("and me " * 20)) as second:
+                assert second.status == 503
+                assert second.headers["retry-after"] == "3"
+                assert (await second.json())["error"]["code"] == 503
+            await first.read()
+
+
+async def test_session_control_and_cache_control_reach_the_engine(http: aiohttp.ClientSession) -> None:
+    async with run_mock(block_size=16, speedup=50.0) as mock:
+        settings = MeshSettings(workers=(WorkerSpec(mock.base_url, mock.base_url),))
+        async with serve(build_router_app(settings)) as front:
+            body = {
+                "model": mock.config.model,
+                "messages": [{"role": "user", "content": "remember this context " * 20}],
+                "max_tokens": 2,
+                "nvext": {
+                    "session_control": {"session_id": "s-1", "action": "open", "timeout": 30},
+                    "cache_control": {"type": "ephemeral", "ttl": "5m"},
+                },
+            }
+            async with http.post(front.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+            for _ in range(100):
+                if mock.engine.retention.num_retained > 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert mock.engine.retention.num_retained > 0
+
+
+async def test_kvmesh_router_command(http: aiohttp.ClientSession) -> None:
+    async with run_mock(block_size=16, speedup=50.0) as mock:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvmesh", "router", "--workers", mock.base_url, "--port", str(port),
+            "--router-temperature", "0", "--log-level", "warning",
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(300):
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                await asyncio.sleep(0.05)
+            async with http.get(url + "/v1/models") as r:
+                assert [m["id"] for m in (await r.json())["data"]] == [mock.config.model]
+            body = {
+                "model": mock.config.model,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            }
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                assert r.headers["x-kvmesh-worker-id"] == mock.base_url
+        finally:
+            proc.terminate()
+            await proc.wait()

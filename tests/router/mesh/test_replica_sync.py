@@ -1,0 +1,229 @@
+"""Replica sync: engines embedding the middleware share their routing decisions over ZMQ."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq
+
+from kvmesh.commands.demo import start_mesh
+from kvmesh.errors import ConfigError
+from kvmesh.mock.config import MockConfig
+from kvmesh.router.asgi.standalone import build_router_app
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.replica_sync import Envelope, Heartbeat, Routed, encode
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec, add_arguments
+from tests.router.engines import EngineState, engine_app
+from tests.router.servers import serve
+
+MOCK = MockConfig(block_size=16, num_blocks=4096, speedup=1.0)
+SYNC = RouterConfig(router_replica_sync=True)
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MOCK.model, "messages": [{"role": "user", "content": text}], "max_tokens": 4, **extra}
+
+
+async def _json(http: aiohttp.ClientSession, url: str) -> Any:
+    async with http.get(url) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def _load(http: aiohttp.ClientSession, replica: str) -> dict[str, dict[str, Any]]:
+    """Replica ``replica``'s view: worker url -> its row (state, active requests, ranks)."""
+    doc = await _json(http, replica + "/kvmesh/workers")
+    return {row["url"]: row for row in doc["workers"]}
+
+
+async def _until(check: Callable[[], Any], timeout: float = 5.0) -> None:
+    """Poll an async predicate until it holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.03)
+
+
+async def _following_everyone(http: aiohttp.ClientSession, urls: list[str]) -> None:
+    async def check() -> bool:
+        docs = [await _json(http, u + "/kvmesh/router") for u in urls]
+        return all(len(d["sync"]["following"]) == len(urls) - 1 for d in docs)
+
+    await _until(check)
+
+
+async def _burst(
+    http: aiohttp.ClientSession,
+    stack: contextlib.AsyncExitStack,
+    via: str,
+    target: str,
+    n: int,
+    max_tokens: int = 250,
+) -> list[aiohttp.ClientResponse]:
+    """``n`` long streaming requests sent to replica ``via``, pinned to worker ``target``; returns
+    once each has streamed its first event (so they are in flight, past prefill)."""
+    streams = []
+    for i in range(n):
+        body = chat(
+            f"burst {i}: " + "summarise the quarterly report in detail " * 12,
+            max_tokens=max_tokens,
+            stream=True,
+            nvext={"backend_instance_id": target},
+        )
+        r = await stack.enter_async_context(http.post(via + "/v1/chat/completions", json=body))
+        assert r.status == 200
+        assert r.headers["x-kvmesh-worker-id"] == target
+        await r.content.readuntil(b"\n\n")
+        streams.append(r)
+    return streams
+
+
+async def test_a_burst_through_one_replica_is_load_in_every_replica_and_steers_their_routing() -> None:
+    async with start_mesh(3, SYNC, MOCK) as nodes, aiohttp.ClientSession() as http:
+        a, x, c = (n.url for n in nodes)
+        await _following_everyone(http, [a, x, c])
+        async with contextlib.AsyncExitStack() as stack:
+            streams = await _burst(http, stack, a, x, 4)
+
+            async def everyone_sees_the_burst() -> bool:
+                views = [await _load(http, r) for r in (a, x, c)]
+                return all(v[x]["active_requests"] == 4 for v in views)
+
+            # In x's own view the burst counts once, though it arrives both as forwarded requests
+            # and through a's decision stream.
+            await _until(everyone_sees_the_burst)
+            ranks = [(await _load(http, r))[x]["ranks"][0] for r in (a, x, c)]
+            # the views agree: the same blocks, and no prefill left (a told them of first tokens)
+            assert ranks[0]["active_decode_blocks"] >= 4 * 10
+            assert [r["active_decode_blocks"] for r in ranks] == [ranks[0]["active_decode_blocks"]] * 3
+            assert [r["active_prefill_tokens"] for r in ranks] == [0, 0, 0]
+            # c routes fresh prompts away from the worker a just loaded
+            for i in range(4):
+                async with http.post(c + "/v1/chat/completions", json=chat(f"unrelated question {i}")) as r:
+                    assert r.status == 200
+                    assert r.headers["x-kvmesh-worker-id"] != x
+            for s in streams:
+                await s.read()
+
+        async def load_is_gone() -> bool:
+            views = [await _load(http, r) for r in (a, x, c)]
+            return all(row["active_requests"] == 0 and row["ranks"][0]["active_decode_blocks"] == 0
+                       for v in views for row in v.values())  # fmt: skip
+
+        await _until(load_is_gone)
+
+
+async def test_without_replica_sync_other_replicas_see_only_their_own_load() -> None:
+    async with start_mesh(3, RouterConfig(), MOCK) as nodes, aiohttp.ClientSession() as http:
+        a, x, c = (n.url for n in nodes)
+        doc = await _json(http, a + "/kvmesh/router")
+        assert doc["replica_sync"] is False and doc["router_sync_endpoint"] is None
+        async with contextlib.AsyncExitStack() as stack:
+            streams = await _burst(http, stack, a, x, 2, max_tokens=100)
+            assert (await _load(http, a))[x]["active_requests"] == 2
+            assert (await _load(http, c))[x]["active_requests"] == 0
+            for s in streams:
+                await s.read()
+
+
+async def test_a_standalone_replica_follows_a_configured_peer_and_drops_it_when_it_goes_silent() -> None:
+    """A peer speaking the sync protocol on a plain ZMQ socket: its decisions become load in the
+    router's view; a heartbeat that no longer lists one frees it; silence drops the rest."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    peer = ctx.socket(zmq.PUB)
+    peer.setsockopt(zmq.LINGER, 0)
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    seq = 0
+
+    def publish(message: Any) -> None:
+        nonlocal seq
+        seq += 1
+        peer.send(encode(Envelope("peer-router", 7, seq, message)))
+
+    try:
+        async with serve(engine_app(EngineState("e0"))) as e0, serve(engine_app(EngineState("e1"))) as e1:
+            settings = MeshSettings(
+                workers=(WorkerSpec(e0.url, "w0"), WorkerSpec(e1.url, "w1")),
+                router=RouterConfig(use_kv_events=False, router_replica_sync=True),
+                sync_peers=(f"tcp://127.0.0.1:{port}",),
+                sync_endpoint="tcp://127.0.0.1:0",
+                health_interval=0.1,
+            )
+            async with serve(build_router_app(settings)) as front, aiohttp.ClientSession() as http:
+                doc = await _json(http, front.url + "/kvmesh/router")
+                assert doc["router_sync_endpoint"].startswith("tcp://127.0.0.1:")
+                assert doc["sync"]["following"] == [f"tcp://127.0.0.1:{port}"]
+                hashes = list(range(1000, 1040))
+
+                async def peer_known() -> bool:
+                    publish(Heartbeat([]))  # the SUB connects asynchronously: repeat until heard
+                    sync = (await _json(http, front.url + "/kvmesh/router"))["sync"]
+                    return any(p["replica"] == "peer-router" for p in sync["peers"])
+
+                async def two_on_w0() -> bool:
+                    publish(Heartbeat(["p-1", "p-2"]))
+                    return bool((await _load(http, front.url))[e0.url]["active_requests"] == 2)
+
+                await _until(peer_known)
+                publish(Routed("p-1", "w0", 0, hashes, 640, 0))
+                publish(Routed("p-2", "w0", 0, hashes, 640, 0))
+                publish(Routed("p-3", "nobody", 0, hashes, 640, 0))  # not a worker here: ignored
+                await _until(two_on_w0)
+                # the router's own choice avoids w0 now
+                for i in range(3):
+                    async with http.post(front.url + "/v1/chat/completions", json=chat(f"q{i} " * 40)) as r:
+                        assert r.status == 200
+                        assert r.headers["x-kvmesh-worker-id"] == "w1"
+                publish(Heartbeat(["p-1"]))  # p-2's Freed was lost; the heartbeat says it is gone
+
+                async def one_left() -> bool:
+                    return bool((await _load(http, front.url))[e0.url]["active_requests"] == 1)
+
+                await _until(one_left)
+                # the peer falls silent: after its timeout its requests are dropped
+
+                async def peer_dropped() -> bool:
+                    sync = (await _json(http, front.url + "/kvmesh/router"))["sync"]
+                    rows = await _load(http, front.url)
+                    return bool(sync["stats"]["peers_expired"] == 1 and rows[e0.url]["active_requests"] == 0)
+
+                await _until(peer_dropped)
+                stats = (await _json(http, front.url + "/kvmesh/router"))["sync"]["stats"]
+                assert stats["unknown_worker"] == 1
+                assert stats["reconciled"] == 1
+    finally:
+        peer.close(linger=0)
+
+
+def test_sync_settings_from_env_and_flags() -> None:
+    env = {
+        "KVMESH_ROUTER_REPLICA_SYNC": "true",
+        "KVMESH_SYNC_ENDPOINT": "tcp://127.0.0.1:5600",
+        "KVMESH_SYNC_PEERS": "tcp://127.0.0.1:5601, tcp://127.0.0.1:5602",
+    }
+    s = MeshSettings.load(env)
+    assert s.router.router_replica_sync is True
+    assert s.sync_endpoint == "tcp://127.0.0.1:5600"
+    assert s.sync_peers == ("tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    RouterConfig.add_arguments(parser)
+    args = parser.parse_args(
+        ["--router-replica-sync", "--router-sync-endpoint", "tcp://127.0.0.1:*",
+         "--router-sync-peers", "tcp://127.0.0.1:7001"]
+    )  # fmt: skip
+    s = MeshSettings.load({}, args)
+    assert (s.router.router_replica_sync, s.sync_endpoint, s.sync_peers) == (
+        True, "tcp://127.0.0.1:*", ("tcp://127.0.0.1:7001",)
+    )  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"KVMESH_SYNC_ENDPOINT 'http://x:1' must look like tcp://host:port"
+    ):
+        MeshSettings.load({"KVMESH_SYNC_ENDPOINT": "http://x:1"})

@@ -1,0 +1,169 @@
+"""kvmesh.router.request.tokenizer: the builtin tokenizer, its chat template and prompt_token_ids."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvmesh.errors import RequestError
+from kvmesh.router.request.tokenizer import (
+    BuiltinTokenizer,
+    HfTokenizer,
+    Tokenizer,
+    prompt_token_ids,
+)
+
+TOK = BuiltinTokenizer()
+
+
+@given(st.text())
+def test_decode_inverts_encode_for_any_text(text: str) -> None:
+    ids = TOK.encode(text)
+    assert TOK.decode(ids) == text
+    assert all(256 <= i < 2**31 for i in ids)
+
+
+def test_density_is_close_to_a_real_vocabulary() -> None:
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. " * 20
+    ids = TOK.encode(text)
+    assert 2.0 <= len(text) / len(ids) <= 4.0
+
+
+def test_ids_are_the_same_in_another_process() -> None:
+    text = "Déjà vu: 12345 tokens, _under_scores_ and emoji 🙂!"
+    code = f"from kvmesh.router.request.tokenizer import BuiltinTokenizer; print(BuiltinTokenizer().encode({text!r}))"
+    env = {"PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == str(TOK.encode(text))
+
+
+def test_builtin_is_a_tokenizer() -> None:
+    assert isinstance(TOK, Tokenizer)
+
+
+def test_a_shared_system_prompt_gives_a_shared_prefix() -> None:
+    system = {"role": "system", "content": "You are a careful assistant. " * 30}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    a = TOK.apply_chat_template([system, {"role": "user", "content": "What is 2+2?"}], tools=tools)
+    b = TOK.apply_chat_template([system, {"role": "user", "content": "Name a colour."}], tools=tools)
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    # Everything up to the user's text is shared: system prompt, tools and the user turn header.
+    head = TOK.apply_chat_template([system], tools=tools, add_generation_prompt=False)
+    assert common >= len(head) + 2
+    assert a[: len(head)] == head
+
+
+def test_chat_template_renders_roles_tools_and_generation_prompt() -> None:
+    ids = TOK.apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi "}, {"type": "image_url", "image_url": {}}],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+            },
+            {"role": "tool", "content": "42"},
+        ],
+        tools=[{"name": "f"}],
+    )
+    assert TOK.decode(ids) == (
+        '<|im_start|>system\nBe brief.\n\n# Tools\n{"name":"f"}<|im_end|>\n'
+        "<|im_start|>user\nhi <image_url><|im_end|>\n"
+        '<|im_start|>assistant\n\n<tool_call>\n{"name":"f","arguments":"{}"}\n</tool_call><|im_end|>\n'
+        "<|im_start|>tool\n42<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_tools_without_a_system_prompt_open_a_system_turn() -> None:
+    ids = TOK.apply_chat_template(
+        [{"role": "user", "content": "x"}], tools=[{"n": 1}], add_generation_prompt=False
+    )
+    assert (
+        TOK.decode(ids) == '<|im_start|>system\n# Tools\n{"n":1}<|im_end|>\n<|im_start|>user\nx<|im_end|>\n'
+    )
+
+
+def test_prompt_token_ids_for_each_endpoint() -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    assert prompt_token_ids(TOK, {"messages": messages}, "/v1/chat/completions") == TOK.apply_chat_template(
+        messages
+    )
+    assert prompt_token_ids(TOK, {"messages": messages, "add_generation_prompt": False}, "chat") == (
+        TOK.apply_chat_template(messages, add_generation_prompt=False)
+    )
+    assert prompt_token_ids(TOK, {"prompt": "hello"}, "/v1/completions") == TOK.encode("hello")
+    assert prompt_token_ids(TOK, {"prompt": ["hello"]}, "completions") == TOK.encode("hello")
+    assert prompt_token_ids(TOK, {"prompt": [5, 6, 7]}, "/v1/completions") == [5, 6, 7]
+    assert prompt_token_ids(TOK, {"prompt": [[5, 6]]}, "/v1/completions") == [5, 6]
+    with pytest.raises(ValueError, match="not an OpenAI generation endpoint"):
+        prompt_token_ids(TOK, {"prompt": "x"}, "/v1/models")
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint", "field", "message"),
+    [
+        pytest.param({}, "chat", "messages", "'messages' is a required property", id="no-messages"),
+        pytest.param({"messages": []}, "chat", "messages", "non-empty list", id="empty-messages"),
+        pytest.param(
+            {"messages": ["x"]}, "chat", "messages[0]", "must be an object", id="message-not-object"
+        ),
+        pytest.param(
+            {"messages": [{"role": "bot", "content": "x"}]},
+            "chat",
+            "messages[0].role",
+            "must be one of",
+            id="role",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user"}]}, "chat", "messages[0].content", "is required", id="no-content"
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": 3}]},
+            "chat",
+            "messages[0].content",
+            "string or a list",
+            id="content-type",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "chat",
+            "messages[0].content[0].text",
+            "must be a string",
+            id="part-text",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": "x"}], "tools": {}},
+            "chat",
+            "tools",
+            "list of objects",
+            id="tools",
+        ),
+        pytest.param({}, "completions", "prompt", "required property", id="no-prompt"),
+        pytest.param({"prompt": ""}, "completions", "prompt", "must not be empty", id="empty-prompt"),
+        pytest.param({"prompt": ["a", "b"]}, "completions", "prompt", "batched prompts", id="batch"),
+        pytest.param({"prompt": [1, -2]}, "completions", "prompt", "token ids must be in", id="negative-id"),
+        pytest.param(
+            {"prompt": 7}, "completions", "prompt", "string or a list of token ids", id="prompt-type"
+        ),
+    ],
+)
+def test_bad_bodies_name_the_field(body: dict, endpoint: str, field: str, message: str) -> None:
+    with pytest.raises(RequestError, match=message) as info:
+        prompt_token_ids(TOK, body, endpoint)
+    assert info.value.field == field
+    assert info.value.status == 400
+
+
+def test_hf_tokenizer_names_the_extra_when_transformers_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"pip install 'kvmesh\[hf\]'"):
+        HfTokenizer("/nonexistent")

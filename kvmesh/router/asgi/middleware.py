@@ -590,6 +590,7 @@ class _RoutedRequest:
         decision = self.decision
         if isinstance(cached, int) and decision is not None:
             self.mesh.record_cached(self.worker_id, decision.cached_tokens, cached)
+            self.mesh.router.reported_cached(self.request_id, cached)
 
     def echo(self) -> dict[str, Any] | None:
         nv = self.nvext
@@ -614,8 +615,10 @@ class _RoutedRequest:
         mesh = self.mesh
         now = time.monotonic()
         if complete:
-            mesh.router.finished(self.request_id, now)
+            sample = mesh.router.finished(self.request_id, now)
             mesh.metrics.osl.observe(self.out_events)
+            if sample is not None:
+                mesh.record_ttft_prediction(sample)
         else:
             mesh.router.cancel(self.request_id, now)
         session = self.nvext.session

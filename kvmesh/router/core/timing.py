@@ -23,6 +23,12 @@ counts only as ``CLIP`` scales, so one stalled request cannot drag the curve. Co
 non-negative. The seed is a worker's reported profile (``/kvmesh/info`` ``timing_profile``) or the
 reference mocker's fit; both are only a starting point.
 
+A worker the router has barely seen borrows from the fleet: :class:`FleetTiming` predicts with
+a blend of the worker's own fit and a fleet-wide one, weighted by how many observations the
+worker has (``n / (n + SHRINK)``). Without that, a worker that already answered a few requests
+quickly would look faster than an identical one still on the (slower) prior, and take the traffic
+for the wrong reason. A worker that reported its own profile starts from that instead.
+
 Pure: no clock, no I/O. Callers pass the features and the observed times.
 """
 
@@ -43,6 +49,8 @@ SCALE_ALPHA = 0.05
 """EWMA weight of the robust residual scale, the decode scale and the error statistics."""
 TRACE_CAP = 1e4
 """Upper bound on the covariance trace (keeps the gain finite under poor excitation)."""
+SHRINK = 20.0
+"""Observations after which a worker's own fit and the fleet's weigh the same."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,3 +225,55 @@ class TimingModel:
             "ttft_abs_error_ms": round(self.abs_error_ms, 3),
             "ttft_rel_error": round(self.rel_error, 4),
         }
+
+
+class WorkerTiming:
+    """A worker's timing model, shrunk toward the fleet's while it has few observations."""
+
+    __slots__ = ("fleet", "own", "profiled")
+
+    def __init__(self, own: TimingModel, fleet: TimingModel, profiled: bool) -> None:
+        self.own = own
+        self.fleet = fleet
+        self.profiled = profiled
+
+    def _weight(self) -> float:
+        if self.profiled:
+            return 1.0
+        n = self.own.observations
+        return n / (n + SHRINK)
+
+    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float) -> float:
+        w = self._weight()
+        own = self.own.ttft_ms(x_tokens, decoding, kv_usage)
+        if w >= 1.0:
+            return own
+        return w * own + (1.0 - w) * self.fleet.ttft_ms(x_tokens, decoding, kv_usage)
+
+    def prefill_ms(self, x_tokens: float) -> float:
+        w = self._weight()
+        own = self.own.prefill_ms(x_tokens)
+        if w >= 1.0:
+            return own
+        return w * own + (1.0 - w) * self.fleet.prefill_ms(x_tokens)
+
+    def ms_per_token(self) -> float:
+        w = self._weight()
+        return w * self.own.ms_per_token() + (1.0 - w) * self.fleet.ms_per_token()
+
+    def observe_ttft(self, x_tokens: float, decoding: bool, kv_usage: float, ttft_ms: float) -> None:
+        self.own.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms)
+        if not self.profiled:
+            self.fleet.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms)
+
+    def observe_itl(self, gap_ms: float, kv_usage: float) -> None:
+        self.own.observe_itl(gap_ms, kv_usage)
+        if not self.profiled:
+            self.fleet.observe_itl(gap_ms, kv_usage)
+
+    @property
+    def observations(self) -> int:
+        return self.own.observations
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.own.describe(), "own_weight": round(self._weight(), 3)}

@@ -43,6 +43,7 @@ from kvmesh.errors import KvMeshError, WorkerError
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.router.core.kv_router import KvRouter
+from kvmesh.router.core.timing import Profile
 from kvmesh.router.mesh.metrics import Metrics
 from kvmesh.router.mesh.settings import POLARITIES, MeshSettings, WorkerSpec
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
@@ -233,6 +234,7 @@ class WorkerRegistry:
                     "indexed_blocks": snap.indexed_blocks,
                     "total_blocks": snap.total_blocks,
                     "busy": snap.busy,
+                    "timing_model": snap.timing,
                 }
             )
         rows = []
@@ -387,6 +389,7 @@ class WorkerRegistry:
             total_blocks=info.total_kv_blocks,
             max_num_batched_tokens=info.max_num_batched_tokens,
             block_size=info.block_size,
+            profile=Profile.from_info(raw.get("timing_profile")) if isinstance(raw, dict) else None,
         )
         await self._read_adapters(w, raw if isinstance(raw, dict) else None)
         if self._need_events:

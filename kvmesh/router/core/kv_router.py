@@ -233,6 +233,7 @@ class _Obs:
     decoding: bool
     kv_usage: float
     predicted_ms: float
+    memory_wait_ms: float = 0.0
     ttft: float | None = None
     last_token: float | None = None
     cached: int | None = None
@@ -309,9 +310,13 @@ class KvRouter:
         """Every unprofiled worker's observations: what a worker seen little is assumed to be like."""
         self._profiles: dict[WorkerId, Profile | None] = {}
         self._obs: dict[str, _Obs] = {}
-        self._reuse: dict[WorkerKey, float] = {}
-        """Per worker, an EWMA of the engine-reported prefix hit share: how likely cached blocks
-        are to be asked for again (what evicting them would cost)."""
+        self._reuse_fleet = 0.0
+        """EWMA of the engine-reported prefix hit share over the fleet: how likely cached blocks
+        are to be asked for again (what evicting them costs)."""
+        self._seen_reuse = False
+        self._decode_s: dict[WorkerKey, float] = {}
+        """Per worker, an EWMA of a request's time from first token to finish."""
+        self._decode_fleet = 0.0
         self._latency = config.router_cost_model == "latency"
         self._aic = config.router_prefill_load_model == "aic"
 
@@ -371,7 +376,7 @@ class KvRouter:
 
     def _forget_rank(self, key: WorkerKey) -> None:
         self._timing.pop(key, None)
-        self._reuse.pop(key, None)
+        self._decode_s.pop(key, None)
         self._index.remove_worker(key)
         if self._predicted is not None:
             self._predicted.remove_worker(key)
@@ -635,7 +640,9 @@ class KvRouter:
                 new = 0
             decode = load.decode_blocks(key) + new
             if latency:
-                ttft, evict = self._latency_cost(key, prefill, dev, n_blocks, weights.prefill_load_scale)
+                ttft, evict = self._latency_cost(
+                    key, prefill, dev, n_blocks, decode, weights.prefill_load_scale
+                )
                 c = ttft + evict
                 scores.append(
                     CandidateScore(key, dev, host, disk, prefill, prefill / bs, decode, c, False, ttft, evict)
@@ -649,14 +656,25 @@ class KvRouter:
         return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt)
 
     def _latency_cost(
-        self, key: WorkerKey, prefill_tokens: float, device_blocks: int, n_blocks: int, prefill_weight: float
+        self,
+        key: WorkerKey,
+        prefill_tokens: float,
+        device_blocks: int,
+        n_blocks: int,
+        decode_blocks: float,
+        prefill_weight: float,
     ) -> tuple[float, float]:
         """(predicted ms to first token on ``key``, ms of future prefill its evictions would cost).
 
         ``prefill_tokens`` is the work there once this request is added (the decayed queue plus its
-        credited uncached tokens). Eviction: the blocks it adds beyond the worker's free blocks push
-        out least-recently-used cache, which the worker's recent hit share says will be asked for
-        again at that rate; recomputing it later costs the fitted per-token prefill time.
+        credited uncached tokens). Memory: when the blocks of the requests in flight there
+        (``decode_blocks``, this one included) exceed the worker's KV blocks, the engine holds the
+        request until that share of them has finished, about that share of a request's decode
+        time. Eviction: the blocks it adds beyond the worker's free blocks push out
+        least-recently-used cache, which the fleet's reported hit share says will be asked for
+        again at that rate; recomputing it later costs the fitted per-token prefill time. (The rate
+        is the fleet's, not the worker's: a worker's own low hit share would make the worker that
+        thrashes most the cheapest place for new prefixes.)
         """
         model = self._timing[key]
         info = self._workers[key[0]]
@@ -669,7 +687,8 @@ class KvRouter:
         else:  # --router-prefill-load-scale weighs the prefill part against the decode passes
             decode_part = model.ttft_ms(prefill_tokens, decoding, usage) - model.prefill_ms(prefill_tokens)
             ttft = prefill_weight * model.prefill_ms(prefill_tokens) + decode_part
-        reuse = self._reuse.get(key, 0.0)
+        ttft += self._memory_wait_ms(key, decode_blocks, total)
+        reuse = self._reuse_fleet
         if not reuse:
             return ttft, 0.0
         free = total - self._index.block_count(key)
@@ -677,6 +696,12 @@ class KvRouter:
         if evicted <= 0:
             return ttft, 0.0
         return ttft, reuse * evicted * (self._block_size or 1) * model.ms_per_token()
+
+    def _memory_wait_ms(self, key: WorkerKey, decode_blocks: float, total_blocks: int) -> float:
+        overflow = decode_blocks / total_blocks - 1.0
+        if overflow <= 0:
+            return 0.0
+        return overflow * self._decode_s.get(key, self._decode_fleet) * 1000.0
 
     def _finish(
         self,
@@ -731,8 +756,9 @@ class KvRouter:
         predicted = next((s.predicted_ttft_ms for s in breakdown if s.worker == worker), None)
         if predicted is None:
             predicted = model.ttft_ms(ahead + uncached, decoding, usage)
+        wait = self._memory_wait_ms(worker, load.decode_blocks(worker), total)
         self._obs[req.request_id] = _Obs(
-            worker, now, ahead, uncached, req.isl_tokens, decoding, usage, predicted
+            worker, now, ahead, uncached, req.isl_tokens, decoding, usage, predicted, wait
         )
 
     def _commit(
@@ -804,9 +830,21 @@ class KvRouter:
             uncached = max(obs.isl - obs.cached, 0)
             if obs.isl > 0:
                 hit = min(obs.cached / obs.isl, 1.0)
-                old = self._reuse.get(obs.worker)
-                self._reuse[obs.worker] = hit if old is None else old + _REUSE_ALPHA * (hit - old)
-        model.observe_ttft(obs.ahead + uncached, obs.decoding, obs.kv_usage, 1000.0 * obs.ttft)
+                if self._seen_reuse:
+                    self._reuse_fleet += _REUSE_ALPHA * (hit - self._reuse_fleet)
+                else:
+                    self._reuse_fleet, self._seen_reuse = hit, True
+        decode_s = max(now - obs.dispatched - obs.ttft, 0.0)
+        old = self._decode_s.get(obs.worker)
+        self._decode_s[obs.worker] = decode_s if old is None else old + _REUSE_ALPHA * (decode_s - old)
+        if old is None and self._decode_fleet == 0.0:
+            self._decode_fleet = decode_s
+        else:
+            self._decode_fleet += _REUSE_ALPHA * (decode_s - self._decode_fleet)
+        if obs.memory_wait_ms < 1000.0 * obs.ttft:
+            model.observe_ttft(
+                obs.ahead + uncached, obs.decoding, obs.kv_usage, 1000.0 * obs.ttft - obs.memory_wait_ms
+            )
         return TimingSample(obs.worker, obs.predicted_ms / 1000.0, obs.ttft)
 
     def cancel(self, request_id: str, now: float) -> bool:

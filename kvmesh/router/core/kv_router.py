@@ -631,13 +631,20 @@ class KvRouter:
             host = depths.host - dev
             disk = depths.disk - depths.host
             active = load.prefill_tokens_at(key, now) if latency or self._aic else load.prefill_tokens(key)
-            prefill = selector.projected_prefill_tokens(active, isl, dev, host, disk, bs, weights)
             if prompt is not None:
                 new = load.new_blocks(key, prompt, isl)
             elif self.config.router_track_active_blocks:
                 new = n_blocks + (1 if isl > n_blocks * bs else 0)
             else:
                 new = 0
+            if latency and prompt is not None and weights.overlap_score_credit > 0:
+                # Blocks of requests in flight there (a sibling sent a moment ago) will be cached
+                # by the time this one is prefilled behind them: count them as cached there.
+                in_flight = min(n_blocks, prompt.n_blocks + (1 if isl > n_blocks * bs else 0) - new)
+                if in_flight > dev:
+                    host = max(host - (in_flight - dev), 0)
+                    dev = in_flight
+            prefill = selector.projected_prefill_tokens(active, isl, dev, host, disk, bs, weights)
             decode = load.decode_blocks(key) + new
             if latency:
                 ttft, evict = self._latency_cost(

@@ -206,3 +206,16 @@ def test_a_reported_profile_seeds_the_worker_model() -> None:
     by = {s.worker[0]: s for s in d.breakdown}
     assert by["a"].predicted_ttft_ms == pytest.approx(2 + 2.0, rel=0.01)  # 0.001*2000 + 1 + decode 1
     assert d.worker == ("a", 0)
+
+
+def test_siblings_in_flight_count_as_cache_where_they_were_sent() -> None:
+    """A burst of n samples of one prompt: before any KV event, the blocks of the first sibling
+    in flight on a worker will be cached there by the time the next is prefilled behind it."""
+    prompt = toks(8, 3000)
+
+    def burst(model: str) -> set[str]:
+        r = router("abcd", router_cost_model=model)
+        return {pick(r, f"s{i}", prompt).worker[0] for i in range(4)}
+
+    assert len(burst("latency")) == 1  # one prefill, three hits
+    assert len(burst("dynamo")) == 4  # Dynamo's cost spreads them by load

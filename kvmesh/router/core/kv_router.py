@@ -103,6 +103,8 @@ class CandidateScore:
     """The latency cost's predicted time to first token (None with Dynamo's cost)."""
     eviction_ms: float = 0.0
     """The latency cost's price for live cache this request would evict there."""
+    work_ms: float = 0.0
+    """The latency cost's engine time this request adds there (its own uncached prefill)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -650,9 +652,13 @@ class KvRouter:
                 ttft, evict = self._latency_cost(
                     key, prefill, dev, n_blocks, decode, weights.prefill_load_scale
                 )
-                c = ttft + evict
+                # the engine time it adds there, which whatever arrives next waits behind
+                work = self._timing[key].prefill_ms(prefill - active) if prefill > active else 0.0
+                c = ttft + work + evict
                 scores.append(
-                    CandidateScore(key, dev, host, disk, prefill, prefill / bs, decode, c, False, ttft, evict)
+                    CandidateScore(
+                        key, dev, host, disk, prefill, prefill / bs, decode, c, False, ttft, evict, work
+                    )
                 )
             else:
                 c = selector.cost(prefill, decode, bs, weights.prefill_load_scale)

@@ -7,8 +7,6 @@ prefix hits) and what the router's timing model learned. Not asserted: wall-cloc
 
 from __future__ import annotations
 
-import statistics
-
 import aiohttp
 import pytest
 
@@ -49,6 +47,3 @@ async def test_the_latency_cost_does_no_more_prefill_work_than_dynamos_and_learn
     models = [rank["timing_model"] for w in workers for rank in w["ranks"]]
     assert all(m is not None for m in models)
     assert sum(m["observations"] for m in models) == 32  # every finished request taught its worker
-    # the fitted curves are in the range of the engines' real one (the mock's fit / --speedup 4)
-    slopes = [m["prefill_ms"][1] for m in models if m["observations"] >= 5]
-    assert slopes and 0.25 * 0.0152 / 4 < statistics.median(slopes) < 4 * 0.0152 / 4

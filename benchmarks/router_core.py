@@ -35,7 +35,7 @@ from _harness import machine, median, percentile, table
 from kvmesh.events.wire import BlockStored
 from kvmesh.hashing import block_hashes
 from kvmesh.router.core.config import RouterConfig
-from kvmesh.router.core.indexer import PrefixIndex
+from kvmesh.router.core.event_index import PrefixIndex
 from kvmesh.router.core.kv_router import KvRouter, RouteRequest
 
 PREFIXES = 100

@@ -7,7 +7,7 @@
     │   └── NvextError           an invalid ``nvext`` field or override header
     └── WorkerError              a worker that cannot be reached or is inconsistent
 
-Third-party errors (msgspec, zmq, aiohttp) are translated into these at the module boundary
+Third-party errors (msgspec, zmq, the HTTP client's socket errors) are translated into these at the module boundary
 that sees them, so callers handle one tree.
 """
 

@@ -27,8 +27,16 @@ case "$engine" in
     ;;
   sglang)
     engine_pkg="sglang==0.5.23"
+    # Enough of SGLang's declared requirements (its own pins where it has them) for the radix
+    # caches, the scheduler and tokenizer-manager modules and the HTTP server to import on CPU.
+    # Left out: CUDA kernels, and torchvision, whose registry wheels need CUDA torch; the tests
+    # put a stand-in on the path instead (tests/engines/sglang_stubs, see sglang_env.py).
     engine_deps="torch==2.13.0 triton msgspec pyzmq pydantic numpy orjson psutil pybase64 requests
-      packaging pillow starlette tqdm ipython aiohttp"
+      packaging pillow starlette tqdm ipython aiohttp transformers==5.19.0 tokenizers==0.23.2
+      compressed-tensors==0.18.0 apache-tvm-ffi==0.1.11 fastapi uvicorn>=0.51 uvloop setproctitle
+      python-multipart partial_json_parser dill einops zstandard python-dateutil<3 distro easydict
+      interegular blobfile==3.0.0 openai==2.8.0 anthropic sentencepiece==0.2.1 tiktoken gguf
+      jsonschema xgrammar==0.2.7 soundfile==0.13.1 huggingface_hub scipy"
     ;;
   *) echo "engine-env.sh: unknown engine '$engine' (expected vllm or sglang)" >&2; exit 2 ;;
 esac

@@ -7,7 +7,7 @@ Levels (imports only go down or stay inside the same package):
     3  kvmesh.mock, kvmesh.bench     (siblings: neither imports the other)
     2  kvmesh.router, kvmesh.worker  (siblings: neither imports the other)
     1  kvmesh.events
-    0  kvmesh.hashing, kvmesh.errors, kvmesh._types
+    0  kvmesh.hashing, kvmesh.errors, kvmesh._types, kvmesh._http
 
 Inside ``kvmesh.router`` the layers are folders, imports again only going down:
 
@@ -34,6 +34,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvmesh"
 ENGINES = {"vllm", "sglang", "tensorrt_llm"}
+ADAPTERS = {"vllm", "sglang", "trtllm"}
 LEVELS = {
     "kvmesh.cli": 5,
     "kvmesh.commands": 5,
@@ -47,6 +48,7 @@ LEVELS = {
     "kvmesh.hashing": 0,
     "kvmesh.errors": 0,
     "kvmesh._types": 0,
+    "kvmesh._http": 0,
     "kvmesh": 0,  # the package root re-exports leaves only
 }
 SIBLINGS = [
@@ -79,12 +81,21 @@ def _module_name(path: Path) -> str:
 
 
 def _unit(module: str) -> str:
-    """The layering unit a module belongs to: the longest LEVELS key that prefixes it."""
+    """The layering unit a module belongs to: the longest LEVELS key that prefixes it; each engine's
+    adapter is a unit of its own (``kvmesh.adapters.vllm``), so adapters cannot import each other."""
     best = ""
     for key in LEVELS:
         if (module == key or module.startswith(key + ".")) and len(key) > len(best):
             best = key
+    if best == "kvmesh.adapters":
+        parts = module.split(".")
+        if len(parts) > 2 and (parts[2] in ADAPTERS or (PACKAGE / "adapters" / parts[2]).is_dir()):
+            return ".".join(parts[:3])
     return best
+
+
+def _level_key(unit: str) -> str:
+    return "kvmesh.adapters" if unit.startswith("kvmesh.adapters.") else unit
 
 
 def _router_layer(module: str) -> str | None:
@@ -134,7 +145,7 @@ def _violations() -> list[str]:
     for path in _sources():
         module = _module_name(path)
         unit = _unit(module)
-        level = LEVELS[unit]
+        level = LEVELS[_level_key(unit)]
         tree = ast.parse(path.read_text(), filename=str(path))
         for imported, line, eager, typing_only in _imports(tree, module):
             where = f"{path.relative_to(PACKAGE.parent)}:{line} imports {imported}"
@@ -169,9 +180,9 @@ def _violations() -> list[str]:
                 problems.append(f"{where}: {a} and {b} are siblings and must not import each other")
             elif unit.startswith("kvmesh.adapters.") and target.startswith("kvmesh.adapters."):
                 problems.append(f"{where}: one adapter must not import another")
-            elif LEVELS[target] > level:
+            elif LEVELS[_level_key(target)] > level:
                 problems.append(
-                    f"{where}: {unit} (level {level}) must not import {target} (level {LEVELS[target]})"
+                    f"{where}: {unit} (level {level}) must not import {target} (level {LEVELS[_level_key(target)]})"
                 )
     return problems
 
@@ -211,7 +222,13 @@ def test_imports_only_go_down() -> None:
             id="engine-outside",
         ),
         pytest.param("import vllm\n", "kvmesh.adapters.vllm.plugin", "inside functions", id="engine-eager"),
-        pytest.param("import time\n", "kvmesh.router.core.indexer", "pure routing core", id="clock"),
+        pytest.param(
+            "from kvmesh.adapters.vllm import middleware\n",
+            "kvmesh.adapters.trtllm.middleware",
+            "one adapter must not import another",
+            id="adapter-adapter",
+        ),
+        pytest.param("import time\n", "kvmesh.router.core.event_index", "pure routing core", id="clock"),
         pytest.param("import asyncio\n", "kvmesh.router.request.nvext", "pure routing core", id="request-io"),
         pytest.param(
             "from kvmesh.router.mesh import runtime\n", "kvmesh.router.core.load", "above it", id="core-up"

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from kvmesh._http import SseLines, sse_data
 from kvmesh.bench.workloads import Answer, Session
 
 
@@ -157,16 +158,12 @@ async def _one_request(
 async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, sent: float) -> None:
     last = None
     parts: list[str] = []
-    buffer = b""
+    lines = SseLines()
     async for chunk in response.content.iter_any():
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
+        _, whole, _ = lines.feed(chunk)
+        for line in whole.splitlines():
+            payload = sse_data(line)
+            if payload is None or payload.strip() == b"[DONE]":
                 continue
             event = json.loads(payload)
             now = time.perf_counter()
@@ -187,10 +184,17 @@ async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult, 
                 result.cached_tokens = details.get("cached_tokens")
             nvext = event.get("nvext")
             if isinstance(nvext, dict) and nvext.get("worker_id") is not None:
-                result.worker_id = str(nvext["worker_id"])
+                result.worker_id = _decode_worker(nvext["worker_id"])
             if "error" in event:
                 result.error = f"stream error: {event['error']}"
     result.text = "".join(parts)
+
+
+def _decode_worker(worker_id: Any) -> str:
+    """The worker that produced the answer: a disaggregated echo names both stages."""
+    if isinstance(worker_id, dict):
+        return str(worker_id.get("decode_worker_id"))
+    return str(worker_id)
 
 
 def _delta_text(event: dict[str, Any]) -> str | None:

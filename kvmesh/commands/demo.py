@@ -2,7 +2,7 @@
 latency cost), then with Dynamo's cost, then round-robin.
 
 Each simulated engine embeds ``KvMeshMiddleware`` exactly as a real engine would
-(``vllm serve --middleware kvmesh.router.KvMeshMiddleware``): it knows its own URL and its three
+(``vllm serve --middleware kvmesh.adapters.vllm.KvMeshMiddleware``): it knows its own URL and its three
 peers, follows every peer's KV events, and serves or forwards each request it receives. The
 client spreads conversations over the four engines' own ports, as a plain load balancer would.
 Both runs start from a fresh fleet (empty caches) and send exactly the same conversations.

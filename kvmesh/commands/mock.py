@@ -95,6 +95,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODULE:NAME",
         help="ASGI middleware class or @app.middleware('http') function to add, like vLLM's --middleware (repeatable)",
     )
+    parser.add_argument(
+        "--role",
+        choices=("aggregated", "prefill", "decode"),
+        default=d.role,
+        help="part in disaggregated serving, reported in /kvmesh/info; every role speaks vLLM's "
+        "kv_transfer_params hand-off [%(default)s]",
+    )
+    parser.add_argument(
+        "--transfer-ms-per-block",
+        type=float,
+        default=d.transfer_ms_per_block,
+        help="simulated time to pull one KV block from the prefill engine, in ms [%(default)s]",
+    )
+    parser.add_argument(
+        "--transfer-fixed-ms",
+        type=float,
+        default=d.transfer_fixed_ms,
+        help="simulated fixed cost of one KV hand-off, in ms [%(default)s]",
+    )
     parser.add_argument("--log-level", default="warning", help="uvicorn log level [%(default)s]")
 
 
@@ -122,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
             pin_budget=args.pin_budget,
             admin_token=args.admin_token or None,
             report_profile=args.report_profile,
+            role=args.role,
+            transfer_ms_per_block=args.transfer_ms_per_block,
+            transfer_fixed_ms=args.transfer_fixed_ms,
         ).validate()
         tokenizer = None
         if args.tokenizer:

@@ -27,6 +27,10 @@ class MockConfig:
     pin_budget: float = 0.5  # share of the cache that pins and open sessions may hold
     admin_token: str | None = None
     report_profile: bool = False  # serve the step-time model in /kvmesh/info (real engines have none)
+    # disaggregated serving (vLLM's kv_transfer_params protocol, simulated transfer)
+    role: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    transfer_ms_per_block: float = 0.1  # pulling one block's KV from the prefill engine
+    transfer_fixed_ms: float = 2.0  # per hand-off: handshake and the transfer's completion notice
 
     def validate(self) -> MockConfig:
         """Return self, or raise ConfigError naming the flag at fault."""
@@ -52,6 +56,14 @@ class MockConfig:
             raise ConfigError(
                 f"--max-model-len must be in [2, {capacity}] (--num-blocks x --block-size), got {self.max_model_len}"
             )
+        if self.role not in ("aggregated", "prefill", "decode"):
+            raise ConfigError(f"--role must be aggregated, prefill or decode, got {self.role!r}")
+        for flag, ms in (
+            ("--transfer-ms-per-block", self.transfer_ms_per_block),
+            ("--transfer-fixed-ms", self.transfer_fixed_ms),
+        ):
+            if not ms >= 0:
+                raise ConfigError(f"{flag} must be a non-negative number, got {ms!r}")
         if self.kv_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ConfigError("--kv-replay-endpoint needs --kv-events-endpoint")
         return self

@@ -14,17 +14,15 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+from kvmesh._http import wait_disconnect
+
 
 async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -> bool:
     """Run ``work`` (the request body must already be read); cancel it if the client disconnects
     first. True if the work completed, False if the client went away."""
     task = asyncio.ensure_future(work)
 
-    async def listen() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    listener = asyncio.ensure_future(listen())
+    listener = asyncio.ensure_future(wait_disconnect(receive))
     try:
         await asyncio.wait((task, listener), return_when=asyncio.FIRST_COMPLETED)
     finally:

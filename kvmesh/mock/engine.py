@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,7 @@ class MockEngine:
         self.tokenizer: Tokenizer = tokenizer or BuiltinTokenizer()
         self.clock = clock
         self.salt = new_salt(config.seed)
+        self.engine_id = f"kvmesh-mock-{uuid.uuid4().hex[:12]}"
         self.pool = BlockPool(config.num_blocks, config.block_size)
         # Pins and sessions hold ordinary block references, so the pool never evicts them; past the
         # budget a pin is refused whole (HTTP 409) rather than cut short.
@@ -291,10 +293,42 @@ class MockEngine:
             "total_kv_blocks": cfg.num_blocks,
             "priority_polarity": "lower_first" if cfg.scheduling_policy == "priority" else "none",
             "max_model_len": cfg.model_len,
+            "role": cfg.role,
         }
         if cfg.report_profile:
             info["timing_profile"] = profile(cfg.speedup)
         return info
+
+    # --- disaggregated serving (the KV hand-off, simulated) ----------------------------------------
+
+    def prompt_blocks(self, token_ids: list[int]) -> tuple[list[int], int]:
+        """(block hashes of the prompt's full blocks a request would reuse, how many are cached)."""
+        hashes: list[int] = []
+        # the last prompt token is always recomputed, as the scheduler does
+        usable = max(len(token_ids) - 1, 0)
+        extend_block_hashes(hashes, token_ids[:usable], self.config.block_size, self.salt)
+        return hashes, len(self.pool.cached_prefix(hashes, len(hashes)))
+
+    def transfer_seconds(self, missing_blocks: int) -> float:
+        """Simulated time to pull ``missing_blocks`` blocks from a prefill engine."""
+        cfg = self.config
+        return (cfg.transfer_fixed_ms + cfg.transfer_ms_per_block * missing_blocks) / 1000 / cfg.speedup
+
+    def import_prefix(self, token_ids: list[int]) -> int:
+        """Enter a prompt's full blocks into the prefix cache as if their KV had arrived from a
+        prefill engine (published as BlockStored, then free and cached, so the request that
+        follows finds them as prefix hits); returns how many blocks were new. Blocks that do not
+        fit are left for the request to compute."""
+        hashes, cached = self.prompt_blocks(token_ids)
+        have = self.pool.cached_prefix(hashes, len(hashes))
+        missing = min(len(hashes) - cached, self.pool.num_free)
+        if missing <= 0:
+            return 0
+        fresh = self.pool.allocate(missing)
+        self.pool.cache_blocks([*have, *fresh], hashes, token_ids, cached, cached + missing)
+        self.pool.free(fresh)
+        self._publish_events()
+        return missing
 
     def kv_state(self) -> dict[str, Any]:
         """Every cached block plus the last published sequence number, from one instant."""

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvmesh._http import error_body as shared_error_body
 from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import GenerationParams
@@ -31,6 +32,9 @@ class ParsedRequest:
     params: GenerationParams
     stream: bool
     include_usage: bool
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's disaggregation hand-off: ``do_remote_decode`` (prefill here) or ``do_remote_prefill``
+    (the KV comes from a prefill engine)."""
 
 
 def parse_generation(
@@ -115,7 +119,10 @@ def parse_generation(
         priority=priority,
         session_id=_session_id(body),
     )
-    return ParsedRequest(endpoint, config.model, params, stream, include_usage)
+    transfer = body.get("kv_transfer_params")
+    if transfer is not None and not isinstance(transfer, dict):
+        raise RequestError("'kv_transfer_params' must be an object", field="kv_transfer_params")
+    return ParsedRequest(endpoint, config.model, params, stream, include_usage, transfer)
 
 
 def _session_id(body: Mapping[str, Any]) -> str | None:
@@ -182,10 +189,4 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def error_body(message: str, *, status: int, field: str | None) -> dict[str, Any]:
-    kind = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        409: "ConflictError",
-    }.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
-    return {"error": {"message": message, "type": kind, "param": field, "code": status}}
+    return shared_error_body(message, status, field)

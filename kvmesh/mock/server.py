@@ -11,6 +11,7 @@ The app's lifespan starts and stops the engine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import inspect
@@ -83,6 +84,16 @@ def build_app(
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         response_id = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
         request_id = uuid.uuid4().hex
+        transfer = parsed.kv_transfer_params
+        if transfer is not None and transfer.get("do_remote_prefill"):
+            # The decode side of a hand-off: pull the prompt's KV (simulated), then decode.
+            prompt = parsed.params.prompt_token_ids
+            hashes, cached = engine.prompt_blocks(prompt)
+            if not await until_disconnect(
+                request.receive, asyncio.sleep(engine.transfer_seconds(len(hashes) - cached))
+            ):
+                return Response(status_code=499)
+            engine.import_prefix(prompt)
         stream = engine.submit(parsed.params, request_id)
         if parsed.stream:
             return EngineStreamResponse(
@@ -95,9 +106,20 @@ def build_app(
             return Response(status_code=499)
         if stream.finish_reason == "abort":
             return error_response("the engine stopped before the request finished", 503)
-        return JSONResponse(
-            _full_response(stream, parsed, response_id, text_of), headers={"x-request-id": response_id}
-        )
+        answer = _full_response(stream, parsed, response_id, text_of)
+        if transfer is not None and transfer.get("do_remote_decode"):
+            # The prefill side of a hand-off: say where the KV is, as vLLM's connectors do.
+            hashes, _ = engine.prompt_blocks(parsed.params.prompt_token_ids)
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": engine.engine_id,
+                "remote_block_ids": list(range(len(hashes))),
+                "remote_host": request.url.hostname,
+                "remote_port": request.url.port,
+                "remote_request_id": request_id,
+            }
+        return JSONResponse(answer, headers={"x-request-id": response_id})
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")

@@ -1,8 +1,12 @@
-"""The router: pure routing core, ASGI middleware and the standalone router app.
+"""The router, in layer folders (imports only go down): ``core/`` (pure routing) < ``request/``
+(pure parsing and tokenization) < ``upstream/`` (the HTTP/1.1 client towards workers) < ``mesh/``
+(the fleet runtime) < ``asgi/`` (the middleware, the admin endpoints, the standalone app).
+docs/ARCHITECTURE.md draws them and one request's path through them.
 
-``kvmesh.router.KvMeshMiddleware`` is what engines load (``vllm serve --middleware
-kvmesh.router.KvMeshMiddleware``); it is imported lazily so that the pure routing core can be used
-without pulling in the HTTP stack.
+``kvmesh.router.KvMeshMiddleware`` is the engine-agnostic middleware for any ASGI app, the simulated
+engine and the standalone router. Inside an engine, mount that engine's subclass instead (``vllm
+serve --middleware kvmesh.adapters.vllm.KvMeshMiddleware``), which hashes with the engine's own
+tokenizer. It is imported lazily, so the pure core can be used without the HTTP stack.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ With an admin token configured, every route wants ``Authorization: Bearer <token
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import json
 import math
@@ -25,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvmesh._http import error_body, token_matches
 from kvmesh.errors import RequestError
 
 T = TypeVar("T")
@@ -43,25 +43,12 @@ class WorkerBackend(Protocol):
 
 
 def error_response(message: str, status: int, field: str | None = None) -> JSONResponse:
-    kind = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        409: "ConflictError",
-    }.get(status, "BadRequestError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": field, "code": status}}, status)
+    return JSONResponse(error_body(message, status, field), status)
 
 
 def admin_token_ok(request: Request, token: str | None) -> bool:
     """True when no token is configured or the request carries the right one."""
-    if not token:
-        return True
-    given = request.headers.get(ADMIN_HEADER)
-    if given is None:
-        auth = request.headers.get("authorization", "")
-        scheme, _, value = auth.partition(" ")
-        given = value.strip() if scheme.lower() == "bearer" else None
-    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+    return token_matches(token, request.scope["headers"])
 
 
 async def _call(value: T | Awaitable[T]) -> T:

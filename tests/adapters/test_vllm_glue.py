@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvmesh.adapters.session_tag import tag_session
 from kvmesh.adapters.vllm._vllm import import_vllm
 from kvmesh.adapters.vllm.endpoints import VllmWorkerBackend, advertise_host_from_env
 from kvmesh.adapters.vllm.engine_rpc import pin_budget_from_env
-from kvmesh.adapters.vllm.middleware import _tag_session
 from kvmesh.errors import ConfigError
 
 
@@ -105,7 +105,7 @@ async def test_a_session_request_gets_vllms_session_header_and_its_body_replayed
         {"messages": [], "nvext": {"session_control": {"session_id": "s-1", "action": "open"}}}
     )
     chunks = [body[:10], body[10:]]
-    scope, receive = await _tag_session(_scope(body), _receiver(chunks), limit=1 << 20)
+    scope, receive = await tag_session(_scope(body), _receiver(chunks), limit=1 << 20)
     assert (b"x-session-id", b"s-1") in scope["headers"]
     assert await _drain(receive) == (body, [True, False])
     assert (await receive())["type"] == "http.disconnect"  # later messages come from the client
@@ -130,6 +130,6 @@ async def test_requests_without_a_usable_session_pass_untouched(
     body: bytes, extra: list[tuple[bytes, bytes]] | None, limit: int
 ) -> None:
     scope = _scope(body, extra)
-    tagged, receive = await _tag_session(scope, _receiver([body]), limit=limit)
+    tagged, receive = await tag_session(scope, _receiver([body]), limit=limit)
     assert [h for h in tagged["headers"] if h[0] == b"x-session-id"] == (extra or [])
     assert (await _drain(receive))[0] == body

@@ -23,7 +23,7 @@ with warnings.catch_warnings():
     from kvmesh.events.subscriber import EventSubscriber
     from kvmesh.events.wire import BlockStored, EventBatch, decode_batch
     from kvmesh.hashing import block_hashes
-    from kvmesh.router.core.indexer import PrefixIndex
+    from kvmesh.router.core.event_index import PrefixIndex
     from tests.engines.vllm_helpers import (
         BLOCK_SIZE,
         LoopbackEngineCore,

@@ -28,6 +28,10 @@ class EngineState:
     hold: float = 0.0  # seconds before the response head (a long prefill)
     info_delay: float = 0.0  # seconds before /kvmesh/info answers (slow discovery)
     polarity: str = "lower_first"
+    backend: str = "test"
+    role: str = "aggregated"
+    transfer_params: dict[str, Any] | None = None  # a prefill answer's kv_transfer_params
+    status: int = 200  # of every generation answer (a failing prefill worker: 500)
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     active: int = 0
@@ -42,7 +46,8 @@ def engine_app(state: EngineState) -> Starlette:
             await asyncio.sleep(state.info_delay)
         return JSONResponse(
             {
-                "backend": "test",
+                "backend": state.backend,
+                "role": state.role,
                 "model": "test-model",
                 "block_size": state.block_size,
                 "dp_size": 1,
@@ -71,6 +76,10 @@ def engine_app(state: EngineState) -> Starlette:
                     state.aborted += 1
                     return Response(status_code=499)
                 await asyncio.sleep(0.02)
+        if state.status != 200:
+            return JSONResponse(
+                {"error": {"message": "failing on purpose", "code": state.status}}, state.status
+            )
         usage = {
             "prompt_tokens": 100,
             "completion_tokens": state.chunks,
@@ -78,15 +87,17 @@ def engine_app(state: EngineState) -> Starlette:
             "prompt_tokens_details": {"cached_tokens": 32},
         }
         if not body.get("stream"):
-            return JSONResponse(
-                {
-                    "id": "cmpl-1",
-                    "object": "chat.completion",
-                    "model": "test-model",
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": state.name}}],
-                    "usage": usage,
-                }
-            )
+            answer: dict[str, Any] = {
+                "id": "cmpl-1",
+                "object": "chat.completion",
+                "model": "test-model",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": state.name}}],
+                "usage": usage,
+            }
+            transfer = body.get("kv_transfer_params")
+            if isinstance(transfer, dict) and transfer.get("do_remote_decode") and state.transfer_params:
+                answer["kv_transfer_params"] = state.transfer_params
+            return JSONResponse(answer)
 
         async def events() -> Any:
             state.active += 1

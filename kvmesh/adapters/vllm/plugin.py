@@ -52,7 +52,8 @@ def allow_publisher_name() -> None:
     names = typing.get_args(field.type)
     if not names or PUBLISHER_NAME in names:
         return  # already widened, or not a Literal any more (a newer vLLM may accept any name)
-    widened = typing.Literal[(*names, PUBLISHER_NAME)]  # type: ignore[valid-type]
+    choices = (*names, PUBLISHER_NAME)  # a name, not [(*...)]: mypy reads that as 3.11-only syntax
+    widened = typing.Literal[choices]  # type: ignore[valid-type]
     field.type = widened
     KVEventsConfig.__annotations__["publisher"] = widened
     rebuild_dataclass(KVEventsConfig, force=True)

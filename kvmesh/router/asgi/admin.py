@@ -1,110 +1,182 @@
-"""Runtime admin endpoints the middleware answers besides ``GET /kvmesh/workers``::
+"""The router's admin endpoints, as Starlette routes over the fleet runtime::
 
+    GET    /kvmesh/workers        -> every worker's state, load and indexed blocks
     POST   /kvmesh/workers        {"url": ..., "id": ..., spec fields} -> 201 + the worker's row
     DELETE /kvmesh/workers/{id}   -> 200 {"removed": id}
     GET    /kvmesh/router         -> this replica: name, epoch, replica-sync endpoint and peers
+    GET    /busy_threshold        -> the busy thresholds in force
+    POST   /busy_threshold        {threshold: value | null, ...} -> the thresholds after the change
 
-A POST takes the fields of a ``[[workers]]`` table (``url`` required; ``id`` defaults to the URL;
-``block_size``, ``kv_events_endpoints`` ... override the worker's ``/kvmesh/info``). The worker is
-discovered before the answer: 409 when its id or URL is taken or its block size differs from the
-fleet's, 400 naming the field for a bad spec. One that does not answer yet is kept (state
-``down``) and admitted by the health checks when it does. A DELETE drops the worker's index
-blocks, load and event subscriptions. Changes are per replica and not persisted.
+A POST to ``/kvmesh/workers`` takes the fields of a ``[[workers]]`` table (``url`` required; ``id``
+defaults to the URL; ``block_size``, ``kv_events_endpoints`` ... override the worker's
+``/kvmesh/info``). The worker is discovered before the answer: 409 when its id or URL is taken or
+its block size differs from the fleet's, 400 naming the field for a bad spec. One that does not
+answer yet is kept (state ``down``) and admitted by the health checks when it does. A DELETE drops
+the worker's index blocks, load and event subscriptions. Changes are per replica, not persisted.
 
-With an admin token configured every route here wants ``x-kvmesh-admin-token: <token>`` or
-``Authorization: Bearer <token>`` (401 otherwise).
+One token rule (docs/ARCHITECTURE.md): with an admin token configured, *every* route here wants
+``x-kvmesh-admin-token: <token>`` or ``Authorization: Bearer <token>`` (401 otherwise), reads
+included: the worker list names every engine's address and the replica answer its sync socket.
+Without a token they are open, as the reference router's are.
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, Router
 
-from kvmesh.errors import RequestError
-from kvmesh.router.asgi.json_io import read_body, send_error, send_json
+from kvmesh._http import error_body, token_matches
+from kvmesh.errors import ConfigError
+from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.registry import WorkerConflict
 from kvmesh.router.mesh.runtime import ROUTER_PATH, Mesh
 from kvmesh.router.mesh.settings import WorkerSpecError, worker_from_mapping
 
 WORKERS_PATH = "/kvmesh/workers"
+BUSY_PATH = "/busy_threshold"
 _WORKER_PREFIX = WORKERS_PATH + "/"
 _BODY_LIMIT = 64 * 1024
-_ADMIN_HEADER = b"x-kvmesh-admin-token"
+_THRESHOLD_FIELDS = (
+    "active_decode_blocks_threshold",
+    "active_prefill_tokens_threshold",
+    "active_prefill_tokens_threshold_frac",
+)
+_encode = msgspec.json.encode
 
 
-def handles(path: str, method: str) -> bool:
-    """True for the requests :func:`handle` answers."""
-    return (
-        (path == WORKERS_PATH and method == "POST")
-        or (path.startswith(_WORKER_PREFIX) and method == "DELETE")
-        or (path == ROUTER_PATH and method == "GET")
+def handles(path: str) -> bool:
+    """True for the paths the admin app answers (any method: a wrong one gets its 405 there)."""
+    return path in (WORKERS_PATH, ROUTER_PATH, BUSY_PATH) or path.startswith(_WORKER_PREFIX)
+
+
+def _json(doc: Any, status: int = 200) -> Response:
+    return Response(_encode(doc), status, media_type="application/json")
+
+
+def _error(status: int, message: str, field: str | None = None) -> Response:
+    return _json(error_body(message, status, field), status)
+
+
+class _BadBody(Exception):
+    def __init__(self, message: str, field: str | None = "body") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+async def _json_body(request: Request) -> Any:
+    size = 0
+    chunks = []
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > _BODY_LIMIT:
+            raise _BadBody(f"body larger than {_BODY_LIMIT} bytes")
+        chunks.append(chunk)
+    try:
+        return msgspec.json.decode(b"".join(chunks))
+    except msgspec.DecodeError:
+        raise _BadBody("body must be a JSON object") from None
+
+
+def build_admin_app(mesh: Mesh) -> Router:
+    """The admin routes over ``mesh``; every one behind the admin token when one is set."""
+
+    def guarded(endpoint: Any) -> Any:
+        async def checked(request: Request) -> Response:
+            if not token_matches(mesh.settings.admin_token, request.scope["headers"]):
+                return _error(401, "admin token missing or wrong")
+            await mesh.ensure_started()
+            await mesh.wait_ready()
+            try:
+                return await endpoint(request)  # type: ignore[no-any-return]
+            except _BadBody as e:
+                return _error(400, str(e), e.field)
+
+        return checked
+
+    async def list_workers(request: Request) -> Response:
+        registry = mesh.registry
+        return _json(
+            {
+                "replica": mesh.replica,
+                "router_mode": mesh.config.router_mode,
+                "block_size": registry.block_size,
+                "workers": registry.snapshot(),
+            }
+        )
+
+    async def add_worker(request: Request) -> Response:
+        doc = await _json_body(request)
+        if not isinstance(doc, dict):
+            return _error(400, "body must be a JSON object with at least 'url'", "body")
+        try:
+            spec = worker_from_mapping(doc)
+        except WorkerSpecError as e:
+            return _error(400, str(e), e.field)
+        try:
+            await mesh.registry.add(spec)
+        except WorkerConflict as e:
+            return _error(409, str(e))
+        row = next(r for r in mesh.registry.snapshot() if r["worker_id"] == spec.worker_id)
+        return _json(row, 201)
+
+    async def remove_worker(request: Request) -> Response:
+        worker_id = request.path_params["worker_id"]
+        registry = mesh.registry
+        if registry.get(worker_id) is None:
+            return _error(404, f"unknown worker id {worker_id!r}")
+        if registry.is_local(worker_id):
+            return _error(409, f"worker {worker_id!r} is this engine itself")
+        await registry.remove(worker_id)
+        return _json({"removed": worker_id})
+
+    async def describe_router(request: Request) -> Response:
+        return _json(mesh.describe())
+
+    async def get_thresholds(request: Request) -> Response:
+        return _json(_thresholds(mesh))
+
+    async def set_thresholds(request: Request) -> Response:
+        changes = _parse_thresholds(await _json_body(request))
+        mesh.router.set_busy_thresholds(**changes)
+        return _json(_thresholds(mesh))
+
+    return Router(
+        routes=[
+            Route(WORKERS_PATH, guarded(list_workers), methods=["GET"]),
+            Route(WORKERS_PATH, guarded(add_worker), methods=["POST"]),
+            Route(_WORKER_PREFIX + "{worker_id:path}", guarded(remove_worker), methods=["DELETE"]),
+            Route(ROUTER_PATH, guarded(describe_router), methods=["GET"]),
+            Route(BUSY_PATH, guarded(get_thresholds), methods=["GET"]),
+            Route(BUSY_PATH, guarded(set_thresholds), methods=["POST"]),
+        ]
     )
 
 
-async def handle(mesh: Mesh, scope: dict[str, Any], receive: Any, send: Any) -> None:
-    if not authorized(mesh.settings.admin_token, scope["headers"]):
-        await send_error(send, 401, "admin token missing or wrong", kind="unauthorized")
-        return
-    path = scope["path"]
-    if path == ROUTER_PATH:
-        await send_json(send, 200, msgspec.json.encode(mesh.describe()))
-    elif path == WORKERS_PATH:
-        await _add(mesh, scope, receive, send)
-    else:
-        await _remove(mesh, path[len(_WORKER_PREFIX) :], send)
+def _thresholds(mesh: Mesh) -> dict[str, Any]:
+    t = mesh.router.busy_thresholds()
+    return {name: getattr(t, name) for name in _THRESHOLD_FIELDS}
 
 
-def authorized(token: str | None, headers: list[tuple[bytes, bytes]]) -> bool:
-    if not token:
-        return True
-    expected = token.encode()
-    for name, value in headers:
-        if name == _ADMIN_HEADER and hmac.compare_digest(value, expected):
-            return True
-        if name == b"authorization" and hmac.compare_digest(value, b"Bearer " + expected):
-            return True
-    return False
-
-
-async def _add(mesh: Mesh, scope: dict[str, Any], receive: Any, send: Any) -> None:
-    try:
-        raw = await read_body(scope, receive, _BODY_LIMIT)
-    except RequestError as e:
-        await send_error(send, e.status, str(e), e.field)
-        return
-    if raw is None:
-        return
-    try:
-        doc = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        doc = None
-    if not isinstance(doc, dict):
-        await send_error(send, 400, "body must be a JSON object with at least 'url'", "body")
-        return
-    try:
-        spec = worker_from_mapping(doc)
-    except WorkerSpecError as e:
-        await send_error(send, 400, str(e), e.field)
-        return
-    registry = mesh.registry
-    try:
-        await registry.add(spec)
-    except WorkerConflict as e:
-        await send_error(send, 409, str(e), kind="conflict")
-        return
-    row = next(r for r in registry.snapshot() if r["worker_id"] == spec.worker_id)
-    await send_json(send, 201, msgspec.json.encode(row))
-
-
-async def _remove(mesh: Mesh, worker_id: str, send: Any) -> None:
-    registry = mesh.registry
-    if registry.get(worker_id) is None:
-        await send_error(send, 404, f"unknown worker id {worker_id!r}", kind="not_found")
-        return
-    if registry.is_local(worker_id):
-        await send_error(send, 409, f"worker {worker_id!r} is this engine itself", kind="conflict")
-        return
-    await registry.remove(worker_id)
-    await send_json(send, 200, msgspec.json.encode({"removed": worker_id}))
+def _parse_thresholds(doc: Any) -> dict[str, Any]:
+    if not isinstance(doc, dict) or not doc:
+        raise _BadBody(f"body must be a JSON object with some of: {', '.join(_THRESHOLD_FIELDS)}")
+    changes: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key not in _THRESHOLD_FIELDS:
+            raise _BadBody(f"unknown threshold {key!r}", key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+        ):
+            raise _BadBody(f"{key} must be a non-negative number or null", key)
+        if key == "active_prefill_tokens_threshold" and value is not None:
+            value = int(value)
+        changes[key] = value
+    try:  # the flags' own ranges, with messages naming the flag
+        RouterConfig().with_overrides(**changes)
+    except ConfigError as e:
+        raise _BadBody(str(e), next(iter(changes))) from None
+    return changes

@@ -1,5 +1,5 @@
-"""JSON over raw ASGI, as the routing middleware and its admin endpoints speak it: a request body
-read up to a size limit, and answers that are a JSON document or an OpenAI-style error."""
+"""JSON over raw ASGI, as the routing path speaks it: a request body read up to a size limit, and
+answers that are a JSON document or an OpenAI-style error (:func:`kvmesh._http.error_body`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from kvmesh._http import error_body
 from kvmesh.errors import RequestError
 
 __all__ = ["read_body", "send_error", "send_json"]
@@ -64,11 +65,7 @@ async def send_error(
     message: str,
     field: str | None = None,
     *,
-    kind: str | None = None,
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    """Answer with an OpenAI-style error; ``kind`` defaults by status (client error or not)."""
-    if kind is None:
-        kind = "invalid_request_error" if status < 500 else "service_unavailable"
-    body = _encode({"error": {"message": message, "type": kind, "param": field, "code": status}})
-    await send_json(send, status, body, headers)
+    """Answer with an OpenAI-style error whose ``param`` names the offending field."""
+    await send_json(send, status, _encode(error_body(message, status, field)), headers)

@@ -5,10 +5,13 @@ pass-through (the wrapped engine app calls it as its ``send``) and the forwarded
 turns the worker's response into the same messages).
 
 * ``text/event-stream``: every body message goes out as soon as it comes in (an unfinished last
-  line waits for the rest of itself, so an event split across reads is handled whole). The tap counts
-  ``data:`` events (the first one means prefill is done), reads ``usage`` where a chunk carries
-  ``cached_tokens``, and, when the client asked for ``nvext.extra_fields``, sends one more data
-  event carrying ``nvext`` just before ``data: [DONE]`` (or at the end of a stream without one).
+  line waits for the rest of itself, so an event split across reads is handled whole). The tap
+  reads the stream line by line, as SSE defines it: a line that *starts* with ``data:`` is an event
+  (the first one means prefill is done), ``data: [DONE]`` alone on its line ends the stream, and
+  ``usage`` is read from a decoded event's own ``usage`` key. Text inside an event's JSON (a model
+  that writes "data: [DONE]" or "metadata:") is never taken for structure. When the client asked
+  for ``nvext.extra_fields``, one more data event carrying ``nvext`` goes out just before the
+  ``[DONE]`` line (or at the end of a stream without one), always at a line boundary.
 * ``application/json`` (a 200 answer to a non-streaming request): buffered up to a limit, since it
   is small and complete only at the end; ``usage`` is read and ``nvext`` merged into the object.
 * anything else passes through untouched.
@@ -21,10 +24,11 @@ from typing import Any, Protocol
 
 import msgspec
 
-_DONE = b"data: [DONE]"
+from kvmesh._http import SseLines, sse_data
+
+_DONE = b"[DONE]"
 # An unfinished SSE line longer than this is passed on as it is rather than held back.
 _MAX_PARTIAL_LINE = 64 * 1024
-_DATA = b"data:"
 _json_decode = msgspec.json.decode
 _json_encode = msgspec.json.encode
 
@@ -50,9 +54,9 @@ class ResponseTap:
         "_echoed",
         "_extra_headers",
         "_json_limit",
+        "_lines",
         "_mode",
         "_observer",
-        "_partial",
         "_seen_events",
         "_send",
         "_start",
@@ -79,7 +83,7 @@ class ResponseTap:
         self._buffer: list[bytes] = []
         self._buffered = 0
         self._seen_events = 0
-        self._partial = b""
+        self._lines = SseLines(_MAX_PARTIAL_LINE)
         self._echoed = False
         self._stream_meta: dict[str, Any] | None = None
         self.status = 0
@@ -126,67 +130,76 @@ class ResponseTap:
 
     # ---------------------------------------------------------------- SSE
     async def _sse(self, body: bytes, more: bool) -> None:
-        # Only whole lines go on: a line the worker split across two writes ("data: [DO" +
-        # "NE]") waits for its end, so events, usage and the [DONE] marker are always seen whole.
-        # A partial event is of no use to the client before its end arrives anyway.
-        if self._partial:
-            body = self._partial + body
-            self._partial = b""
-        if more:
-            cut = body.rfind(b"\n") + 1
-            if cut < len(body) and len(body) - cut <= _MAX_PARTIAL_LINE:
-                self._partial = body[cut:]
-                body = body[:cut]
-                if not body:
-                    return
-        observer = self._observer
-        n = body.count(_DATA) if body else 0
-        if n:
-            if self._seen_events == 0:
-                observer.first_event()
-                self._remember_meta(body)
-            done_at = body.find(_DONE)
-            events = n - (done_at >= 0)
-            self._seen_events += n
-            if events:
-                observer.events(events)
-            if b'"usage":{' in body or b'"usage": {' in body:
-                self._read_usage(body)
-            if done_at >= 0 and not self._echoed:
-                self._echoed = True
-                echo = observer.echo()
-                if echo is not None:
-                    body = body[:done_at] + self._echo_event(echo) + body[done_at:]
+        # Only whole lines are interpreted: a line the worker split across two writes
+        # ("data: [DO" + "NE]") waits for its end. A partial event is of no use to the client
+        # before its end arrives anyway.
+        before, lines, after = self._lines.feed(body, final=not more)
+        if lines:
+            lines = self._read_lines(lines)
+        out = before + lines + after if (before or after) else lines
         if not more and not self._echoed and self._seen_events:
             # A stream that ends without [DONE]: the echo goes at its very end.
             self._echoed = True
-            echo = observer.echo()
+            echo = self._observer.echo()
             if echo is not None:
-                body += self._echo_event(echo)
-        await self._send({"type": "http.response.body", "body": body, "more_body": more})
+                out += (b"" if not out or out.endswith(b"\n") else b"\n\n") + self._echo_event(echo)
+        if not out and more:
+            return
+        await self._send({"type": "http.response.body", "body": out, "more_body": more})
         if not more:
             self._finish()
 
-    def _remember_meta(self, body: bytes) -> None:
+    def _read_lines(self, data: bytes) -> bytes:
+        """Report the events in ``data`` (whole lines); return it, with the echo spliced in
+        before the ``[DONE]`` line when one is due."""
+        observer = self._observer
+        events = 0
+        offset = 0
+        done_at = -1
+        usages: list[bytes] = []
+        for line in data.splitlines(keepends=True):
+            payload = sse_data(line)
+            if payload is not None:
+                if payload.strip() == _DONE:
+                    if done_at < 0:
+                        done_at = offset
+                else:
+                    if self._seen_events == 0 and events == 0:
+                        observer.first_event()
+                        self._remember_meta(payload)
+                    events += 1
+                    if b'"usage"' in payload:  # only a prefilter: the decoded event decides
+                        usages.append(payload)
+            offset += len(line)
+        if events:
+            self._seen_events += events
+            observer.events(events)
+        for payload in usages:
+            self._read_usage(payload)
+        if done_at >= 0 and not self._echoed:
+            self._echoed = True
+            echo = observer.echo()
+            if echo is not None:
+                data = data[:done_at] + self._echo_event(echo) + data[done_at:]
+        return data
+
+    def _remember_meta(self, payload: bytes) -> None:
         # id / model of the first event, so the extra nvext event looks like the stream's own.
-        line = body[body.find(_DATA) + 5 :].split(b"\n", 1)[0].strip()
         try:
-            first = _json_decode(line)
+            first = _json_decode(payload)
         except msgspec.DecodeError:
             return
         if isinstance(first, dict):
             self._stream_meta = {k: first[k] for k in ("id", "object", "created", "model") if k in first}
 
-    def _read_usage(self, body: bytes) -> None:
-        for line in body.split(b"\n"):
-            if line.startswith(_DATA) and b'"usage"' in line:
-                try:
-                    event = _json_decode(line[5:].strip())
-                except msgspec.DecodeError:
-                    continue
-                usage = event.get("usage") if isinstance(event, dict) else None
-                if isinstance(usage, dict):
-                    self._observer.usage(usage)
+    def _read_usage(self, payload: bytes) -> None:
+        try:
+            event = _json_decode(payload)
+        except msgspec.DecodeError:
+            return
+        usage = event.get("usage") if isinstance(event, dict) else None
+        if isinstance(usage, dict):
+            self._observer.usage(usage)
 
     def _echo_event(self, echo: dict[str, Any]) -> bytes:
         event: dict[str, Any] = dict(self._stream_meta or {})

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvmesh.errors import ConfigError
+from kvmesh.router.core.settings_table import Setting, bind_defaults, check_all, key_index
+from kvmesh.router.core.settings_table import add_arguments as add_table_arguments
 
 RouterMode = Literal["kv", "round-robin", "random", "direct"]
 QueuePolicy = Literal["fcfs", "lcfs", "wspt"]
@@ -92,13 +93,7 @@ class RouterConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ConfigError naming the flag and its allowed range for the first bad value."""
-        for spec in _FLAGS:
-            value = getattr(self, spec.field)
-            if value is None and spec.optional:
-                continue
-            problem = spec.check(value)
-            if problem:
-                raise ConfigError(f"{spec.flag} {problem}, got {value!r}")
+        check_all(self, _FLAGS)
 
     def with_overrides(self, **changes: Any) -> RouterConfig:
         """A copy with some fields changed (validated)."""
@@ -112,28 +107,7 @@ class RouterConfig:
     def add_arguments(parser: argparse.ArgumentParser | Any) -> None:
         """Add every routing flag to an argparse parser (or argument group)."""
         group = parser.add_argument_group("routing") if hasattr(parser, "add_argument_group") else parser
-        for spec in _FLAGS:
-            default = _DEFAULTS[spec.field]
-            shown = "off" if default is None else default
-            help_text = f"{spec.help} [{shown}]"
-            names = [spec.flag, *spec.aliases]
-            if spec.kind is bool:
-                group.add_argument(
-                    *names,
-                    dest=spec.field,
-                    action=argparse.BooleanOptionalAction,
-                    default=None,
-                    help=help_text,
-                )
-            else:
-                group.add_argument(
-                    *names,
-                    dest=spec.field,
-                    default=None,
-                    metavar=spec.metavar,
-                    type=str,
-                    help=help_text,
-                )
+        add_table_arguments(group, _FLAGS)
         group.add_argument(
             "--router-kv-overlap-score-weight",
             "--kv-overlap-score-weight",
@@ -156,7 +130,7 @@ class RouterConfig:
         """Build from ``KVMESH_ROUTER_*`` variables; absent ones keep ``base`` (or the defaults)."""
         raw: dict[str, Any] = {}
         for spec in _FLAGS:
-            if spec.env in environ:
+            if spec.env is not None and spec.env in environ:
                 raw[spec.field] = environ[spec.env]
         for name in (ENV_PREFIX + "KV_OVERLAP_SCORE_WEIGHT",):
             if name in environ:
@@ -180,11 +154,10 @@ class RouterConfig:
         values: dict[str, Any] = dataclasses.asdict(base) if base is not None else {}
         weight = raw.pop("overlap_score_weight", None)
         for field, value in raw.items():
-            values[field] = _SPEC_BY_FIELD[field].parse(value)
+            spec = _SPEC_BY_FIELD[field]
+            values[field] = spec.parse(value, spec.flag or field)
         if weight is not None:
-            w = _parse_float("--router-kv-overlap-score-weight", weight)
-            if not (math.isfinite(w) and w >= 0):
-                raise ConfigError(f"--router-kv-overlap-score-weight must be >= 0, got {weight!r}")
+            w = _WEIGHT.coerce(weight, _WEIGHT.name)
             values["prefill_load_scale"] = w
             if w == 0:
                 values["overlap_score_credit"] = 0.0
@@ -201,121 +174,41 @@ _LOAD_AWARE: dict[str, Any] = {
 }
 
 
-def _parse_float(flag: str, value: Any) -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{flag} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{flag} must be a number, got {value!r}") from None
+def _flag(
+    field: str,
+    flag: str,
+    kind: type,
+    help: str,
+    low: float | None = None,
+    high: float | None = None,
+    **more: Any,
+) -> Setting:
+    """A row whose variable and TOML keys follow from the flag (see the module docstring)."""
+    env = ENV_PREFIX + flag[2:].removeprefix("router-").upper().replace("-", "_")
+    short = flag[2:].replace("-", "_")
+    aliases = (short, short.removeprefix("router_"))
+    return Setting(field, flag, env, field, kind, help, low, high, key_aliases=aliases, **more)
 
 
-def _parse_int(flag: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{flag} must be an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        raise ConfigError(f"{flag} must be an integer, got {value!r}") from None
+# Deprecated: not a field of its own, it sets others (see the module docstring).
+_WEIGHT = Setting("overlap_score_weight", "--router-kv-overlap-score-weight", None, None, float, "", 0.0)
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-_NONE = {"none", "off", "null", ""}
+def _dashed(value: str, name: str) -> str:
+    return value.replace("_", "-")  # round_robin is round-robin
 
 
-def _parse_bool(flag: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{flag} must be true or false, got {value!r}")
-
-
-@dataclass(frozen=True)
-class _Flag:
-    field: str
-    flag: str
-    kind: type
-    help: str
-    low: float | None = None  # inclusive unless low_open
-    high: float | None = None
-    low_open: bool = False
-    choices: tuple[str, ...] = ()
-    optional: bool = False  # None allowed (feature off)
-    aliases: tuple[str, ...] = ()
-    metavar: str | None = None
-
-    @property
-    def env(self) -> str:
-        name = self.flag[2:]
-        if name.startswith("router-"):
-            name = name[len("router-") :]
-        return ENV_PREFIX + name.upper().replace("-", "_")
-
-    def parse(self, value: Any) -> Any:
-        if value is None or (self.optional and isinstance(value, str) and value.strip().lower() in _NONE):
-            if self.optional:
-                return None
-            raise ConfigError(f"{self.flag} needs a value")
-        if self.kind is bool:
-            return _parse_bool(self.flag, value)
-        if self.kind is int:
-            return _parse_int(self.flag, value)
-        if self.kind is float:
-            return _parse_float(self.flag, value)
-        text = str(value).strip().lower()
-        if self.field == "router_mode":
-            text = text.replace("_", "-")
-        return text
-
-    def check(self, value: Any) -> str | None:
-        if self.choices:
-            if value not in self.choices:
-                return f"must be one of {', '.join(self.choices)}"
-            return None
-        if self.kind is bool:
-            return None if isinstance(value, bool) else "must be true or false"
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return "must be a number"
-        if self.kind is int and not isinstance(value, int):
-            return "must be an integer"
-        if not math.isfinite(value):
-            return "must be finite"
-        low_ok = self.low is None or (value > self.low if self.low_open else value >= self.low)
-        high_ok = self.high is None or value <= self.high
-        if low_ok and high_ok:
-            return None
-        return f"must be {self._range()}"
-
-    def _range(self) -> str:
-        if self.low is not None and self.high is not None:
-            left = "(" if self.low_open else "["
-            return f"in {left}{_fmt(self.low)}, {_fmt(self.high)}]"
-        if self.low is not None:
-            return f"{'>' if self.low_open else '>='} {_fmt(self.low)}"
-        return f"<= {_fmt(self.high or 0)}"
-
-
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-_FLAGS: tuple[_Flag, ...] = (
-    _Flag(
+_FLAGS: tuple[Setting, ...] = (
+    _flag(
         "router_mode",
         "--router-mode",
         str,
         "how to pick a worker: kv, round-robin, random or direct",
         choices=ROUTER_MODES,
         metavar="MODE",
+        convert=_dashed,
     ),
-    _Flag(
+    _flag(
         "router_cost_model",
         "--router-cost-model",
         str,
@@ -324,7 +217,7 @@ _FLAGS: tuple[_Flag, ...] = (
         choices=COST_MODELS,
         metavar="MODEL",
     ),
-    _Flag(
+    _flag(
         "router_prefill_load_model",
         "--router-prefill-load-model",
         str,
@@ -333,7 +226,7 @@ _FLAGS: tuple[_Flag, ...] = (
         choices=PREFILL_LOAD_MODELS,
         metavar="MODEL",
     ),
-    _Flag(
+    _flag(
         "overlap_score_credit",
         "--router-kv-overlap-score-credit",
         float,
@@ -341,7 +234,7 @@ _FLAGS: tuple[_Flag, ...] = (
         0.0,
         1.0,
     ),
-    _Flag(
+    _flag(
         "prefill_load_scale",
         "--router-prefill-load-scale",
         float,
@@ -349,7 +242,7 @@ _FLAGS: tuple[_Flag, ...] = (
         "against decode in the cost",
         0.0,
     ),
-    _Flag(
+    _flag(
         "host_cache_hit_weight",
         "--router-host-cache-hit-weight",
         float,
@@ -357,7 +250,7 @@ _FLAGS: tuple[_Flag, ...] = (
         0.0,
         1.0,
     ),
-    _Flag(
+    _flag(
         "disk_cache_hit_weight",
         "--router-disk-cache-hit-weight",
         float,
@@ -365,21 +258,21 @@ _FLAGS: tuple[_Flag, ...] = (
         0.0,
         1.0,
     ),
-    _Flag(
+    _flag(
         "router_temperature",
         "--router-temperature",
         float,
         "softmax sampling temperature over normalised costs; 0 picks the cheapest worker",
         0.0,
     ),
-    _Flag(
+    _flag(
         "use_kv_events",
         "--router-kv-events",
         bool,
         "follow workers' KV events; --no-router-kv-events predicts caches from routing decisions",
         aliases=("--kv-events",),
     ),
-    _Flag(
+    _flag(
         "router_ttl_secs",
         "--router-ttl-secs",
         float,
@@ -387,14 +280,14 @@ _FLAGS: tuple[_Flag, ...] = (
         0.0,
         low_open=True,
     ),
-    _Flag(
+    _flag(
         "router_max_tree_size",
         "--router-max-tree-size",
         int,
         "approximate index size (blocks) that triggers pruning",
         1.0,
     ),
-    _Flag(
+    _flag(
         "router_prune_target_ratio",
         "--router-prune-target-ratio",
         float,
@@ -403,7 +296,7 @@ _FLAGS: tuple[_Flag, ...] = (
         1.0,
         low_open=True,
     ),
-    _Flag(
+    _flag(
         "router_predicted_ttl_secs",
         "--router-predicted-ttl-secs",
         float,
@@ -412,41 +305,41 @@ _FLAGS: tuple[_Flag, ...] = (
         low_open=True,
         optional=True,
     ),
-    _Flag(
+    _flag(
         "router_index_max_blocks",
         "--router-index-max-blocks",
         int,
         "memory budget of the event-driven index in (block, worker) entries; oldest pruned first",
         1.0,
     ),
-    _Flag(
+    _flag(
         "router_track_active_blocks",
         "--router-track-active-blocks",
         bool,
         "count blocks of in-flight requests as decode load",
         aliases=("--track-active-blocks",),
     ),
-    _Flag(
+    _flag(
         "router_track_output_blocks",
         "--router-track-output-blocks",
         bool,
         "add generated-token blocks to decode load, decayed by progress toward osl",
         aliases=("--track-output-blocks",),
     ),
-    _Flag(
+    _flag(
         "router_assume_kv_reuse",
         "--router-assume-kv-reuse",
         bool,
         "deduplicate prefix blocks shared by in-flight requests on a worker",
         aliases=("--assume-kv-reuse",),
     ),
-    _Flag(
+    _flag(
         "router_track_prefill_tokens",
         "--router-track-prefill-tokens",
         bool,
         "count prompt tokens of requests still in prefill as load",
     ),
-    _Flag(
+    _flag(
         "router_request_timeout_secs",
         "--router-request-timeout-secs",
         float,
@@ -454,7 +347,7 @@ _FLAGS: tuple[_Flag, ...] = (
         0.0,
         low_open=True,
     ),
-    _Flag(
+    _flag(
         "router_queue_threshold",
         "--router-queue-threshold",
         float,
@@ -463,7 +356,7 @@ _FLAGS: tuple[_Flag, ...] = (
         0.0,
         optional=True,
     ),
-    _Flag(
+    _flag(
         "router_queue_policy",
         "--router-queue-policy",
         str,
@@ -471,21 +364,21 @@ _FLAGS: tuple[_Flag, ...] = (
         choices=QUEUE_POLICIES,
         metavar="POLICY",
     ),
-    _Flag(
+    _flag(
         "router_queue_max_length",
         "--router-queue-max-length",
         int,
         "waiting requests beyond this are refused with 'queue full'",
         1.0,
     ),
-    _Flag(
+    _flag(
         "router_queue_refresh_secs",
         "--router-queue-refresh-secs",
         float,
         "a request that waited longer than this gets its cache overlap recomputed before dispatch",
         0.0,
     ),
-    _Flag(
+    _flag(
         "active_decode_blocks_threshold",
         "--active-decode-blocks-threshold",
         float,
@@ -494,7 +387,7 @@ _FLAGS: tuple[_Flag, ...] = (
         1.0,
         optional=True,
     ),
-    _Flag(
+    _flag(
         "active_prefill_tokens_threshold",
         "--active-prefill-tokens-threshold",
         int,
@@ -502,7 +395,7 @@ _FLAGS: tuple[_Flag, ...] = (
         0.0,
         optional=True,
     ),
-    _Flag(
+    _flag(
         "active_prefill_tokens_threshold_frac",
         "--active-prefill-tokens-threshold-frac",
         float,
@@ -510,20 +403,20 @@ _FLAGS: tuple[_Flag, ...] = (
         0.0,
         optional=True,
     ),
-    _Flag(
+    _flag(
         "busy_retry_after_secs",
         "--router-busy-retry-after-secs",
         float,
         "Retry-After sent when every worker is busy or the queue is full",
         0.0,
     ),
-    _Flag(
+    _flag(
         "router_replica_sync",
         "--router-replica-sync",
         bool,
         "share routing decisions with other router replicas so load views agree",
     ),
-    _Flag(
+    _flag(
         "router_session_timeout_secs",
         "--router-session-timeout-secs",
         float,
@@ -531,7 +424,7 @@ _FLAGS: tuple[_Flag, ...] = (
         0.0,
         low_open=True,
     ),
-    _Flag(
+    _flag(
         "load_aware",
         "--load-aware",
         bool,
@@ -539,15 +432,10 @@ _FLAGS: tuple[_Flag, ...] = (
     ),
 )
 
-_SPEC_BY_FIELD: dict[str, _Flag] = {s.field: s for s in _FLAGS}
-_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(RouterConfig))
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-_KEY_TO_FIELD: dict[str, str] = {}
-for _spec in _FLAGS:
-    _short = _spec.flag[2:].replace("-", "_")
-    for _key in {_spec.field, _short, _short.removeprefix("router_")}:
-        _KEY_TO_FIELD[_key] = _spec.field
+_FLAGS = bind_defaults(RouterConfig, _FLAGS)
+_SPEC_BY_FIELD: dict[str, Setting] = {s.field: s for s in _FLAGS}
+_FIELD_NAMES = frozenset(s.field for s in _FLAGS)
+_KEY_TO_FIELD: dict[str, str] = {key: row.field for key, row in key_index(_FLAGS).items()}
 _KEY_TO_FIELD["overlap_score_weight"] = "overlap_score_weight"
 _KEY_TO_FIELD["router_kv_overlap_score_weight"] = "overlap_score_weight"
 _KEY_TO_FIELD["kv_overlap_score_weight"] = "overlap_score_weight"
-assert {s.field for s in _FLAGS} == _FIELD_NAMES, "every RouterConfig field needs a flag row"

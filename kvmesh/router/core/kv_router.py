@@ -35,8 +35,9 @@ from kvmesh._types import DpRank, WorkerId, WorkerKey
 from kvmesh.errors import WorkerError
 from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.router.core import selector
+from kvmesh.router.core.chain_trie import TierDepths
 from kvmesh.router.core.config import RouterConfig
-from kvmesh.router.core.indexer import ApproxIndex, PrefixIndex, TierDepths
+from kvmesh.router.core.index_factory import index_for
 from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
 from kvmesh.router.core.sessions import SessionTable
@@ -269,22 +270,7 @@ class KvRouter:
         self._workers: dict[WorkerId, _Worker] = {}
         self._keys: list[WorkerKey] = []
         self._block_size: int | None = None
-        self._index: PrefixIndex | ApproxIndex
-        if config.use_kv_events:
-            self._index = PrefixIndex(max_entries=config.router_index_max_blocks)
-        else:
-            self._index = ApproxIndex(
-                ttl=config.router_ttl_secs,
-                max_blocks=config.router_max_tree_size,
-                prune_target_ratio=config.router_prune_target_ratio,
-            )
-        self._predicted: ApproxIndex | None = None
-        if config.use_kv_events and config.router_predicted_ttl_secs is not None:
-            self._predicted = ApproxIndex(
-                ttl=config.router_predicted_ttl_secs,
-                max_blocks=config.router_max_tree_size,
-                prune_target_ratio=config.router_prune_target_ratio,
-            )
+        self._index = index_for(config)
         self._load = ActiveSequences(
             block_size=16,  # replaced by the fleet's block size at the first add_worker
             assume_kv_reuse=config.router_assume_kv_reuse,
@@ -380,8 +366,6 @@ class KvRouter:
         self._timing.pop(key, None)
         self._decode_s.pop(key, None)
         self._index.remove_worker(key)
-        if self._predicted is not None:
-            self._predicted.remove_worker(key)
         self._load.remove_worker(key)
 
     @property
@@ -395,18 +379,14 @@ class KvRouter:
     # ---------------------------------------------------------------- KV state
     def apply_events(self, worker_id: WorkerId, batch: EventBatch) -> None:
         """Apply one engine batch (dp rank from ``batch.data_parallel_rank``, None -> 0)."""
-        if isinstance(self._index, PrefixIndex):
-            self._index.apply((worker_id, batch.data_parallel_rank or 0), batch.events)
+        self._index.apply((worker_id, batch.data_parallel_rank or 0), batch.events)
 
     def load_state(self, worker_id: WorkerId, dp_rank: DpRank, events: Sequence[BlockStored]) -> None:
         """Cold start: replace the rank's index state with these stored events (parents first)."""
-        if isinstance(self._index, PrefixIndex):
-            self._index.load_stored((worker_id, dp_rank), events)
+        self._index.load_stored((worker_id, dp_rank), events)
 
     def clear_worker_index(self, worker_id: WorkerId, dp_rank: DpRank | None = None) -> None:
         """Drop index state (subscriber reset: the stream could not be recovered)."""
-        if not isinstance(self._index, PrefixIndex):
-            return
         info = self._workers.get(worker_id)
         ranks = [dp_rank] if dp_rank is not None else range(info.dp_size if info else 1)
         for rank in ranks:
@@ -539,13 +519,7 @@ class KvRouter:
             return {}
         clock = self._clock
         started = clock() if clock is not None else 0.0
-        hashes = req.local_hashes
-        overlaps = self._index.find_matches_tiered(hashes)
-        if self._predicted is not None:
-            for key, depth in self._predicted.find_matches(hashes).items():
-                have = overlaps.get(key, _NO_TIERS)
-                if depth > have.device:
-                    overlaps[key] = TierDepths(depth, max(depth, have.host), max(depth, have.disk))
+        overlaps = self._index.find_matches_tiered(req.local_hashes)
         if clock is not None:
             self.last_find_matches = (self.last_find_matches or 0.0) + clock() - started
         return overlaps
@@ -793,10 +767,7 @@ class KvRouter:
         self._load.add(
             request_id, worker, prompt, isl_tokens, overlap, now, osl=osl, expected_prefill=expected
         )
-        if isinstance(self._index, ApproxIndex):
-            self._index.record(worker, local_hashes, now)
-        if self._predicted is not None:
-            self._predicted.record(worker, local_hashes, now)
+        self._index.record(worker, local_hashes, now)
 
     # ---------------------------------------------------------------- feedback
     def first_token(self, request_id: str, now: float) -> None:
@@ -886,10 +857,7 @@ class KvRouter:
         for rid in gone:
             self._obs.pop(rid, None)
         self._stats.requests_expired += len(gone)
-        if isinstance(self._index, ApproxIndex):
-            self._index.expire(now)
-        if self._predicted is not None:
-            self._predicted.expire(now)
+        self._index.expire(now)
         return [ExpiredSession(sid, w) for sid, w in self._sessions.expire(now)]
 
     # ---------------------------------------------------------------- runtime knobs / views
@@ -940,13 +908,10 @@ class KvRouter:
     @property
     def stats(self) -> RouterStats:
         s = self._stats
-        if isinstance(self._index, PrefixIndex):
-            s.events_applied = dict(self._index.applied)
-            s.index_pruned_blocks = self._index.pruned_blocks
-        else:
-            s.approx_pruned_blocks = self._index.pruned_blocks
-        if self._predicted is not None:
-            s.approx_pruned_blocks += self._predicted.pruned_blocks
+        c = self._index.counters()
+        s.events_applied = c.events_applied
+        s.index_pruned_blocks = c.event_pruned_blocks
+        s.approx_pruned_blocks = c.approx_pruned_blocks
         return s
 
     @property

@@ -193,6 +193,18 @@ class Metrics:
             "Forwarded requests retried on another worker after a connection failure before the first byte",
             registry=registry,
         )
+        self.disagg_stages = Counter(
+            "kvmesh_disagg_stage_total",
+            "Disaggregated requests by stage (prefill, decode) and outcome (ok, failed, fallback)",
+            ["stage", "outcome"],
+            registry=registry,
+        )
+        self.disagg_prefill_seconds = Histogram(
+            "kvmesh_disagg_prefill_seconds",
+            "Time of the prefill stage, from dispatch to the prefill worker's answer (vLLM-style hand-off)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
         self.worker_state_changes = Counter(
             "kvmesh_worker_state_changes_total", "Worker health transitions", ["state"], registry=registry
         )

@@ -8,14 +8,11 @@ For each configured worker the registry
    by its spec instead; in round-robin / random mode (or without KV events) a plain
    OpenAI-compatible server needs nothing but its URL;
 2. refuses it, loudly, when its block size differs from the fleet's (hashes would never match);
-3. registers it with the KvRouter, cold-starts its index from ``/kvmesh/kv_state`` and follows its
-   KV events (one :class:`EventSubscriber` per data-parallel rank) from the snapshot's sequence;
+3. registers it with the KvRouter and has the :class:`~kvmesh.router.mesh.event_feed.EventFeed`
+   cold-start its index and follow its KV events;
 4. health-checks it; a dead worker leaves routing and its blocks leave the index, and it is
    re-admitted through steps 1-3 when it answers again;
-5. after each quiet spell of its event stream, asks once whether anything was published since
-   the last batch it holds (a replay from the next sequence, or the ``kv_state`` sequence when
-   the worker has no replay socket): a batch lost just before a quiet period is revealed by no
-   later batch, so without this the index would stay wrong until the next burst;
+5. at each health check, lets the feed probe quiet event streams for a lost final batch;
 6. learns which LoRA adapters it serves (``lora_adapters`` in its info, else the ``/v1/models``
    entries whose ``parent`` is another model), so prompts for an adapter are hashed the way the
    engine salts that adapter's blocks and go only to workers that serve it.
@@ -23,8 +20,8 @@ For each configured worker the registry
 Workers come from the settings, and at runtime from the admin API (:meth:`WorkerRegistry.add`,
 :meth:`WorkerRegistry.remove`).
 
-The worker the middleware is embedded in is reached in-process (``local_call``), never over the
-network: it is up by definition while this code runs.
+Worker RPCs go through :class:`~kvmesh.router.mesh.worker_rpc.WorkerRpc`, which reaches the engine
+the middleware is embedded in in-process, never over the network.
 """
 
 from __future__ import annotations
@@ -34,18 +31,18 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh._types import WorkerId
 from kvmesh.errors import KvMeshError, WorkerError
-from kvmesh.events.subscriber import EventSubscriber
-from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.router.core.kv_router import KvRouter
 from kvmesh.router.core.timing import Profile
+from kvmesh.router.mesh.event_feed import EventFeed, FeedTarget
 from kvmesh.router.mesh.metrics import Metrics
-from kvmesh.router.mesh.settings import POLARITIES, MeshSettings, WorkerSpec
+from kvmesh.router.mesh.settings import POLARITIES, ROLES, MeshSettings, WorkerSpec
+from kvmesh.router.mesh.worker_rpc import WorkerRpc
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
 
 logger = logging.getLogger("kvmesh.router")
@@ -56,9 +53,6 @@ _ADAPTER_REFRESH_CHECKS = 5
 # Capacity assumed for a worker that describes nothing (round-robin / random over plain servers).
 _DEFAULT_TOTAL_BLOCKS = 1 << 20
 _DEFAULT_BATCHED_TOKENS = 1 << 20
-
-LocalCall = Callable[[str, str, Any], Awaitable[Any]]
-"""(method, path, json payload or None) -> decoded JSON answer of the embedding engine."""
 
 
 class WorkerConflict(WorkerError):
@@ -80,6 +74,9 @@ class WorkerInfo:
     priority_polarity: str
     has_rpc: bool
     """The worker serves kvmesh's RPCs (/kvmesh/kv_state, session_control, pin_prefix)."""
+    role: str = "aggregated"
+    """``aggregated`` | ``prefill`` | ``decode`` (disaggregated serving)."""
+    bootstrap_port: int | None = None
 
 
 @dataclass(slots=True)
@@ -90,15 +87,9 @@ class Worker:
     info: WorkerInfo | None = None
     failures: int = 0
     since: float = field(default_factory=time.monotonic)
-    subscribers: list[EventSubscriber] = field(default_factory=list)
-    events_applied: int = 0
     adapters: frozenset[str] = frozenset()
     """LoRA adapter names the worker serves."""
     checks: int = 0
-    # Per dp rank: the subscriber's received count at the last health check, and the count at
-    # which a quiet stream was last probed for a lost final batch.
-    seen_received: dict[int, int] = field(default_factory=dict)
-    probed_received: dict[int, int] = field(default_factory=dict)
 
     @property
     def worker_id(self) -> WorkerId:
@@ -125,6 +116,10 @@ def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: in
     polarity = str(pick("priority_polarity", "none"))
     if polarity not in POLARITIES:
         raise WorkerError(f"{spec.url}: unknown priority_polarity {polarity!r}")
+    role = str(pick("role", "aggregated"))
+    if role not in ROLES:
+        raise WorkerError(f"{spec.url}: unknown role {role!r}")
+    bootstrap = pick("bootstrap_port", None)
     dp_size = int(pick("dp_size", max(len(endpoints), 1)))
     return WorkerInfo(
         backend=str(pick("backend", "openai")),
@@ -137,20 +132,8 @@ def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: in
         total_kv_blocks=int(pick("total_kv_blocks", _DEFAULT_TOTAL_BLOCKS)),
         priority_polarity=polarity,
         has_rpc=info is not None,
-    )
-
-
-def _stored_from_json(d: dict[str, Any]) -> BlockStored:
-    def h(x: Any) -> Any:
-        return bytes.fromhex(x) if isinstance(x, str) else x
-
-    return BlockStored(
-        block_hashes=[h(x) for x in d["block_hashes"]],
-        parent_block_hash=h(d.get("parent_block_hash")),
-        token_ids=list(d["token_ids"]),
-        block_size=int(d["block_size"]),
-        lora_name=d.get("lora_name"),
-        medium=d.get("medium"),
+        role=role,
+        bootstrap_port=int(bootstrap) if bootstrap is not None else None,
     )
 
 
@@ -163,19 +146,23 @@ class WorkerRegistry:
         router: KvRouter,
         forwarder: Forwarder,
         metrics: Metrics,
+        rpc: WorkerRpc,
         *,
-        local_call: LocalCall | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.router = router
         self.forwarder = forwarder
         self.metrics = metrics
-        self.local_call = local_call
+        self.rpc = rpc
+        self.feed = EventFeed(router, rpc, metrics, spawn=self._spawn)
         self.on_change = on_change
         self.workers: dict[WorkerId, Worker] = {w.worker_id: Worker(w) for w in settings.workers}
         self.block_size: int | None = settings.block_size
         self.routable: frozenset[WorkerId] = frozenset()
+        """Up workers that serve whole requests or the decode stage (aggregated and decode)."""
+        self.prefill_routable: frozenset[WorkerId] = frozenset()
+        """Up workers with role ``prefill``: when any, requests are routed in two stages."""
         self.models: list[str] = []
         self.adapters: dict[str, frozenset[WorkerId]] = {}
         """LoRA adapter name -> the up workers serving it."""
@@ -184,7 +171,6 @@ class WorkerRegistry:
         self.ready = asyncio.Event()
         cfg = settings.router
         self._need_events = cfg.router_mode == "kv" and cfg.use_kv_events
-        self._auth = {"x-kvmesh-admin-token": settings.admin_token} if settings.admin_token else None
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -210,8 +196,17 @@ class WorkerRegistry:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
-        for w in self.workers.values():
-            await self._unsubscribe(w)
+        await self.feed.stop()
+
+    def _spawn(self, coro: Any) -> None:
+        """A background task the registry owns (re-syncs): cancelled on stop."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._forget_task)
+
+    def _forget_task(self, task: asyncio.Task[Any]) -> None:
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
 
     # ---------------------------------------------------------------- queries
     def get(self, worker_id: WorkerId) -> Worker | None:
@@ -255,8 +250,9 @@ class WorkerRegistry:
                     "block_size": info.block_size if info else None,
                     "dp_size": info.dp_size if info else None,
                     "priority_polarity": info.priority_polarity if info else None,
+                    "role": info.role if info else w.spec.role,
                     "lora_adapters": sorted(w.adapters),
-                    "events_applied": w.events_applied,
+                    "events_applied": self.feed.events_applied(w.worker_id),
                     "active_requests": sum(r["active_requests"] for r in ranks),
                     "indexed_blocks": sum(r["indexed_blocks"] for r in ranks),
                     "ranks": ranks,
@@ -277,7 +273,10 @@ class WorkerRegistry:
 
     def _refresh_views(self) -> None:
         up = [x for x in self.workers.values() if x.state == UP]
-        self.routable = frozenset(x.worker_id for x in up)
+        self.routable = frozenset(x.worker_id for x in up if x.info is None or x.info.role != "prefill")
+        self.prefill_routable = frozenset(
+            x.worker_id for x in up if x.info is not None and x.info.role == "prefill"
+        )
         self.models = sorted({x.info.model for x in up if x.info and x.info.model})
         adapters: dict[str, set[WorkerId]] = {}
         for x in up:
@@ -320,7 +319,7 @@ class WorkerRegistry:
         if w is None:
             return False
         self.router.remove_worker(worker_id)
-        await self._unsubscribe(w)
+        await self.feed.unfollow(worker_id)
         self._refresh_views()
         logger.info("worker %s removed", worker_id)
         return True
@@ -336,7 +335,7 @@ class WorkerRegistry:
             return
         self.router.remove_worker(worker_id)
         self._set_state(w, DOWN, reason)
-        await self._unsubscribe(w)
+        await self.feed.unfollow(worker_id)
 
     async def _admit(self, w: Worker) -> None:
         """Discover, check, register, cold-start and subscribe one worker."""
@@ -356,7 +355,7 @@ class WorkerRegistry:
         raw: dict[str, Any] | None = None
         if not spec.described or self._need_events:
             try:
-                raw = await self._call(w, "GET", "/kvmesh/info", None)
+                raw = await self.rpc.info(w.worker_id, w.url)
             except ConnectFailed as e:
                 if self._need_events and not spec.described:
                     raise WorkerError(
@@ -393,10 +392,10 @@ class WorkerRegistry:
         )
         await self._read_adapters(w, raw if isinstance(raw, dict) else None)
         if self._need_events:
-            await self._subscribe(w, info)
+            await self.feed.follow(_feed_target(w, info), lambda: self._current(w))
         if not self._current(w):
             self.router.remove_worker(w.worker_id)
-            await self._unsubscribe(w)
+            await self.feed.unfollow(w.worker_id)
             return
         w.failures = 0
         self._set_state(w, UP)
@@ -409,7 +408,7 @@ class WorkerRegistry:
             names = {a for a in listed if isinstance(a, str) and a}
         else:
             try:
-                doc = await self._call(w, "GET", "/v1/models", None)
+                doc = await self.rpc.models(w.worker_id, w.url)
             except ConnectFailed:
                 doc = None
             data = doc.get("data") if isinstance(doc, dict) else None
@@ -424,138 +423,6 @@ class WorkerRegistry:
             w.adapters = frozenset(names)
             if w.state == UP:
                 self._refresh_views()
-
-    async def _subscribe(self, w: Worker, info: WorkerInfo) -> None:
-        await self._unsubscribe(w)
-        w.seen_received.clear()
-        w.probed_received.clear()
-        last_seqs: dict[int, int | None] = {}
-        if info.has_rpc:
-            try:
-                state = await self._call(w, "GET", "/kvmesh/kv_state", None)
-                for rank in state.get("ranks", []):
-                    dp_rank = int(rank.get("dp_rank", 0))
-                    events = [
-                        _stored_from_json(e) for e in rank.get("events", []) if e.get("type") == "BlockStored"
-                    ]
-                    self.router.load_state(w.worker_id, dp_rank, events)
-                    last_seqs[dp_rank] = rank.get("last_seq")
-            except (ConnectFailed, KeyError, TypeError, ValueError) as e:
-                logger.warning(
-                    "worker %s: no kv_state cold start (%s); following live events only", w.worker_id, e
-                )
-        if not self._current(w):
-            return
-        for rank, endpoint in enumerate(info.kv_events_endpoints):
-            sub = EventSubscriber(
-                endpoint,
-                self._on_batch(w, rank),
-                replay_endpoint=info.kv_replay_endpoints[rank],
-                on_reset=self._on_reset(w, rank),
-                name=f"{w.worker_id}#{rank}",
-            )
-            last = last_seqs.get(rank)
-            if last is not None:
-                sub.resume_from(last)
-            w.subscribers.append(sub)
-            sub.start()
-
-    def _on_batch(self, w: Worker, rank: int) -> Callable[[int, EventBatch], None]:
-        worker_id = w.worker_id
-        applied = self.metrics.events_applied
-
-        def on_batch(seq: int, batch: EventBatch) -> None:
-            if batch.data_parallel_rank is None and rank:
-                batch = EventBatch(batch.ts, batch.events, rank)
-            try:
-                self.router.apply_events(worker_id, batch)
-            except Exception:
-                applied.labels("batch", "error").inc()
-                raise
-            w.events_applied += len(batch.events)
-            for event in batch.events:
-                applied.labels(type(event).__name__, "ok").inc()
-
-        return on_batch
-
-    def _on_reset(self, w: Worker, rank: int) -> Callable[[str], None]:
-        def on_reset(reason: str) -> None:
-            logger.warning(
-                "worker %s rank %d: event stream reset (%s); re-syncing", w.worker_id, rank, reason
-            )
-            self.router.clear_worker_index(w.worker_id, rank)
-            if w.info is not None and w.info.has_rpc:
-                task = asyncio.get_running_loop().create_task(self._resync(w, rank))
-                self._tasks.append(task)
-                task.add_done_callback(self._forget_task)
-
-        return on_reset
-
-    def _forget_task(self, task: asyncio.Task[Any]) -> None:
-        with contextlib.suppress(ValueError):
-            self._tasks.remove(task)
-
-    async def _resync(self, w: Worker, rank: int) -> None:
-        state = await self._rank_state(w, rank)
-        if state is not None:
-            self._load_rank_state(w, rank, state)
-
-    async def _rank_state(self, w: Worker, rank: int) -> dict[str, Any] | None:
-        """One rank's part of the worker's ``/kvmesh/kv_state`` (None when unavailable)."""
-        try:
-            state = await self._call(w, "GET", "/kvmesh/kv_state", None)
-        except ConnectFailed as e:
-            logger.warning("worker %s: kv_state re-sync failed: %s", w.worker_id, e)
-            return None
-        for r in state.get("ranks", []) if isinstance(state, dict) else ():
-            if isinstance(r, dict) and int(r.get("dp_rank", 0)) == rank:
-                return r
-        return None
-
-    def _load_rank_state(self, w: Worker, rank: int, r: dict[str, Any]) -> None:
-        if not self._current(w):
-            return
-        events = [_stored_from_json(e) for e in r.get("events", []) if e.get("type") == "BlockStored"]
-        self.router.load_state(w.worker_id, rank, events)
-        if r.get("last_seq") is not None and rank < len(w.subscribers):
-            w.subscribers[rank].resume_from(int(r["last_seq"]))
-
-    async def _check_quiet_streams(self, w: Worker) -> None:
-        """A batch lost right before a quiet period is revealed by no later batch. Once per quiet
-        spell (no batch read for a whole health interval), ask whether the worker published more
-        than we hold: a replay from the next sequence (it answers with nothing when we are in
-        step), or, without a replay socket, the kv_state's sequence and a cold start if ahead."""
-        for rank, sub in enumerate(list(w.subscribers)):
-            received = sub.stats.received
-            if w.seen_received.get(rank) != received:  # traffic: a later batch reveals gaps itself
-                w.seen_received[rank] = received
-                continue
-            if w.probed_received.get(rank) == received:
-                continue  # already probed during this quiet spell
-            w.probed_received[rank] = received
-            expected = sub.expected_seq
-            if sub.replay_endpoint is not None:
-                sub.resume_from((expected or 0) - 1)
-            elif w.info is not None and w.info.has_rpc:
-                r = await self._rank_state(w, rank)
-                last = r.get("last_seq") if r is not None else None
-                if r is None or last is None or (expected is not None and int(last) < expected):
-                    continue
-                logger.warning(
-                    "worker %s rank %d: published up to seq %d, we hold %s; cold start from kv_state",
-                    w.worker_id,
-                    rank,
-                    int(last),
-                    "nothing" if expected is None else f"up to {expected - 1}",
-                )
-                self.router.clear_worker_index(w.worker_id, rank)
-                self._load_rank_state(w, rank, r)
-
-    async def _unsubscribe(self, w: Worker) -> None:
-        subs, w.subscribers = w.subscribers, []
-        for sub in subs:
-            with contextlib.suppress(Exception):
-                await sub.stop()
 
     # ---------------------------------------------------------------- health
     async def _health_loop(self) -> None:
@@ -590,13 +457,13 @@ class WorkerRegistry:
     async def _routine(self, w: Worker) -> None:
         """What an up worker gets at each health check besides the probe."""
         w.checks += 1
-        if w.subscribers:
-            await self._check_quiet_streams(w)
+        if w.info is not None and w.worker_id in self.feed.streams:
+            await self.feed.check_quiet_streams(_feed_target(w, w.info))
         if w.checks % _ADAPTER_REFRESH_CHECKS == 0 and w.info is not None:
             raw = None
             if w.info.has_rpc:
                 with contextlib.suppress(ConnectFailed):
-                    raw = await self._call(w, "GET", "/kvmesh/info", None)
+                    raw = await self.rpc.info(w.worker_id, w.url)
             await self._read_adapters(w, raw if isinstance(raw, dict) else None)
 
     async def _probe(self, w: Worker) -> None:
@@ -605,19 +472,13 @@ class WorkerRegistry:
         if status >= 500:
             raise ConnectFailed(w.url, f"/health answered HTTP {status}")
 
-    async def _call(self, w: Worker, method: str, path: str, payload: Any) -> Any:
-        """A worker RPC: in-process for the embedding engine, HTTP for the others."""
-        if self.is_local(w.worker_id) and self.local_call is not None:
-            return await self.local_call(method, path, payload)
-        url = w.url + path
-        timeout = self.settings.connect_timeout
-        if method == "GET":
-            return await self.forwarder.get_json(url, timeout=timeout, headers=self._auth)
-        return await self.forwarder.post_json(url, payload, timeout=timeout, headers=self._auth)
-
-    async def rpc(self, worker_id: WorkerId, path: str, payload: Any) -> Any:
-        """POST a kvmesh RPC (session_control, pin_prefix) to a worker that serves them."""
+    def rpc_target(self, worker_id: WorkerId) -> Worker | None:
+        """The worker to send a kvmesh RPC (session_control, pin_prefix) to, if it serves them."""
         w = self.workers.get(worker_id)
         if w is None or w.info is None or not w.info.has_rpc:
             return None
-        return await self._call(w, "POST", path, payload)
+        return w
+
+
+def _feed_target(w: Worker, info: WorkerInfo) -> FeedTarget:
+    return FeedTarget(w.worker_id, w.url, info.kv_events_endpoints, info.kv_replay_endpoints, info.has_rpc)

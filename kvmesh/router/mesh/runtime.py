@@ -8,7 +8,7 @@ embedding the middleware), plus the configured ``sync_peers``. It starts on the 
 lifespan events, on the first request: engines like vLLM build the middleware with no arguments
 before any event loop runs.
 
-Per-request state never lives here; see ``middleware._RoutedRequest``.
+Per-request state never lives here; see :mod:`kvmesh.router.asgi.routed`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-import msgspec
-
 from kvmesh._types import WorkerId
 from kvmesh.errors import ConfigError
 from kvmesh.router.core.kv_router import Decision, KvRouter, TimingSample
@@ -33,6 +31,7 @@ from kvmesh.router.mesh.metrics import GaugeSource, WorkerRow, get_metrics
 from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.replica_sync import ReplicaSync
 from kvmesh.router.mesh.settings import MeshSettings
+from kvmesh.router.mesh.worker_rpc import ADMIN_TOKEN_HEADER, WorkerRpc
 from kvmesh.router.request.tokenizer import BuiltinTokenizer, HfTokenizer, Tokenizer
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
 
@@ -77,13 +76,15 @@ class Mesh:
         self.metrics = get_metrics()
         self.tokenizer = load_tokenizer(settings.tokenizer, tokenizer)
         self.local_app = local_app if settings.self_worker_id is not None else None
-        self.registry = WorkerRegistry(
-            settings,
-            self.router,
+        self.rpc = WorkerRpc(
             self.forwarder,
-            self.metrics,
-            local_call=self.local_call if self.local_app is not None else None,
+            timeout=settings.connect_timeout,
+            state_timeout=settings.kv_state_timeout,
+            token=settings.admin_token,
+            local_id=settings.self_worker_id,
+            local_app=self.local_app,
         )
+        self.registry = WorkerRegistry(settings, self.router, self.forwarder, self.metrics, self.rpc)
         self.replica = settings.self_worker_id or (
             f"router-{socket.gethostname()}-{os.getpid()}-{id(self) & 0xFFFF:x}"
         )
@@ -167,13 +168,7 @@ class Mesh:
                 now = time.monotonic()
                 self.pump(now)
                 for expired in self.router.expire(now):
-                    self.spawn(
-                        self.registry.rpc(
-                            expired.worker[0],
-                            "/kvmesh/session_control",
-                            {"action": "close_session", "session_id": expired.session_id},
-                        )
-                    )
+                    self.spawn(self.close_session(expired.worker[0], expired.session_id))
             except Exception:  # housekeeping must survive a bug in one round
                 logger.exception("kvmesh housekeeping round failed")
 
@@ -236,7 +231,7 @@ class Mesh:
         worker = self.registry.get(worker_id)
         if worker is None:
             return None
-        headers = {"x-kvmesh-admin-token": self.settings.admin_token} if self.settings.admin_token else None
+        headers = {ADMIN_TOKEN_HEADER: self.settings.admin_token} if self.settings.admin_token else None
         try:
             doc = await self.forwarder.get_json(
                 worker.url + ROUTER_PATH, timeout=self.settings.connect_timeout, headers=headers
@@ -257,13 +252,15 @@ class Mesh:
             elif fut is None:  # its client left between release and now
                 self.router.cancel(decision.request_id, now)
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """Fire-and-forget a worker RPC; failures are logged, never raised at a request. The task
-        is kept in a set until it ends: the event loop holds tasks only weakly."""
+        is kept in a set until it ends (the event loop holds tasks only weakly) and cancelled on
+        stop."""
         task = asyncio.get_running_loop().create_task(coro)
         self._spawned.add(task)
         task.add_done_callback(self._spawned.discard)
         task.add_done_callback(_log_failure)
+        return task
 
     def record_ttft_prediction(self, sample: TimingSample) -> None:
         """The latency cost's prediction for a finished request beside what happened."""
@@ -293,61 +290,19 @@ class Mesh:
             for s in self.router.worker_snapshot()
         ]
 
-    # ---------------------------------------------------------------- in-process RPC
-    async def local_call(self, method: str, path: str, payload: Any) -> Any:
-        """Call the embedding engine's own app in-process and decode its JSON answer."""
-        assert self.local_app is not None
-        body = b"" if payload is None else msgspec.json.encode(payload)
-        headers = [(b"host", b"kvmesh.local"), (b"content-length", str(len(body)).encode())]
-        if payload is not None:
-            headers.append((b"content-type", b"application/json"))
-        if self.settings.admin_token:
-            headers.append((b"x-kvmesh-admin-token", self.settings.admin_token.encode()))
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": method,
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 0),
-            "server": ("127.0.0.1", 0),
-            "state": {},
-        }
-        sent = False
-        status = 0
-        chunks: list[bytes] = []
+    # ---------------------------------------------------------------- worker RPCs
+    async def open_session(self, worker_id: WorkerId, session_id: str, timeout: float | None) -> Any:
+        """Open an engine session on a worker that serves kvmesh's RPCs (None when it does not)."""
+        w = self.registry.rpc_target(worker_id)
+        return None if w is None else await self.rpc.open_session(worker_id, w.url, session_id, timeout)
 
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # never disconnects
-            raise AssertionError("unreachable")
+    async def close_session(self, worker_id: WorkerId, session_id: str) -> Any:
+        w = self.registry.rpc_target(worker_id)
+        return None if w is None else await self.rpc.close_session(worker_id, w.url, session_id)
 
-        async def send(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-
-        try:
-            await self.local_app(scope, receive, send)
-        except Exception as e:
-            raise ConnectFailed("local", f"{method} {path} raised {e!r}") from None
-        data = b"".join(chunks)
-        if status != 200:
-            raise ConnectFailed("local", f"{method} {path}: HTTP {status}: {data[:200]!r}")
-        try:
-            return msgspec.json.decode(data)
-        except msgspec.DecodeError:
-            raise ConnectFailed("local", f"{method} {path}: not JSON") from None
+    async def pin_prefix(self, worker_id: WorkerId, token_ids: list[int], ttl_seconds: float) -> Any:
+        w = self.registry.rpc_target(worker_id)
+        return None if w is None else await self.rpc.pin_prefix(worker_id, w.url, token_ids, ttl_seconds)
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

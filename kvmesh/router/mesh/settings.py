@@ -4,9 +4,12 @@ Sources, later ones winning: defaults < ``KVMESH_CONFIG`` TOML file < ``KVMESH_*
 variables < command-line flags. Engines such as vLLM instantiate the middleware with no
 arguments, so the environment and the config file are the only way in there.
 
-Environment variables::
+Each setting is one row of ``SETTINGS`` (see :mod:`kvmesh.router.core.settings_table`): its flag,
+variable, TOML key, type, range and help come from there, so every source accepts and refuses the
+same values. ``kvmesh router --help`` shows each with its default. Environment variables::
 
     KVMESH_WORKERS           comma-separated worker base URLs (http://host:port)
+    KVMESH_PREFILL_WORKERS   comma-separated prefill worker URLs (two-stage, disaggregated routing)
     KVMESH_SELF_URL          this engine's own base URL when the middleware is embedded
     KVMESH_WORKER_ID         this engine's worker id (default: the worker whose URL is KVMESH_SELF_URL)
     KVMESH_TOKENIZER         "builtin" (mock fleets), "engine" (the engine's own) or a local HF path
@@ -14,6 +17,9 @@ Environment variables::
     KVMESH_MAX_BODY_BYTES    largest request body accepted (413 beyond) [8 MiB]
     KVMESH_BLOCK_SIZE        the fleet's KV block size when no worker describes it [16]
     KVMESH_HEALTH_INTERVAL   seconds between worker health checks [2]
+    KVMESH_HEALTH_FAILURES   failed checks in a row that take a worker out of routing [2]
+    KVMESH_CONNECT_TIMEOUT   seconds for a connection, a health check or a small worker RPC [3]
+    KVMESH_KV_STATE_TIMEOUT  seconds for a worker's whole /kvmesh/kv_state (cold start) [30]
     KVMESH_SYNC_ENDPOINT     with --router-replica-sync: where this replica publishes its routing
                              decisions (tcp://host:port; port * picks one) [tcp://<self host>:*]
     KVMESH_SYNC_PEERS        comma-separated sync endpoints of replicas that are not workers
@@ -21,10 +27,12 @@ Environment variables::
     KVMESH_CONFIG            path of a TOML file (below)
     KVMESH_ROUTER_*          routing flags (see RouterConfig)
 
-TOML file::
+TOML file (keys are the field names, but ``worker_id`` for this engine's id)::
 
     self_url = "http://10.0.0.1:8000"
     tokenizer = "/models/llama-3-8b"
+    kv_state_timeout = 60
+    sync_peers = ["tcp://10.0.0.9:5600"]
     [router]
     router_temperature = 0.0
     [[workers]]
@@ -38,8 +46,6 @@ TOML file::
     kv_replay_endpoints = ["tcp://10.0.0.2:5558"]
     max_num_batched_tokens = 8192
     total_kv_blocks = 20000
-
-``sync_endpoint`` and ``sync_peers`` (a list) set the replica-sync sockets in the file.
 """
 
 from __future__ import annotations
@@ -47,17 +53,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from kvmesh.errors import ConfigError
 from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.core.settings_table import Setting, bind_defaults, check_all, key_index
+from kvmesh.router.core.settings_table import add_arguments as add_table_arguments
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library
+    import tomli as tomllib
 
 DEFAULT_BODY_LIMIT = 8 * 1024 * 1024
 DEFAULT_BLOCK_SIZE = 16
 POLARITIES = ("lower_first", "higher_first", "none")
+ROLES = ("aggregated", "prefill", "decode")
+"""A worker's part in disaggregated serving; a fleet with prefill workers routes in two stages."""
 # vLLM schedules lower values first; what a backend name implies when its spec does not say.
 BACKEND_POLARITY = {"vllm": "lower_first", "mock": "lower_first", "sglang": "higher_first", "trtllm": "none"}
 
@@ -77,6 +93,9 @@ class WorkerSpec:
     max_num_batched_tokens: int | None = None
     total_kv_blocks: int | None = None
     priority_polarity: str | None = None
+    role: str | None = None
+    bootstrap_port: int | None = None
+    """SGLang's ``--disaggregation-bootstrap-port`` on a prefill worker."""
 
     @property
     def described(self) -> bool:
@@ -117,10 +136,10 @@ def parse_worker_list(text: str) -> tuple[WorkerSpec, ...]:
     return tuple(specs)
 
 
-_INT_FIELDS = ("block_size", "dp_size", "max_num_batched_tokens", "total_kv_blocks")
+_INT_FIELDS = ("block_size", "dp_size", "max_num_batched_tokens", "total_kv_blocks", "bootstrap_port")
 WORKER_KEYS = frozenset(
     ("url", "id", "worker_id", "backend", "model", "kv_events_endpoints", "kv_replay_endpoints",
-     "priority_polarity", *_INT_FIELDS)
+     "priority_polarity", "role", *_INT_FIELDS)
 )  # fmt: skip
 
 
@@ -168,6 +187,10 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
         if table["priority_polarity"] not in POLARITIES:
             raise bad("priority_polarity", f"must be one of {', '.join(POLARITIES)}")
         values["priority_polarity"] = table["priority_polarity"]
+    if "role" in table:
+        if table["role"] not in ROLES:
+            raise bad("role", f"must be one of {', '.join(ROLES)}")
+        values["role"] = table["role"]
     for name in ("kv_events_endpoints", "kv_replay_endpoints"):
         if name in table:
             value = table[name]
@@ -192,7 +215,11 @@ def check_sync_endpoint(endpoint: str, what: str = "KVMESH_SYNC_ENDPOINT") -> st
 
 @dataclass(frozen=True)
 class MeshSettings:
+    """The fleet and the runtime around the routing core; one row of ``SETTINGS`` per field."""
+
     workers: tuple[WorkerSpec, ...] = ()
+    prefill_workers: tuple[WorkerSpec, ...] = ()
+    """Workers with role ``prefill`` (merged into ``workers`` on construction)."""
     router: RouterConfig = field(default_factory=RouterConfig)
     tokenizer: str = "builtin"
     admin_token: str | None = None
@@ -203,27 +230,27 @@ class MeshSettings:
     health_interval: float = 2.0
     health_failures: int = 2
     connect_timeout: float = 3.0
+    """Connecting to a worker, a health check, a small RPC (``/kvmesh/info``, session control)."""
+    kv_state_timeout: float = 30.0
+    """A worker's whole ``/kvmesh/kv_state``: every cached block, megabytes on a large cache."""
     sync_endpoint: str | None = None
     """Replica sync PUB address (with ``router.router_replica_sync``); None: self host, any port."""
     sync_peers: tuple[str, ...] = ()
     """Sync endpoints of replicas that are not workers (standalone routers)."""
 
     def __post_init__(self) -> None:
+        check_all(self, SETTINGS)
+        if self.prefill_workers:
+            prefill = tuple(dataclasses.replace(w, role="prefill") for w in self.prefill_workers)
+            object.__setattr__(self, "workers", (*self.workers, *prefill))
+            object.__setattr__(self, "prefill_workers", ())
         ids = [w.worker_id for w in self.workers]
         dup = {i for i in ids if ids.count(i) > 1}
         if dup:
             raise ConfigError(f"worker id {sorted(dup)[0]!r} is configured twice")
-        if self.max_body_bytes <= 0:
-            raise ConfigError(f"KVMESH_MAX_BODY_BYTES must be positive, got {self.max_body_bytes}")
-        if self.health_interval <= 0:
-            raise ConfigError(f"KVMESH_HEALTH_INTERVAL must be positive, got {self.health_interval}")
         if self.sync_endpoint is not None:
             object.__setattr__(self, "sync_endpoint", check_sync_endpoint(self.sync_endpoint))
-        object.__setattr__(
-            self,
-            "sync_peers",
-            tuple(check_sync_endpoint(p, "KVMESH_SYNC_PEERS entry") for p in self.sync_peers),
-        )
+        object.__setattr__(self, "sync_peers", _endpoints(self.sync_peers, "KVMESH_SYNC_PEERS"))
         if self.self_url is not None and self.self_worker_id is None:
             if not self.workers:  # an engine on its own is a fleet of one
                 object.__setattr__(self, "workers", (WorkerSpec(self.self_url, self.self_url),))
@@ -275,78 +302,116 @@ class MeshSettings:
         return cls(**values)
 
 
-def _positive_int(name: str, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{name} must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {text!r}")
-    return value
+# ---------------------------------------------------------------------- the table
+def _worker_specs(items: list[Any], name: str) -> tuple[WorkerSpec, ...]:
+    """URLs (any source) or ``[[workers]]`` tables (the file) -> specs."""
+    specs: list[WorkerSpec] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            url = normalize_url(item)
+            specs.append(WorkerSpec(url=url, worker_id=url))
+        elif isinstance(item, dict):
+            specs.append(worker_from_mapping(item, f"{name}[{i}]"))
+        else:
+            raise ConfigError(f"{name}[{i}] must be a URL or a table, got {item!r}")
+    return tuple(specs)
 
 
-def _positive_float(name: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{name} must be a positive number, got {text!r}") from None
-    if not value > 0:
-        raise ConfigError(f"{name} must be a positive number, got {text!r}")
-    return value
+def _endpoints(items: Any, name: str) -> tuple[str, ...]:
+    if not all(isinstance(p, str) for p in items):
+        raise ConfigError(f"{name} must be a list of endpoint strings")
+    return tuple(check_sync_endpoint(p, f"{name} entry") for p in items)
+
+
+# Each row: field, flag, variable, TOML key, type, help, then the range (low, high, low_open,
+# choices), None allowed (optional), a normaliser (convert) and the default as --help shows it.
+SETTINGS: tuple[Setting, ...] = bind_defaults(
+    MeshSettings,
+    (
+        Setting(
+            "workers", "--workers", "KVMESH_WORKERS", "workers", list,
+            "worker base URLs, comma-separated or repeated ([[workers]] tables in the file)",
+            metavar="URL[,URL...]", convert=_worker_specs, shown="none",
+        ),
+        Setting(
+            "prefill_workers", "--prefill-workers", "KVMESH_PREFILL_WORKERS", "prefill_workers", list,
+            "prefill worker base URLs: with any, requests are routed in two stages (prefill, then decode)",
+            metavar="URL[,URL...]", convert=_worker_specs, shown="none",
+        ),
+        Setting(
+            "tokenizer", "--tokenizer", "KVMESH_TOKENIZER", "tokenizer", str,
+            "'builtin' (mock fleets), 'engine' (the embedding engine's own) or a local Hugging Face path",
+        ),
+        Setting(
+            "admin_token", "--admin-token", "KVMESH_ADMIN_TOKEN", "admin_token", str,
+            "shared token guarding the /kvmesh/* RPCs and POST /busy_threshold",
+            optional=True, shown="none",
+        ),
+        Setting(
+            "max_body_bytes", "--max-body-bytes", "KVMESH_MAX_BODY_BYTES", "max_body_bytes", int,
+            "largest request body accepted (413 beyond)", 1, shown="8 MiB",
+        ),
+        Setting(
+            "self_url", None, "KVMESH_SELF_URL", "self_url", str,
+            "this engine's own base URL when the middleware is embedded",
+            optional=True, convert=normalize_url,
+        ),
+        Setting(
+            "self_worker_id", None, "KVMESH_WORKER_ID", "worker_id", str,
+            "this engine's worker id (default: the worker whose URL is the self URL)", optional=True,
+        ),
+        Setting(
+            "block_size", "--block-size", "KVMESH_BLOCK_SIZE", "block_size", int,
+            "the fleet's KV block size when no worker describes it", 1,
+            optional=True, shown="from the workers, else 16",
+        ),
+        Setting(
+            "health_interval", "--health-interval", "KVMESH_HEALTH_INTERVAL", "health_interval", float,
+            "seconds between worker health checks", 0, low_open=True,
+        ),
+        Setting(
+            "health_failures", "--health-failures", "KVMESH_HEALTH_FAILURES", "health_failures", int,
+            "failed health checks in a row that take a worker out of routing", 1,
+        ),
+        Setting(
+            "connect_timeout", "--connect-timeout", "KVMESH_CONNECT_TIMEOUT", "connect_timeout", float,
+            "seconds for a connection, a health check or a small worker RPC", 0, low_open=True,
+        ),
+        Setting(
+            "kv_state_timeout", "--kv-state-timeout", "KVMESH_KV_STATE_TIMEOUT", "kv_state_timeout", float,
+            "seconds for a worker's whole /kvmesh/kv_state (the cold start of its index)", 0, low_open=True,
+        ),
+        Setting(
+            "sync_endpoint", "--router-sync-endpoint", "KVMESH_SYNC_ENDPOINT", "sync_endpoint", str,
+            "with --router-replica-sync: where this replica publishes its routing decisions",
+            optional=True, convert=check_sync_endpoint, metavar="tcp://HOST:PORT", shown="tcp://<self host>:*",
+        ),
+        Setting(
+            "sync_peers", "--router-sync-peers", "KVMESH_SYNC_PEERS", "sync_peers", list,
+            "sync endpoints of router replicas that are not workers (standalone routers)",
+            metavar="ENDPOINT[,ENDPOINT...]", convert=_endpoints,
+        ),
+    ),
+    exclude=("router",),
+)  # fmt: skip
+_BY_KEY = key_index(SETTINGS)
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if env.get("KVMESH_WORKERS"):
-        out["workers"] = parse_worker_list(env["KVMESH_WORKERS"])
-    if env.get("KVMESH_SELF_URL"):
-        out["self_url"] = normalize_url(env["KVMESH_SELF_URL"], "KVMESH_SELF_URL")
-    if env.get("KVMESH_WORKER_ID"):
-        out["self_worker_id"] = env["KVMESH_WORKER_ID"]
-    if env.get("KVMESH_TOKENIZER"):
-        out["tokenizer"] = env["KVMESH_TOKENIZER"]
-    if env.get("KVMESH_ADMIN_TOKEN"):
-        out["admin_token"] = env["KVMESH_ADMIN_TOKEN"]
-    if env.get("KVMESH_MAX_BODY_BYTES"):
-        out["max_body_bytes"] = _positive_int("KVMESH_MAX_BODY_BYTES", env["KVMESH_MAX_BODY_BYTES"])
-    if env.get("KVMESH_BLOCK_SIZE"):
-        out["block_size"] = _positive_int("KVMESH_BLOCK_SIZE", env["KVMESH_BLOCK_SIZE"])
-    if env.get("KVMESH_HEALTH_INTERVAL"):
-        out["health_interval"] = _positive_float("KVMESH_HEALTH_INTERVAL", env["KVMESH_HEALTH_INTERVAL"])
-    if env.get("KVMESH_SYNC_ENDPOINT"):
-        out["sync_endpoint"] = env["KVMESH_SYNC_ENDPOINT"]
-    if env.get("KVMESH_SYNC_PEERS"):
-        out["sync_peers"] = tuple(split_csv([env["KVMESH_SYNC_PEERS"]]))
-    return out
+    """``KVMESH_*`` variables; an empty one counts as unset."""
+    return {row.field: row.coerce(env[row.env], row.env) for row in SETTINGS if row.env and env.get(row.env)}
 
 
 def _from_args(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    workers = getattr(args, "workers", None)
-    if workers:
-        out["workers"] = parse_worker_list(",".join(workers) if isinstance(workers, list) else workers)
-    for name in (
-        "tokenizer",
-        "admin_token",
-        "max_body_bytes",
-        "block_size",
-        "health_interval",
-        "sync_endpoint",
-    ):
-        value = getattr(args, name, None)
+    for row in SETTINGS:
+        value = getattr(args, row.field, None) if row.flag else None
         if value is not None:
-            out[name] = value
-    peers = getattr(args, "sync_peers", None)
-    if peers:
-        out["sync_peers"] = tuple(split_csv(peers))
+            out[row.field] = row.coerce(value, row.flag or row.field)
     return out
 
 
 def _from_toml(path: str) -> tuple[dict[str, Any], RouterConfig]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        raise ConfigError("KVMESH_CONFIG needs Python 3.11+ (tomllib)") from None
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -354,97 +419,20 @@ def _from_toml(path: str) -> tuple[dict[str, Any], RouterConfig]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    out: dict[str, Any] = {}
     router_table = data.pop("router", {})
     if not isinstance(router_table, dict):
         raise ConfigError(f"{path}: [router] must be a table")
     router = RouterConfig.from_mapping(router_table)
-    workers = data.pop("workers", None)
-    if workers is not None:
-        out["workers"] = _workers_from_toml(workers, path)
-    for key, kind in (
-        ("self_url", str),
-        ("worker_id", str),
-        ("tokenizer", str),
-        ("admin_token", str),
-        ("max_body_bytes", int),
-        ("block_size", int),
-        ("health_interval", (int, float)),
-        ("sync_endpoint", str),
-    ):
-        if key in data:
-            value = data.pop(key)
-            if isinstance(value, bool) or not isinstance(value, kind):
-                raise ConfigError(f"{path}: {key} has the wrong type ({type(value).__name__})")
-            out["self_worker_id" if key == "worker_id" else key] = value
-    if "self_url" in out:
-        out["self_url"] = normalize_url(out["self_url"], "self_url")
-    if "sync_peers" in data:
-        peers = data.pop("sync_peers")
-        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
-            raise ConfigError(f"{path}: sync_peers must be a list of endpoint strings")
-        out["sync_peers"] = tuple(peers)
-    if data:
-        raise ConfigError(f"{path}: unknown setting {sorted(data)[0]!r}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        row = _BY_KEY.get(key.replace("-", "_").lower())
+        if row is None:
+            raise ConfigError(f"{path}: unknown setting {key!r}")
+        out[row.field] = row.coerce(value, f"{path}: {key}")
     return out, router
 
 
-def _workers_from_toml(workers: Any, path: str) -> tuple[WorkerSpec, ...]:
-    if not isinstance(workers, list):
-        raise ConfigError(f"{path}: workers must be a list of URLs or [[workers]] tables")
-    specs: list[WorkerSpec] = []
-    for i, item in enumerate(workers):
-        if isinstance(item, str):
-            url = normalize_url(item)
-            specs.append(WorkerSpec(url=url, worker_id=url))
-        elif isinstance(item, dict):
-            specs.append(worker_from_mapping(item, f"workers[{i}]"))
-        else:
-            raise ConfigError(f"{path}: workers[{i}] must be a URL or a table")
-    return tuple(specs)
-
-
-def add_arguments(parser: argparse.ArgumentParser, *, workers_required: bool = False) -> None:
-    """The non-routing flags of ``kvmesh router``."""
-    parser.add_argument(
-        "--workers",
-        action="append",
-        required=False,
-        metavar="URL[,URL...]",
-        help="worker base URLs (repeatable; or KVMESH_WORKERS, or [[workers]] in --config)",
-    )
-    parser.add_argument("--config", default=None, help="TOML config file (or KVMESH_CONFIG)")
-    parser.add_argument(
-        "--tokenizer", default=None, help="'builtin' (mock fleets) or a local Hugging Face tokenizer path"
-    )
-    parser.add_argument(
-        "--admin-token", default=None, help="token guarding POST /busy_threshold and admin RPCs"
-    )
-    parser.add_argument(
-        "--max-body-bytes", type=int, default=None, help="largest request body accepted [8 MiB]"
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=None, help="fleet block size when no worker reports it [16]"
-    )
-    parser.add_argument(
-        "--health-interval", type=float, default=None, help="seconds between health checks [2]"
-    )
-    parser.add_argument(
-        "--router-sync-endpoint",
-        dest="sync_endpoint",
-        default=None,
-        metavar="tcp://HOST:PORT",
-        help="with --router-replica-sync: where to publish routing decisions (or KVMESH_SYNC_ENDPOINT)",
-    )
-    parser.add_argument(
-        "--router-sync-peers",
-        dest="sync_peers",
-        action="append",
-        default=None,
-        metavar="ENDPOINT[,ENDPOINT...]",
-        help="sync endpoints of other standalone router replicas (or KVMESH_SYNC_PEERS)",
-    )
-
-
-def split_csv(values: Sequence[str] | None) -> list[str]:
-    return [x.strip() for v in values or () for x in v.split(",") if x.strip()]
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The non-routing flags of ``kvmesh router``: one per row of ``SETTINGS``, and ``--config``."""
+    parser.add_argument("--config", default=None, help="TOML config file (or KVMESH_CONFIG) [none]")
+    add_table_arguments(parser, SETTINGS)

@@ -29,7 +29,6 @@ PREFILL_HEADER = "x-prefill-instance-id"
 
 CACHE_TTL_MIN = 300.0
 CACHE_TTL_MAX = 3600.0
-DEFAULT_SESSION_TIMEOUT = 300.0
 
 SessionAction = Literal["open", "close", "bind"]
 _ACTIONS: frozenset[str] = frozenset(("open", "close", "bind"))
@@ -50,7 +49,8 @@ class AgentHints:
 class SessionControl:
     session_id: str
     action: SessionAction
-    timeout: float = DEFAULT_SESSION_TIMEOUT
+    timeout: float | None = None
+    """Seconds; None when the client gave none: the router's --router-session-timeout-secs applies."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +203,7 @@ def _session_control(value: Any) -> SessionControl | None:
     return SessionControl(
         session_id=session_id,
         action=action,
-        timeout=DEFAULT_SESSION_TIMEOUT if timeout is None else _number(timeout, f + "timeout", lo=0.001),
+        timeout=None if timeout is None else _number(timeout, f + "timeout", lo=0.001),
     )
 
 

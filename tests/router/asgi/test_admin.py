@@ -18,7 +18,7 @@ TOKEN = {"x-kvmesh-admin-token": "s3cret"}
 
 
 async def _rows(http: aiohttp.ClientSession, front: str) -> dict[str, dict[str, Any]]:
-    async with http.get(front + "/kvmesh/workers") as r:
+    async with http.get(front + "/kvmesh/workers", headers=TOKEN) as r:
         return {row["worker_id"]: row for row in (await r.json())["workers"]}
 
 
@@ -94,6 +94,12 @@ async def test_admin_api_refusals() -> None:
             wrong = {"authorization": "Bearer nope"}
             assert (await _add(http, front.url, {"url": e1.url}, headers=wrong))[0] == 401
             assert (await _delete(http, front.url, "e0", headers=None))[0] == 401
+            # one rule for every admin route, reads included
+            for path in ("/kvmesh/workers", "/kvmesh/router", "/busy_threshold"):
+                async with http.get(front.url + path) as r:
+                    assert (r.status, (await r.json())["error"]["type"]) == (401, "AuthenticationError")
+                async with http.get(front.url + path, headers={"Authorization": "bearer s3cret"}) as r:
+                    assert r.status == 200, path
             # a bad spec names its field
             for body, field in (
                 ({"url": e1.url, "block_size": -1}, "block_size"),

@@ -13,7 +13,7 @@ import aiohttp
 
 from tests.router.servers import bound_socket, serve
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fastapi_app.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "fastapi_app.py"
 
 
 def _example() -> ModuleType:

@@ -170,14 +170,16 @@ async def test_nvext_is_stripped_and_priority_translated(http: aiohttp.ClientSes
 
 async def test_busy_threshold_and_admin_token(http: aiohttp.ClientSession) -> None:
     async with fleet(1, admin_token="s3cret") as (front, _, _e):
+        auth = {"authorization": "Bearer s3cret"}
         async with http.get(front.url + "/busy_threshold") as r:
+            assert r.status == 401  # one token rule: reads too
+        async with http.get(front.url + "/busy_threshold", headers=auth) as r:
             assert r.status == 200
             assert (await r.json())["active_decode_blocks_threshold"] is None
         async with http.post(
             front.url + "/busy_threshold", json={"active_decode_blocks_threshold": 0.5}
         ) as r:
             assert r.status == 401
-        auth = {"authorization": "Bearer s3cret"}
         async with http.post(
             front.url + "/busy_threshold", json={"active_decode_blocks_threshold": 0.5}, headers=auth
         ) as r:

@@ -118,3 +118,36 @@ async def test_an_unfinished_stream_is_not_complete() -> None:
     await tap(SSE_HEAD)
     await tap({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
     assert not tap.complete and "end:True" not in rec.calls
+
+
+async def test_text_that_looks_like_sse_inside_an_event_is_content_not_structure() -> None:
+    """A model that writes 'metadata:' or 'data: [DONE]' must not be miscounted, and the echo must
+    never be spliced into the middle of its JSON (the client's stream stays byte-exact)."""
+    rec = Recorder(echo={"worker_id": "w1"})
+    tap = ResponseTap(rec.send, rec)
+    tricky = {
+        "id": "c1",
+        "choices": [{"delta": {"content": 'metadata: x\ndata: [DONE]\n"usage": {"cached_tokens": 99}'}}],
+    }
+    await tap(SSE_HEAD)
+    first = _event(tricky)
+    await tap({"type": "http.response.body", "body": first, "more_body": True})
+    await tap({"type": "http.response.body", "body": first + b"data: [DONE]\n\n", "more_body": False})
+    assert rec.sent[1]["body"] == first  # passed on untouched
+    events = [e for e in rec.sent[2]["body"].split(b"\n\n") if e]
+    assert events[0] == first.rstrip()
+    assert json.loads(events[1][len(b"data: ") :])["nvext"] == {"worker_id": "w1"}
+    assert events[2] == b"data: [DONE]"
+    assert rec.calls == ["first", "events:1", "events:1", "end:True"]
+
+
+async def test_a_data_line_split_anywhere_is_read_whole_and_crlf_lines_count() -> None:
+    rec = Recorder()
+    tap = ResponseTap(rec.send, rec)
+    stream = b'data: {"a":1}\r\n\r\ndata: {"a":2}\r\n\r\ndata: [DONE]\r\n\r\n'
+    await tap(SSE_HEAD)
+    for i in range(0, len(stream), 7):
+        await tap({"type": "http.response.body", "body": stream[i : i + 7], "more_body": True})
+    await tap({"type": "http.response.body", "body": b"", "more_body": False})
+    assert b"".join(m["body"] for m in rec.sent[1:]) == stream
+    assert rec.calls == ["first", "events:1", "events:1", "end:True"]

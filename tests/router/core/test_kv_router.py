@@ -11,6 +11,7 @@ from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.hashing import block_hashes
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.kv_router import Decision, ExpiredSession, KvRouter, Queued, Rejected, RouteRequest
+from kvmesh.router.request.nvext import parse_nvext
 
 B = 4
 
@@ -173,6 +174,18 @@ def test_sessions_stick_slide_and_expire() -> None:
     assert r.expire(now=15.0) == [ExpiredSession("s", home)]
 
 
+def test_a_session_the_client_gave_no_timeout_lives_for_the_configured_default() -> None:
+    r = router("ab", router_session_timeout_secs=20.0)
+    nv = parse_nvext({"nvext": {"session_control": {"session_id": "s", "action": "open"}}})
+    assert nv.session is not None and nv.session.timeout is None
+    opened = r.route(
+        req("r1", toks(1, 4), session_id="s", session_action="open", session_timeout=nv.session.timeout), 0.0
+    )
+    assert isinstance(opened, Decision)
+    assert r.expire(now=19.0) == []
+    assert r.expire(now=20.0) == [ExpiredSession("s", opened.worker)]
+
+
 def test_session_close_routes_home_once_more() -> None:
     r = router("ab")
     d = r.route(req("r1", toks(1, 2), session_id="s", session_action="bind"), now=0.0)
@@ -274,3 +287,11 @@ def test_event_statistics_are_exposed() -> None:
     store(r, "a", toks(1, 2))
     assert r.stats.events_applied == {("stored", "ok"): 1}
     assert r.worker_snapshot()[0].indexed_blocks == 2
+
+
+def test_prediction_prunes_are_counted_once_however_often_stats_are_read() -> None:
+    r = router("a", router_predicted_ttl_secs=5.0, router_max_tree_size=10)
+    r.route(req("r1", toks(1, 20)), now=0.0)  # 20 predicted entries > 10 -> pruned down to 8
+    assert r.stats.approx_pruned_blocks == 12
+    assert r.stats.approx_pruned_blocks == 12
+    assert r.stats.index_pruned_blocks == 0

@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvmesh.errors import ConfigError
 from kvmesh.router.core.config import RouterConfig
-from kvmesh.router.mesh.settings import MeshSettings, add_arguments, parse_worker_list
+from kvmesh.router.core.settings_table import Setting
+from kvmesh.router.mesh import settings as mesh_settings
+from kvmesh.router.mesh.settings import SETTINGS, MeshSettings, add_arguments, parse_worker_list
+
+
+def _flags(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    RouterConfig.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _from_file(tmp_path: Path, text: str) -> MeshSettings:
+    path = tmp_path / "kvmesh.toml"
+    path.write_text(text)
+    return MeshSettings.load({"KVMESH_CONFIG": str(path)})
 
 
 def test_worker_urls_are_normalized() -> None:
@@ -52,7 +71,7 @@ def test_duplicate_workers_are_refused() -> None:
 
 
 def test_bad_numbers_name_the_variable() -> None:
-    with pytest.raises(ConfigError, match="KVMESH_MAX_BODY_BYTES must be a positive integer"):
+    with pytest.raises(ConfigError, match="KVMESH_MAX_BODY_BYTES must be an integer, got 'lots'"):
         MeshSettings.load({"KVMESH_MAX_BODY_BYTES": "lots"})
 
 
@@ -115,3 +134,144 @@ def test_bad_toml(tmp_path: Path, text: str, message: str) -> None:
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         MeshSettings.load({"KVMESH_CONFIG": str(path)})
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("flag", r"--block-size must be >= 1, got '-4'"),
+        ("env", r"KVMESH_BLOCK_SIZE must be >= 1, got '-4'"),
+        ("file", r"kvmesh.toml: block_size must be >= 1, got -4"),
+        ("object", r"--block-size must be >= 1, got -4"),
+    ],
+)
+def test_a_negative_block_size_is_refused_by_every_source(tmp_path: Path, source: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        if source == "flag":
+            MeshSettings.load({}, _flags("--block-size", "-4"))
+        elif source == "env":
+            MeshSettings.load({"KVMESH_BLOCK_SIZE": "-4"})
+        elif source == "file":
+            _from_file(tmp_path, "block_size = -4")
+        else:
+            MeshSettings(block_size=-4)
+
+
+# A valid value other than the default for every field that has a row, in each source's spelling.
+_SAMPLES: dict[str, tuple[str, str, Any]] = {
+    # field: (flag / variable text, TOML literal, the value it becomes)
+    "workers": ("127.0.0.1:1,127.0.0.1:2", '["127.0.0.1:1", "127.0.0.1:2"]', ("http://127.0.0.1:1", "http://127.0.0.1:2")),
+    "prefill_workers": ("127.0.0.1:3", '["127.0.0.1:3"]', ("http://127.0.0.1:3",)),
+    "tokenizer": ("engine", '"engine"', "engine"),
+    "admin_token": ("s3cret", '"s3cret"', "s3cret"),
+    "max_body_bytes": ("1000", "1000", 1000),
+    "self_url": ("127.0.0.1:2", '"127.0.0.1:2"', "http://127.0.0.1:2"),
+    "self_worker_id": ("http://127.0.0.1:2", '"http://127.0.0.1:2"', "http://127.0.0.1:2"),
+    "block_size": ("32", "32", 32),
+    "health_interval": ("0.5", "0.5", 0.5),
+    "health_failures": ("5", "5", 5),
+    "connect_timeout": ("1.5", "1.5", 1.5),
+    "kv_state_timeout": ("120", "120", 120.0),
+    "sync_endpoint": ("tcp://127.0.0.1:5600", '"tcp://127.0.0.1:5600"', "tcp://127.0.0.1:5600"),
+    "sync_peers": ("tcp://127.0.0.1:5601", '["tcp://127.0.0.1:5601"]', ("tcp://127.0.0.1:5601",)),
+}  # fmt: skip
+
+
+def _value(s: MeshSettings, field: str) -> Any:
+    if field == "prefill_workers":  # merged into the fleet, with their role
+        return tuple(w.url for w in s.workers if w.role == "prefill")
+    value = getattr(s, field)
+    return tuple(w.url for w in value if w.role != "prefill") if field == "workers" else value
+
+
+def test_every_row_has_a_sample_and_samples_differ_from_the_defaults() -> None:
+    assert {row.field for row in SETTINGS} == set(_SAMPLES)
+    for row in SETTINGS:
+        assert _SAMPLES[row.field][2] != row.default, row.field
+
+
+@pytest.mark.parametrize("row", SETTINGS, ids=lambda row: row.field)
+def test_every_setting_is_read_from_the_file_the_environment_and_its_flag(
+    tmp_path: Path, row: Setting
+) -> None:
+    text, literal, expected = _SAMPLES[row.field]
+    # the self URL must be one of the workers: give the fleet in every case
+    fleet = {"KVMESH_WORKERS": "127.0.0.1:1,127.0.0.1:2"} if row.field != "workers" else {}
+    path = tmp_path / "kvmesh.toml"
+    path.write_text(f"{row.key} = {literal}\n")
+    assert _value(MeshSettings.load({**fleet, "KVMESH_CONFIG": str(path)}), row.field) == expected
+    assert row.env is not None
+    assert _value(MeshSettings.load({**fleet, row.env: text}), row.field) == expected
+    if row.flag is not None:  # only an embedded engine's own identity has no flag
+        assert _value(MeshSettings.load(fleet, _flags(row.flag, text)), row.field) == expected
+    else:
+        assert row.field in ("self_url", "self_worker_id")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KVMESH_HEALTH_FAILURES": "0"}, "KVMESH_HEALTH_FAILURES must be >= 1, got '0'"),
+        ({"KVMESH_CONNECT_TIMEOUT": "0"}, "KVMESH_CONNECT_TIMEOUT must be > 0, got '0'"),
+        ({"KVMESH_KV_STATE_TIMEOUT": "soon"}, "KVMESH_KV_STATE_TIMEOUT must be a number, got 'soon'"),
+        ({"KVMESH_HEALTH_INTERVAL": "-1"}, "KVMESH_HEALTH_INTERVAL must be > 0, got '-1'"),
+        (
+            {"KVMESH_SYNC_PEERS": "udp://x:1"},
+            "KVMESH_SYNC_PEERS entry 'udp://x:1' must look like tcp://host:port",
+        ),
+    ],
+)
+def test_out_of_range_values_name_the_variable_and_the_range(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        MeshSettings.load(env)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tokenizer = 5", "tokenizer must be a string, got 5"),
+        ("health_failures = true", "health_failures must be an integer, got True"),
+        ("sync_peers = [5]", "sync_peers must be a list of endpoint strings"),
+        ("workers = [5]", "workers[0] must be a URL or a table, got 5"),
+    ],
+)
+def test_wrong_types_in_the_file_name_the_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _from_file(tmp_path, text)
+
+
+def test_router_help_shows_every_setting_with_its_default() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "router", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    # option blocks: a line starting with "  --" and its wrapped continuation lines
+    blocks: dict[str, str] = {}
+    flag = None
+    for line in result.stdout.splitlines():
+        if line.startswith("  --"):
+            flag = line.split()[0].rstrip(",")
+            blocks[flag] = line
+        elif flag is not None and line.startswith(" " * 10):
+            blocks[flag] += " " + line.strip()
+        else:
+            flag = None
+    texts = {flag: " ".join(block.split()) for flag, block in blocks.items()}
+    shown = {
+        "workers": "none", "prefill_workers": "none", "admin_token": "none", "max_body_bytes": "8 MiB",
+        "block_size": "from the workers, else 16", "sync_endpoint": "tcp://<self host>:*", "sync_peers": "none",
+    }  # fmt: skip
+    for row in SETTINGS:
+        if row.flag is not None:
+            assert texts[row.flag].endswith(f"[{shown.get(row.field, row.default)}]"), texts[row.flag]
+    # every other option (routing flags, --host...) ends with its default too, but --help and the
+    # deprecated alias of --router-prefill-load-scale
+    others = [t for f, t in texts.items() if f not in ("--help", "--router-kv-overlap-score-weight")]
+    assert len(others) > 40
+    assert [t for t in others if not re.search(r"\[[^\]]+\]$", t)] == []
+
+
+def test_the_module_docstring_lists_every_variable() -> None:
+    doc = mesh_settings.__doc__ or ""
+    missing = [row.env for row in SETTINGS if row.env and row.env not in doc]
+    assert not missing

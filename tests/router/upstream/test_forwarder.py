@@ -343,7 +343,7 @@ async def test_router_ends_a_stream_cleanly_when_the_worker_breaks_off(http: aio
             assert r.status == 200
             text = (await r.read()).decode()
         assert text.startswith('data: {"choices":[]}\n\n')
-        assert '"type":"upstream_error"' in text and "response broke off" in text
+        assert '"type":"UpstreamError"' in text and "response broke off" in text
         for _ in range(100):
             if await _load(http, front) == 0:
                 break

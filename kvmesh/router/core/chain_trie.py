@@ -1,4 +1,4 @@
-"""Prefix index: which worker holds the longest cached prefix of a prompt.
+"""Chain trie: the prefix structure every index shares, and the query over all workers at once.
 
 Data structure (chosen for pure-Python speed: per stored block the interpreter does no work of its
 own, only bulk C operations over the run, and a query touches a few objects per *run*, not per block):
@@ -24,42 +24,30 @@ own, only bulk C operations over the run, and a query touches a few objects per 
   the ones that dropped inside it. ``reach`` is exact: when a block is removed or re-stored, the
   change is pushed down to the descendants the worker holds, so a query equals a brute-force
   block-by-block walk.
-* **Two key spaces.** Engines name blocks with opaque hashes. Per slot and tier a dict maps engine
-  hash -> handle, so removals apply; two workers caching the same content under different engine
-  hashes share one block and are both indexed.
+
+The variants (``event_index.PrefixIndex``, ``approx_index.ApproxIndex``) decide how entries come and
+go; this module only stores runs, keeps the bits exact and answers queries.
 
 Levels: 0 = device, 1 = device or host, 2 = any tier (disk and external storage).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import islice, repeat
+from itertools import repeat
 from operator import and_, indexOf, ne, or_
-from typing import Union
 
-from kvmesh._types import EngineHash, Tier, WorkerKey, tier_of_medium
-from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from kvmesh.hashing import block_hashes
+from kvmesh._types import WorkerKey
 
-_LEVEL_OF_TIER = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.EXTERNAL: 2}
-_LEVEL_OF_MEDIUM: dict[str | None, int] = {None: 0, "GPU": 0, "CPU": 1, "CPU_PINNED": 1, "DISK": 2}
 # Levels a block is present at, from its stored tier bits (t0 device, t1 host, t2 disk).
 _LEVELS = [(1 if p & 1 else 0) | (2 if p & 3 else 0) | (4 if p else 0) for p in range(8)]
 
-STATUS_OK = "ok"
-STATUS_PARENT_NOT_FOUND = "parent_not_found"
-STATUS_BLOCK_NOT_FOUND = "block_not_found"
-STATUS_INVALID = "invalid"
-
-
 # A segment holds at most 2**32 blocks: more than one event can carry, and extending a segment
 # past it starts a new one. Handles stay two-digit ints (32 bytes) up to 2**28 segments.
-_SHIFT = 32
-_LOW = (1 << _SHIFT) - 1
-_ROOT = -1
+SHIFT = 32
+LOW = (1 << SHIFT) - 1
+ROOT = -1
 """Handle of the empty prefix. A block's handle is ``segment id << 32 | index in the segment``."""
 
 
@@ -111,7 +99,7 @@ class TierDepths:
     disk: int
 
 
-class _ChainIndex:
+class ChainIndex:
     """Segments, slots and the reach bits; the variants add how entries come and go."""
 
     def __init__(self) -> None:
@@ -197,12 +185,12 @@ class _ChainIndex:
         if not run:
             return run
         first = run[0]
-        if parent == _ROOT:
+        if parent == ROOT:
             if first not in self._roots:
                 return self._attach(parent, None, run, slot, tier)
         else:
-            seg = self._segs[parent >> _SHIFT]
-            i = parent & _LOW
+            seg = self._segs[parent >> SHIFT]
+            i = parent & LOW
             known = (i + 1 < len(seg.stored) and seg.locals[i + 1] == first) or (
                 seg.branches is not None and first in seg.branches.get(i, ())
             )
@@ -218,12 +206,12 @@ class _ChainIndex:
         handles: list[int] = []
         while pos < n:
             first = run[pos]
-            if at == _ROOT:
+            if at == ROOT:
                 sid = self._roots.get(first)
                 start = 0
             else:
-                seg = segs[at >> _SHIFT]
-                i = at & _LOW
+                seg = segs[at >> SHIFT]
+                i = at & LOW
                 if i + 1 < len(seg.stored) and seg.locals[i + 1] == first:
                     sid, start = seg.id, i + 1
                 else:
@@ -231,14 +219,12 @@ class _ChainIndex:
                     kids = seg.branches.get(i) if seg.branches is not None else None
                     sid = kids.get(first) if kids is not None else None
             if sid is None:
-                handles += self._attach(
-                    at, segs[at >> _SHIFT] if at != _ROOT else None, run[pos:], slot, tier
-                )
+                handles += self._attach(at, segs[at >> SHIFT] if at != ROOT else None, run[pos:], slot, tier)
                 break
             seg = segs[sid]
             avail = min(len(seg.stored) - start, n - pos)
             m = _common(seg.locals[start : start + avail], run[pos : pos + avail])
-            base = (sid << _SHIFT) | start
+            base = (sid << SHIFT) | start
             if slot is not None:
                 self._add_range(slot, tier, seg, start, start + m, dup_ok)
             handles += range(base, base + m)
@@ -255,16 +241,16 @@ class _ChainIndex:
         else:
             shift = 3 * slot
             stored = 1 << (shift + tier)
-            above = seg.reach[at & _LOW] if seg is not None else -1  # the root reaches every level
+            above = seg.reach[at & LOW] if seg is not None else -1  # the root reaches every level
             reach = (_LEVELS[1 << tier] & (above >> shift) & 7) << shift
             self._counts[slot] += k
         self._n_blocks += k
         if seg is None:
             depth0 = 1
         else:
-            i = at & _LOW
+            i = at & LOW
             size = len(seg.stored)
-            if i + 1 == size and (seg.branches is None or i not in seg.branches) and size + k <= _LOW + 1:
+            if i + 1 == size and (seg.branches is None or i not in seg.branches) and size + k <= LOW + 1:
                 # ``at`` ends its segment and has no other child: grow the segment in place
                 seg.locals += new
                 seg.stored += [stored] * k
@@ -281,22 +267,26 @@ class _ChainIndex:
         else:
             if seg.branches is None:
                 seg.branches = {}
-            seg.branches.setdefault(at & _LOW, {})[new[0]] = sid
+            seg.branches.setdefault(at & LOW, {})[new[0]] = sid
             seg.n_branches += 1
-        base = sid << _SHIFT
+        base = sid << SHIFT
         return range(base, base + k)
 
+    def _depth_of(self, h: int) -> int:
+        """Prefix depth of block ``h`` (the root's children have depth 1)."""
+        return self._segs[h >> SHIFT].depth0 + (h & LOW)
+
     def _reach_of(self, h: int) -> int:
-        if h == _ROOT:
+        if h == ROOT:
             return -1  # every slot reaches the empty prefix at every level
-        return self._segs[h >> _SHIFT].reach[h & _LOW]
+        return self._segs[h >> SHIFT].reach[h & LOW]
 
     def _path(self, h: int) -> list[int]:
         """Local hashes from the root down to block ``h`` (for dumps)."""
         parts: list[list[int]] = []
-        while h != _ROOT:
-            seg = self._segs[h >> _SHIFT]
-            parts.append(seg.locals[: (h & _LOW) + 1])
+        while h != ROOT:
+            seg = self._segs[h >> SHIFT]
+            parts.append(seg.locals[: (h & LOW) + 1])
             h = seg.parent
         out: list[int] = []
         for part in reversed(parts):
@@ -305,8 +295,8 @@ class _ChainIndex:
 
     # ------------------------------------------------------------------ entries
     def _add(self, slot: int, tier: int, h: int) -> None:
-        seg = self._segs[h >> _SHIFT]
-        i = h & _LOW
+        seg = self._segs[h >> SHIFT]
+        i = h & LOW
         bit = 1 << (3 * slot + tier)
         old = seg.stored[i]
         if old & bit:
@@ -325,7 +315,7 @@ class _ChainIndex:
         bit = 1 << (3 * slot + tier)
         held = seg.stored[start:stop]
         if any(map(and_, held, repeat(bit, stop - start))):
-            sid = seg.id << _SHIFT
+            sid = seg.id << SHIFT
             for j, old in enumerate(held, start):
                 if dup_ok or not old & bit:
                     self._add(slot, tier, sid | j)
@@ -365,8 +355,8 @@ class _ChainIndex:
             else:
                 self._dups[k] = extra - 1
             return
-        seg = self._segs[h >> _SHIFT]
-        i = h & _LOW
+        seg = self._segs[h >> SHIFT]
+        i = h & LOW
         seg.stored[i] &= ~(1 << (3 * slot + tier))
         self._counts[slot] -= 1
         if not seg.stored[i]:
@@ -404,12 +394,12 @@ class _ChainIndex:
             del self._segs[seg.id]
             self._n_blocks -= len(seg.stored)
             first = seg.locals[0]
-            if seg.parent == _ROOT:
+            if seg.parent == ROOT:
                 del self._roots[first]
                 return
-            pseg = self._segs[seg.parent >> _SHIFT]
+            pseg = self._segs[seg.parent >> SHIFT]
             assert pseg.branches is not None
-            i = seg.parent & _LOW
+            i = seg.parent & LOW
             kids = pseg.branches[i]
             del kids[first]
             if not kids:
@@ -499,322 +489,3 @@ def _assign(bits: int, depth: int, depths: dict[int, int]) -> None:
         low = bits & -bits
         depths[low.bit_length() - 1] = depth
         bits ^= low
-
-
-# ---------------------------------------------------------------------- event-driven index
-@dataclass(frozen=True, slots=True)
-class DumpedBlock:
-    """One (worker, tier, engine hash) entry, enough to rebuild the index exactly."""
-
-    worker: WorkerKey
-    engine_hash: EngineHash
-    tier: Tier
-    path: tuple[int, ...]
-    """Local hashes from the root to this block (the block's own hash last)."""
-
-
-_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
-
-
-class PrefixIndex(_ChainIndex):
-    """The index driven by workers' KV events (BlockStored / BlockRemoved / AllBlocksCleared).
-
-    ``max_entries`` bounds memory in (block, worker, tier) entries: beyond it the oldest entries
-    of the largest workers are dropped (down to ``prune_target_ratio``) and counted in
-    ``pruned_blocks``.
-    """
-
-    def __init__(
-        self, *, block_size: int | None = None, max_entries: int = 2**23, prune_target_ratio: float = 0.8
-    ) -> None:
-        super().__init__()
-        self.block_size = block_size
-        self.max_entries = max_entries
-        self.prune_target_ratio = prune_target_ratio
-        self._engine: list[tuple[dict[EngineHash, int], dict[EngineHash, int], dict[EngineHash, int]]] = []
-        # Per slot: (tier, engine hash) -> extra copies. vLLM caches a second physical block under a
-        # hash it already caches (two requests computing one prefix in a step, or the recomputed
-        # last block of a fully cached prompt), reports each as stored and each eviction as removed:
-        # the block stays cached until its last copy goes.
-        self._copies: list[dict[tuple[int, EngineHash], int]] = []
-        self.applied: dict[tuple[str, str], int] = {}
-        self.pruned_blocks = 0
-        self._total = 0
-
-    def _on_new_slot(self) -> None:
-        self._engine.append(({}, {}, {}))
-        self._copies.append({})
-
-    # ------------------------------------------------------------------ events
-    def apply(self, worker: WorkerKey, events: Iterable[Event]) -> None:
-        """Apply a batch's events for one (worker_id, dp_rank)."""
-        slot = self._slot(worker)
-        applied = self.applied
-        for event in events:
-            if isinstance(event, BlockStored):
-                outcome = ("stored", self._stored(slot, event))
-            elif isinstance(event, BlockRemoved):
-                outcome = ("removed", self._removed(slot, event))
-            elif isinstance(event, AllBlocksCleared):
-                self._clear_slot(slot)
-                outcome = ("cleared", STATUS_OK)
-            else:
-                continue
-            applied[outcome] = applied.get(outcome, 0) + 1
-        if self._total > self.max_entries:
-            self._prune()
-
-    def _stored(self, slot: int, event: BlockStored) -> str:
-        maps = self._engine[slot]
-        parent_hash = event.parent_block_hash
-        if parent_hash is None:
-            parent = _ROOT
-        else:
-            found = maps[0].get(parent_hash)
-            if found is None:
-                found = maps[1].get(parent_hash)
-                if found is None:
-                    found = maps[2].get(parent_hash)
-                    if found is None:
-                        return STATUS_PARENT_NOT_FOUND
-            parent = found
-        block_size = event.block_size or self.block_size
-        if not block_size or block_size <= 0:
-            return STATUS_INVALID
-        tokens = event.token_ids
-        if tokens and not isinstance(tokens[0], int):
-            # SGLang EAGLE publishes (token, draft token) pairs; the first is the sequence token.
-            tokens = [t[0] if isinstance(t, (tuple, list)) else t for t in tokens]  # type: ignore[misc]
-        try:
-            locals_ = block_hashes(tokens, block_size, event.adapter)  # type: ignore[arg-type]
-        except (OverflowError, TypeError, ValueError):
-            return STATUS_INVALID
-        engine = event.block_hashes
-        if len(locals_) < len(engine) or not engine:
-            return STATUS_INVALID if engine else STATUS_OK
-        medium = event.medium or None
-        tier = _LEVEL_OF_MEDIUM.get(medium)  # type: ignore[arg-type]
-        if tier is None:
-            tier = _LEVEL_OF_TIER[tier_of_medium(medium)]  # type: ignore[arg-type]
-        self._store_run(
-            slot, tier, parent, engine, locals_ if len(locals_) == len(engine) else locals_[: len(engine)]
-        )
-        return STATUS_OK
-
-    def _store_run(
-        self, slot: int, tier: int, parent: int, engine: Sequence[EngineHash], locals_: Sequence[int]
-    ) -> None:
-        handles = self._insert_run(parent, locals_, slot, tier)
-        emap = self._engine[slot][tier]
-        # the common case in one probe per hash: every hash of the run is new to this map
-        before = len(emap)
-        deque(map(emap.setdefault, engine, handles), maxlen=0)
-        added = len(emap) - before
-        if added == len(engine):
-            self._total += added
-            return
-        # a hash was known already, or repeats inside the run: take back what setdefault just
-        # appended (the newest keys) and apply the run one hash at a time
-        for eh in list(islice(reversed(emap), added)):
-            del emap[eh]
-        copies = self._copies[slot]
-        for eh, h in zip(engine, handles, strict=True):
-            old = emap.get(eh)
-            emap[eh] = h
-            if old is None:
-                self._total += 1
-                continue
-            if old == h:  # another copy of the same block: one more removal before it goes
-                copies[tier, eh] = copies.get((tier, eh), 0) + 1
-            else:  # the hash now names another block
-                copies.pop((tier, eh), None)
-            # undo the extra bit count the store just took (or drop the block the hash named)
-            self._remove(slot, tier, old)
-
-    def _removed(self, slot: int, event: BlockRemoved) -> str:
-        tier = _LEVEL_OF_TIER[event.tier]
-        emap = self._engine[slot][tier]
-        copies = self._copies[slot]
-        status = STATUS_OK
-        for eh in event.block_hashes:
-            if copies:
-                extra = copies.get((tier, eh))
-                if extra:  # one copy of several evicted: the block stays cached
-                    if extra == 1:
-                        del copies[tier, eh]
-                    else:
-                        copies[tier, eh] = extra - 1
-                    continue
-            h = emap.pop(eh, None)
-            if h is None:
-                status = STATUS_BLOCK_NOT_FOUND
-                continue
-            self._remove(slot, tier, h)
-            self._total -= 1
-        return status
-
-    def _depth_of(self, h: int) -> int:
-        return self._segs[h >> _SHIFT].depth0 + (h & _LOW)
-
-    def _clear_slot(self, slot: int) -> None:
-        self._copies[slot].clear()
-        for tier, emap in enumerate(self._engine[slot]):
-            handles = list(emap.values())
-            emap.clear()
-            self._total -= len(handles)
-            # children first, so the reach push-down stays local
-            handles.sort(key=self._depth_of, reverse=True)
-            for h in handles:
-                self._remove(slot, tier, h)
-
-    def _prune(self) -> None:
-        target = int(self.max_entries * self.prune_target_ratio)
-        while self._total > target:
-            slot = max(range(len(self._engine)), key=lambda s: sum(map(len, self._engine[s])))
-            for tier, emap in enumerate(self._engine[slot]):
-                if emap:
-                    eh = next(iter(emap))
-                    h = emap.pop(eh)
-                    self._copies[slot].pop((tier, eh), None)
-                    self._remove(slot, tier, h)
-                    self._total -= 1
-                    self.pruned_blocks += 1
-                    break
-
-    # ------------------------------------------------------------------ workers
-    def clear_worker(self, worker: WorkerKey) -> None:
-        slot = self._slot_of.get(worker)
-        if slot is not None:
-            self._clear_slot(slot)
-
-    def remove_worker(self, worker: WorkerKey) -> None:
-        slot = self._slot_of.get(worker)
-        if slot is not None:
-            self._clear_slot(slot)
-            self._release_slot(slot)
-
-    def clear(self) -> None:
-        for worker in list(self._slot_of):
-            self.remove_worker(worker)
-
-    # ------------------------------------------------------------------ dump / load
-    def dump(self) -> list[DumpedBlock]:
-        """Every entry (an entry with copies once per copy), parents before children; ``load`` of it
-        rebuilds an identical index."""
-        out: list[tuple[int, DumpedBlock]] = []
-        paths: dict[int, tuple[int, ...]] = {}
-        for worker, slot in self._slot_of.items():
-            copies = self._copies[slot]
-            for tier, emap in enumerate(self._engine[slot]):
-                for eh, h in emap.items():
-                    path = paths.get(h)
-                    if path is None:
-                        path = paths[h] = tuple(self._path(h))
-                    block = DumpedBlock(worker, eh, _TIERS[tier], path)
-                    # every copy, so that ``load`` counts them again
-                    out.extend(repeat((len(path), block), 1 + copies.get((tier, eh), 0)))
-        out.sort(key=lambda x: x[0])
-        return [b for _, b in out]
-
-    def load(self, blocks: Iterable[DumpedBlock]) -> None:
-        for b in blocks:
-            slot = self._slot(b.worker)
-            parent = _ROOT
-            if len(b.path) > 1:
-                # the parent prefix may be held by nobody (an orphaned entry): build it bare
-                parent = self._insert_run(_ROOT, b.path[:-1], None, 0)[-1]
-            self._store_run(slot, _LEVEL_OF_TIER[b.tier], parent, (b.engine_hash,), (b.path[-1],))
-            if len(b.path) > 1:
-                self._collect(self._segs[parent >> _SHIFT])
-
-    def load_stored(self, worker: WorkerKey, events: Iterable[BlockStored]) -> None:
-        """Cold start from a worker's ``kv_state``: replace its state with these stored events."""
-        self.clear_worker(worker)
-        self.apply(worker, events)
-
-
-# ---------------------------------------------------------------------- approximate index
-class ApproxIndex(_ChainIndex):
-    """What the router itself routed, each block living ``ttl`` seconds after its last routing.
-
-    Used instead of the event index with ``--no-router-kv-events``, and beside it (short TTL) for
-    predict-on-route. Size is capped at ``max_blocks`` (worker, block) entries; beyond that the
-    earliest-expiring entries go first until ``prune_target_ratio * max_blocks`` remain.
-    """
-
-    def __init__(
-        self, *, ttl: float = 120.0, max_blocks: int = 2**20, prune_target_ratio: float = 0.8
-    ) -> None:
-        super().__init__()
-        self.ttl = ttl
-        self.max_blocks = max_blocks
-        self.prune_target_ratio = prune_target_ratio
-        # (handle << 10 | slot) -> expiry; insertion order is expiry order because ttl is fixed and
-        # ``now`` never goes back (a refresh moves the entry to the end).
-        self._expiry: dict[int, float] = {}
-        self.pruned_blocks = 0
-        self.expired_blocks = 0
-
-    def record(self, worker: WorkerKey, local_hashes: Sequence[int], now: float) -> None:
-        """Remember that ``worker`` now holds this prefix (refreshing the TTL of known blocks)."""
-        if not local_hashes:
-            return
-        slot = self._slot(worker)
-        if slot >= 1024:
-            raise ValueError("the approximate index supports at most 1024 (worker, dp_rank) slots")
-        expiry = self._expiry
-        until = now + self.ttl
-        for h in self._insert_run(_ROOT, local_hashes, slot, 0, dup_ok=False):
-            k = (h << 10) | slot
-            expiry.pop(k, None)
-            expiry[k] = until
-        if len(expiry) > self.max_blocks:
-            self._prune(int(self.max_blocks * self.prune_target_ratio))
-
-    def _drop(self, k: int) -> None:
-        self._remove(k & 1023, 0, k >> 10)
-
-    def expire(self, now: float) -> int:
-        """Drop entries whose TTL has passed; returns how many."""
-        expiry = self._expiry
-        gone = 0
-        while expiry:
-            k = next(iter(expiry))
-            if expiry[k] > now:
-                break
-            del expiry[k]
-            self._drop(k)
-            gone += 1
-        self.expired_blocks += gone
-        return gone
-
-    def _prune(self, target: int) -> None:
-        expiry = self._expiry
-        while len(expiry) > target:
-            k = next(iter(expiry))
-            del expiry[k]
-            self._drop(k)
-            self.pruned_blocks += 1
-
-    def remove_worker(self, worker: WorkerKey) -> None:
-        slot = self._slot_of.get(worker)
-        if slot is None:
-            return
-        mine = [k for k in self._expiry if k & 1023 == slot]
-        segs = self._segs
-        mine.sort(key=lambda k: segs[k >> (10 + _SHIFT)].depth0 + ((k >> 10) & _LOW), reverse=True)
-        for k in mine:
-            del self._expiry[k]
-            self._drop(k)
-        self._release_slot(slot)
-
-    def clear(self) -> None:
-        for worker in list(self._slot_of):
-            self.remove_worker(worker)
-
-    @property
-    def size(self) -> int:
-        return len(self._expiry)
-
-
-AnyIndex = Union[PrefixIndex, ApproxIndex]

@@ -1,17 +1,17 @@
-"""Prefix index: contract suite over every variant, brute-force property test, event edge cases."""
+"""Event index: brute-force model test of matching over KV events, dump/load, event edge cases."""
 
 from __future__ import annotations
 
 import random
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh._types import Tier
 from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.hashing import block_hashes
-from kvmesh.router.core.indexer import ApproxIndex, PrefixIndex, TierDepths
+from kvmesh.router.core.chain_trie import TierDepths
+from kvmesh.router.core.event_index import PrefixIndex
 
 B = 4
 
@@ -19,80 +19,6 @@ B = 4
 def tokens(seed: int, n_blocks: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000) for _ in range(n_blocks * B)]
-
-
-# ---------------------------------------------------------------------- contract suite
-class EventVariant:
-    def __init__(self) -> None:
-        self.index = PrefixIndex(block_size=B)
-        self._next = 0
-
-    def insert(self, worker: tuple[str, int], toks: list[int]) -> None:
-        n = len(toks) // B
-        ehs = list(range(self._next, self._next + n))
-        self._next += n
-        self.index.apply(worker, [BlockStored(ehs, None, toks, B)])
-
-    def find(self, hashes: list[int]) -> dict[tuple[str, int], int]:
-        return self.index.find_matches(hashes)
-
-
-class ApproxVariant:
-    def __init__(self, ttl: float) -> None:
-        self.index = ApproxIndex(ttl=ttl)
-
-    def insert(self, worker: tuple[str, int], toks: list[int]) -> None:
-        self.index.record(worker, block_hashes(toks, B), now=0.0)
-
-    def find(self, hashes: list[int]) -> dict[tuple[str, int], int]:
-        return self.index.find_matches(hashes)
-
-
-VARIANTS = [
-    pytest.param(EventVariant, id="events"),
-    pytest.param(lambda: ApproxVariant(120.0), id="approx"),
-    pytest.param(lambda: ApproxVariant(5.0), id="predicted"),
-]
-
-
-@pytest.mark.parametrize("make", VARIANTS)
-class TestIndexContract:
-    def test_empty_index_matches_nothing(self, make) -> None:
-        assert make().find(block_hashes(tokens(1, 4), B)) == {}
-
-    def test_longest_consecutive_prefix_per_worker(self, make) -> None:
-        v = make()
-        base = tokens(1, 40)
-        v.insert(("a", 0), base[: 40 * B])
-        v.insert(("b", 0), base[: 17 * B])
-        v.insert(("b", 1), base[: 3 * B] + tokens(2, 5))
-        query = block_hashes(base[: 33 * B] + tokens(3, 2), B)
-        assert v.find(query) == {("a", 0): 33, ("b", 0): 17, ("b", 1): 3}
-
-    def test_a_different_first_block_matches_nothing(self, make) -> None:
-        v = make()
-        v.insert(("a", 0), tokens(1, 8))
-        assert v.find(block_hashes(tokens(9, 8), B)) == {}
-
-    def test_same_blocks_at_another_position_do_not_alias(self, make) -> None:
-        v = make()
-        first, second = tokens(1, 1), tokens(2, 1)
-        v.insert(("a", 0), first + second)
-        assert v.find(block_hashes(second + first, B)) == {}
-
-    def test_removed_worker_is_gone(self, make) -> None:
-        v = make()
-        v.insert(("a", 0), tokens(1, 5))
-        v.insert(("b", 0), tokens(1, 5))
-        v.index.remove_worker(("a", 0))
-        assert v.find(block_hashes(tokens(1, 5), B)) == {("b", 0): 5}
-
-    def test_query_longer_than_any_chunk_run(self, make) -> None:
-        v = make()
-        v.insert(("a", 0), tokens(4, 100))
-        query = block_hashes(tokens(4, 100), B)
-        for depth in (1, 15, 16, 17, 31, 32, 33, 99, 100):
-            assert v.find(query[:depth]) == {("a", 0): depth}
 
 
 # ---------------------------------------------------------------------- brute force model
@@ -396,30 +322,3 @@ def test_load_stored_replaces_a_workers_state() -> None:
     index.load_stored(("a", 0), [BlockStored([3, 4, 5], None, tokens(2, 3), B)])
     assert index.find_matches(block_hashes(tokens(1, 2), B)) == {}
     assert index.find_matches(block_hashes(tokens(2, 3), B)) == {("a", 0): 3}
-
-
-# ---------------------------------------------------------------------- approximate index
-def test_approx_entries_expire_after_their_ttl_and_a_reroute_refreshes_them() -> None:
-    index = ApproxIndex(ttl=10.0)
-    hashes = block_hashes(tokens(1, 6), B)
-    index.record(("a", 0), hashes, now=0.0)
-    index.record(("b", 0), hashes[:2], now=0.0)
-    index.record(("a", 0), hashes[:3], now=5.0)  # refresh the first three blocks on a
-    index.expire(10.0)
-    assert index.find_matches(hashes) == {("a", 0): 3}
-    index.expire(15.0)
-    assert index.find_matches(hashes) == {}
-    assert index.size == 0
-    assert index.segment_count == 0
-
-
-def test_approx_size_cap_prunes_earliest_expiry_first_to_the_target_ratio() -> None:
-    index = ApproxIndex(ttl=100.0, max_blocks=10, prune_target_ratio=0.8)
-    old, new = block_hashes(tokens(1, 6), B), block_hashes(tokens(2, 5), B)
-    index.record(("a", 0), old, now=0.0)
-    index.record(("b", 0), new, now=1.0)  # 11 entries > 10 -> prune to 8: a's 3 oldest go
-    assert index.size == 8
-    assert index.pruned_blocks == 3
-    # the earliest-expiring entries are a's first blocks, which cuts a's whole prefix
-    assert index.find_matches(old) == {}
-    assert index.find_matches(new) == {("b", 0): 5}

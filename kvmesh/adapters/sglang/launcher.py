@@ -1,0 +1,153 @@
+"""``python -m kvmesh.adapters.sglang <sglang launch_server arguments> [--kvmesh-* flags]``.
+
+Behaves like ``python -m sglang.launch_server`` with the same arguments (same parser, same run
+path, same exit codes, child processes killed at exit), plus:
+
+1. kvmesh's own flags are taken out first (SGLang's parser refuses unknown flags) and become the
+   ``KVMESH_*`` variables every process (and every tokenizer worker) reads:
+   ``--kvmesh-workers URLS``, ``--kvmesh-self-url URL``, ``--kvmesh-config PATH``,
+   ``--kvmesh-admin-token TOKEN``, ``--kvmesh-events-port PORT`` (default 5557);
+2. SGLang's plugins are loaded (kvmesh's entry point registers the ``kvmesh`` publisher and the
+   scheduler hooks) and kvmesh's plugin is registered directly too, so a kvmesh that is on the
+   path but not installed still works;
+3. without ``--kv-events-config`` one is added: the ``kvmesh`` publisher on
+   ``tcp://*:PORT`` (``PORT + rank`` per DP rank) with replay on ``PORT + dp_size`` and up, so the
+   two ranges never collide;
+4. kvmesh is mounted on SGLang's app (:func:`.app.mount`), and with ``--tokenizer-worker-num > 1``
+   ``SGLANG_HTTP_SERVER_APP_PATH`` names :mod:`.app`, which mounts it in every worker;
+5. without ``--enable-priority-scheduling`` a loud warning says request priorities are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from kvmesh.adapters.sglang._sglang import import_sglang
+from kvmesh.adapters.sglang.backend import PRIORITY_WARNING
+from kvmesh.adapters.sglang.control import CONTROL_ENV
+from kvmesh.adapters.sglang.publisher import DP_SIZE_ENV, PUBLISHER_NAME
+from kvmesh.errors import ConfigError
+
+logger = logging.getLogger("kvmesh.adapters.sglang")
+
+KVMESH_FLAGS = {
+    "--kvmesh-workers": "KVMESH_WORKERS",
+    "--kvmesh-self-url": "KVMESH_SELF_URL",
+    "--kvmesh-config": "KVMESH_CONFIG",
+    "--kvmesh-admin-token": "KVMESH_ADMIN_TOKEN",
+    "--kvmesh-events-port": None,
+}
+DEFAULT_EVENTS_PORT = 5557
+APP_PATH = "kvmesh.adapters.sglang.app:app"
+
+
+def split_argv(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """kvmesh's flags (``--flag value`` or ``--flag=value``) and the rest, in order, for SGLang."""
+    ours: dict[str, str] = {}
+    rest: list[str] = []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        name, eq, value = arg.partition("=")
+        if name in KVMESH_FLAGS:
+            if not eq:
+                if i + 1 >= len(items):
+                    raise ConfigError(f"{name} needs a value")
+                value = items[i + 1]
+                i += 1
+            ours[name] = value
+        elif arg.startswith("--kvmesh-"):
+            raise ConfigError(f"unknown kvmesh flag {name}; known: {', '.join(sorted(KVMESH_FLAGS))}")
+        else:
+            rest.append(arg)
+        i += 1
+    return ours, rest
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+    return None
+
+
+def with_kv_events(argv: list[str], port: int) -> list[str]:
+    """``argv`` plus a ``--kv-events-config`` for kvmesh's publisher when it has none."""
+    if _flag_value(argv, "--kv-events-config") is not None:
+        return argv
+    dp = int(_flag_value(argv, "--dp-size") or _flag_value(argv, "--dp") or 1)
+    config = {
+        "publisher": PUBLISHER_NAME,
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"tcp://*:{port + dp}",
+    }
+    return [*argv, "--kv-events-config", json.dumps(config)]
+
+
+def prepare(argv: Sequence[str], environ: dict[str, str] | None = None) -> Any:
+    """Everything before the server runs: returns SGLang's ``ServerArgs`` with kvmesh mounted."""
+    env = os.environ if environ is None else environ
+    ours, rest = split_argv(argv)
+    for flag, var in KVMESH_FLAGS.items():
+        if var is not None and flag in ours:
+            env[var] = ours[flag]
+    port_text = ours.get("--kvmesh-events-port", str(DEFAULT_EVENTS_PORT))
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(f"--kvmesh-events-port must be a tcp port, got {port_text!r}")
+
+    import_sglang()
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    from kvmesh.adapters.sglang import plugin
+
+    load_plugins()
+    plugin.register()
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    HookRegistry.apply_hooks()  # kvmesh's hooks, when its entry point is not installed
+
+    server_args = prepare_server_args(with_kv_events(rest, int(port_text)))
+    env[DP_SIZE_ENV] = str(int(getattr(server_args, "dp_size", 1) or 1))
+    env.setdefault(CONTROL_ENV, f"ipc://{tempfile.gettempdir()}/kvmesh-sglang-{os.getpid()}")
+    if not getattr(server_args, "enable_priority_scheduling", False):
+        logger.warning(PRIORITY_WARNING)
+        print(f"WARNING {PRIORITY_WARNING}", file=sys.stderr)
+
+    from sglang.srt.entrypoints import http_server
+
+    from kvmesh.adapters.sglang.app import mount
+
+    mount(http_server.app, server_args)
+    if int(getattr(server_args, "tokenizer_worker_num", 1) or 1) > 1:
+        env["SGLANG_HTTP_SERVER_APP_PATH"] = APP_PATH
+    return server_args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run SGLang's server the way ``python -m sglang.launch_server`` does."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        server_args = prepare(args)
+    except ConfigError as e:
+        print(f"kvmesh: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from sglang.launch_server import run_server
+    from sglang.srt.utils import kill_process_tree
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        try:
+            run_server(server_args)
+        finally:
+            kill_process_tree(os.getpid(), include_parent=False)

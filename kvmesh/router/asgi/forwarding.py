@@ -1,0 +1,219 @@
+"""Serve a routed request where the router decided: the wrapped app in-process, or a peer over
+kvmesh's HTTP/1.1 client, failing over to the next-best worker while nothing has reached the client.
+
+A connection failure before the worker's first body byte marks the worker down and asks the router
+again without it; after the first byte the client's response has begun, so a break ends that
+response cleanly (an error event for SSE) instead. A client that leaves before the first byte
+closes the upstream connection, which tells the worker to abort a prefill nobody waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from kvmesh._http import error_body, replay_body, wait_disconnect
+from kvmesh.errors import KvMeshError
+from kvmesh.router.asgi.accounting import RoutedAccount
+from kvmesh.router.asgi.json_io import send_error
+from kvmesh.router.asgi.tap import ResponseTap
+from kvmesh.router.core.kv_router import Decision
+from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.request.parse import ParsedRequest
+from kvmesh.router.upstream.forwarder import ConnectFailed, StreamBroken, UpstreamResponse, end_to_end_headers
+
+ASGIApp = Any
+Scope = dict[str, Any]
+HOP_HEADER = b"x-kvmesh-hop"
+# The forwarding replica's request id: the peer counts the request under it, as replica sync does.
+REQUEST_ID_HEADER = b"x-kvmesh-request-id"
+WORKER_ID_HEADER = b"x-kvmesh-worker-id"
+
+Reroute = Callable[[frozenset[str]], Awaitable[Decision | None]]
+"""Ask the router again, among these workers only; None when the request was answered meanwhile."""
+ErrorReply = Callable[[int, str, float | None], Awaitable[None]]
+Count = Callable[[str, int], None]
+
+
+def replace_body(scope: Scope, body: bytes) -> Scope:
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+    headers.append((b"content-length", str(len(body)).encode()))
+    return {**scope, "headers": headers}
+
+
+class Dispatch:
+    """Serve one routed request on its decided worker, with failover (one instance per request)."""
+
+    __slots__ = ("account", "app", "count", "error", "mesh", "parsed", "receive", "reroute", "scope", "send")
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        app: ASGIApp,
+        scope: Scope,
+        receive: Any,
+        send: Any,
+        parsed: ParsedRequest,
+        account: RoutedAccount,
+        *,
+        reroute: Reroute,
+        error: ErrorReply,
+        count: Count,
+    ) -> None:
+        self.mesh = mesh
+        self.app = app
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.parsed = parsed
+        self.account = account
+        self.reroute = reroute
+        self.error = error
+        self.count = count
+
+    async def run(self, decision: Decision, pinned: bool) -> None:
+        mesh = self.mesh
+        registry = mesh.registry
+        account = self.account
+        tried: set[str] = set()
+        while True:
+            account.dispatched(decision, self.parsed.isl)
+            worker_id = decision.worker[0]
+            if registry.is_local(worker_id):
+                await self.serve_local(worker_id)
+                return
+            worker = registry.get(worker_id)
+            assert worker is not None
+            try:
+                opened = await self._open_while_client_waits(worker.url, worker_id)
+            except ConnectFailed as e:
+                mesh.router.cancel(account.request_id, time.monotonic())
+                mesh.metrics.failovers.inc()
+                tried.add(worker_id)
+                await registry.mark_down(worker_id, str(e))
+                allowed = registry.routable - tried
+                if pinned or not allowed:
+                    await self.error(502 if tried else 503, f"no worker could serve the request: {e}", 1.0)
+                    return
+                next_decision = await self.reroute(allowed)
+                if next_decision is None:
+                    return
+                decision = next_decision
+                continue
+            if opened is None:  # the client left before the worker answered
+                self.count("disconnected", 499)
+                account.end(False)
+                return
+            await self._relay(*opened)
+            return
+
+    def _engine_body(self, worker_id: str) -> bytes:
+        w = self.mesh.registry.get(worker_id)
+        polarity = w.info.priority_polarity if w is not None and w.info is not None else "none"
+        return self.parsed.engine_body(polarity)
+
+    # ---------------------------------------------------------------- in-process
+    async def serve_local(self, worker_id: str) -> None:
+        body = self._engine_body(worker_id)
+        scope = self.scope if body is self.parsed.raw_body else replace_body(self.scope, body)
+        tap = ResponseTap(self.send, self.account, extra_headers=[(WORKER_ID_HEADER, worker_id.encode())])
+        try:
+            await self.app(scope, replay_body(body, self.receive), tap)
+        finally:
+            self.count("local", tap.status)
+            if not tap.complete:
+                self.account.end(False)
+
+    # ---------------------------------------------------------------- to a peer
+    async def _open_while_client_waits(
+        self, url: str, worker_id: str
+    ) -> tuple[UpstreamResponse, bytes | None] | None:
+        """``_open``, abandoned when the client disconnects first (None): closing the upstream
+        connection tells the worker to abort, so a long prefill does not run for nobody."""
+        opening = asyncio.ensure_future(self._open(url, worker_id))
+        gone = asyncio.ensure_future(wait_disconnect(self.receive))
+        try:
+            await asyncio.wait((opening, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if opening.done():
+            return opening.result()
+        opening.cancel()
+        with contextlib.suppress(asyncio.CancelledError, KvMeshError):
+            await opening
+        return None
+
+    async def _open(self, url: str, worker_id: str) -> tuple[UpstreamResponse, bytes | None]:
+        """Send upstream and wait for the first body bytes: until then a failure may fail over."""
+        headers = end_to_end_headers(self.scope["headers"], REQUEST_ID_HEADER)
+        headers.append((HOP_HEADER, self.mesh.replica.encode()))
+        headers.append((REQUEST_ID_HEADER, self.account.request_id.encode()))
+        path = self.parsed.endpoint
+        if self.scope.get("query_string"):
+            path += "?" + self.scope["query_string"].decode("latin-1")
+        upstream = await self.mesh.forwarder.open(url, "POST", path, headers, self._engine_body(worker_id))
+        try:
+            first = await upstream.chunks().__anext__()
+        except StopAsyncIteration:
+            return upstream, None
+        except StreamBroken as e:
+            upstream.close()
+            raise ConnectFailed(url, f"failed before the first byte: {e}") from None
+        except BaseException:  # cancelled: the client left
+            upstream.close()
+            raise
+        return upstream, first
+
+    async def _relay(self, upstream: UpstreamResponse, first: bytes | None) -> None:
+        worker_id = self.account.worker_id
+        tap = ResponseTap(self.send, self.account, extra_headers=[(WORKER_ID_HEADER, worker_id.encode())])
+        # A response that arrived whole (small JSON answers) goes out at once: a client leaving
+        # now has nothing left to abort, so only a response still on the wire is watched.
+        whole = upstream.drained
+        gone: asyncio.Event | None = None
+        watcher = None
+        if not whole:
+            gone = asyncio.Event()
+            watcher = asyncio.get_running_loop().create_task(self._watch_client(upstream, gone))
+        try:
+            await tap({"type": "http.response.start", "status": upstream.status, "headers": upstream.headers})
+            if whole:
+                await tap({"type": "http.response.body", "body": first or b"", "more_body": False})
+            else:
+                if first is not None:
+                    await tap({"type": "http.response.body", "body": first, "more_body": True})
+                    async for chunk in upstream.chunks():
+                        await tap({"type": "http.response.body", "body": chunk, "more_body": True})
+                await tap({"type": "http.response.body", "body": b"", "more_body": False})
+            upstream.release()
+            self.count("forwarded", upstream.status)
+        except StreamBroken as e:
+            upstream.close()
+            if gone is None or not gone.is_set():
+                await self._broken(tap, str(e))
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            if not tap.complete:
+                upstream.close()
+                self.account.end(False)
+
+    async def _watch_client(self, upstream: UpstreamResponse, gone: asyncio.Event) -> None:
+        await wait_disconnect(self.receive)
+        gone.set()
+        upstream.close()  # the worker sees the disconnect and can abort the generation
+
+    async def _broken(self, tap: ResponseTap, message: str) -> None:
+        """The worker broke off mid-response: end the client's response cleanly."""
+        self.count("forwarded", 502)
+        if not tap.started:
+            await send_error(self.send, 502, message)
+            return
+        event = b"data: " + msgspec.json.encode(error_body(message, 502)) + b"\n\n"
+        with contextlib.suppress(Exception):
+            await self.send({"type": "http.response.body", "body": event, "more_body": False})

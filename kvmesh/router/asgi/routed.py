@@ -1,0 +1,268 @@
+"""One routed generation request, phase by phase: read, parse, route (or queue), dispatch.
+
+Each phase has its own object: the body is parsed once into a frozen
+:class:`~kvmesh.router.request.parse.ParsedRequest`; the router's answer is settled here (a decision
+now, a wait in the admission queue, or a refusal with its status); :class:`~.forwarding.Dispatch`
+serves it with failover; :class:`~.accounting.RoutedAccount` turns the response into load, metrics
+and the ``nvext`` echo. Session ``open`` and ``cache_control`` pins go to the chosen worker through
+the typed worker-RPC client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+
+from kvmesh._http import replay_body, wait_disconnect
+from kvmesh.errors import RequestError
+from kvmesh.router.asgi.accounting import RoutedAccount
+from kvmesh.router.asgi.disagg import TwoStage
+from kvmesh.router.asgi.forwarding import Dispatch, replace_body
+from kvmesh.router.asgi.json_io import read_body, send_error
+from kvmesh.router.core.kv_router import Decision, Queued, Rejected, RouteRequest, RouteResult
+from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
+from kvmesh.router.request.parse import ParsedRequest, parse_request
+
+ASGIApp = Any
+Scope = dict[str, Any]
+_QUEUE_TIMEOUT = 120.0
+# kvmesh_requests_total children by (counter, endpoint, route, status): labels() costs more than inc().
+_REQUEST_COUNTERS: dict[tuple[Any, str, str, int], Any] = {}
+_REJECT_STATUS = {"busy": 503, "queue_full": 429, "unknown_worker": 400, "no_workers": 503, "no_target": 503}
+
+
+def check_worker_ids(mesh: Mesh, nv: Nvext, headers: dict[str, str] | None) -> None:
+    """Every worker id the request names must be registered: 400 naming the field that carried it."""
+    registry = mesh.registry
+    for worker_id, header, key in (
+        (nv.backend_instance_id, WORKER_HEADER, "nvext.backend_instance_id"),
+        (nv.decode_worker_id, None, "nvext.decode_worker_id"),
+        (nv.prefill_worker_id, PREFILL_HEADER, "nvext.prefill_worker_id"),
+    ):
+        if worker_id is not None and registry.get(worker_id) is None:
+            field = header if header is not None and headers and header in headers else key
+            raise RequestError(f"unknown worker id {worker_id!r}", field=field)
+
+
+class RoutedRequest:
+    """Parse, route and serve one client request (one instance per call)."""
+
+    __slots__ = ("app", "endpoint", "mesh", "receive", "scope", "send", "t0", "wall0")
+
+    def __init__(self, mesh: Mesh, app: ASGIApp, scope: Scope, receive: Any, send: Any) -> None:
+        self.mesh = mesh
+        self.app = app
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.t0 = time.perf_counter()
+        self.wall0 = time.time()
+        self.endpoint = scope["path"]
+
+    async def run(self) -> None:
+        mesh = self.mesh
+        try:
+            raw = await read_body(self.scope, self.receive, mesh.settings.max_body_bytes)
+            if raw is None:
+                return
+            # Discovery first: parsing reads the fleet's block size and routable workers.
+            if not mesh.registry.ready.is_set():
+                await mesh.wait_ready()
+            parsed = self._parse(raw)
+            if mesh.local_app is not None and not mesh.registry.routable:
+                # Peers not known yet (or all gone): this engine can always serve its own requests.
+                await self._serve_local_untracked(parsed)
+                return
+            account = RoutedAccount(mesh, mesh.next_request_id(), parsed.nvext, self.t0, self.wall0)
+            request = self._route_request(parsed, account.request_id)
+            if mesh.registry.prefill_routable:
+                await TwoStage(self, parsed, account, request).run()
+                return
+            result = self.route(request, account)
+            # The common case, a decision right away, skips the coroutine that waits in the queue.
+            decision = result if isinstance(result, Decision) else await self.settle(result, request, account)
+            if decision is None:
+                return
+            await self.dispatch(decision, parsed, account, request)
+        except RequestError as e:
+            self._count("rejected", e.status)
+            await send_error(self.send, e.status, str(e), e.field)
+
+    # ------------------------------------------------------------------ parse + route
+    def _parse(self, raw: bytes) -> ParsedRequest:
+        mesh = self.mesh
+        registry = mesh.registry
+        parsed = parse_request(
+            raw,
+            self.scope["headers"],
+            self.endpoint,
+            tokenizer=mesh.tokenizer if mesh.kv_mode else None,
+            block_size=registry.block_size or 16,
+            lora_of=registry.lora_of,
+            clock=time.perf_counter,
+        )
+        if parsed.nvext.pinned_worker is not None:
+            check_worker_ids(mesh, parsed.nvext, parsed.override_headers)
+        if mesh.kv_mode:
+            metrics = mesh.metrics
+            metrics.phase["tokenize"].observe(parsed.tokenize_secs)
+            metrics.phase["hashing"].observe(parsed.hash_secs)
+            metrics.isl.observe(parsed.isl)
+        return parsed
+
+    def _route_request(self, parsed: ParsedRequest, request_id: str) -> RouteRequest:
+        registry = self.mesh.registry
+        nv = parsed.nvext
+        hints = nv.hints
+        session = nv.session
+        return RouteRequest(
+            request_id=request_id,
+            local_hashes=parsed.hashes,
+            isl_tokens=parsed.isl,
+            arrival=time.monotonic(),
+            backend_instance_id=nv.pinned_worker,
+            priority=hints.priority,
+            latency_sensitivity=hints.latency_sensitivity,
+            osl=hints.osl,
+            overlap_score_credit=hints.kv_overlap_score_credit,
+            session_id=session.session_id if session else None,
+            session_action=session.action if session else None,
+            session_timeout=session.timeout if session else None,
+            allowed_workers=registry.routable if parsed.lora is None else registry.adapters[parsed.lora],
+            lora_name=parsed.lora,
+        )
+
+    async def dispatch(
+        self, decision: Decision, parsed: ParsedRequest, account: RoutedAccount, request: RouteRequest
+    ) -> None:
+        """Serve on the decided worker (session open and pins first), failing over if it is gone."""
+        self._side_calls(decision, parsed)
+
+        async def reroute(allowed: frozenset[str]) -> Decision | None:
+            request.allowed_workers = allowed
+            return await self.settle(self.route(request, account), request, account)
+
+        dispatch = Dispatch(
+            self.mesh,
+            self.app,
+            self.scope,
+            self.receive,
+            self.send,
+            parsed,
+            account,
+            reroute=reroute,
+            error=self._error_reply,
+            count=self._count,
+        )
+        await dispatch.run(decision, pinned=request.backend_instance_id is not None)
+
+    def route(self, request: RouteRequest, account: RoutedAccount) -> RouteResult:
+        router = self.mesh.router
+        t = time.perf_counter()
+        result = router.route(request, time.monotonic())
+        account.routed_at = done = time.perf_counter()
+        self.mesh.metrics.observe_routing(done - t, router.last_find_matches, done - self.t0)
+        return result
+
+    async def settle(
+        self, result: RouteResult, request: RouteRequest, account: RoutedAccount
+    ) -> Decision | None:
+        """Turn a route result into a decision: wait out the queue, refuse with a status."""
+        if isinstance(result, Decision):
+            return result
+        if isinstance(result, Rejected):
+            await self._reject(result, account.nvext)
+            return None
+        assert isinstance(result, Queued)
+        mesh = self.mesh
+        fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        mesh.waiters[request.request_id] = fut
+        mesh.pump(time.monotonic())  # capacity may have freed since route()
+        gone = asyncio.ensure_future(wait_disconnect(self.receive))
+        try:
+            done, _ = await asyncio.wait(
+                (fut, gone), timeout=_QUEUE_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            gone.cancel()
+        if fut in done and not fut.cancelled():
+            return fut.result()
+        mesh.waiters.pop(request.request_id, None)
+        mesh.router.cancel(request.request_id, time.monotonic())
+        if fut.done() and not fut.cancelled():  # released in the same instant: free it again
+            mesh.router.cancel(request.request_id, time.monotonic())
+        if gone in done:
+            self._count("disconnected", 499)
+            return None
+        await self._error_reply(
+            503,
+            f"request waited {_QUEUE_TIMEOUT:.0f}s in the admission queue",
+            mesh.config.busy_retry_after_secs,
+        )
+        return None
+
+    async def _reject(self, rejected: Rejected, nv: Nvext) -> None:
+        pinned = nv.pinned_worker
+        mesh = self.mesh
+        if (
+            rejected.reason == "unknown_worker"
+            and pinned is not None
+            and mesh.registry.get(pinned) is not None
+        ):
+            # Registered (``_parse`` checked), just not routable now: the client may retry.
+            await self._error_reply(
+                503, f"worker {pinned!r} is down or not yet discovered", mesh.config.busy_retry_after_secs
+            )
+            return
+        status = _REJECT_STATUS.get(rejected.reason, 503)
+        field = "nvext.backend_instance_id" if rejected.reason == "unknown_worker" else None
+        retry = rejected.retry_after
+        if retry is None and status != 400:
+            retry = mesh.config.busy_retry_after_secs
+        await self._error_reply(status, rejected.message, retry, field)
+
+    async def _error_reply(
+        self, status: int, message: str, retry_after: float | None, field: str | None = None
+    ) -> None:
+        self._count("rejected", status)
+        headers = []
+        if retry_after is not None:
+            headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
+        await send_error(self.send, status, message, field, headers=headers)
+
+    def _count(self, route: str, status: int) -> None:
+        counter = self.mesh.metrics.requests
+        key = (counter, self.endpoint, route, status)
+        child = _REQUEST_COUNTERS.get(key)
+        if child is None:
+            child = counter.labels(self.endpoint, route, str(status))
+            if len(_REQUEST_COUNTERS) < 4096:
+                _REQUEST_COUNTERS[key] = child
+        child.inc()
+
+    # ------------------------------------------------------------------ worker RPCs around the turn
+    def _side_calls(self, decision: Decision, parsed: ParsedRequest) -> None:
+        mesh = self.mesh
+        nv = parsed.nvext
+        worker_id = decision.worker[0]
+        session = nv.session
+        if session is not None and session.action == "open":
+            # the worker holds the session's blocks as long as the router keeps it bound
+            timeout = mesh.config.router_session_timeout_secs if session.timeout is None else session.timeout
+            mesh.spawn(mesh.open_session(worker_id, session.session_id, timeout))
+        if nv.cache_ttl is not None and mesh.kv_mode:
+            mesh.spawn(mesh.pin_prefix(worker_id, parsed.tokens, nv.cache_ttl))
+
+    async def _serve_local_untracked(self, parsed: ParsedRequest) -> None:
+        body = (
+            msgspec.json.encode({k: v for k, v in parsed.body.items() if k != "nvext"})
+            if "nvext" in parsed.body
+            else parsed.raw_body
+        )
+        scope = self.scope if body is parsed.raw_body else replace_body(self.scope, body)
+        self._count("local", 0)
+        await self.app(scope, replay_body(body, self.receive), self.send)

@@ -1,0 +1,1 @@
+"""TEST-ONLY stand-in for torchvision.transforms.v2 (see the package docstring)."""

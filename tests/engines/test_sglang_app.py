@@ -1,0 +1,187 @@
+"""kvmesh's routes on SGLang 0.5.23's real FastAPI ``app`` (Starlette's TestClient, no uvicorn).
+
+The app is SGLang's module global, with SGLang's own ``--api-key`` middleware added the way its
+server adds it at start-up (after kvmesh's, so it runs first). What needs a model, the
+TokenizerManager, is a recorder of the calls kvmesh makes to it (open/close session, flush): a
+real one needs a model's config and tokenizer, which this machine cannot download. The scheduler
+end of ``pin_prefix`` is a real RadixCache behind kvmesh's real control socket.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+
+from tests.engines import sglang_env
+
+pytestmark = [
+    pytest.mark.engine_sglang,
+    pytest.mark.timeout(300),
+    # SGLang 0.5.23 answers with FastAPI's ORJSONResponse, which this FastAPI deprecates: not ours.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:typing_extensions"),
+    pytest.mark.filterwarnings("ignore:ORJSONResponse is deprecated"),
+]
+
+KEY = "sk-test"
+
+
+class RecordingTokenizerManager:
+    """The TokenizerManager calls kvmesh makes, recorded; answers as SGLang's would."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.open: set[str] = set()
+
+    async def open_session(self, obj: Any, request: Any = None) -> str | None:
+        self.calls.append(("open_session", obj))
+        if obj.session_id in self.open:
+            return None
+        self.open.add(obj.session_id)
+        return str(obj.session_id)
+
+    async def close_session(self, obj: Any, request: Any = None) -> None:
+        self.calls.append(("close_session", obj))
+        self.open.discard(obj.session_id)
+
+    async def flush_cache(self, timeout_s: float | None = None) -> Any:
+        self.calls.append(("flush_cache", None))
+
+        class Out:
+            success = True
+
+        return Out()
+
+
+@pytest.fixture(scope="module")
+def served() -> Any:
+    sglang_env.prepare()
+    http_server = sglang_env.engine("sglang.srt.entrypoints.http_server")
+    auth = sglang_env.engine("sglang.srt.utils.auth")
+    from starlette.testclient import TestClient
+
+    from kvmesh.adapters.sglang import launcher
+
+    os.environ["KVMESH_SGLANG_CONTROL"] = f"ipc:///tmp/kvmesh-sglang-test-{os.getpid()}"
+    args = launcher.prepare(
+        [
+            "--model-path",
+            "dummy",
+            "--page-size",
+            "4",
+            "--api-key",
+            KEY,
+            "--enable-priority-scheduling",
+            "--schedule-low-priority-values-first",
+            "--kvmesh-events-port",
+            "45557",
+        ],
+        environ=dict(os.environ),
+    )
+    tm = RecordingTokenizerManager()
+    http_server.set_global_state(
+        http_server._GlobalState(
+            tokenizer_manager=tm, template_manager=None, scheduler_info={"max_total_num_tokens": 4096}
+        )
+    )
+    auth.add_api_key_middleware(http_server.app, api_key=KEY, admin_api_key=None)
+    client = TestClient(http_server.app)
+    yield {"client": client, "tm": tm, "args": args, "app": http_server.app}
+    client.close()
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def test_sglangs_api_key_guards_kvmesh_routes(served: Any) -> None:
+    client = served["client"]
+    assert client.get("/kvmesh/info").status_code == 401
+    assert client.get("/kvmesh/info", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/kvmesh/info", headers=auth()).status_code == 200
+
+
+def test_info_reports_sglangs_settings_and_inverted_polarity(served: Any) -> None:
+    info = served["client"].get("/kvmesh/info", headers=auth()).json()
+    assert info["backend"] == "sglang"
+    assert info["block_size"] == 4 and info["dp_size"] == 1
+    assert info["total_kv_blocks"] == 1024
+    # --schedule-low-priority-values-first: the router sends -priority
+    assert info["priority_polarity"] == "lower_first"
+    assert info["kv_events_endpoints"] == ["tcp://*:45557"]
+    assert info["kv_replay_endpoints"] == ["tcp://*:45558"]
+
+
+def test_session_control_maps_to_sglangs_native_sessions(served: Any) -> None:
+    client, tm = served["client"], served["tm"]
+    body = {"action": "open_session", "session_id": "s-1", "timeout": 30}
+    first = client.post("/kvmesh/session_control", json=body, headers=auth()).json()
+    again = client.post("/kvmesh/session_control", json=body, headers=auth()).json()
+    closed = client.post(
+        "/kvmesh/session_control", json={"action": "close_session", "session_id": "s-1"}, headers=auth()
+    ).json()
+    assert (first["created"], again["created"], closed["closed"]) == (True, False, True)
+    kind, obj = tm.calls[0]
+    assert kind == "open_session" and obj.session_id == "s-1" and obj.timeout == 30
+    assert tm.calls[-1][0] == "close_session" and tm.calls[-1][1].session_id == "s-1"
+
+
+def test_pin_prefix_reaches_the_schedulers_radix_cache(served: Any) -> None:
+    """The HTTP route -> control socket -> the scheduler hook draining it, over a real RadixCache."""
+    from kvmesh.adapters.sglang import scheduler_hooks
+    from kvmesh.adapters.sglang.control import ControlServer, control_endpoint
+    from kvmesh.adapters.sglang.pins import RadixPins
+    from tests.engines.test_sglang_cache import PAGE, SlotRecorder, Slots, cached_prefix, insert
+
+    radix = sglang_env.engine("sglang.srt.mem_cache.radix_cache")
+    base = sglang_env.engine("sglang.srt.mem_cache.base_prefix_cache")
+    cache = radix.RadixCache.create_simulated(mock_allocator=SlotRecorder(), page_size=PAGE)
+
+    class SG:
+        pass
+
+    sg = SG()
+    sg.radix, sg.base = radix, base
+    import torch
+
+    sg.torch = torch
+    insert(sg, cache, Slots(), list(range(16)))
+    service = scheduler_hooks.SchedulerService(RadixPins(cache, page_size=PAGE, total_tokens=400))
+    server = ControlServer(control_endpoint(os.environ["KVMESH_SGLANG_CONTROL"], 0), service.handle)
+    stop = threading.Event()
+
+    def scheduler_loop() -> None:  # the hook's part of the scheduler loop: drain between steps
+        while not stop.is_set():
+            server.serve_pending()
+            stop.wait(0.005)
+
+    loop = threading.Thread(target=scheduler_loop)
+    loop.start()
+    try:
+        answer = served["client"].post(
+            "/kvmesh/pin_prefix", json={"token_ids": list(range(20)), "ttl_seconds": 60}, headers=auth()
+        )
+    finally:
+        stop.set()
+        loop.join()
+        server.close()
+    assert answer.status_code == 200 and answer.json()["blocks_pinned"] == 4
+    cache.evict(base.EvictParams(num_tokens=10_000))
+    assert cached_prefix(sg, cache, list(range(16))) == 16
+
+
+def test_reset_prefix_cache_is_sglangs_flush(served: Any) -> None:
+    response = served["client"].post("/kvmesh/reset_prefix_cache", headers=auth())
+    assert response.status_code == 200 and served["tm"].calls[-1][0] == "flush_cache"
+
+
+def test_mounting_twice_adds_nothing(served: Any) -> None:
+    from kvmesh.adapters.sglang.app import mount
+
+    app = served["app"]
+    routes = len(app.router.routes)
+    mount(app)
+    assert len(app.router.routes) == routes
+    assert [getattr(r, "path", None) for r in app.router.routes].count("/kvmesh/info") == 1

@@ -46,6 +46,7 @@ bench: venv
 	$(PY) benchmarks/router_core.py
 	$(PY) benchmarks/mock_engine.py
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/routing_quality.py --short
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

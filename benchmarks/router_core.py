@@ -184,30 +184,38 @@ def main() -> int:
             finds["dynamo find_matches"] += per_call(lambda: tree.find_matches(query).scores, 400)
 
     # ---------------------------------------------------------------- route()
-    router = KvRouter(RouterConfig(router_queue_threshold=None), random.Random(0))
-    for i in range(8):
-        router.add_worker(f"w{i}", total_blocks=100_000, max_num_batched_tokens=8192, block_size=bs)
+    # Both cost models on the same index and load, timed in interleaved rounds: Dynamo's formula
+    # (the route() of earlier runs) and the latency cost (the default).
     from kvmesh.events.wire import EventBatch
 
     eight, _ = workload(args.sequences, args.blocks, bs, 8)
-    for w, ev in eight:
-        router.apply_events(f"w{w}", EventBatch(0.0, [ev], 0))
-    for i in range(16):  # some load in flight, so the load model has work to do
-        router.route(RouteRequest(f"bg{i}", block_hashes(prompts[i], bs), len(prompts[i])), 0.0)
     req = RouteRequest("r", query, len(query_tokens))
-
-    def route_once() -> None:
-        router.route(req, 0.0)
-
-    routes: list[float] = []
-    for _ in range(args.rounds):
-        for _ in range(200):
-            gc.disable()
-            t0 = time.perf_counter()
-            route_once()
-            routes.append(time.perf_counter() - t0)
-            gc.enable()
-            router.finished("r", 0.0)
+    routers = {}
+    for model in ("dynamo", "latency"):
+        router = KvRouter(
+            RouterConfig(router_queue_threshold=None, router_cost_model=model), random.Random(0)
+        )
+        for i in range(8):
+            router.add_worker(f"w{i}", total_blocks=100_000, max_num_batched_tokens=8192, block_size=bs)
+        for w, ev in eight:
+            router.apply_events(f"w{w}", EventBatch(0.0, [ev], 0))
+        for i in range(16):  # some load in flight, so the load model has work to do
+            router.route(RouteRequest(f"bg{i}", block_hashes(prompts[i], bs), len(prompts[i])), 0.0)
+        routers[model] = router
+    del eight
+    routes: dict[str, list[float]] = {"dynamo": [], "latency": []}
+    for rnd in range(args.rounds):
+        order = ["dynamo", "latency"] if rnd % 2 == 0 else ["latency", "dynamo"]
+        for model in order:
+            router = routers[model]
+            for _ in range(200):
+                gc.disable()
+                t0 = time.perf_counter()
+                router.route(req, 0.0)
+                routes[model].append(time.perf_counter() - t0)
+                gc.enable()
+                router.finished("r", 0.0)
+    del routers, router
 
     # ---------------------------------------------------------------- memory
     gc.collect()
@@ -269,8 +277,16 @@ def main() -> int:
     print()
     print(
         table(
-            ["KvRouter.route, 2048 blocks, 8 workers", "median us", "p99 us"],
-            [["route() decision", f"{median(routes) * 1e6:.1f}", f"{percentile(routes, 99) * 1e6:.1f}"]],
+            ["KvRouter.route, 2048 blocks, 8 workers", "median us", "p99 us", "time vs dynamo cost"],
+            [
+                [
+                    f"route() decision, --router-cost-model {model}",
+                    f"{median(routes[model]) * 1e6:.1f}",
+                    f"{percentile(routes[model], 99) * 1e6:.1f}",
+                    f"{median(routes[model]) / median(routes['dynamo']):.2f}x",
+                ]
+                for model in ("dynamo", "latency")
+            ],
         )
     )
     print()

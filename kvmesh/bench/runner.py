@@ -6,10 +6,14 @@ round-robin per session, the way a plain load balancer in front of a fleet sprea
 
 Load models:
 
-* closed loop (``concurrency``): that many sessions run at once; each starts its next step as
-  soon as the previous one finished (plus ``think_time``).
+* closed loop (``concurrency``): that many sessions run at once; each starts its next step when
+  the previous one finished plus a think time. The first starts are spread over ``ramp`` seconds.
 * open loop (``rate``): sessions start as a Poisson process at ``rate`` sessions per second,
   whatever the server's state (for single-request workloads: requests per second).
+
+Think times are exponential with mean ``think_time * session.think_scale``, drawn from a generator
+seeded by the load seed and the session id, so every run of a workload pauses the same way at the
+same steps whatever the server does.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -67,6 +71,7 @@ class LoadSpec:
     concurrency: int | None = 8
     rate: float | None = None
     think_time: float = 0.0
+    ramp: float = 0.0
     request_timeout: float = 300.0
     ask_worker_id: bool = True
     headers: tuple[tuple[str, str], ...] = ()
@@ -204,6 +209,13 @@ def _delta_text(event: dict[str, Any]) -> str | None:
     return content if content else None
 
 
+def think_times(seed: int, session_id: str, mean: float) -> Iterator[float]:
+    """A session's pauses between steps: exponential with ``mean``, the same for every run."""
+    rng = random.Random(f"{seed}:{session_id}")
+    while True:
+        yield rng.expovariate(1.0 / mean) if mean > 0 else 0.0
+
+
 async def run_workload(
     name: str,
     sessions: Sequence[Session],
@@ -227,6 +239,7 @@ async def run_workload(
 
         async def run_session(index: int, session: Session) -> None:
             url = load.urls[index % len(load.urls)]
+            think = think_times(load.seed, session.session_id, load.think_time * session.think_scale)
             previous: list[Answer] | None = None
             while True:
                 bodies = session.next_step(previous)
@@ -246,8 +259,9 @@ async def run_workload(
                     if on_result is not None:
                         on_result(r)
                 previous = [Answer(r.text, r.ok) for r in step_results]
-                if load.think_time > 0:
-                    await asyncio.sleep(load.think_time)
+                pause = next(think)
+                if pause > 0 and session.steps_left > 0:
+                    await asyncio.sleep(pause)
 
         if load.rate:
             tasks = []
@@ -260,11 +274,15 @@ async def run_workload(
             for item in enumerate(sessions):
                 queue.put_nowait(item)
 
-            async def user() -> None:
+            users = max(1, load.concurrency or 1)
+
+            async def user(i: int) -> None:
+                if load.ramp > 0:
+                    await asyncio.sleep(load.ramp * i / users)
                 while not queue.empty():
                     await run_session(*queue.get_nowait())
 
-            await asyncio.gather(*(user() for _ in range(max(1, load.concurrency or 1))))
+            await asyncio.gather(*(user(i) for i in range(users)))
         duration = time.perf_counter() - t0
     if progress is not None:
         progress.close()

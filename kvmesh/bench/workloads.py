@@ -1,124 +1,46 @@
 """Workloads: deterministic scripts of OpenAI chat requests with realistic prefix sharing.
 
-A workload is a list of :class:`Session` objects. A session is a sequence of *steps*; each step
-is a burst of requests sent together, and a step may depend on the answers to the previous one
-(an agent's next turn carries the model's actual reply). The runner decides when sessions start
-(open or closed loop); the session decides what to send.
+A workload is a list of :class:`Session` objects (see :mod:`kvmesh.bench.session`). Every
+registered workload also has a :class:`Preset`: the spec and the load shape (closed loop with think
+times, or open loop) it runs with unless told otherwise, so ``kvmesh bench --workload NAME`` sends
+what the routing-quality suite sends.
 
-* ``agentic``      multi-turn agent conversations: a few agent types, each with its own long system
-                   prompt and tool definitions shared by all its conversations; every turn appends
-                   the model's reply and a tool result, so the prompt grows turn by turn.
+* ``agentic``       multi-turn agent conversations: a few agent types, each with its own system
+                    prompt and tool definitions shared by all its conversations; every turn appends
+                    the model's reply and a tool result, so the prompt grows turn by turn.
 * ``shared-prefix`` single-turn questions over a handful of long shared documents.
-* ``best-of-n``    bursts of n identical sibling requests (sampling n answers to one prompt).
-* ``long-context`` one long private document per session, then follow-up questions about it.
+* ``best-of-n``     bursts of n identical sibling requests (sampling n answers to one prompt).
+* ``long-context``  one long private document per session, then follow-up questions about it.
 
-Text is made of pseudo-words from a seeded generator, so every run of a workload with the same
-seed sends exactly the same prompts, whatever the tokenizer on the other side.
+The routing-quality workloads (``agent-long``, ``chat-pressure``, ``chat-fits``, ``siblings``,
+``hot-prefix``, ``mixed``) live in :mod:`kvmesh.bench.conversations`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-WORKLOADS = ("agentic", "shared-prefix", "best-of-n", "long-context")
+from kvmesh.bench import conversations
+from kvmesh.bench.session import Answer, Session, WorkloadSpec, tool, words
 
-_SYLLABLES = (
-    "ka", "lo", "mi", "ne", "ru", "ta", "vo", "shi", "den", "par", "qu", "ix", "el", "or", "um",
-    "zen", "tri", "bal", "cor", "fen", "gul", "hol", "jin", "mor", "nex", "pol", "ras", "sil",
-)  # fmt: skip
-
-
-def _words(rng: random.Random, n: int) -> str:
-    syl = _SYLLABLES
-    return " ".join("".join(rng.choice(syl) for _ in range(rng.randint(1, 3))) for _ in range(n))
-
-
-@dataclass(slots=True)
-class Answer:
-    """What a step's request came back with (only the text matters to the next step)."""
-
-    text: str
-    ok: bool
-
-
-@dataclass(slots=True)
-class Session:
-    """One conversation or burst group; ``next_step`` returns the next burst or None when done."""
-
-    session_id: str
-    kind: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    max_tokens: int
-    steps_left: int
-    burst: int = 1
-    followups: list[str] = field(default_factory=list)
-    step: int = 0
-
-    def next_step(self, previous: list[Answer] | None) -> list[dict[str, Any]] | None:
-        """The request bodies (without ``model``/``stream``) of the next step, or None."""
-        if self.steps_left <= 0:
-            return None
-        if previous is not None:
-            reply = next((a.text for a in previous if a.ok), None)
-            if reply is None:  # the turn failed; an agent would give up on this conversation
-                return None
-            self.messages.append({"role": "assistant", "content": reply})
-            if self.followups:
-                self.messages.append({"role": "user", "content": self.followups.pop(0)})
-        self.steps_left -= 1
-        self.step += 1
-        body: dict[str, Any] = {"messages": list(self.messages), "max_tokens": self.max_tokens}
-        if self.tools:
-            body["tools"] = self.tools
-        return [body] * self.burst
-
-    @property
-    def total_requests(self) -> int:
-        return (self.steps_left) * self.burst
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadSpec:
-    name: str
-    sessions: int = 32
-    turns: int = 6
-    burst: int = 4
-    prefix_words: int = 600
-    question_words: int = 40
-    max_tokens: int = 64
-    groups: int = 4
-    seed: int = 0
-
-
-def _tool(rng: random.Random, name: str) -> dict[str, Any]:
-    params = {f"arg_{i}": {"type": "string", "description": _words(rng, 8)} for i in range(rng.randint(2, 4))}
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": _words(rng, 30),
-            "parameters": {"type": "object", "properties": params, "required": sorted(params)[:1]},
-        },
-    }
+__all__ = ["PRESETS", "WORKLOADS", "Answer", "Preset", "Session", "WorkloadSpec", "build", "preset"]
 
 
 def agentic(spec: WorkloadSpec) -> list[Session]:
     rng = random.Random(spec.seed)
     agents = []
     for a in range(spec.groups):
-        system = f"You are agent {a}. " + _words(rng, spec.prefix_words)
-        tools = [_tool(rng, f"tool_{a}_{t}") for t in range(4)]
+        system = f"You are agent {a}. " + words(rng, spec.prefix_words)
+        tools = [tool(rng, f"tool_{a}_{t}") for t in range(4)]
         agents.append((system, tools))
     sessions = []
     for s in range(spec.sessions):
         system, tools = agents[s % len(agents)]
-        task = f"Task {s}: " + _words(rng, spec.question_words)
+        task = f"Task {s}: " + words(rng, spec.question_words)
         followups = [
-            f"Tool result {s}.{t}: " + _words(rng, spec.question_words * 2) for t in range(spec.turns)
+            f"Tool result {s}.{t}: " + words(rng, spec.question_words * 2) for t in range(spec.turns)
         ]
         sessions.append(
             Session(
@@ -136,14 +58,14 @@ def agentic(spec: WorkloadSpec) -> list[Session]:
 
 def shared_prefix(spec: WorkloadSpec) -> list[Session]:
     rng = random.Random(spec.seed)
-    documents = [f"Document {g}. " + _words(rng, spec.prefix_words) for g in range(spec.groups)]
+    documents = [f"Document {g}. " + words(rng, spec.prefix_words) for g in range(spec.groups)]
     return [
         Session(
             session_id=f"shared-{s}",
             kind="shared-prefix",
             messages=[
                 {"role": "system", "content": documents[rng.randrange(len(documents))]},
-                {"role": "user", "content": f"Question {s}: " + _words(rng, spec.question_words)},
+                {"role": "user", "content": f"Question {s}: " + words(rng, spec.question_words)},
             ],
             tools=None,
             max_tokens=spec.max_tokens,
@@ -159,7 +81,7 @@ def best_of_n(spec: WorkloadSpec) -> list[Session]:
         Session(
             session_id=f"bon-{s}",
             kind="best-of-n",
-            messages=[{"role": "user", "content": f"Problem {s}: " + _words(rng, spec.prefix_words)}],
+            messages=[{"role": "user", "content": f"Problem {s}: " + words(rng, spec.prefix_words)}],
             tools=None,
             max_tokens=spec.max_tokens,
             steps_left=1,
@@ -173,15 +95,15 @@ def long_context(spec: WorkloadSpec) -> list[Session]:
     rng = random.Random(spec.seed)
     sessions = []
     for s in range(spec.sessions):
-        document = f"Report {s}. " + _words(rng, spec.prefix_words * 8)
-        questions = [f"Follow-up {s}.{t}: " + _words(rng, spec.question_words) for t in range(spec.turns)]
+        document = f"Report {s}. " + words(rng, spec.prefix_words * 8)
+        questions = [f"Follow-up {s}.{t}: " + words(rng, spec.question_words) for t in range(spec.turns)]
         sessions.append(
             Session(
                 session_id=f"long-{s}",
                 kind="long-context",
                 messages=[
                     {"role": "system", "content": document},
-                    {"role": "user", "content": f"Summary request {s}: " + _words(rng, spec.question_words)},
+                    {"role": "user", "content": f"Summary request {s}: " + words(rng, spec.question_words)},
                 ],
                 tools=None,
                 max_tokens=spec.max_tokens,
@@ -197,7 +119,127 @@ _BUILDERS: dict[str, Callable[[WorkloadSpec], list[Session]]] = {
     "shared-prefix": shared_prefix,
     "best-of-n": best_of_n,
     "long-context": long_context,
+    "agent-long": conversations.agent_long,
+    "chat-pressure": conversations.chat,
+    "chat-fits": conversations.chat,
+    "siblings": conversations.siblings,
+    "hot-prefix": conversations.hot_prefix,
+    "mixed": conversations.mixed,
 }
+WORKLOADS = tuple(_BUILDERS)
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """How a workload runs by default, sized for a fleet of 4 engines.
+
+    ``concurrency`` sessions in flight (closed loop), or ``rate`` sessions started per second
+    (open loop); ``think_time`` is the mean pause between a session's steps (drawn exponentially
+    per session and step, from the seed); ``ramp`` spreads the closed loop's first starts.
+    """
+
+    spec: WorkloadSpec
+    concurrency: int | None = 8
+    rate: float | None = None
+    think_time: float = 0.0
+    ramp: float = 0.0
+    note: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    "agentic": Preset(WorkloadSpec("agentic")),
+    "shared-prefix": Preset(WorkloadSpec("shared-prefix")),
+    "best-of-n": Preset(WorkloadSpec("best-of-n")),
+    "long-context": Preset(WorkloadSpec("long-context")),
+    # 4 agent types, system prompt + tools ~3.9k tokens, tool outputs ~1.2k tokens a turn: a
+    # session reaches ~11k tokens; 12 in flight hold ~80k tokens against 128k of fleet cache.
+    "agent-long": Preset(
+        WorkloadSpec(
+            "agent-long", sessions=24, turns=6, groups=4, prefix_words=1500, question_words=500, max_tokens=32
+        ),
+        concurrency=12,
+        think_time=1.0,
+        ramp=2.0,
+        note="24 sessions x 6 turns, 4 agent types, 12 in flight",
+    ),
+    # 48 conversations live, each ~0.7k tokens a turn, 8 turns: ~150k tokens of live history
+    # against 4 x 32k of cache; a sticky router still overflows a little, round-robin by 4x.
+    "chat-pressure": Preset(
+        WorkloadSpec(
+            "chat-pressure",
+            sessions=48,
+            turns=8,
+            groups=1,
+            prefix_words=80,
+            question_words=300,
+            max_tokens=64,
+        ),
+        concurrency=48,
+        think_time=1.5,
+        ramp=3.0,
+        note="48 conversations x 8 turns, all live at once, working set > fleet cache",
+    ),
+    # 16 conversations of ~1.5k tokens: every engine could hold every conversation.
+    "chat-fits": Preset(
+        WorkloadSpec(
+            "chat-fits", sessions=16, turns=8, groups=1, prefix_words=80, question_words=80, max_tokens=64
+        ),
+        concurrency=16,
+        think_time=1.0,
+        ramp=2.0,
+        note="16 conversations x 8 turns, working set fits every engine",
+    ),
+    # private ~1.6k-token contexts, 4 steps of 4 siblings; half best-of-n, half parallel tool calls
+    "siblings": Preset(
+        WorkloadSpec(
+            "siblings", sessions=16, turns=4, burst=4, prefix_words=700, question_words=60, max_tokens=32
+        ),
+        concurrency=6,
+        think_time=1.0,
+        ramp=1.0,
+        note="16 sessions x 4 steps x 4 siblings, 6 sessions in flight",
+    ),
+    # 5 prefixes of ~2.8k tokens, 80% of questions on one of them, Poisson arrivals
+    "hot-prefix": Preset(
+        WorkloadSpec(
+            "hot-prefix",
+            sessions=240,
+            groups=5,
+            prefix_words=1200,
+            question_words=60,
+            max_tokens=32,
+            hot_share=0.8,
+        ),
+        concurrency=None,
+        rate=20.0,
+        note="240 questions at 20/s, 80% on one of 5 prefixes",
+    ),
+    # 8 long agent sessions among 24 short chats
+    "mixed": Preset(
+        WorkloadSpec(
+            "mixed",
+            sessions=32,
+            turns=6,
+            groups=2,
+            prefix_words=1500,
+            question_words=500,
+            max_tokens=32,
+            long_share=0.25,
+        ),
+        concurrency=16,
+        think_time=1.0,
+        ramp=2.0,
+        note="8 agent-long sessions + 24 short chats x 6 turns, 16 in flight",
+    ),
+}
+assert set(PRESETS) == set(_BUILDERS), "every workload needs a preset"
+
+
+def preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}") from None
 
 
 def build(spec: WorkloadSpec) -> list[Session]:

@@ -16,27 +16,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--url", required=True, help="base URL(s), comma-separated; sessions are spread round-robin"
     )
     parser.add_argument(
-        "--workload", choices=WORKLOADS, default="agentic", help="what to send (default: agentic)"
+        "--workload",
+        choices=WORKLOADS,
+        default="agentic",
+        help="what to send (default: agentic); each has preset sizes and load, which the flags below override",
     )
     parser.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument(
-        "--concurrency", type=int, default=None, help="closed loop: sessions in flight (default 8)"
+        "--concurrency", type=int, default=None, help="closed loop: sessions in flight [preset]"
     )
     load.add_argument(
-        "--rate", type=float, default=None, help="open loop: sessions started per second (Poisson)"
+        "--rate", type=float, default=None, help="open loop: sessions started per second (Poisson) [preset]"
     )
-    parser.add_argument("--sessions", type=int, default=32, help="conversations / groups / bursts to run")
-    parser.add_argument("--turns", type=int, default=6, help="turns per conversation (agentic, long-context)")
-    parser.add_argument("--burst", type=int, default=4, help="siblings per burst (best-of-n)")
-    parser.add_argument("--groups", type=int, default=4, help="distinct shared prefixes (agents / documents)")
-    parser.add_argument("--prefix-words", type=int, default=600, help="length of shared prefixes in words")
+    parser.add_argument("--sessions", type=int, default=None, help="conversations / groups / bursts [preset]")
+    parser.add_argument("--turns", type=int, default=None, help="turns (steps) per session [preset]")
+    parser.add_argument("--burst", type=int, default=None, help="siblings per burst (best-of-n, siblings)")
     parser.add_argument(
-        "--question-words", type=int, default=40, help="length of per-turn user text in words"
+        "--groups", type=int, default=None, help="distinct shared prefixes (agents / documents / personas)"
     )
-    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
+    parser.add_argument("--prefix-words", type=int, default=None, help="length of shared prefixes in words")
     parser.add_argument(
-        "--think-time", type=float, default=0.0, help="seconds between an answer and the next turn"
+        "--question-words",
+        type=int,
+        default=None,
+        help="words of per-turn text (user message, tool output) [preset]",
+    )
+    parser.add_argument("--max-tokens", type=int, default=None, help="max_tokens of every request [preset]")
+    parser.add_argument(
+        "--hot-share", type=float, default=None, help="hot-prefix: share of requests on the hot prefix"
+    )
+    parser.add_argument(
+        "--long-share", type=float, default=None, help="mixed: share of sessions that are long agents"
+    )
+    parser.add_argument(
+        "--think-time",
+        type=float,
+        default=None,
+        help="mean seconds between an answer and the next step (exponential, seeded) [preset]",
+    )
+    parser.add_argument(
+        "--ramp", type=float, default=None, help="closed loop: spread the first starts over this many seconds"
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="workload and arrival seed (same seed, same prompts)"
@@ -57,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvmesh.bench import report
     from kvmesh.bench.runner import LoadSpec, Progress, run_workload
-    from kvmesh.bench.workloads import WorkloadSpec, build
+    from kvmesh.bench.workloads import build, preset
 
     urls = tuple(u.strip().rstrip("/") for u in args.url.split(",") if u.strip())
     headers = []
@@ -67,24 +87,23 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvmesh bench: --header {item!r} must look like NAME:VALUE", file=sys.stderr)
             return 2
         headers.append((name.strip(), value.strip()))
-    spec = WorkloadSpec(
-        name=args.workload,
-        sessions=args.sessions,
-        turns=args.turns,
-        burst=args.burst,
-        prefix_words=args.prefix_words,
-        question_words=args.question_words,
-        max_tokens=args.max_tokens,
-        groups=args.groups,
-        seed=args.seed,
-    )
+    chosen = preset(args.workload)
+    overrides = {
+        name: getattr(args, name)
+        for name in ("sessions", "turns", "burst", "groups", "prefix_words", "question_words", "max_tokens",
+                     "hot_share", "long_share")
+        if getattr(args, name) is not None
+    }  # fmt: skip
+    spec = chosen.spec.replace(seed=args.seed, **overrides)
     sessions = build(spec)
+    rate = args.rate if args.rate is not None else (None if args.concurrency else chosen.rate)
     load = LoadSpec(
         urls=urls,
         model=args.model,
-        concurrency=None if args.rate else (args.concurrency or 8),
-        rate=args.rate,
-        think_time=args.think_time,
+        concurrency=None if rate else (args.concurrency or chosen.concurrency or 8),
+        rate=rate,
+        think_time=chosen.think_time if args.think_time is None else args.think_time,
+        ramp=chosen.ramp if args.ramp is None else args.ramp,
         ask_worker_id=not args.no_nvext,
         headers=tuple(headers),
         seed=args.seed,

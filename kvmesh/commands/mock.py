@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest share of the cache that pinned prefixes and open sessions may hold [%(default)s]",
     )
     parser.add_argument(
+        "--report-profile",
+        action="store_true",
+        help="serve the step-time model as timing_profile in /kvmesh/info, so a router can seed its "
+        "latency model from it (real engines report none) [off]",
+    )
+    parser.add_argument(
         "--admin-token",
         default=os.environ.get("KVMESH_ADMIN_TOKEN"),
         help="require this token on the /kvmesh/* worker RPCs [$KVMESH_ADMIN_TOKEN, else none]",
@@ -143,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             pin_budget=args.pin_budget,
             admin_token=args.admin_token or None,
+            report_profile=args.report_profile,
             role=args.role,
             transfer_ms_per_block=args.transfer_ms_per_block,
             transfer_fixed_ms=args.transfer_fixed_ms,

@@ -41,7 +41,7 @@ from kvmesh.mock.metrics import EngineMetrics
 from kvmesh.mock.request import EngineRequest, RequestStatus
 from kvmesh.mock.sampler import OutputSampler, sampler_key
 from kvmesh.mock.scheduler import Scheduler, SchedulerOutput
-from kvmesh.mock.timing import step_seconds
+from kvmesh.mock.timing import profile, step_seconds
 from kvmesh.router.request.tokenizer import BuiltinTokenizer, Tokenizer
 from kvmesh.worker.block_state import kv_state_answer, rank_state
 from kvmesh.worker.retention import Retention
@@ -316,7 +316,7 @@ class MockEngine:
 
     def info(self) -> dict[str, Any]:
         cfg = self.config
-        return {
+        info: dict[str, Any] = {
             "backend": self.backend,
             "model": cfg.model,
             "block_size": cfg.block_size,
@@ -329,6 +329,9 @@ class MockEngine:
             "max_model_len": cfg.model_len,
             "role": cfg.role,
         }
+        if cfg.report_profile:
+            info["timing_profile"] = profile(cfg.speedup)
+        return info
 
     # --- disaggregated serving (the KV hand-off, simulated) ----------------------------------------
 

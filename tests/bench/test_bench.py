@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh.bench import report
-from kvmesh.bench.runner import LoadSpec, RequestResult, RunResult, run_workload
-from kvmesh.bench.workloads import WORKLOADS, Answer, WorkloadSpec, build
+from kvmesh.bench.runner import LoadSpec, RequestResult, RunResult, run_workload, think_times
+from kvmesh.bench.workloads import WORKLOADS, Answer, WorkloadSpec, build, preset
 from kvmesh.mock.testing import run_mock
 
 
@@ -89,3 +90,56 @@ async def test_bench_command_end_to_end(tmp_path: Path) -> None:
     assert "TTFT p99 (ms)" in stdout.decode()
     doc = json.loads(out.read_text())
     assert doc["runs"][0]["summary"]["ok"] == 6
+
+
+def test_every_workload_has_a_preset_that_builds() -> None:
+    for name in WORKLOADS:
+        sessions = build(preset(name).spec)
+        assert sessions and all(s.total_requests > 0 for s in sessions), name
+
+
+def test_parallel_tool_calls_share_the_conversation_and_continue_with_the_first_success() -> None:
+    best_of_n, parallel = build(WorkloadSpec("siblings", sessions=2, turns=2, burst=3, prefix_words=20))
+    same = best_of_n.next_step(None)
+    assert same is not None and len(same) == 3 and all(b == same[0] for b in same)
+    first = parallel.next_step(None)
+    assert first is not None and len(first) == 3
+    tails = [b["messages"][-1]["content"] for b in first]
+    assert len(set(tails)) == 3  # one different call per sibling
+    assert all(b["messages"][:-1] == first[0]["messages"][:-1] for b in first)  # one shared prefix
+    second = parallel.next_step([Answer("", False), Answer("answer one", True), Answer("x", True)])
+    assert second is not None
+    assert second[0]["messages"][1:3] == [
+        {"role": "user", "content": tails[1]},
+        {"role": "assistant", "content": "answer one"},
+    ]
+
+
+def test_hot_prefix_puts_the_hot_share_on_one_prefix() -> None:
+    sessions = build(WorkloadSpec("hot-prefix", sessions=400, groups=5, prefix_words=10, hot_share=0.8))
+    systems = [s.messages[0]["content"] for s in sessions]
+    top = max(set(systems), key=systems.count)
+    assert 0.74 < systems.count(top) / len(systems) < 0.86
+    assert len(set(systems)) == 5
+
+
+def test_mixed_interleaves_long_agents_and_short_chats() -> None:
+    sessions = build(
+        WorkloadSpec("mixed", sessions=16, long_share=0.25, prefix_words=1500, question_words=160)
+    )
+    kinds = [s.kind for s in sessions]
+    assert kinds.count("agent-long") == 4 and kinds.count("chat") == 12
+    assert kinds[:4] != ["agent-long"] * 4  # shuffled, not blocked
+    agent = next(s for s in sessions if s.kind == "agent-long")
+    chat = next(s for s in sessions if s.kind == "chat")
+    assert len(agent.messages[0]["content"]) > 5 * len(chat.messages[0]["content"])
+    assert agent.think_scale < chat.think_scale
+
+
+def test_think_times_are_seeded_per_session() -> None:
+    a = list(itertools.islice(think_times(0, "chat-1", 2.0), 2000))
+    assert a == list(itertools.islice(think_times(0, "chat-1", 2.0), 2000))  # every run pauses alike
+    assert a != list(itertools.islice(think_times(0, "chat-2", 2.0), 2000))
+    assert a != list(itertools.islice(think_times(1, "chat-1", 2.0), 2000))
+    assert 1.8 < sum(a) / len(a) < 2.2 and min(a) >= 0
+    assert set(itertools.islice(think_times(0, "chat-1", 0.0), 10)) == {0.0}

@@ -43,7 +43,9 @@ class LoadAccount:
     def end(self, complete: bool) -> None:
         now = time.monotonic()
         if complete:
-            self.mesh.router.finished(self.request_id, now)
+            sample = self.mesh.router.finished(self.request_id, now)
+            if sample is not None:  # one of this replica's decisions: the latency model's check
+                self.mesh.record_ttft_prediction(sample)
         else:
             self.mesh.router.cancel(self.request_id, now)
         self.mesh.pump(now)
@@ -105,6 +107,7 @@ class RoutedAccount(LoadAccount):
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if isinstance(cached, int) and not isinstance(cached, bool) and self.decision is not None:
             self.mesh.record_cached(self.worker_id, self.decision.cached_tokens, cached)
+            self.mesh.router.reported_cached(self.request_id, cached)
 
     def echo(self) -> dict[str, Any] | None:
         nv = self.nvext

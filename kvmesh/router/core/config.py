@@ -32,9 +32,13 @@ from kvmesh.router.core.settings_table import add_arguments as add_table_argumen
 
 RouterMode = Literal["kv", "round-robin", "random", "direct"]
 QueuePolicy = Literal["fcfs", "lcfs", "wspt"]
+CostModel = Literal["latency", "dynamo"]
+PrefillLoadModel = Literal["none", "aic"]
 
 ROUTER_MODES: tuple[str, ...] = ("kv", "round-robin", "random", "direct")
 QUEUE_POLICIES: tuple[str, ...] = ("fcfs", "lcfs", "wspt")
+COST_MODELS: tuple[str, ...] = ("latency", "dynamo")
+PREFILL_LOAD_MODELS: tuple[str, ...] = ("none", "aic")
 ENV_PREFIX = "KVMESH_ROUTER_"
 
 
@@ -44,6 +48,8 @@ class RouterConfig:
 
     router_mode: RouterMode = "kv"
     # cost model
+    router_cost_model: CostModel = "latency"
+    router_prefill_load_model: PrefillLoadModel = "none"
     overlap_score_credit: float = 1.0
     prefill_load_scale: float = 1.0
     host_cache_hit_weight: float = 0.75
@@ -203,6 +209,24 @@ _FLAGS: tuple[Setting, ...] = (
         convert=_dashed,
     ),
     _flag(
+        "router_cost_model",
+        "--router-cost-model",
+        str,
+        "latency: predicted time to first token per worker, from a timing model fitted online; "
+        "dynamo: Dynamo's prefill blocks + decode blocks",
+        choices=COST_MODELS,
+        metavar="MODEL",
+    ),
+    _flag(
+        "router_prefill_load_model",
+        "--router-prefill-load-model",
+        str,
+        "none: a request's prefill tokens count in full until its first token; aic: the oldest "
+        "active prefill on each worker decays over its predicted prefill duration (Dynamo's meaning)",
+        choices=PREFILL_LOAD_MODELS,
+        metavar="MODEL",
+    ),
+    _flag(
         "overlap_score_credit",
         "--router-kv-overlap-score-credit",
         float,
@@ -214,7 +238,8 @@ _FLAGS: tuple[Setting, ...] = (
         "prefill_load_scale",
         "--router-prefill-load-scale",
         float,
-        "weight of prefill blocks (after credits) against decode blocks in the cost",
+        "weight of prefill (blocks after credits; with the latency cost, predicted prefill time) "
+        "against decode in the cost",
         0.0,
     ),
     _flag(

@@ -12,6 +12,13 @@ A request's life, as the middleware drives it::
 
 Every Decision is already counted as load on its worker; feedback calls undo it.
 
+With the latency cost (the default) each worker has a :class:`TimingModel`: a candidate's cost is
+its predicted time to first token, plus what evicting live cache would cost later (see
+``_latency_costs``). The model learns from the feedback calls: ``first_token`` gives the time from
+dispatch to first token, ``output_tokens`` the gaps between tokens, ``reported_cached`` the cached
+tokens the engine reported; ``finished`` turns them into one observation and returns a
+:class:`TimingSample` (prediction at dispatch vs what happened) for metrics.
+
 Two optional hooks, both given by the caller so the core stays pure: a ``clock`` (any
 ``() -> seconds`` callable) times the prefix lookup of each ``route()`` (``last_find_matches``),
 and an ``observer`` (:class:`RoutingObserver`) hears of every decision and every load release,
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kvmesh._types import DpRank, WorkerId, WorkerKey
 from kvmesh.errors import WorkerError
@@ -34,6 +41,7 @@ from kvmesh.router.core.index_factory import index_for
 from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
 from kvmesh.router.core.sessions import SessionTable
+from kvmesh.router.core.timing import MOCKER_PRIOR, Profile, TimingModel, WorkerTiming
 
 if TYPE_CHECKING:
     import random
@@ -92,6 +100,12 @@ class CandidateScore:
     """Projected decode blocks: active blocks + this request's blocks not already active."""
     cost: float
     busy: bool = False
+    predicted_ttft_ms: float | None = None
+    """The latency cost's predicted time to first token (None with Dynamo's cost)."""
+    eviction_ms: float = 0.0
+    """The latency cost's price for live cache this request would evict there."""
+    work_ms: float = 0.0
+    """The latency cost's engine time this request adds there (its own uncached prefill)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +166,17 @@ class WorkerSnapshot:
     total_blocks: int
     max_num_batched_tokens: int
     busy: bool
+    timing: dict[str, Any] | None = None
+    """The worker's fitted timing model (coefficients, prediction error), when it has one."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimingSample:
+    """One finished request: the TTFT the router predicted at dispatch, and the one observed."""
+
+    worker: WorkerKey
+    predicted_s: float
+    observed_s: float
 
 
 @dataclass(slots=True)
@@ -198,6 +223,26 @@ class _Worker:
 
 
 @dataclass(slots=True)
+class _Obs:
+    """What the timing model needs from one request of ours, gathered over its life."""
+
+    worker: WorkerKey
+    dispatched: float
+    ahead: float
+    """Prefill tokens ahead of it on the worker at dispatch (the decayed view)."""
+    uncached: int
+    """Its own uncached tokens as predicted at dispatch (replaced by the engine's report)."""
+    isl: int
+    decoding: bool
+    kv_usage: float
+    predicted_ms: float
+    memory_wait_ms: float = 0.0
+    ttft: float | None = None
+    last_token: float | None = None
+    cached: int | None = None
+
+
+@dataclass(slots=True)
 class _Pending:
     """What a queued request needs at release: the request and its arrival-time overlaps."""
 
@@ -207,6 +252,7 @@ class _Pending:
 
 
 _NO_TIERS = TierDepths(0, 0, 0)
+_REUSE_ALPHA = 0.05
 
 
 class KvRouter:
@@ -247,6 +293,20 @@ class KvRouter:
         )
         self._rr = 0
         self._stats = RouterStats()
+        self._timing: dict[WorkerKey, WorkerTiming] = {}
+        self._fleet_timing = TimingModel(MOCKER_PRIOR, 8192)
+        """Every unprofiled worker's observations: what a worker seen little is assumed to be like."""
+        self._profiles: dict[WorkerId, Profile | None] = {}
+        self._obs: dict[str, _Obs] = {}
+        self._reuse_fleet = 0.0
+        """EWMA of the engine-reported prefix hit share over the fleet: how likely cached blocks
+        are to be asked for again (what evicting them costs)."""
+        self._seen_reuse = False
+        self._decode_s: dict[WorkerKey, float] = {}
+        """Per worker, an EWMA of a request's time from first token to finish."""
+        self._decode_fleet = 0.0
+        self._latency = config.router_cost_model == "latency"
+        self._aic = config.router_prefill_load_model == "aic"
 
     # ---------------------------------------------------------------- fleet
     def add_worker(
@@ -257,8 +317,12 @@ class KvRouter:
         total_blocks: int,
         max_num_batched_tokens: int,
         block_size: int,
+        profile: Profile | None = None,
     ) -> None:
-        """Register a worker with ``dp_size`` schedulable ranks. Re-adding updates its limits."""
+        """Register a worker with ``dp_size`` schedulable ranks. Re-adding updates its limits.
+
+        ``profile`` (a worker's reported step-time curve) seeds its timing model; without one the
+        reference mocker's fit does. A model that already learned is kept across re-adds."""
         if dp_size < 1 or block_size < 1:
             raise WorkerError(f"worker {worker_id}: dp_size and block_size must be >= 1")
         if self._block_size is None:
@@ -276,6 +340,17 @@ class KvRouter:
                 self._forget_rank((worker_id, rank))
         for rank in range(dp_size):
             self._load.add_worker((worker_id, rank))
+            key = (worker_id, rank)
+            model = self._timing.get(key)
+            fresh = model is None or (model.observations == 0 and self._profiles.get(worker_id) != profile)
+            if fresh:
+                own = TimingModel(profile or MOCKER_PRIOR, max_num_batched_tokens)
+                self._timing[key] = WorkerTiming(own, self._fleet_timing, profile is not None)
+            else:
+                assert model is not None
+                model.own.max_batched_tokens = max(max_num_batched_tokens, 1)
+            self._fleet_timing.max_batched_tokens = max_num_batched_tokens
+        self._profiles[worker_id] = profile
         self._keys = [(w, r) for w, info in self._workers.items() for r in range(info.dp_size)]
 
     def remove_worker(self, worker_id: WorkerId) -> list[ExpiredSession]:
@@ -288,6 +363,8 @@ class KvRouter:
         return [ExpiredSession(sid, w) for sid, w in self._sessions.remove_worker(worker_id)]
 
     def _forget_rank(self, key: WorkerKey) -> None:
+        self._timing.pop(key, None)
+        self._decode_s.pop(key, None)
         self._index.remove_worker(key)
         self._load.remove_worker(key)
 
@@ -344,7 +421,7 @@ class KvRouter:
         candidates = self._candidates(req)
         if not candidates:
             return Rejected(req.request_id, "no_workers", "no allowed worker is registered")
-        if self.config.router_queue_threshold is not None and (len(self._queue) or self._saturated()):
+        if self.config.router_queue_threshold is not None and (len(self._queue) or self._saturated(now)):
             return self._enqueue(req, now)
         return self._decide(req, candidates, now, None, self._mode_reason())
 
@@ -357,13 +434,18 @@ class KvRouter:
             return self._keys
         return [k for k in self._keys if k[0] in req.allowed_workers]
 
-    def _saturated(self) -> bool:
+    def _prefill_load(self, key: WorkerKey, now: float | None) -> float:
+        """Active prefill tokens as the load model sees them (decayed with ``aic``)."""
+        if self._aic and now is not None:
+            return self._load.prefill_tokens_at(key, now)
+        return self._load.prefill_tokens(key)
+
+    def _saturated(self, now: float) -> bool:
         """Every worker has more active prefill tokens than threshold * max_num_batched_tokens."""
         threshold = self.config.router_queue_threshold
         assert threshold is not None
-        load = self._load
         for key in self._keys:
-            if load.prefill_tokens(key) <= threshold * self._workers[key[0]].max_num_batched_tokens:
+            if self._prefill_load(key, now) <= threshold * self._workers[key[0]].max_num_batched_tokens:
                 return False
         return True
 
@@ -389,7 +471,7 @@ class KvRouter:
         """Queued requests that may go now (call after feedback frees capacity, or on a timer)."""
         out: list[Decision] = []
         queue = self._queue
-        while len(queue) and self._keys and not self._saturated():
+        while len(queue) and self._keys and not self._saturated(now):
             item = queue.pop()
             assert item is not None
             pending: _Pending = item.payload
@@ -442,7 +524,7 @@ class KvRouter:
             self.last_find_matches = (self.last_find_matches or 0.0) + clock() - started
         return overlaps
 
-    def _busy_flags(self, candidates: Sequence[WorkerKey]) -> list[bool]:
+    def _busy_flags(self, candidates: Sequence[WorkerKey], now: float | None = None) -> list[bool]:
         t = self._busy
         if (
             t.active_decode_blocks_threshold is None
@@ -457,7 +539,7 @@ class KvRouter:
             out.append(
                 selector.is_busy(
                     load.decode_blocks(key),
-                    load.prefill_tokens(key),
+                    self._prefill_load(key, now),
                     total_blocks=info.total_blocks,
                     max_num_batched_tokens=info.max_num_batched_tokens,
                     decode_blocks_frac=t.active_decode_blocks_threshold,
@@ -478,7 +560,7 @@ class KvRouter:
         filter_busy: bool = True,
     ) -> RouteResult:
         if filter_busy:
-            busy = self._busy_flags(candidates)
+            busy = self._busy_flags(candidates, now)
             if all(busy):
                 return Rejected(
                     req.request_id,
@@ -518,27 +600,95 @@ class KvRouter:
         trees: list[int] = []
         n_blocks = len(req.local_hashes)
         isl = req.isl_tokens
+        latency = self._latency
         for key in candidates:
             depths = overlaps.get(key, _NO_TIERS)
             dev = depths.device
             host = depths.host - dev
             disk = depths.disk - depths.host
-            prefill = selector.projected_prefill_tokens(
-                load.prefill_tokens(key), isl, dev, host, disk, bs, weights
-            )
+            active = load.prefill_tokens_at(key, now) if latency or self._aic else load.prefill_tokens(key)
             if prompt is not None:
                 new = load.new_blocks(key, prompt, isl)
             elif self.config.router_track_active_blocks:
                 new = n_blocks + (1 if isl > n_blocks * bs else 0)
             else:
                 new = 0
+            if latency and prompt is not None and weights.overlap_score_credit > 0:
+                # Blocks of requests in flight there (a sibling sent a moment ago) will be cached
+                # by the time this one is prefilled behind them: count them as cached there.
+                in_flight = min(n_blocks, prompt.n_blocks + (1 if isl > n_blocks * bs else 0) - new)
+                if in_flight > dev:
+                    host = max(host - (in_flight - dev), 0)
+                    dev = in_flight
+            prefill = selector.projected_prefill_tokens(active, isl, dev, host, disk, bs, weights)
             decode = load.decode_blocks(key) + new
-            c = selector.cost(prefill, decode, bs, weights.prefill_load_scale)
-            scores.append(CandidateScore(key, dev, host, disk, prefill, prefill / bs, decode, c))
+            if latency:
+                ttft, evict = self._latency_cost(
+                    key, prefill, dev, n_blocks, decode, weights.prefill_load_scale
+                )
+                # the engine time it adds there, which whatever arrives next waits behind
+                work = self._timing[key].prefill_ms(prefill - active) if prefill > active else 0.0
+                c = ttft + work + evict
+                scores.append(
+                    CandidateScore(
+                        key, dev, host, disk, prefill, prefill / bs, decode, c, False, ttft, evict, work
+                    )
+                )
+            else:
+                c = selector.cost(prefill, decode, bs, weights.prefill_load_scale)
+                scores.append(CandidateScore(key, dev, host, disk, prefill, prefill / bs, decode, c))
             costs.append(c)
             trees.append(index.block_count(key))
         i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
         return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt)
+
+    def _latency_cost(
+        self,
+        key: WorkerKey,
+        prefill_tokens: float,
+        device_blocks: int,
+        n_blocks: int,
+        decode_blocks: float,
+        prefill_weight: float,
+    ) -> tuple[float, float]:
+        """(predicted ms to first token on ``key``, ms of future prefill its evictions would cost).
+
+        ``prefill_tokens`` is the work there once this request is added (the decayed queue plus its
+        credited uncached tokens). Memory: when the blocks of the requests in flight there
+        (``decode_blocks``, this one included) exceed the worker's KV blocks, the engine holds the
+        request until that share of them has finished, about that share of a request's decode
+        time. Eviction: the blocks it adds beyond the worker's free blocks push out
+        least-recently-used cache, which the fleet's reported hit share says will be asked for
+        again at that rate; recomputing it later costs the fitted per-token prefill time. (The rate
+        is the fleet's, not the worker's: a worker's own low hit share would make the worker that
+        thrashes most the cheapest place for new prefixes.)
+        """
+        model = self._timing[key]
+        info = self._workers[key[0]]
+        load = self._load
+        total = max(info.total_blocks, 1)
+        usage = min(load.decode_blocks(key) / total, 1.0)
+        decoding = load.decoding(key) > 0
+        if prefill_weight == 1.0:
+            ttft = model.ttft_ms(prefill_tokens, decoding, usage)
+        else:  # --router-prefill-load-scale weighs the prefill part against the decode passes
+            decode_part = model.ttft_ms(prefill_tokens, decoding, usage) - model.prefill_ms(prefill_tokens)
+            ttft = prefill_weight * model.prefill_ms(prefill_tokens) + decode_part
+        ttft += self._memory_wait_ms(key, decode_blocks, total)
+        reuse = self._reuse_fleet
+        if not reuse:
+            return ttft, 0.0
+        free = total - self._index.block_count(key)
+        evicted = n_blocks - device_blocks - free
+        if evicted <= 0:
+            return ttft, 0.0
+        return ttft, reuse * evicted * (self._block_size or 1) * model.ms_per_token()
+
+    def _memory_wait_ms(self, key: WorkerKey, decode_blocks: float, total_blocks: int) -> float:
+        overflow = decode_blocks / total_blocks - 1.0
+        if overflow <= 0:
+            return 0.0
+        return overflow * self._decode_s.get(key, self._decode_fleet) * 1000.0
 
     def _finish(
         self,
@@ -550,6 +700,7 @@ class KvRouter:
         prompt: PromptBlocks | None,
     ) -> Decision:
         self._commit(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, now, req.osl, prompt)
+        self._start_observation(req, worker, overlap, breakdown, now)
         if self.observer is not None:
             self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
         if req.session_id is not None and req.session_action in ("open", "bind"):
@@ -571,6 +722,32 @@ class KvRouter:
             return "pinned"
         return self._mode_reason()
 
+    def _start_observation(
+        self,
+        req: RouteRequest,
+        worker: WorkerKey,
+        overlap: int,
+        breakdown: tuple[CandidateScore, ...],
+        now: float,
+    ) -> None:
+        model = self._timing.get(worker)
+        if model is None:
+            return
+        load = self._load
+        uncached = max(req.isl_tokens - overlap * (self._block_size or 1), 0)
+        # the load view right after commit: this request is the newest prefill on the worker
+        ahead = max(load.prefill_tokens_at(worker, now) - uncached, 0.0)
+        total = max(self._workers[worker[0]].total_blocks, 1)
+        usage = min(load.decode_blocks(worker) / total, 1.0)
+        decoding = load.decoding(worker) > 0
+        predicted = next((s.predicted_ttft_ms for s in breakdown if s.worker == worker), None)
+        if predicted is None:
+            predicted = model.ttft_ms(ahead + uncached, decoding, usage)
+        wait = self._memory_wait_ms(worker, load.decode_blocks(worker), total)
+        self._obs[req.request_id] = _Obs(
+            worker, now, ahead, uncached, req.isl_tokens, decoding, usage, predicted, wait
+        )
+
     def _commit(
         self,
         request_id: str,
@@ -584,30 +761,82 @@ class KvRouter:
     ) -> None:
         if prompt is None:
             prompt = PromptBlocks(local_hashes) if self._load.assume_kv_reuse else _bare_prompt(local_hashes)
-        self._load.add(request_id, worker, prompt, isl_tokens, overlap, now, osl=osl)
+        model = self._timing.get(worker)
+        uncached = max(isl_tokens - overlap * (self._block_size or 1), 0)
+        expected = model.prefill_ms(uncached) / 1000.0 if model is not None and uncached else 0.0
+        self._load.add(
+            request_id, worker, prompt, isl_tokens, overlap, now, osl=osl, expected_prefill=expected
+        )
         self._index.record(worker, local_hashes, now)
 
     # ---------------------------------------------------------------- feedback
     def first_token(self, request_id: str, now: float) -> None:
         """Prefill is done: its prompt tokens stop counting as prefill load."""
+        obs = self._obs.get(request_id)
+        if obs is not None and obs.ttft is None:
+            obs.ttft = now - obs.dispatched
+            obs.last_token = now
         self._load.prefill_done(request_id, now)
         if self.observer is not None:
             self.observer.prefill_done(request_id)
 
     def output_tokens(self, request_id: str, n: int, now: float) -> None:
-        """``n`` more tokens were generated (output-block tracking, and liveness)."""
+        """``n`` more tokens were generated (output-block tracking, liveness, decode timing)."""
         self._load.generated(request_id, n, now)
+        obs = self._obs.get(request_id)
+        if obs is not None and obs.last_token is not None and n > 0:
+            model = self._timing.get(obs.worker)
+            if model is not None:
+                total = max(self._workers[obs.worker[0]].total_blocks, 1)
+                usage = min(self._load.decode_blocks(obs.worker) / total, 1.0)
+                model.observe_itl(1000.0 * (now - obs.last_token) / n, usage)
+            obs.last_token = now
 
-    def finished(self, request_id: str, now: float) -> None:
-        """The stream ended: free the request's load. Unknown ids are ignored."""
-        if self._load.free(request_id) and self.observer is not None:
+    def reported_cached(self, request_id: str, cached_tokens: int) -> None:
+        """The engine's ``usage.prompt_tokens_details.cached_tokens`` for one of our requests."""
+        obs = self._obs.get(request_id)
+        if obs is not None and cached_tokens >= 0:
+            obs.cached = cached_tokens
+
+    def finished(self, request_id: str, now: float) -> TimingSample | None:
+        """The stream ended: free the request's load (unknown ids are ignored) and teach the
+        worker's timing model; returns the prediction made at dispatch beside what happened."""
+        if self._load.free(request_id, now) and self.observer is not None:
             self.observer.freed(request_id)
+        obs = self._obs.pop(request_id, None)
+        if obs is None or obs.ttft is None:
+            return None
+        model = self._timing.get(obs.worker)
+        if model is None:
+            return None
+        uncached = obs.uncached
+        if obs.cached is not None:
+            uncached = max(obs.isl - obs.cached, 0)
+            if obs.isl > 0:
+                hit = min(obs.cached / obs.isl, 1.0)
+                if self._seen_reuse:
+                    self._reuse_fleet += _REUSE_ALPHA * (hit - self._reuse_fleet)
+                else:
+                    self._reuse_fleet, self._seen_reuse = hit, True
+        decode_s = max(now - obs.dispatched - obs.ttft, 0.0)
+        old = self._decode_s.get(obs.worker)
+        self._decode_s[obs.worker] = decode_s if old is None else old + _REUSE_ALPHA * (decode_s - old)
+        if old is None and self._decode_fleet == 0.0:
+            self._decode_fleet = decode_s
+        else:
+            self._decode_fleet += _REUSE_ALPHA * (decode_s - self._decode_fleet)
+        if obs.memory_wait_ms < 1000.0 * obs.ttft:
+            model.observe_ttft(
+                obs.ahead + uncached, obs.decoding, obs.kv_usage, 1000.0 * obs.ttft - obs.memory_wait_ms
+            )
+        return TimingSample(obs.worker, obs.predicted_ms / 1000.0, obs.ttft)
 
     def cancel(self, request_id: str, now: float) -> bool:
         """Client gone: drop a queued request or free an in-flight one. True if it was known."""
         if self._queue.cancel(request_id) is not None:
             return True
-        freed = self._load.free(request_id)
+        freed = self._load.free(request_id, now)
+        self._obs.pop(request_id, None)
         if freed and self.observer is not None:
             self.observer.freed(request_id)
         return freed
@@ -625,6 +854,8 @@ class KvRouter:
         """Housekeeping: expire idle sessions (returned, so engine sessions can be closed),
         in-flight requests whose finish never came, and approximate-index blocks past their TTL."""
         gone = self._load.expire(now, self.config.router_request_timeout_secs)
+        for rid in gone:
+            self._obs.pop(rid, None)
         self._stats.requests_expired += len(gone)
         self._index.expire(now)
         return [ExpiredSession(sid, w) for sid, w in self._sessions.expire(now)]
@@ -669,6 +900,7 @@ class KvRouter:
                     info.total_blocks,
                     info.max_num_batched_tokens,
                     b,
+                    self._timing[key].describe() if key in self._timing else None,
                 )
             )
         return out

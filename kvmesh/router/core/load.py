@@ -5,6 +5,10 @@ Per worker it tracks
   (``max(ISL - overlap * block_size, 0)``), dropped at the request's first token;
 * **active decode blocks**: KV blocks held by in-flight requests. Prefix blocks shared by several
   requests count once (``assume_kv_reuse``); a trailing partial block is always the request's own;
+* **prefill order** (for Dynamo's ``aic`` prefill-load model): the requests still in prefill, oldest
+  first, each with its predicted prefill duration. Only the oldest (the anchor) decays, linearly
+  from the moment it became the anchor over its predicted duration; the others count in full until
+  they reach the front. ``prefill_tokens_at(worker, now)`` is that decayed view;
 * **output blocks** (optional): one placeholder block per ``block_size`` generated tokens, weighted
   by ``max(0, 1 - generated / osl)`` when the request declared an ``osl``.
 
@@ -49,7 +53,7 @@ class PromptBlocks:
 
 
 class _WorkerLoad:
-    __slots__ = ("blocks", "output", "prefill_tokens", "refs", "requests")
+    __slots__ = ("anchor_since", "blocks", "in_prefill", "output", "prefill_tokens", "refs", "requests")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
@@ -57,10 +61,24 @@ class _WorkerLoad:
         self.output = 0.0
         self.requests = 0
         self.refs: dict[int, int] = {}
+        self.in_prefill: dict[str, _Active] = {}
+        """Requests before their first token, oldest first (dicts keep insertion order)."""
+        self.anchor_since = 0.0
 
 
 class _Active:
-    __slots__ = ("anchors", "generated", "ids", "last_seen", "osl", "output", "prefill", "unique", "worker")
+    __slots__ = (
+        "anchors",
+        "expected",
+        "generated",
+        "ids",
+        "last_seen",
+        "osl",
+        "output",
+        "prefill",
+        "unique",
+        "worker",
+    )
 
     def __init__(
         self,
@@ -81,6 +99,7 @@ class _Active:
         self.generated = 0
         self.output = 0.0
         self.last_seen = now
+        self.expected = 0.0
 
 
 class ActiveSequences:
@@ -119,6 +138,24 @@ class ActiveSequences:
         w = self._workers.get(worker)
         return w.requests if w is not None else 0
 
+    def decoding(self, worker: WorkerKey) -> int:
+        """Requests past their first token (generating) on ``worker``."""
+        w = self._workers.get(worker)
+        return (w.requests - len(w.in_prefill)) if w is not None else 0
+
+    def prefill_tokens_at(self, worker: WorkerKey, now: float) -> float:
+        """Active prefill tokens with the oldest request's share decayed over its predicted
+        duration (Dynamo's ``aic`` prefill-load model); equal to ``prefill_tokens`` without one."""
+        w = self._workers.get(worker)
+        if w is None or not w.prefill_tokens:
+            return 0.0
+        for anchor in w.in_prefill.values():
+            if anchor.expected <= 0 or not anchor.prefill:
+                return float(w.prefill_tokens)
+            done = min(max(now - w.anchor_since, 0.0) / anchor.expected, 1.0)
+            return w.prefill_tokens - anchor.prefill * done
+        return float(w.prefill_tokens)
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
 
@@ -147,10 +184,12 @@ class ActiveSequences:
         now: float,
         *,
         osl: int | None = None,
+        expected_prefill: float = 0.0,
     ) -> None:
-        """Count a routed request on ``worker`` (replaces an earlier entry with the same id)."""
+        """Count a routed request on ``worker`` (replaces an earlier entry with the same id).
+        ``expected_prefill``: its predicted prefill seconds (the ``aic`` decay; 0 = unknown)."""
         if request_id in self._requests:
-            self.free(request_id)
+            self.free(request_id, now)
         w = self._workers.get(worker)
         if w is None:
             w = self._workers[worker] = _WorkerLoad()
@@ -175,16 +214,31 @@ class ActiveSequences:
             w.blocks += unique
         w.prefill_tokens += prefill
         w.requests += 1
-        self._requests[request_id] = _Active(worker, ids, prompt.n_anchors, unique, prefill, osl, now)
+        r = _Active(worker, ids, prompt.n_anchors, unique, prefill, osl, now)
+        r.expected = expected_prefill
+        if not w.in_prefill:
+            w.anchor_since = now
+        w.in_prefill[request_id] = r
+        self._requests[request_id] = r
 
     def prefill_done(self, request_id: str, now: float) -> None:
         r = self._requests.get(request_id)
         if r is None:
             return
         r.last_seen = now
+        w = self._workers[r.worker]
         if r.prefill:
-            self._workers[r.worker].prefill_tokens -= r.prefill
+            w.prefill_tokens -= r.prefill
             r.prefill = 0
+        self._leave_prefill(w, request_id, now)
+
+    @staticmethod
+    def _leave_prefill(w: _WorkerLoad, request_id: str, now: float) -> None:
+        if not w.in_prefill:
+            return
+        was_anchor = next(iter(w.in_prefill)) == request_id
+        if w.in_prefill.pop(request_id, None) is not None and was_anchor:
+            w.anchor_since = now  # the next oldest starts to decay now
 
     def generated(self, request_id: str, n: int, now: float) -> None:
         r = self._requests.get(request_id)
@@ -201,11 +255,12 @@ class ActiveSequences:
             self._workers[r.worker].output += value - r.output
             r.output = value
 
-    def free(self, request_id: str) -> bool:
+    def free(self, request_id: str, now: float | None = None) -> bool:
         r = self._requests.pop(request_id, None)
         if r is None:
             return False
         w = self._workers[r.worker]
+        self._leave_prefill(w, request_id, r.last_seen if now is None else now)
         w.prefill_tokens -= r.prefill
         w.blocks -= r.unique
         if r.ids is not None:
@@ -228,7 +283,7 @@ class ActiveSequences:
         """Free requests not heard of for ``timeout`` seconds (their finish never arrived)."""
         stale = [rid for rid, r in self._requests.items() if now - r.last_seen > timeout]
         for rid in stale:
-            self.free(rid)
+            self.free(rid, now)
         return stale
 
     def remove_worker(self, worker: WorkerKey) -> list[str]:

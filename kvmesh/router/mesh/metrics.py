@@ -29,6 +29,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 # Routing overhead per phase: tens of microseconds is normal, milliseconds is a problem.
 _OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
@@ -173,6 +174,27 @@ class Metrics:
             "kvmesh_cached_tokens_reported_total",
             "Prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
             ["worker"],
+            registry=registry,
+        )
+        self.ttft_predicted = Histogram(
+            "kvmesh_ttft_predicted_seconds",
+            "Time to first token the latency cost predicted for the chosen worker at dispatch",
+            ["worker"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft_observed = Histogram(
+            "kvmesh_ttft_observed_seconds",
+            "Time from dispatch to first token, for the requests in kvmesh_ttft_predicted_seconds",
+            ["worker"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft_prediction_ratio = Histogram(
+            "kvmesh_ttft_prediction_ratio",
+            "Observed over predicted time to first token per request (1 = the model is right)",
+            ["worker"],
+            buckets=_RATIO_BUCKETS,
             registry=registry,
         )
         self.failovers = Counter(

@@ -39,6 +39,7 @@ from kvmesh._types import WorkerId
 from kvmesh.errors import KvMeshError, WorkerError
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import KvRouter
+from kvmesh.router.core.timing import Profile
 from kvmesh.router.mesh.event_feed import EventFeed, FeedTarget
 from kvmesh.router.mesh.metrics import Metrics
 from kvmesh.router.mesh.settings import POLARITIES, ROLES, MeshSettings, WorkerSpec
@@ -230,6 +231,7 @@ class WorkerRegistry:
                     "indexed_blocks": snap.indexed_blocks,
                     "total_blocks": snap.total_blocks,
                     "busy": snap.busy,
+                    "timing_model": snap.timing,
                 }
             )
         rows = []
@@ -388,6 +390,7 @@ class WorkerRegistry:
             total_blocks=info.total_kv_blocks,
             max_num_batched_tokens=info.max_num_batched_tokens,
             block_size=info.block_size,
+            profile=Profile.from_info(raw.get("timing_profile")) if isinstance(raw, dict) else None,
         )
         await self._read_adapters(w, raw if isinstance(raw, dict) else None)
         if self._need_events:

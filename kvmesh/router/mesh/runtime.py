@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from kvmesh._types import WorkerId
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsLink
-from kvmesh.router.core.kv_router import Decision, KvRouter
+from kvmesh.router.core.kv_router import Decision, KvRouter, TimingSample
 from kvmesh.router.mesh.event_plane import NatsDiscovery
 from kvmesh.router.mesh.metrics import GaugeSource, WorkerRow, get_metrics
 from kvmesh.router.mesh.registry import WorkerRegistry
@@ -207,6 +207,11 @@ class Mesh:
             "replica": self.replica,
             "epoch": self.epoch,
             "router_mode": self.config.router_mode,
+            "cost_model": self.config.router_cost_model,
+            "prefill_load_model": self.config.router_prefill_load_model,
+            "timing_models": {
+                f"{s.worker[0]}/{s.worker[1]}": s.timing for s in self.router.worker_snapshot() if s.timing
+            },
             "replica_sync": sync is not None,
             "router_sync_endpoint": sync.endpoint if sync is not None else None,
             **({"sync": sync.describe()} if sync is not None else {}),
@@ -296,6 +301,15 @@ class Mesh:
         task.add_done_callback(self._spawned.discard)
         task.add_done_callback(_log_failure)
         return task
+
+    def record_ttft_prediction(self, sample: TimingSample) -> None:
+        """The latency cost's prediction for a finished request beside what happened."""
+        worker = sample.worker[0]
+        m = self.metrics
+        m.ttft_predicted.labels(worker).observe(sample.predicted_s)
+        m.ttft_observed.labels(worker).observe(sample.observed_s)
+        if sample.predicted_s > 0:
+            m.ttft_prediction_ratio.labels(worker).observe(sample.observed_s / sample.predicted_s)
 
     def record_cached(self, worker: WorkerId, predicted: int, reported: int) -> None:
         """Compare the router's predicted cached tokens with what the engine reported."""

@@ -56,7 +56,8 @@ def _slow_events(engine: Any, delay: float) -> None:
 
 async def _sibling_workers(predicted_ttl: float | None) -> list[tuple[str, set[str]]]:
     """Best-of-n bursts: the first sibling starts decoding, the other three follow at once."""
-    config = RouterConfig(router_predicted_ttl_secs=predicted_ttl)
+    # Dynamo's cost: this pins the side index's effect as the reference defines it
+    config = RouterConfig(router_predicted_ttl_secs=predicted_ttl, router_cost_model="dynamo")
     out = []
     async with start_mesh(3, config, MOCK.replace(speedup=1.0)) as nodes, aiohttp.ClientSession() as http:
         for node in nodes:

@@ -1,0 +1,348 @@
+"""Routing quality: the same seeded traffic through each router, in front of fresh simulated fleets.
+
+    .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--only WORKLOAD,...]
+
+For every case (a workload on a fleet of 4 or 8 engines) and every contender, a fresh fleet of
+``kvmesh mock`` engines starts as real processes on loopback (``--speedup 1``: the fitted GPU step
+times, so engine time dominates), a router starts in front of it, and the workload's preset traffic
+(``kvmesh bench --workload NAME`` sends the same) runs through the router. Then the next
+contender gets its own fresh fleet. The order of the contenders rotates from round to round, so a
+slow moment of the shared machine does not always hit the same one.
+
+Contenders:
+
+* ``round-robin``   ``kvmesh router --router-mode round-robin``;
+* ``dynamo``        ``kvmesh router`` with NVIDIA Dynamo's cost (prefill blocks + decode blocks);
+* ``sglang``        sglang-router 0.3.2, ``--policy cache_aware`` (the ``bench`` extra installs it);
+* ``kvmesh``        ``kvmesh router`` with its default cost (when the router has one beyond Dynamo's);
+* ``kvmesh+profile`` the same, with engines that report their timing profile (``--report-profile``).
+
+Reported per case and contender: TTFT p50/p90/p99, ITL p50, throughput, the engine-reported prefix
+hit ratio (``usage.prompt_tokens_details.cached_tokens`` over prompt tokens), requests per engine
+(from each engine's own /metrics, so every router is counted the same way) and the engines'
+fidelity (real busy step time over modelled: near 1.0 means the 2-core machine kept up).
+``--json`` keeps every number, ``--plot`` draws them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import machine, table
+
+from kvmesh.bench import report
+from kvmesh.bench.fleet import FrontCommand, engine_stats, kvmesh_router, sglang_router, start_fleet
+from kvmesh.bench.runner import LoadSpec, Progress, run_workload
+from kvmesh.bench.workloads import build, preset
+from kvmesh.router.core.config import RouterConfig
+
+ENGINE_ARGS = (
+    "--speedup", "1", "--block-size", "16", "--num-blocks", "2048", "--max-num-batched-tokens", "8192",
+)  # fmt: skip
+"""Every engine of every fleet: 2,048 blocks of 16 tokens (32k tokens of KV cache), 8k-token steps."""
+SHORT_ENGINE_ARGS = (*ENGINE_ARGS[:-4], "--num-blocks", "1024", "--max-num-batched-tokens", "8192")
+"""``--short``: half the cache, so half-length conversations press on it as the full ones do."""
+
+MODEL = "kvmesh-mock"
+WORKLOADS = ("agent-long", "chat-pressure", "chat-fits", "siblings", "hot-prefix", "mixed")
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    front: FrontCommand
+    engine_args: tuple[str, ...] = ()
+    ask_worker_id: bool = True
+
+
+@dataclass(frozen=True)
+class Case:
+    workload: str
+    engines: int
+    short: bool = False
+    """Half the turns and think times, one wave of sessions, half the KV cache per engine."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload} x{self.engines}"
+
+    @property
+    def engine_args(self) -> tuple[str, ...]:
+        return SHORT_ENGINE_ARGS if self.short else ENGINE_ARGS
+
+
+def _has_cost_models() -> bool:
+    return any(f.name == "router_cost_model" for f in dataclasses.fields(RouterConfig))
+
+
+def contenders() -> list[Contender]:
+    out = [Contender("round-robin", kvmesh_router("--router-mode", "round-robin"))]
+    if _has_cost_models():
+        out.append(Contender("dynamo", kvmesh_router("--router-cost-model", "dynamo")))
+    else:  # before the latency cost existed, Dynamo's cost was the router's only one
+        out.append(Contender("dynamo", kvmesh_router()))
+    if importlib.util.find_spec("sglang_router") is not None:
+        out.append(Contender("sglang", sglang_router("cache_aware"), ask_worker_id=False))
+    else:
+        print("sglang-router is not installed (pip install -e '.[bench]'): left out", file=sys.stderr)
+    if _has_cost_models():
+        out.append(Contender("kvmesh", kvmesh_router()))
+        out.append(Contender("kvmesh+profile", kvmesh_router(), engine_args=("--report-profile",)))
+    return out
+
+
+def cases(short: bool) -> list[Case]:
+    if short:
+        return [Case(w, 4, short=True) for w in WORKLOADS]
+    return [Case(w, 4) for w in WORKLOADS] + [
+        Case(w, 8) for w in ("agent-long", "chat-pressure", "hot-prefix")
+    ]
+
+
+def load_for(case: Case, ask_worker_id: bool, seed: int) -> tuple[Any, LoadSpec]:
+    """The case's sessions and load: the workload preset, scaled to the fleet (sessions,
+    concurrency and rate grow with ``engines / 4``), shortened for ``--short``."""
+    p = preset(case.workload)
+    k = case.engines / 4
+    sessions = max(1, round(p.spec.sessions * k))
+    concurrency = None if p.rate else max(1, round((p.concurrency or 8) * k))
+    spec = p.spec.replace(sessions=sessions, seed=seed)
+    think, ramp = p.think_time, p.ramp
+    if case.short:
+        sessions = min(sessions, concurrency) if concurrency else sessions // 2
+        spec = spec.replace(sessions=sessions, turns=max(2, spec.turns // 2))
+        think, ramp = think / 2, ramp / 2
+    load = LoadSpec(
+        urls=(),
+        model=MODEL,  # sglang-router lists its workers' model as "unknown" at /v1/models
+        concurrency=concurrency,
+        rate=p.rate * k if p.rate else None,
+        think_time=think,
+        ramp=ramp,
+        ask_worker_id=ask_worker_id,
+        seed=seed,
+    )
+    return build(spec), load
+
+
+async def run_one(case: Case, contender: Contender, seed: int, progress: bool) -> dict[str, Any]:
+    sessions, load = load_for(case, contender.ask_worker_id, seed)
+    engine_args = (*case.engine_args, *contender.engine_args)
+    async with start_fleet(case.engines, engine_args, contender.front) as fleet:
+        load = dataclasses.replace(load, urls=(fleet.front_url,))
+        total = sum(s.total_requests for s in sessions)
+        bar = Progress(total, f"{case.label:>16} {contender.name:>14}", enabled=None if progress else False)
+        run = await run_workload(contender.name, sessions, load, progress=bar)
+        stats = await engine_stats(fleet.engine_urls)
+    summary = report.summarize(run)
+    summary["per_engine"] = [s.requests for s in stats]
+    modelled = sum(s.modelled_seconds for s in stats)
+    summary["fidelity"] = sum(s.busy_seconds for s in stats) / modelled if modelled else None
+    return summary
+
+
+# ---------------------------------------------------------------------------------------- report
+METRICS = (
+    ("TTFT p50 ms", lambda s: _ms(s["ttft_s"]["p50"])),
+    ("TTFT p90 ms", lambda s: _ms(s["ttft_s"]["p90"])),
+    ("TTFT p99 ms", lambda s: _ms(s["ttft_s"]["p99"])),
+    ("ITL p50 ms", lambda s: _ms(s["itl_s"]["p50"])),
+    ("req/s", lambda s: s["throughput_rps"]),
+    ("prefix hits", lambda s: s["prefix_hit_ratio"]),
+)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else 1000 * x
+
+
+def _fmt(values: Sequence[float | None], digits: int) -> str:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "-"
+    mid = statistics.median(vals)
+    if len(vals) == 1:
+        return f"{mid:.{digits}f}"
+    return f"{mid:.{digits}f} ({min(vals):.{digits}f}-{max(vals):.{digits}f})"
+
+
+def case_table(results: dict[str, list[dict[str, Any]]]) -> str:
+    headers = ["router", *(m[0] for m in METRICS), "requests per engine", "errors", "fidelity"]
+    rows = []
+    for name, runs in results.items():
+        cells = [name]
+        for label, get in METRICS:
+            cells.append(_fmt([get(r) for r in runs], 3 if label == "prefix hits" else 1))
+        cells.append(" ".join(str(n) for n in runs[-1]["per_engine"]))
+        cells.append(str(sum(r["errors"] for r in runs)))
+        cells.append(_fmt([r["fidelity"] for r in runs], 2))
+        rows.append(cells)
+    return table(headers, rows)
+
+
+def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    """Per case, the default router's ratios against the baselines of the same rounds."""
+    headers = [
+        "case",
+        "p50 / best(sglang, dynamo)",
+        "p99 / best(sglang, dynamo)",
+        "hits - best",
+        "p50 / round-robin",
+    ]
+    rows = []
+    for case, per in results.items():
+        if "kvmesh" not in per:
+            continue
+        me = per["kvmesh"]
+        rounds = len(me)
+        base = [n for n in ("sglang", "dynamo") if n in per]
+
+        def ratio(
+            q: str, others: Sequence[str], me: list[dict[str, Any]] = me, per: dict[str, Any] = per
+        ) -> str:
+            vals = []
+            for i in range(len(me)):
+                best = min(per[n][i]["ttft_s"][q] or float("inf") for n in others)
+                mine = me[i]["ttft_s"][q]
+                vals.append(mine / best if mine is not None and best != float("inf") else None)
+            return _fmt(vals, 2)
+
+        hits = []
+        for i in range(rounds):
+            best = max(per[n][i]["prefix_hit_ratio"] or 0.0 for n in per)
+            hits.append((me[i]["prefix_hit_ratio"] or 0.0) - best)
+        rr = ratio("p50", ["round-robin"]) if "round-robin" in per else "-"
+        rows.append([case, ratio("p50", base), ratio("p99", base), _fmt(hits, 3), rr])
+    return table(headers, rows) if rows else ""
+
+
+def write_plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(results)
+    fig, axes = plt.subplots(len(labels), 3, figsize=(16, 3.2 * len(labels)), squeeze=False)
+    for row, case in enumerate(labels):
+        per = results[case]
+        names = list(per)
+        ax_t, ax_h, ax_w = axes[row]
+        width = 0.8 / 3
+        for j, q in enumerate(("p50", "p90", "p99")):
+            vals = [statistics.median(1000 * (r["ttft_s"][q] or 0.0) for r in per[n]) for n in names]
+            ax_t.bar([i + j * width for i in range(len(names))], vals, width=width, label=f"TTFT {q}")
+        ax_t.set_xticks([i + width for i in range(len(names))])
+        ax_t.set_xticklabels(names, fontsize=8)
+        ax_t.set_ylabel("ms")
+        ax_t.set_title(f"{case}: time to first token")
+        ax_t.legend(fontsize=7)
+        hits = [statistics.median((r["prefix_hit_ratio"] or 0) * 100 for r in per[n]) for n in names]
+        ax_h.bar(names, hits, color=[f"C{i}" for i in range(len(names))])
+        ax_h.set_ylim(0, 100)
+        ax_h.set_title("engine-reported prefix hits (%)")
+        ax_h.tick_params(axis="x", labelsize=8)
+        engines = len(per[names[0]][-1]["per_engine"])
+        w = 0.8 / len(names)
+        for i, n in enumerate(names):
+            counts = per[n][-1]["per_engine"]
+            ax_w.bar([e + i * w for e in range(engines)], counts, width=w, label=n)
+        ax_w.set_xticks([e + w * (len(names) - 1) / 2 for e in range(engines)])
+        ax_w.set_xticklabels([f"e{e}" for e in range(engines)], fontsize=8)
+        ax_w.set_title("requests per engine (last round)")
+        ax_w.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    chosen = cases(args.short)
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - set(WORKLOADS)
+        if unknown:
+            print(f"unknown workload(s): {', '.join(sorted(unknown))}", file=sys.stderr)
+            return 2
+        chosen = [c for c in chosen if c.workload in wanted]
+    if args.engines:
+        chosen = [dataclasses.replace(c, engines=args.engines) for c in chosen]
+        chosen = list(dict.fromkeys(chosen))
+    people = contenders()
+    if args.contenders:
+        names = args.contenders.split(",")
+        people = [c for c in people if c.name in names]
+    print(f"machine: {machine()}")
+    engine_args = SHORT_ENGINE_ARGS if args.short else ENGINE_ARGS
+    print(f"engines: kvmesh mock {' '.join(engine_args)}; seed {args.seed}; rounds {args.rounds}")
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    started = time.monotonic()
+    runs_total = len(chosen) * len(people) * args.rounds
+    done = 0
+    for case in chosen:
+        per: dict[str, list[dict[str, Any]]] = {c.name: [] for c in people}
+        for rnd in range(args.rounds):
+            k = rnd % len(people)
+            for contender in people[k:] + people[:k]:
+                done += 1
+                print(
+                    f"[{done}/{runs_total}] {case.label} round {rnd + 1}: {contender.name} "
+                    f"({time.monotonic() - started:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                per[contender.name].append(await run_one(case, contender, args.seed, not args.no_progress))
+        results[case.label] = per
+        p = preset(case.workload)
+        size = "short: half the turns, one wave, half the cache" if case.short else f"x{case.engines / 4:g}"
+        print(f"\n### {case.label}: {p.note} ({size})\n")
+        print(case_table(per))
+        sys.stdout.flush()
+    summary = verdicts(results)
+    if summary:
+        print("\n### the default router against the baselines (same rounds)\n")
+        print(summary)
+    print(f"\ntotal {time.monotonic() - started:.0f}s")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(results, indent=1))
+        print(f"wrote {args.json_path}")
+    if args.plot:
+        print(f"wrote {write_plot(results, Path(args.plot))}")
+    errors = sum(r["errors"] for per in results.values() for runs in per.values() for r in runs)
+    return 0 if errors == 0 else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--short", action="store_true", help="half-size cases, for CI time")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds per case (ranges are over rounds)")
+    parser.add_argument("--only", default=None, help="comma-separated workloads to run")
+    parser.add_argument(
+        "--engines", type=int, default=None, help="run every chosen case on this many engines"
+    )
+    parser.add_argument("--contenders", default=None, help="comma-separated contenders to run")
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    parser.add_argument("--json", dest="json_path", default=None, help="write every summary here")
+    parser.add_argument("--plot", default="routing-quality.png", help="PNG plot path ('' for none)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args()
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

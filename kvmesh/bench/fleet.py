@@ -1,0 +1,223 @@
+"""Simulated fleets as real processes on loopback: ``kvmesh mock`` engines plus one front router.
+
+The routing-quality suite starts a fresh fleet for every contender, so each one meets empty caches
+and the same engines. Every process is a separate ``python -m ...`` child (the engines, a
+``kvmesh router`` or any other router command), as a user would run them; their output goes to
+log files, and the tail of a log is shown when a process dies during start-up.
+
+This module does not import :mod:`kvmesh.mock` (the two are siblings); it drives the engines the
+way a user does, through their command line and HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+FrontCommand = Callable[[Sequence[str], int], list[str]]
+"""(engine URLs, port) -> the argv of a router process that serves on 127.0.0.1:port."""
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all held open while choosing, so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Fleet:
+    """A running fleet: where to send traffic, and the engines behind it."""
+
+    front_url: str
+    engine_urls: list[str]
+    logs: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What one engine's /metrics says after a run."""
+
+    requests: int
+    modelled_seconds: float
+    busy_seconds: float
+
+
+def kvmesh_router(*flags: str) -> FrontCommand:
+    """A standalone ``kvmesh router`` in front of the engines, with these extra flags."""
+
+    def argv(engines: Sequence[str], port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "kvmesh", "router", "--port", str(port), "--log-level", "warning",
+            "--workers", ",".join(engines), "--tokenizer", "builtin", "--health-interval", "0.25", *flags,
+        ]  # fmt: skip
+
+    return argv
+
+
+def sglang_router(policy: str = "cache_aware", *flags: str) -> FrontCommand:
+    """sglang-router (the ``sglang-router`` package) in front of the engines."""
+
+    def argv(engines: Sequence[str], port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *engines, "--policy", policy, "--log-level", "warn", *flags,
+        ]  # fmt: skip
+
+    return argv
+
+
+@contextlib.asynccontextmanager
+async def start_fleet(
+    n: int,
+    engine_args: Sequence[str],
+    front: FrontCommand,
+    *,
+    startup_timeout: float = 60.0,
+    keep_logs: Path | None = None,
+) -> AsyncIterator[Fleet]:
+    """``n`` ``kvmesh mock`` engines (KV events on) and a front router; yields when all serve."""
+    ports = free_ports(3 * n + 1)
+    engine_urls = [f"http://127.0.0.1:{p}" for p in ports[:n]]
+    front_url = f"http://127.0.0.1:{ports[-1]}"
+    tmp = None if keep_logs is not None else tempfile.TemporaryDirectory(prefix="kvmesh-fleet-")
+    logs = keep_logs if keep_logs is not None else Path(tmp.name)  # type: ignore[union-attr]
+    logs.mkdir(parents=True, exist_ok=True)
+    fleet = Fleet(front_url, engine_urls, logs)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        for i in range(n):
+            argv = [
+                sys.executable, "-m", "kvmesh", "mock", "--port", str(ports[i]), "--log-level", "error",
+                "--kv-events-endpoint", f"tcp://127.0.0.1:{ports[n + i]}",
+                "--kv-replay-endpoint", f"tcp://127.0.0.1:{ports[2 * n + i]}", *engine_args,
+            ]  # fmt: skip
+            fleet.procs.append(_spawn(argv, logs / f"engine-{i}.log", env))
+        await _wait_until(fleet, [u + "/health" for u in engine_urls], startup_timeout)
+        fleet.procs.append(_spawn(front(engine_urls, ports[-1]), logs / "front.log", env))
+        await _wait_front(fleet, startup_timeout)
+        yield fleet
+    finally:
+        for proc in reversed(fleet.procs):
+            proc.terminate()
+        for proc in fleet.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _check_alive(fleet: Fleet) -> None:
+    for proc in fleet.procs:
+        if proc.poll() is not None:
+            name = " ".join(str(a) for a in proc.args[2:5])  # type: ignore[index]
+            tails = "\n".join(_tail(p) for p in sorted(fleet.logs.glob("*.log")))
+            raise RuntimeError(f"{name} exited with {proc.returncode} during start-up; logs:\n{tails}")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace").splitlines()[-lines:]
+    return f"--- {path.name}\n" + "\n".join(text)
+
+
+async def _wait_until(fleet: Fleet, urls: list[str], timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        for url in urls:
+            while True:
+                _check_alive(fleet)
+                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    async with http.get(url) as r:
+                        if r.status == 200:
+                            break
+                if loop.time() > deadline:
+                    raise TimeoutError(f"{url} did not answer within {timeout}s")
+                await asyncio.sleep(0.1)
+
+
+async def _wait_front(fleet: Fleet, timeout: float) -> None:
+    """Until the front router serves and knows every engine.
+
+    A kvmesh router lists its workers' states at /kvmesh/workers; another router is ready when it
+    answers /v1/models, and then after its own worker registration settles (a short grace).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    n = len(fleet.engine_urls)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while True:
+            _check_alive(fleet)
+            with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+                async with http.get(fleet.front_url + "/kvmesh/workers") as r:
+                    if r.status == 200:
+                        doc = await r.json()
+                        if sum(w.get("state") == "up" for w in doc["workers"]) == n:
+                            return
+                    elif r.status == 404:
+                        async with http.get(fleet.front_url + "/v1/models") as m:
+                            if m.status == 200:
+                                await asyncio.sleep(1.0)
+                                return
+            if loop.time() > deadline:
+                raise TimeoutError(f"the front router at {fleet.front_url} was not ready within {timeout}s")
+            await asyncio.sleep(0.1)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum of every sample of each metric in a Prometheus text exposition (labels folded)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+async def engine_stats(urls: Sequence[str]) -> list[EngineStats]:
+    """Each engine's finished requests and its modelled vs real busy step time (from /metrics)."""
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for url in urls:
+            async with http.get(url + "/metrics") as r:
+                m = parse_metrics(await r.text())
+            out.append(
+                EngineStats(
+                    int(m.get("vllm:request_success_total", 0)),
+                    m.get("kvmesh_mock_modelled_step_seconds", 0.0),
+                    m.get("kvmesh_mock_busy_step_seconds", 0.0),
+                )
+            )
+    return out

@@ -1,0 +1,279 @@
+"""A worker's timing model: predicted time to first token, fitted online from what the router sees.
+
+Why: Dynamo's cost adds prefill blocks and decode blocks 1:1, but one uncached prefill block costs
+far more engine time than one block held in decode, and the right exchange rate depends on the
+model, the hardware and the traffic. Predicting time directly needs no exchange rate.
+
+The model (milliseconds). A request that finds ``X`` tokens of prefill work on a worker (the
+uncached prompt tokens of requests still in prefill there, plus its own) is prefilled in
+``k = ceil(X / B)`` engine steps of at most ``B`` tokens (``max_num_batched_tokens``)::
+
+    prefill(X) = a * sum(chunk_tokens^2) + b * X + c * k        (the curve engines are fitted with)
+    ttft(X)    = prefill(X) + n_decode * d(p)
+
+Every step that also advances requests already generating runs a decode pass of ``d(p)`` ms (``p``
+the share of KV blocks in use): ``n_decode = k`` when some request decodes there, else 1 (the step
+that emits this request's first token). ``d(p)`` is the prior's decode curve scaled by a factor
+learned from the gaps between streamed tokens.
+
+Fitting: recursive least squares on ``(a, b, c)`` with a forgetting factor (a worker that slows
+down is followed within a few dozen requests), a bounded covariance (no wind-up when traffic does
+not excite every coefficient) and clipped residuals: a residual beyond ``CLIP`` robust scales
+counts only as ``CLIP`` scales, so one stalled request cannot drag the curve. Coefficients stay
+non-negative. The seed is a worker's reported profile (``/kvmesh/info`` ``timing_profile``) or the
+reference mocker's fit; both are only a starting point.
+
+A worker the router has barely seen borrows from the fleet: :class:`FleetTiming` predicts with
+a blend of the worker's own fit and a fleet-wide one, weighted by how many observations the
+worker has (``n / (n + SHRINK)``). Without that, a worker that already answered a few requests
+quickly would look faster than an identical one still on the (slower) prior, and take the traffic
+for the wrong reason. A worker that reported its own profile starts from that instead.
+
+Pure: no clock, no I/O. Callers pass the features and the observed times.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+KTOK = 1000.0
+"""Features are in thousands of tokens, so the three coefficients have similar magnitudes."""
+FORGET = 0.98
+"""RLS forgetting factor: observations older than ~1 / (1 - FORGET) requests fade out."""
+CLIP = 3.0
+"""Residuals beyond this many robust scales are clipped (Huber-style)."""
+SCALE_ALPHA = 0.05
+"""EWMA weight of the robust residual scale, the decode scale and the error statistics."""
+TRACE_CAP = 1e4
+"""Upper bound on the covariance trace (keeps the gain finite under poor excitation)."""
+SHRINK = 20.0
+"""Observations after which a worker's own fit and the fleet's weigh the same."""
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A step-time curve: prefill ``c2*T^2 + c1*T + c0`` ms (T tokens in a step), decode
+    ``max(decode_min, d2*p^2 + d1*p + d0)`` ms (p = KV usage share)."""
+
+    prefill_ms: tuple[float, float, float]
+    decode_ms: tuple[float, float, float]
+    decode_min_ms: float
+    source: str
+
+    def decode(self, p: float) -> float:
+        p = min(max(p, 0.0), 1.0)
+        d2, d1, d0 = self.decode_ms
+        return max(self.decode_min_ms, d2 * p * p + d1 * p + d0)
+
+    @classmethod
+    def from_info(cls, doc: Any) -> Profile | None:
+        """The ``timing_profile`` object of a worker's ``/kvmesh/info``; None when absent or malformed."""
+        if not isinstance(doc, Mapping):
+            return None
+        try:
+            prefill = _triple(doc["prefill_ms"])
+            decode = _triple(doc["decode_ms"])
+            floor = float(doc.get("decode_min_ms", 0.0))
+        except (KeyError, TypeError, ValueError):
+            return None
+        if prefill[0] < 0 or prefill[1] < 0 or prefill[2] < 0 or not math.isfinite(floor):
+            return None
+        return cls(prefill, decode, max(floor, 0.0), "worker profile")
+
+
+def _triple(x: Any) -> tuple[float, float, float]:
+    if not isinstance(x, Sequence) or len(x) != 3:
+        raise ValueError("need three coefficients")
+    a, b, c = (float(v) for v in x)
+    if not all(math.isfinite(v) for v in (a, b, c)):
+        raise ValueError("coefficients must be finite")
+    return a, b, c
+
+
+MOCKER_PRIOR = Profile(
+    (4.209989e-07, 1.518344e-02, 16.50142), (-25.74, 54.01, 5.74), 1.0, "reference mocker fit"
+)
+"""NVIDIA Dynamo's mocker fit to a real vLLM deployment: the prior for a worker with no profile."""
+
+
+def features(x_tokens: float, budget: int) -> tuple[float, float, float]:
+    """``(sum of squared chunk sizes, tokens, steps)`` of ``x_tokens`` split into ``budget`` chunks,
+    in thousands of tokens."""
+    if x_tokens <= 0:
+        return 0.0, 0.0, 1.0
+    budget = max(budget, 1)
+    full, rest = divmod(x_tokens, budget)
+    steps = full + (1 if rest > 0 else 0)
+    bk = budget / KTOK
+    rk = rest / KTOK
+    return full * bk * bk + rk * rk, x_tokens / KTOK, float(steps)
+
+
+class TimingModel:
+    """One worker's fitted TTFT model (see the module docstring). Not thread-safe."""
+
+    __slots__ = (
+        "_p",
+        "abs_error_ms",
+        "decode_scale",
+        "max_batched_tokens",
+        "observations",
+        "outliers",
+        "prior",
+        "rel_error",
+        "scale_ms",
+        "theta",
+    )
+
+    def __init__(self, prior: Profile, max_batched_tokens: int) -> None:
+        self.prior = prior
+        self.max_batched_tokens = max(int(max_batched_tokens), 1)
+        c2, c1, c0 = prior.prefill_ms
+        self.theta = [c2 * KTOK * KTOK, c1 * KTOK, c0]
+        # prior variance: each coefficient may move by about its own size (plus a floor)
+        self._p = [[0.0] * 3 for _ in range(3)]
+        for i, v in enumerate(self.theta):
+            self._p[i][i] = max(v, 1.0) ** 2
+        self.decode_scale = 1.0
+        self.scale_ms = max(c0, 1.0)
+        self.observations = 0
+        self.outliers = 0
+        self.abs_error_ms = 0.0
+        self.rel_error = 0.0
+
+    # ------------------------------------------------------------------ prediction
+    def prefill_ms(self, x_tokens: float) -> float:
+        """Modelled engine time to prefill ``x_tokens`` (chunked at the step budget)."""
+        s2, s1, k = features(x_tokens, self.max_batched_tokens)
+        a, b, c = self.theta
+        return a * s2 + b * s1 + c * k
+
+    def decode_ms(self, kv_usage: float) -> float:
+        return self.decode_scale * self.prior.decode(kv_usage)
+
+    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float) -> float:
+        """Predicted ms to first token with ``x_tokens`` of prefill work ahead and including its own."""
+        s2, s1, k = features(x_tokens, self.max_batched_tokens)
+        a, b, c = self.theta
+        return a * s2 + b * s1 + c * k + (k if decoding else 1.0) * self.decode_ms(kv_usage)
+
+    def ms_per_token(self) -> float:
+        """Marginal linear prefill cost (ms per token), what recomputing an evicted block costs."""
+        return self.theta[1] / KTOK
+
+    # ------------------------------------------------------------------ learning
+    def observe_ttft(self, x_tokens: float, decoding: bool, kv_usage: float, ttft_ms: float) -> float:
+        """Learn from one request; returns the prediction it made (before the update)."""
+        predicted = self.ttft_ms(x_tokens, decoding, kv_usage)
+        if not (ttft_ms > 0 and math.isfinite(ttft_ms)):
+            return predicted
+        phi = features(x_tokens, self.max_batched_tokens)
+        k = phi[2]
+        y = ttft_ms - (k if decoding else 1.0) * self.decode_ms(kv_usage)
+        residual = y - sum(p * t for p, t in zip(phi, self.theta, strict=True))
+        limit = CLIP * self.scale_ms
+        if abs(residual) > limit:
+            self.outliers += 1
+            residual = math.copysign(limit, residual)
+        self.scale_ms += SCALE_ALPHA * (abs(residual) - self.scale_ms)
+        self.scale_ms = max(self.scale_ms, 0.5)
+        self._rls(phi, residual)
+        self.observations += 1
+        err = abs(predicted - ttft_ms)
+        self.abs_error_ms += SCALE_ALPHA * (err - self.abs_error_ms)
+        self.rel_error += SCALE_ALPHA * (err / ttft_ms - self.rel_error)
+        return predicted
+
+    def observe_itl(self, gap_ms: float, kv_usage: float) -> None:
+        """One gap between streamed tokens: the decode pass's length, prior curve times a scale."""
+        base = self.prior.decode(kv_usage)
+        if not (gap_ms > 0 and base > 0 and math.isfinite(gap_ms)):
+            return
+        sample = min(gap_ms / base, CLIP * max(self.decode_scale, 0.1) + 1.0)
+        self.decode_scale += SCALE_ALPHA * (sample - self.decode_scale)
+
+    def _rls(self, phi: tuple[float, float, float], residual: float) -> None:
+        p = self._p
+        p_phi = [sum(p[i][j] * phi[j] for j in range(3)) for i in range(3)]
+        denom = FORGET + sum(phi[i] * p_phi[i] for i in range(3))
+        gain = [v / denom for v in p_phi]
+        theta = self.theta
+        for i in range(3):
+            theta[i] = max(0.0, theta[i] + gain[i] * residual)
+        for i in range(3):
+            for j in range(3):
+                p[i][j] = (p[i][j] - gain[i] * p_phi[j]) / FORGET
+        trace = p[0][0] + p[1][1] + p[2][2]
+        if trace > TRACE_CAP:
+            f = TRACE_CAP / trace
+            for row in p:
+                for j in range(3):
+                    row[j] *= f
+
+    def describe(self) -> dict[str, Any]:
+        """The fitted coefficients in the prior's units, and how well they predict."""
+        a, b, c = self.theta
+        return {
+            "seed": self.prior.source,
+            "prefill_ms": [a / (KTOK * KTOK), b / KTOK, c],
+            "decode_scale": round(self.decode_scale, 4),
+            "observations": self.observations,
+            "outliers_clipped": self.outliers,
+            "ttft_abs_error_ms": round(self.abs_error_ms, 3),
+            "ttft_rel_error": round(self.rel_error, 4),
+        }
+
+
+class WorkerTiming:
+    """A worker's timing model, shrunk toward the fleet's while it has few observations."""
+
+    __slots__ = ("fleet", "own", "profiled")
+
+    def __init__(self, own: TimingModel, fleet: TimingModel, profiled: bool) -> None:
+        self.own = own
+        self.fleet = fleet
+        self.profiled = profiled
+
+    def _weight(self) -> float:
+        if self.profiled:
+            return 1.0
+        n = self.own.observations
+        return n / (n + SHRINK)
+
+    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float) -> float:
+        w = self._weight()
+        own = self.own.ttft_ms(x_tokens, decoding, kv_usage)
+        if w >= 1.0:
+            return own
+        return w * own + (1.0 - w) * self.fleet.ttft_ms(x_tokens, decoding, kv_usage)
+
+    def prefill_ms(self, x_tokens: float) -> float:
+        w = self._weight()
+        own = self.own.prefill_ms(x_tokens)
+        if w >= 1.0:
+            return own
+        return w * own + (1.0 - w) * self.fleet.prefill_ms(x_tokens)
+
+    def ms_per_token(self) -> float:
+        w = self._weight()
+        return w * self.own.ms_per_token() + (1.0 - w) * self.fleet.ms_per_token()
+
+    def observe_ttft(self, x_tokens: float, decoding: bool, kv_usage: float, ttft_ms: float) -> None:
+        self.own.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms)
+        if not self.profiled:
+            self.fleet.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms)
+
+    def observe_itl(self, gap_ms: float, kv_usage: float) -> None:
+        self.own.observe_itl(gap_ms, kv_usage)
+        if not self.profiled:
+            self.fleet.observe_itl(gap_ms, kv_usage)
+
+    @property
+    def observations(self) -> int:
+        return self.own.observations
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.own.describe(), "own_weight": round(self._weight(), 3)}

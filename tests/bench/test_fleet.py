@@ -1,0 +1,48 @@
+"""kvmesh.bench.fleet: real ``kvmesh mock`` processes behind a front router, and what they report."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from kvmesh.bench.fleet import engine_stats, kvmesh_router, parse_metrics, start_fleet
+from kvmesh.bench.runner import LoadSpec, run_workload
+from kvmesh.bench.workloads import WorkloadSpec, build
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile() -> None:
+    engine_args = ["--speedup", "20", "--block-size", "16", "--num-blocks", "256", "--report-profile"]
+    async with start_fleet(2, engine_args, kvmesh_router("--router-mode", "round-robin")) as fleet:
+        async with aiohttp.ClientSession() as http, http.get(fleet.engine_urls[0] + "/kvmesh/info") as r:
+            info = await r.json()
+        sessions = build(WorkloadSpec("chat-fits", sessions=2, turns=2, prefix_words=10, question_words=10,
+                                      max_tokens=4))  # fmt: skip
+        run = await run_workload("rr", sessions, LoadSpec(urls=(fleet.front_url,), concurrency=2))
+        stats = await engine_stats(fleet.engine_urls)
+    # the mock's step model divided by --speedup, as data a router can seed a timing model from
+    assert info["timing_profile"] == {
+        "prefill_ms": pytest.approx([4.209989e-07 / 20, 1.518344e-02 / 20, 16.50142 / 20]),
+        "decode_ms": pytest.approx([-25.74 / 20, 54.01 / 20, 5.74 / 20]),
+        "decode_min_ms": pytest.approx(1.0 / 20),
+    }
+    assert all(r.ok for r in run.results) and len(run.results) == 4
+    assert [s.requests for s in stats] == [2, 2]  # round-robin, counted by the engines themselves
+    assert all(s.modelled_seconds > 0 for s in stats)
+
+
+async def test_an_engine_that_cannot_start_fails_the_fleet_with_its_log() -> None:
+    with pytest.raises(RuntimeError, match=r"(?s)exited with 2 during start-up.*--num-blocks must be"):
+        async with start_fleet(1, ["--num-blocks", "0"], kvmesh_router()):
+            pass
+
+
+def test_parse_metrics_sums_labelled_samples() -> None:
+    text = (
+        "# HELP x y\n"
+        'vllm:request_success_total{model_name="m",finished_reason="length"} 3.0\n'
+        'vllm:request_success_total{model_name="m",finished_reason="stop"} 2.0\n'
+        "kvmesh_mock_busy_step_seconds 1.5\n"
+    )
+    assert parse_metrics(text) == {"vllm:request_success_total": 5.0, "kvmesh_mock_busy_step_seconds": 1.5}

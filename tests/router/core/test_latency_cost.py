@@ -1,0 +1,223 @@
+"""The latency cost: predicted time to first token per worker, the cache it would evict, and
+what the router learns from feedback. Decisions are asserted, never wall-clock times."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.events.wire import BlockStored, EventBatch
+from kvmesh.hashing import block_hashes
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.core.kv_router import Decision, KvRouter, RouteRequest
+from kvmesh.router.core.timing import MOCKER_PRIOR, Profile
+
+B = 16
+_engine_hash = iter(range(10**9))
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n)]
+
+
+def router(workers: str = "ab", total_blocks: int = 4096, **cfg: object) -> KvRouter:
+    r = KvRouter(RouterConfig(**cfg), random.Random(0))  # type: ignore[arg-type]
+    for w in workers:
+        r.add_worker(w, total_blocks=total_blocks, max_num_batched_tokens=8192, block_size=B)
+    return r
+
+
+def req(rid: str, tokens: list[int], **kw: object) -> RouteRequest:
+    return RouteRequest(rid, block_hashes(tokens, B), len(tokens), **kw)  # type: ignore[arg-type]
+
+
+def store(r: KvRouter, worker: str, tokens: list[int]) -> None:
+    n = len(tokens) // B
+    hashes = [next(_engine_hash) for _ in range(n)]
+    r.apply_events(worker, EventBatch(0.0, [BlockStored(hashes, None, tokens[: n * B], B)], 0))
+
+
+def pick(r: KvRouter, rid: str, tokens: list[int], now: float = 0.0) -> Decision:
+    d = r.route(req(rid, tokens), now)
+    assert isinstance(d, Decision), d
+    return d
+
+
+def queue_prefill(r: KvRouter, worker: str, tokens: int, seed: int) -> None:
+    """Pin uncached requests to ``worker`` that stay in prefill (no first token yet)."""
+    d = r.route(req(f"q{seed}", toks(seed, tokens), backend_instance_id=worker), 0.0)
+    assert isinstance(d, Decision)
+
+
+def test_latency_is_the_default_and_dynamo_stays_selectable() -> None:
+    assert RouterConfig().router_cost_model == "latency"
+    d = pick(router(router_cost_model="dynamo"), "r", toks(1, 400))
+    assert all(s.predicted_ttft_ms is None for s in d.breakdown)
+    d = pick(router(), "r", toks(1, 400))
+    for s in d.breakdown:  # predicted TTFT + the engine time it adds there + eviction
+        assert s.predicted_ttft_ms is not None and s.work_ms > 0
+        assert s.cost == pytest.approx(s.predicted_ttft_ms + s.work_ms + s.eviction_ms)
+
+
+def test_the_cached_worker_wins_while_its_cache_saves_more_than_its_queue_costs() -> None:
+    prefix = toks(1, 4000)
+    prompt = prefix + toks(2, 100)
+    r = router()
+    store(r, "a", prefix)
+    queue_prefill(r, "a", 1000, seed=10)  # a short queue: ~1k tokens ahead on a
+    d = pick(r, "r1", prompt)
+    assert d.worker == ("a", 0)  # 1.1k tokens of work on a beat 4.1k uncached on b
+
+    r = router()
+    store(r, "a", prefix)
+    for i in range(3):
+        queue_prefill(r, "a", 7000, seed=20 + i)  # a long queue: 21k tokens ahead on a
+    d = pick(r, "r1", prompt)
+    assert d.worker == ("b", 0)  # the idle worker recomputes the prefix sooner
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].overlap_blocks == 250 and by["a"].predicted_ttft_ms > by["b"].predicted_ttft_ms
+
+
+def test_dynamo_weighs_blocks_one_to_one_where_latency_weighs_time() -> None:
+    """One case where they disagree: a long cached prefix behind a modest queue. Dynamo adds the
+    queue's blocks twice (as prefill and as decode blocks held) against the prefix's blocks; in
+    time, 3.5k tokens of work ahead still finish well before 6.2k recomputed, and the blocks held
+    cost only a slightly slower decode pass."""
+    prefix = toks(1, 6000)
+    prompt = prefix + toks(2, 200)
+
+    def decide(model: str) -> str:
+        r = router(router_cost_model=model)
+        store(r, "a", prefix)
+        queue_prefill(r, "a", 1500, seed=11)
+        queue_prefill(r, "a", 1800, seed=12)
+        return pick(r, "r1", prompt).worker[0]
+
+    assert decide("latency") == "a"
+    assert decide("dynamo") == "b"
+
+
+def _teach_reuse(r: KvRouter, worker: str, seed: int, n: int = 40) -> None:
+    """Feedback as the middleware gives it: requests on ``worker`` that the engine reports as
+    mostly cached, each answered at the model's own predicted time."""
+    for i in range(n):
+        t = toks(seed + i, 800)
+        d = r.route(req(f"reuse-{worker}-{i}", t, backend_instance_id=worker), 10.0 + i)
+        assert isinstance(d, Decision)
+        r.first_token(d.request_id, 10.0 + i + 0.03)
+        r.reported_cached(d.request_id, 720)
+        assert r.finished(d.request_id, 10.0 + i + 0.2) is not None
+
+
+def test_a_full_cache_of_reused_blocks_loses_a_new_prefix_to_a_worker_with_room() -> None:
+    r = router(total_blocks=1000)
+    store(r, "a", toks(100, 1000 * B))  # a's cache is full...
+    _teach_reuse(r, "a", 200)  # ...of blocks that keep being hit
+    queue_prefill(r, "b", 300, seed=30)  # b is a little busier, but has room
+    new = toks(5, 6000)  # a new 6k-token prefix: 375 blocks to place
+    d = pick(r, "new", new, now=100.0)
+    assert d.worker == ("b", 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].eviction_ms > 0 and by["b"].eviction_ms == 0
+    assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms  # a would answer sooner...
+    assert by["a"].cost > by["b"].cost  # ...but what it evicts costs more later
+
+
+def test_a_full_cache_still_wins_when_the_request_hits_it() -> None:
+    r = router(total_blocks=1000)
+    held = toks(100, 1000 * B)
+    store(r, "a", held)
+    _teach_reuse(r, "a", 200)
+    queue_prefill(r, "b", 300, seed=30)
+    d = pick(r, "hit", held[: 500 * B] + toks(6, 200), now=100.0)  # extends a cached prefix
+    assert d.worker == ("a", 0)
+
+
+def test_a_worker_reported_slow_loses_the_traffic_its_cache_would_attract() -> None:
+    prefix = toks(1, 3000)
+    prompt = prefix + toks(2, 200)
+    r = router()
+    store(r, "b", prefix)
+    assert pick(r, "before", prompt).worker == ("b", 0)
+    r.finished("before", 0.0)
+    rng = random.Random(4)
+    for i in range(120):  # b answers 5x slower than the prior predicts; a as predicted
+        for w, slow in (("a", 1.0), ("b", 5.0)):
+            t = toks(1000 + 2 * i + (w == "b"), rng.randrange(100, 6000))
+            d = r.route(req(f"{w}{i}", t, backend_instance_id=w), 1.0 + i)
+            assert isinstance(d, Decision)
+            x = len(t)
+            ttft = slow * (MOCKER_PRIOR.prefill_ms[0] * x * x + MOCKER_PRIOR.prefill_ms[1] * x + 16.5 + 5.74)
+            r.first_token(d.request_id, 1.0 + i + ttft / 1000)
+            r.reported_cached(d.request_id, 0)
+            r.finished(d.request_id, 1.0 + i + 0.5)
+    models = {s.worker[0]: s.timing for s in r.worker_snapshot()}
+    assert models["b"] is not None and models["a"] is not None
+    assert models["b"]["prefill_ms"][1] > 3 * models["a"]["prefill_ms"][1]
+    assert pick(r, "after", prompt, now=500.0).worker == ("a", 0)
+
+
+def test_aic_decays_the_oldest_active_prefill_over_its_predicted_duration() -> None:
+    for cost in ("dynamo", "latency"):
+        r = router(router_cost_model=cost, router_prefill_load_model="aic")
+        queue_prefill(r, "a", 1000, seed=1)
+        queue_prefill(r, "a", 500, seed=2)
+        expected = (MOCKER_PRIOR.prefill_ms[0] * 1e6 + MOCKER_PRIOR.prefill_ms[1] * 1000 + 16.50142) / 1000
+
+        def active_on_a(now: float, rid: str, r: KvRouter = r) -> float:
+            d = pick(r, rid, toks(99, 32), now)
+            r.cancel(rid, now)
+            by = {s.worker[0]: s for s in d.breakdown}
+            return by["a"].prefill_tokens - 32
+
+        assert active_on_a(0.0, "t0") == pytest.approx(1500)
+        assert active_on_a(expected / 2, "t1") == pytest.approx(1000)  # half of the oldest is done
+        assert active_on_a(expected * 3, "t2") == pytest.approx(500)  # the younger waits in full
+        r.first_token("q1", expected * 3)  # the oldest is done: the next starts to decay now
+        assert active_on_a(expected * 3, "t3") == pytest.approx(500)
+    r = router(router_cost_model="dynamo")  # without aic, nothing decays
+    queue_prefill(r, "a", 1000, seed=1)
+    d = pick(r, "late", toks(99, 32), 60.0)
+    assert {s.worker[0]: s for s in d.breakdown}["a"].prefill_tokens == 1032
+
+
+def test_busy_thresholds_temperature_and_pins_still_apply_on_top() -> None:
+    r = router(active_prefill_tokens_threshold=2000)
+    store(r, "a", toks(1, 4000))
+    for i in range(2):
+        queue_prefill(r, "a", 1500, seed=40 + i)
+    assert pick(r, "r", toks(1, 4000) + toks(2, 64)).worker == ("b", 0)  # a is busy
+    d = r.route(req("pinned", toks(3, 100), backend_instance_id="a"), 0.0)
+    assert isinstance(d, Decision) and d.worker == ("a", 0) and d.reason == "pinned"
+    hot = router(router_temperature=1.0)
+    seen = {pick(hot, f"t{i}", toks(1, 400)).worker for i in range(40)}
+    assert seen == {("a", 0), ("b", 0)}
+
+
+def test_a_reported_profile_seeds_the_worker_model() -> None:
+    r = KvRouter(RouterConfig(), random.Random(0))
+    fast = Profile((0.0, 0.001, 1.0), (0.0, 0.0, 1.0), 1.0, "worker profile")
+    r.add_worker("a", total_blocks=4096, max_num_batched_tokens=8192, block_size=B, profile=fast)
+    r.add_worker("b", total_blocks=4096, max_num_batched_tokens=8192, block_size=B)
+    snap = {s.worker[0]: s.timing for s in r.worker_snapshot()}
+    assert snap["a"] is not None and snap["a"]["seed"] == "worker profile"
+    assert snap["b"] is not None and snap["b"]["seed"] == "reference mocker fit"
+    d = pick(r, "r", toks(1, 2000))
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].predicted_ttft_ms == pytest.approx(2 + 2.0, rel=0.01)  # 0.001*2000 + 1 + decode 1
+    assert d.worker == ("a", 0)
+
+
+def test_siblings_in_flight_count_as_cache_where_they_were_sent() -> None:
+    """A burst of n samples of one prompt: before any KV event, the blocks of the first sibling
+    in flight on a worker will be cached there by the time the next is prefilled behind it."""
+    prompt = toks(8, 3000)
+
+    def burst(model: str) -> set[str]:
+        r = router("abcd", router_cost_model=model)
+        return {pick(r, f"s{i}", prompt).worker[0] for i in range(4)}
+
+    assert len(burst("latency")) == 1  # one prefill, three hits
+    assert len(burst("dynamo")) == 4  # Dynamo's cost spreads them by load

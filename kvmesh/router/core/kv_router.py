@@ -62,9 +62,11 @@ class RouteRequest:
     latency_sensitivity: float | None = None
     """``agent_hints.latency_sensitivity`` in seconds; the queue jump when no priority is given."""
     osl: int | None = None
-    """``agent_hints.osl``: expected output tokens, used for output-block decay."""
+    """``agent_hints.osl``: expected output tokens; its answer blocks count as decode load from routing."""
     overlap_score_credit: float | None = None
     """``agent_hints.kv_overlap_score_credit``: per-request override of the overlap credit."""
+    prefill_load_scale: float | None = None
+    """Per-request prefill load scale (the older ``agent_hints.kv_overlap_score_weight``)."""
     session_id: str | None = None
     session_action: SessionAction | None = None
     session_timeout: float | None = None
@@ -530,12 +532,12 @@ class KvRouter:
         )
         bs = self._block_size or 1
         weights = self._weights
-        if req.overlap_score_credit is not None:
+        if req.overlap_score_credit is not None or req.prefill_load_scale is not None:
             weights = selector.CostWeights(
-                req.overlap_score_credit,
+                weights.overlap_score_credit if req.overlap_score_credit is None else req.overlap_score_credit,
                 weights.host_cache_hit_weight,
                 weights.disk_cache_hit_weight,
-                weights.prefill_load_scale,
+                weights.prefill_load_scale if req.prefill_load_scale is None else req.prefill_load_scale,
             )
         load = self._load
         index = self._index

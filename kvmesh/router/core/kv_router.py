@@ -186,6 +186,11 @@ class RoutingObserver(Protocol):
 
     def freed(self, request_id: str) -> None: ...
 
+    def session(self, session_id: str, worker: WorkerKey | None, timeout: float) -> None:
+        """A session was bound or used (``worker``, sliding its expiry by ``timeout``) or closed
+        (``worker`` None), so every replica honours one affinity."""
+        ...
+
 
 _UNSET: object = object()
 
@@ -348,8 +353,11 @@ class KvRouter:
             if bound is not None and bound[0] in self._workers:
                 if req.session_action == "close":
                     self._sessions.close(req.session_id)
-                elif req.session_timeout is not None:
-                    self._sessions.bind(req.session_id, bound, now, req.session_timeout)
+                    self._tell_session(req.session_id, None)
+                else:
+                    if req.session_timeout is not None:
+                        self._sessions.bind(req.session_id, bound, now, req.session_timeout)
+                    self._tell_session(req.session_id, bound)
                 return self._decide(req, [bound], now, None, "session", filter_busy=False)
         if req.backend_instance_id is not None:
             info = self._workers.get(req.backend_instance_id)
@@ -582,6 +590,7 @@ class KvRouter:
             self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
         if req.session_id is not None and req.session_action in ("open", "bind"):
             self._sessions.bind(req.session_id, worker, now, req.session_timeout)
+            self._tell_session(req.session_id, worker)
         bs = self._block_size or 1
         return Decision(
             req.request_id,
@@ -591,6 +600,22 @@ class KvRouter:
             self._reason_for(req),
             breakdown,
         )
+
+    def _tell_session(self, session_id: str, worker: WorkerKey | None) -> None:
+        if self.observer is not None:
+            timeout = self._sessions.timeout_of(session_id)
+            self.observer.session(session_id, worker, self._sessions.default_timeout if timeout is None else timeout)
+
+    def apply_session(self, session_id: str, worker: WorkerKey | None, timeout: float, now: float) -> None:
+        """A peer replica's session bind, use or close (replica sync): honour its affinity here."""
+        if worker is None:
+            self._sessions.close(session_id)
+        elif self.knows(worker):
+            self._sessions.bind(session_id, worker, now, timeout)
+
+    def session_worker(self, session_id: str) -> WorkerKey | None:
+        """The worker a live session is bound to (no expiry slide), for tests and the admin view."""
+        return self._sessions.peek(session_id)
 
     def _reason_for(self, req: RouteRequest) -> DecisionReason:
         if req.session_id is not None and req.session_id in self._sessions and req.session_action != "open":

@@ -131,7 +131,7 @@ class Metrics:
         )
         self.osl = Histogram(
             "kvmesh_output_sequence_tokens",
-            "Streamed output chunks per request",
+            "Output tokens per request (usage when the engine reports it, else streamed chunks)",
             buckets=_TOKEN_BUCKETS,
             registry=registry,
         )
@@ -169,6 +169,26 @@ class Metrics:
         self.failovers = Counter(
             "kvmesh_failovers_total",
             "Forwarded requests retried on another worker after a connection failure before the first byte",
+            registry=registry,
+        )
+        self.pins = Counter(
+            "kvmesh_cache_control_pins_total",
+            "cache_control pins sent after a response, by worker and outcome "
+            "(pinned: every full block; partial: fewer, e.g. evicted or over budget; failed: refused)",
+            ["worker", "outcome"],
+            registry=registry,
+        )
+        self.pinned_blocks = Counter(
+            "kvmesh_cache_control_pinned_blocks_total",
+            "KV blocks workers reported pinned for cache_control",
+            ["worker"],
+            registry=registry,
+        )
+        self.speculative_prefills = Counter(
+            "kvmesh_speculative_prefills_total",
+            "Next-turn warm-ups sent for agent_hints.speculative_prefill, by outcome "
+            "(done, cancelled: the next turn came first, failed)",
+            ["outcome"],
             registry=registry,
         )
         self.worker_state_changes = Counter(

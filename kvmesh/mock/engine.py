@@ -35,7 +35,7 @@ from kvmesh.mock.metrics import EngineMetrics
 from kvmesh.mock.request import EngineRequest, RequestStatus
 from kvmesh.mock.sampler import OutputSampler, sampler_key
 from kvmesh.mock.scheduler import Scheduler, SchedulerOutput
-from kvmesh.mock.timing import step_seconds
+from kvmesh.mock.timing import PREFILL_MS_COEFFICIENTS, step_seconds
 from kvmesh.router.request.tokenizer import BuiltinTokenizer, Tokenizer
 from kvmesh.worker.block_state import kv_state_answer, rank_state
 from kvmesh.worker.retention import Retention
@@ -291,6 +291,8 @@ class MockEngine:
             "total_kv_blocks": cfg.num_blocks,
             "priority_polarity": "lower_first" if cfg.scheduling_policy == "priority" else "none",
             "max_model_len": cfg.model_len,
+            # its own step-time model, so a router can estimate when a prefill ends
+            "prefill_profile_ms": [c / cfg.speedup for c in PREFILL_MS_COEFFICIENTS],
         }
 
     def kv_state(self) -> dict[str, Any]:

@@ -13,12 +13,16 @@ decode part alone. Everything is divided by ``--speedup``.
 
 from __future__ import annotations
 
+PREFILL_MS_COEFFICIENTS = (4.209989e-07, 1.518344e-02, 16.50142)
+"""(a2, a1, a0): prefill ms = a2*T^2 + a1*T + a0; ``/kvmesh/info`` reports it as ``prefill_profile_ms``."""
+
 
 def prefill_ms(new_tokens: int) -> float:
     if new_tokens <= 0:
         return 0.0
     t = float(new_tokens)
-    return 4.209989e-07 * t * t + 1.518344e-02 * t + 16.50142
+    a2, a1, a0 = PREFILL_MS_COEFFICIENTS
+    return a2 * t * t + a1 * t + a0
 
 
 def decode_ms(kv_usage: float) -> float:

@@ -542,7 +542,9 @@ class KvRouter:
         weights = self._weights
         if req.overlap_score_credit is not None or req.prefill_load_scale is not None:
             weights = selector.CostWeights(
-                weights.overlap_score_credit if req.overlap_score_credit is None else req.overlap_score_credit,
+                weights.overlap_score_credit
+                if req.overlap_score_credit is None
+                else req.overlap_score_credit,
                 weights.host_cache_hit_weight,
                 weights.disk_cache_hit_weight,
                 weights.prefill_load_scale if req.prefill_load_scale is None else req.prefill_load_scale,
@@ -604,7 +606,9 @@ class KvRouter:
     def _tell_session(self, session_id: str, worker: WorkerKey | None) -> None:
         if self.observer is not None:
             timeout = self._sessions.timeout_of(session_id)
-            self.observer.session(session_id, worker, self._sessions.default_timeout if timeout is None else timeout)
+            self.observer.session(
+                session_id, worker, self._sessions.default_timeout if timeout is None else timeout
+            )
 
     def apply_session(self, session_id: str, worker: WorkerKey | None, timeout: float, now: float) -> None:
         """A peer replica's session bind, use or close (replica sync): honour its affinity here."""

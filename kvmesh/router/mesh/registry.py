@@ -73,6 +73,8 @@ class WorkerInfo:
     priority_polarity: str
     has_rpc: bool
     """The worker serves kvmesh's RPCs (/kvmesh/kv_state, session_control, pin_prefix)."""
+    prefill_profile: tuple[float, float, float] | None = None
+    """``prefill_profile_ms`` of its info: prefill ms of T uncached tokens = a2*T^2 + a1*T + a0."""
 
 
 @dataclass(slots=True)
@@ -124,7 +126,19 @@ def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: in
         total_kv_blocks=int(pick("total_kv_blocks", _DEFAULT_TOTAL_BLOCKS)),
         priority_polarity=polarity,
         has_rpc=info is not None,
+        prefill_profile=_profile(got.get("prefill_profile_ms")),
     )
+
+
+def _profile(value: Any) -> tuple[float, float, float] | None:
+    """A worker-reported prefill timing curve, if it is three finite non-negative numbers."""
+    if (
+        isinstance(value, list)
+        and len(value) == 3
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9 for v in value)
+    ):
+        return (float(value[0]), float(value[1]), float(value[2]))
+    return None
 
 
 class WorkerRegistry:

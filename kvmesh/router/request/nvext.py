@@ -10,7 +10,8 @@
      "session_control": {"session_id": str, "action": "open" | "close" | "bind", "timeout": float},
      "cache_control": {"type": "ephemeral", "ttl": "600" | "5m" | "1h"},
      "greed_sampling": bool, "use_raw_prompt": bool, "annotations": ["token_ids" | "formatted_prompt"],
-     "token_data": [int, ...], "max_thinking_tokens": int}
+     "token_data": [int, ...], "max_thinking_tokens": int,
+     "ignore_eos": bool, "top_k": int, "repetition_penalty": float}
 
 The headers ``x-worker-instance-id`` and ``x-prefill-instance-id`` override the body's worker ids.
 Every problem raises :class:`NvextError` whose message names the offending field, so the client
@@ -52,8 +53,11 @@ _NVEXT_KEYS: frozenset[str] = frozenset(
         "annotations",
         "token_data",
         "max_thinking_tokens",
+        *("ignore_eos", "top_k", "repetition_penalty"),
     )
 )
+# Sampling knobs of the reference's nvext that engines take under the same top-level name.
+SAMPLING_KEYS: tuple[str, ...] = ("ignore_eos", "top_k", "repetition_penalty")
 _HINT_KEYS: frozenset[str] = frozenset(
     (
         "priority",
@@ -108,6 +112,8 @@ class Nvext:
     token_data: tuple[int, ...] | None = None
     """A pre-tokenized prompt: the router hashes these ids and never tokenizes the body."""
     max_thinking_tokens: int | None = None
+    sampling: tuple[tuple[str, Any], ...] = ()
+    """``ignore_eos`` / ``top_k`` / ``repetition_penalty``: forwarded as the engine's own fields."""
 
     @property
     def pinned_worker(self) -> str | None:
@@ -151,7 +157,22 @@ def parse_nvext(body: Mapping[str, Any], headers: Mapping[str, str] | None = Non
         max_thinking_tokens=None
         if raw.get("max_thinking_tokens") is None
         else _integer(raw["max_thinking_tokens"], "nvext.max_thinking_tokens", lo=0),
+        sampling=_sampling(raw),
     )
+
+
+def _sampling(raw: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    out: list[tuple[str, Any]] = []
+    if raw.get("ignore_eos") is not None:
+        out.append(("ignore_eos", _flag(raw, "ignore_eos")))
+    if raw.get("top_k") is not None:
+        out.append(("top_k", _integer(raw["top_k"], "nvext.top_k", lo=-1)))
+    if raw.get("repetition_penalty") is not None:
+        penalty = _number(raw["repetition_penalty"], "nvext.repetition_penalty", lo=0.0)
+        if penalty == 0.0:
+            raise NvextError("nvext.repetition_penalty must be > 0", field="nvext.repetition_penalty")
+        out.append(("repetition_penalty", penalty))
+    return tuple(out)
 
 
 def _known_keys(raw: Mapping[str, Any], known: frozenset[str], prefix: str) -> None:

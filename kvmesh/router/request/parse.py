@@ -71,6 +71,7 @@ class ParsedRequest:
                 out["priority"] = -priority
             elif polarity == "higher_first":
                 out["priority"] = priority
+        out.update(nv.sampling)
         if nv.greedy:  # the reference's greedy: whatever sampling the body asked for
             out["temperature"] = 0.0
             out["top_k"] = 1
@@ -132,7 +133,9 @@ def parse_request(
     if tokenizer is not None:
         t0 = clock()
         # A pre-tokenized prompt is hashed as given: the router never tokenizes it again.
-        tokens = list(nv.token_data) if nv.token_data is not None else prompt_tokens(tokenizer, body, endpoint)
+        tokens = (
+            list(nv.token_data) if nv.token_data is not None else prompt_tokens(tokenizer, body, endpoint)
+        )
         t1 = clock()
         hashes = block_hashes(tokens, block_size, lora)
         tokenize_secs, hash_secs = t1 - t0, clock() - t1
@@ -157,7 +160,7 @@ def check_engine_fields(nv: Nvext, body: dict[str, Any], endpoint: str, *, token
     if nv.annotations:
         if body.get("stream") is not True:
             raise RequestError(
-                "nvext.annotations are SSE events: they need \"stream\": true", field="nvext.annotations"
+                'nvext.annotations are SSE events: they need "stream": true', field="nvext.annotations"
             )
         if not tokenizing:
             raise RequestError(

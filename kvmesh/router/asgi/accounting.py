@@ -237,7 +237,7 @@ class RoutedAccount(LoadAccount):
         decision = self.decision
         assert decision is not None
         body = {k: v for k, v in parsed.body.items() if k not in ("nvext", "stream", "stream_options")}
-        text = _THINKING.sub("", "".join(self.answer)).strip()
+        text = _THINKING.sub("", "".join(self.answer))
         if parsed.endpoint.endswith("chat/completions"):
             messages = [*parsed.body.get("messages", []), {"role": "assistant", "content": text}]
             body["messages"] = messages

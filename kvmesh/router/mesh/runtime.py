@@ -298,7 +298,9 @@ class Mesh:
         it. What the worker could not take (not cached, over its budget, no RPCs) is counted, per
         worker, in metrics and ``/kvmesh/workers``; it is never raised at anyone."""
         block_size = self.registry.block_size or 16
-        wanted = len(token_ids) // block_size
+        # the answer's last token was sampled, never fed back: its KV (and a block it would
+        # complete) is not in the engine's cache
+        wanted = (len(token_ids) - 1) // block_size
         stats = self.pin_stats.setdefault(
             worker_id, {"pinned": 0, "partial": 0, "failed": 0, "blocks_pinned": 0, "last_error": None}
         )

@@ -305,7 +305,7 @@ async def test_the_older_overlap_weight_is_honoured_per_request(http: aiohttp.Cl
     # weight 0: no overlap credit and no prefill weight, so a cached prefix no longer attracts
     async with fleet(2, router=RouterConfig(use_kv_events=False, router_queue_threshold=None)) as (
         front,
-        states,
+        _states,
         _,
     ):
         prompt = "shared prefix that is long enough to span blocks " * 10
@@ -326,7 +326,7 @@ async def test_the_older_overlap_weight_is_honoured_per_request(http: aiohttp.Cl
 async def test_an_osl_makes_a_worker_with_long_answers_look_busy(http: aiohttp.ClientSession) -> None:
     async def second_lands_on(osl: int | None) -> bool:
         config = RouterConfig(use_kv_events=False, router_queue_threshold=None)
-        async with fleet(2, router=config, engine_kwargs={"hold": 1.0}) as (front, states, _):
+        async with fleet(2, router=config, engine_kwargs={"hold": 2.0}) as (front, states, _):
             prefix = "a shared system prompt for both requests " * 12
             hints = {"agent_hints": {"osl": osl}} if osl else {}
             first = asyncio.ensure_future(post(http, front.url, chat(prefix + "one", nvext=hints)))

@@ -183,7 +183,14 @@ async def test_busy_threshold_and_admin_token(http: aiohttp.ClientSession) -> No
             assert r.status == 401  # one token rule: reads too
         async with http.get(front.url + "/busy_threshold", headers=auth) as r:
             assert r.status == 200
-            assert (await r.json())["active_decode_blocks_threshold"] is None
+            assert (await r.json())["thresholds"] == [
+                {
+                    "model": "test-model",
+                    "active_decode_blocks_threshold": None,
+                    "active_prefill_tokens_threshold": None,
+                    "active_prefill_tokens_threshold_frac": None,
+                }
+            ]
         async with http.post(
             front.url + "/busy_threshold", json={"active_decode_blocks_threshold": 0.5}
         ) as r:

@@ -218,8 +218,9 @@ class TwoStage:
 
     # ---------------------------------------------------------------- helpers
     def _engine_doc(self, worker: Worker) -> dict[str, Any]:
-        polarity = worker.info.priority_polarity if worker.info is not None else "none"
-        doc = _decode(self.parsed.engine_body(polarity))
+        info = worker.info
+        polarity = info.priority_polarity if info is not None else "none"
+        doc = _decode(self.parsed.engine_body(polarity, info.backend if info is not None else ""))
         assert isinstance(doc, dict)
         return doc
 

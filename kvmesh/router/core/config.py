@@ -82,6 +82,9 @@ class RouterConfig:
     router_replica_sync: bool = False
     router_session_timeout_secs: float = 300.0
     load_aware: bool = False
+    # agent features
+    enable_cache_control: bool = False
+    router_event_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.load_aware:
@@ -429,6 +432,23 @@ _FLAGS: tuple[Setting, ...] = (
         "--load-aware",
         bool,
         "preset: route on load only (no overlap credit, no KV events, no reuse assumption)",
+    ),
+    Setting(
+        "enable_cache_control",
+        "--enable-cache-control",
+        "KVMESH_ROUTER_ENABLE_CACHE_CONTROL",
+        "enable_cache_control",
+        bool,
+        "honour nvext.cache_control: pin each finished answer's prefix on its worker for the TTL "
+        "(off: such requests get a 400)",
+    ),
+    _flag(
+        "router_event_threads",
+        "--router-event-threads",
+        int,
+        "threads applying KV events; kvmesh applies them on the router's event loop, so only 1",
+        1.0,
+        1.0,
     ),
 )
 

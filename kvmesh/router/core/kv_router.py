@@ -71,9 +71,11 @@ class RouteRequest:
     latency_sensitivity: float | None = None
     """``agent_hints.latency_sensitivity`` in seconds; the queue jump when no priority is given."""
     osl: int | None = None
-    """``agent_hints.osl``: expected output tokens, used for output-block decay."""
+    """``agent_hints.osl``: expected output tokens; its answer blocks count as decode load from routing."""
     overlap_score_credit: float | None = None
     """``agent_hints.kv_overlap_score_credit``: per-request override of the overlap credit."""
+    prefill_load_scale: float | None = None
+    """Per-request prefill load scale (the older ``agent_hints.kv_overlap_score_weight``)."""
     session_id: str | None = None
     session_action: SessionAction | None = None
     session_timeout: float | None = None
@@ -209,6 +211,11 @@ class RoutingObserver(Protocol):
     def prefill_done(self, request_id: str) -> None: ...
 
     def freed(self, request_id: str) -> None: ...
+
+    def session(self, session_id: str, worker: WorkerKey | None, timeout: float) -> None:
+        """A session was bound or used (``worker``, sliding its expiry by ``timeout``) or closed
+        (``worker`` None), so every replica honours one affinity."""
+        ...
 
 
 _UNSET: object = object()
@@ -403,8 +410,11 @@ class KvRouter:
             if bound is not None and bound[0] in self._workers:
                 if req.session_action == "close":
                     self._sessions.close(req.session_id)
-                elif req.session_timeout is not None:
-                    self._sessions.bind(req.session_id, bound, now, req.session_timeout)
+                    self._tell_session(req.session_id, None)
+                else:
+                    if req.session_timeout is not None:
+                        self._sessions.bind(req.session_id, bound, now, req.session_timeout)
+                    self._tell_session(req.session_id, bound)
                 return self._decide(req, [bound], now, None, "session", filter_busy=False)
         if req.backend_instance_id is not None:
             info = self._workers.get(req.backend_instance_id)
@@ -586,12 +596,14 @@ class KvRouter:
         )
         bs = self._block_size or 1
         weights = self._weights
-        if req.overlap_score_credit is not None:
+        if req.overlap_score_credit is not None or req.prefill_load_scale is not None:
             weights = selector.CostWeights(
-                req.overlap_score_credit,
+                weights.overlap_score_credit
+                if req.overlap_score_credit is None
+                else req.overlap_score_credit,
                 weights.host_cache_hit_weight,
                 weights.disk_cache_hit_weight,
-                weights.prefill_load_scale,
+                weights.prefill_load_scale if req.prefill_load_scale is None else req.prefill_load_scale,
             )
         load = self._load
         index = self._index
@@ -705,6 +717,7 @@ class KvRouter:
             self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
         if req.session_id is not None and req.session_action in ("open", "bind"):
             self._sessions.bind(req.session_id, worker, now, req.session_timeout)
+            self._tell_session(req.session_id, worker)
         bs = self._block_size or 1
         return Decision(
             req.request_id,
@@ -714,6 +727,24 @@ class KvRouter:
             self._reason_for(req),
             breakdown,
         )
+
+    def _tell_session(self, session_id: str, worker: WorkerKey | None) -> None:
+        if self.observer is not None:
+            timeout = self._sessions.timeout_of(session_id)
+            self.observer.session(
+                session_id, worker, self._sessions.default_timeout if timeout is None else timeout
+            )
+
+    def apply_session(self, session_id: str, worker: WorkerKey | None, timeout: float, now: float) -> None:
+        """A peer replica's session bind, use or close (replica sync): honour its affinity here."""
+        if worker is None:
+            self._sessions.close(session_id)
+        elif self.knows(worker):
+            self._sessions.bind(session_id, worker, now, timeout)
+
+    def session_worker(self, session_id: str) -> WorkerKey | None:
+        """The worker a live session is bound to (no expiry slide), for tests and the admin view."""
+        return self._sessions.peek(session_id)
 
     def _reason_for(self, req: RouteRequest) -> DecisionReason:
         if req.session_id is not None and req.session_id in self._sessions and req.session_action != "open":

@@ -50,6 +50,14 @@ class SessionTable:
         t = self.default_timeout if timeout is None else timeout
         self._sessions[session_id] = _Session(worker, t, now + t)
 
+    def peek(self, session_id: str) -> WorkerKey | None:
+        s = self._sessions.get(session_id)
+        return s.worker if s is not None else None
+
+    def timeout_of(self, session_id: str) -> float | None:
+        s = self._sessions.get(session_id)
+        return s.timeout if s is not None else None
+
     def close(self, session_id: str) -> WorkerKey | None:
         s = self._sessions.pop(session_id, None)
         return s.worker if s is not None else None

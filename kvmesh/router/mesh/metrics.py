@@ -141,7 +141,7 @@ class Metrics:
         )
         self.osl = Histogram(
             "kvmesh_output_sequence_tokens",
-            "Streamed output chunks per request",
+            "Output tokens per request (usage when the engine reports it, else streamed chunks)",
             buckets=_TOKEN_BUCKETS,
             registry=registry,
         )
@@ -212,6 +212,26 @@ class Metrics:
             "kvmesh_disagg_prefill_seconds",
             "Time of the prefill stage, from dispatch to the prefill worker's answer (vLLM-style hand-off)",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+        self.pins = Counter(
+            "kvmesh_cache_control_pins_total",
+            "cache_control pins sent after a response, by worker and outcome "
+            "(pinned: every full block; partial: fewer, e.g. evicted or over budget; failed: refused)",
+            ["worker", "outcome"],
+            registry=registry,
+        )
+        self.pinned_blocks = Counter(
+            "kvmesh_cache_control_pinned_blocks_total",
+            "KV blocks workers reported pinned for cache_control",
+            ["worker"],
+            registry=registry,
+        )
+        self.speculative_prefills = Counter(
+            "kvmesh_speculative_prefills_total",
+            "Next-turn warm-ups sent for agent_hints.speculative_prefill, by outcome "
+            "(done, cancelled: the next turn came first, failed)",
+            ["outcome"],
             registry=registry,
         )
         self.worker_state_changes = Counter(

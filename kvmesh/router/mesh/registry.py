@@ -78,6 +78,8 @@ class WorkerInfo:
     role: str = "aggregated"
     """``aggregated`` | ``prefill`` | ``decode`` (disaggregated serving)."""
     bootstrap_port: int | None = None
+    prefill_profile: tuple[float, float, float] | None = None
+    """``timing_profile.prefill_ms`` of its info: prefill ms of T uncached tokens = a2*T^2 + a1*T + a0."""
 
 
 @dataclass(slots=True)
@@ -135,7 +137,25 @@ def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: in
         has_rpc=info is not None,
         role=role,
         bootstrap_port=int(bootstrap) if bootstrap is not None else None,
+        prefill_profile=_profile(_timing(got).get("prefill_ms")),
     )
+
+
+def _timing(info: dict[str, Any]) -> dict[str, Any]:
+    """The ``timing_profile`` object a worker reports (``kvmesh mock --report-profile``), or {}."""
+    profile = info.get("timing_profile")
+    return profile if isinstance(profile, dict) else {}
+
+
+def _profile(value: Any) -> tuple[float, float, float] | None:
+    """A worker-reported prefill timing curve, if it is three finite non-negative numbers."""
+    if (
+        isinstance(value, list)
+        and len(value) == 3
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9 for v in value)
+    ):
+        return (float(value[0]), float(value[1]), float(value[2]))
+    return None
 
 
 class WorkerRegistry:

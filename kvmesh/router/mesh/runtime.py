@@ -24,7 +24,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvmesh._types import WorkerId
+from kvmesh._types import WorkerId, WorkerKey
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import Decision, KvRouter, TimingSample
@@ -125,6 +125,9 @@ class Mesh:
         self._housekeeping: asyncio.Task[None] | None = None
         self._predicted: dict[WorkerId, float] = {}
         self._ratio: dict[WorkerId, float] = {}
+        self.pin_stats: dict[WorkerId, dict[str, Any]] = {}
+        """cache_control pins per worker: counts by outcome and the last refusal (``/kvmesh/workers``)."""
+        self._warmups: dict[str, tuple[tuple[int, ...], asyncio.Task[Any]]] = {}
         self.metrics.track(
             self,
             GaugeSource(
@@ -173,6 +176,8 @@ class Mesh:
             task.cancel()
         if self.discovery is not None:
             await self.discovery.stop()
+        for _, task in list(self._warmups.values()):
+            task.cancel()
         if self.sync is not None:
             await self.sync.stop()
         await self.registry.stop()
@@ -343,6 +348,102 @@ class Mesh:
     async def pin_prefix(self, worker_id: WorkerId, token_ids: list[int], ttl_seconds: float) -> Any:
         w = self.registry.rpc_target(worker_id)
         return None if w is None else await self.rpc.pin_prefix(worker_id, w.url, token_ids, ttl_seconds)
+
+    async def pin_answer(self, worker_id: WorkerId, token_ids: list[int], ttl_seconds: float) -> None:
+        """A ``cache_control`` pin after the response: prompt + answer on the worker that served
+        it. What the worker could not take (not cached, over its budget, no RPCs) is counted, per
+        worker, in metrics and ``/kvmesh/workers``; it is never raised at anyone."""
+        block_size = self.registry.block_size or 16
+        # the answer's last token was sampled, never fed back: its KV (and a block it would
+        # complete) is not in the engine's cache
+        wanted = (len(token_ids) - 1) // block_size
+        stats = self.pin_stats.setdefault(
+            worker_id, {"pinned": 0, "partial": 0, "failed": 0, "blocks_pinned": 0, "last_error": None}
+        )
+        error: str | None = None
+        pinned = 0
+        if self.registry.rpc_target(worker_id) is None:
+            error = "the worker serves no kvmesh RPCs (pin_prefix)"
+        else:
+            try:
+                answer = await self.pin_prefix(worker_id, token_ids, ttl_seconds)
+            except ConnectFailed as e:
+                error = str(e)
+            else:
+                got = answer.get("blocks_pinned") if isinstance(answer, dict) else None
+                pinned = got if isinstance(got, int) and not isinstance(got, bool) else 0
+        outcome = "failed" if error is not None else ("pinned" if pinned >= wanted else "partial")
+        if outcome == "partial":
+            error = f"pinned {pinned} of {wanted} blocks"
+        stats[outcome] += 1
+        stats["blocks_pinned"] += pinned
+        if error is not None:
+            stats["last_error"] = error
+        self.metrics.pins.labels(worker_id, outcome).inc()
+        if pinned:
+            self.metrics.pinned_blocks.labels(worker_id).inc(pinned)
+
+    # ---------------------------------------------------------------- speculative prefill
+    def start_warmup(
+        self,
+        worker: WorkerKey,
+        endpoint: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        prefix: tuple[int, ...],
+        hashes: list[int],
+        isl: int,
+        overlap_blocks: int,
+    ) -> str:
+        """Send the next turn's prompt (``body``, ``max_tokens: 1``) to ``worker`` and wait for
+        nobody: counted as load while it runs, cancelled when a request extending ``prefix`` (the
+        turn's own block hashes) arrives first. ``headers`` make a peer serve it itself."""
+        request_id = self.next_request_id()
+        self.router.track(request_id, worker, hashes, isl, time.monotonic(), overlap_blocks=overlap_blocks)
+        task = asyncio.get_running_loop().create_task(
+            self._warmup(request_id, worker[0], endpoint, body, headers)
+        )
+        self._warmups[request_id] = (prefix, task)
+        return request_id
+
+    async def _warmup(
+        self,
+        request_id: str,
+        worker_id: WorkerId,
+        endpoint: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> None:
+        outcome = "failed"
+        try:
+            w = self.registry.get(worker_id)
+            if w is not None:
+                bound = self.config.router_request_timeout_secs
+                if self.registry.is_local(worker_id):
+                    await self.rpc.call(worker_id, w.url, "POST", endpoint, body, timeout=bound)
+                else:
+                    headers = {**headers, "x-kvmesh-request-id": request_id}
+                    await self.forwarder.post_json(w.url + endpoint, body, timeout=bound, headers=headers)
+                outcome = "done"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as e:  # a warm-up nobody waits for must never surface
+            logger.info("kvmesh speculative prefill on %s failed: %s", worker_id, e)
+        finally:
+            self._warmups.pop(request_id, None)
+            now = time.monotonic()
+            self.router.finished(request_id, now)
+            self.metrics.speculative_prefills.labels(outcome).inc()
+            self.pump(now)
+
+    def cancel_warmups(self, hashes: list[int]) -> None:
+        """The next turn is here: a warm-up of a prefix it extends is of no use any more."""
+        if not self._warmups or not hashes:
+            return
+        for prefix, task in list(self._warmups.values()):
+            if len(prefix) <= len(hashes) and tuple(hashes[: len(prefix)]) == prefix:
+                task.cancel()
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

@@ -27,6 +27,8 @@ _encode = msgspec.json.encode
 
 Polarity = str
 """A worker's priority polarity: ``lower_first`` | ``higher_first`` | ``none``."""
+# Backends whose OpenAI server takes a reasoning budget, and the parameter's name there.
+_THINKING_BUDGET = {"vllm": "thinking_token_budget", "mock": "thinking_token_budget"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +51,18 @@ class ParsedRequest:
     def isl(self) -> int:
         return len(self.tokens)
 
-    def engine_body(self, polarity: Polarity) -> bytes:
-        """The body the engine sees: ``nvext`` stripped, the priority in the engine's polarity
-        (the API says higher = more important)."""
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    def engine_body(self, polarity: Polarity, backend: str = "") -> bytes:
+        """The body the engine sees: ``nvext`` stripped, and what the reference forwards to the
+        engine in the engine's own parameters: the priority in the engine's polarity (the API says
+        higher = more important), greedy sampling, a pre-tokenized prompt, the thinking budget.
+        A field this engine has no parameter for is the client's 400, never silently dropped."""
         body = self.body
-        priority = self.nvext.hints.priority
+        nv = self.nvext
+        priority = nv.hints.priority
         if "nvext" not in body and priority is None:
             return self.raw_body
         out = {k: v for k, v in body.items() if k != "nvext"}
@@ -62,6 +71,22 @@ class ParsedRequest:
                 out["priority"] = -priority
             elif polarity == "higher_first":
                 out["priority"] = priority
+        out.update(nv.sampling)
+        if nv.greedy:  # the reference's greedy: whatever sampling the body asked for
+            out["temperature"] = 0.0
+            out["top_k"] = 1
+            out.pop("top_p", None)
+        if nv.token_data is not None:
+            out["prompt"] = list(nv.token_data)
+        if nv.max_thinking_tokens is not None:
+            name = _THINKING_BUDGET.get(backend)
+            if name is None:
+                raise RequestError(
+                    f"nvext.max_thinking_tokens: the serving worker's engine ({backend or 'unknown'}) "
+                    "takes no thinking budget",
+                    field="nvext.max_thinking_tokens",
+                )
+            out[name] = nv.max_thinking_tokens
         return _encode(out)
 
 
@@ -99,17 +124,49 @@ def parse_request(
     body = decode_body(raw)
     overrides = override_headers(headers)
     nv = parse_nvext(body, overrides) if ("nvext" in body or overrides) else EMPTY
+    if nv is not EMPTY:
+        check_engine_fields(nv, body, endpoint, tokenizing=tokenizer is not None)
     lora = lora_of(body.get("model"))
     tokens: list[int] = []
     hashes: list[int] = []
     tokenize_secs = hash_secs = 0.0
     if tokenizer is not None:
         t0 = clock()
-        tokens = prompt_tokens(tokenizer, body, endpoint)
+        # A pre-tokenized prompt is hashed as given: the router never tokenizes it again.
+        tokens = (
+            list(nv.token_data) if nv.token_data is not None else prompt_tokens(tokenizer, body, endpoint)
+        )
         t1 = clock()
         hashes = block_hashes(tokens, block_size, lora)
         tokenize_secs, hash_secs = t1 - t0, clock() - t1
     return ParsedRequest(endpoint, raw, body, nv, overrides, tokens, hashes, lora, tokenize_secs, hash_secs)
+
+
+def check_engine_fields(nv: Nvext, body: dict[str, Any], endpoint: str, *, tokenizing: bool) -> None:
+    """Refuse the ``nvext`` fields that cannot take effect on this request (400 naming them)."""
+    chat = endpoint.endswith("chat/completions")
+    if nv.token_data is not None and chat:
+        raise RequestError(
+            "nvext.token_data is a pre-tokenized prompt: send it to /v1/completions "
+            "(a chat request has no token-id prompt an engine would take)",
+            field="nvext.token_data",
+        )
+    if nv.use_raw_prompt and chat:
+        raise RequestError(
+            "nvext.use_raw_prompt: a chat request is always rendered with the chat template; "
+            "send a raw prompt to /v1/completions",
+            field="nvext.use_raw_prompt",
+        )
+    if nv.annotations:
+        if body.get("stream") is not True:
+            raise RequestError(
+                'nvext.annotations are SSE events: they need "stream": true', field="nvext.annotations"
+            )
+        if not tokenizing:
+            raise RequestError(
+                "nvext.annotations need the router to tokenize the prompt (--router-mode kv)",
+                field="nvext.annotations",
+            )
 
 
 def prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any], endpoint: str) -> list[int]:

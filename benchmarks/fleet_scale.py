@@ -517,7 +517,8 @@ def plot(runs: list[Run], path: Path, rate: float) -> None:
             continue
         n = [r.engines for r in rs]
         axes[0].plot(n, [r.absorbed_batches_s for r in rs], style, label=f"{plane} absorbed")
-        axes[1].plot(n, [r.cpu_us_per_batch for r in rs], style, label=plane)
+        cpu = [(r.engines, r.cpu_us_per_batch) for r in rs if r.cpu_us_per_batch > 0]  # 0: not measurable
+        axes[1].plot([c[0] for c in cpu], [c[1] for c in cpu], style, label=plane)
         axes[2].plot(n, [r.e2i_p99_ms for r in rs], style, label=f"{plane} event->index p99")
         axes[2].plot(
             n, [r.route_p99_us / 1000 for r in rs], style.replace("-", "--"), label=f"{plane} route() p99"

@@ -28,7 +28,7 @@ from kvmesh._types import WorkerId, WorkerKey
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import Decision, KvRouter, TimingSample
-from kvmesh.router.mesh.event_plane import NatsDiscovery
+from kvmesh.router.mesh.event_plane import NatsDiscovery, SelfAnnouncement
 from kvmesh.router.mesh.metrics import GaugeSource, WorkerRow, get_metrics
 from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.replica_sync import ReplicaSync
@@ -98,6 +98,14 @@ class Mesh:
         self.discovery = (
             NatsDiscovery(self.nats, self.registry, ttl=settings.nats_worker_ttl) if self.nats else None
         )
+        # Embedded in an engine on the NATS plane: register that engine in the worker bucket.
+        self.announcement = (
+            SelfAnnouncement(
+                self.nats, self.rpc, settings.self_worker_id, settings.self_url, ttl=settings.nats_worker_ttl
+            )
+            if self.nats is not None and settings.self_url is not None and settings.self_worker_id is not None
+            else None
+        )
         # A random per-process epoch makes request ids unique across restarts and replicas: peers
         # key their copy of our load by them.
         self.epoch = int.from_bytes(os.urandom(4), "big")
@@ -157,6 +165,8 @@ class Mesh:
         await self.registry.start()
         if self.discovery is not None:
             self.discovery.start()
+        if self.announcement is not None:
+            self.announcement.start()
         self._housekeeping = asyncio.create_task(self._housekeep(), name="kvmesh-housekeeping")
 
     async def wait_ready(self) -> None:
@@ -174,6 +184,8 @@ class Mesh:
         self._housekeeping = self._discovery = None
         for task in list(self._spawned):
             task.cancel()
+        if self.announcement is not None:
+            await self.announcement.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         for _, task in list(self._warmups.values()):

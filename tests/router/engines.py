@@ -34,6 +34,7 @@ class EngineState:
     status: int = 200  # of every generation answer (a failing prefill worker: 500)
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    session_ids: list[list[str]] = field(default_factory=list)  # every X-Session-ID, repeats kept
     active: int = 0
     finished: int = 0
     aborted: int = 0
@@ -69,6 +70,7 @@ def engine_app(state: EngineState) -> Starlette:
         body = await request.json()
         state.received.append(body)
         state.headers.append(dict(request.headers))
+        state.session_ids.append(request.headers.getlist("x-session-id"))
         if state.hold:  # a long prefill that, like a real engine, stops when its client leaves
             deadline = time.perf_counter() + state.hold
             while time.perf_counter() < deadline:

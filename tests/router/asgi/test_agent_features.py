@@ -114,6 +114,38 @@ async def test_a_pin_the_worker_refuses_shows_in_workers_and_metrics(http: aioht
         assert f'kvmesh_cache_control_pins_total{{outcome="failed",worker="{mocks[0].base_url}"}}' in text
 
 
+
+async def test_a_pinned_turn_survives_eviction_pressure_that_evicts_an_unpinned_one(
+    http: aiohttp.ClientSession,
+) -> None:
+    tok = BuiltinTokenizer()
+    config = RouterConfig(enable_cache_control=True)
+    async with mock_fleet(router=config, num_blocks=64) as (front, mocks, _):  # 1024 tokens of cache
+        mock = mocks[0]
+        pinned = [{"role": "user", "content": "the pinned conversation starts here " * 5}]
+        unpinned = [{"role": "user", "content": "an unpinned conversation opens too " * 5}]
+        pin = {"cache_control": {"type": "ephemeral", "ttl": "5m"}}
+        # the pinned turn goes first: plain LRU would evict it before the unpinned one
+        status, a = await post(http, front.url, turn(mock, pinned, max_tokens=48, nvext=pin))
+        assert status == 200, a
+        status, b = await post(http, front.url, turn(mock, unpinned, max_tokens=48))
+        assert status == 200, b
+        want = (len(tok.apply_chat_template(pinned)) + 48 - 1) // BS  # prompt + answer blocks
+        await until(lambda: mock.engine.retention.num_retained >= want)
+        for i in range(12):  # ~12 blocks each: the whole cache over twice
+            flood = [{"role": "user", "content": f"unrelated flood prompt number {i} " * 6}]
+            assert (await post(http, front.url, turn(mock, flood, max_tokens=32)))[0] == 200
+
+        async def cached_on_return(messages: list[dict[str, Any]], answer: dict[str, Any]) -> int:
+            follow = [*messages, answer["choices"][0]["message"], {"role": "user", "content": "go on"}]
+            status, doc = await post(http, front.url, turn(mock, follow, max_tokens=1))
+            assert status == 200, doc
+            return int(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        assert await cached_on_return(unpinned, b) == 0  # the pressure was real
+        # the pinned turn's prompt and its answer are still there
+        assert await cached_on_return(pinned, a) >= want * BS > len(tok.apply_chat_template(pinned))
+
 # ---------------------------------------------------------------------------------- sessions
 async def test_a_session_holds_its_turns_on_the_engine_until_closed(http: aiohttp.ClientSession) -> None:
     async with mock_fleet() as (front, mocks, _):

@@ -114,7 +114,6 @@ async def test_a_pin_the_worker_refuses_shows_in_workers_and_metrics(http: aioht
         assert f'kvmesh_cache_control_pins_total{{outcome="failed",worker="{mocks[0].base_url}"}}' in text
 
 
-
 async def test_a_pinned_turn_survives_eviction_pressure_that_evicts_an_unpinned_one(
     http: aiohttp.ClientSession,
 ) -> None:
@@ -145,6 +144,7 @@ async def test_a_pinned_turn_survives_eviction_pressure_that_evicts_an_unpinned_
         assert await cached_on_return(unpinned, b) == 0  # the pressure was real
         # the pinned turn's prompt and its answer are still there
         assert await cached_on_return(pinned, a) >= want * BS > len(tok.apply_chat_template(pinned))
+
 
 # ---------------------------------------------------------------------------------- sessions
 async def test_a_session_holds_its_turns_on_the_engine_until_closed(http: aiohttp.ClientSession) -> None:

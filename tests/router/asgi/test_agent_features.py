@@ -283,6 +283,40 @@ async def test_a_non_streaming_request_releases_its_prefill_before_its_answer(
         assert released_early
 
 
+async def test_the_engines_own_load_shows_beside_the_routers_estimate(http: aiohttp.ClientSession) -> None:
+    config = RouterConfig(router_queue_threshold=None)  # both requests reach the engine at once
+    async with mock_fleet(router=config, max_num_seqs=1) as (front, mocks, _):
+        mock = mocks[0]  # one sequence at a time: the second request waits inside the engine
+
+        async def row() -> dict[str, Any]:
+            async with http.get(front.url + "/kvmesh/workers") as r:
+                return (await r.json())["workers"][0]  # type: ignore[no-any-return]
+
+        body = turn(mock, [{"role": "user", "content": "keep the engine busy " * 20}], max_tokens=4000)
+        requests = [asyncio.ensure_future(post(http, front.url, body)) for _ in range(2)]
+        seen = None
+        while not all(r.done() for r in requests):
+            got = await row()
+            if got["engine_load"] is not None and got["engine_load"]["waiting"] == 1:
+                seen = got
+                break
+            await asyncio.sleep(0.02)
+        assert seen is not None, "the engine never reported a waiting request"
+        assert seen["engine_load"]["running"] == 1 and seen["active_requests"] == 2  # the router's view
+        async with http.get(front.url + "/metrics") as r:
+            text = await r.text()
+        for state in ("running", "waiting"):
+            assert f'state="{state}",worker="{mock.base_url}"}}' in text
+        for request in requests:
+            assert (await request)[0] == 200
+        for _ in range(250):  # the next health check reads an idle engine
+            load = (await row())["engine_load"]
+            if load == {**load, "running": 0.0, "waiting": 0.0}:
+                break
+            await asyncio.sleep(0.02)
+        assert (load["running"], load["waiting"]) == (0.0, 0.0)
+
+
 # ---------------------------------------------------------------------------------- nvext -> engine
 async def test_nvext_fields_reach_the_engine_in_its_own_form(http: aiohttp.ClientSession) -> None:
     async with fleet(1) as (front, states, _):
@@ -368,6 +402,12 @@ async def test_an_osl_makes_a_worker_with_long_answers_look_busy(http: aiohttp.C
             first = asyncio.ensure_future(post(http, front.url, chat(prefix + "one", nvext=hints)))
             await until(lambda: sum(len(s.received) for s in states) == 1)
             home = 0 if states[0].received else 1
+            for _ in range(250):  # its prefill is over (estimated): only its decode load remains
+                async with http.get(front.url + "/kvmesh/workers") as r:
+                    rows = (await r.json())["workers"]
+                if all(w["ranks"][0]["active_prefill_tokens"] == 0 for w in rows):
+                    break
+                await asyncio.sleep(0.02)
             second = chat(prefix + "two", nvext={"extra_fields": ["worker_id"]})
             status, _ = await post(http, front.url, second)
             await first

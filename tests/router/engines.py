@@ -32,6 +32,8 @@ class EngineState:
     role: str = "aggregated"
     transfer_params: dict[str, Any] | None = None  # a prefill answer's kv_transfer_params
     status: int = 200  # of every generation answer (a failing prefill worker: 500)
+    text: str | None = None  # each streamed chunk's content (default "<name>:<i> ")
+    stream_usage: bool = True  # end a stream with a usage event
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     session_ids: list[list[str]] = field(default_factory=list)  # every X-Session-ID, repeats kept
@@ -112,7 +114,7 @@ def engine_app(state: EngineState) -> Starlette:
                         "id": "chatcmpl-1",
                         "object": "chat.completion.chunk",
                         "model": "test-model",
-                        "choices": [{"index": 0, "delta": {"content": f"{state.name}:{i} "}}],
+                        "choices": [{"index": 0, "delta": {"content": state.text or f"{state.name}:{i} "}}],
                     }
                     yield f"data: {json.dumps(chunk)}\n\n"
                 final = {
@@ -122,7 +124,8 @@ def engine_app(state: EngineState) -> Starlette:
                     "choices": [],
                     "usage": usage,
                 }
-                yield f"data: {json.dumps(final)}\n\n"
+                if state.stream_usage:
+                    yield f"data: {json.dumps(final)}\n\n"
                 yield "data: [DONE]\n\n"
                 state.finished += 1
             except asyncio.CancelledError:

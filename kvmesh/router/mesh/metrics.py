@@ -152,7 +152,7 @@ class Metrics:
         )
         self.osl = Histogram(
             "kvmesh_output_sequence_tokens",
-            "Output tokens per request (usage when the engine reports it, else streamed chunks)",
+            "Output tokens per request (usage when the engine reports it, else the streamed text tokenized)",
             buckets=_TOKEN_BUCKETS,
             registry=registry,
         )

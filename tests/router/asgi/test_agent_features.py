@@ -18,6 +18,7 @@ import aiohttp
 from kvmesh.mock.testing import RunningMock, run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.metrics import get_metrics
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from kvmesh.router.request.tokenizer import BuiltinTokenizer
 from tests.router.fleet import chat, fleet
@@ -315,6 +316,42 @@ async def test_the_engines_own_load_shows_beside_the_routers_estimate(http: aioh
                 break
             await asyncio.sleep(0.02)
         assert (load["running"], load["waiting"]) == (0.0, 0.0)
+
+
+async def test_a_stream_without_usage_counts_its_output_in_tokens(http: aiohttp.ClientSession) -> None:
+    """Each chunk carries many tokens and no usage ever arrives: the router tokenizes the deltas."""
+    text = "several tokens ride in this one chunk, " * 4
+    per_chunk = len(BuiltinTokenizer().encode(text))
+    assert per_chunk >= 2 * BS
+    osl = get_metrics().osl
+    router = RouterConfig(use_kv_events=False, router_track_output_blocks=True, router_queue_threshold=None)
+    engine = {"text": text, "chunks": 4, "gap": 0.3, "stream_usage": False}
+    async with fleet(1, router=router, engine_kwargs=engine) as (front, states, _):
+
+        async def decode_blocks() -> float:
+            async with http.get(front.url + "/kvmesh/workers") as r:
+                return (await r.json())["workers"][0]["ranks"][0]["active_decode_blocks"]  # type: ignore[no-any-return]
+
+        prompt_blocks = len(BuiltinTokenizer().apply_chat_template(chat("x")["messages"])) // BS
+        before = osl._sum.get()
+        request = asyncio.ensure_future(post_stream(http, front.url, chat("x", stream=True)))
+        grown = False  # mid-stream, the answer's blocks count: a chunk is many tokens, not one
+        while not request.done():
+            grown |= await decode_blocks() >= prompt_blocks + 2 * per_chunk // BS
+            await asyncio.sleep(0.02)
+        assert (await request) == 200 and grown
+        assert osl._sum.get() - before == 4 * per_chunk
+        # with a usage event at the end, the engine's count (4 here) replaces the estimate
+        states[0].stream_usage = True
+        before = osl._sum.get()
+        assert await post_stream(http, front.url, chat("x", stream=True)) == 200
+        assert osl._sum.get() - before == 4
+
+
+async def post_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> int:
+    async with http.post(url + "/v1/chat/completions", json=body) as r:
+        await r.read()
+        return r.status
 
 
 # ---------------------------------------------------------------------------------- nvext -> engine

@@ -32,8 +32,11 @@ class EngineState:
     role: str = "aggregated"
     transfer_params: dict[str, Any] | None = None  # a prefill answer's kv_transfer_params
     status: int = 200  # of every generation answer (a failing prefill worker: 500)
+    text: str | None = None  # each streamed chunk's content (default "<name>:<i> ")
+    stream_usage: bool = True  # end a stream with a usage event
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    session_ids: list[list[str]] = field(default_factory=list)  # every X-Session-ID, repeats kept
     active: int = 0
     finished: int = 0
     aborted: int = 0
@@ -69,6 +72,7 @@ def engine_app(state: EngineState) -> Starlette:
         body = await request.json()
         state.received.append(body)
         state.headers.append(dict(request.headers))
+        state.session_ids.append(request.headers.getlist("x-session-id"))
         if state.hold:  # a long prefill that, like a real engine, stops when its client leaves
             deadline = time.perf_counter() + state.hold
             while time.perf_counter() < deadline:
@@ -110,7 +114,7 @@ def engine_app(state: EngineState) -> Starlette:
                         "id": "chatcmpl-1",
                         "object": "chat.completion.chunk",
                         "model": "test-model",
-                        "choices": [{"index": 0, "delta": {"content": f"{state.name}:{i} "}}],
+                        "choices": [{"index": 0, "delta": {"content": state.text or f"{state.name}:{i} "}}],
                     }
                     yield f"data: {json.dumps(chunk)}\n\n"
                 final = {
@@ -120,7 +124,8 @@ def engine_app(state: EngineState) -> Starlette:
                     "choices": [],
                     "usage": usage,
                 }
-                yield f"data: {json.dumps(final)}\n\n"
+                if state.stream_usage:
+                    yield f"data: {json.dumps(final)}\n\n"
                 yield "data: [DONE]\n\n"
                 state.finished += 1
             except asyncio.CancelledError:

@@ -31,6 +31,12 @@ from kvmesh.router.request.parse import ParsedRequest
 _THINKING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
+def _includes_usage(body: dict[str, Any]) -> bool:
+    """The client asked for a ``usage`` event at the stream's end (``stream_options``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
 class LoadAccount:
     """The router's load view of one request while it runs on a worker."""
 
@@ -45,14 +51,22 @@ class LoadAccount:
         self.mesh.router.first_token(self.request_id, time.monotonic())
 
     def events(self, n: int) -> None:
+        """``n`` more SSE events: one token each, unless a subclass counts their text."""
+        self.grow(n)
+
+    def grow(self, n: int) -> None:
+        """``n`` more output tokens (fewer when negative: a reconciliation)."""
         self.generated += n
         self.mesh.router.output_tokens(self.request_id, n, time.monotonic())
 
     def usage(self, usage: dict[str, Any]) -> None:
-        # Output blocks count tokens: an event may carry several, a JSON answer all of them.
+        # Output blocks count tokens: an event may carry several (or none), a JSON answer all of
+        # them. The engine's count replaces the router's, whichever way it errs.
         completion = usage.get("completion_tokens")
-        if isinstance(completion, int) and not isinstance(completion, bool) and completion > self.generated:
-            self.events(completion - self.generated)
+        if not isinstance(completion, int) or isinstance(completion, bool) or completion < 0:
+            return
+        if completion != self.generated:
+            self.grow(completion - self.generated)
 
     def echo(self) -> dict[str, Any] | None:
         return None
@@ -74,6 +88,7 @@ class RoutedAccount(LoadAccount):
     __slots__ = (
         "answer",
         "answer_ids",
+        "counts_text",
         "decision",
         "last_event",
         "nvext",
@@ -82,6 +97,7 @@ class RoutedAccount(LoadAccount):
         "prefill_timer",
         "prefill_worker",
         "routed_at",
+        "streamed_tokens",
         "t0",
         "t_first",
         "wall0",
@@ -105,6 +121,10 @@ class RoutedAccount(LoadAccount):
         self.answer: list[str] = []
         self.answer_ids: list[int] | None = None
         self.prefill_timer: asyncio.TimerHandle | None = None
+        self.counts_text = parsed.stream and mesh.kv_mode and not _includes_usage(parsed.body)
+        """A stream that will carry no ``usage``: its output is counted by tokenizing each event's
+        text (an event may carry several tokens), as no engine count will correct it later."""
+        self.streamed_tokens = 0
 
     @property
     def pins(self) -> bool:
@@ -161,13 +181,21 @@ class RoutedAccount(LoadAccount):
         if self.parsed.stream:  # a whole JSON answer's arrival is no first token
             self.mesh.metrics.ttft.observe(now - self.t0)
 
+    def streamed_text(self, text: str) -> None:
+        """What one streamed event generated (the tap's ``text`` hook, when ``counts_text``)."""
+        self.streamed_tokens += len(self.mesh.tokenizer.encode(text))
+
     def events(self, n: int) -> None:
         now = time.perf_counter()
         if self.out_events and self.parsed.stream:
             self.mesh.metrics.itl.observe(now - self.last_event)
         self.last_event = now
         self.out_events += n
-        super().events(n)
+        if self.counts_text:
+            n, self.streamed_tokens = self.streamed_tokens, 0
+            if not n:
+                return
+        self.grow(n)
 
     def usage(self, usage: dict[str, Any]) -> None:
         super().usage(usage)

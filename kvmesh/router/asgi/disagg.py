@@ -39,7 +39,7 @@ import msgspec
 
 from kvmesh.errors import KvMeshError
 from kvmesh.router.asgi.accounting import RoutedAccount
-from kvmesh.router.asgi.forwarding import HOP_HEADER, REQUEST_ID_HEADER
+from kvmesh.router.asgi.forwarding import HOP_HEADER, REQUEST_ID_HEADER, session_header
 from kvmesh.router.core.kv_router import Decision, RouteRequest, RouteResult
 from kvmesh.router.mesh.registry import Worker
 from kvmesh.router.mesh.runtime import Mesh
@@ -237,6 +237,9 @@ class TwoStage:
         path = self.parsed.endpoint
         headers = end_to_end_headers(routed.scope["headers"], REQUEST_ID_HEADER)
         headers = [(k, v) for k, v in headers if k not in (b"content-length", b"host")]
+        tag = session_header(self.parsed, headers)  # the prefill stage is the session's turn too
+        if tag is not None:
+            headers.append(tag)
         headers.append((HOP_HEADER, mesh.replica.encode()))
         headers.append((REQUEST_ID_HEADER, request_id.encode()))
         if mesh.registry.is_local(worker.worker_id) and mesh.local_app is not None:

@@ -162,6 +162,7 @@ class Dispatch:
             preamble=annotation_events(parsed, self.mesh.tokenizer.decode)
             if parsed.nvext.annotations
             else b"",
+            text=account.streamed_text if account.counts_text else None,
         )
 
     # ---------------------------------------------------------------- in-process

@@ -19,7 +19,9 @@ turns the worker's response into the same messages).
 Two options for a routed request: ``content`` hears the answer's text (``delta.content`` /
 ``text`` / ``message.content``; reasoning fields are left out) and its ``token_ids`` when the engine
 sends them, which costs one JSON decode per event and is only asked for when a pin or a warm-up
-needs the answer; ``preamble`` (the ``nvext.annotations`` events) goes out ahead of the first event.
+needs the answer; ``preamble`` (the ``nvext.annotations`` events) goes out ahead of the first event;
+``text`` hears everything each event generated (every choice, reasoning included) before the
+batch's ``events`` call, so a stream that will carry no ``usage`` can be counted in tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _json_encode = msgspec.json.encode
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Content = Callable[[str, "list[int] | None"], None]
+Text = Callable[[str], None]
 
 
 class Observer(Protocol):
@@ -69,6 +72,7 @@ class ResponseTap:
         "_send",
         "_start",
         "_stream_meta",
+        "_text",
         "complete",
         "started",
         "status",
@@ -83,9 +87,11 @@ class ResponseTap:
         json_limit: int = 64 * 1024 * 1024,
         content: Content | None = None,
         preamble: bytes = b"",
+        text: Text | None = None,
     ) -> None:
         self._send = send
         self._content = content
+        self._text = text
         self._preamble = preamble
         self._observer = observer
         self._extra_headers = extra_headers or []
@@ -183,7 +189,7 @@ class ResponseTap:
                         observer.first_event()
                         self._remember_meta(payload)
                     events += 1
-                    if self._content is not None:
+                    if self._content is not None or self._text is not None:
                         self._read_content(payload)
                     if b'"usage"' in payload:  # only a prefilter: the decoded event decides
                         usages.append(payload)
@@ -215,6 +221,10 @@ class ResponseTap:
         except msgspec.DecodeError:
             return
         _report_content(event, self._content)
+        if self._text is not None:
+            generated = _generated_text(event)
+            if generated:
+                self._text(generated)
 
     def _read_usage(self, payload: bytes) -> None:
         try:
@@ -308,6 +318,26 @@ def _report_content(doc: Any, content: Content | None) -> None:
     ids = choice.get("token_ids")
     good_ids = ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None
     content(text if isinstance(text, str) else "", good_ids)
+
+
+def _generated_text(event: Any) -> str:
+    """All text an SSE event generated: every choice's content and reasoning (chat) or text."""
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if not isinstance(choices, list):
+        return ""
+    out = []
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            for key in ("reasoning_content", "reasoning", "content"):
+                value = delta.get(key)
+                if isinstance(value, str):
+                    out.append(value)
+        elif isinstance(choice.get("text"), str):
+            out.append(choice["text"])
+    return "".join(out)
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:

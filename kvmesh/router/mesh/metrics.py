@@ -49,6 +49,8 @@ class GaugeSource:
     cached_ratio: Callable[[], Iterable[tuple[str, float]]]
     event_plane: Callable[[], tuple[str, float]] = lambda: ("zmq", 1.0)
     """(plane kind, 1 if connected else 0): 0 means routing on the last known state."""
+    engine_load: Callable[[], Iterable[tuple[str, float, float]]] = lambda: ()
+    """(worker, running, waiting) as the engines' own /metrics report them."""
 
 
 class _LiveRouters(Collector):
@@ -90,6 +92,12 @@ class _LiveRouters(Collector):
             "1 while the router reaches its event plane (always 1 for zmq); 0: routing on the last known state",
             labels=["replica", "plane"],
         )
+        engine = GaugeMetricFamily(
+            "kvmesh_worker_engine_requests",
+            "Requests the worker's engine reports in its own /metrics (state: running | waiting), "
+            "beside the router's estimate",
+            labels=["replica", "worker", "state"],
+        )
         with self._lock:
             owners = list(self._sources)
         for owner in owners:
@@ -104,7 +112,10 @@ class _LiveRouters(Collector):
                 ratio.add_metric([source.replica, worker], value)
             kind, up = source.event_plane()
             plane.add_metric([source.replica, kind], up)
-        yield from (decode, prefill, pending, pending_tokens, ratio, plane)
+            for worker, running, waiting in source.engine_load():
+                engine.add_metric([source.replica, worker, "running"], running)
+                engine.add_metric([source.replica, worker, "waiting"], waiting)
+        yield from (decode, prefill, pending, pending_tokens, ratio, plane, engine)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())
@@ -141,7 +152,7 @@ class Metrics:
         )
         self.osl = Histogram(
             "kvmesh_output_sequence_tokens",
-            "Output tokens per request (usage when the engine reports it, else streamed chunks)",
+            "Output tokens per request (usage when the engine reports it, else the streamed text tokenized)",
             buckets=_TOKEN_BUCKETS,
             registry=registry,
         )

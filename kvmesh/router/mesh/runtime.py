@@ -144,6 +144,7 @@ class Mesh:
                 lambda: self.router.queue_pending,
                 self._live_ratios,
                 self._plane_connected,
+                self.registry.engine_loads,
             ),
         )
 

@@ -218,6 +218,12 @@ class Forwarder:
         status, _ = await self._exchange("GET", url, None, timeout, None)
         return status
 
+    async def get(
+        self, url: str, *, timeout: float = 3.0, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """A whole GET: (status, body); ConnectFailed when nothing answers in time."""
+        return await self._exchange("GET", url, None, timeout, headers)
+
     async def get_json(self, url: str, *, timeout: float = 3.0, headers: dict[str, str] | None = None) -> Any:
         """GET a small JSON document (worker RPCs); ConnectFailed on any failure."""
         return await self._json("GET", url, None, timeout, headers)

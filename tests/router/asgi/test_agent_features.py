@@ -18,6 +18,7 @@ import aiohttp
 from kvmesh.mock.testing import RunningMock, run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.metrics import get_metrics
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from kvmesh.router.request.tokenizer import BuiltinTokenizer
 from tests.router.fleet import chat, fleet
@@ -112,6 +113,38 @@ async def test_a_pin_the_worker_refuses_shows_in_workers_and_metrics(http: aioht
         async with http.get(front.url + "/metrics") as r:
             text = await r.text()
         assert f'kvmesh_cache_control_pins_total{{outcome="failed",worker="{mocks[0].base_url}"}}' in text
+
+
+async def test_a_pinned_turn_survives_eviction_pressure_that_evicts_an_unpinned_one(
+    http: aiohttp.ClientSession,
+) -> None:
+    tok = BuiltinTokenizer()
+    config = RouterConfig(enable_cache_control=True)
+    async with mock_fleet(router=config, num_blocks=64) as (front, mocks, _):  # 1024 tokens of cache
+        mock = mocks[0]
+        pinned = [{"role": "user", "content": "the pinned conversation starts here " * 5}]
+        unpinned = [{"role": "user", "content": "an unpinned conversation opens too " * 5}]
+        pin = {"cache_control": {"type": "ephemeral", "ttl": "5m"}}
+        # the pinned turn goes first: plain LRU would evict it before the unpinned one
+        status, a = await post(http, front.url, turn(mock, pinned, max_tokens=48, nvext=pin))
+        assert status == 200, a
+        status, b = await post(http, front.url, turn(mock, unpinned, max_tokens=48))
+        assert status == 200, b
+        want = (len(tok.apply_chat_template(pinned)) + 48 - 1) // BS  # prompt + answer blocks
+        await until(lambda: mock.engine.retention.num_retained >= want)
+        for i in range(12):  # ~12 blocks each: the whole cache over twice
+            flood = [{"role": "user", "content": f"unrelated flood prompt number {i} " * 6}]
+            assert (await post(http, front.url, turn(mock, flood, max_tokens=32)))[0] == 200
+
+        async def cached_on_return(messages: list[dict[str, Any]], answer: dict[str, Any]) -> int:
+            follow = [*messages, answer["choices"][0]["message"], {"role": "user", "content": "go on"}]
+            status, doc = await post(http, front.url, turn(mock, follow, max_tokens=1))
+            assert status == 200, doc
+            return int(doc["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        assert await cached_on_return(unpinned, b) == 0  # the pressure was real
+        # the pinned turn's prompt and its answer are still there
+        assert await cached_on_return(pinned, a) >= want * BS > len(tok.apply_chat_template(pinned))
 
 
 # ---------------------------------------------------------------------------------- sessions
@@ -251,6 +284,76 @@ async def test_a_non_streaming_request_releases_its_prefill_before_its_answer(
         assert released_early
 
 
+async def test_the_engines_own_load_shows_beside_the_routers_estimate(http: aiohttp.ClientSession) -> None:
+    config = RouterConfig(router_queue_threshold=None)  # both requests reach the engine at once
+    async with mock_fleet(router=config, max_num_seqs=1) as (front, mocks, _):
+        mock = mocks[0]  # one sequence at a time: the second request waits inside the engine
+
+        async def row() -> dict[str, Any]:
+            async with http.get(front.url + "/kvmesh/workers") as r:
+                return (await r.json())["workers"][0]  # type: ignore[no-any-return]
+
+        body = turn(mock, [{"role": "user", "content": "keep the engine busy " * 20}], max_tokens=4000)
+        requests = [asyncio.ensure_future(post(http, front.url, body)) for _ in range(2)]
+        seen = None
+        while not all(r.done() for r in requests):
+            got = await row()
+            if got["engine_load"] is not None and got["engine_load"]["waiting"] == 1:
+                seen = got
+                break
+            await asyncio.sleep(0.02)
+        assert seen is not None, "the engine never reported a waiting request"
+        assert seen["engine_load"]["running"] == 1 and seen["active_requests"] == 2  # the router's view
+        async with http.get(front.url + "/metrics") as r:
+            text = await r.text()
+        for state in ("running", "waiting"):
+            assert f'state="{state}",worker="{mock.base_url}"}}' in text
+        for request in requests:
+            assert (await request)[0] == 200
+        for _ in range(250):  # the next health check reads an idle engine
+            load = (await row())["engine_load"]
+            if load == {**load, "running": 0.0, "waiting": 0.0}:
+                break
+            await asyncio.sleep(0.02)
+        assert (load["running"], load["waiting"]) == (0.0, 0.0)
+
+
+async def test_a_stream_without_usage_counts_its_output_in_tokens(http: aiohttp.ClientSession) -> None:
+    """Each chunk carries many tokens and no usage ever arrives: the router tokenizes the deltas."""
+    text = "several tokens ride in this one chunk, " * 4
+    per_chunk = len(BuiltinTokenizer().encode(text))
+    assert per_chunk >= 2 * BS
+    osl = get_metrics().osl
+    router = RouterConfig(use_kv_events=False, router_track_output_blocks=True, router_queue_threshold=None)
+    engine = {"text": text, "chunks": 4, "gap": 0.3, "stream_usage": False}
+    async with fleet(1, router=router, engine_kwargs=engine) as (front, states, _):
+
+        async def decode_blocks() -> float:
+            async with http.get(front.url + "/kvmesh/workers") as r:
+                return (await r.json())["workers"][0]["ranks"][0]["active_decode_blocks"]  # type: ignore[no-any-return]
+
+        prompt_blocks = len(BuiltinTokenizer().apply_chat_template(chat("x")["messages"])) // BS
+        before = osl._sum.get()
+        request = asyncio.ensure_future(post_stream(http, front.url, chat("x", stream=True)))
+        grown = False  # mid-stream, the answer's blocks count: a chunk is many tokens, not one
+        while not request.done():
+            grown |= await decode_blocks() >= prompt_blocks + 2 * per_chunk // BS
+            await asyncio.sleep(0.02)
+        assert (await request) == 200 and grown
+        assert osl._sum.get() - before == 4 * per_chunk
+        # with a usage event at the end, the engine's count (4 here) replaces the estimate
+        states[0].stream_usage = True
+        before = osl._sum.get()
+        assert await post_stream(http, front.url, chat("x", stream=True)) == 200
+        assert osl._sum.get() - before == 4
+
+
+async def post_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> int:
+    async with http.post(url + "/v1/chat/completions", json=body) as r:
+        await r.read()
+        return r.status
+
+
 # ---------------------------------------------------------------------------------- nvext -> engine
 async def test_nvext_fields_reach_the_engine_in_its_own_form(http: aiohttp.ClientSession) -> None:
     async with fleet(1) as (front, states, _):
@@ -336,6 +439,12 @@ async def test_an_osl_makes_a_worker_with_long_answers_look_busy(http: aiohttp.C
             first = asyncio.ensure_future(post(http, front.url, chat(prefix + "one", nvext=hints)))
             await until(lambda: sum(len(s.received) for s in states) == 1)
             home = 0 if states[0].received else 1
+            for _ in range(250):  # its prefill is over (estimated): only its decode load remains
+                async with http.get(front.url + "/kvmesh/workers") as r:
+                    rows = (await r.json())["workers"]
+                if all(w["ranks"][0]["active_prefill_tokens"] == 0 for w in rows):
+                    break
+                await asyncio.sleep(0.02)
             second = chat(prefix + "two", nvext={"extra_fields": ["worker_id"]})
             status, _ = await post(http, front.url, second)
             await first

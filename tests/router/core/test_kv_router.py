@@ -296,4 +296,3 @@ def test_prediction_prunes_are_counted_once_however_often_stats_are_read() -> No
     assert r.stats.approx_pruned_blocks == 12
     assert r.stats.approx_pruned_blocks == 12
     assert r.stats.index_pruned_blocks == 0
-

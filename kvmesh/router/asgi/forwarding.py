@@ -21,6 +21,7 @@ from kvmesh._http import error_body, replay_body, wait_disconnect
 from kvmesh.errors import KvMeshError
 from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.json_io import send_error
+from kvmesh.router.asgi.peer_auth import HOP_HEADER, REQUEST_ID_HEADER, hop_headers, strip_internal
 from kvmesh.router.asgi.tap import ResponseTap
 from kvmesh.router.core.kv_router import Decision
 from kvmesh.router.mesh.runtime import Mesh
@@ -29,9 +30,7 @@ from kvmesh.router.upstream.forwarder import ConnectFailed, StreamBroken, Upstre
 
 ASGIApp = Any
 Scope = dict[str, Any]
-HOP_HEADER = b"x-kvmesh-hop"
-# The forwarding replica's request id: the peer counts the request under it, as replica sync does.
-REQUEST_ID_HEADER = b"x-kvmesh-request-id"
+__all__ = ["HOP_HEADER", "REQUEST_ID_HEADER", "WORKER_ID_HEADER", "Dispatch", "replace_body"]
 WORKER_ID_HEADER = b"x-kvmesh-worker-id"
 
 Reroute = Callable[[frozenset[str]], Awaitable[Decision | None]]
@@ -150,9 +149,10 @@ class Dispatch:
 
     async def _open(self, url: str, worker_id: str) -> tuple[UpstreamResponse, bytes | None]:
         """Send upstream and wait for the first body bytes: until then a failure may fail over."""
-        headers = end_to_end_headers(self.scope["headers"], REQUEST_ID_HEADER)
-        headers.append((HOP_HEADER, self.mesh.replica.encode()))
-        headers.append((REQUEST_ID_HEADER, self.account.request_id.encode()))
+        # The peer counts the load under our request id; the proof (with a mesh secret) tells it
+        # the headers come from a replica, not a client (peer_auth).
+        headers = strip_internal(end_to_end_headers(self.scope["headers"]))
+        headers += hop_headers(self.mesh.settings.mesh_secret, self.mesh.replica, self.account.request_id)
         path = self.parsed.endpoint
         if self.scope.get("query_string"):
             path += "?" + self.scope["query_string"].decode("latin-1")

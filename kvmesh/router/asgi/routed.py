@@ -65,7 +65,10 @@ class RoutedRequest:
     async def run(self) -> None:
         mesh = self.mesh
         try:
-            raw = await read_body(self.scope, self.receive, mesh.settings.max_body_bytes)
+            settings = mesh.settings
+            raw = await read_body(
+                self.scope, self.receive, settings.max_body_bytes, settings.body_read_timeout
+            )
             if raw is None:
                 return
             # Discovery first: parsing reads the fleet's block size and routable workers.
@@ -120,6 +123,7 @@ class RoutedRequest:
             block_size=registry.block_size or 16,
             lora_of=registry.lora_of,
             clock=time.perf_counter,
+            limits=mesh.nvext_limits,
         )
         if parsed.nvext.pinned_worker is not None:
             check_worker_ids(mesh, parsed.nvext, parsed.override_headers)

@@ -17,7 +17,15 @@ import msgspec
 
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.hashing import block_hashes
-from kvmesh.router.request.nvext import EMPTY, PREFILL_HEADER, WORKER_HEADER, Nvext, parse_nvext
+from kvmesh.router.request.nvext import (
+    DEFAULT_LIMITS,
+    EMPTY,
+    PREFILL_HEADER,
+    WORKER_HEADER,
+    Nvext,
+    NvextLimits,
+    parse_nvext,
+)
 from kvmesh.router.request.tokenizer import Tokenizer, prompt_token_ids
 
 _WORKER_HEADER_B = WORKER_HEADER.encode()
@@ -65,15 +73,52 @@ class ParsedRequest:
         return _encode(out)
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a request body may have. OpenAI bodies (messages, content
+parts, tool schemas) stay well under it; a body nested near Python's recursion limit would pass the
+decoder and then blow the stack of whatever walks it next (a chat template, a re-encode)."""
+
+
 def decode_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body; a 400 for anything else."""
+    """The JSON object of a request body; a 400 for anything else (malformed JSON, invalid UTF-8
+    inside a string, nesting deeper than :data:`MAX_JSON_DEPTH`)."""
     try:
         body = _decode(raw)
     except msgspec.DecodeError as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from None
+        raise RequestError(f"request body is not valid JSON: {e}", field="body") from None
+    except UnicodeDecodeError as e:  # msgspec validates UTF-8 inside strings with the codec's error
+        raise RequestError(
+            f"request body is not valid UTF-8: {e.reason} at byte {e.start}", field="body"
+        ) from None
+    except RecursionError:
+        raise RequestError(
+            f"request body is nested deeper than {MAX_JSON_DEPTH} levels", field="body"
+        ) from None
     if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
+        raise RequestError("request body must be a JSON object", field="body")
+    path = too_deep(body, MAX_JSON_DEPTH)
+    if path is not None:
+        raise RequestError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", field=path)
     return body
+
+
+def too_deep(doc: Any, limit: int) -> str | None:
+    """The top-level key under which ``doc`` nests more than ``limit`` containers deep, else None.
+    Iterative (a recursive walk is what this guards against) and touches containers only."""
+    stack: list[tuple[Any, int, str]] = [(doc, 1, "body")]
+    while stack:
+        node, depth, top = stack.pop()
+        if depth > limit:
+            return top
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(value, (dict, list)):
+                    stack.append((value, depth + 1, key if depth == 1 else top))
+        else:
+            for value in node:
+                if isinstance(value, (dict, list)):
+                    stack.append((value, depth + 1, top))
+    return None
 
 
 def override_headers(headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str] | None:
@@ -94,11 +139,12 @@ def parse_request(
     block_size: int,
     lora_of: Callable[[Any], str | None],
     clock: Callable[[], float],
+    limits: NvextLimits = DEFAULT_LIMITS,
 ) -> ParsedRequest:
     """Decode, validate ``nvext``, and (when ``tokenizer`` is given: KV mode) tokenize and hash."""
     body = decode_body(raw)
     overrides = override_headers(headers)
-    nv = parse_nvext(body, overrides) if ("nvext" in body or overrides) else EMPTY
+    nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
     lora = lora_of(body.get("model"))
     tokens: list[int] = []
     hashes: list[int] = []

@@ -1,9 +1,13 @@
 """Serve a routed request where the router decided: the wrapped app in-process, or a peer over
 kvmesh's HTTP/1.1 client, failing over to the next-best worker while nothing has reached the client.
 
-A connection failure before the worker's first body byte marks the worker down and asks the router
-again without it; after the first byte the client's response has begun, so a break ends that
-response cleanly (an error event for SSE) instead. A client that leaves before the first byte
+A connection failure before the request reached the worker (connect refused, a pooled connection
+found closed) marks the worker down and asks the router again without it. A failure after the
+request was written but before the worker's first body byte is ambiguous: the worker may be
+running it, and a generation must not run twice (upstream/forwarder.py). It is sent elsewhere only
+when the worker then refuses a new connection (it died, and the request with it); a worker that
+still answers gets the client a 502 and no second copy. After the first byte the client's response
+has begun, so a break ends that response cleanly (an error event for SSE) instead. A client that leaves before the first byte
 closes the upstream connection, which tells the worker to abort a prefill nobody waits for.
 """
 
@@ -26,7 +30,13 @@ from kvmesh.router.asgi.tap import ResponseTap
 from kvmesh.router.core.kv_router import Decision
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.parse import ParsedRequest
-from kvmesh.router.upstream.forwarder import ConnectFailed, StreamBroken, UpstreamResponse, end_to_end_headers
+from kvmesh.router.upstream.forwarder import (
+    ConnectFailed,
+    MaybeDelivered,
+    StreamBroken,
+    UpstreamResponse,
+    end_to_end_headers,
+)
 
 ASGIApp = Any
 Scope = dict[str, Any]
@@ -92,6 +102,11 @@ class Dispatch:
                 opened = await self._open_while_client_waits(worker.url, worker_id)
             except ConnectFailed as e:
                 mesh.router.cancel(account.request_id, time.monotonic())
+                if isinstance(e, MaybeDelivered) and await mesh.forwarder.reachable(worker.url):
+                    # Alive, and it may be generating: a second copy elsewhere could run it twice.
+                    mesh.metrics.not_resent.inc()
+                    await self.error(502, f"the worker dropped the request and it was not re-sent: {e}", None)
+                    return
                 mesh.metrics.failovers.inc()
                 tried.add(worker_id)
                 await registry.mark_down(worker_id, str(e))
@@ -162,8 +177,8 @@ class Dispatch:
         except StopAsyncIteration:
             return upstream, None
         except StreamBroken as e:
-            upstream.close()
-            raise ConnectFailed(url, f"failed before the first byte: {e}") from None
+            upstream.close()  # the head came: the worker had the request
+            raise MaybeDelivered(url, f"failed before the first byte: {e}") from None
         except BaseException:  # cancelled: the client left
             upstream.close()
             raise

@@ -238,6 +238,7 @@ class WorkerRegistry:
                     "priority_polarity": info.priority_polarity if info else None,
                     "lora_adapters": sorted(w.adapters),
                     "events_applied": self.feed.events_applied(w.worker_id),
+                    "events": self.feed.status(w.worker_id),
                     "active_requests": sum(r["active_requests"] for r in ranks),
                     "indexed_blocks": sum(r["indexed_blocks"] for r in ranks),
                     "ranks": ranks,

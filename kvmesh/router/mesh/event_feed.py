@@ -18,7 +18,7 @@ For one worker the feed
    logged at warning level and counted (``kvmesh_kv_event_faults_total{fault="stale"}``); it is
    live again with the next batch the stream itself delivers;
 6. turns the subscribers' fault counts (gaps, batches recovered by replay, malformed messages,
-   resets) into ``kvmesh_kv_event_faults_total`` and ``GET /kvmesh/workers`` at each check, with a
+   duplicates skipped, resets) into ``kvmesh_kv_event_faults_total`` and ``GET /kvmesh/workers`` at each check, with a
    warning for every repaired gap, so a stream that needs repair never does so silently.
 
 The registry decides *when* (admission, health checks, removal); this module knows *how*.
@@ -48,6 +48,7 @@ _FAULTS: dict[str, tuple[str, ...]] = {
     "gap": ("gaps",),
     "replayed": ("replayed",),
     "malformed": ("malformed",),
+    "duplicate": ("duplicates",),
     "reset": ("unrecoverable", "restarts"),
 }
 _MISSES_FOR_STALE = 2  # probes in a row that found batches the live stream never delivered

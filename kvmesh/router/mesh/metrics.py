@@ -180,7 +180,7 @@ class Metrics:
         self.event_faults = Counter(
             "kvmesh_kv_event_faults_total",
             "KV-event stream faults per worker: gap (sequence skipped), replayed (batches recovered "
-            "by replay), malformed (undecodable message), reset (index re-synced from kv_state), "
+            "by replay), malformed (undecodable message), duplicate (skipped), reset (index re-synced from kv_state), "
             "stale (event path silent while HTTP answered)",
             ["worker", "fault"],
             registry=registry,

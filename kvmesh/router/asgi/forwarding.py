@@ -157,9 +157,15 @@ class Dispatch:
             gone.cancel()
         if opening.done():
             return opening.result()
-        opening.cancel()
+        # Cancel until it ends: a cancellation can be lost when it meets a connect that just
+        # completed (asyncio.wait_for before Python 3.12), and the request would then be written
+        # and left running on the worker with nobody to read it.
+        while not opening.done():
+            opening.cancel()
+            await asyncio.wait((opening,), timeout=0.1)
         with contextlib.suppress(asyncio.CancelledError, KvMeshError):
-            await opening
+            opened = opening.result()
+            opened[0].close()  # it got through after all: the worker must see the disconnect
         return None
 
     async def _open(self, url: str, worker_id: str) -> tuple[UpstreamResponse, bytes | None]:

@@ -52,6 +52,10 @@ class ParsedRequest:
     lora: str | None
     tokenize_secs: float = 0.0
     hash_secs: float = 0.0
+    cache_keyed: str | None = None
+    """Why the engine keys this prompt's cache by more than its tokens, or None. Then ``hashes``
+    live in a namespace of their own (:func:`cache_namespace`): they match only requests with the
+    same salt, media or template arguments, never the plain prefix with equal tokens."""
 
     @property
     def isl(self) -> int:
@@ -149,13 +153,49 @@ def parse_request(
     tokens: list[int] = []
     hashes: list[int] = []
     tokenize_secs = hash_secs = 0.0
+    keyed = cache_keyed(body)
     if tokenizer is not None:
         t0 = clock()
         tokens = prompt_tokens(tokenizer, body, endpoint)
         t1 = clock()
-        hashes = block_hashes(tokens, block_size, lora)
+        namespace = lora if keyed is None else cache_namespace(body, keyed, lora)
+        hashes = block_hashes(tokens, block_size, namespace)
         tokenize_secs, hash_secs = t1 - t0, clock() - t1
-    return ParsedRequest(endpoint, raw, body, nv, overrides, tokens, hashes, lora, tokenize_secs, hash_secs)
+    return ParsedRequest(
+        endpoint, raw, body, nv, overrides, tokens, hashes, lora, tokenize_secs, hash_secs, keyed
+    )
+
+
+# Non-text content parts: the engine's cache keys their blocks by the media's hash as well.
+_TEXT_PARTS = frozenset(("text", "input_text"))
+
+
+def cache_keyed(body: dict[str, Any]) -> str | None:
+    """Why this request's KV blocks are keyed by more than the token ids the router hashes, else
+    None: a ``cache_salt`` (vLLM and SGLang give the salted prompt a cache of its own), media in
+    the messages (vLLM keys those blocks by the media hash), or ``chat_template_kwargs`` (the
+    engine renders the prompt with them, the router's tokenizer does not). The engine's events
+    for such blocks are not indexed (``BlockStored.keyed_from``), so these requests get prefix
+    credit only from what the router itself predicts (approximate mode, predict-on-route), and
+    only among requests keyed the same way."""
+    salt = body.get("cache_salt")
+    if salt is not None and salt != "":
+        return "cache_salt"
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and kwargs != {}:
+        return "chat_template_kwargs"
+    for key in ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds"):
+        if body.get(key) is not None:
+            return key
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and part.get("type", "text") not in _TEXT_PARTS:
+                        return "multimodal content"
+    return None
 
 
 def prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any], endpoint: str) -> list[int]:
@@ -169,3 +209,21 @@ def prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any], endpoint: str) -> 
     except Exception as e:
         field = "messages" if endpoint.endswith("chat/completions") else "prompt"
         raise RequestError(f"the prompt could not be tokenized: {e!r}", field=field) from None
+
+
+def cache_namespace(body: dict[str, Any], reason: str, lora: str | None) -> str:
+    """The hash namespace of a request keyed by more than its tokens: the adapter name (the seed
+    of every block hash) extended with what keys the cache, so equal tokens under another salt,
+    other media or other template arguments never share a block hash."""
+    if reason == "cache_salt":
+        material: Any = body.get("cache_salt")
+    elif reason == "multimodal content":
+        material = [m.get("content") for m in body.get("messages", ()) if isinstance(m, dict)]
+    else:
+        material = body.get(reason)
+    key = material if isinstance(material, str) else _encode_sorted(material).decode()
+    return f"{lora or ''}\x1f{reason}\x1f{key}"
+
+
+def _encode_sorted(value: Any) -> bytes:
+    return msgspec.json.encode(value, order="sorted")

@@ -413,16 +413,19 @@ async def test_router_does_not_send_a_generation_twice_when_a_live_worker_drops_
             return
 
     other = EngineState("other")
-    async with raw_server(drop_posts) as raw, serve(engine_app(other)) as b:
-        async with router_for(raw.url, b.url) as front:
-            statuses = []
-            for i in range(2):  # round robin: one of the two lands on the dropping worker
-                async with http.post(front + "/v1/chat/completions", json=chat(f"q{i}")) as r:
-                    statuses.append(r.status)
-                    doc = await r.json()
-                    if r.status == 502:
-                        assert "not re-sent" in doc["error"]["message"]
-            assert sorted(statuses) == [200, 502]
-            assert len(posts) == 1  # the dropped request reached a worker once, and only once
-            assert len(other.received) == 1
-            assert await _load(http, front) == 0
+    async with (
+        raw_server(drop_posts) as raw,
+        serve(engine_app(other)) as b,
+        router_for(raw.url, b.url) as front,
+    ):
+        statuses = []
+        for i in range(2):  # round robin: one of the two lands on the dropping worker
+            async with http.post(front + "/v1/chat/completions", json=chat(f"q{i}")) as r:
+                statuses.append(r.status)
+                doc = await r.json()
+                if r.status == 502:
+                    assert "not re-sent" in doc["error"]["message"]
+        assert sorted(statuses) == [200, 502]
+        assert len(posts) == 1  # the dropped request reached a worker once, and only once
+        assert len(other.received) == 1
+        assert await _load(http, front) == 0

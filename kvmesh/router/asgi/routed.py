@@ -31,7 +31,14 @@ Scope = dict[str, Any]
 _QUEUE_TIMEOUT = 120.0
 # kvmesh_requests_total children by (counter, endpoint, route, status): labels() costs more than inc().
 _REQUEST_COUNTERS: dict[tuple[Any, str, str, int], Any] = {}
-_REJECT_STATUS = {"busy": 503, "queue_full": 429, "unknown_worker": 400, "no_workers": 503, "no_target": 503}
+_REJECT_STATUS = {
+    "busy": 503,
+    "queue_full": 429,
+    "unknown_worker": 400,
+    "no_workers": 503,
+    "no_target": 503,
+    "session_limit": 429,
+}
 
 
 def check_worker_ids(mesh: Mesh, nv: Nvext, headers: dict[str, str] | None) -> None:
@@ -88,6 +95,19 @@ class RoutedRequest:
             )
             if decision is None:
                 return
+            ttl = parsed.nvext.cache_ttl
+            if (
+                ttl is not None
+                and mesh.kv_mode
+                and not mesh.take_pin(decision.worker[0], ttl, time.monotonic())
+            ):
+                mesh.router.cancel(account.request_id, time.monotonic())
+                raise RequestError(
+                    f"worker {decision.worker[0]!r} holds its maximum of "
+                    f"{mesh.config.router_max_pins_per_worker} cache_control pins",
+                    field="nvext.cache_control",
+                    status=429,
+                )
             self._side_calls(decision, parsed)
 
             async def reroute(allowed: frozenset[str]) -> Decision | None:
@@ -154,6 +174,7 @@ class RoutedRequest:
             session_timeout=session.timeout if session else None,
             allowed_workers=registry.routable if parsed.lora is None else registry.adapters[parsed.lora],
             lora_name=parsed.lora,
+            client=_client(self.scope),
         )
 
     def _route(self, request: RouteRequest, account: RoutedAccount) -> RouteResult:
@@ -215,7 +236,9 @@ class RoutedRequest:
             )
             return
         status = _REJECT_STATUS.get(rejected.reason, 503)
-        field = "nvext.backend_instance_id" if rejected.reason == "unknown_worker" else None
+        field = {"unknown_worker": "nvext.backend_instance_id", "session_limit": "nvext.session_control"}.get(
+            rejected.reason
+        )
         retry = rejected.retry_after
         if retry is None and status != 400:
             retry = mesh.config.busy_retry_after_secs
@@ -262,3 +285,9 @@ class RoutedRequest:
         scope = self.scope if body is parsed.raw_body else replace_body(self.scope, body)
         self._count("local", 0)
         await self.app(scope, replay_body(body, self.receive), self.send)
+
+
+def _client(scope: Scope) -> str | None:
+    """The client's address (host only: one client may use many ports)."""
+    client = scope.get("client")
+    return str(client[0]) if client else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import logging
 import os
@@ -116,6 +117,7 @@ class Mesh:
                     "replica's load view twice until they end (docs/security.md)"
                 )
         self._peer_endpoints: dict[WorkerId, str] = {}
+        self._pins: dict[WorkerId, list[float]] = {}  # per worker: a heap of pin expiries
         self._peer_retry: dict[WorkerId, float] = {}
         self._discovery: asyncio.Task[None] | None = None
         self.waiters: dict[str, asyncio.Future[Decision]] = {}
@@ -297,6 +299,17 @@ class Mesh:
     async def close_session(self, worker_id: WorkerId, session_id: str) -> Any:
         w = self.registry.rpc_target(worker_id)
         return None if w is None else await self.rpc.close_session(worker_id, w.url, session_id)
+
+    def take_pin(self, worker_id: WorkerId, ttl_seconds: float, now: float) -> bool:
+        """Count a ``cache_control`` pin on ``worker_id`` for ``ttl_seconds``; False when the worker
+        already holds ``--router-max-pins-per-worker`` live pins asked for by this router."""
+        expiries = self._pins.setdefault(worker_id, [])
+        while expiries and expiries[0] <= now:
+            heapq.heappop(expiries)
+        if len(expiries) >= self.config.router_max_pins_per_worker:
+            return False
+        heapq.heappush(expiries, now + ttl_seconds)
+        return True
 
     async def pin_prefix(self, worker_id: WorkerId, token_ids: list[int], ttl_seconds: float) -> Any:
         w = self.registry.rpc_target(worker_id)

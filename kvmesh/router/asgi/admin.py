@@ -83,16 +83,23 @@ async def _json_body(request: Request) -> Any:
         chunks.append(chunk)
     try:
         return msgspec.json.decode(b"".join(chunks))
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         raise _BadBody("body must be a JSON object") from None
 
 
 def build_admin_app(mesh: Mesh) -> Router:
     """The admin routes over ``mesh``; every one behind the admin token when one is set."""
 
-    def guarded(endpoint: Any) -> Any:
+    def guarded(endpoint: Any, *, peers_too: bool = False) -> Any:
+        """``peers_too``: the worker token (what replicas present to each other) opens it as well."""
+
         async def checked(request: Request) -> Response:
-            if not token_matches(mesh.settings.admin_token, request.scope["headers"]):
+            headers = request.scope["headers"]
+            settings = mesh.settings
+            allowed = token_matches(settings.admin_token, headers) or (
+                peers_too and bool(settings.worker_token) and token_matches(settings.worker_token, headers)
+            )
+            if not allowed:
                 return _error(401, "admin token missing or wrong")
             await mesh.ensure_started()
             await mesh.wait_ready()
@@ -171,7 +178,7 @@ def build_admin_app(mesh: Mesh) -> Router:
             Route(WORKERS_PATH, guarded(list_workers), methods=["GET"]),
             Route(WORKERS_PATH, guarded(add_worker), methods=["POST"]),
             Route(_WORKER_PREFIX + "{worker_id:path}", guarded(remove_worker), methods=["DELETE"]),
-            Route(ROUTER_PATH, guarded(describe_router), methods=["GET"]),
+            Route(ROUTER_PATH, guarded(describe_router, peers_too=True), methods=["GET"]),
             Route(BUSY_PATH, guarded(get_thresholds), methods=["GET"]),
             Route(BUSY_PATH, guarded(set_thresholds), methods=["POST"]),
         ]

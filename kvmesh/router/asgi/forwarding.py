@@ -6,9 +6,13 @@ for a turn of a session, its session in the engine's own way: the ``X-Session-ID
 the TensorRT-LLM adapter and the mock read it too), added here so that every deployment (the
 standalone router, any ASGI app, an embedded engine) tags the turn, in-process or forwarded.
 
-A connection failure before the worker's first body byte marks the worker down and asks the router
-again without it; after the first byte the client's response has begun, so a break ends that
-response cleanly (an error event for SSE) instead. A client that leaves before the first byte
+A connection failure before the request reached the worker (connect refused, a pooled connection
+found closed) marks the worker down and asks the router again without it. A failure after the
+request was written but before the worker's first body byte is ambiguous: the worker may be
+running it, and a generation must not run twice (upstream/forwarder.py). It is sent elsewhere only
+when the worker then refuses a new connection (it died, and the request with it); a worker that
+still answers gets the client a 502 and no second copy. After the first byte the client's response
+has begun, so a break ends that response cleanly (an error event for SSE) instead. A client that leaves before the first byte
 closes the upstream connection, which tells the worker to abort a prefill nobody waits for.
 """
 
@@ -26,17 +30,22 @@ from kvmesh._http import error_body, replay_body, wait_disconnect
 from kvmesh.errors import KvMeshError, RequestError
 from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.json_io import send_error
+from kvmesh.router.asgi.peer_auth import HOP_HEADER, REQUEST_ID_HEADER, hop_headers, strip_internal
 from kvmesh.router.asgi.tap import ResponseTap
 from kvmesh.router.core.kv_router import Decision
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.parse import ParsedRequest
-from kvmesh.router.upstream.forwarder import ConnectFailed, StreamBroken, UpstreamResponse, end_to_end_headers
+from kvmesh.router.upstream.forwarder import (
+    ConnectFailed,
+    MaybeDelivered,
+    StreamBroken,
+    UpstreamResponse,
+    end_to_end_headers,
+)
 
 ASGIApp = Any
 Scope = dict[str, Any]
-HOP_HEADER = b"x-kvmesh-hop"
-# The forwarding replica's request id: the peer counts the request under it, as replica sync does.
-REQUEST_ID_HEADER = b"x-kvmesh-request-id"
+__all__ = ["HOP_HEADER", "REQUEST_ID_HEADER", "WORKER_ID_HEADER", "Dispatch", "replace_body"]
 WORKER_ID_HEADER = b"x-kvmesh-worker-id"
 SESSION_HEADER = b"x-session-id"
 
@@ -126,6 +135,11 @@ class Dispatch:
                 opened = await self._open_while_client_waits(worker.url, worker_id, body)
             except ConnectFailed as e:
                 mesh.router.cancel(account.request_id, time.monotonic())
+                if isinstance(e, MaybeDelivered) and await mesh.forwarder.reachable(worker.url):
+                    # Alive, and it may be generating: a second copy elsewhere could run it twice.
+                    mesh.metrics.not_resent.inc()
+                    await self.error(502, f"the worker dropped the request and it was not re-sent: {e}", None)
+                    return
                 mesh.metrics.failovers.inc()
                 tried.add(worker_id)
                 await registry.mark_down(worker_id, str(e))
@@ -193,19 +207,26 @@ class Dispatch:
             gone.cancel()
         if opening.done():
             return opening.result()
-        opening.cancel()
+        # Cancel until it ends: a cancellation can be lost when it meets a connect that just
+        # completed (asyncio.wait_for before Python 3.12), and the request would then be written
+        # and left running on the worker with nobody to read it.
+        while not opening.done():
+            opening.cancel()
+            await asyncio.wait((opening,), timeout=0.1)
         with contextlib.suppress(asyncio.CancelledError, KvMeshError):
-            await opening
+            opened = opening.result()
+            opened[0].close()  # it got through after all: the worker must see the disconnect
         return None
 
     async def _open(self, url: str, body: bytes) -> tuple[UpstreamResponse, bytes | None]:
         """Send upstream and wait for the first body bytes: until then a failure may fail over."""
-        headers = end_to_end_headers(self.scope["headers"], REQUEST_ID_HEADER)
+        # The peer counts the load under our request id; the proof (with a mesh secret) tells it
+        # the headers come from a replica, not a client (peer_auth).
+        headers = strip_internal(end_to_end_headers(self.scope["headers"]))
         tag = session_header(self.parsed, headers)
         if tag is not None:
             headers.append(tag)
-        headers.append((HOP_HEADER, self.mesh.replica.encode()))
-        headers.append((REQUEST_ID_HEADER, self.account.request_id.encode()))
+        headers += hop_headers(self.mesh.settings.mesh_secret, self.mesh.replica, self.account.request_id)
         path = self.parsed.endpoint
         if self.scope.get("query_string"):
             path += "?" + self.scope["query_string"].decode("latin-1")
@@ -215,8 +236,8 @@ class Dispatch:
         except StopAsyncIteration:
             return upstream, None
         except StreamBroken as e:
-            upstream.close()
-            raise ConnectFailed(url, f"failed before the first byte: {e}") from None
+            upstream.close()  # the head came: the worker had the request
+            raise MaybeDelivered(url, f"failed before the first byte: {e}") from None
         except BaseException:  # cancelled: the client left
             upstream.close()
             raise

@@ -33,7 +33,14 @@ Scope = dict[str, Any]
 _QUEUE_TIMEOUT = 120.0
 # kvmesh_requests_total children by (counter, endpoint, route, status): labels() costs more than inc().
 _REQUEST_COUNTERS: dict[tuple[Any, str, str, int], Any] = {}
-_REJECT_STATUS = {"busy": 503, "queue_full": 429, "unknown_worker": 400, "no_workers": 503, "no_target": 503}
+_REJECT_STATUS = {
+    "busy": 503,
+    "queue_full": 429,
+    "unknown_worker": 400,
+    "no_workers": 503,
+    "no_target": 503,
+    "session_limit": 429,
+}
 
 
 def check_worker_ids(mesh: Mesh, nv: Nvext, headers: dict[str, str] | None) -> None:
@@ -67,7 +74,10 @@ class RoutedRequest:
     async def run(self) -> None:
         mesh = self.mesh
         try:
-            raw = await read_body(self.scope, self.receive, mesh.settings.max_body_bytes)
+            settings = mesh.settings
+            raw = await read_body(
+                self.scope, self.receive, settings.max_body_bytes, settings.body_read_timeout
+            )
             if raw is None:
                 return
             # Discovery first: parsing reads the fleet's block size and routable workers.
@@ -106,6 +116,7 @@ class RoutedRequest:
             block_size=registry.block_size or 16,
             lora_of=registry.lora_of,
             clock=time.perf_counter,
+            limits=mesh.nvext_limits,
         )
         nv = parsed.nvext
         if nv.pinned_worker is not None:
@@ -154,12 +165,23 @@ class RoutedRequest:
             session_timeout=session.timeout if session else None,
             allowed_workers=registry.routable if parsed.lora is None else registry.adapters[parsed.lora],
             lora_name=parsed.lora,
+            client=_client(self.scope),
         )
 
     async def dispatch(
         self, decision: Decision, parsed: ParsedRequest, account: RoutedAccount, request: RouteRequest
     ) -> None:
         """Serve on the decided worker (its session opened first), failing over if it is gone."""
+        mesh = self.mesh
+        ttl = parsed.nvext.cache_ttl
+        if ttl is not None and mesh.kv_mode and not mesh.take_pin(decision.worker[0], ttl, time.monotonic()):
+            mesh.router.cancel(account.request_id, time.monotonic())
+            raise RequestError(
+                f"worker {decision.worker[0]!r} holds its maximum of "
+                f"{mesh.config.router_max_pins_per_worker} cache_control pins",
+                field="nvext.cache_control",
+                status=429,
+            )
         if not await self._open_session(decision, parsed, account):
             return
 
@@ -240,7 +262,9 @@ class RoutedRequest:
             )
             return
         status = _REJECT_STATUS.get(rejected.reason, 503)
-        field = "nvext.backend_instance_id" if rejected.reason == "unknown_worker" else None
+        field = {"unknown_worker": "nvext.backend_instance_id", "session_limit": "nvext.session_control"}.get(
+            rejected.reason
+        )
         retry = rejected.retry_after
         if retry is None and status != 400:
             retry = mesh.config.busy_retry_after_secs
@@ -305,3 +329,9 @@ class RoutedRequest:
             scope = {**scope, "headers": [*scope["headers"], tag]}
         self._count("local", 0)
         await self.app(scope, replay_body(body, self.receive), self.send)
+
+
+def _client(scope: Scope) -> str | None:
+    """The client's address (host only: one client may use many ports)."""
+    client = scope.get("client")
+    return str(client[0]) if client else None

@@ -81,6 +81,12 @@ class RouterConfig:
     # replicas and sessions
     router_replica_sync: bool = False
     router_session_timeout_secs: float = 300.0
+    # limits on what one client can make the router hold (each refusal is a 4xx naming the field)
+    router_session_id_max_len: int = 256
+    router_session_timeout_max_secs: float = 86400.0
+    router_max_sessions: int = 100_000
+    router_max_sessions_per_client: int = 1_000
+    router_max_pins_per_worker: int = 10_000
     load_aware: bool = False
     # agent features
     enable_cache_control: bool = False
@@ -426,6 +432,42 @@ _FLAGS: tuple[Setting, ...] = (
         "default session affinity lifetime when a request gives none",
         0.0,
         low_open=True,
+    ),
+    _flag(
+        "router_session_id_max_len",
+        "--router-session-id-max-len",
+        int,
+        "longest nvext.session_control.session_id accepted (400 beyond)",
+        1.0,
+    ),
+    _flag(
+        "router_session_timeout_max_secs",
+        "--router-session-timeout-max-secs",
+        float,
+        "largest nvext.session_control.timeout accepted (400 beyond)",
+        0.0,
+        low_open=True,
+    ),
+    _flag(
+        "router_max_sessions",
+        "--router-max-sessions",
+        int,
+        "live sessions the router holds in total; a new one beyond is refused (429)",
+        1.0,
+    ),
+    _flag(
+        "router_max_sessions_per_client",
+        "--router-max-sessions-per-client",
+        int,
+        "live sessions one client address may hold; a new one beyond is refused (429)",
+        1.0,
+    ),
+    _flag(
+        "router_max_pins_per_worker",
+        "--router-max-pins-per-worker",
+        int,
+        "live cache_control pins the router asks one worker to hold; a new one beyond is refused (429)",
+        1.0,
     ),
     _flag(
         "load_aware",

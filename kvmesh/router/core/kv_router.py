@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     import random
 
 SessionAction = Literal["open", "close", "bind"]
-RejectReason = Literal["busy", "queue_full", "unknown_worker", "no_workers", "no_target"]
+RejectReason = Literal["busy", "queue_full", "unknown_worker", "no_workers", "no_target", "session_limit"]
 DecisionReason = Literal["kv", "pinned", "session", "round-robin", "random", "direct"]
 
 
@@ -81,6 +81,8 @@ class RouteRequest:
     session_timeout: float | None = None
     allowed_workers: frozenset[WorkerId] | None = None
     """Restrict candidates (e.g. healthy workers only); None means every registered worker."""
+    client: str | None = None
+    """Who sent it (the client address): the owner of a session it opens, for the per-client limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,6 +418,10 @@ class KvRouter:
                         self._sessions.bind(req.session_id, bound, now, req.session_timeout)
                     self._tell_session(req.session_id, bound)
                 return self._decide(req, [bound], now, None, "session", filter_busy=False)
+            if req.session_action in ("open", "bind"):
+                refused = self._session_room(req)
+                if refused is not None:
+                    return refused
         if req.backend_instance_id is not None:
             info = self._workers.get(req.backend_instance_id)
             if info is None or (req.dp_rank is not None and not 0 <= req.dp_rank < info.dp_size):
@@ -716,7 +722,7 @@ class KvRouter:
         if self.observer is not None:
             self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
         if req.session_id is not None and req.session_action in ("open", "bind"):
-            self._sessions.bind(req.session_id, worker, now, req.session_timeout)
+            self._sessions.bind(req.session_id, worker, now, req.session_timeout, req.client)
             self._tell_session(req.session_id, worker)
         bs = self._block_size or 1
         return Decision(
@@ -745,6 +751,28 @@ class KvRouter:
     def session_worker(self, session_id: str) -> WorkerKey | None:
         """The worker a live session is bound to (no expiry slide), for tests and the admin view."""
         return self._sessions.peek(session_id)
+
+    def _session_room(self, req: RouteRequest) -> Rejected | None:
+        """Refuse a new session past ``--router-max-sessions`` or, for its client, past
+        ``--router-max-sessions-per-client`` (each one holds router memory and engine blocks)."""
+        sessions = self._sessions
+        if req.session_id in sessions:
+            return None
+        cfg = self.config
+        if len(sessions) >= cfg.router_max_sessions:
+            return Rejected(
+                req.request_id,
+                "session_limit",
+                f"the router holds its maximum of {cfg.router_max_sessions} sessions",
+                1.0,
+            )
+        if req.client is not None and sessions.owned_by(req.client) >= cfg.router_max_sessions_per_client:
+            return Rejected(
+                req.request_id,
+                "session_limit",
+                f"this client holds its maximum of {cfg.router_max_sessions_per_client} sessions; close one first",
+            )
+        return None
 
     def _reason_for(self, req: RouteRequest) -> DecisionReason:
         if req.session_id is not None and req.session_id in self._sessions and req.session_action != "open":

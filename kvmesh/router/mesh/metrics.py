@@ -245,6 +245,20 @@ class Metrics:
             ["outcome"],
             registry=registry,
         )
+        self.not_resent = Counter(
+            "kvmesh_requests_not_resent_total",
+            "Forwarded requests a live worker dropped after receiving them, answered 502 rather than "
+            "sent twice",
+            registry=registry,
+        )
+        self.event_faults = Counter(
+            "kvmesh_kv_event_faults_total",
+            "KV-event stream faults per worker: gap (sequence skipped), replayed (batches recovered "
+            "by replay), malformed (undecodable message), duplicate (skipped), reset (index re-synced from kv_state), "
+            "stale (event path silent while HTTP answered)",
+            ["worker", "fault"],
+            registry=registry,
+        )
         self.worker_state_changes = Counter(
             "kvmesh_worker_state_changes_total", "Worker health transitions", ["state"], registry=registry
         )

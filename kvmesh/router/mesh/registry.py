@@ -290,6 +290,7 @@ class WorkerRegistry:
                     "role": info.role if info else w.spec.role,
                     "lora_adapters": sorted(w.adapters),
                     "events_applied": self.feed.events_applied(w.worker_id),
+                    "events": self.feed.status(w.worker_id),
                     "active_requests": sum(r["active_requests"] for r in ranks),
                     "indexed_blocks": sum(r["indexed_blocks"] for r in ranks),
                     "ranks": ranks,

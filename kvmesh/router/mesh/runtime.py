@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import logging
 import os
@@ -34,6 +35,7 @@ from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.replica_sync import ReplicaSync
 from kvmesh.router.mesh.settings import MeshSettings
 from kvmesh.router.mesh.worker_rpc import ADMIN_TOKEN_HEADER, WorkerRpc
+from kvmesh.router.request.nvext import NvextLimits
 from kvmesh.router.request.tokenizer import BuiltinTokenizer, HfTokenizer, Tokenizer
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
 
@@ -82,7 +84,7 @@ class Mesh:
             self.forwarder,
             timeout=settings.connect_timeout,
             state_timeout=settings.kv_state_timeout,
-            token=settings.admin_token,
+            token=settings.worker_token,  # never the admin token: that one guards this router
             local_id=settings.self_worker_id,
             local_app=self.local_app,
         )
@@ -111,6 +113,10 @@ class Mesh:
         self.epoch = int.from_bytes(os.urandom(4), "big")
         self._id_prefix = f"{self.replica}-{self.epoch:08x}-"
         self.kv_mode = self.config.router_mode == "kv"
+        self.nvext_limits = NvextLimits(
+            session_id_max_len=self.config.router_session_id_max_len,
+            session_timeout_max=self.config.router_session_timeout_max_secs,
+        )
         self.sync: ReplicaSync | None = None
         if self.config.router_replica_sync and self.kv_mode:
             host = urlsplit(settings.self_url).hostname if settings.self_url else None
@@ -123,7 +129,14 @@ class Mesh:
                 interval=min(settings.health_interval, 1.0),
                 nats=self.nats,
             )
+            if not settings.mesh_secret and settings.self_worker_id is not None:
+                logger.warning(
+                    "kvmesh: replica sync without a mesh secret (KVMESH_MESH_SECRET): requests forwarded "
+                    "to this engine cannot be proven to come from a replica, so they count in this "
+                    "replica's load view twice until they end (docs/security.md)"
+                )
         self._peer_endpoints: dict[WorkerId, str] = {}
+        self._pins: dict[WorkerId, list[float]] = {}  # per worker: a heap of pin expiries
         self._peer_retry: dict[WorkerId, float] = {}
         self._discovery: asyncio.Task[None] | None = None
         self.waiters: dict[str, asyncio.Future[Decision]] = {}
@@ -289,7 +302,10 @@ class Mesh:
         worker = self.registry.get(worker_id)
         if worker is None:
             return None
-        headers = {ADMIN_TOKEN_HEADER: self.settings.admin_token} if self.settings.admin_token else None
+        # A peer's replica description is asked for with the worker token: the admin token guards
+        # this router alone and is never sent anywhere.
+        token = self.settings.worker_token
+        headers = {ADMIN_TOKEN_HEADER: token} if token else None
         try:
             doc = await self.forwarder.get_json(
                 worker.url + ROUTER_PATH, timeout=self.settings.connect_timeout, headers=headers
@@ -357,6 +373,17 @@ class Mesh:
     async def close_session(self, worker_id: WorkerId, session_id: str) -> Any:
         w = self.registry.rpc_target(worker_id)
         return None if w is None else await self.rpc.close_session(worker_id, w.url, session_id)
+
+    def take_pin(self, worker_id: WorkerId, ttl_seconds: float, now: float) -> bool:
+        """Count a ``cache_control`` pin on ``worker_id`` for ``ttl_seconds``; False when the worker
+        already holds ``--router-max-pins-per-worker`` live pins asked for by this router."""
+        expiries = self._pins.setdefault(worker_id, [])
+        while expiries and expiries[0] <= now:
+            heapq.heappop(expiries)
+        if len(expiries) >= self.config.router_max_pins_per_worker:
+            return False
+        heapq.heappush(expiries, now + ttl_seconds)
+        return True
 
     async def pin_prefix(self, worker_id: WorkerId, token_ids: list[int], ttl_seconds: float) -> Any:
         w = self.registry.rpc_target(worker_id)

@@ -34,6 +34,21 @@ PREFILL_HEADER = "x-prefill-instance-id"
 
 CACHE_TTL_MIN = 300.0
 CACHE_TTL_MAX = 3600.0
+# Integer hints reach the engine (priority) and float arithmetic (queue keys, output decay): a
+# 32-bit range is what engines schedule with, and every value in it converts to a float exactly.
+INT_HINT_MIN = -(2**31)
+INT_HINT_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class NvextLimits:
+    """Bounds on what a client may ask for (the router's flags set them; see RouterConfig)."""
+
+    session_id_max_len: int = 256
+    session_timeout_max: float = 86400.0
+
+
+DEFAULT_LIMITS = NvextLimits()
 
 SessionAction = Literal["open", "close", "bind"]
 _ACTIONS: frozenset[str] = frozenset(("open", "close", "bind"))
@@ -128,7 +143,9 @@ class Nvext:
 EMPTY = Nvext()
 
 
-def parse_nvext(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Nvext:
+def parse_nvext(
+    body: Mapping[str, Any], headers: Mapping[str, str] | None = None, limits: NvextLimits = DEFAULT_LIMITS
+) -> Nvext:
     """Validate ``body["nvext"]`` and the override headers; raise NvextError naming the field."""
     raw = body.get("nvext")
     header_worker = _header_id(headers, WORKER_HEADER)
@@ -148,7 +165,7 @@ def parse_nvext(body: Mapping[str, Any], headers: Mapping[str, str] | None = Non
         want_worker_id=want_worker_id,
         want_timing=want_timing,
         hints=_agent_hints(raw.get("agent_hints")),
-        session=_session_control(raw.get("session_control")),
+        session=_session_control(raw.get("session_control"), limits),
         cache_ttl=_cache_control(raw.get("cache_control")),
         greedy=_flag(raw, "greed_sampling"),
         use_raw_prompt=_flag(raw, "use_raw_prompt"),
@@ -261,19 +278,26 @@ def _extra_fields(value: Any) -> tuple[bool, bool]:
 
 
 def _number(value: Any, field: str, *, lo: float | None = None, hi: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise NvextError(f"{field} must be a finite number", field=field)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    try:
+        number = float(value)  # a JSON integer literal may exceed every float
+    except OverflowError:
+        raise NvextError(f"{field} must be a finite number", field=field) from None
+    if not math.isfinite(number):
+        raise NvextError(f"{field} must be a finite number", field=field)
+    if (lo is not None and number < lo) or (hi is not None and number > hi):
         bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise NvextError(f"{field} must be in {bounds}, got {value}", field=field)
-    return float(value)
+        raise NvextError(f"{field} must be in {bounds}, got {number:g}", field=field)
+    return number
 
 
-def _integer(value: Any, field: str, *, lo: int | None = None) -> int:
+def _integer(value: Any, field: str, *, lo: int = INT_HINT_MIN, hi: int = INT_HINT_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise NvextError(f"{field} must be an integer", field=field)
-    if lo is not None and value < lo:
-        raise NvextError(f"{field} must be >= {lo}, got {value}", field=field)
+    if not lo <= value <= hi:
+        shown = value if abs(value) < 10**30 else f"an integer of {value.bit_length()} bits"
+        raise NvextError(f"{field} must be in [{lo}, {hi}], got {shown}", field=field)
     return value
 
 
@@ -315,7 +339,7 @@ def _agent_hints(value: Any) -> AgentHints:
     )
 
 
-def _session_control(value: Any) -> SessionControl | None:
+def _session_control(value: Any, limits: NvextLimits) -> SessionControl | None:
     if value is None:
         return None
     f = "nvext.session_control."
@@ -325,14 +349,23 @@ def _session_control(value: Any) -> SessionControl | None:
     session_id = value.get("session_id")
     if not isinstance(session_id, str) or not session_id:
         raise NvextError(f"{f}session_id must be a non-empty string", field=f + "session_id")
+    if len(session_id) > limits.session_id_max_len:
+        raise NvextError(
+            f"{f}session_id is longer than {limits.session_id_max_len} characters", field=f + "session_id"
+        )
     action = value.get("action", "bind")
-    if action not in _ACTIONS:
-        raise NvextError(f"{f}action must be one of open, close, bind; got {action!r}", field=f + "action")
+    if not isinstance(action, str) or action not in _ACTIONS:
+        shown = (
+            repr(action) if isinstance(action, str) and len(action) <= 64 else f"a {type(action).__name__}"
+        )
+        raise NvextError(f"{f}action must be one of open, close, bind; got {shown}", field=f + "action")
     timeout = value.get("timeout")
     return SessionControl(
         session_id=session_id,
-        action=action,
-        timeout=None if timeout is None else _number(timeout, f + "timeout", lo=0.001),
+        action=action,  # type: ignore[arg-type]  # checked against _ACTIONS just above
+        timeout=None
+        if timeout is None
+        else _number(timeout, f + "timeout", lo=0.001, hi=limits.session_timeout_max),
     )
 
 

@@ -152,3 +152,25 @@ async def test_a_data_line_split_anywhere_is_read_whole_and_crlf_lines_count() -
     await tap({"type": "http.response.body", "body": b"", "more_body": False})
     assert b"".join(m["body"] for m in rec.sent[1:]) == stream
     assert rec.calls == ["first", "events:1", "events:1", "end:True"]
+
+
+async def test_a_usage_key_that_is_not_the_events_own_is_not_usage() -> None:
+    """The bytes ``"usage"`` only make the tap decode the event; a ``usage`` nested in a tool call
+    or a logprob is not the event's usage (a substring match took it for one)."""
+    rec = Recorder()
+    tap = ResponseTap(rec.send, rec)
+    nested = {
+        "id": "c1",
+        "choices": [
+            {
+                "delta": {
+                    "tool_calls": [{"function": {"usage": {"prompt_tokens_details": {"cached_tokens": 5}}}}]
+                }
+            }
+        ],
+    }
+    await tap(SSE_HEAD)
+    await tap(
+        {"type": "http.response.body", "body": _event(nested) + b"data: [DONE]\n\n", "more_body": False}
+    )
+    assert not any(c.startswith("cached:") for c in rec.calls)

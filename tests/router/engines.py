@@ -35,6 +35,7 @@ class EngineState:
     text: str | None = None  # each streamed chunk's content (default "<name>:<i> ")
     stream_usage: bool = True  # end a stream with a usage event
     received: list[dict[str, Any]] = field(default_factory=list)
+    rpcs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # worker RPCs, in order
     headers: list[dict[str, str]] = field(default_factory=list)
     session_ids: list[list[str]] = field(default_factory=list)  # every X-Session-ID, repeats kept
     active: int = 0
@@ -60,6 +61,17 @@ def engine_app(state: EngineState) -> Starlette:
                 "total_kv_blocks": 10000,
                 "priority_polarity": state.polarity,
             }
+        )
+
+    async def session_control(request: Request) -> Response:
+        state.rpcs.append(("session_control", await request.json()))
+        return JSONResponse({"status": "ok"})
+
+    async def pin_prefix(request: Request) -> Response:
+        body = await request.json()
+        state.rpcs.append(("pin_prefix", body))
+        return JSONResponse(
+            {"status": "ok", "blocks_pinned": len(body.get("token_ids", [])) // state.block_size}
         )
 
     async def health(request: Request) -> Response:
@@ -139,6 +151,8 @@ def engine_app(state: EngineState) -> Starlette:
     return Starlette(
         routes=[
             Route("/kvmesh/info", info),
+            Route("/kvmesh/session_control", session_control, methods=["POST"]),
+            Route("/kvmesh/pin_prefix", pin_prefix, methods=["POST"]),
             Route("/health", health),
             Route("/v1/models", models),
             Route("/v1/chat/completions", generate, methods=["POST"]),

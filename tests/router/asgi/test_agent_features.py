@@ -171,7 +171,8 @@ async def test_a_session_holds_its_turns_on_the_engine_until_closed(http: aiohtt
 async def test_a_session_the_worker_cannot_open_is_an_error_naming_the_field(
     http: aiohttp.ClientSession,
 ) -> None:
-    async with mock_fleet() as (front, mocks, _):
+    # the router's own ceiling raised, so the worker's (7 days) is the one that refuses
+    async with mock_fleet(router=RouterConfig(router_session_timeout_max_secs=10**8)) as (front, mocks, _):
         control = {"session_id": "s", "action": "open", "timeout": 30 * 24 * 3600}  # past the worker's cap
         body = turn(mocks[0], [{"role": "user", "content": "x"}], nvext={"session_control": control})
         status, doc = await post(http, front.url, body)

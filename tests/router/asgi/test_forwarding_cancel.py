@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvmesh.router.asgi.forwarding import Dispatch
+from kvmesh.router.request.nvext import EMPTY
 
 
 class _Upstream:
@@ -49,7 +50,7 @@ async def test_a_response_that_got_through_after_the_client_left_is_closed() -> 
         replica="r1",
         registry=SimpleNamespace(get=lambda worker_id: None),
     )
-    parsed = SimpleNamespace(endpoint="/v1/chat/completions", engine_body=lambda polarity: b"{}")
+    parsed = SimpleNamespace(endpoint="/v1/chat/completions", engine_body=lambda *_: b"{}", nvext=EMPTY)
 
     async def receive() -> dict[str, Any]:
         return {"type": "http.disconnect"}  # the client is gone already
@@ -67,5 +68,5 @@ async def test_a_response_that_got_through_after_the_client_left_is_closed() -> 
         error=None,  # type: ignore[arg-type]
         count=None,  # type: ignore[arg-type]
     )
-    assert await dispatch._open_while_client_waits("http://w", "w") is None
+    assert await dispatch._open_while_client_waits("http://w", "w", b"{}") is None
     assert forwarder.upstream.closed

@@ -50,7 +50,7 @@ async def test_sessions_in_total_are_bounded(http: aiohttp.ClientSession) -> Non
 
 
 async def test_pins_per_worker_are_bounded(http: aiohttp.ClientSession) -> None:
-    config = RouterConfig(use_kv_events=False, router_max_pins_per_worker=1)
+    config = RouterConfig(use_kv_events=False, router_max_pins_per_worker=1, enable_cache_control=True)
     pin = {"cache_control": {"type": "ephemeral", "ttl": "5m"}}
     async with fleet(1, router=config) as (front, states, _):
         assert (await _post(http, front.url, chat("hi", nvext=pin)))[0] == 200

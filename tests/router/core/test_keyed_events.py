@@ -4,7 +4,7 @@ with a cache the engine will never share with it."""
 
 from __future__ import annotations
 
-from kvmesh.router.core.indexer import PrefixIndex
+from kvmesh.router.core.event_index import PrefixIndex
 
 from kvmesh.events.wire import BlockStored
 from kvmesh.hashing import block_hashes

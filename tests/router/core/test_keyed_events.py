@@ -4,10 +4,9 @@ with a cache the engine will never share with it."""
 
 from __future__ import annotations
 
-from kvmesh.router.core.event_index import PrefixIndex
-
 from kvmesh.events.wire import BlockStored
 from kvmesh.hashing import block_hashes
+from kvmesh.router.core.event_index import PrefixIndex
 
 B = 4
 TOKENS = list(range(16))  # four blocks

@@ -53,6 +53,11 @@ POOL_TOKENS = 8192
 
 @pytest.fixture(params=TREES)
 def sg(request: pytest.FixtureRequest) -> Any:
+    return sglang_modules(request.param)
+
+
+def sglang_modules(tree: str) -> Any:
+    """The SGLang modules the tests use, and which tree :func:`new_cache` builds."""
     sglang_env.prepare()
     radix = sglang_env.engine("sglang.srt.mem_cache.radix_cache")
     base = sglang_env.engine("sglang.srt.mem_cache.base_prefix_cache")
@@ -64,13 +69,14 @@ def sg(request: pytest.FixtureRequest) -> Any:
 
     ns = NS()
     ns.radix, ns.base, ns.kv, ns.torch = radix, base, kv, torch
-    ns.tree = request.param
+    ns.tree = tree
     return ns
 
 
 def new_cache(sg: Any) -> Any:
     """A fresh tree of the test's kind; :func:`slots_for` hands out its KV slots."""
-    if getattr(sg, "tree", "radix") == "radix":
+    kind = getattr(sg, "tree", "radix")
+    if kind == "radix":
         return sg.radix.RadixCache.create_simulated(
             mock_allocator=SlotRecorder(), page_size=PAGE, enable_kv_cache_events=True
         )
@@ -89,6 +95,7 @@ def new_cache(sg: Any) -> Any:
         page_size=PAGE,
         enable_kv_cache_events=True,
         tree_components=(ComponentType.FULL,),
+        tree_core_backend="python" if kind == "unified-python" else None,
     )
     return UnifiedRadixCache(params)
 
@@ -358,3 +365,71 @@ def test_a_tree_reset_by_any_path_drops_pins_before_anything_is_released(sg: Any
     assert cache.protected_size() == 0
     cache.evict(sg.base.EvictParams(num_tokens=10_000))
     assert cached_prefix(sg, cache, list(range(16))) == 0
+
+
+@pytest.mark.parametrize("core", ["unified", "unified-python"])
+def test_a_pin_held_while_idle_passes_sglangs_idle_checks(core: str) -> None:
+    """What ``Scheduler.on_idle`` checks (0.5.23, ``SchedulerInvariantChecker``), with a pin held
+    and no request running: the full pool balances (available + evictable + protected == total: a
+    pin's pages count as protected, like a running request's prefix), the request pool is whole (a
+    pin holds no request row), and the tree's own ``sanity_check`` (run idle for hybrid models when
+    ``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK`` is on) accepts the lock, on both tree cores."""
+    sg = sglang_modules(core)
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+    from sglang.srt.managers.scheduler_components.pool_stats_observer import SchedulerPoolStatsObserver
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.runtime_context import get_parallel
+
+    cache = new_cache(sg)
+    slots = slots_for(cache)
+    allocator = cache.token_to_kv_pool_allocator
+    rows = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    observer = SchedulerPoolStatsObserver(
+        tree_cache=cache,
+        token_to_kv_pool_allocator=allocator,
+        req_to_token_pool=rows,
+        session_controller=None,
+        hisparse_coordinator=None,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hisparse=False,
+        full_tokens_per_layer=None,
+        swa_tokens_per_layer=None,
+        max_total_num_tokens=POOL_TOKENS,
+    )
+    checker = SchedulerInvariantChecker(
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        disaggregation_mode=DisaggregationMode.NULL,
+        page_size=PAGE,
+        full_tokens_per_layer=None,
+        swa_tokens_per_layer=None,
+        max_total_num_tokens=POOL_TOKENS,
+        tree_cache=cache,
+        token_to_kv_pool_allocator=allocator,
+        req_to_token_pool=rows,
+        pool_stats_observer=observer,
+        get_last_batch=lambda: None,
+        get_running_batch=lambda: None,
+        scheduler_stage_metrics=None,
+    )
+
+    def idle_checks() -> str:
+        with get_parallel().override(dcp_enabled=False):  # no scheduler published a parallel config
+            leak, messages = checker._check_all_pools(observer.get_pool_stats())
+        assert not leak, messages
+        checker._check_req_pool()  # raises with SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE (default)
+        cache.sanity_check()
+        return messages[0]
+
+    clock = Clock()
+    pins = RadixPins(cache, page_size=PAGE, total_tokens=POOL_TOKENS, clock=clock)
+    insert(sg, cache, slots, list(range(32)))
+    insert(sg, cache, slots, list(range(100, 116)))
+    idle_checks()
+    assert pins.pin(list(range(32)), ttl_seconds=60) == 8
+    assert "evictable=16, protected=32" in idle_checks()
+    clock.now += 61
+    pins.expire()
+    assert "evictable=48, protected=0" in idle_checks()

@@ -105,6 +105,10 @@ def test_the_body_sglang_receives_has_its_polarity_and_no_nvext(engine: Engine) 
     assert "nvext" not in out["seen"]["body"]
     assert out["seen"]["body"]["priority"] == expected
     assert out["seen"]["priority"] == expected  # as SGLang's ChatCompletionRequest parsed it
+    # A client's own SGLang session_params pass through untouched (kvmesh never adds them).
+    native = engine.chat("w4 w5", session_params={"id": "s-1", "rid": "r-0"})
+    assert native["seen"]["body"]["session_params"] == {"id": "s-1", "rid": "r-0"}
+    assert "session_params" not in out["seen"]["body"]
 
 
 def test_router_hashes_with_sglangs_tokenizer_and_salted_or_lora_requests_get_no_credit(
@@ -125,6 +129,7 @@ def test_router_hashes_with_sglangs_tokenizer_and_salted_or_lora_requests_get_no
         # SGLang caches it apart: no credit for the unsalted, base-model prefix, so the router
         # picks the worker whose cache it would not disturb (the peer's tree is the smaller).
         assert namespaced["nvext"]["worker_id"] == engine.peer, extra
+        assert namespaced["nvext"]["timing"]["cached_tokens_predicted"] == 0
         assert "nvext" not in namespaced["seen"]["body"]
         for field, value in extra.items():
             assert namespaced["seen"]["body"][field] == value

@@ -63,13 +63,19 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True, omit_defaults=True, gc=
         """Index of the first block the engine keys by more than its tokens (a cache salt, a
         multimodal hash: vLLM's per-block ``extra_keys``, SGLang's ``cache_salt``), or None.
         From there on, two prefixes with equal tokens are different cache entries, so a router
-        that hashes tokens alone must not index them (their children inherit the key)."""
+        that hashes tokens alone must not index them (their children inherit the key).
+
+        vLLM 0.33.0 publishes per block the untagged keys of its block hash: the bare LoRA name
+        (on every block of an adapter's request: the router keys adapters itself, by
+        ``lora_name``), the bare cache salt (first block), ``(mm identifier, offset)`` pairs and
+        prompt-embeds digests. Any key but the adapter's name keys the block."""
         if self.cache_salt not in (UNSET, None, ""):
             return 0
         extra = self.extra_keys
         if isinstance(extra, (list, tuple)):
+            adapter = self.lora_name if isinstance(self.lora_name, str) else None
             for i, keys in enumerate(extra):
-                if keys:
+                if keys and any(key != adapter for key in keys):
                     return i
         return None
 

@@ -113,12 +113,10 @@ def engine_batches(sglang: SimpleNamespace) -> list[Any]:
 
 
 def as_builtins(batch: Any) -> Any:
-    """A batch as the plain data its msgpack encoding carries; SGLang's ``cache_salt`` key is
-    dropped, as kvmesh does not keep it (hashes are already salted; routing never needs it)."""
-    data = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
-    for event in data[1]:
-        event.pop("cache_salt", None)
-    return data
+    """A batch as the plain data its msgpack encoding carries. kvmesh keeps SGLang's
+    ``cache_salt``: the router hashes tokens itself, so a salted block must not be indexed as the
+    unsalted prefix with the same tokens (issue 16, ``BlockStored.keyed_from``)."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
 
 
 @contextmanager
@@ -138,7 +136,7 @@ def sglang_publisher(sglang: SimpleNamespace, endpoint: str, replay: str, **conf
 
 def test_kvmesh_decodes_sglang_bytes(engine_batches: list[Any]) -> None:
     encoder = msgspec.msgpack.Encoder()
-    saw_pairs = saw_negative = saw_missing_medium = False
+    saw_pairs = saw_negative = saw_missing_medium = saw_salted = False
     for batch in engine_batches:
         payload = encoder.encode(batch)
         decoded = decode_batch(payload)
@@ -150,7 +148,10 @@ def test_kvmesh_decodes_sglang_bytes(engine_batches: list[Any]) -> None:
                 saw_pairs |= isinstance(event.token_ids[0], tuple)
                 saw_negative |= event.block_hashes[0] < 0
                 saw_missing_medium |= event.medium is msgspec.UNSET
-    assert saw_pairs and saw_negative and saw_missing_medium
+                if event.cache_salt not in (msgspec.UNSET, None):
+                    saw_salted = True
+                    assert event.keyed_from == 0  # never indexed under a token-only hash
+    assert saw_pairs and saw_negative and saw_missing_medium and saw_salted
 
 
 def test_sglang_decodes_what_kvmesh_publishes(

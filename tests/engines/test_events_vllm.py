@@ -339,9 +339,10 @@ def test_tap_reads_vllms_publisher(
 
 def test_kvmesh_structs_accept_every_vllm_event_field(vllm: SimpleNamespace) -> None:
     # vLLM 0.33.0 declares these BlockStored fields; kvmesh declares the same, in the same order,
-    # which is what makes its map header (and so its bytes) identical.
+    # which is what makes its map header (and so its bytes) identical. After them comes SGLang's
+    # cache_salt, which vLLM never sends (unset, it is omitted: the bytes stay vLLM's).
     theirs = list(vllm.kv_events.BlockStored.__struct_fields__)
-    assert list(BlockStored.__struct_fields__) == theirs
+    assert list(BlockStored.__struct_fields__) == [*theirs, "cache_salt"]
     assert list(BlockRemoved.__struct_fields__) == list(vllm.kv_events.BlockRemoved.__struct_fields__)
     assert AllBlocksCleared.__struct_fields__ == vllm.kv_events.AllBlocksCleared.__struct_fields__
     assert EventBatch.__struct_fields__ == vllm.kv_events.EventBatch.__struct_fields__

@@ -75,7 +75,11 @@ async def test_a_client_leaving_at_any_moment_leaves_no_work_behind(moment: str)
     async with rig(2, **SLOW) as r:
         host, port = r.front.url.removeprefix("http://").split(":")
         for i in range(3):
-            body = _body(f"fire and forget {moment} {i}", max_tokens=2000 + i, stream=i % 2 == 0)
+            body = _body(
+                f"fire and forget {moment} {i}",
+                max_tokens=2000 + i,
+                stream=i % 2 == 0 or moment == "after-first-byte",
+            )
             head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             head += b"content-length: %d\r\n\r\n" % len(body)
             reader, writer = await asyncio.open_connection(host, int(port))

@@ -44,7 +44,7 @@ async def _read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes |
             if declared < 0:
                 raise RequestError("invalid content-length header", field="content-length")
             if declared > limit:
-                raise RequestError(f"request body larger than {limit} bytes", status=413)
+                raise RequestError(f"request body larger than {limit} bytes", field="body", status=413)
             break
     parts: list[bytes] = []
     size = 0
@@ -56,7 +56,7 @@ async def _read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes |
         if chunk:
             size += len(chunk)
             if size > limit:
-                raise RequestError(f"request body larger than {limit} bytes", status=413)
+                raise RequestError(f"request body larger than {limit} bytes", field="body", status=413)
             parts.append(chunk)
         if not message.get("more_body", False):
             return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -85,6 +85,9 @@ class Mesh:
             timeout=settings.connect_timeout,
             state_timeout=settings.kv_state_timeout,
             token=settings.worker_token,  # never the admin token: that one guards this router
+            # ... except in-process to this engine's own RPCs, which an engine that sets only
+            # KVMESH_ADMIN_TOKEN guards with it (kvmesh.worker.rpc.worker_token_from_env)
+            local_token=settings.worker_token or settings.admin_token,
             local_id=settings.self_worker_id,
             local_app=self.local_app,
         )

@@ -32,14 +32,18 @@ class WorkerRpc:
         timeout: float,
         state_timeout: float | None = None,
         token: str | None = None,
+        local_token: str | None = None,
         local_id: WorkerId | None = None,
         local_app: ASGIApp | None = None,
     ) -> None:
+        """``token`` goes to remote workers (the worker token); ``local_token`` to the embedding
+        engine's own routes, in-process, never on the wire (default: ``token``)."""
         self.forwarder = forwarder
         self.timeout = timeout
         # kv_state answers can be large documents: they get their own (longer) bound.
         self.state_timeout = state_timeout if state_timeout is not None else timeout
         self.token = token
+        self.local_token = local_token or token
         self.local_id = local_id if local_app is not None else None
         self.local_app = local_app
         self._headers = {ADMIN_TOKEN_HEADER: token} if token else None
@@ -111,8 +115,8 @@ class WorkerRpc:
         assert app is not None
         body = b"" if payload is None else msgspec.json.encode(payload)
         headers = [(b"content-type", b"application/json")] if payload is not None else []
-        if self.token:
-            headers.append((ADMIN_TOKEN_HEADER.encode(), self.token.encode()))
+        if self.local_token:
+            headers.append((ADMIN_TOKEN_HEADER.encode(), self.local_token.encode()))
         try:
             status, data = await call_app(app, method, path, headers, body)
         except Exception as e:

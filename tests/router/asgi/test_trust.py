@@ -59,6 +59,15 @@ async def test_without_a_secret_a_client_hop_header_does_not_skip_validation(
         good = chat("hi", nvext={"agent_hints": {"priority": 3}})
         async with http.post(url + "/v1/chat/completions", json=good, headers=hop) as r:
             assert r.status == 200
+        deep = (
+            b'{"model":"test-model","messages":[{"role":"user","content":"hi"}],"x":'
+            + b"[" * 1000
+            + b"]" * 1000
+            + b"}"
+        )
+        async with http.post(url + "/v1/chat/completions", data=deep, headers=hop) as r:
+            assert r.status == 400  # the hop path used to raise RecursionError: a 500
+            assert (await r.json())["error"]["param"] == "body"
         # the engine never sees nvext, nor the internal headers (priority in its own polarity)
         assert len(state.received) == 1
         assert "nvext" not in state.received[0] and state.received[0]["priority"] == -3

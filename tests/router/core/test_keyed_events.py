@@ -42,3 +42,15 @@ def test_blocks_before_the_first_extra_key_are_indexed_the_rest_not() -> None:
 def test_empty_extra_keys_change_nothing() -> None:
     plain = BlockStored([1, 2, 3, 4], None, TOKENS, B, extra_keys=[None, None, None, None], cache_salt=None)
     assert _depth(_index(plain)) == 4
+
+
+def test_an_adapters_name_in_the_extra_keys_does_not_key_the_block() -> None:
+    """vLLM puts the LoRA name in every block's extra keys; the router keys adapters itself."""
+    tokens_hashes = block_hashes(TOKENS, B, "ad")
+    lora = BlockStored([1, 2, 3, 4], None, TOKENS, B, lora_name="ad", extra_keys=[("ad",)] * 4)
+    index = _index(lora)
+    assert index.find_matches(tokens_hashes).get(W, 0) == 4
+    salted = BlockStored(
+        [1, 2, 3, 4], None, TOKENS, B, lora_name="ad", extra_keys=[("ad", "salt")] + [("ad",)] * 3
+    )
+    assert _index(salted).find_matches(tokens_hashes).get(W, 0) == 0

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
-from kvmesh.router.request.parse import parse_request
+from kvmesh.router.request.parse import cache_keyed, parse_request
 from kvmesh.router.request.tokenizer import BuiltinTokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 20
@@ -15,8 +16,6 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 20
 
 def _hashes(**extra: Any) -> tuple[list[int], str | None]:
     body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": TEXT}], **extra}
-    import msgspec
-
     parsed = parse_request(
         msgspec.json.encode(body),
         [],
@@ -53,8 +52,6 @@ def test_media_in_the_messages_is_keyed() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     parts = [{"type": "text", "text": TEXT}, image]
     body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": parts}]}
-    from kvmesh.router.request.parse import cache_keyed
-
     assert cache_keyed(body) == "multimodal content"
     assert cache_keyed({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}) is None
     assert cache_keyed({"cache_salt": ""}) is None and cache_keyed({"chat_template_kwargs": {}}) is None

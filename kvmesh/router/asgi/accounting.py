@@ -28,8 +28,8 @@ class LoadAccount:
         self.mesh = mesh
         self.request_id = request_id
 
-    def first_event(self) -> None:
-        self.mesh.router.first_token(self.request_id, time.monotonic())
+    def first_event(self, streamed: bool = True) -> None:
+        self.mesh.router.first_token(self.request_id, time.monotonic(), timed=streamed)
 
     def events(self, n: int) -> None:
         self.mesh.router.output_tokens(self.request_id, n, time.monotonic())
@@ -88,10 +88,10 @@ class RoutedAccount(LoadAccount):
         if isl:
             self.mesh.metrics.kv_hit_rate.observe(min(1.0, decision.cached_tokens / isl))
 
-    def first_event(self) -> None:
+    def first_event(self, streamed: bool = True) -> None:
         now = time.perf_counter()
         self.t_first = self.last_event = now
-        super().first_event()
+        super().first_event(streamed)
         self.mesh.metrics.ttft.observe(now - self.t0)
 
     def events(self, n: int) -> None:

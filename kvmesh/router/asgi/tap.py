@@ -38,7 +38,10 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 class Observer(Protocol):
     """What the tap reports, in order: first_event once, events repeatedly, usage, then end."""
 
-    def first_event(self) -> None: ...
+    def first_event(self, streamed: bool = True) -> None:
+        """Prefill is done. ``streamed=False``: a whole JSON answer, so this moment is the end of
+        the request, not its first token (it must not be taken for a time to first token)."""
+
     def events(self, n: int) -> None: ...
     def usage(self, usage: dict[str, Any]) -> None: ...
     def echo(self) -> dict[str, Any] | None: ...
@@ -227,7 +230,7 @@ class ResponseTap:
         data = b"".join(self._buffer) if len(self._buffer) != 1 else self._buffer[0]
         self._buffer.clear()
         observer = self._observer
-        observer.first_event()
+        observer.first_event(streamed=False)
         echo = observer.echo()
         if echo is None:
             # Nothing to merge: the answer goes out as it came, and usage is read once it is gone.

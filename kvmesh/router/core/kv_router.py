@@ -240,6 +240,9 @@ class _Obs:
     ttft: float | None = None
     last_token: float | None = None
     cached: int | None = None
+    timed: bool = True
+    """False when the first token was not seen as such (a non-streamed answer arrives whole): its
+    "first token" time is the whole request, which must teach neither TTFT nor decode timing."""
 
 
 @dataclass(slots=True)
@@ -770,12 +773,14 @@ class KvRouter:
         self._index.record(worker, local_hashes, now)
 
     # ---------------------------------------------------------------- feedback
-    def first_token(self, request_id: str, now: float) -> None:
-        """Prefill is done: its prompt tokens stop counting as prefill load."""
+    def first_token(self, request_id: str, now: float, *, timed: bool = True) -> None:
+        """Prefill is done: its prompt tokens stop counting as prefill load. ``timed=False``: the
+        caller only learned it at the end (a non-streamed answer), so ``now`` is no TTFT."""
         obs = self._obs.get(request_id)
         if obs is not None and obs.ttft is None:
             obs.ttft = now - obs.dispatched
             obs.last_token = now
+            obs.timed = timed
         self._load.prefill_done(request_id, now)
         if self.observer is not None:
             self.observer.prefill_done(request_id)
@@ -784,7 +789,7 @@ class KvRouter:
         """``n`` more tokens were generated (output-block tracking, liveness, decode timing)."""
         self._load.generated(request_id, n, now)
         obs = self._obs.get(request_id)
-        if obs is not None and obs.last_token is not None and n > 0:
+        if obs is not None and obs.last_token is not None and n > 0 and obs.timed:
             model = self._timing.get(obs.worker)
             if model is not None:
                 total = max(self._workers[obs.worker[0]].total_blocks, 1)
@@ -818,6 +823,8 @@ class KvRouter:
                     self._reuse_fleet += _REUSE_ALPHA * (hit - self._reuse_fleet)
                 else:
                     self._reuse_fleet, self._seen_reuse = hit, True
+        if not obs.timed:
+            return None
         decode_s = max(now - obs.dispatched - obs.ttft, 0.0)
         old = self._decode_s.get(obs.worker)
         self._decode_s[obs.worker] = decode_s if old is None else old + _REUSE_ALPHA * (decode_s - old)

@@ -17,7 +17,7 @@ class Recorder:
     async def send(self, message: dict[str, Any]) -> None:
         self.sent.append(message)
 
-    def first_event(self) -> None:
+    def first_event(self, streamed: bool = True) -> None:
         self.calls.append("first")
 
     def events(self, n: int) -> None:

@@ -35,6 +35,7 @@ from kvmesh._types import DpRank, WorkerId, WorkerKey
 from kvmesh.errors import WorkerError
 from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.router.core import selector
+from kvmesh.router.core.arrivals import ArrivalRate
 from kvmesh.router.core.chain_trie import TierDepths
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.index_factory import index_for
@@ -308,6 +309,8 @@ class KvRouter:
         self._decode_s: dict[WorkerKey, float] = {}
         """Per worker, an EWMA of a request's time from first token to finish."""
         self._decode_fleet = 0.0
+        self._arrivals = ArrivalRate()
+        """Every request routed here or by a peer: the rate at which work queues up behind."""
         self._latency = config.router_cost_model == "latency"
         self._aic = config.router_prefill_load_model == "aic"
 
@@ -604,6 +607,7 @@ class KvRouter:
         n_blocks = len(req.local_hashes)
         isl = req.isl_tokens
         latency = self._latency
+        rate = self._arrivals.per_second(now) / max(len(self._keys), 1) if latency else 0.0
         for key in candidates:
             depths = overlaps.get(key, _NO_TIERS)
             dev = depths.device
@@ -629,8 +633,7 @@ class KvRouter:
                 ttft, evict = self._latency_cost(
                     key, prefill, dev, n_blocks, decode, weights.prefill_load_scale
                 )
-                # the engine time it adds there, which whatever arrives next waits behind
-                work = self._timing[key].prefill_ms(prefill - active) if prefill > active else 0.0
+                work = self._externality_ms(key, active, prefill - active, rate)
                 c = ttft + work + evict
                 scores.append(
                     CandidateScore(
@@ -686,6 +689,32 @@ class KvRouter:
         if evicted <= 0:
             return ttft, 0.0
         return ttft, reuse * evicted * (self._block_size or 1) * model.ms_per_token()
+
+    def _externality_ms(self, key: WorkerKey, ahead: float, own: float, rate: float) -> float:
+        """The delay this request's prefill of ``own`` tokens on ``key`` causes other requests.
+
+        * Requests decoding there: each waits for the step that carries the prefill before its next
+          token. Their step grows by the prefill's time; when no prefill is due there yet, that
+          includes the step constant (a pure decode step becomes a mixed one).
+        * Requests that will arrive there while the work ahead and this prefill run: they queue
+          behind it and wait its marginal time (its tokens; the step would run anyway). At the
+          fleet's arrival rate spread over its workers (``rate`` per second), about
+          ``rate * (ahead_ms + work_ms / 2)`` of them.
+
+        Both are the same milliseconds as the TTFT the cost starts from, so the sum needs no weight.
+        An idle fleet charges nothing: the request's own TTFT decides. A worker with many decoding
+        requests, or a busy fleet, makes a new prefill's placement cost what it costs the others
+        (the herding a hot prefix causes shows up as the stall of everyone decoding there)."""
+        if own <= 0:
+            return 0.0
+        model = self._timing[key]
+        decoding = self._load.decoding(key)
+        before = model.prefill_ms(ahead) if ahead > 0 else 0.0
+        stall = decoding * (model.prefill_ms(ahead + own) - before) if decoding else 0.0
+        if not rate:
+            return stall
+        work = model.added_prefill_ms(ahead, own)
+        return stall + rate * (before + work / 2) / 1000.0 * work
 
     def _memory_wait_ms(self, key: WorkerKey, decode_blocks: float, total_blocks: int) -> float:
         overflow = decode_blocks / total_blocks - 1.0
@@ -770,6 +799,7 @@ class KvRouter:
         self._load.add(
             request_id, worker, prompt, isl_tokens, overlap, now, osl=osl, expected_prefill=expected
         )
+        self._arrivals.arrive(now)
         self._index.record(worker, local_hashes, now)
 
     # ---------------------------------------------------------------- feedback

@@ -56,9 +56,48 @@ def test_latency_is_the_default_and_dynamo_stays_selectable() -> None:
     d = pick(router(router_cost_model="dynamo"), "r", toks(1, 400))
     assert all(s.predicted_ttft_ms is None for s in d.breakdown)
     d = pick(router(), "r", toks(1, 400))
-    for s in d.breakdown:  # predicted TTFT + the engine time it adds there + eviction
-        assert s.predicted_ttft_ms is not None and s.work_ms > 0
+    for s in d.breakdown:  # predicted TTFT + the delay it causes others + eviction
+        assert s.predicted_ttft_ms is not None and s.work_ms == 0  # an idle fleet: nobody to delay
         assert s.cost == pytest.approx(s.predicted_ttft_ms + s.work_ms + s.eviction_ms)
+
+
+def _decoding(r: KvRouter, worker: str, n: int, seed: int) -> None:
+    """``n`` requests pinned to ``worker``, past their first token (generating)."""
+    for i in range(n):
+        d = r.route(req(f"dec{seed}-{i}", toks(seed + i, 64), backend_instance_id=worker), 0.0)
+        assert isinstance(d, Decision)
+        r.first_token(d.request_id, 0.01)
+
+
+def test_a_prefill_costs_what_it_stalls_the_requests_decoding_there() -> None:
+    """A new prefill on a worker stalls every request decoding there for its step: with eight
+    generating on a and none on b, a new prompt that neither has cached goes to b, and the stall
+    is eight times the prefill's step time (the step constant included: a pure decode step turns
+    into a mixed one)."""
+    r = router()
+    _decoding(r, "a", 8, seed=40)
+    prompt = toks(2, 1500)
+    d = pick(r, "new", prompt, now=0.02)
+    assert d.worker == ("b", 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    model = r._timing[("a", 0)]
+    assert by["a"].work_ms == pytest.approx(8 * model.prefill_ms(1500), rel=0.05)
+    assert by["b"].work_ms < by["a"].work_ms / 8
+    # ...and the decoders' worker still wins when its cache saves more than the stall costs:
+    # 6k tokens recomputed on b take longer than a short prefill stalling a's two decoders
+    long = toks(3, 6000)
+    r2 = router()
+    _decoding(r2, "a", 2, seed=40)
+    store(r2, "a", long[:5984])
+    d = pick(r2, "hit", long, now=0.02)
+    assert d.worker == ("a", 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].work_ms > 0 and by["a"].predicted_ttft_ms + by["a"].work_ms < by["b"].predicted_ttft_ms
+    # with 1.5k tokens cached the same stall outweighs the saving: the total delay decides
+    r3 = router()
+    _decoding(r3, "a", 2, seed=40)
+    store(r3, "a", prompt[:1488])
+    assert pick(r3, "short hit", prompt, now=0.02).worker == ("b", 0)
 
 
 def test_the_cached_worker_wins_while_its_cache_saves_more_than_its_queue_costs() -> None:
@@ -211,13 +250,18 @@ def test_a_reported_profile_seeds_the_worker_model() -> None:
 
 
 def test_siblings_in_flight_count_as_cache_where_they_were_sent() -> None:
-    """A burst of n samples of one prompt: before any KV event, the blocks of the first sibling
-    in flight on a worker will be cached there by the time the next is prefilled behind it."""
+    """A burst of n samples of one prompt in a fleet under load: before any KV event, the blocks
+    of the first sibling in flight on a worker will be cached there by the time the next is
+    prefilled behind it, so a sibling there costs its tail, where elsewhere it would add the whole
+    prompt's work for the requests arriving behind it."""
     prompt = toks(8, 3000)
 
     def burst(model: str) -> set[str]:
         r = router("abcd", router_cost_model=model)
-        return {pick(r, f"s{i}", prompt).worker[0] for i in range(4)}
+        for i in range(40):  # traffic at 20 requests/s, finished before the burst
+            d = pick(r, f"bg{i}", toks(500 + i, 300), now=i * 0.05)
+            r.finished(d.request_id, i * 0.05)
+        return {pick(r, f"s{i}", prompt, now=2.0).worker[0] for i in range(4)}
 
     assert len(burst("latency")) == 1  # one prefill, three hits
     assert len(burst("dynamo")) == 4  # Dynamo's cost spreads them by load

@@ -7,7 +7,8 @@ turns the worker's response into the same messages).
 * ``text/event-stream``: every body message goes out as soon as it comes in (an unfinished last
   line waits for the rest of itself, so an event split across reads is handled whole). The tap
   reads the stream line by line, as SSE defines it: a line that *starts* with ``data:`` is an event
-  (the first one means prefill is done), ``data: [DONE]`` alone on its line ends the stream, and
+  (the first one that carries output means prefill is done; a chunk that only announces the
+  assistant role, which some servers send at once, does not), ``data: [DONE]`` alone on its line ends the stream, and
   ``usage`` is read from a decoded event's own ``usage`` key. Text inside an event's JSON (a model
   that writes "data: [DONE]" or "metadata:") is never taken for structure. When the client asked
   for ``nvext.extra_fields``, one more data event carrying ``nvext`` goes out just before the
@@ -58,6 +59,7 @@ class ResponseTap:
         "_extra_headers",
         "_json_limit",
         "_lines",
+        "_awaiting_output",
         "_mode",
         "_observer",
         "_seen_events",
@@ -86,6 +88,7 @@ class ResponseTap:
         self._buffer: list[bytes] = []
         self._buffered = 0
         self._seen_events = 0
+        self._awaiting_output = True
         self._lines = SseLines(_MAX_PARTIAL_LINE)
         self._echoed = False
         self._stream_meta: dict[str, Any] | None = None
@@ -166,10 +169,18 @@ class ResponseTap:
                 if payload.strip() == _DONE:
                     if done_at < 0:
                         done_at = offset
-                else:
-                    if self._seen_events == 0 and events == 0:
-                        observer.first_event()
+                elif self._awaiting_output and _announces_role_only(payload):
+                    # The role announcement some servers send before the engine has produced
+                    # anything: neither prefill done nor a token.
+                    if self._seen_events == 0:
                         self._remember_meta(payload)
+                    self._seen_events += 1
+                else:
+                    if self._awaiting_output:
+                        self._awaiting_output = False
+                        observer.first_event()
+                        if self._seen_events == 0:
+                            self._remember_meta(payload)
                     events += 1
                     if b'"usage"' in payload:  # only a prefilter: the decoded event decides
                         usages.append(payload)
@@ -271,6 +282,28 @@ class ResponseTap:
     def _finish(self) -> None:
         self.complete = True
         self._observer.end(True)
+
+
+def _announces_role_only(payload: bytes) -> bool:
+    """A chat chunk whose every choice only names the role (``{"role": "assistant"}``, empty
+    content, no finish): what the simulated engine, and servers like it, send before prefill ends.
+    vLLM and SGLang send theirs with the first token, so for them nothing changes."""
+    if b'"role"' not in payload:  # only a prefilter: the decoded event decides
+        return False
+    try:
+        doc = _json_decode(payload)
+    except msgspec.DecodeError:
+        return False
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or "role" not in delta or choice.get("finish_reason"):
+            return False
+        if any(v for k, v in delta.items() if k != "role"):
+            return False
+    return True
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:

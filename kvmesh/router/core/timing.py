@@ -66,12 +66,13 @@ SCALE_ALPHA = 0.05
 MAD_TO_SD = math.sqrt(math.pi / 2)
 """Mean absolute deviation to standard deviation, for normal noise: the noise variance the fit
 weighs observations with is ``(MAD_TO_SD * scale_ms) ** 2``."""
-PRIOR_SPREAD = 3.0
-"""Prior standard deviation of each coefficient, in multiples of its seed value. The seed (the
-reference mocker's fit) is one model on one GPU; other models and hardware run several times
-faster or slower, and a worker 10x off the seed must be within about three standard deviations, or
-the fit would refuse to believe what it measures. (A reported profile gets the same spread: it is
-also only a starting point.)"""
+PRIOR_SPREAD = 1.0
+"""Prior standard deviation of each coefficient, in multiples of its seed value: the seed is taken
+to be right to within its own size. A router sees tens of requests per worker, each with tens of
+ms of queueing the model does not explain; a wider prior let a handful of them throw the
+coefficients around (measured: per-token slopes from 0 to 6x the engine's within one short run).
+A worker further off than that is found by the change detection (``CHANGE_RUN``), which returns
+the fit to this uncertainty as often as the residuals keep saying the curve is wrong."""
 CHANGE_RUN = 3
 """Clipped residuals in a row, on one side, taken as a change of the worker rather than outliers.
 Beyond ``CLIP`` scales a residual has well under a 1% chance under the measured noise, so three in

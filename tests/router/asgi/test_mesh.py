@@ -62,10 +62,11 @@ async def _sibling_workers(predicted_ttl: float | None, cost: str) -> list[tuple
         for node in nodes:
             _slow_events(node.engine, 1.0)
         for burst in range(3):
-            body = chat(f"Problem {burst}: " + "prove the lemma step by step " * 40, max_tokens=16)
+            body = chat(f"Problem {burst}: " + "prove the lemma step by step " * 200, max_tokens=16)
             streamed = {**body, "stream": True}
             async with http.post(nodes[0].url + "/v1/chat/completions", json=streamed) as first:
-                await first.content.readuntil(b"\n\n")  # the first sibling is past its prefill
+                await first.content.readuntil(b"\n\n")  # the role, announced at once
+                await first.content.readuntil(b"\n\n")  # a token: the first sibling is past its prefill
                 siblings = await asyncio.gather(*(_worker_of(http, nodes[0].url, body) for _ in range(3)))
                 out.append((first.headers["x-kvmesh-worker-id"], {w for w, _ in siblings}))
                 await first.read()
@@ -77,7 +78,9 @@ async def test_sibling_bursts_co_locate_with_predict_on_route() -> None:
     siblings' prefix is about to be, and sends them to the first sibling's worker. With the default
     cost, which learns from these very requests: the siblings are not streamed, and a whole answer
     must not be taken for a time to first token (it once taught the model that prompt size does not
-    matter, and the siblings scattered)."""
+    matter, and the siblings scattered). The prompt is long (~2.3k tokens) so that its cached copy
+    saves more than the short prefill stalls the first sibling's decoding there; for a prompt of a
+    few hundred tokens the default cost rightly prefers an idle worker (see test_latency_cost)."""
     for first, siblings in await _sibling_workers(5.0, "latency"):
         assert siblings == {first}
 

@@ -53,13 +53,13 @@ class ResponseTap:
     """A ``send`` wrapper for one response (one instance per request)."""
 
     __slots__ = (
+        "_awaiting_output",
         "_buffer",
         "_buffered",
         "_echoed",
         "_extra_headers",
         "_json_limit",
         "_lines",
-        "_awaiting_output",
         "_mode",
         "_observer",
         "_seen_events",

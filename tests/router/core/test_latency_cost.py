@@ -61,43 +61,29 @@ def test_latency_is_the_default_and_dynamo_stays_selectable() -> None:
         assert s.cost == pytest.approx(s.predicted_ttft_ms + s.work_ms + s.eviction_ms)
 
 
-def _decoding(r: KvRouter, worker: str, n: int, seed: int) -> None:
-    """``n`` requests pinned to ``worker``, past their first token (generating)."""
-    for i in range(n):
-        d = r.route(req(f"dec{seed}-{i}", toks(seed + i, 64), backend_instance_id=worker), 0.0)
-        assert isinstance(d, Decision)
-        r.first_token(d.request_id, 0.01)
+def test_a_prefill_costs_the_delay_of_the_requests_arriving_behind_it() -> None:
+    """The second term of the cost is the delay a prefill adds to the requests that will queue
+    behind it: nothing on an idle fleet, more the faster requests arrive and the longer the queue
+    it joins; the same milliseconds as the TTFT, so it is added without a weight."""
+    prompt = toks(2, 3000)
 
+    def work(rate_hz: float, queued: int) -> float:
+        r = router()
+        if queued:
+            queue_prefill(r, "a", queued, seed=60)
+        if rate_hz:
+            for i in range(20):  # traffic that finished before the request: only the rate counts
+                d = pick(r, f"bg{i}", toks(700 + i, 100), now=1.0 - (20 - i) / rate_hz)
+                r.finished(d.request_id, 1.0)
+        d = pick(r, "new", prompt, now=1.0)
+        by = {s.worker[0]: s for s in d.breakdown}
+        assert by["a"].cost == pytest.approx(
+            by["a"].predicted_ttft_ms + by["a"].work_ms + by["a"].eviction_ms
+        )
+        return by["a"].work_ms
 
-def test_a_prefill_costs_what_it_stalls_the_requests_decoding_there() -> None:
-    """A new prefill on a worker stalls every request decoding there for its step: with eight
-    generating on a and none on b, a new prompt that neither has cached goes to b, and the stall
-    is eight times the prefill's step time (the step constant included: a pure decode step turns
-    into a mixed one)."""
-    r = router()
-    _decoding(r, "a", 8, seed=40)
-    prompt = toks(2, 1500)
-    d = pick(r, "new", prompt, now=0.02)
-    assert d.worker == ("b", 0)
-    by = {s.worker[0]: s for s in d.breakdown}
-    model = r._timing[("a", 0)]
-    assert by["a"].work_ms == pytest.approx(8 * model.prefill_ms(1500), rel=0.05)
-    assert by["b"].work_ms < by["a"].work_ms / 8
-    # ...and the decoders' worker still wins when its cache saves more than the stall costs:
-    # 6k tokens recomputed on b take longer than a short prefill stalling a's two decoders
-    long = toks(3, 6000)
-    r2 = router()
-    _decoding(r2, "a", 2, seed=40)
-    store(r2, "a", long[:5984])
-    d = pick(r2, "hit", long, now=0.02)
-    assert d.worker == ("a", 0)
-    by = {s.worker[0]: s for s in d.breakdown}
-    assert by["a"].work_ms > 0 and by["a"].predicted_ttft_ms + by["a"].work_ms < by["b"].predicted_ttft_ms
-    # with 1.5k tokens cached the same stall outweighs the saving: the total delay decides
-    r3 = router()
-    _decoding(r3, "a", 2, seed=40)
-    store(r3, "a", prompt[:1488])
-    assert pick(r3, "short hit", prompt, now=0.02).worker == ("b", 0)
+    assert work(0, 0) == 0.0
+    assert 0 < work(5, 0) < work(20, 0) < work(20, 4000)
 
 
 def test_the_cached_worker_wins_while_its_cache_saves_more_than_its_queue_costs() -> None:

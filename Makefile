@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv test test-core test-engines engine-envs lint demo bench clean
+.PHONY: venv test test-core test-engines engine-envs lint demo bench fuzz clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,15 @@ engine-envs:
 test-engines: venv
 	PYTHONPATH=$(CURDIR) $$(scripts/engine-env.sh vllm) -m pytest -m engine_vllm -p no:cacheprovider tests/engines/test_*vllm*.py
 	PYTHONPATH=$(CURDIR) $$(scripts/engine-env.sh sglang) -m pytest -m engine_sglang -p no:cacheprovider tests/engines/test_*sglang*.py
+
+# The long fuzz run (docs/RELIABILITY.md): FUZZ_EXAMPLES cases per target and endpoint (4 of them),
+# figures appended to fuzz-report.jsonl (cases, statuses, 5xx, RSS before/after each run).
+FUZZ_EXAMPLES ?= 6000
+fuzz: venv
+	rm -f fuzz-report.jsonl
+	KVMESH_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) KVMESH_FUZZ_REPORT=$(CURDIR)/fuzz-report.jsonl \
+		$(PYTEST) tests/fuzz -p no:cacheprovider -q --timeout=0
+	cat fuzz-report.jsonl
 
 lint: venv
 	$(PY) -m ruff check kvmesh tests benchmarks examples

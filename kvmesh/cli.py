@@ -21,7 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvmesh.commands.bench",
         "load-test any OpenAI-compatible endpoint with prefix-heavy workloads",
     ),
-    "events": ("kvmesh.commands.events", "inspect a KV-event stream (`kvmesh events tap ENDPOINT`)"),
+    "events": (
+        "kvmesh.commands.events",
+        "inspect a KV-event stream (`kvmesh events tap`) or relay it into NATS (`kvmesh events relay`)",
+    ),
 }
 
 

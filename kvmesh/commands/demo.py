@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import secrets
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -72,8 +73,10 @@ async def start_mesh(
     *,
     health_interval: float = 0.25,
     startup_timeout: float = 20.0,
+    mesh_secret: str | None = None,
 ) -> AsyncIterator[list[MeshNode]]:
-    """``n`` mock engines on loopback, each embedding KvMeshMiddleware configured with all ``n``.
+    """``n`` mock engines on loopback, each embedding KvMeshMiddleware configured with all ``n``
+    and one mesh secret (a fresh random one unless given), so forwarded requests are proven.
 
     ``router`` is a RouterConfig, ``mock`` a MockConfig (events endpoints are picked here). Yields
     once every engine's middleware sees every worker up.
@@ -90,6 +93,7 @@ async def start_mesh(
     socks = [_free_socket() for _ in range(n)]
     urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in socks]
     specs = tuple(WorkerSpec(u, u) for u in urls)
+    secret = mesh_secret or secrets.token_hex(16)
     servers: list[uvicorn.Server] = []
     tasks: list[asyncio.Task[None]] = []
     nodes: list[MeshNode] = []
@@ -106,6 +110,7 @@ async def start_mesh(
                 self_url=urls[i],
                 tokenizer="builtin",
                 health_interval=health_interval,
+                mesh_secret=secret,
             )
             app = build_app(engine, middleware=[Middleware(KvMeshMiddleware, settings=settings)])
             server = uvicorn.Server(
@@ -188,6 +193,7 @@ async def start_mesh_processes(
 
     ports = _free_ports(3 * n)  # HTTP, events and replay for each engine
     urls = [f"http://127.0.0.1:{p}" for p in ports[:n]]
+    secret = secrets.token_hex(16)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i, url in enumerate(urls):
@@ -198,6 +204,7 @@ async def start_mesh_processes(
                 "KVMESH_TOKENIZER": "builtin",
                 "KVMESH_ROUTER_MODE": router_mode,
                 "KVMESH_HEALTH_INTERVAL": "0.25",
+                "KVMESH_MESH_SECRET": secret,
                 **(extra_env or {}),
             }
             cmd = [

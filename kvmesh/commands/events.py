@@ -1,4 +1,5 @@
 """``kvmesh events tap ENDPOINT``: print a KV-event stream as it arrives, one line per batch.
+(``kvmesh events relay`` is in :mod:`kvmesh.commands.events_relay`.)
 
 It uses the same subscriber as the router (gap detection, replay, reconnect), so what it prints
 is what the router would apply. Exit status: 0 after ``--count`` batches (or at ``--timeout``
@@ -68,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop after S seconds; exit status 1 if --count batches have not arrived by then",
     )
     tap.set_defaults(_run=run)
+    from kvmesh.commands import events_relay
+
+    events_relay.add_parser(actions)
 
 
 def run(args: argparse.Namespace) -> int:

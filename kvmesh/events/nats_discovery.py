@@ -98,10 +98,12 @@ class WorkerWatcher:
         self._task: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._rewatch = asyncio.Event()
+        self._stopping = False
 
     def start(self) -> None:
         if self._task is None:
             loop = asyncio.get_running_loop()
+            self._stopping = False
             self._rewatch = asyncio.Event()
             self.link.on_up(self._on_link_up)
             self._task = loop.create_task(self._run(), name="kvmesh-discovery-watch")
@@ -114,6 +116,10 @@ class WorkerWatcher:
 
     async def stop(self) -> None:
         self.link.remove_listener(self._on_link_up)
+        # The flag, not only the cancellation, ends the watch loop: nats-py's ``updates(timeout=)``
+        # can swallow a cancellation that races its own timeout, and the loop would go on forever.
+        self._stopping = True
+        self._rewatch.set()
         for task in (self._task, self._reaper):
             if task is not None:
                 task.cancel()
@@ -123,7 +129,7 @@ class WorkerWatcher:
 
     async def _run(self) -> None:
         nats = import_nats()
-        while True:
+        while not self._stopping:
             await self.link.wait_connected()
             watcher = None
             self._rewatch.clear()
@@ -145,7 +151,7 @@ class WorkerWatcher:
                 if watcher is not None:
                     with contextlib.suppress(Exception):
                         await watcher.stop()
-            if not self._rewatch.is_set():
+            if not self._rewatch.is_set() and not self._stopping:
                 await asyncio.sleep(0.5)
 
     async def _handle(self, entry: Any) -> None:

@@ -314,6 +314,11 @@ class EventSubscriber:
         if self._last_live is not None and seq <= self._last_live:
             self._publisher_restarted(seq)
         self._last_live = seq
+        if batch is None and self.replay_endpoint is not None:
+            # Perhaps garbled on the way: treated as lost, so the next batch (or the quiet-stream
+            # probe) reveals the gap and the replay fetches the publisher's copy. A copy that is
+            # malformed there too is skipped like any other (_on_replay_message).
+            return
         if self._replay is not None:
             self._hold(seq, batch)
             return

@@ -55,6 +55,23 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True, omit_defaults=True, gc=
     ownership: Any = UNSET
     session_id: Any = UNSET
     lookahead_token_ids: Any = UNSET
+    # SGLang's per-request cache namespace (its map-form events carry it by name).
+    cache_salt: Any = UNSET
+
+    @property
+    def keyed_from(self) -> int | None:
+        """Index of the first block the engine keys by more than its tokens (a cache salt, a
+        multimodal hash: vLLM's per-block ``extra_keys``, SGLang's ``cache_salt``), or None.
+        From there on, two prefixes with equal tokens are different cache entries, so a router
+        that hashes tokens alone must not index them (their children inherit the key)."""
+        if self.cache_salt not in (UNSET, None, ""):
+            return 0
+        extra = self.extra_keys
+        if isinstance(extra, (list, tuple)):
+            for i, keys in enumerate(extra):
+                if keys:
+                    return i
+        return None
 
     @property
     def tier(self) -> Tier:

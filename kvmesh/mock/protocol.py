@@ -38,8 +38,9 @@ class ParsedRequest:
 
 
 def parse_generation(
-    body: Any, endpoint: Endpoint, config: MockConfig, tokenizer: Tokenizer
+    body: Any, endpoint: Endpoint, config: MockConfig, tokenizer: Tokenizer, session_header: str | None = None
 ) -> ParsedRequest:
+    """``session_header``: the request's ``X-Session-ID`` (vLLM's way of naming a turn's session)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", field="body")
     model = body.get("model", config.model)
@@ -88,6 +89,10 @@ def parse_generation(
     ignore_eos = _bool(body, "ignore_eos", False)
     seed = _opt_int(body, "seed", -(2**63))
     priority = _opt_int(body, "priority", -(2**63)) or 0
+    _opt_int(body, "thinking_token_budget", 0)  # vLLM's reasoning budget: the mock does not reason
+    top_k = body.get("top_k")
+    if top_k is not None and (type(top_k) is not int or top_k < -1):
+        raise RequestError(f"'top_k' must be an integer >= -1, got {top_k!r}", field="top_k")
     if priority != 0 and config.scheduling_policy != "priority":
         raise RequestError(
             "'priority' can only be set when the engine runs with --scheduling-policy priority",
@@ -117,7 +122,7 @@ def parse_generation(
         ignore_eos=ignore_eos,
         seed=seed,
         priority=priority,
-        session_id=_session_id(body),
+        session_id=session_header or _session_id(body),
     )
     transfer = body.get("kv_transfer_params")
     if transfer is not None and not isinstance(transfer, dict):
@@ -126,7 +131,8 @@ def parse_generation(
 
 
 def _session_id(body: Mapping[str, Any]) -> str | None:
-    """The engine session a request belongs to: SGLang's ``session_params.id`` or kvmesh's nvext."""
+    """The engine session a request belongs to, from the body: SGLang's ``session_params.id`` or
+    kvmesh's nvext (a client talking to the mock directly)."""
     params = body.get("session_params")
     if params is not None:
         if not isinstance(params, dict) or not isinstance(params.get("id"), str):

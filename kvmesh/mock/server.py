@@ -78,7 +78,9 @@ def build_app(
         except ValueError:
             return error_response("the request body is not valid JSON", 400, "body")
         try:
-            parsed = parse_generation(body, endpoint, engine.config, engine.tokenizer)
+            parsed = parse_generation(
+                body, endpoint, engine.config, engine.tokenizer, request.headers.get("x-session-id")
+            )
         except RequestError as e:
             return error_response(str(e), e.status, e.field)
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"

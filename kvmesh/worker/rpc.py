@@ -17,7 +17,8 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from collections.abc import Awaitable, Callable
+import os
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
@@ -44,6 +45,15 @@ class WorkerBackend(Protocol):
 
 def error_response(message: str, status: int, field: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, field), status)
+
+
+def worker_token_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The token an engine demands on its ``/kvmesh/*`` RPCs: ``KVMESH_WORKER_TOKEN`` (what the
+    routers present to workers), else ``KVMESH_ADMIN_TOKEN`` (older deployments guarded both with
+    one token), else none. A router never presents its admin token, so an engine embedding a router
+    should set ``KVMESH_WORKER_TOKEN`` to keep the two credentials apart (docs/security.md)."""
+    env = os.environ if environ is None else environ
+    return env.get("KVMESH_WORKER_TOKEN") or env.get("KVMESH_ADMIN_TOKEN") or None
 
 
 def admin_token_ok(request: Request, token: str | None) -> bool:

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import sys
 from argparse import Namespace
-from typing import Any
 
-import msgspec
 import pytest
 
-from kvmesh.adapters.session_tag import tag_session
 from kvmesh.adapters.vllm._vllm import import_vllm
 from kvmesh.adapters.vllm.endpoints import VllmWorkerBackend, advertise_host_from_env
 from kvmesh.adapters.vllm.engine_rpc import pin_budget_from_env
@@ -63,73 +60,3 @@ def test_wildcard_event_endpoints_are_advertised_at_the_engines_own_host() -> No
     assert backend._reachable("tcp://0.0.0.0:5558") == "tcp://10.1.2.3:5558"
     assert backend._reachable("tcp://10.9.9.9:5557") == "tcp://10.9.9.9:5557"
     assert backend._reachable("ipc:///tmp/ev") == "ipc:///tmp/ev"
-
-
-def _scope(body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    return {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "headers": headers + (extra or []),
-    }
-
-
-def _receiver(chunks: list[bytes]) -> Any:
-    messages = [
-        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
-    ]
-    messages.append({"type": "http.disconnect"})
-    it = iter(messages)
-
-    async def receive() -> dict[str, Any]:
-        return next(it)
-
-    return receive
-
-
-async def _drain(receive: Any) -> tuple[bytes, list[bool]]:
-    body, flags = b"", []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return body, flags
-        body += message["body"]
-        flags.append(message.get("more_body", False))
-        if not message.get("more_body", False):
-            return body, flags
-
-
-async def test_a_session_request_gets_vllms_session_header_and_its_body_replayed_unchanged() -> None:
-    body = msgspec.json.encode(
-        {"messages": [], "nvext": {"session_control": {"session_id": "s-1", "action": "open"}}}
-    )
-    chunks = [body[:10], body[10:]]
-    scope, receive = await tag_session(_scope(body), _receiver(chunks), limit=1 << 20)
-    assert (b"x-session-id", b"s-1") in scope["headers"]
-    assert await _drain(receive) == (body, [True, False])
-    assert (await receive())["type"] == "http.disconnect"  # later messages come from the client
-
-
-@pytest.mark.parametrize(
-    ("body", "extra", "limit"),
-    [
-        pytest.param(b'{"messages": []}', None, 1 << 20, id="no-session"),
-        pytest.param(b'{"nvext": {"session_control": {"session_id": 7}}}', None, 1 << 20, id="not-a-string"),
-        pytest.param(b'{"nvext": {"session_control": "x"', None, 1 << 20, id="malformed"),
-        pytest.param(
-            b'{"nvext": {"session_control": {"session_id": "a"}}}',
-            [(b"x-session-id", b"mine")],
-            1 << 20,
-            id="client-set",
-        ),
-        pytest.param(b'{"nvext": {"session_control": {"session_id": "a"}}}', None, 5, id="too-large"),
-    ],
-)
-async def test_requests_without_a_usable_session_pass_untouched(
-    body: bytes, extra: list[tuple[bytes, bytes]] | None, limit: int
-) -> None:
-    scope = _scope(body, extra)
-    tagged, receive = await tag_session(scope, _receiver([body]), limit=limit)
-    assert [h for h in tagged["headers"] if h[0] == b"x-session-id"] == (extra or [])
-    assert (await _drain(receive))[0] == body

@@ -44,7 +44,31 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         config._kvmesh_engine_skips = len(skipped)  # type: ignore[attr-defined]
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     skipped = session.config.pluginmanager.get_plugin("terminalreporter")
     if skipped is not None and skipped.stats.get("skipped") and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    session.config._kvmesh_exitstatus = session.exitstatus  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave without the interpreter's native teardown once SGLang's launcher code has run.
+
+    After every SGLang launcher test has passed and pytest has printed its summary, the process
+    segfaults in interpreter finalisation with no Python frame on the stack (SGLang 0.5.23 on CPU
+    loads tvm_ffi, sentencepiece and lxml extensions; the crash follows its ``prepare_server_args``
+    + ``load_plugins`` path). It never happens in a test, only after them. The exit status is
+    pytest's own, so a failure still fails the run."""
+    import os
+    import sys
+
+    if "sglang.srt.server_args" not in sys.modules:
+        return
+    session_status = getattr(config, "_kvmesh_exitstatus", None)
+    if session_status is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(session_status))

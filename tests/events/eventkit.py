@@ -82,12 +82,24 @@ def drop_5_percent(last_seq: int) -> Callable[[int], bool]:
     return lambda seq: seq % 20 == 7 and seq != last_seq
 
 
+Frames = list[bytes]
+
+
 class LossyRelay:
     """SUB -> PUB relay of a KV-event stream, on a thread, that drops the messages whose sequence
     number ``drop`` selects. It binds ``downstream`` (``tcp://127.0.0.1:*`` takes a free port) and
-    names the bound address in ``endpoint``."""
+    names the bound address in ``endpoint``. ``transform`` (optional) turns each message that is
+    not dropped into the messages to send instead: none, itself twice, a garbled copy, an earlier
+    one held back (reordering); it may be swapped while the relay runs, like ``drop``."""
 
-    def __init__(self, upstream: str, downstream: str, *, drop: Callable[[int], bool]) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        downstream: str,
+        *,
+        drop: Callable[[int], bool],
+        transform: Callable[[int, Frames], list[Frames]] | None = None,
+    ) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sub = ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, 0)
@@ -98,6 +110,7 @@ class LossyRelay:
         self._pub.bind(downstream)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.drop = drop
+        self.transform = transform
         self.dropped: list[int] = []
         self.highest_seen = -1
         self._stop = threading.Event()
@@ -115,7 +128,9 @@ class LossyRelay:
                 if self.drop(seq):
                     self.dropped.append(seq)
                     continue
-                self._pub.send_multipart(frames)
+                transform = self.transform
+                for out in transform(seq, frames) if transform is not None else [frames]:
+                    self._pub.send_multipart(out)
         finally:
             self._sub.close(linger=0)
             self._pub.close(linger=0)

@@ -284,7 +284,7 @@ def test_unknown_keys_are_ignored() -> None:
         [
             0.0,
             [
-                stored_map(cache_salt="salt", some_future_key={"nested": [1, 2]}),
+                stored_map(some_future_key={"nested": [1, 2]}),
                 {
                     "type": "BlockRemoved",
                     "block_hashes": [3],
@@ -300,6 +300,14 @@ def test_unknown_keys_are_ignored() -> None:
     assert stored == decode_batch(pack([0.0, [stored_map()], 0])).events[0]
     assert removed == BlockRemoved(block_hashes=[3], medium="GPU", group_idx=0)
     assert b"some_future_key" not in encode_batch(decode_batch(payload))
+
+
+def test_sglang_cache_salt_is_read_and_kept() -> None:
+    """SGLang's map-form BlockStored names its cache salt: the router must see it (keyed_from)."""
+    payload = pack([0.0, [stored_map(cache_salt="salt")], 0])
+    stored = decode_batch(payload).events[0]
+    assert stored.cache_salt == "salt" and stored.keyed_from == 0
+    assert decode_batch(encode_batch(decode_batch(payload))).events[0] == stored
 
 
 def test_eagle_token_pairs() -> None:

@@ -32,8 +32,12 @@ class EngineState:
     role: str = "aggregated"
     transfer_params: dict[str, Any] | None = None  # a prefill answer's kv_transfer_params
     status: int = 200  # of every generation answer (a failing prefill worker: 500)
+    text: str | None = None  # each streamed chunk's content (default "<name>:<i> ")
+    stream_usage: bool = True  # end a stream with a usage event
     received: list[dict[str, Any]] = field(default_factory=list)
+    rpcs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # worker RPCs, in order
     headers: list[dict[str, str]] = field(default_factory=list)
+    session_ids: list[list[str]] = field(default_factory=list)  # every X-Session-ID, repeats kept
     active: int = 0
     finished: int = 0
     aborted: int = 0
@@ -59,6 +63,17 @@ def engine_app(state: EngineState) -> Starlette:
             }
         )
 
+    async def session_control(request: Request) -> Response:
+        state.rpcs.append(("session_control", await request.json()))
+        return JSONResponse({"status": "ok"})
+
+    async def pin_prefix(request: Request) -> Response:
+        body = await request.json()
+        state.rpcs.append(("pin_prefix", body))
+        return JSONResponse(
+            {"status": "ok", "blocks_pinned": len(body.get("token_ids", [])) // state.block_size}
+        )
+
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -69,6 +84,7 @@ def engine_app(state: EngineState) -> Starlette:
         body = await request.json()
         state.received.append(body)
         state.headers.append(dict(request.headers))
+        state.session_ids.append(request.headers.getlist("x-session-id"))
         if state.hold:  # a long prefill that, like a real engine, stops when its client leaves
             deadline = time.perf_counter() + state.hold
             while time.perf_counter() < deadline:
@@ -110,7 +126,7 @@ def engine_app(state: EngineState) -> Starlette:
                         "id": "chatcmpl-1",
                         "object": "chat.completion.chunk",
                         "model": "test-model",
-                        "choices": [{"index": 0, "delta": {"content": f"{state.name}:{i} "}}],
+                        "choices": [{"index": 0, "delta": {"content": state.text or f"{state.name}:{i} "}}],
                     }
                     yield f"data: {json.dumps(chunk)}\n\n"
                 final = {
@@ -120,7 +136,8 @@ def engine_app(state: EngineState) -> Starlette:
                     "choices": [],
                     "usage": usage,
                 }
-                yield f"data: {json.dumps(final)}\n\n"
+                if state.stream_usage:
+                    yield f"data: {json.dumps(final)}\n\n"
                 yield "data: [DONE]\n\n"
                 state.finished += 1
             except asyncio.CancelledError:
@@ -134,6 +151,8 @@ def engine_app(state: EngineState) -> Starlette:
     return Starlette(
         routes=[
             Route("/kvmesh/info", info),
+            Route("/kvmesh/session_control", session_control, methods=["POST"]),
+            Route("/kvmesh/pin_prefix", pin_prefix, methods=["POST"]),
             Route("/health", health),
             Route("/v1/models", models),
             Route("/v1/chat/completions", generate, methods=["POST"]),

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from kvmesh.adapters.sglang.tokenizer import SglangTokenizer
+from kvmesh.router.asgi.forwarding import HOP_HEADER
 from kvmesh.router.asgi.middleware import GENERATION_PATHS
 from kvmesh.router.asgi.middleware import KvMeshMiddleware as _CoreMiddleware
 from kvmesh.router.mesh.settings import MeshSettings
@@ -51,7 +52,13 @@ class KvMeshMiddleware(_CoreMiddleware):
         if scope["type"] == "http":
             if not self.engine_tokenizer.bound and "app" in scope:
                 self.engine_tokenizer.bind_from_app(scope["app"])
-            if scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
+            if (
+                scope["path"] in GENERATION_PATHS
+                and scope["method"] == "POST"
+                and not any(name == HOP_HEADER for name, _ in scope["headers"])
+            ):
+                # A hop (a peer forwarded it) was routed already and its nvext stripped by the
+                # sender: a credit added here would reach SGLang as an nvext field.
                 scope, receive = await _uncredit_namespaced(scope, receive, self.settings.max_body_bytes)
         await super().__call__(scope, receive, send)
 

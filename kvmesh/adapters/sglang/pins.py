@@ -10,8 +10,12 @@ pinned pages, and later splits copy the lock count to the new parent, so the rel
 The engine-agnostic bookkeeping (deadlines, distinct-page budget, longest-fitting-prefix policy)
 is :class:`kvmesh.worker.retention.Retention`. Its "blocks" are pages, named by the KV slot of
 their first token (stable for as long as the page is cached, shared by every prefix through it).
-``forget_all`` is for ``/flush_cache``: SGLang resets the tree whatever is locked, so the old
-nodes are gone and must not be released into the new tree.
+``forget_all`` is for a tree reset: SGLang resets the tree whatever is locked (``/flush_cache``,
+and a disaggregation role switch, which calls ``tree_cache.reset()`` without ``flush_cache``), so
+the old nodes are gone and must not be released into the new tree. Every entry point compares the
+tree's root handle (``root_node_handle()``: the root node of ``RadixCache``, the root's NodeId in
+``UnifiedRadixCache``, never re-minted by either tree core) with the one the pins were taken under,
+so a reset by any path drops the pins before anything is released.
 
 Runs in the scheduler's thread only (the radix cache is not thread-safe): see :mod:`.scheduler_hooks`.
 """
@@ -68,6 +72,7 @@ class RadixPins:
         # last page of a held prefix -> the locks taken for it (node, receipt), newest last
         self._locks: dict[int, list[tuple[Any, Any]]] = {}
         self._pending: tuple[Sequence[int], str | None] = ((), None)
+        self._root = tree_cache.root_node_handle()
 
     def _new_ledger(self) -> Retention[int]:
         return Retention(
@@ -94,9 +99,11 @@ class RadixPins:
             self._pending = ((), None)
 
     def expire(self) -> None:
+        self._notice_reset()
         self.retention.expire(self.clock())
 
     def next_expiry_in(self) -> float | None:
+        self._notice_reset()
         deadline = self.retention.next_expiry()
         return None if deadline is None else max(0.0, deadline - self.clock())
 
@@ -104,8 +111,15 @@ class RadixPins:
         """The tree was reset (``/flush_cache``): drop every pin without touching the new tree."""
         self._locks.clear()
         self.retention = self._new_ledger()
+        self._root = self.tree_cache.root_node_handle()
+
+    def _notice_reset(self) -> None:
+        root = self.tree_cache.root_node_handle()
+        if root is not self._root and root != self._root:
+            self.forget_all()
 
     def stats(self) -> dict[str, Any]:
+        self._notice_reset()
         return {
             "pinned_pages": self.retention.num_retained,
             "budget_pages": self.budget_pages,

@@ -1,22 +1,18 @@
 """kvmesh's routing middleware as mounted on trtllm-serve's app.
 
-The engine-agnostic :class:`kvmesh.router.KvMeshMiddleware` (configured from ``KVMESH_*`` /
-``KVMESH_CONFIG``, like every embedded router) plus one piece of glue: a request that belongs to a
-kvmesh session (``nvext.session_control.session_id``) gets an ``x-session-id`` header before the
-router strips ``nvext``, so the hints layer inside (:mod:`.hints`) can show the turn to the
-session's retention. The header travels with the request when kvmesh forwards it to a peer.
-The tagging is the vLLM adapter's own helper: both engines learn the session the same way.
+The engine-agnostic :class:`kvmesh.router.KvMeshMiddleware`, configured from ``KVMESH_*`` /
+``KVMESH_CONFIG`` like every embedded router. A turn of a kvmesh session
+(``nvext.session_control.session_id``) reaches the hints layer inside (:mod:`.hints`) with an
+``x-session-id`` header that the router's own forwarding adds on every path (served here or
+forwarded to a peer), so the session's retention sees each turn without glue here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.adapters.session_tag import tag_session
 from kvmesh.router import KvMeshMiddleware as _CoreMiddleware
 from kvmesh.router import MeshSettings
-
-GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 
 
 class KvMeshMiddleware(_CoreMiddleware):  # type: ignore[misc, valid-type]
@@ -24,8 +20,3 @@ class KvMeshMiddleware(_CoreMiddleware):  # type: ignore[misc, valid-type]
 
     def __init__(self, app: Any, *, settings: MeshSettings | None = None) -> None:
         super().__init__(app, settings=settings)
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
-            scope, receive = await tag_session(scope, receive, self.settings.max_body_bytes)
-        await super().__call__(scope, receive, send)

@@ -22,7 +22,6 @@ launcher runs trtllm-serve (``tensorrt_llm.serve.openai_server``, ``tensorrt_llm
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,7 @@ from kvmesh.adapters.trtllm._trtllm import import_trtllm
 from kvmesh.adapters.trtllm.backend import TrtllmWorker, WorkerOptions
 from kvmesh.adapters.trtllm.hints import RequestHintsMiddleware
 from kvmesh.adapters.trtllm.middleware import KvMeshMiddleware
-from kvmesh.worker.rpc import worker_rpc_routes
+from kvmesh.worker.rpc import worker_rpc_routes, worker_token_from_env
 
 logger = logging.getLogger("kvmesh.adapters.trtllm")
 
@@ -60,7 +59,7 @@ def attach(
     worker = TrtllmWorker(engine_of(server), model=getattr(server, "model", None), options=options)
     server.kvmesh_worker = worker
     app = server.app
-    routes = worker_rpc_routes(worker, admin_token=os.environ.get("KVMESH_ADMIN_TOKEN") or None)
+    routes = worker_rpc_routes(worker, admin_token=worker_token_from_env())
     routes.append(Route("/kvmesh/metrics", _metrics, methods=["GET"]))
     app.router.routes.extend(routes)
     app.add_middleware(RequestHintsMiddleware)

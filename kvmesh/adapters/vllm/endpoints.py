@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from kvmesh.adapters.vllm.engine_rpc import RPC_METHOD
 from kvmesh.errors import RequestError
 from kvmesh.worker.block_state import kv_state_answer
-from kvmesh.worker.rpc import worker_rpc_routes
+from kvmesh.worker.rpc import worker_rpc_routes, worker_token_from_env
 
 logger = logging.getLogger("kvmesh.adapters.vllm")
 
@@ -153,9 +153,7 @@ class KvMeshEndpointPlugin:
         self._ticker: asyncio.Task[None] | None = None
 
     def attach_router(self, app: Any) -> None:
-        routes = worker_rpc_routes(
-            _LateBackend(self), admin_token=os.environ.get("KVMESH_ADMIN_TOKEN") or None
-        )
+        routes = worker_rpc_routes(_LateBackend(self), admin_token=worker_token_from_env())
         app.router.routes.extend(routes)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:

@@ -5,10 +5,10 @@ vLLM's no-argument ``app.add_middleware(cls)`` cannot pass in:
 
 * the tokenizer defaults to the served model's own (``KVMESH_TOKENIZER=engine``), bound to vLLM's
   renderer on the first request;
-* a request that belongs to a kvmesh session (``nvext.session_control.session_id``) is tagged with
-  vLLM's native ``X-Session-ID`` header before kvmesh strips ``nvext``, so vLLM carries the id into
-  the engine core, where kvmesh's session retention sees each turn. The header travels with the
-  request when kvmesh forwards it to a peer.
+* nothing for sessions: the router's own forwarding (:func:`kvmesh.router.asgi.forwarding.session_header`)
+  tags every turn of a kvmesh session with vLLM's native ``X-Session-ID`` header on every path
+  (served here, forwarded to a peer, either stage of a disaggregated request), so vLLM carries the
+  id into the engine core, where kvmesh's session retention sees each turn.
 
 Priority polarity needs no glue here: the middleware rewrites ``nvext.agent_hints.priority`` per
 the serving worker's ``/kvmesh/info`` ``priority_polarity`` (``lower_first`` for vLLM with
@@ -20,9 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvmesh.adapters.session_tag import tag_session
 from kvmesh.adapters.vllm.tokenizer import VllmTokenizer
-from kvmesh.router.asgi.middleware import GENERATION_PATHS
 from kvmesh.router.asgi.middleware import KvMeshMiddleware as _CoreMiddleware
 from kvmesh.router.mesh.settings import MeshSettings
 
@@ -39,11 +37,8 @@ class KvMeshMiddleware(_CoreMiddleware):
         super().__init__(app, settings=settings, tokenizer=self.engine_tokenizer)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            if not self.engine_tokenizer.bound and "app" in scope:
-                self.engine_tokenizer.bind_from_app(scope["app"])
-            if scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
-                scope, receive = await tag_session(scope, receive, self.settings.max_body_bytes)
+        if scope["type"] == "http" and not self.engine_tokenizer.bound and "app" in scope:
+            self.engine_tokenizer.bind_from_app(scope["app"])
         await super().__call__(scope, receive, send)
 
 

@@ -3,39 +3,70 @@ metrics, the cached-tokens reconciliation and the ``nvext`` echo.
 
 Both classes are the :class:`~kvmesh.router.asgi.tap.Observer` of one response. :class:`LoadAccount`
 is all a hop (a request another replica routed here) needs: prefill done at the first event, output
-growth, and the request's blocks freed at the end. :class:`RoutedAccount` adds what the replica that
-made the decision reports: TTFT / ITL / OSL, the engine's ``cached_tokens`` against the prediction,
-the echo the client asked for, and the session ``close`` that follows the turn.
+growth in tokens (the engine's ``usage`` reconciles the count of streamed events), and the request's
+blocks freed at the end. :class:`RoutedAccount` adds what the replica that made the decision
+reports: TTFT / ITL / OSL, the engine's ``cached_tokens`` against the prediction, the echo the
+client asked for, and what follows a finished turn: the ``cache_control`` pin of prompt + answer on
+the worker that served it, the ``speculative_prefill`` warm-up of the next turn, the session
+``close``. A non-streaming answer never shows its first token: its prefill load is released at the
+estimated end of prefill (:meth:`RoutedAccount.watch_prefill`) instead of with the whole answer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 from typing import Any
 
 from kvmesh._types import WorkerKey
+from kvmesh.hashing import block_hashes
 from kvmesh.router.core.kv_router import Decision
+from kvmesh.router.core.load import prefill_seconds
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.nvext import Nvext
+from kvmesh.router.request.parse import ParsedRequest
+
+# Reasoning a model writes inline; the reference strips it from a warm-up's assistant turn.
+_THINKING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+def _includes_usage(body: dict[str, Any]) -> bool:
+    """The client asked for a ``usage`` event at the stream's end (``stream_options``)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 class LoadAccount:
     """The router's load view of one request while it runs on a worker."""
 
-    __slots__ = ("mesh", "request_id")
+    __slots__ = ("generated", "mesh", "request_id")
 
     def __init__(self, mesh: Mesh, request_id: str) -> None:
         self.mesh = mesh
         self.request_id = request_id
+        self.generated = 0
 
     def first_event(self, streamed: bool = True) -> None:
         self.mesh.router.first_token(self.request_id, time.monotonic(), timed=streamed)
 
     def events(self, n: int) -> None:
+        """``n`` more SSE events: one token each, unless a subclass counts their text."""
+        self.grow(n)
+
+    def grow(self, n: int) -> None:
+        """``n`` more output tokens (fewer when negative: a reconciliation)."""
+        self.generated += n
         self.mesh.router.output_tokens(self.request_id, n, time.monotonic())
 
     def usage(self, usage: dict[str, Any]) -> None:
-        return None
+        # Output blocks count tokens: an event may carry several (or none), a JSON answer all of
+        # them. The engine's count replaces the router's, whichever way it errs.
+        completion = usage.get("completion_tokens")
+        if not isinstance(completion, int) or isinstance(completion, bool) or completion < 0:
+            return
+        if completion != self.generated:
+            self.grow(completion - self.generated)
 
     def echo(self) -> dict[str, Any] | None:
         return None
@@ -55,21 +86,28 @@ class RoutedAccount(LoadAccount):
     """A request this replica routed: its load, its metrics, its echo and its session close."""
 
     __slots__ = (
+        "answer",
+        "answer_ids",
+        "counts_text",
         "decision",
         "last_event",
         "nvext",
         "out_events",
+        "parsed",
+        "prefill_timer",
         "prefill_worker",
         "routed_at",
+        "streamed_tokens",
         "t0",
         "t_first",
         "wall0",
         "worker_id",
     )
 
-    def __init__(self, mesh: Mesh, request_id: str, nvext: Nvext, t0: float, wall0: float) -> None:
+    def __init__(self, mesh: Mesh, request_id: str, parsed: ParsedRequest, t0: float, wall0: float) -> None:
         super().__init__(mesh, request_id)
-        self.nvext = nvext
+        self.parsed = parsed
+        self.nvext: Nvext = parsed.nvext
         self.t0 = t0
         self.wall0 = wall0
         self.routed_at = 0.0
@@ -80,6 +118,27 @@ class RoutedAccount(LoadAccount):
         self.t_first = 0.0
         self.last_event = 0.0
         self.out_events = 0
+        self.answer: list[str] = []
+        self.answer_ids: list[int] | None = None
+        self.prefill_timer: asyncio.TimerHandle | None = None
+        self.counts_text = parsed.stream and mesh.kv_mode and not _includes_usage(parsed.body)
+        """A stream that will carry no ``usage``: its output is counted by tokenizing each event's
+        text (an event may carry several tokens), as no engine count will correct it later."""
+        self.streamed_tokens = 0
+
+    @property
+    def pins(self) -> bool:
+        mesh = self.mesh
+        return self.nvext.cache_ttl is not None and mesh.config.enable_cache_control and mesh.kv_mode
+
+    @property
+    def warms(self) -> bool:
+        return self.nvext.hints.speculative_prefill and self.mesh.kv_mode
+
+    @property
+    def wants_content(self) -> bool:
+        """The answer's text is needed after the turn (a pin of it, or a warm-up with it)."""
+        return self.pins or self.warms
 
     def dispatched(self, decision: Decision, isl: int) -> None:
         """The request goes to ``decision.worker`` now (again, after a failover)."""
@@ -87,22 +146,59 @@ class RoutedAccount(LoadAccount):
         self.worker_id = decision.worker[0]
         if isl:
             self.mesh.metrics.kv_hit_rate.observe(min(1.0, decision.cached_tokens / isl))
+        if not self.parsed.stream and self.mesh.config.router_track_prefill_tokens:
+            self.watch_prefill(decision, isl)
+
+    def watch_prefill(self, decision: Decision, isl: int) -> None:
+        """Release the prompt's prefill load when its prefill should be over, not with the answer."""
+        if self.prefill_timer is not None:
+            self.prefill_timer.cancel()
+        w = self.mesh.registry.get(decision.worker[0])
+        profile = w.info.prefill_profile if w is not None and w.info is not None else None
+        delay = prefill_seconds(max(isl - decision.cached_tokens, 0), profile)
+        self.prefill_timer = asyncio.get_running_loop().call_later(delay, self._prefill_over)
+
+    def _prefill_over(self) -> None:
+        self.prefill_timer = None
+        LoadAccount.first_event(self, streamed=False)  # an estimate: no TTFT to learn from
+
+    def content(self, text: str, token_ids: list[int] | None) -> None:
+        """A piece of the answer (thinking excluded), with its token ids when the engine gave them."""
+        if text:
+            self.answer.append(text)
+        if token_ids is not None:
+            if self.answer_ids is None:
+                self.answer_ids = []
+            self.answer_ids.extend(token_ids)
 
     def first_event(self, streamed: bool = True) -> None:
         now = time.perf_counter()
         self.t_first = self.last_event = now
+        if self.prefill_timer is not None:  # the answer is whole before the estimate ran out
+            self.prefill_timer.cancel()
+            self.prefill_timer = None
         super().first_event(streamed)
-        self.mesh.metrics.ttft.observe(now - self.t0)
+        if self.parsed.stream:  # a whole JSON answer's arrival is no first token
+            self.mesh.metrics.ttft.observe(now - self.t0)
+
+    def streamed_text(self, text: str) -> None:
+        """What one streamed event generated (the tap's ``text`` hook, when ``counts_text``)."""
+        self.streamed_tokens += len(self.mesh.tokenizer.encode(text))
 
     def events(self, n: int) -> None:
         now = time.perf_counter()
-        if self.out_events:
+        if self.out_events and self.parsed.stream:
             self.mesh.metrics.itl.observe(now - self.last_event)
         self.last_event = now
         self.out_events += n
-        super().events(n)
+        if self.counts_text:
+            n, self.streamed_tokens = self.streamed_tokens, 0
+            if not n:
+                return
+        self.grow(n)
 
     def usage(self, usage: dict[str, Any]) -> None:
+        super().usage(usage)
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if isinstance(cached, int) and not isinstance(cached, bool) and self.decision is not None:
@@ -114,25 +210,29 @@ class RoutedAccount(LoadAccount):
         if not nv.wants_echo:
             return None
         out: dict[str, Any] = {}
+        decision = self.decision
         if nv.want_worker_id:
+            # The reference's shape: an aggregated worker does both phases; a disaggregated
+            # request names the prefill worker that ran its first stage.
+            rank = decision.worker[1] if decision is not None else None
+            worker = self.worker_id or None
             prefill = self.prefill_worker
-            if prefill is None:
-                out["worker_id"] = self.worker_id
-            else:  # both stages, as the reference names them
-                decode_rank = self.decision.worker[1] if self.decision is not None else None
-                out["worker_id"] = {
-                    "prefill_worker_id": prefill[0],
-                    "decode_worker_id": self.worker_id,
-                    "prefill_dp_rank": prefill[1],
-                    "decode_dp_rank": decode_rank,
-                }
+            out["worker_id"] = {
+                "prefill_worker_id": prefill[0] if prefill is not None else worker,
+                "prefill_dp_rank": prefill[1] if prefill is not None else rank,
+                "decode_worker_id": worker,
+                "decode_dp_rank": rank,
+            }
         if nv.want_timing:
             now = time.perf_counter()
-            decision = self.decision
+            streamed = self.parsed.stream and self.t_first
             out["timing"] = {
                 "request_received_ms": round(self.wall0 * 1000, 3),
                 "routing_ms": round((self.routed_at - self.t0) * 1000, 3),
-                "ttft_ms": round((self.t_first - self.t0) * 1000, 3) if self.t_first else None,
+                "ttft_ms": round((self.t_first - self.t0) * 1000, 3) if streamed else None,
+                "itl_ms": round((self.last_event - self.t_first) * 1000 / (self.generated - 1), 3)
+                if streamed and self.generated > 1
+                else None,
                 "total_ms": round((now - self.t0) * 1000, 3),
                 "queue_ms": round(decision.waited * 1000, 3) if decision else 0.0,
                 "cached_tokens_predicted": decision.cached_tokens if decision else 0,
@@ -141,9 +241,59 @@ class RoutedAccount(LoadAccount):
 
     def end(self, complete: bool) -> None:
         mesh = self.mesh
+        if self.prefill_timer is not None:
+            self.prefill_timer.cancel()
+            self.prefill_timer = None
         if complete:
-            mesh.metrics.osl.observe(self.out_events)
+            mesh.metrics.osl.observe(self.generated)
+            if self.worker_id and (self.answer or self.answer_ids):
+                if self.pins:
+                    mesh.spawn(
+                        mesh.pin_answer(self.worker_id, self._turn_tokens(), self.nvext.cache_ttl or 300.0)
+                    )
+                if self.warms:
+                    self._warm_next_turn()
         session = self.nvext.session
         if session is not None and session.action == "close" and self.worker_id:
             mesh.spawn(mesh.close_session(self.worker_id, session.session_id))
         super().end(complete)
+
+    # ---------------------------------------------------------------- after the turn
+    def _turn_tokens(self) -> list[int]:
+        """Prompt + answer, as the engine cached them: its own token ids when it sent them, else
+        the answer's text through the router's tokenizer (exact for the builtin tokenizer)."""
+        ids = self.answer_ids
+        if ids is None:
+            ids = self.mesh.tokenizer.encode("".join(self.answer))
+        return self.parsed.tokens + ids
+
+    def _warm_next_turn(self) -> None:
+        """The conversation so far, answer included (thinking removed), as a ``max_tokens: 1``
+        request on the same worker: the next turn finds its prefix computed."""
+        parsed = self.parsed
+        decision = self.decision
+        assert decision is not None
+        body = {k: v for k, v in parsed.body.items() if k not in ("nvext", "stream", "stream_options")}
+        text = _THINKING.sub("", "".join(self.answer))
+        if parsed.endpoint.endswith("chat/completions"):
+            messages = [*parsed.body.get("messages", []), {"role": "assistant", "content": text}]
+            body["messages"] = messages
+            body.pop("max_completion_tokens", None)
+            tools = body.get("tools")
+            tokens = self.mesh.tokenizer.apply_chat_template(messages, tools=tools)
+        else:
+            tokens = self._turn_tokens()
+            body["prompt"] = tokens
+        body["max_tokens"] = 1
+        mesh = self.mesh
+        hashes = block_hashes(tokens, mesh.registry.block_size or 16, parsed.lora)
+        mesh.start_warmup(
+            decision.worker,
+            parsed.endpoint,
+            body,
+            {"x-kvmesh-hop": mesh.replica},
+            tuple(parsed.hashes),
+            hashes,
+            len(tokens),
+            len(parsed.hashes),
+        )

@@ -4,8 +4,14 @@
     POST   /kvmesh/workers        {"url": ..., "id": ..., spec fields} -> 201 + the worker's row
     DELETE /kvmesh/workers/{id}   -> 200 {"removed": id}
     GET    /kvmesh/router         -> this replica: name, epoch, replica-sync endpoint and peers
-    GET    /busy_threshold        -> the busy thresholds in force
-    POST   /busy_threshold        {threshold: value | null, ...} -> the thresholds after the change
+    GET    /busy_threshold        -> {"thresholds": [{"model", thresholds...} per served model]}
+    POST   /busy_threshold        {"model": m, threshold: value, ...} -> {"model": m, thresholds...}
+                                  ({"model": m} alone reads them; without "model": kvmesh's older
+                                  form, the thresholds alone)
+
+The ``/busy_threshold`` bodies are the reference router's. A kvmesh fleet routes one model family
+(one tokenizer, one block size), so its thresholds are shared by the models it serves: the answer
+names the model it was asked about, and a model the fleet does not serve is a 404.
 
 A POST to ``/kvmesh/workers`` takes the fields of a ``[[workers]]`` table (``url`` required; ``id``
 defaults to the URL; ``block_size``, ``kv_events_endpoints`` ... override the worker's
@@ -77,16 +83,23 @@ async def _json_body(request: Request) -> Any:
         chunks.append(chunk)
     try:
         return msgspec.json.decode(b"".join(chunks))
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         raise _BadBody("body must be a JSON object") from None
 
 
 def build_admin_app(mesh: Mesh) -> Router:
     """The admin routes over ``mesh``; every one behind the admin token when one is set."""
 
-    def guarded(endpoint: Any) -> Any:
+    def guarded(endpoint: Any, *, peers_too: bool = False) -> Any:
+        """``peers_too``: the worker token (what replicas present to each other) opens it as well."""
+
         async def checked(request: Request) -> Response:
-            if not token_matches(mesh.settings.admin_token, request.scope["headers"]):
+            headers = request.scope["headers"]
+            settings = mesh.settings
+            allowed = token_matches(settings.admin_token, headers) or (
+                peers_too and bool(settings.worker_token) and token_matches(settings.worker_token, headers)
+            )
+            if not allowed:
                 return _error(401, "admin token missing or wrong")
             await mesh.ensure_started()
             await mesh.wait_ready()
@@ -99,12 +112,15 @@ def build_admin_app(mesh: Mesh) -> Router:
 
     async def list_workers(request: Request) -> Response:
         registry = mesh.registry
+        rows = registry.snapshot()
+        for row in rows:  # cache_control pins: what each worker took or refused
+            row["cache_control_pins"] = mesh.pin_stats.get(row["worker_id"])
         return _json(
             {
                 "replica": mesh.replica,
                 "router_mode": mesh.config.router_mode,
                 "block_size": registry.block_size,
-                "workers": registry.snapshot(),
+                "workers": rows,
             }
         )
 
@@ -137,19 +153,32 @@ def build_admin_app(mesh: Mesh) -> Router:
         return _json(mesh.describe())
 
     async def get_thresholds(request: Request) -> Response:
-        return _json(_thresholds(mesh))
+        current = _thresholds(mesh)
+        return _json({"thresholds": [{"model": m, **current} for m in mesh.registry.models]})
 
     async def set_thresholds(request: Request) -> Response:
-        changes = _parse_thresholds(await _json_body(request))
-        mesh.router.set_busy_thresholds(**changes)
-        return _json(_thresholds(mesh))
+        doc = await _json_body(request)
+        model = doc.pop("model", None) if isinstance(doc, dict) else None
+        if model is None:
+            changes = _parse_thresholds(doc)
+            mesh.router.set_busy_thresholds(**changes)
+            return _json(_thresholds(mesh))
+        if not isinstance(model, str):
+            return _error(400, "model must be a string", "model")
+        if model not in mesh.registry.models:
+            return _error(404, f"model {model!r} is not served by this fleet", "model")
+        # null or absent thresholds read the current ones, as the reference's endpoint does
+        changes = _parse_thresholds({k: v for k, v in doc.items() if v is not None}, allow_empty=True)
+        if changes:
+            mesh.router.set_busy_thresholds(**changes)
+        return _json({"model": model, **_thresholds(mesh)})
 
     return Router(
         routes=[
             Route(WORKERS_PATH, guarded(list_workers), methods=["GET"]),
             Route(WORKERS_PATH, guarded(add_worker), methods=["POST"]),
             Route(_WORKER_PREFIX + "{worker_id:path}", guarded(remove_worker), methods=["DELETE"]),
-            Route(ROUTER_PATH, guarded(describe_router), methods=["GET"]),
+            Route(ROUTER_PATH, guarded(describe_router, peers_too=True), methods=["GET"]),
             Route(BUSY_PATH, guarded(get_thresholds), methods=["GET"]),
             Route(BUSY_PATH, guarded(set_thresholds), methods=["POST"]),
         ]
@@ -161,8 +190,8 @@ def _thresholds(mesh: Mesh) -> dict[str, Any]:
     return {name: getattr(t, name) for name in _THRESHOLD_FIELDS}
 
 
-def _parse_thresholds(doc: Any) -> dict[str, Any]:
-    if not isinstance(doc, dict) or not doc:
+def _parse_thresholds(doc: Any, *, allow_empty: bool = False) -> dict[str, Any]:
+    if not isinstance(doc, dict) or not (doc or allow_empty):
         raise _BadBody(f"body must be a JSON object with some of: {', '.join(_THRESHOLD_FIELDS)}")
     changes: dict[str, Any] = {}
     for key, value in doc.items():

@@ -39,7 +39,8 @@ import msgspec
 
 from kvmesh.errors import KvMeshError
 from kvmesh.router.asgi.accounting import RoutedAccount
-from kvmesh.router.asgi.forwarding import HOP_HEADER, REQUEST_ID_HEADER
+from kvmesh.router.asgi.forwarding import session_header
+from kvmesh.router.asgi.peer_auth import hop_headers, strip_internal
 from kvmesh.router.core.kv_router import Decision, RouteRequest, RouteResult
 from kvmesh.router.mesh.registry import Worker
 from kvmesh.router.mesh.runtime import Mesh
@@ -218,8 +219,9 @@ class TwoStage:
 
     # ---------------------------------------------------------------- helpers
     def _engine_doc(self, worker: Worker) -> dict[str, Any]:
-        polarity = worker.info.priority_polarity if worker.info is not None else "none"
-        doc = _decode(self.parsed.engine_body(polarity))
+        info = worker.info
+        polarity = info.priority_polarity if info is not None else "none"
+        doc = _decode(self.parsed.engine_body(polarity, info.backend if info is not None else ""))
         assert isinstance(doc, dict)
         return doc
 
@@ -234,10 +236,13 @@ class TwoStage:
         routed = self.routed
         mesh = routed.mesh
         path = self.parsed.endpoint
-        headers = end_to_end_headers(routed.scope["headers"], REQUEST_ID_HEADER)
+        headers = strip_internal(end_to_end_headers(routed.scope["headers"]))
         headers = [(k, v) for k, v in headers if k not in (b"content-length", b"host")]
-        headers.append((HOP_HEADER, mesh.replica.encode()))
-        headers.append((REQUEST_ID_HEADER, request_id.encode()))
+        tag = session_header(self.parsed, headers)  # the prefill stage is the session's turn too
+        if tag is not None:
+            headers.append(tag)
+        # proven with the mesh secret when one is set: a peer trusts only a replica's hop
+        headers += hop_headers(mesh.settings.mesh_secret, mesh.replica, request_id)
         if mesh.registry.is_local(worker.worker_id) and mesh.local_app is not None:
             try:
                 return await call_app(mesh.local_app, "POST", path, headers, body)

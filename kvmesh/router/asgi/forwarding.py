@@ -1,9 +1,18 @@
 """Serve a routed request where the router decided: the wrapped app in-process, or a peer over
 kvmesh's HTTP/1.1 client, failing over to the next-best worker while nothing has reached the client.
 
-A connection failure before the worker's first body byte marks the worker down and asks the router
-again without it; after the first byte the client's response has begun, so a break ends that
-response cleanly (an error event for SSE) instead. A client that leaves before the first byte
+What the engine receives is the engine's form of the request (``ParsedRequest.engine_body``) and,
+for a turn of a session, its session in the engine's own way: the ``X-Session-ID`` header (vLLM's;
+the TensorRT-LLM adapter and the mock read it too), added here so that every deployment (the
+standalone router, any ASGI app, an embedded engine) tags the turn, in-process or forwarded.
+
+A connection failure before the request reached the worker (connect refused, a pooled connection
+found closed) marks the worker down and asks the router again without it. A failure after the
+request was written but before the worker's first body byte is ambiguous: the worker may be
+running it, and a generation must not run twice (upstream/forwarder.py). It is sent elsewhere only
+when the worker then refuses a new connection (it died, and the request with it); a worker that
+still answers gets the client a 502 and no second copy. After the first byte the client's response
+has begun, so a break ends that response cleanly (an error event for SSE) instead. A client that leaves before the first byte
 closes the upstream connection, which tells the worker to abort a prefill nobody waits for.
 """
 
@@ -18,21 +27,27 @@ from typing import Any
 import msgspec
 
 from kvmesh._http import error_body, replay_body, wait_disconnect
-from kvmesh.errors import KvMeshError
+from kvmesh.errors import KvMeshError, RequestError
 from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.json_io import send_error
+from kvmesh.router.asgi.peer_auth import HOP_HEADER, REQUEST_ID_HEADER, hop_headers, strip_internal
 from kvmesh.router.asgi.tap import ResponseTap
 from kvmesh.router.core.kv_router import Decision
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.parse import ParsedRequest
-from kvmesh.router.upstream.forwarder import ConnectFailed, StreamBroken, UpstreamResponse, end_to_end_headers
+from kvmesh.router.upstream.forwarder import (
+    ConnectFailed,
+    MaybeDelivered,
+    StreamBroken,
+    UpstreamResponse,
+    end_to_end_headers,
+)
 
 ASGIApp = Any
 Scope = dict[str, Any]
-HOP_HEADER = b"x-kvmesh-hop"
-# The forwarding replica's request id: the peer counts the request under it, as replica sync does.
-REQUEST_ID_HEADER = b"x-kvmesh-request-id"
+__all__ = ["HOP_HEADER", "REQUEST_ID_HEADER", "WORKER_ID_HEADER", "Dispatch", "replace_body"]
 WORKER_ID_HEADER = b"x-kvmesh-worker-id"
+SESSION_HEADER = b"x-session-id"
 
 Reroute = Callable[[frozenset[str]], Awaitable[Decision | None]]
 """Ask the router again, among these workers only; None when the request was answered meanwhile."""
@@ -44,6 +59,27 @@ def replace_body(scope: Scope, body: bytes) -> Scope:
     headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
     headers.append((b"content-length", str(len(body)).encode()))
     return {**scope, "headers": headers}
+
+
+def session_header(parsed: ParsedRequest, headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bytes] | None:
+    """``X-Session-ID`` for a turn of a kvmesh session, unless the client named one itself."""
+    session = parsed.nvext.session
+    if session is None or any(k.lower() == SESSION_HEADER for k, _ in headers):
+        return None
+    try:
+        return (SESSION_HEADER, session.session_id.encode("latin-1"))
+    except UnicodeEncodeError:
+        return None
+
+
+def annotation_events(parsed: ParsedRequest, formatted: Callable[[list[int]], str]) -> bytes:
+    """The ``nvext.annotations`` a streaming client asked for, as SSE events ahead of the answer
+    (an ``event:`` line and the value as a comment line, as the reference sends them)."""
+    out = b""
+    for name in parsed.nvext.annotations:
+        value: Any = parsed.tokens if name == "token_ids" else formatted(parsed.tokens)
+        out += b"event: " + name.encode() + b"\n: " + msgspec.json.encode(value) + b"\n\n"
+    return out
 
 
 class Dispatch:
@@ -82,17 +118,28 @@ class Dispatch:
         account = self.account
         tried: set[str] = set()
         while True:
-            account.dispatched(decision, self.parsed.isl)
             worker_id = decision.worker[0]
+            try:
+                body = self._engine_body(worker_id)
+            except RequestError:  # a field this worker's engine has no parameter for
+                account.decision = decision
+                account.end(False)
+                raise
+            account.dispatched(decision, self.parsed.isl)
             if registry.is_local(worker_id):
-                await self.serve_local(worker_id)
+                await self.serve_local(worker_id, body)
                 return
             worker = registry.get(worker_id)
             assert worker is not None
             try:
-                opened = await self._open_while_client_waits(worker.url, worker_id)
+                opened = await self._open_while_client_waits(worker.url, worker_id, body)
             except ConnectFailed as e:
                 mesh.router.cancel(account.request_id, time.monotonic())
+                if isinstance(e, MaybeDelivered) and await mesh.forwarder.reachable(worker.url):
+                    # Alive, and it may be generating: a second copy elsewhere could run it twice.
+                    mesh.metrics.not_resent.inc()
+                    await self.error(502, f"the worker dropped the request and it was not re-sent: {e}", None)
+                    return
                 mesh.metrics.failovers.inc()
                 tried.add(worker_id)
                 await registry.mark_down(worker_id, str(e))
@@ -114,14 +161,31 @@ class Dispatch:
 
     def _engine_body(self, worker_id: str) -> bytes:
         w = self.mesh.registry.get(worker_id)
-        polarity = w.info.priority_polarity if w is not None and w.info is not None else "none"
-        return self.parsed.engine_body(polarity)
+        info = w.info if w is not None else None
+        polarity = info.priority_polarity if info is not None else "none"
+        return self.parsed.engine_body(polarity, info.backend if info is not None else "")
+
+    def _tap(self, worker_id: str) -> ResponseTap:
+        account = self.account
+        parsed = self.parsed
+        return ResponseTap(
+            self.send,
+            account,
+            extra_headers=[(WORKER_ID_HEADER, worker_id.encode())],
+            content=account.content if account.wants_content else None,
+            preamble=annotation_events(parsed, self.mesh.tokenizer.decode)
+            if parsed.nvext.annotations
+            else b"",
+            text=account.streamed_text if account.counts_text else None,
+        )
 
     # ---------------------------------------------------------------- in-process
-    async def serve_local(self, worker_id: str) -> None:
-        body = self._engine_body(worker_id)
+    async def serve_local(self, worker_id: str, body: bytes) -> None:
         scope = self.scope if body is self.parsed.raw_body else replace_body(self.scope, body)
-        tap = ResponseTap(self.send, self.account, extra_headers=[(WORKER_ID_HEADER, worker_id.encode())])
+        tag = session_header(self.parsed, scope["headers"])
+        if tag is not None:
+            scope = {**scope, "headers": [*scope["headers"], tag]}
+        tap = self._tap(worker_id)
         try:
             await self.app(scope, replay_body(body, self.receive), tap)
         finally:
@@ -131,11 +195,11 @@ class Dispatch:
 
     # ---------------------------------------------------------------- to a peer
     async def _open_while_client_waits(
-        self, url: str, worker_id: str
+        self, url: str, worker_id: str, body: bytes
     ) -> tuple[UpstreamResponse, bytes | None] | None:
         """``_open``, abandoned when the client disconnects first (None): closing the upstream
         connection tells the worker to abort, so a long prefill does not run for nobody."""
-        opening = asyncio.ensure_future(self._open(url, worker_id))
+        opening = asyncio.ensure_future(self._open(url, body))
         gone = asyncio.ensure_future(wait_disconnect(self.receive))
         try:
             await asyncio.wait((opening, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -143,35 +207,44 @@ class Dispatch:
             gone.cancel()
         if opening.done():
             return opening.result()
-        opening.cancel()
+        # Cancel until it ends: a cancellation can be lost when it meets a connect that just
+        # completed (asyncio.wait_for before Python 3.12), and the request would then be written
+        # and left running on the worker with nobody to read it.
+        while not opening.done():
+            opening.cancel()
+            await asyncio.wait((opening,), timeout=0.1)
         with contextlib.suppress(asyncio.CancelledError, KvMeshError):
-            await opening
+            opened = opening.result()
+            opened[0].close()  # it got through after all: the worker must see the disconnect
         return None
 
-    async def _open(self, url: str, worker_id: str) -> tuple[UpstreamResponse, bytes | None]:
+    async def _open(self, url: str, body: bytes) -> tuple[UpstreamResponse, bytes | None]:
         """Send upstream and wait for the first body bytes: until then a failure may fail over."""
-        headers = end_to_end_headers(self.scope["headers"], REQUEST_ID_HEADER)
-        headers.append((HOP_HEADER, self.mesh.replica.encode()))
-        headers.append((REQUEST_ID_HEADER, self.account.request_id.encode()))
+        # The peer counts the load under our request id; the proof (with a mesh secret) tells it
+        # the headers come from a replica, not a client (peer_auth).
+        headers = strip_internal(end_to_end_headers(self.scope["headers"]))
+        tag = session_header(self.parsed, headers)
+        if tag is not None:
+            headers.append(tag)
+        headers += hop_headers(self.mesh.settings.mesh_secret, self.mesh.replica, self.account.request_id)
         path = self.parsed.endpoint
         if self.scope.get("query_string"):
             path += "?" + self.scope["query_string"].decode("latin-1")
-        upstream = await self.mesh.forwarder.open(url, "POST", path, headers, self._engine_body(worker_id))
+        upstream = await self.mesh.forwarder.open(url, "POST", path, headers, body)
         try:
             first = await upstream.chunks().__anext__()
         except StopAsyncIteration:
             return upstream, None
         except StreamBroken as e:
-            upstream.close()
-            raise ConnectFailed(url, f"failed before the first byte: {e}") from None
+            upstream.close()  # the head came: the worker had the request
+            raise MaybeDelivered(url, f"failed before the first byte: {e}") from None
         except BaseException:  # cancelled: the client left
             upstream.close()
             raise
         return upstream, first
 
     async def _relay(self, upstream: UpstreamResponse, first: bytes | None) -> None:
-        worker_id = self.account.worker_id
-        tap = ResponseTap(self.send, self.account, extra_headers=[(WORKER_ID_HEADER, worker_id.encode())])
+        tap = self._tap(self.account.worker_id)
         # A response that arrived whole (small JSON answers) goes out at once: a client leaving
         # now has nothing left to abort, so only a response still on the wire is watched.
         whole = upstream.drained

@@ -3,6 +3,7 @@ answers that are a JSON document or an OpenAI-style error (:func:`kvmesh._http.e
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -16,16 +17,32 @@ _encode = msgspec.json.encode
 _CONTENT_TYPE = (b"content-type", b"application/json")
 
 
-async def read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes | None:
+async def read_body(
+    scope: dict[str, Any], receive: Any, limit: int, timeout: float | None = None
+) -> bytes | None:
     """The request body, or None if the client left; RequestError(413) past ``limit`` bytes
     (before reading when ``content-length`` declares more), RequestError(400) for a
-    ``content-length`` that is not a number."""
+    ``content-length`` that is not a number, RequestError(408) when the whole body has not
+    arrived within ``timeout`` seconds (a client that stalls after the head holds a slot)."""
+    if timeout is None:
+        return await _read_body(scope, receive, limit)
+    try:
+        return await asyncio.wait_for(_read_body(scope, receive, limit), timeout)
+    except asyncio.TimeoutError:
+        raise RequestError(
+            f"request body not received within {timeout:g}s", field="body", status=408
+        ) from None
+
+
+async def _read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes | None:
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:
                 declared = int(value)
             except ValueError:
                 raise RequestError("invalid content-length header", field="content-length") from None
+            if declared < 0:
+                raise RequestError("invalid content-length header", field="content-length")
             if declared > limit:
                 raise RequestError(f"request body larger than {limit} bytes", status=413)
             break

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.router.asgi import admin
-from kvmesh.router.asgi.forwarding import HOP_HEADER
+from kvmesh.router.asgi import admin, peer_auth
 from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.routed import RoutedRequest
 from kvmesh.router.mesh.runtime import Mesh
@@ -64,9 +63,13 @@ class KvMeshMiddleware:
         path = scope["path"]
         if path in GENERATION_PATHS and scope["method"] == "POST":
             await self.mesh.ensure_started()
-            for name, value in scope["headers"]:
-                if name == HOP_HEADER:
-                    await HopRequest(self.mesh, self.app, scope, receive, send, value).run()
+            headers = scope["headers"]
+            if peer_auth.has_internal(headers):
+                # Judge the hop headers once, then drop them: no copy travels further (peer_auth).
+                hop = peer_auth.read_hop(headers, self.settings.mesh_secret)
+                scope = {**scope, "headers": peer_auth.strip_internal(headers)}
+                if hop is not None and self.mesh.local_app is not None:
+                    await HopRequest(self.mesh, self.app, scope, receive, send, hop).run()
                     return
             await RoutedRequest(self.mesh, self.app, scope, receive, send).run()
         elif admin.handles(path):

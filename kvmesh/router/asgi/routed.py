@@ -4,8 +4,10 @@ Each phase has its own object: the body is parsed once into a frozen
 :class:`~kvmesh.router.request.parse.ParsedRequest`; the router's answer is settled here (a decision
 now, a wait in the admission queue, or a refusal with its status); :class:`~.forwarding.Dispatch`
 serves it with failover; :class:`~.accounting.RoutedAccount` turns the response into load, metrics
-and the ``nvext`` echo. Session ``open`` and ``cache_control`` pins go to the chosen worker through
-the typed worker-RPC client.
+and the ``nvext`` echo. A session ``open`` completes at the chosen worker (typed worker-RPC
+client) before the turn is sent, so the turn is held by the session it opens; a failed open is the
+client's error naming ``nvext.session_control``. ``cache_control`` pins and ``speculative_prefill``
+warm-ups follow the finished answer (see :mod:`~.accounting`).
 """
 
 from __future__ import annotations
@@ -14,25 +16,31 @@ import asyncio
 import time
 from typing import Any
 
-import msgspec
-
 from kvmesh._http import replay_body, wait_disconnect
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.disagg import TwoStage
-from kvmesh.router.asgi.forwarding import Dispatch, replace_body
+from kvmesh.router.asgi.forwarding import Dispatch, replace_body, session_header
 from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.core.kv_router import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
 from kvmesh.router.request.parse import ParsedRequest, parse_request
+from kvmesh.router.upstream.forwarder import ConnectFailed
 
 ASGIApp = Any
 Scope = dict[str, Any]
 _QUEUE_TIMEOUT = 120.0
 # kvmesh_requests_total children by (counter, endpoint, route, status): labels() costs more than inc().
 _REQUEST_COUNTERS: dict[tuple[Any, str, str, int], Any] = {}
-_REJECT_STATUS = {"busy": 503, "queue_full": 429, "unknown_worker": 400, "no_workers": 503, "no_target": 503}
+_REJECT_STATUS = {
+    "busy": 503,
+    "queue_full": 429,
+    "unknown_worker": 400,
+    "no_workers": 503,
+    "no_target": 503,
+    "session_limit": 429,
+}
 
 
 def check_worker_ids(mesh: Mesh, nv: Nvext, headers: dict[str, str] | None) -> None:
@@ -66,7 +74,10 @@ class RoutedRequest:
     async def run(self) -> None:
         mesh = self.mesh
         try:
-            raw = await read_body(self.scope, self.receive, mesh.settings.max_body_bytes)
+            settings = mesh.settings
+            raw = await read_body(
+                self.scope, self.receive, settings.max_body_bytes, settings.body_read_timeout
+            )
             if raw is None:
                 return
             # Discovery first: parsing reads the fleet's block size and routable workers.
@@ -77,7 +88,8 @@ class RoutedRequest:
                 # Peers not known yet (or all gone): this engine can always serve its own requests.
                 await self._serve_local_untracked(parsed)
                 return
-            account = RoutedAccount(mesh, mesh.next_request_id(), parsed.nvext, self.t0, self.wall0)
+            mesh.cancel_warmups(parsed.hashes)  # the next turn is here: its warm-up is moot
+            account = RoutedAccount(mesh, mesh.next_request_id(), parsed, self.t0, self.wall0)
             request = self._route_request(parsed, account.request_id)
             if mesh.registry.prefill_routable:
                 await TwoStage(self, parsed, account, request).run()
@@ -104,9 +116,27 @@ class RoutedRequest:
             block_size=registry.block_size or 16,
             lora_of=registry.lora_of,
             clock=time.perf_counter,
+            limits=mesh.nvext_limits,
         )
-        if parsed.nvext.pinned_worker is not None:
-            check_worker_ids(mesh, parsed.nvext, parsed.override_headers)
+        nv = parsed.nvext
+        if nv.pinned_worker is not None:
+            check_worker_ids(mesh, nv, parsed.override_headers)
+        if nv.cache_ttl is not None:
+            if not mesh.config.enable_cache_control:
+                raise RequestError(
+                    "nvext.cache_control is off on this router (start it with --enable-cache-control)",
+                    field="nvext.cache_control",
+                )
+            if not mesh.kv_mode:
+                raise RequestError(
+                    "nvext.cache_control needs --router-mode kv (the router pins the prompt's tokens)",
+                    field="nvext.cache_control",
+                )
+        if nv.hints.speculative_prefill and not mesh.kv_mode:
+            raise RequestError(
+                "nvext.agent_hints.speculative_prefill needs --router-mode kv",
+                field="nvext.agent_hints.speculative_prefill",
+            )
         if mesh.kv_mode:
             metrics = mesh.metrics
             metrics.phase["tokenize"].observe(parsed.tokenize_secs)
@@ -129,18 +159,31 @@ class RoutedRequest:
             latency_sensitivity=hints.latency_sensitivity,
             osl=hints.osl,
             overlap_score_credit=hints.kv_overlap_score_credit,
+            prefill_load_scale=hints.prefill_load_scale,
             session_id=session.session_id if session else None,
             session_action=session.action if session else None,
             session_timeout=session.timeout if session else None,
             allowed_workers=registry.routable if parsed.lora is None else registry.adapters[parsed.lora],
             lora_name=parsed.lora,
+            client=_client(self.scope),
         )
 
     async def dispatch(
         self, decision: Decision, parsed: ParsedRequest, account: RoutedAccount, request: RouteRequest
     ) -> None:
-        """Serve on the decided worker (session open and pins first), failing over if it is gone."""
-        self._side_calls(decision, parsed)
+        """Serve on the decided worker (its session opened first), failing over if it is gone."""
+        mesh = self.mesh
+        ttl = parsed.nvext.cache_ttl
+        if ttl is not None and mesh.kv_mode and not mesh.take_pin(decision.worker[0], ttl, time.monotonic()):
+            mesh.router.cancel(account.request_id, time.monotonic())
+            raise RequestError(
+                f"worker {decision.worker[0]!r} holds its maximum of "
+                f"{mesh.config.router_max_pins_per_worker} cache_control pins",
+                field="nvext.cache_control",
+                status=429,
+            )
+        if not await self._open_session(decision, parsed, account):
+            return
 
         async def reroute(allowed: frozenset[str]) -> Decision | None:
             request.allowed_workers = allowed
@@ -219,7 +262,9 @@ class RoutedRequest:
             )
             return
         status = _REJECT_STATUS.get(rejected.reason, 503)
-        field = "nvext.backend_instance_id" if rejected.reason == "unknown_worker" else None
+        field = {"unknown_worker": "nvext.backend_instance_id", "session_limit": "nvext.session_control"}.get(
+            rejected.reason
+        )
         retry = rejected.retry_after
         if retry is None and status != 400:
             retry = mesh.config.busy_retry_after_secs
@@ -244,25 +289,49 @@ class RoutedRequest:
                 _REQUEST_COUNTERS[key] = child
         child.inc()
 
-    # ------------------------------------------------------------------ worker RPCs around the turn
-    def _side_calls(self, decision: Decision, parsed: ParsedRequest) -> None:
+    # ------------------------------------------------------------------ the session a turn opens
+    async def _open_session(self, decision: Decision, parsed: ParsedRequest, account: RoutedAccount) -> bool:
+        """``open``: the engine session exists before its first turn is sent. False when it could
+        not be opened (the client has its answer, the load is released)."""
+        session = parsed.nvext.session
+        if session is None or session.action != "open":
+            return True
         mesh = self.mesh
-        nv = parsed.nvext
         worker_id = decision.worker[0]
-        session = nv.session
-        if session is not None and session.action == "open":
-            # the worker holds the session's blocks as long as the router keeps it bound
-            timeout = mesh.config.router_session_timeout_secs if session.timeout is None else session.timeout
-            mesh.spawn(mesh.open_session(worker_id, session.session_id, timeout))
-        if nv.cache_ttl is not None and mesh.kv_mode:
-            mesh.spawn(mesh.pin_prefix(worker_id, parsed.tokens, nv.cache_ttl))
+        # the worker holds the session's blocks as long as the router keeps it bound
+        timeout = mesh.config.router_session_timeout_secs if session.timeout is None else session.timeout
+        try:
+            await mesh.open_session(worker_id, session.session_id, timeout)
+        except ConnectFailed as e:
+            mesh.router.cancel(account.request_id, time.monotonic())
+            mesh.router.apply_session(session.session_id, None, timeout, time.monotonic())
+            self._count("rejected", 502)
+            await send_error(
+                self.send,
+                502,
+                f"nvext.session_control: worker {worker_id!r} could not open session "
+                f"{session.session_id!r}: {e}",
+                "nvext.session_control",
+            )
+            return False
+        return True
 
     async def _serve_local_untracked(self, parsed: ParsedRequest) -> None:
-        body = (
-            msgspec.json.encode({k: v for k, v in parsed.body.items() if k != "nvext"})
-            if "nvext" in parsed.body
-            else parsed.raw_body
+        registry = self.mesh.registry
+        me = registry.get(registry.settings.self_worker_id or "")
+        info = me.info if me is not None else None
+        body = parsed.engine_body(
+            info.priority_polarity if info is not None else "none", info.backend if info is not None else ""
         )
         scope = self.scope if body is parsed.raw_body else replace_body(self.scope, body)
+        tag = session_header(parsed, scope["headers"])
+        if tag is not None:
+            scope = {**scope, "headers": [*scope["headers"], tag]}
         self._count("local", 0)
         await self.app(scope, replay_body(body, self.receive), self.send)
+
+
+def _client(scope: Scope) -> str | None:
+    """The client's address (host only: one client may use many ports)."""
+    client = scope.get("client")
+    return str(client[0]) if client else None

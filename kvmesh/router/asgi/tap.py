@@ -16,6 +16,13 @@ turns the worker's response into the same messages).
 * ``application/json`` (a 200 answer to a non-streaming request): buffered up to a limit, since it
   is small and complete only at the end; ``usage`` is read and ``nvext`` merged into the object.
 * anything else passes through untouched.
+
+Two options for a routed request: ``content`` hears the answer's text (``delta.content`` /
+``text`` / ``message.content``; reasoning fields are left out) and its ``token_ids`` when the engine
+sends them, which costs one JSON decode per event and is only asked for when a pin or a warm-up
+needs the answer; ``preamble`` (the ``nvext.annotations`` events) goes out ahead of the first event;
+``text`` hears everything each event generated (every choice, reasoning included) before the
+batch's ``events`` call, so a stream that will carry no ``usage`` can be counted in tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ _json_decode = msgspec.json.decode
 _json_encode = msgspec.json.encode
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+Content = Callable[[str, "list[int] | None"], None]
+Text = Callable[[str], None]
 
 
 class Observer(Protocol):
@@ -56,16 +65,19 @@ class ResponseTap:
         "_awaiting_output",
         "_buffer",
         "_buffered",
+        "_content",
         "_echoed",
         "_extra_headers",
         "_json_limit",
         "_lines",
         "_mode",
         "_observer",
+        "_preamble",
         "_seen_events",
         "_send",
         "_start",
         "_stream_meta",
+        "_text",
         "complete",
         "started",
         "status",
@@ -78,8 +90,14 @@ class ResponseTap:
         *,
         extra_headers: list[tuple[bytes, bytes]] | None = None,
         json_limit: int = 64 * 1024 * 1024,
+        content: Content | None = None,
+        preamble: bytes = b"",
+        text: Text | None = None,
     ) -> None:
         self._send = send
+        self._content = content
+        self._text = text
+        self._preamble = preamble
         self._observer = observer
         self._extra_headers = extra_headers or []
         self._json_limit = json_limit
@@ -143,6 +161,9 @@ class ResponseTap:
         if lines:
             lines = self._read_lines(lines)
         out = before + lines + after if (before or after) else lines
+        if self._preamble and out:
+            out = self._preamble + out
+            self._preamble = b""
         if not more and not self._echoed and self._seen_events:
             # A stream that ends without [DONE]: the echo goes at its very end.
             self._echoed = True
@@ -182,6 +203,8 @@ class ResponseTap:
                         if self._seen_events == 0:
                             self._remember_meta(payload)
                     events += 1
+                    if self._content is not None or self._text is not None:
+                        self._read_content(payload)
                     if b'"usage"' in payload:  # only a prefilter: the decoded event decides
                         usages.append(payload)
             offset += len(line)
@@ -205,6 +228,17 @@ class ResponseTap:
             return
         if isinstance(first, dict):
             self._stream_meta = {k: first[k] for k in ("id", "object", "created", "model") if k in first}
+
+    def _read_content(self, payload: bytes) -> None:
+        try:
+            event = _json_decode(payload)
+        except msgspec.DecodeError:
+            return
+        _report_content(event, self._content)
+        if self._text is not None:
+            generated = _generated_text(event)
+            if generated:
+                self._text(generated)
 
     def _read_usage(self, payload: bytes) -> None:
         try:
@@ -259,13 +293,13 @@ class ResponseTap:
         self._finish()
 
     def _account(self, doc: dict[str, Any] | None) -> None:
-        """Report a whole JSON answer's ``usage``: cached prompt tokens, completion tokens."""
+        """Report a whole JSON answer's ``usage`` (cached prompt tokens, completion tokens: the
+        observer counts them as output) and, when asked, its text."""
+        if doc is not None and self._content is not None:
+            _report_content(doc, self._content)
         usage = doc.get("usage") if doc is not None else None
         if isinstance(usage, dict):
             self._observer.usage(usage)
-            completion = usage.get("completion_tokens")
-            if isinstance(completion, int) and completion > 0:
-                self._observer.events(completion)
 
     async def _flush_start(self, length: int | None) -> None:
         start = self._start
@@ -304,6 +338,42 @@ def _announces_role_only(payload: bytes) -> bool:
         if any(v for k, v in delta.items() if k != "role"):
             return False
     return True
+
+
+def _report_content(doc: Any, content: Content | None) -> None:
+    """The first choice's answer text (never its reasoning) and token ids, from an SSE event or a
+    whole JSON answer."""
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    if content is None or not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return
+    choice = choices[0]
+    part = choice.get("delta")
+    if not isinstance(part, dict):
+        part = choice.get("message")
+    text = part.get("content") if isinstance(part, dict) else choice.get("text")
+    ids = choice.get("token_ids")
+    good_ids = ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None
+    content(text if isinstance(text, str) else "", good_ids)
+
+
+def _generated_text(event: Any) -> str:
+    """All text an SSE event generated: every choice's content and reasoning (chat) or text."""
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if not isinstance(choices, list):
+        return ""
+    out = []
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            for key in ("reasoning_content", "reasoning", "content"):
+                value = delta.get(key)
+                if isinstance(value, str):
+                    out.append(value)
+        elif isinstance(choice.get("text"), str):
+            out.append(choice["text"])
+    return "".join(out)
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:

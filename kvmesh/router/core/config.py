@@ -81,7 +81,16 @@ class RouterConfig:
     # replicas and sessions
     router_replica_sync: bool = False
     router_session_timeout_secs: float = 300.0
+    # limits on what one client can make the router hold (each refusal is a 4xx naming the field)
+    router_session_id_max_len: int = 256
+    router_session_timeout_max_secs: float = 86400.0
+    router_max_sessions: int = 100_000
+    router_max_sessions_per_client: int = 1_000
+    router_max_pins_per_worker: int = 10_000
     load_aware: bool = False
+    # agent features
+    enable_cache_control: bool = False
+    router_event_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.load_aware:
@@ -425,10 +434,63 @@ _FLAGS: tuple[Setting, ...] = (
         low_open=True,
     ),
     _flag(
+        "router_session_id_max_len",
+        "--router-session-id-max-len",
+        int,
+        "longest nvext.session_control.session_id accepted (400 beyond)",
+        1.0,
+    ),
+    _flag(
+        "router_session_timeout_max_secs",
+        "--router-session-timeout-max-secs",
+        float,
+        "largest nvext.session_control.timeout accepted (400 beyond)",
+        0.0,
+        low_open=True,
+    ),
+    _flag(
+        "router_max_sessions",
+        "--router-max-sessions",
+        int,
+        "live sessions the router holds in total; a new one beyond is refused (429)",
+        1.0,
+    ),
+    _flag(
+        "router_max_sessions_per_client",
+        "--router-max-sessions-per-client",
+        int,
+        "live sessions one client address may hold; a new one beyond is refused (429)",
+        1.0,
+    ),
+    _flag(
+        "router_max_pins_per_worker",
+        "--router-max-pins-per-worker",
+        int,
+        "live cache_control pins the router asks one worker to hold; a new one beyond is refused (429)",
+        1.0,
+    ),
+    _flag(
         "load_aware",
         "--load-aware",
         bool,
         "preset: route on load only (no overlap credit, no KV events, no reuse assumption)",
+    ),
+    Setting(
+        "enable_cache_control",
+        "--enable-cache-control",
+        "KVMESH_ROUTER_ENABLE_CACHE_CONTROL",
+        "enable_cache_control",
+        bool,
+        "honour nvext.cache_control: pin each finished answer's prefix on its worker for the TTL "
+        "(off: such requests get a 400)",
+    ),
+    _flag(
+        "router_event_threads",
+        "--router-event-threads",
+        int,
+        "threads applying KV events; kvmesh applies them on the router's event loop, so only 1",
+        1.0,
+        1.0,
     ),
 )
 

@@ -118,6 +118,14 @@ class PrefixIndex(ChainIndex):
         engine = event.block_hashes
         if len(locals_) < len(engine) or not engine:
             return STATUS_INVALID if engine else STATUS_OK
+        keyed = event.keyed_from
+        if keyed is not None:
+            # Salted or multimodal from block ``keyed`` on: only the plain prefix before it is
+            # what a token-only hash names (later blocks and their children stay unindexed).
+            if keyed == 0:
+                return STATUS_OK
+            engine = engine[:keyed]
+            locals_ = locals_[:keyed]
         medium = event.medium or None
         tier = _LEVEL_OF_MEDIUM.get(medium)  # type: ignore[arg-type]
         if tier is None:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     import random
 
 SessionAction = Literal["open", "close", "bind"]
-RejectReason = Literal["busy", "queue_full", "unknown_worker", "no_workers", "no_target"]
+RejectReason = Literal["busy", "queue_full", "unknown_worker", "no_workers", "no_target", "session_limit"]
 DecisionReason = Literal["kv", "pinned", "session", "round-robin", "random", "direct"]
 
 
@@ -71,14 +71,18 @@ class RouteRequest:
     latency_sensitivity: float | None = None
     """``agent_hints.latency_sensitivity`` in seconds; the queue jump when no priority is given."""
     osl: int | None = None
-    """``agent_hints.osl``: expected output tokens, used for output-block decay."""
+    """``agent_hints.osl``: expected output tokens; its answer blocks count as decode load from routing."""
     overlap_score_credit: float | None = None
     """``agent_hints.kv_overlap_score_credit``: per-request override of the overlap credit."""
+    prefill_load_scale: float | None = None
+    """Per-request prefill load scale (the older ``agent_hints.kv_overlap_score_weight``)."""
     session_id: str | None = None
     session_action: SessionAction | None = None
     session_timeout: float | None = None
     allowed_workers: frozenset[WorkerId] | None = None
     """Restrict candidates (e.g. healthy workers only); None means every registered worker."""
+    client: str | None = None
+    """Who sent it (the client address): the owner of a session it opens, for the per-client limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +220,11 @@ class RoutingObserver(Protocol):
     def prefill_done(self, request_id: str) -> None: ...
 
     def freed(self, request_id: str) -> None: ...
+
+    def session(self, session_id: str, worker: WorkerKey | None, timeout: float) -> None:
+        """A session was bound or used (``worker``, sliding its expiry by ``timeout``) or closed
+        (``worker`` None), so every replica honours one affinity."""
+        ...
 
 
 _UNSET: object = object()
@@ -413,9 +422,16 @@ class KvRouter:
             if bound is not None and bound[0] in self._workers:
                 if req.session_action == "close":
                     self._sessions.close(req.session_id)
-                elif req.session_timeout is not None:
-                    self._sessions.bind(req.session_id, bound, now, req.session_timeout)
+                    self._tell_session(req.session_id, None)
+                else:
+                    if req.session_timeout is not None:
+                        self._sessions.bind(req.session_id, bound, now, req.session_timeout)
+                    self._tell_session(req.session_id, bound)
                 return self._decide(req, [bound], now, None, "session", filter_busy=False)
+            if req.session_action in ("open", "bind"):
+                refused = self._session_room(req)
+                if refused is not None:
+                    return refused
         if req.backend_instance_id is not None:
             info = self._workers.get(req.backend_instance_id)
             if info is None or (req.dp_rank is not None and not 0 <= req.dp_rank < info.dp_size):
@@ -596,12 +612,14 @@ class KvRouter:
         )
         bs = self._block_size or 1
         weights = self._weights
-        if req.overlap_score_credit is not None:
+        if req.overlap_score_credit is not None or req.prefill_load_scale is not None:
             weights = selector.CostWeights(
-                req.overlap_score_credit,
+                weights.overlap_score_credit
+                if req.overlap_score_credit is None
+                else req.overlap_score_credit,
                 weights.host_cache_hit_weight,
                 weights.disk_cache_hit_weight,
-                weights.prefill_load_scale,
+                weights.prefill_load_scale if req.prefill_load_scale is None else req.prefill_load_scale,
             )
         load = self._load
         index = self._index
@@ -714,7 +732,8 @@ class KvRouter:
         if self.observer is not None:
             self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
         if req.session_id is not None and req.session_action in ("open", "bind"):
-            self._sessions.bind(req.session_id, worker, now, req.session_timeout)
+            self._sessions.bind(req.session_id, worker, now, req.session_timeout, req.client)
+            self._tell_session(req.session_id, worker)
         bs = self._block_size or 1
         return Decision(
             req.request_id,
@@ -724,6 +743,46 @@ class KvRouter:
             self._reason_for(req),
             breakdown,
         )
+
+    def _tell_session(self, session_id: str, worker: WorkerKey | None) -> None:
+        if self.observer is not None:
+            timeout = self._sessions.timeout_of(session_id)
+            self.observer.session(
+                session_id, worker, self._sessions.default_timeout if timeout is None else timeout
+            )
+
+    def apply_session(self, session_id: str, worker: WorkerKey | None, timeout: float, now: float) -> None:
+        """A peer replica's session bind, use or close (replica sync): honour its affinity here."""
+        if worker is None:
+            self._sessions.close(session_id)
+        elif self.knows(worker):
+            self._sessions.bind(session_id, worker, now, timeout)
+
+    def session_worker(self, session_id: str) -> WorkerKey | None:
+        """The worker a live session is bound to (no expiry slide), for tests and the admin view."""
+        return self._sessions.peek(session_id)
+
+    def _session_room(self, req: RouteRequest) -> Rejected | None:
+        """Refuse a new session past ``--router-max-sessions`` or, for its client, past
+        ``--router-max-sessions-per-client`` (each one holds router memory and engine blocks)."""
+        sessions = self._sessions
+        if req.session_id in sessions:
+            return None
+        cfg = self.config
+        if len(sessions) >= cfg.router_max_sessions:
+            return Rejected(
+                req.request_id,
+                "session_limit",
+                f"the router holds its maximum of {cfg.router_max_sessions} sessions",
+                1.0,
+            )
+        if req.client is not None and sessions.owned_by(req.client) >= cfg.router_max_sessions_per_client:
+            return Rejected(
+                req.request_id,
+                "session_limit",
+                f"this client holds its maximum of {cfg.router_max_sessions_per_client} sessions; close one first",
+            )
+        return None
 
     def _reason_for(self, req: RouteRequest) -> DecisionReason:
         if req.session_id is not None and req.session_id in self._sessions and req.session_action != "open":

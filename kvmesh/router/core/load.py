@@ -9,8 +9,14 @@ Per worker it tracks
   first, each with its predicted prefill duration. Only the oldest (the anchor) decays, linearly
   from the moment it became the anchor over its predicted duration; the others count in full until
   they reach the front. ``prefill_tokens_at(worker, now)`` is that decayed view;
-* **output blocks** (optional): one placeholder block per ``block_size`` generated tokens, weighted
-  by ``max(0, 1 - generated / osl)`` when the request declared an ``osl``.
+* **output blocks**: a request that declared an ``osl`` (expected output tokens) counts the blocks
+  its answer will hold, ``ceil(max(osl, generated) / block_size)``, from the moment it is routed,
+  weighted by ``max(0, 1 - generated / osl)`` (nearly done = about to free them), so a worker
+  running long answers looks busier to the requests routed after it. Without an ``osl`` and with
+  output tracking on, one placeholder block per ``block_size`` generated tokens.
+
+A non-streaming request never shows its first token, so the caller releases its prefill load at
+an estimate (:func:`prefill_seconds`: the reference mocker's fitted curve, or the worker's own).
 
 Shared-block dedup works on *prefix identities*: full chunks of ``CHUNK`` blocks are one identity
 (weight ``CHUNK``), the blocks of a trailing partial chunk one identity each. An identity names the
@@ -22,11 +28,31 @@ ending inside a chunk that only one of them completes are deduplicated up to the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from kvmesh._types import WorkerKey
 
 CHUNK = 16
+# Milliseconds to prefill T uncached tokens: a2*T^2 + a1*T + a0 (the reference mocker's fit).
+PREFILL_MS = (4.209989e-07, 1.518344e-02, 16.50142)
+
+
+def prefill_seconds(uncached_tokens: int, profile: Sequence[float] | None = None) -> float:
+    """Estimated prefill time of ``uncached_tokens`` on an idle worker (``profile`` = (a2, a1, a0)
+    in ms, from the worker's ``/kvmesh/info`` when it reports one)."""
+    if uncached_tokens <= 0:
+        return 0.0
+    a2, a1, a0 = profile if profile is not None else PREFILL_MS
+    t = float(uncached_tokens)
+    return (a2 * t * t + a1 * t + a0) / 1000.0
+
+
+def output_blocks(osl: int | None, generated: int, block_size: int) -> float:
+    """Decode blocks a request with expected output ``osl`` holds for its answer (0 without)."""
+    if not osl:
+        return 0.0
+    return math.ceil(max(osl, generated) / block_size) * max(0.0, 1.0 - generated / osl)
 
 
 class PromptBlocks:
@@ -220,6 +246,9 @@ class ActiveSequences:
             w.anchor_since = now
         w.in_prefill[request_id] = r
         self._requests[request_id] = r
+        if osl and self.track_active_blocks:
+            r.output = output_blocks(osl, 0, self.block_size)
+            w.output += r.output
 
     def prefill_done(self, request_id: str, now: float) -> None:
         r = self._requests.get(request_id)
@@ -246,11 +275,12 @@ class ActiveSequences:
             return
         r.last_seen = now
         r.generated += n
-        if not self.track_output_blocks:
+        if r.osl and self.track_active_blocks:
+            value = output_blocks(r.osl, r.generated, self.block_size)
+        elif self.track_output_blocks:
+            value = float(r.generated // self.block_size)
+        else:
             return
-        blocks = r.generated // self.block_size
-        decay = max(0.0, 1.0 - r.generated / r.osl) if r.osl else 1.0
-        value = blocks * decay
         if value != r.output:
             self._workers[r.worker].output += value - r.output
             r.output = value

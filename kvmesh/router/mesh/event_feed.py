@@ -9,10 +9,18 @@ For one worker the feed
    KvRouter and counting it;
 3. on a stream reset (a gap replay could not fill, an engine restart) clears that rank's part of the
    index and re-syncs it from ``kv_state``;
-4. after each quiet spell of a stream, asks once whether anything was published since the last
-   batch it holds (a replay from the next sequence, or the ``kv_state`` sequence when the worker
-   has no replay socket): a batch lost just before a quiet period is revealed by no later batch, so
-   without this the index would stay wrong until the next burst.
+4. while a stream is quiet, asks at each health check whether anything was published since the
+   last batch it holds (a replay from the next sequence; the ``kv_state`` sequence, every few
+   checks, when the worker has no replay socket): a batch lost just before a quiet period is
+   revealed by no later batch, so without this the index would stay wrong until the next burst;
+5. notices an event path that died while HTTP stays healthy: when two probes in a row find batches
+   the live stream never delivered, the worker publishes and nothing reaches us. That rank's index
+   is marked *stale*: cleared (its overlap is no longer credited), re-synced from ``kv_state``,
+   logged at warning level and counted (``kvmesh_kv_event_faults_total{fault="stale"}``); it is
+   live again with the next batch the stream itself delivers;
+6. turns the subscribers' fault counts (gaps, batches recovered by replay, malformed messages,
+   duplicates skipped, resets) into ``kvmesh_kv_event_faults_total`` and ``GET /kvmesh/workers`` at each check, with a
+   warning for every repaired gap, so a stream that needs repair never does so silently.
 
 The registry decides *when* (admission, health checks, removal); this module knows *how*.
 """
@@ -39,16 +47,40 @@ from kvmesh.router.upstream.forwarder import ConnectFailed
 logger = logging.getLogger("kvmesh.router")
 
 
+# Fault name -> the SubscriberStats fields it sums (the counters the metric and the admin API show).
+_FAULTS: dict[str, tuple[str, ...]] = {
+    "gap": ("gaps",),
+    "replayed": ("replayed",),
+    "malformed": ("malformed",),
+    "duplicate": ("duplicates",),
+    "reset": ("unrecoverable", "restarts"),
+}
+_MISSES_FOR_STALE = 2  # probes in a row that found batches the live stream never delivered
+_STATE_PROBE_EVERY = 5  # quiet checks between kv_state probes (no replay socket: a whole dump)
+
+
 @dataclass(slots=True)
 class Streams:
     """One worker's event subscriptions and what the quiet-stream probe remembers about them."""
 
     subscribers: list[EventSubscriber | NatsEventSubscriber] = field(default_factory=list)
     events_applied: int = 0
-    # Per dp rank: the subscriber's received count at the last check, and the count at which a
-    # quiet stream was last probed for a lost final batch.
+    # Per dp rank: the subscriber's received count at the last check, the quiet checks since, the
+    # replayed count when it was last probed, and the probes in a row that found missed batches.
     seen_received: dict[int, int] = field(default_factory=dict)
-    probed_received: dict[int, int] = field(default_factory=dict)
+    quiet_checks: dict[int, int] = field(default_factory=dict)
+    probe_replayed: dict[int, int] = field(default_factory=dict)
+    misses: dict[int, int] = field(default_factory=dict)
+    stale: set[int] = field(default_factory=set)
+    stale_detections: int = 0
+    reported: dict[str, int] = field(default_factory=dict)
+    """Fault totals already turned into metrics."""
+
+    def faults(self) -> dict[str, int]:
+        return {
+            name: sum(getattr(sub.stats, f) for sub in self.subscribers for f in fields)
+            for name, fields in _FAULTS.items()
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +117,19 @@ class EventFeed:
     def events_applied(self, worker_id: WorkerId) -> int:
         s = self.streams.get(worker_id)
         return s.events_applied if s is not None else 0
+
+    def status(self, worker_id: WorkerId) -> dict[str, Any]:
+        """The worker's event path for ``GET /kvmesh/workers``: ``live`` | ``stale`` | ``none``
+        (no stream followed), the stale ranks and the fault counts."""
+        s = self.streams.get(worker_id)
+        if s is None or not s.subscribers:
+            return {"state": "none"}
+        return {
+            "state": "stale" if s.stale else "live",
+            "stale_ranks": sorted(s.stale),
+            "stale_detections": s.stale_detections,
+            **s.faults(),
+        }
 
     async def follow(self, target: FeedTarget, still_wanted: Callable[[], bool]) -> None:
         """Cold-start then subscribe to every rank; ``still_wanted`` is asked after each await
@@ -206,29 +251,43 @@ class EventFeed:
             streams.subscribers[rank].resume_from(int(r["last_seq"]))
 
     async def check_quiet_streams(self, target: FeedTarget) -> None:
-        """Once per quiet spell of a stream (no batch read since the last check), ask whether the
-        worker published more than we hold: a replay from the next sequence (it answers with
-        nothing when we are in step), or, without a replay socket, the kv_state's sequence and a
-        cold start if ahead."""
+        """At each health check: report the streams' faults, and for each quiet stream (no batch
+        read since the last check) ask whether the worker published more than we hold: a replay
+        from the next sequence (it answers with nothing when we are in step), or, without a replay
+        socket, the kv_state's sequence and a cold start if ahead (module docstring, 4 and 5)."""
         streams = self.streams.get(target.worker_id)
         if streams is None:
             return
+        self._report_faults(target.worker_id, streams)
         for rank, sub in enumerate(list(streams.subscribers)):
             received = sub.stats.received
             if streams.seen_received.get(rank) != received:  # traffic: a later batch reveals gaps
                 streams.seen_received[rank] = received
+                streams.quiet_checks[rank] = 0
+                streams.misses[rank] = 0
+                streams.probe_replayed.pop(rank, None)
+                if rank in streams.stale:
+                    streams.stale.discard(rank)
+                    logger.warning(
+                        "worker %s rank %d: KV-event stream delivers again", target.worker_id, rank
+                    )
                 continue
-            if streams.probed_received.get(rank) == received:
-                continue  # already probed during this quiet spell
-            streams.probed_received[rank] = received
+            quiet = streams.quiet_checks[rank] = streams.quiet_checks.get(rank, 0) + 1
             expected = sub.expected_seq
             if sub.replay_endpoint is not None:
+                before = streams.probe_replayed.get(rank)
+                if before is not None:
+                    missed = sub.stats.replayed > before
+                    streams.misses[rank] = streams.misses.get(rank, 0) + 1 if missed else 0
+                streams.probe_replayed[rank] = sub.stats.replayed
                 sub.resume_from((expected or 0) - 1)
-            elif target.has_rpc:
+            elif target.has_rpc and quiet % _STATE_PROBE_EVERY == 1:
                 r = await self._rank_state(target, rank)
                 last = r.get("last_seq") if r is not None else None
                 if r is None or last is None or (expected is not None and int(last) < expected):
+                    streams.misses[rank] = 0
                     continue
+                streams.misses[rank] = streams.misses.get(rank, 0) + 1
                 logger.warning(
                     "worker %s rank %d: published up to seq %d, we hold %s; cold start from kv_state",
                     target.worker_id,
@@ -238,6 +297,43 @@ class EventFeed:
                 )
                 self.router.clear_worker_index(target.worker_id, rank)
                 self._load_rank_state(target.worker_id, rank, r)
+            if streams.misses.get(rank, 0) >= _MISSES_FOR_STALE and rank not in streams.stale:
+                self._mark_stale(target, streams, rank)
+
+    def _mark_stale(self, target: FeedTarget, streams: Streams, rank: int) -> None:
+        """The worker publishes, its HTTP answers, and its live stream reaches us no more."""
+        streams.stale.add(rank)
+        streams.stale_detections += 1
+        self.metrics.event_faults.labels(target.worker_id, "stale").inc()
+        logger.warning(
+            "worker %s rank %d: KV-event stream silent while the worker publishes and answers HTTP; "
+            "index marked stale (cleared, re-synced%s) until the stream delivers again",
+            target.worker_id,
+            rank,
+            " from kv_state" if target.has_rpc else " by replay at each check",
+        )
+        self.router.clear_worker_index(target.worker_id, rank)
+        if target.has_rpc:
+            self._spawn(self._resync(target, rank))
+
+    def _report_faults(self, worker_id: WorkerId, streams: Streams) -> None:
+        totals = streams.faults()
+        deltas = {name: n - streams.reported.get(name, 0) for name, n in totals.items()}
+        streams.reported = totals
+        counter = self.metrics.event_faults
+        for name, delta in deltas.items():
+            if delta > 0:
+                counter.labels(worker_id, name).inc(delta)
+        if deltas["gap"] > 0 or deltas["replayed"] > 0 or deltas["reset"] > 0 or deltas["malformed"] > 0:
+            logger.warning(
+                "worker %s: KV-event stream repaired: %d gap(s), %d batch(es) recovered by replay, "
+                "%d malformed message(s), %d reset(s) since the last check",
+                worker_id,
+                max(deltas["gap"], 0),
+                max(deltas["replayed"], 0),
+                max(deltas["malformed"], 0),
+                max(deltas["reset"], 0),
+            )
 
 
 def _stored_events(rank_state: dict[str, Any]) -> list[BlockStored]:

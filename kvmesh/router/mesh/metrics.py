@@ -49,6 +49,8 @@ class GaugeSource:
     cached_ratio: Callable[[], Iterable[tuple[str, float]]]
     event_plane: Callable[[], tuple[str, float]] = lambda: ("zmq", 1.0)
     """(plane kind, 1 if connected else 0): 0 means routing on the last known state."""
+    engine_load: Callable[[], Iterable[tuple[str, float, float]]] = lambda: ()
+    """(worker, running, waiting) as the engines' own /metrics report them."""
 
 
 class _LiveRouters(Collector):
@@ -90,6 +92,12 @@ class _LiveRouters(Collector):
             "1 while the router reaches its event plane (always 1 for zmq); 0: routing on the last known state",
             labels=["replica", "plane"],
         )
+        engine = GaugeMetricFamily(
+            "kvmesh_worker_engine_requests",
+            "Requests the worker's engine reports in its own /metrics (state: running | waiting), "
+            "beside the router's estimate",
+            labels=["replica", "worker", "state"],
+        )
         with self._lock:
             owners = list(self._sources)
         for owner in owners:
@@ -104,7 +112,10 @@ class _LiveRouters(Collector):
                 ratio.add_metric([source.replica, worker], value)
             kind, up = source.event_plane()
             plane.add_metric([source.replica, kind], up)
-        yield from (decode, prefill, pending, pending_tokens, ratio, plane)
+            for worker, running, waiting in source.engine_load():
+                engine.add_metric([source.replica, worker, "running"], running)
+                engine.add_metric([source.replica, worker, "waiting"], waiting)
+        yield from (decode, prefill, pending, pending_tokens, ratio, plane, engine)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())
@@ -141,7 +152,7 @@ class Metrics:
         )
         self.osl = Histogram(
             "kvmesh_output_sequence_tokens",
-            "Streamed output chunks per request",
+            "Output tokens per request (usage when the engine reports it, else the streamed text tokenized)",
             buckets=_TOKEN_BUCKETS,
             registry=registry,
         )
@@ -212,6 +223,40 @@ class Metrics:
             "kvmesh_disagg_prefill_seconds",
             "Time of the prefill stage, from dispatch to the prefill worker's answer (vLLM-style hand-off)",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+        self.pins = Counter(
+            "kvmesh_cache_control_pins_total",
+            "cache_control pins sent after a response, by worker and outcome "
+            "(pinned: every full block; partial: fewer, e.g. evicted or over budget; failed: refused)",
+            ["worker", "outcome"],
+            registry=registry,
+        )
+        self.pinned_blocks = Counter(
+            "kvmesh_cache_control_pinned_blocks_total",
+            "KV blocks workers reported pinned for cache_control",
+            ["worker"],
+            registry=registry,
+        )
+        self.speculative_prefills = Counter(
+            "kvmesh_speculative_prefills_total",
+            "Next-turn warm-ups sent for agent_hints.speculative_prefill, by outcome "
+            "(done, cancelled: the next turn came first, failed)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.not_resent = Counter(
+            "kvmesh_requests_not_resent_total",
+            "Forwarded requests a live worker dropped after receiving them, answered 502 rather than "
+            "sent twice",
+            registry=registry,
+        )
+        self.event_faults = Counter(
+            "kvmesh_kv_event_faults_total",
+            "KV-event stream faults per worker: gap (sequence skipped), replayed (batches recovered "
+            "by replay), malformed (undecodable message), duplicate (skipped), reset (index re-synced from kv_state), "
+            "stale (event path silent while HTTP answered)",
+            ["worker", "fault"],
             registry=registry,
         )
         self.worker_state_changes = Counter(

@@ -16,6 +16,8 @@ For each configured worker the registry
 6. learns which LoRA adapters it serves (``lora_adapters`` in its info, else the ``/v1/models``
    entries whose ``parent`` is another model), so prompts for an adapter are hashed the way the
    engine salts that adapter's blocks and go only to workers that serve it.
+7. at each health check, reads the engine's own running / waiting counts from its ``/metrics``
+   (:mod:`~kvmesh.router.mesh.engine_load`), shown beside the router's estimate.
 
 Workers come from the settings, and at runtime from the admin API (:meth:`WorkerRegistry.add`,
 :meth:`WorkerRegistry.remove`).
@@ -40,6 +42,7 @@ from kvmesh.errors import KvMeshError, WorkerError
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import KvRouter
 from kvmesh.router.core.timing import Profile
+from kvmesh.router.mesh.engine_load import EngineLoad, parse_engine_load
 from kvmesh.router.mesh.event_feed import EventFeed, FeedTarget
 from kvmesh.router.mesh.metrics import Metrics
 from kvmesh.router.mesh.settings import POLARITIES, ROLES, MeshSettings, WorkerSpec
@@ -78,6 +81,8 @@ class WorkerInfo:
     role: str = "aggregated"
     """``aggregated`` | ``prefill`` | ``decode`` (disaggregated serving)."""
     bootstrap_port: int | None = None
+    prefill_profile: tuple[float, float, float] | None = None
+    """``timing_profile.prefill_ms`` of its info: prefill ms of T uncached tokens = a2*T^2 + a1*T + a0."""
 
 
 @dataclass(slots=True)
@@ -91,6 +96,10 @@ class Worker:
     adapters: frozenset[str] = frozenset()
     """LoRA adapter names the worker serves."""
     checks: int = 0
+    engine_load: EngineLoad | None = None
+    """What the engine's own ``/metrics`` reported at the last health check that could read it."""
+    metrics_misses: int = 0
+    """Consecutive health checks whose ``/metrics`` read failed or had no known gauge."""
 
     @property
     def worker_id(self) -> WorkerId:
@@ -135,7 +144,25 @@ def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: in
         has_rpc=info is not None,
         role=role,
         bootstrap_port=int(bootstrap) if bootstrap is not None else None,
+        prefill_profile=_profile(_timing(got).get("prefill_ms")),
     )
+
+
+def _timing(info: dict[str, Any]) -> dict[str, Any]:
+    """The ``timing_profile`` object a worker reports (``kvmesh mock --report-profile``), or {}."""
+    profile = info.get("timing_profile")
+    return profile if isinstance(profile, dict) else {}
+
+
+def _profile(value: Any) -> tuple[float, float, float] | None:
+    """A worker-reported prefill timing curve, if it is three finite non-negative numbers."""
+    if (
+        isinstance(value, list)
+        and len(value) == 3
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9 for v in value)
+    ):
+        return (float(value[0]), float(value[1]), float(value[2]))
+    return None
 
 
 class WorkerRegistry:
@@ -217,6 +244,14 @@ class WorkerRegistry:
     def is_local(self, worker_id: WorkerId) -> bool:
         return worker_id == self.settings.self_worker_id
 
+    def engine_loads(self) -> list[tuple[WorkerId, float, float]]:
+        """(worker, running, waiting) as each up worker's engine last reported them."""
+        return [
+            (w.worker_id, w.engine_load.running, w.engine_load.waiting)
+            for w in self.workers.values()
+            if w.engine_load is not None and w.state == UP
+        ]
+
     def snapshot(self) -> list[dict[str, Any]]:
         """One row per worker for ``GET /kvmesh/workers``: state, load and indexed blocks."""
         load: dict[WorkerId, list[dict[str, Any]]] = {}
@@ -255,9 +290,11 @@ class WorkerRegistry:
                     "role": info.role if info else w.spec.role,
                     "lora_adapters": sorted(w.adapters),
                     "events_applied": self.feed.events_applied(w.worker_id),
+                    "events": self.feed.status(w.worker_id),
                     "active_requests": sum(r["active_requests"] for r in ranks),
                     "indexed_blocks": sum(r["indexed_blocks"] for r in ranks),
                     "ranks": ranks,
+                    "engine_load": _engine_load_row(w.engine_load, now),
                 }
             )
         return rows
@@ -440,6 +477,7 @@ class WorkerRegistry:
                 await self._admit(w)
             elif w.state == UP:
                 await self._routine(w)
+                await self._read_engine_load(w)
             return
         if w.state == REFUSED:
             return
@@ -455,6 +493,22 @@ class WorkerRegistry:
             await self._admit(w)
         else:
             await self._routine(w)
+            await self._read_engine_load(w)
+
+    async def _read_engine_load(self, w: Worker) -> None:
+        """The engine's own running / waiting counts (a worker without them is asked again only
+        every few checks, so a plain server costs one 404 now and then)."""
+        if w.metrics_misses >= 2 and w.checks % _ADAPTER_REFRESH_CHECKS:
+            return
+        load = None
+        with contextlib.suppress(ConnectFailed):
+            load = parse_engine_load(await self.rpc.metrics_text(w.worker_id, w.url), time.monotonic())
+        if load is None:
+            w.metrics_misses += 1
+            w.engine_load = None
+        else:
+            w.metrics_misses = 0
+            w.engine_load = load
 
     async def _routine(self, w: Worker) -> None:
         """What an up worker gets at each health check besides the probe."""
@@ -480,6 +534,13 @@ class WorkerRegistry:
         if w is None or w.info is None or not w.info.has_rpc:
             return None
         return w
+
+
+def _engine_load_row(load: EngineLoad | None, now: float) -> dict[str, float] | None:
+    """The engine's own counts beside the router's estimate, with their age in seconds."""
+    if load is None:
+        return None
+    return {"running": load.running, "waiting": load.waiting, "age_s": round(now - load.at, 3)}
 
 
 def _feed_target(w: Worker, info: WorkerInfo) -> FeedTarget:

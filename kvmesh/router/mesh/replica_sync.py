@@ -8,7 +8,10 @@ single-frame msgpack :class:`Envelope` per step:
   (exactly what ``KvRouter.track()`` needs to count the request as load);
 * :class:`PrefillDone` the first token streamed: its prompt stops counting as prefill load;
 * :class:`Freed`       the stream ended or the client left: its load goes away;
-* :class:`Heartbeat`   every interval: the ids this replica still has in flight.
+* :class:`Heartbeat`   every interval: the ids this replica still has in flight;
+* :class:`Session`     a session bound, used (its expiry slides) or closed, so a ``bind`` made
+  through one replica is honoured by every other, and no replica's copy expires (closing the
+  engine session) while the conversation goes on through another.
 
 It follows every peer's socket with one SUB socket (connected to many endpoints) and feeds their
 messages into its own KvRouter under the origin's request ids, which are unique per replica and
@@ -77,7 +80,15 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
     active: list[str]
 
 
-SyncMessage = Routed | PrefillDone | Freed | Heartbeat
+class Session(msgspec.Struct, tag="session", array_like=True):
+    session_id: str
+    worker_id: str | None
+    """None: the session was closed."""
+    dp_rank: int
+    timeout: float
+
+
+SyncMessage = Routed | PrefillDone | Freed | Heartbeat | Session
 
 
 class Envelope(msgspec.Struct, array_like=True):
@@ -321,6 +332,12 @@ class ReplicaSync:
             self._mine.discard(request_id)
             self._send(Freed(request_id))
 
+    def session(self, session_id: str, worker: WorkerKey | None, timeout: float) -> None:
+        if worker is None:
+            self._send(Session(session_id, None, 0, timeout))
+        else:
+            self._send(Session(session_id, worker[0], worker[1], timeout))
+
     # ---------------------------------------------------------------- publishing
     def _send(self, message: SyncMessage) -> None:
         if self.nats is not None:
@@ -429,6 +446,9 @@ class ReplicaSync:
         elif isinstance(message, PrefillDone):
             if message.request_id in peer.requests:
                 router.first_token(message.request_id, now)
+        elif isinstance(message, Session):
+            worker = None if message.worker_id is None else (message.worker_id, message.dp_rank)
+            router.apply_session(message.session_id, worker, message.timeout, now)
         elif isinstance(message, Freed):
             if message.request_id in peer.requests:
                 peer.requests.discard(message.request_id)

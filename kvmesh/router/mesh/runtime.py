@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import logging
 import os
@@ -24,16 +25,17 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvmesh._types import WorkerId
+from kvmesh._types import WorkerId, WorkerKey
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import Decision, KvRouter, TimingSample
-from kvmesh.router.mesh.event_plane import NatsDiscovery
+from kvmesh.router.mesh.event_plane import NatsDiscovery, SelfAnnouncement
 from kvmesh.router.mesh.metrics import GaugeSource, WorkerRow, get_metrics
 from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.replica_sync import ReplicaSync
 from kvmesh.router.mesh.settings import MeshSettings
 from kvmesh.router.mesh.worker_rpc import ADMIN_TOKEN_HEADER, WorkerRpc
+from kvmesh.router.request.nvext import NvextLimits
 from kvmesh.router.request.tokenizer import BuiltinTokenizer, HfTokenizer, Tokenizer
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
 
@@ -82,7 +84,7 @@ class Mesh:
             self.forwarder,
             timeout=settings.connect_timeout,
             state_timeout=settings.kv_state_timeout,
-            token=settings.admin_token,
+            token=settings.worker_token,  # never the admin token: that one guards this router
             local_id=settings.self_worker_id,
             local_app=self.local_app,
         )
@@ -98,11 +100,23 @@ class Mesh:
         self.discovery = (
             NatsDiscovery(self.nats, self.registry, ttl=settings.nats_worker_ttl) if self.nats else None
         )
+        # Embedded in an engine on the NATS plane: register that engine in the worker bucket.
+        self.announcement = (
+            SelfAnnouncement(
+                self.nats, self.rpc, settings.self_worker_id, settings.self_url, ttl=settings.nats_worker_ttl
+            )
+            if self.nats is not None and settings.self_url is not None and settings.self_worker_id is not None
+            else None
+        )
         # A random per-process epoch makes request ids unique across restarts and replicas: peers
         # key their copy of our load by them.
         self.epoch = int.from_bytes(os.urandom(4), "big")
         self._id_prefix = f"{self.replica}-{self.epoch:08x}-"
         self.kv_mode = self.config.router_mode == "kv"
+        self.nvext_limits = NvextLimits(
+            session_id_max_len=self.config.router_session_id_max_len,
+            session_timeout_max=self.config.router_session_timeout_max_secs,
+        )
         self.sync: ReplicaSync | None = None
         if self.config.router_replica_sync and self.kv_mode:
             host = urlsplit(settings.self_url).hostname if settings.self_url else None
@@ -115,7 +129,14 @@ class Mesh:
                 interval=min(settings.health_interval, 1.0),
                 nats=self.nats,
             )
+            if not settings.mesh_secret and settings.self_worker_id is not None:
+                logger.warning(
+                    "kvmesh: replica sync without a mesh secret (KVMESH_MESH_SECRET): requests forwarded "
+                    "to this engine cannot be proven to come from a replica, so they count in this "
+                    "replica's load view twice until they end (docs/security.md)"
+                )
         self._peer_endpoints: dict[WorkerId, str] = {}
+        self._pins: dict[WorkerId, list[float]] = {}  # per worker: a heap of pin expiries
         self._peer_retry: dict[WorkerId, float] = {}
         self._discovery: asyncio.Task[None] | None = None
         self.waiters: dict[str, asyncio.Future[Decision]] = {}
@@ -125,6 +146,9 @@ class Mesh:
         self._housekeeping: asyncio.Task[None] | None = None
         self._predicted: dict[WorkerId, float] = {}
         self._ratio: dict[WorkerId, float] = {}
+        self.pin_stats: dict[WorkerId, dict[str, Any]] = {}
+        """cache_control pins per worker: counts by outcome and the last refusal (``/kvmesh/workers``)."""
+        self._warmups: dict[str, tuple[tuple[int, ...], asyncio.Task[Any]]] = {}
         self.metrics.track(
             self,
             GaugeSource(
@@ -133,6 +157,7 @@ class Mesh:
                 lambda: self.router.queue_pending,
                 self._live_ratios,
                 self._plane_connected,
+                self.registry.engine_loads,
             ),
         )
 
@@ -154,6 +179,8 @@ class Mesh:
         await self.registry.start()
         if self.discovery is not None:
             self.discovery.start()
+        if self.announcement is not None:
+            self.announcement.start()
         self._housekeeping = asyncio.create_task(self._housekeep(), name="kvmesh-housekeeping")
 
     async def wait_ready(self) -> None:
@@ -171,8 +198,12 @@ class Mesh:
         self._housekeeping = self._discovery = None
         for task in list(self._spawned):
             task.cancel()
+        if self.announcement is not None:
+            await self.announcement.stop()
         if self.discovery is not None:
             await self.discovery.stop()
+        for _, task in list(self._warmups.values()):
+            task.cancel()
         if self.sync is not None:
             await self.sync.stop()
         await self.registry.stop()
@@ -271,7 +302,10 @@ class Mesh:
         worker = self.registry.get(worker_id)
         if worker is None:
             return None
-        headers = {ADMIN_TOKEN_HEADER: self.settings.admin_token} if self.settings.admin_token else None
+        # A peer's replica description is asked for with the worker token: the admin token guards
+        # this router alone and is never sent anywhere.
+        token = self.settings.worker_token
+        headers = {ADMIN_TOKEN_HEADER: token} if token else None
         try:
             doc = await self.forwarder.get_json(
                 worker.url + ROUTER_PATH, timeout=self.settings.connect_timeout, headers=headers
@@ -340,9 +374,116 @@ class Mesh:
         w = self.registry.rpc_target(worker_id)
         return None if w is None else await self.rpc.close_session(worker_id, w.url, session_id)
 
+    def take_pin(self, worker_id: WorkerId, ttl_seconds: float, now: float) -> bool:
+        """Count a ``cache_control`` pin on ``worker_id`` for ``ttl_seconds``; False when the worker
+        already holds ``--router-max-pins-per-worker`` live pins asked for by this router."""
+        expiries = self._pins.setdefault(worker_id, [])
+        while expiries and expiries[0] <= now:
+            heapq.heappop(expiries)
+        if len(expiries) >= self.config.router_max_pins_per_worker:
+            return False
+        heapq.heappush(expiries, now + ttl_seconds)
+        return True
+
     async def pin_prefix(self, worker_id: WorkerId, token_ids: list[int], ttl_seconds: float) -> Any:
         w = self.registry.rpc_target(worker_id)
         return None if w is None else await self.rpc.pin_prefix(worker_id, w.url, token_ids, ttl_seconds)
+
+    async def pin_answer(self, worker_id: WorkerId, token_ids: list[int], ttl_seconds: float) -> None:
+        """A ``cache_control`` pin after the response: prompt + answer on the worker that served
+        it. What the worker could not take (not cached, over its budget, no RPCs) is counted, per
+        worker, in metrics and ``/kvmesh/workers``; it is never raised at anyone."""
+        block_size = self.registry.block_size or 16
+        # the answer's last token was sampled, never fed back: its KV (and a block it would
+        # complete) is not in the engine's cache
+        wanted = (len(token_ids) - 1) // block_size
+        stats = self.pin_stats.setdefault(
+            worker_id, {"pinned": 0, "partial": 0, "failed": 0, "blocks_pinned": 0, "last_error": None}
+        )
+        error: str | None = None
+        pinned = 0
+        if self.registry.rpc_target(worker_id) is None:
+            error = "the worker serves no kvmesh RPCs (pin_prefix)"
+        else:
+            try:
+                answer = await self.pin_prefix(worker_id, token_ids, ttl_seconds)
+            except ConnectFailed as e:
+                error = str(e)
+            else:
+                got = answer.get("blocks_pinned") if isinstance(answer, dict) else None
+                pinned = got if isinstance(got, int) and not isinstance(got, bool) else 0
+        outcome = "failed" if error is not None else ("pinned" if pinned >= wanted else "partial")
+        if outcome == "partial":
+            error = f"pinned {pinned} of {wanted} blocks"
+        stats[outcome] += 1
+        stats["blocks_pinned"] += pinned
+        if error is not None:
+            stats["last_error"] = error
+        self.metrics.pins.labels(worker_id, outcome).inc()
+        if pinned:
+            self.metrics.pinned_blocks.labels(worker_id).inc(pinned)
+
+    # ---------------------------------------------------------------- speculative prefill
+    def start_warmup(
+        self,
+        worker: WorkerKey,
+        endpoint: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        prefix: tuple[int, ...],
+        hashes: list[int],
+        isl: int,
+        overlap_blocks: int,
+    ) -> str:
+        """Send the next turn's prompt (``body``, ``max_tokens: 1``) to ``worker`` and wait for
+        nobody: counted as load while it runs, cancelled when a request extending ``prefix`` (the
+        turn's own block hashes) arrives first. ``headers`` make a peer serve it itself."""
+        request_id = self.next_request_id()
+        self.router.track(request_id, worker, hashes, isl, time.monotonic(), overlap_blocks=overlap_blocks)
+        task = asyncio.get_running_loop().create_task(
+            self._warmup(request_id, worker[0], endpoint, body, headers)
+        )
+        self._warmups[request_id] = (prefix, task)
+        return request_id
+
+    async def _warmup(
+        self,
+        request_id: str,
+        worker_id: WorkerId,
+        endpoint: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> None:
+        outcome = "failed"
+        try:
+            w = self.registry.get(worker_id)
+            if w is not None:
+                bound = self.config.router_request_timeout_secs
+                if self.registry.is_local(worker_id):
+                    await self.rpc.call(worker_id, w.url, "POST", endpoint, body, timeout=bound)
+                else:
+                    headers = {**headers, "x-kvmesh-request-id": request_id}
+                    await self.forwarder.post_json(w.url + endpoint, body, timeout=bound, headers=headers)
+                outcome = "done"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as e:  # a warm-up nobody waits for must never surface
+            logger.info("kvmesh speculative prefill on %s failed: %s", worker_id, e)
+        finally:
+            self._warmups.pop(request_id, None)
+            now = time.monotonic()
+            self.router.finished(request_id, now)
+            self.metrics.speculative_prefills.labels(outcome).inc()
+            self.pump(now)
+
+    def cancel_warmups(self, hashes: list[int]) -> None:
+        """The next turn is here: a warm-up of a prefix it extends is of no use any more."""
+        if not self._warmups or not hashes:
+            return
+        for prefix, task in list(self._warmups.values()):
+            if len(prefix) <= len(hashes) and tuple(hashes[: len(prefix)]) == prefix:
+                task.cancel()
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:

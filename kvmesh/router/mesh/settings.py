@@ -13,7 +13,11 @@ same values. ``kvmesh router --help`` shows each with its default. Environment v
     KVMESH_SELF_URL          this engine's own base URL when the middleware is embedded
     KVMESH_WORKER_ID         this engine's worker id (default: the worker whose URL is KVMESH_SELF_URL)
     KVMESH_TOKENIZER         "builtin" (mock fleets), "engine" (the engine's own) or a local HF path
-    KVMESH_ADMIN_TOKEN       shared token guarding /kvmesh/* RPCs and POST /busy_threshold
+    KVMESH_ADMIN_TOKEN       token guarding this router's admin API (and, on a worker without
+                             KVMESH_WORKER_TOKEN, its /kvmesh/* RPCs)
+    KVMESH_WORKER_TOKEN      token this router presents to workers' /kvmesh/* RPCs [none]
+    KVMESH_MESH_SECRET       shared secret peers sign forwarded requests with (docs/security.md) [none]
+    KVMESH_BODY_READ_TIMEOUT seconds a client may take to send its whole request body (408 beyond) [30]
     KVMESH_MAX_BODY_BYTES    largest request body accepted (413 beyond) [8 MiB]
     KVMESH_BLOCK_SIZE        the fleet's KV block size when no worker describes it [16]
     KVMESH_HEALTH_INTERVAL   seconds between worker health checks [2]
@@ -237,7 +241,14 @@ class MeshSettings:
     router: RouterConfig = field(default_factory=RouterConfig)
     tokenizer: str = "builtin"
     admin_token: str | None = None
+    """Guards this router's admin API; never sent anywhere."""
+    worker_token: str | None = None
+    """What this router presents to workers' ``/kvmesh/*`` RPCs (a different credential)."""
+    mesh_secret: str | None = None
+    """Shared by the replicas: signs the hop and request-id headers of forwarded requests."""
     max_body_bytes: int = DEFAULT_BODY_LIMIT
+    body_read_timeout: float = 30.0
+    """Seconds from the request head to the last body byte (a stalled body gets a 408)."""
     self_url: str | None = None
     self_worker_id: str | None = None
     block_size: int | None = None
@@ -401,8 +412,23 @@ SETTINGS: tuple[Setting, ...] = bind_defaults(
         ),
         Setting(
             "admin_token", "--admin-token", "KVMESH_ADMIN_TOKEN", "admin_token", str,
-            "shared token guarding the /kvmesh/* RPCs and POST /busy_threshold",
+            "token guarding this router's admin API (reads included); never sent to workers",
             optional=True, shown="none",
+        ),
+        Setting(
+            "worker_token", "--worker-token", "KVMESH_WORKER_TOKEN", "worker_token", str,
+            "token this router presents to the workers' /kvmesh/* RPCs and discovery calls",
+            optional=True, shown="none",
+        ),
+        Setting(
+            "mesh_secret", "--mesh-secret", "KVMESH_MESH_SECRET", "mesh_secret", str,
+            "secret shared by the router replicas: forwarded requests carry an HMAC of their id; "
+            "without it, hop headers from outside are stripped",
+            optional=True, shown="none",
+        ),
+        Setting(
+            "body_read_timeout", "--body-read-timeout", "KVMESH_BODY_READ_TIMEOUT", "body_read_timeout",
+            float, "seconds a client may take to send its whole request body (408 beyond)", 0, low_open=True,
         ),
         Setting(
             "max_body_bytes", "--max-body-bytes", "KVMESH_MAX_BODY_BYTES", "max_body_bytes", int,

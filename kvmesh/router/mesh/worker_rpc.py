@@ -72,6 +72,20 @@ class WorkerRpc:
         payload = {"token_ids": token_ids, "ttl_seconds": ttl_seconds}
         return await self.call(worker_id, url, "POST", "/kvmesh/pin_prefix", payload)
 
+    async def metrics_text(self, worker_id: WorkerId, url: str) -> bytes:
+        """The worker's Prometheus ``/metrics`` page (the engine's own, not a kvmesh RPC)."""
+        if worker_id == self.local_id:
+            assert self.local_app is not None
+            try:
+                status, data = await call_app(self.local_app, "GET", "/metrics", [], b"")
+            except Exception as e:
+                raise ConnectFailed("local", f"GET /metrics raised {e!r}") from None
+        else:
+            status, data = await self.forwarder.get(url + "/metrics", timeout=self.timeout)
+        if status != 200:
+            raise ConnectFailed(url, f"GET /metrics: HTTP {status}")
+        return data
+
     # ---------------------------------------------------------------- transport
     async def call(
         self,

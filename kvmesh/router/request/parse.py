@@ -17,7 +17,15 @@ import msgspec
 
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.hashing import block_hashes
-from kvmesh.router.request.nvext import EMPTY, PREFILL_HEADER, WORKER_HEADER, Nvext, parse_nvext
+from kvmesh.router.request.nvext import (
+    DEFAULT_LIMITS,
+    EMPTY,
+    PREFILL_HEADER,
+    WORKER_HEADER,
+    Nvext,
+    NvextLimits,
+    parse_nvext,
+)
 from kvmesh.router.request.tokenizer import Tokenizer, prompt_token_ids
 
 _WORKER_HEADER_B = WORKER_HEADER.encode()
@@ -27,6 +35,8 @@ _encode = msgspec.json.encode
 
 Polarity = str
 """A worker's priority polarity: ``lower_first`` | ``higher_first`` | ``none``."""
+# Backends whose OpenAI server takes a reasoning budget, and the parameter's name there.
+_THINKING_BUDGET = {"vllm": "thinking_token_budget", "mock": "thinking_token_budget"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +54,27 @@ class ParsedRequest:
     lora: str | None
     tokenize_secs: float = 0.0
     hash_secs: float = 0.0
+    cache_keyed: str | None = None
+    """Why the engine keys this prompt's cache by more than its tokens, or None. Then ``hashes``
+    live in a namespace of their own (:func:`cache_namespace`): they match only requests with the
+    same salt, media or template arguments, never the plain prefix with equal tokens."""
 
     @property
     def isl(self) -> int:
         return len(self.tokens)
 
-    def engine_body(self, polarity: Polarity) -> bytes:
-        """The body the engine sees: ``nvext`` stripped, the priority in the engine's polarity
-        (the API says higher = more important)."""
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    def engine_body(self, polarity: Polarity, backend: str = "") -> bytes:
+        """The body the engine sees: ``nvext`` stripped, and what the reference forwards to the
+        engine in the engine's own parameters: the priority in the engine's polarity (the API says
+        higher = more important), greedy sampling, a pre-tokenized prompt, the thinking budget.
+        A field this engine has no parameter for is the client's 400, never silently dropped."""
         body = self.body
-        priority = self.nvext.hints.priority
+        nv = self.nvext
+        priority = nv.hints.priority
         if "nvext" not in body and priority is None:
             return self.raw_body
         out = {k: v for k, v in body.items() if k != "nvext"}
@@ -62,18 +83,71 @@ class ParsedRequest:
                 out["priority"] = -priority
             elif polarity == "higher_first":
                 out["priority"] = priority
+        out.update(nv.sampling)
+        if nv.greedy:  # the reference's greedy: whatever sampling the body asked for
+            out["temperature"] = 0.0
+            out["top_k"] = 1
+            out.pop("top_p", None)
+        if nv.token_data is not None:
+            out["prompt"] = list(nv.token_data)
+        if nv.max_thinking_tokens is not None:
+            name = _THINKING_BUDGET.get(backend)
+            if name is None:
+                raise RequestError(
+                    f"nvext.max_thinking_tokens: the serving worker's engine ({backend or 'unknown'}) "
+                    "takes no thinking budget",
+                    field="nvext.max_thinking_tokens",
+                )
+            out[name] = nv.max_thinking_tokens
         return _encode(out)
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a request body may have. OpenAI bodies (messages, content
+parts, tool schemas) stay well under it; a body nested near Python's recursion limit would pass the
+decoder and then blow the stack of whatever walks it next (a chat template, a re-encode)."""
+
+
 def decode_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body; a 400 for anything else."""
+    """The JSON object of a request body; a 400 for anything else (malformed JSON, invalid UTF-8
+    inside a string, nesting deeper than :data:`MAX_JSON_DEPTH`)."""
     try:
         body = _decode(raw)
     except msgspec.DecodeError as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from None
+        raise RequestError(f"request body is not valid JSON: {e}", field="body") from None
+    except UnicodeDecodeError as e:  # msgspec validates UTF-8 inside strings with the codec's error
+        raise RequestError(
+            f"request body is not valid UTF-8: {e.reason} at byte {e.start}", field="body"
+        ) from None
+    except RecursionError:
+        raise RequestError(
+            f"request body is nested deeper than {MAX_JSON_DEPTH} levels", field="body"
+        ) from None
     if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
+        raise RequestError("request body must be a JSON object", field="body")
+    path = too_deep(body, MAX_JSON_DEPTH)
+    if path is not None:
+        raise RequestError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", field=path)
     return body
+
+
+def too_deep(doc: Any, limit: int) -> str | None:
+    """The top-level key under which ``doc`` nests more than ``limit`` containers deep, else None.
+    Iterative (a recursive walk is what this guards against) and touches containers only."""
+    stack: list[tuple[Any, int, str]] = [(doc, 1, "body")]
+    while stack:
+        node, depth, top = stack.pop()
+        if depth > limit:
+            return top
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(value, (dict, list)):
+                    stack.append((value, depth + 1, key if depth == 1 else top))
+        else:
+            for value in node:
+                if isinstance(value, (dict, list)):
+                    stack.append((value, depth + 1, top))
+    return None
 
 
 def override_headers(headers: Sequence[tuple[bytes, bytes]]) -> dict[str, str] | None:
@@ -94,22 +168,91 @@ def parse_request(
     block_size: int,
     lora_of: Callable[[Any], str | None],
     clock: Callable[[], float],
+    limits: NvextLimits = DEFAULT_LIMITS,
 ) -> ParsedRequest:
     """Decode, validate ``nvext``, and (when ``tokenizer`` is given: KV mode) tokenize and hash."""
     body = decode_body(raw)
     overrides = override_headers(headers)
-    nv = parse_nvext(body, overrides) if ("nvext" in body or overrides) else EMPTY
+    nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
+    if nv is not EMPTY:
+        check_engine_fields(nv, body, endpoint, tokenizing=tokenizer is not None)
     lora = lora_of(body.get("model"))
     tokens: list[int] = []
     hashes: list[int] = []
     tokenize_secs = hash_secs = 0.0
+    keyed = cache_keyed(body)
     if tokenizer is not None:
         t0 = clock()
-        tokens = prompt_tokens(tokenizer, body, endpoint)
+        # A pre-tokenized prompt is hashed as given: the router never tokenizes it again.
+        tokens = (
+            list(nv.token_data) if nv.token_data is not None else prompt_tokens(tokenizer, body, endpoint)
+        )
         t1 = clock()
-        hashes = block_hashes(tokens, block_size, lora)
+        namespace = lora if keyed is None else cache_namespace(body, keyed, lora)
+        hashes = block_hashes(tokens, block_size, namespace)
         tokenize_secs, hash_secs = t1 - t0, clock() - t1
-    return ParsedRequest(endpoint, raw, body, nv, overrides, tokens, hashes, lora, tokenize_secs, hash_secs)
+    return ParsedRequest(
+        endpoint, raw, body, nv, overrides, tokens, hashes, lora, tokenize_secs, hash_secs, keyed
+    )
+
+
+# Non-text content parts: the engine's cache keys their blocks by the media's hash as well.
+_TEXT_PARTS = frozenset(("text", "input_text"))
+
+
+def cache_keyed(body: dict[str, Any]) -> str | None:
+    """Why this request's KV blocks are keyed by more than the token ids the router hashes, else
+    None: a ``cache_salt`` (vLLM and SGLang give the salted prompt a cache of its own), media in
+    the messages (vLLM keys those blocks by the media hash), or ``chat_template_kwargs`` (the
+    engine renders the prompt with them, the router's tokenizer does not). The engine's events
+    for such blocks are not indexed (``BlockStored.keyed_from``), so these requests get prefix
+    credit only from what the router itself predicts (approximate mode, predict-on-route), and
+    only among requests keyed the same way."""
+    salt = body.get("cache_salt")
+    if salt is not None and salt != "":
+        return "cache_salt"
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and kwargs != {}:
+        return "chat_template_kwargs"
+    for key in ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds"):
+        if body.get(key) is not None:
+            return key
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and part.get("type", "text") not in _TEXT_PARTS:
+                        return "multimodal content"
+    return None
+
+
+def check_engine_fields(nv: Nvext, body: dict[str, Any], endpoint: str, *, tokenizing: bool) -> None:
+    """Refuse the ``nvext`` fields that cannot take effect on this request (400 naming them)."""
+    chat = endpoint.endswith("chat/completions")
+    if nv.token_data is not None and chat:
+        raise RequestError(
+            "nvext.token_data is a pre-tokenized prompt: send it to /v1/completions "
+            "(a chat request has no token-id prompt an engine would take)",
+            field="nvext.token_data",
+        )
+    if nv.use_raw_prompt and chat:
+        raise RequestError(
+            "nvext.use_raw_prompt: a chat request is always rendered with the chat template; "
+            "send a raw prompt to /v1/completions",
+            field="nvext.use_raw_prompt",
+        )
+    if nv.annotations:
+        if body.get("stream") is not True:
+            raise RequestError(
+                'nvext.annotations are SSE events: they need "stream": true', field="nvext.annotations"
+            )
+        if not tokenizing:
+            raise RequestError(
+                "nvext.annotations need the router to tokenize the prompt (--router-mode kv)",
+                field="nvext.annotations",
+            )
 
 
 def prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any], endpoint: str) -> list[int]:
@@ -123,3 +266,21 @@ def prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any], endpoint: str) -> 
     except Exception as e:
         field = "messages" if endpoint.endswith("chat/completions") else "prompt"
         raise RequestError(f"the prompt could not be tokenized: {e!r}", field=field) from None
+
+
+def cache_namespace(body: dict[str, Any], reason: str, lora: str | None) -> str:
+    """The hash namespace of a request keyed by more than its tokens: the adapter name (the seed
+    of every block hash) extended with what keys the cache, so equal tokens under another salt,
+    other media or other template arguments never share a block hash."""
+    if reason == "cache_salt":
+        material: Any = body.get("cache_salt")
+    elif reason == "multimodal content":
+        material = [m.get("content") for m in body.get("messages", ()) if isinstance(m, dict)]
+    else:
+        material = body.get(reason)
+    key = material if isinstance(material, str) else _encode_sorted(material).decode()
+    return f"{lora or ''}\x1f{reason}\x1f{key}"
+
+
+def _encode_sorted(value: Any) -> bytes:
+    return msgspec.json.encode(value, order="sorted")

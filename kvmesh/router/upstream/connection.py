@@ -9,6 +9,13 @@ server closed while they sat idle.
 
 Failures surface as ``OSError`` (connect, reset, closed early), ``asyncio.TimeoutError`` (connect)
 or :class:`~kvmesh.router.upstream.http1.ProtocolError`; translating them is the caller's job.
+:class:`NotSent` (an ``OSError``) says more: the connection was found closed before a single byte of
+the request was handed to it, so the request provably never reached the server.
+
+An idle connection is reused only while younger than ``max_idle_secs`` (2 s by default, below the
+5 s keep-alive timeout of uvicorn, vLLM and SGLang): a server closing an idle connection just as a
+request is written to it is the one case where a request may be lost without knowing whether the
+server read it, and an old idle connection is where that race lives.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ _HIGH_WATER = 256 * 1024
 
 class ConnectionClosed(ConnectionResetError):
     """The worker closed or reset the connection before the response was complete."""
+
+
+class NotSent(ConnectionClosed):
+    """The connection was already closed when a request was to be written: nothing was sent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +76,7 @@ class Http1Connection(asyncio.Protocol):
         self._error: BaseException | None = None
         self._paused = False
         self._on_lost: list[Http1Connection] | None = None  # the idle list holding this connection
+        self.idle_since = 0.0  # loop time when it went back to the pool
 
     # ---------------------------------------------------------------- caller side
     @property
@@ -80,10 +92,9 @@ class Http1Connection(asyncio.Protocol):
 
     async def request(self, data: bytes, *, head_request: bool = False) -> None:
         """Write a whole request and wait for its response head (``status``, ``headers``)."""
-        if self._error is not None:
-            raise self._error
         transport = self.transport
-        assert transport is not None
+        if self._error is not None or transport is None or transport.is_closing():
+            raise NotSent(f"connection already closed: {self._error!r}")
         self._parser.expect(head_request=head_request)
         self.requests += 1
         self.keep_alive = True
@@ -207,21 +218,33 @@ class Http1Connection(asyncio.Protocol):
 class ConnectionPool:
     """Idle keep-alive connections per origin; new ones are opened on demand."""
 
-    def __init__(self, *, connect_timeout: float, max_idle_per_origin: int = 256) -> None:
+    def __init__(
+        self, *, connect_timeout: float, max_idle_per_origin: int = 256, max_idle_secs: float = 2.0
+    ) -> None:
         self._connect_timeout = connect_timeout
         self._max_idle = max_idle_per_origin
+        self._max_idle_secs = max_idle_secs
         self._idle: dict[Origin, list[Http1Connection]] = {}
         self._ssl: ssl.SSLContext | None = None
 
     def take_idle(self, origin: Origin) -> Http1Connection | None:
-        """The most recently used idle connection that is still usable, if any."""
+        """The most recently used idle connection that is still usable and young enough, if any
+        (the older ones are closed: newest first, so every one left is older still)."""
         idle = self._idle.get(origin)
+        if not idle:
+            return None
+        oldest = asyncio.get_running_loop().time() - self._max_idle_secs
         while idle:
             conn = idle.pop()
             conn._on_lost = None
-            if conn.usable:
+            if conn.usable and conn.idle_since >= oldest:
                 return conn
             conn.close()
+            if conn.idle_since < oldest:
+                for stale in idle:
+                    stale._on_lost = None
+                    stale.close()
+                idle.clear()
         return None
 
     async def connect(self, origin: Origin) -> Http1Connection:
@@ -241,6 +264,7 @@ class ConnectionPool:
         idle = self._idle.setdefault(origin, [])
         if conn.usable and conn.complete and len(idle) < self._max_idle:
             conn._on_lost = idle
+            conn.idle_since = asyncio.get_running_loop().time()
             idle.append(conn)
         else:
             conn.close()

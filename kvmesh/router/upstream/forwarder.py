@@ -7,6 +7,17 @@ decompressed, so an SSE stream reaches the client event by event. Socket and pro
 leave this module: a failure before the response head arrived becomes :class:`ConnectFailed` (the
 caller may retry on another worker: nothing reached the client yet), a failure while reading the
 body becomes :class:`StreamBroken` (the client already has bytes; only a clean error is possible).
+
+Sending twice (RFC 9112 section 9.3.1: a client may retry a non-idempotent request on its own only
+when it knows the first attempt was never applied). A generation is a non-idempotent POST: it costs
+engine time, and with sessions and pins it changes engine state. :meth:`Forwarder.open` therefore
+sends a request again only when it provably never reached the worker: the connect failed, or the
+reused keep-alive connection was already closed when the request was to be written
+(:class:`~kvmesh.router.upstream.connection.NotSent`). Once a byte was handed to a connection, a
+failure before the response head is :class:`MaybeDelivered`: the worker may be running it, so the
+forwarder does not resend it, and the caller decides (the router fails over only to replace a
+worker it finds dead). The small worker RPCs and probes (:meth:`get_json`, :meth:`post_json`) are
+idempotent and keep the transparent retry on a fresh connection.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from kvmesh.errors import WorkerError
-from kvmesh.router.upstream.connection import ConnectionPool, Http1Connection, Origin
+from kvmesh.router.upstream.connection import ConnectionPool, Http1Connection, NotSent, Origin
 from kvmesh.router.upstream.http1 import ProtocolError, encode_request
 
 # Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus the ones
@@ -41,6 +52,9 @@ HOP_BY_HOP: frozenset[bytes] = frozenset(
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _CONNECTION = b"connection"
 _FAILURES = (OSError, asyncio.TimeoutError, ProtocolError)
+# RFC 9110 section 9.2.2; the worker RPCs kvmesh POSTs (session_control, pin_prefix) set a state
+# and are idempotent as well, so _exchange retries them like these.
+_IDEMPOTENT = frozenset(("GET", "HEAD", "PUT", "DELETE", "OPTIONS"))
 
 
 def end_to_end_headers(headers: list[tuple[bytes, bytes]], drop: bytes = b"") -> list[tuple[bytes, bytes]]:
@@ -70,6 +84,11 @@ class UpstreamError(WorkerError):
 
 class ConnectFailed(UpstreamError):
     """Nothing came back before the connection failed: safe to retry on another worker."""
+
+
+class MaybeDelivered(ConnectFailed):
+    """The request was written, then the connection failed before the response head: the worker
+    may have received it and may be running it. Never re-sent by the forwarder."""
 
 
 class StreamBroken(UpstreamError):
@@ -170,35 +189,57 @@ class Forwarder:
             data = encode_request(method.encode(), prefix + path.encode(), origin.host_header, headers, body)
         except ValueError as e:
             raise UpstreamError(worker_url, str(e)) from None
-        return await self._send(worker_url, origin, data, method == "HEAD")
+        return await self._send(worker_url, origin, data, method == "HEAD", idempotent=method in _IDEMPOTENT)
 
-    async def _send(self, url: str, origin: Origin, data: bytes, head_request: bool) -> UpstreamResponse:
+    async def _send(
+        self, url: str, origin: Origin, data: bytes, head_request: bool, *, idempotent: bool
+    ) -> UpstreamResponse:
         pool = self._pool
         conn = pool.take_idle(origin)
         if conn is not None:
             try:
                 await conn.request(data, head_request=head_request)
                 return UpstreamResponse(url, conn, pool, origin)
-            except _FAILURES:
-                # The worker closed this idle connection as it was reused, before any response
-                # byte: the request goes once more on a fresh connection (a dead worker refuses it).
+            except NotSent:
+                conn.close()  # closed before a byte was written: a fresh connection is safe
+            except _FAILURES as e:
+                # Written, then the connection failed before the head: the worker may have read
+                # it (or closed the idle connection just before). Only an idempotent request may
+                # go again; for the others it is the caller's call (module docstring).
                 conn.close()
+                if not idempotent:
+                    raise MaybeDelivered(
+                        url, f"connection failed after the request was sent: {e!r}"
+                    ) from None
             except BaseException:
                 conn.close()
                 raise
         conn = None
         try:
             conn = await pool.connect(origin)
+        except _FAILURES as e:
+            raise ConnectFailed(url, f"no response: {e!r}") from None
+        try:
             await conn.request(data, head_request=head_request)
         except _FAILURES as e:
-            if conn is not None:
-                conn.close()
-            raise ConnectFailed(url, f"no response: {e!r}") from None
+            conn.close()
+            if isinstance(e, NotSent) or idempotent:
+                raise ConnectFailed(url, f"no response: {e!r}") from None
+            raise MaybeDelivered(url, f"no response: {e!r}") from None
         except BaseException:
-            if conn is not None:
-                conn.close()
+            conn.close()
             raise
         return UpstreamResponse(url, conn, pool, origin)
+
+    async def reachable(self, url: str) -> bool:
+        """Whether the worker accepts a connection now (a fresh one, closed at once): after a
+        :class:`MaybeDelivered`, a worker that refuses is gone, and the request with it."""
+        try:
+            conn = await self._pool.connect(self._target(url)[0])
+        except _FAILURES:
+            return False
+        conn.close()
+        return True
 
     def _target(self, url: str) -> tuple[Origin, bytes]:
         """(origin, path prefix) of a worker URL; cached, the fleet's URLs are few."""
@@ -217,6 +258,12 @@ class Forwarder:
         """The HTTP status of a GET (a liveness probe); ConnectFailed when nothing answers."""
         status, _ = await self._exchange("GET", url, None, timeout, None)
         return status
+
+    async def get(
+        self, url: str, *, timeout: float = 3.0, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """A whole GET: (status, body); ConnectFailed when nothing answers in time."""
+        return await self._exchange("GET", url, None, timeout, headers)
 
     async def get_json(self, url: str, *, timeout: float = 3.0, headers: dict[str, str] | None = None) -> Any:
         """GET a small JSON document (worker RPCs); ConnectFailed on any failure."""
@@ -254,7 +301,7 @@ class Forwarder:
             raise ConnectFailed(url, f"request failed: {e}") from None
 
         async def exchange() -> tuple[int, bytes]:
-            response = await self._send(url, origin, data, method == "HEAD")
+            response = await self._send(url, origin, data, method == "HEAD", idempotent=True)
             try:
                 body = await response.read()
             except BaseException:

@@ -100,6 +100,19 @@ async def test_vllm_handoff_prefill_then_decode_with_params_passed_through_byte_
         }
 
 
+async def test_both_stages_of_a_session_turn_carry_its_session_once() -> None:
+    p0 = EngineState("p0", backend="vllm", role="prefill", transfer_params=TRANSFER)
+    d0 = EngineState("d0", backend="vllm", role="decode")
+    async with pools([p0], [d0]) as (front, _, _d), aiohttp.ClientSession() as http:
+        body = chat("a turn", nvext={"session_control": {"session_id": "conv-9"}})
+        assert (await _stream(http, front.url, body))[0] == 200
+        assert (p0.session_ids, d0.session_ids) == ([["conv-9"]], [["conv-9"]])
+        own = {"x-session-id": "client-named"}  # the client's own header wins, and is not repeated
+        async with http.post(front.url + "/v1/chat/completions", json=body, headers=own) as r:
+            assert r.status == 200
+        assert (p0.session_ids[-1], d0.session_ids[-1]) == (["client-named"], ["client-named"])
+
+
 async def test_sglang_handoff_names_one_bootstrap_room_on_both_sides() -> None:
     p0 = EngineState("p0", backend="sglang", role="prefill")
     d0 = EngineState("d0", backend="sglang", role="decode", polarity="higher_first")

@@ -52,8 +52,11 @@ async def test_two_fastapi_replicas_route_a_shared_prefix_to_one_of_them() -> No
             async with http.post(urls[i % 2] + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200
                 doc = await r.json()
-            assert doc["choices"][0]["message"]["content"] == f"served by {doc['nvext']['worker_id']}"
-            served.append(doc["nvext"]["worker_id"])
+            assert (
+                doc["choices"][0]["message"]["content"]
+                == f"served by {doc['nvext']['worker_id']['decode_worker_id']}"
+            )
+            served.append(doc["nvext"]["worker_id"]["decode_worker_id"])
         # each replica learned where it sent the prefix and keeps sending it there
         assert served[2:] == served[:2] * 2
         # a pinned request asked at one replica is served by the other

@@ -119,7 +119,7 @@ async def test_adapter_requests_hash_with_the_adapter_and_reach_its_workers(sour
                     async with http.post(front.url + "/v1/completions", json=body) as r:
                         assert r.status == 200, await r.text()
                         nvext = (await r.json())["nvext"]
-                    return nvext["worker_id"], nvext["timing"]["cached_tokens_predicted"]
+                    return nvext["worker_id"]["decode_worker_id"], nvext["timing"]["cached_tokens_predicted"]
 
                 # the adapter's prompt matches the adapter-salted blocks on x, not y's base blocks
                 assert await ask(ADAPTER) == ("x", 64)

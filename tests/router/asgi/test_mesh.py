@@ -29,7 +29,7 @@ async def _worker_of(
     async with http.post(url + "/v1/chat/completions", json=body) as r:
         data = await r.json()
         assert r.status == 200, data
-    return data["nvext"]["worker_id"], data
+    return data["nvext"]["worker_id"]["decode_worker_id"], data
 
 
 async def test_shared_prefix_follows_the_events_whichever_engine_is_asked() -> None:

@@ -29,8 +29,8 @@ async def test_requests_sharing_a_prefix_land_on_the_same_worker(http: aiohttp.C
             body = chat(LONG + f" question {i}", nvext={"extra_fields": ["worker_id"]})
             status, data, headers = await _post(http, front.url, body)
             assert status == 200, data
-            assert data["nvext"]["worker_id"] == headers["x-kvmesh-worker-id"]
-            workers.add(data["nvext"]["worker_id"])
+            assert data["nvext"]["worker_id"]["decode_worker_id"] == headers["x-kvmesh-worker-id"]
+            workers.add(data["nvext"]["worker_id"]["decode_worker_id"])
         assert len(workers) == 1
         assert workers <= {e.url for e in engines}
 
@@ -164,7 +164,15 @@ async def test_nvext_is_stripped_and_priority_translated(http: aiohttp.ClientSes
         assert "nvext" not in received
         assert received["priority"] == -5  # lower_first backend (vLLM's polarity)
         assert states[0].headers[-1]["authorization"] == "Bearer user-key"
-        assert data["nvext"] == {"worker_id": engines[0].url}
+        url = engines[0].url
+        assert data["nvext"] == {
+            "worker_id": {
+                "prefill_worker_id": url,
+                "prefill_dp_rank": 0,
+                "decode_worker_id": url,
+                "decode_dp_rank": 0,
+            }
+        }
         assert data["choices"][0]["message"]["content"] == "e0"
 
 
@@ -175,7 +183,14 @@ async def test_busy_threshold_and_admin_token(http: aiohttp.ClientSession) -> No
             assert r.status == 401  # one token rule: reads too
         async with http.get(front.url + "/busy_threshold", headers=auth) as r:
             assert r.status == 200
-            assert (await r.json())["active_decode_blocks_threshold"] is None
+            assert (await r.json())["thresholds"] == [
+                {
+                    "model": "test-model",
+                    "active_decode_blocks_threshold": None,
+                    "active_prefill_tokens_threshold": None,
+                    "active_prefill_tokens_threshold_frac": None,
+                }
+            ]
         async with http.post(
             front.url + "/busy_threshold", json={"active_decode_blocks_threshold": 0.5}
         ) as r:

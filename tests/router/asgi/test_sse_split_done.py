@@ -63,4 +63,4 @@ async def test_nvext_echo_precedes_a_done_marker_split_across_reads() -> None:
     assert events[-1] == "data: [DONE]"
     assert text.count("[DONE]") == 1
     echoed = [json.loads(e[len("data: ") :]) for e in events[:-1] if '"nvext"' in e]
-    assert [e["nvext"] for e in echoed] == [{"worker_id": "u"}]
+    assert [e["nvext"]["worker_id"]["decode_worker_id"] for e in echoed] == ["u"]

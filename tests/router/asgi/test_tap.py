@@ -100,7 +100,8 @@ async def test_json_answer_gets_nvext_and_a_correct_content_length() -> None:
     doc = json.loads(message["body"])
     assert doc["nvext"] == {"worker_id": "w2"}
     assert dict(start["headers"])[b"content-length"] == str(len(message["body"])).encode()
-    assert rec.calls == ["first", "cached:7", "events:3", "end:True"]
+    # completion_tokens reach the account through usage(): it counts them as output tokens
+    assert rec.calls == ["first", "cached:7", "end:True"]
 
 
 async def test_errors_and_other_content_types_pass_through_untouched() -> None:
@@ -175,3 +176,25 @@ async def test_a_role_announcement_is_not_the_first_token() -> None:
     await tap(SSE_HEAD)
     await tap({"type": "http.response.body", "body": _event(both) + b"data: [DONE]\n\n", "more_body": False})
     assert rec.calls == ["first", "events:1", "end:True"]
+
+
+async def test_a_usage_key_that_is_not_the_events_own_is_not_usage() -> None:
+    """The bytes ``"usage"`` only make the tap decode the event; a ``usage`` nested in a tool call
+    or a logprob is not the event's usage (a substring match took it for one)."""
+    rec = Recorder()
+    tap = ResponseTap(rec.send, rec)
+    nested = {
+        "id": "c1",
+        "choices": [
+            {
+                "delta": {
+                    "tool_calls": [{"function": {"usage": {"prompt_tokens_details": {"cached_tokens": 5}}}}]
+                }
+            }
+        ],
+    }
+    await tap(SSE_HEAD)
+    await tap(
+        {"type": "http.response.body", "body": _event(nested) + b"data: [DONE]\n\n", "more_body": False}
+    )
+    assert not any(c.startswith("cached:") for c in rec.calls)

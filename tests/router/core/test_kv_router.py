@@ -68,10 +68,11 @@ def test_feedback_returns_load_to_zero() -> None:
     r = router("a", router_track_output_blocks=True)
     r.route(req("r1", toks(1, 10), osl=8), now=0.0)
     snap = r.worker_snapshot()[0]
-    assert (snap.active_prefill_tokens, snap.active_decode_blocks, snap.active_requests) == (40, 10, 1)
+    # the osl's answer blocks count from routing: ceil(8 / 4) = 2
+    assert (snap.active_prefill_tokens, snap.active_decode_blocks, snap.active_requests) == (40, 12, 1)
     r.first_token("r1", 1.0)
     r.output_tokens("r1", 4, 1.0)
-    assert r.worker_snapshot()[0].active_decode_blocks == 10 + 0.5
+    assert r.worker_snapshot()[0].active_decode_blocks == 10 + 1.0
     r.finished("r1", 2.0)
     snap = r.worker_snapshot()[0]
     assert (snap.active_prefill_tokens, snap.active_decode_blocks, snap.active_requests) == (0, 0, 0)

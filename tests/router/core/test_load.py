@@ -71,16 +71,25 @@ def test_tracking_switches() -> None:
     assert (load.prefill_tokens(W), load.decode_blocks(W), load.requests(W)) == (0, 0, 1)
 
 
-def test_output_blocks_grow_and_decay_toward_osl() -> None:
-    load = ActiveSequences(block_size=B, track_output_blocks=True)
+def test_an_osl_counts_the_whole_answer_from_routing_and_decays_toward_it() -> None:
+    load = ActiveSequences(block_size=B)  # no output tracking needed: the osl is the client's word
     p, _ = prompt(1, 1)
     load.add("r1", W, p, 4, 0, 0.0, osl=16)
-    load.generated("r1", 8, 1.0)  # 2 blocks * (1 - 8/16)
+    assert load.decode_blocks(W) == 1 + 4.0  # ceil(16 / 4) answer blocks before any token
+    load.generated("r1", 8, 1.0)  # 4 blocks * (1 - 8/16)
+    assert load.decode_blocks(W) == 1 + 2.0
+    load.generated("r1", 4, 2.0)  # 4 blocks * (1 - 12/16)
     assert load.decode_blocks(W) == 1 + 1.0
-    load.generated("r1", 4, 2.0)  # 3 blocks * (1 - 12/16)
-    assert load.decode_blocks(W) == 1 + 0.75
     load.generated("r1", 8, 3.0)  # past osl: decays to nothing
     assert load.decode_blocks(W) == 1
+
+
+def test_output_blocks_without_an_osl_grow_per_generated_block() -> None:
+    load = ActiveSequences(block_size=B, track_output_blocks=True)
+    p, _ = prompt(1, 1)
+    load.add("r1", W, p, 4, 0, 0.0)
+    load.generated("r1", 9, 1.0)
+    assert load.decode_blocks(W) == 1 + 2.0
 
 
 def test_requests_whose_finish_never_came_expire() -> None:

@@ -93,7 +93,10 @@ async def test_all_workers_busy_is_503_with_retry_after(http: aiohttp.ClientSess
 
 async def test_session_control_and_cache_control_reach_the_engine(http: aiohttp.ClientSession) -> None:
     async with run_mock(block_size=16, speedup=50.0) as mock:
-        settings = MeshSettings(workers=(WorkerSpec(mock.base_url, mock.base_url),))
+        settings = MeshSettings(
+            workers=(WorkerSpec(mock.base_url, mock.base_url),),
+            router=RouterConfig(enable_cache_control=True),
+        )
         async with serve(build_router_app(settings)) as front:
             body = {
                 "model": mock.config.model,

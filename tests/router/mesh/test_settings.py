@@ -164,6 +164,9 @@ _SAMPLES: dict[str, tuple[str, str, Any]] = {
     "prefill_workers": ("127.0.0.1:3", '["127.0.0.1:3"]', ("http://127.0.0.1:3",)),
     "tokenizer": ("engine", '"engine"', "engine"),
     "admin_token": ("s3cret", '"s3cret"', "s3cret"),
+    "worker_token": ("w0rker", '"w0rker"', "w0rker"),
+    "mesh_secret": ("m3sh", '"m3sh"', "m3sh"),
+    "body_read_timeout": ("5", "5", 5.0),
     "max_body_bytes": ("1000", "1000", 1000),
     "self_url": ("127.0.0.1:2", '"127.0.0.1:2"', "http://127.0.0.1:2"),
     "self_worker_id": ("http://127.0.0.1:2", '"http://127.0.0.1:2"', "http://127.0.0.1:2"),
@@ -290,7 +293,8 @@ def test_router_help_shows_every_setting_with_its_default() -> None:
             flag = None
     texts = {flag: " ".join(block.split()) for flag, block in blocks.items()}
     shown = {
-        "workers": "none", "prefill_workers": "none", "admin_token": "none", "max_body_bytes": "8 MiB",
+        "workers": "none", "prefill_workers": "none", "admin_token": "none", "worker_token": "none",
+        "mesh_secret": "none", "max_body_bytes": "8 MiB",
         "block_size": "from the workers, else 16", "sync_endpoint": "tcp://<self host>:*", "sync_peers": "none",
         **dict.fromkeys(("nats_token", "nats_user", "nats_password", "nats_creds", "nats_tls_ca",
                          "nats_tls_cert", "nats_tls_key"), "none"),

@@ -28,7 +28,7 @@ def test_full_nvext() -> None:
                 },
                 "session_control": {"session_id": "s1", "action": "open", "timeout": 60},
                 "cache_control": {"type": "ephemeral", "ttl": "1h"},
-                "ignore_eos": True,  # other Dynamo nvext keys are not routing concerns
+                "ignore_eos": True,  # a sampling knob the engine takes under the same name
             }
         }
     )
@@ -40,6 +40,7 @@ def test_full_nvext() -> None:
     assert nv.session is not None
     assert (nv.session.session_id, nv.session.action, nv.session.timeout) == ("s1", "open", 60.0)
     assert nv.cache_ttl == 3600.0
+    assert nv.sampling == (("ignore_eos", True),)
 
 
 def test_headers_override_the_body() -> None:

@@ -20,7 +20,13 @@ from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from kvmesh.router.upstream.connection import _HIGH_WATER
-from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder, StreamBroken, UpstreamError
+from kvmesh.router.upstream.forwarder import (
+    ConnectFailed,
+    Forwarder,
+    MaybeDelivered,
+    StreamBroken,
+    UpstreamError,
+)
 from tests.router.engines import EngineState, engine_app
 from tests.router.fleet import chat
 from tests.router.servers import serve
@@ -193,7 +199,10 @@ async def test_failure_before_the_head_is_connect_failed(forwarder: Forwarder, r
         assert raw.connections == 1  # a fresh connection is not retried: the caller fails over
 
 
-async def test_an_idle_connection_the_worker_dropped_is_replaced_transparently(forwarder: Forwarder) -> None:
+async def test_a_post_the_worker_read_and_dropped_is_not_sent_twice(forwarder: Forwarder) -> None:
+    """RFC 9112 section 9.3.1: the reused connection failed after the request was written, so the
+    worker may be running it; the forwarder must not send it again (it used to)."""
+
     async def close_after_one(peer: Peer) -> None:
         request = await peer.request()
         assert request is not None
@@ -205,9 +214,43 @@ async def test_an_idle_connection_the_worker_dropped_is_replaced_transparently(f
 
     async with raw_server(close_after_one) as raw:
         assert await body_of(forwarder, raw.url, b"1", []) == b"1"
+        with pytest.raises(MaybeDelivered, match="after the request was sent"):
+            await body_of(forwarder, raw.url, b"2", [])
+        assert [r[2] for r in raw.requests] == [b"1", b"2"]
+
+
+async def test_an_idle_connection_closed_before_reuse_is_replaced_transparently(forwarder: Forwarder) -> None:
+    async def one_per_connection(peer: Peer) -> None:
+        request = await peer.request()
+        assert request is not None
+        await peer.send(ok(request[2]))  # then close: the client sees EOF while the connection idles
+
+    async with raw_server(one_per_connection) as raw:
+        assert await body_of(forwarder, raw.url, b"1", []) == b"1"
+        await asyncio.sleep(0.05)  # the EOF reaches the pooled connection
         assert await body_of(forwarder, raw.url, b"2", []) == b"2"
         assert raw.connections == 2
-        assert [r[2] for r in raw.requests] == [b"1", b"2", b"2"]
+        assert [r[2] for r in raw.requests] == [b"1", b"2"]  # each sent once
+
+
+async def test_an_old_idle_connection_is_not_reused() -> None:
+    forwarder = Forwarder(connect_timeout=2.0)
+    forwarder._pool._max_idle_secs = 0.0  # every idle connection is past its age at once
+    try:
+        async with raw_server(answer_all) as raw:
+            assert await body_of(forwarder, raw.url, b"1", []) == b"1"
+            assert await body_of(forwarder, raw.url, b"2", []) == b"2"
+            assert raw.connections == 2
+    finally:
+        await forwarder.close()
+
+
+async def test_a_write_to_a_closed_connection_is_not_sent() -> None:
+    from kvmesh.router.upstream.connection import Http1Connection, NotSent
+
+    conn = Http1Connection()
+    with pytest.raises(NotSent):
+        await conn.request(b"POST / HTTP/1.1\r\n\r\n")
 
 
 async def test_a_body_cut_short_is_stream_broken_after_the_bytes_that_came(forwarder: Forwarder) -> None:
@@ -348,4 +391,41 @@ async def test_router_ends_a_stream_cleanly_when_the_worker_breaks_off(http: aio
             if await _load(http, front) == 0:
                 break
             await asyncio.sleep(0.02)
+        assert await _load(http, front) == 0
+
+
+async def test_router_does_not_send_a_generation_twice_when_a_live_worker_drops_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The worker read the POST and closed the connection without a byte of answer, but still
+    accepts connections: it may be running the request, so no second copy goes anywhere."""
+    posts: list[bytes] = []
+
+    async def drop_posts(peer: Peer) -> None:
+        while (request := await peer.request()) is not None:
+            if request[0].startswith(b"GET"):
+                await peer.send(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+                                if b"/kvmesh/" in request[0] or b"/v1/models" in request[0]
+                                else b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")  # fmt: skip
+                continue
+            posts.append(request[2])
+            peer.writer.transport.abort()
+            return
+
+    other = EngineState("other")
+    async with (
+        raw_server(drop_posts) as raw,
+        serve(engine_app(other)) as b,
+        router_for(raw.url, b.url) as front,
+    ):
+        statuses = []
+        for i in range(2):  # round robin: one of the two lands on the dropping worker
+            async with http.post(front + "/v1/chat/completions", json=chat(f"q{i}")) as r:
+                statuses.append(r.status)
+                doc = await r.json()
+                if r.status == 502:
+                    assert "not re-sent" in doc["error"]["message"]
+        assert sorted(statuses) == [200, 502]
+        assert len(posts) == 1  # the dropped request reached a worker once, and only once
+        assert len(other.received) == 1
         assert await _load(http, front) == 0

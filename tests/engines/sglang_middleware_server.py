@@ -1,0 +1,123 @@
+"""SGLang 0.5.23's real HTTP app with kvmesh mounted by the launcher, served on loopback (a child
+process of tests/engines/test_sglang_middleware.py: SGLang's app and its mount are process globals).
+
+``python -m tests.engines.sglang_middleware_server PORT [sglang launch_server args...]``; the mesh
+settings (``KVMESH_WORKERS`` ...) come from the environment, as the launcher would leave them.
+
+Real: SGLang's FastAPI ``app`` and routes (its ``/v1/chat/completions`` route parses the body into
+SGLang's own ``ChatCompletionRequest``), ``prepare_server_args`` through kvmesh's launcher (which
+mounts kvmesh's routes and middleware), and SGLang's chat tokenization path
+(``OpenAIServingTokenize._tokenize_chat_request`` -> ``OpenAIServingChat._process_messages`` with a
+real ``TemplateManager``) over a real Hugging Face fast tokenizer built in memory (this machine
+cannot download a model's). Stand-ins (TEST-ONLY): the TokenizerManager (only the attributes the
+serving classes read) and the chat serving's ``handle_request``, which answers with what SGLang's
+route handed it: the raw body and the parsed request's ``priority``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+from tests.engines import sglang_env
+
+WORDS = ["<s>", "<unk>", "user", "assistant", ":"] + [f"w{i}" for i in range(400)]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+
+def hf_tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+class TokenizerManager:
+    """The attributes SGLang's OpenAI serving classes read from the real TokenizerManager."""
+
+    served_model_name = "dummy"
+    server_args = None
+    gracefully_exit = False  # read by SGLang's /health
+
+    def __init__(self) -> None:
+        from sglang.srt.managers.tokenizer_manager import ServerStatus
+
+        self.server_status = ServerStatus.Up
+        self.tokenizer = hf_tokenizer()
+        self.model_config = SimpleNamespace(
+            is_multimodal=False,
+            context_len=4096,
+            get_default_sampling_params=lambda: {},
+            hf_config=SimpleNamespace(model_type="llama", architectures=["LlamaForCausalLM"]),
+        )
+
+    def config_value(self, name: str) -> Any:
+        return None
+
+
+class EchoChat:
+    """``app.state.openai_serving_chat``: answers with the body SGLang's route received."""
+
+    async def handle_request(self, request: Any, raw_request: Any) -> Any:
+        from fastapi.responses import JSONResponse
+
+        body = (await raw_request.body()).decode()
+        seen = {"body": json.loads(body), "priority": request.priority}
+        return JSONResponse(
+            {
+                "id": "chatcmpl-echo",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "dummy",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": json.dumps(seen)},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
+
+
+def main() -> None:
+    port, sglang_args = int(sys.argv[1]), sys.argv[2:]
+    sglang_env.prepare()
+    import uvicorn
+
+    from kvmesh.adapters.sglang import launcher
+
+    server_args = launcher.prepare(["--model-path", "dummy", *sglang_args], environ=os.environ)  # type: ignore[arg-type]
+    from sglang.srt import runtime_context
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
+    from sglang.srt.parser.template_manager import TemplateManager
+
+    runtime_context.publish(server_args, role="tokenizer_manager")
+    tm = TokenizerManager()
+    templates = TemplateManager()
+    http_server.set_global_state(
+        http_server._GlobalState(
+            tokenizer_manager=tm, template_manager=templates, scheduler_info={"max_total_num_tokens": 4096}
+        )
+    )
+    app = http_server.app
+    app.state.openai_serving_tokenize = OpenAIServingTokenize(tm, templates)
+    app.state.openai_serving_chat = EchoChat()
+    # SGLang's lifespan starts the real TokenizerManager's loops: not here (no scheduler, no model).
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+
+
+if __name__ == "__main__":
+    main()

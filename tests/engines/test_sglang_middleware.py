@@ -1,0 +1,135 @@
+"""kvmesh's router middleware embedded in SGLang 0.5.23's own HTTP app, driven over loopback HTTP.
+
+The server (:mod:`tests.engines.sglang_middleware_server`, a child process: SGLang's app and the
+mount are process globals) is SGLang's real FastAPI app, with kvmesh mounted by the launcher from
+``KVMESH_*`` settings, SGLang's real chat route (its ``ChatCompletionRequest`` parses what reaches
+the engine) and its real chat tokenization path over an in-memory Hugging Face tokenizer. The chat
+serving's ``handle_request`` is a stand-in that answers with the body SGLang's route received.
+
+The mesh has two workers that are the same server under two names (``127.0.0.1`` is this engine,
+``localhost`` a peer reached over HTTP), so the router's choice between them is visible in
+``nvext.worker_id`` while one SGLang process serves both. KV events are off (no scheduler runs
+here): the router's approximate index learns from its own decisions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.engines import sglang_env
+from tests.events.eventkit import free_tcp_port
+
+pytestmark = [pytest.mark.engine_sglang, pytest.mark.timeout(300)]
+
+BLOCK = 4
+
+
+class Engine:
+    def __init__(self, port: int, polarity: str) -> None:
+        self.polarity = polarity
+        self.url = f"http://127.0.0.1:{port}"
+        self.peer = f"http://localhost:{port}"
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    def chat(self, text: str, **extra: Any) -> dict[str, Any]:
+        nvext = extra.pop("nvext", {})
+        nvext.setdefault("extra_fields", ["worker_id", "timing"])
+        body = {"model": "dummy", "messages": [{"role": "user", "content": text}], "nvext": nvext, **extra}
+        response = self.client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        out: dict[str, Any] = response.json()
+        out["seen"] = json.loads(out["choices"][0]["message"]["content"])
+        return out
+
+
+@pytest.fixture(scope="module", params=["higher_first", "lower_first"])
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    sglang_env.prepare()
+    port = free_tcp_port()
+    args = [
+        "--page-size",
+        str(BLOCK),
+        "--enable-priority-scheduling",
+        "--kvmesh-events-port",
+        str(free_tcp_port()),
+    ]
+    if request.param == "lower_first":
+        args.append("--schedule-low-priority-values-first")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(sglang_env.REPO),
+        "KVMESH_WORKERS": f"http://127.0.0.1:{port},http://localhost:{port}",
+        "KVMESH_SELF_URL": f"http://127.0.0.1:{port}",
+        "KVMESH_ROUTER_KV_EVENTS": "false",
+        "KVMESH_SGLANG_CONTROL": f"ipc:///tmp/kvmesh-sglang-mw-{os.getpid()}-{port}",
+    }
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.engines.sglang_middleware_server", str(port), *args],
+        env=env,
+        cwd=sglang_env.REPO,
+    )
+    engine = Engine(port, request.param)
+    try:
+        for _ in range(1800):  # SGLang's import takes a while on a shared CPU
+            assert child.poll() is None, "the SGLang server exited"
+            try:
+                rows = engine.client.get("/kvmesh/workers").json()["workers"]
+                if [row["state"] for row in rows] == ["up", "up"]:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the mesh did not come up")
+        yield engine
+    finally:
+        engine.client.close()
+        child.terminate()
+        child.wait(timeout=30)
+
+
+def test_the_body_sglang_receives_has_its_polarity_and_no_nvext(engine: Engine) -> None:
+    info = engine.client.get("/kvmesh/info").json()
+    assert info["priority_polarity"] == engine.polarity
+    out = engine.chat("w1 w2 w3", nvext={"agent_hints": {"priority": 5}})
+    expected = 5 if engine.polarity == "higher_first" else -5
+    assert "nvext" not in out["seen"]["body"]
+    assert out["seen"]["body"]["priority"] == expected
+    assert out["seen"]["priority"] == expected  # as SGLang's ChatCompletionRequest parsed it
+    # A client's own SGLang session_params pass through untouched (kvmesh never adds them).
+    native = engine.chat("w4 w5", session_params={"id": "s-1", "rid": "r-0"})
+    assert native["seen"]["body"]["session_params"] == {"id": "s-1", "rid": "r-0"}
+    assert "session_params" not in out["seen"]["body"]
+
+
+def test_router_hashes_with_sglangs_tokenizer_and_salted_or_lora_requests_get_no_credit(
+    engine: Engine,
+) -> None:
+    for n, extra in enumerate(({"cache_salt": "tenant-a"}, {"lora_path": "my-adapter"})):
+        text = " ".join(f"w{i}" for i in range(100 * n, 100 * n + 30))
+        # SGLang's chat path renders "user : <30 words> assistant :": 34 ids of the word-level
+        # tokenizer (kvmesh's builtin fallback would render and count it differently).
+        tokens = 34
+        first = engine.chat(text, nvext={"backend_instance_id": engine.url})
+        assert first["nvext"]["worker_id"] == engine.url
+        again = engine.chat(text)
+        # Credited with the prefix it routed before, hashed from SGLang's token ids (8 full blocks).
+        assert again["nvext"]["worker_id"] == engine.url
+        assert again["nvext"]["timing"]["cached_tokens_predicted"] == tokens // BLOCK * BLOCK
+        namespaced = engine.chat(text, **extra)
+        # SGLang caches it apart: no credit for the unsalted, base-model prefix, so the router
+        # picks the worker whose cache it would not disturb (the peer's tree is the smaller).
+        assert namespaced["nvext"]["worker_id"] == engine.peer, extra
+        assert namespaced["nvext"]["timing"]["cached_tokens_predicted"] == 0
+        assert "nvext" not in namespaced["seen"]["body"]
+        for field, value in extra.items():
+            assert namespaced["seen"]["body"][field] == value

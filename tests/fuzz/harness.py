@@ -1,0 +1,127 @@
+"""The servers the fuzz suite attacks, on loopback in a background event loop, and a plain
+blocking HTTP client for hypothesis (whose tests are synchronous).
+
+Two targets: the standalone router (``kvmesh.router.asgi.standalone``) in front of two mock
+engines following their KV events, and a mesh of two mock engines embedding the middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import threading
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.commands.demo import start_mesh
+from kvmesh.mock.config import MockConfig
+from kvmesh.mock.testing import run_mock
+from kvmesh.router.asgi.standalone import build_router_app
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.servers import serve
+
+MOCK = {"block_size": 16, "num_blocks": 4096, "speedup": 1000.0, "max_model_len": 4096}
+
+
+@dataclass
+class Target:
+    """A router to send cases to, and what to check afterwards."""
+
+    url: str
+    engines: list[Any]  # MockEngine
+    statuses: Counter[int] = field(default_factory=Counter)
+
+    def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        host, port = self.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request("POST", path, body=body, headers={"content-type": "application/json", **headers})
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
+        self.statuses[response.status] += 1
+        return response.status, data
+
+    def get_json(self, path: str) -> Any:
+        host, port = self.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            assert response.status == 200, response.status
+            return json.loads(response.read())
+        finally:
+            conn.close()
+
+    def load(self) -> int:
+        return sum(row["active_requests"] for row in self.get_json("/kvmesh/workers")["workers"])
+
+    def engine_running(self) -> int:
+        return sum(e.scheduler.num_running + e.scheduler.num_waiting for e in self.engines)
+
+
+class Loop:
+    """An event loop on a thread, holding async context managers open until closed."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.stack = contextlib.AsyncExitStack()
+
+    def enter(self, cm: Any, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(self.stack.enter_async_context(cm), self.loop).result(timeout)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.stack.aclose(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@contextlib.asynccontextmanager
+async def _standalone() -> AsyncIterator[Target]:
+    async with contextlib.AsyncExitStack() as stack:
+        mocks = [await stack.enter_async_context(run_mock(**{**MOCK, "seed": i})) for i in range(2)]
+        settings = MeshSettings(
+            workers=tuple(WorkerSpec(m.base_url, m.base_url) for m in mocks),
+            router=RouterConfig(),
+            health_interval=0.5,
+            body_read_timeout=5.0,
+        )
+        front = await stack.enter_async_context(serve(build_router_app(settings)))
+        yield Target(front.url, [m.engine for m in mocks])
+
+
+@contextlib.asynccontextmanager
+async def _embedded() -> AsyncIterator[Target]:
+    async with start_mesh(2, RouterConfig(), MockConfig(**MOCK)) as nodes:
+        yield Target(nodes[0].url, [n.engine for n in nodes])
+
+
+@contextlib.contextmanager
+def running(kind: str) -> Iterator[Target]:
+    loop = Loop()
+    try:
+        yield loop.enter(_standalone() if kind == "standalone" else _embedded())
+    finally:
+        loop.close()
+
+
+def examples(default: int) -> int:
+    """Cases per fuzz test: ``KVMESH_FUZZ_EXAMPLES`` (``make fuzz`` sets tens of thousands)."""
+    return int(os.environ.get("KVMESH_FUZZ_EXAMPLES", default))
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0

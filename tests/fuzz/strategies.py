@@ -1,0 +1,187 @@
+"""Request bodies and headers for the fuzz suite: built from the OpenAI chat / completions and
+``nvext`` schemas, then mutated (wrong types, sizes, encodings, nesting, numbers at every limit).
+
+Bodies are raw bytes, so a case can be what no JSON encoder would write: invalid UTF-8 inside a
+string, a lone surrogate escape, an integer literal past every float, nesting near the recursion
+limit, a truncated document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+
+MODEL = "kvmesh-mock"
+
+# Numbers at the edges: ints around 32/64-bit limits, floats at their limits, huge literals.
+EDGE_NUMBERS = st.sampled_from(
+    [0, -1, 1, 2**31 - 1, 2**31, -(2**31) - 1, 2**53 + 1, 2**63 - 1, 2**63, -(2**63), 2**64, 0.5, -0.0,
+     1e-308, 5e-324, 1.7976931348623157e308, -1.7976931348623157e308, 1e300, 3.0, 600, 3600.0]
+)  # fmt: skip
+HUGE_LITERALS = st.sampled_from(
+    [b"1" + b"0" * 400, b"-" + b"9" * 5000, b"1e400", b"-1e400", b"NaN", b"Infinity"]
+)
+
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    EDGE_NUMBERS,
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=40),
+    st.sampled_from(
+        ["", "open", "close", "bind", "5m", "1h", "600", "ephemeral", "worker_id", "timing", " "]
+    ),
+)
+ANY_JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _maybe(value: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Mostly the schema's own type, sometimes anything at all."""
+    return st.one_of(value, value, value, ANY_JSON)
+
+
+AGENT_HINTS = st.fixed_dictionaries(
+    {},
+    optional={
+        "priority": _maybe(st.one_of(st.integers(-100, 100), EDGE_NUMBERS)),
+        "latency_sensitivity": _maybe(st.one_of(st.floats(0, 10), EDGE_NUMBERS)),
+        "osl": _maybe(st.one_of(st.integers(1, 512), EDGE_NUMBERS)),
+        "speculative_prefill": _maybe(st.booleans()),
+        "kv_overlap_score_credit": _maybe(st.one_of(st.floats(0, 1), EDGE_NUMBERS)),
+    },
+)
+SESSION = st.fixed_dictionaries(
+    {},
+    optional={
+        "session_id": _maybe(
+            st.one_of(st.text(min_size=1, max_size=20), st.text(min_size=200, max_size=400))
+        ),
+        "action": _maybe(st.sampled_from(["open", "close", "bind", "OPEN", ""])),
+        "timeout": _maybe(st.one_of(st.floats(0.001, 600), EDGE_NUMBERS)),
+    },
+)
+NVEXT = st.fixed_dictionaries(
+    {},
+    optional={
+        "backend_instance_id": _maybe(st.one_of(st.text(max_size=30), st.integers())),
+        "prefill_worker_id": _maybe(st.text(max_size=30)),
+        "decode_worker_id": _maybe(st.text(max_size=30)),
+        "extra_fields": _maybe(st.lists(st.sampled_from(["worker_id", "timing", "other"]), max_size=3)),
+        "agent_hints": _maybe(AGENT_HINTS),
+        "session_control": _maybe(SESSION),
+        "cache_control": _maybe(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "type": _maybe(st.just("ephemeral")),
+                    "ttl": _maybe(st.sampled_from(["5m", "1h", "600", 30, "x"])),
+                },
+            )
+        ),
+    },
+)
+TEXT = st.one_of(st.text(min_size=1, max_size=80), st.just("hello " * 40))
+CONTENT = st.one_of(
+    TEXT,
+    st.lists(
+        st.one_of(
+            st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("image_url"),
+                    "image_url": st.fixed_dictionaries({"url": st.just("data:image/png;base64,AAAA")}),
+                }
+            ),
+        ),
+        max_size=3,
+    ),
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": _maybe(st.sampled_from(["user", "system", "assistant", "tool"])), "content": _maybe(CONTENT)}
+)
+COMMON = {
+    "model": _maybe(st.just(MODEL)),
+    "max_tokens": _maybe(st.integers(1, 8)),
+    "stream": _maybe(st.booleans()),
+    "temperature": _maybe(st.floats(0, 2)),
+    "cache_salt": _maybe(st.text(max_size=10)),
+    "chat_template_kwargs": _maybe(st.dictionaries(st.text(max_size=8), st.booleans(), max_size=2)),
+    "stream_options": _maybe(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "nvext": _maybe(NVEXT),
+}
+CHAT = st.fixed_dictionaries({"messages": _maybe(st.lists(MESSAGE, min_size=1, max_size=3))}, optional=COMMON)
+COMPLETION = st.fixed_dictionaries(
+    {"prompt": _maybe(st.one_of(TEXT, st.lists(st.integers(-5, 2**40), min_size=1, max_size=20)))},
+    optional=COMMON,
+)
+
+
+@st.composite
+def raw_body(draw: st.DrawFn, doc: st.SearchStrategy[dict[str, Any]]) -> bytes:
+    """A schema-shaped document, encoded, then perhaps mutated at the byte level."""
+    import json
+
+    body = draw(doc)
+    data = json.dumps(body, ensure_ascii=draw(st.booleans())).encode("utf-8", "surrogatepass")
+    mutation = draw(
+        st.sampled_from(
+            ["none"] * 6 + ["bad-utf8", "surrogate", "huge-number", "deep", "truncate", "bom", "not-object"]
+        )
+    )
+    if mutation == "bad-utf8" and b'"' in data:
+        cut = data.index(b'"') + 1
+        data = (
+            data[:cut]
+            + draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf4\x90\x80\x80"]))
+            + data[cut:]
+        )
+    elif mutation == "surrogate" and b'"' in data:
+        cut = data.index(b'"') + 1
+        data = data[:cut] + b"\\ud800" + data[cut:]
+    elif mutation == "huge-number":
+        path = draw(st.sampled_from(["max_tokens", "nvext", "priority", "credit", "timeout"]))
+        literal = draw(HUGE_LITERALS)
+        inner = {
+            "max_tokens": b'"max_tokens":' + literal,
+            "nvext": b'"nvext":' + literal,
+            "priority": b'"nvext":{"agent_hints":{"priority":' + literal + b"}}",
+            "credit": b'"nvext":{"agent_hints":{"kv_overlap_score_credit":' + literal + b"}}",
+            "timeout": b'"nvext":{"session_control":{"session_id":"s","timeout":' + literal + b"}}",
+        }[path]
+        data = b"{" + inner + (b"," + data[1:] if data not in (b"{}",) else b"}")
+    elif mutation == "deep":
+        depth = draw(st.sampled_from([65, 200, 990, 1000, 5000]))
+        key = draw(st.sampled_from([b"metadata", b"nvext", b"messages"]))
+        data = b'{"' + key + b'":' + b"[" * depth + b"]" * depth + b"," + data[1:]
+    elif mutation == "truncate" and len(data) > 2:
+        data = data[: draw(st.integers(1, len(data) - 1))]
+    elif mutation == "bom":
+        data = b"\xef\xbb\xbf" + data
+    elif mutation == "not-object":
+        data = draw(st.sampled_from([b"[]", b"null", b"1", b'"x"', b"", b"{", b"[" * 3000]))
+    return data
+
+
+HEADER_VALUES = st.one_of(
+    st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40), st.just(" ")
+)
+HEADERS = st.fixed_dictionaries(
+    {},
+    optional={
+        "x-worker-instance-id": HEADER_VALUES,
+        "x-prefill-instance-id": HEADER_VALUES,
+        "x-kvmesh-hop": HEADER_VALUES,
+        "x-kvmesh-request-id": HEADER_VALUES,
+        "x-kvmesh-hop-auth": HEADER_VALUES,
+        "content-type": st.sampled_from(
+            ["application/json", "text/plain", "application/json; charset=latin-1"]
+        ),
+    },
+)

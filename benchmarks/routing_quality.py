@@ -1,6 +1,7 @@
 """Routing quality: the same seeded traffic through each router, in front of fresh simulated fleets.
 
-    .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--only WORKLOAD,...]
+    .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--workloads W,...]
+        [--contenders NAME,...] [--engines N]
 
 For every case (a workload on a fleet of 4 or 8 engines) and every contender, a fresh fleet of
 ``kvmesh mock`` engines starts as real processes on loopback (``--speedup 1``: the fitted GPU step
@@ -331,7 +332,9 @@ def main() -> int:
     )
     parser.add_argument("--short", action="store_true", help="half-size cases, for CI time")
     parser.add_argument("--rounds", type=int, default=1, help="rounds per case (ranges are over rounds)")
-    parser.add_argument("--only", default=None, help="comma-separated workloads to run")
+    parser.add_argument(
+        "--workloads", "--only", dest="only", default=None, help="comma-separated workloads to run"
+    )
     parser.add_argument(
         "--engines", type=int, default=None, help="run every chosen case on this many engines"
     )

@@ -47,8 +47,8 @@ class LoadAccount:
         self.request_id = request_id
         self.generated = 0
 
-    def first_event(self) -> None:
-        self.mesh.router.first_token(self.request_id, time.monotonic())
+    def first_event(self, streamed: bool = True) -> None:
+        self.mesh.router.first_token(self.request_id, time.monotonic(), timed=streamed)
 
     def events(self, n: int) -> None:
         """``n`` more SSE events: one token each, unless a subclass counts their text."""
@@ -160,7 +160,7 @@ class RoutedAccount(LoadAccount):
 
     def _prefill_over(self) -> None:
         self.prefill_timer = None
-        LoadAccount.first_event(self)
+        LoadAccount.first_event(self, streamed=False)  # an estimate: no TTFT to learn from
 
     def content(self, text: str, token_ids: list[int] | None) -> None:
         """A piece of the answer (thinking excluded), with its token ids when the engine gave them."""
@@ -171,13 +171,13 @@ class RoutedAccount(LoadAccount):
                 self.answer_ids = []
             self.answer_ids.extend(token_ids)
 
-    def first_event(self) -> None:
+    def first_event(self, streamed: bool = True) -> None:
         now = time.perf_counter()
         self.t_first = self.last_event = now
         if self.prefill_timer is not None:  # the answer is whole before the estimate ran out
             self.prefill_timer.cancel()
             self.prefill_timer = None
-        super().first_event()
+        super().first_event(streamed)
         if self.parsed.stream:  # a whole JSON answer's arrival is no first token
             self.mesh.metrics.ttft.observe(now - self.t0)
 

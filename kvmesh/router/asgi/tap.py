@@ -7,7 +7,8 @@ turns the worker's response into the same messages).
 * ``text/event-stream``: every body message goes out as soon as it comes in (an unfinished last
   line waits for the rest of itself, so an event split across reads is handled whole). The tap
   reads the stream line by line, as SSE defines it: a line that *starts* with ``data:`` is an event
-  (the first one means prefill is done), ``data: [DONE]`` alone on its line ends the stream, and
+  (the first one that carries output means prefill is done; a chunk that only announces the
+  assistant role, which some servers send at once, does not), ``data: [DONE]`` alone on its line ends the stream, and
   ``usage`` is read from a decoded event's own ``usage`` key. Text inside an event's JSON (a model
   that writes "data: [DONE]" or "metadata:") is never taken for structure. When the client asked
   for ``nvext.extra_fields``, one more data event carrying ``nvext`` goes out just before the
@@ -47,7 +48,10 @@ Text = Callable[[str], None]
 class Observer(Protocol):
     """What the tap reports, in order: first_event once, events repeatedly, usage, then end."""
 
-    def first_event(self) -> None: ...
+    def first_event(self, streamed: bool = True) -> None:
+        """Prefill is done. ``streamed=False``: a whole JSON answer, so this moment is the end of
+        the request, not its first token (it must not be taken for a time to first token)."""
+
     def events(self, n: int) -> None: ...
     def usage(self, usage: dict[str, Any]) -> None: ...
     def echo(self) -> dict[str, Any] | None: ...
@@ -58,6 +62,7 @@ class ResponseTap:
     """A ``send`` wrapper for one response (one instance per request)."""
 
     __slots__ = (
+        "_awaiting_output",
         "_buffer",
         "_buffered",
         "_content",
@@ -101,6 +106,7 @@ class ResponseTap:
         self._buffer: list[bytes] = []
         self._buffered = 0
         self._seen_events = 0
+        self._awaiting_output = True
         self._lines = SseLines(_MAX_PARTIAL_LINE)
         self._echoed = False
         self._stream_meta: dict[str, Any] | None = None
@@ -184,10 +190,18 @@ class ResponseTap:
                 if payload.strip() == _DONE:
                     if done_at < 0:
                         done_at = offset
-                else:
-                    if self._seen_events == 0 and events == 0:
-                        observer.first_event()
+                elif self._awaiting_output and _announces_role_only(payload):
+                    # The role announcement some servers send before the engine has produced
+                    # anything: neither prefill done nor a token.
+                    if self._seen_events == 0:
                         self._remember_meta(payload)
+                    self._seen_events += 1
+                else:
+                    if self._awaiting_output:
+                        self._awaiting_output = False
+                        observer.first_event()
+                        if self._seen_events == 0:
+                            self._remember_meta(payload)
                     events += 1
                     if self._content is not None or self._text is not None:
                         self._read_content(payload)
@@ -261,7 +275,7 @@ class ResponseTap:
         data = b"".join(self._buffer) if len(self._buffer) != 1 else self._buffer[0]
         self._buffer.clear()
         observer = self._observer
-        observer.first_event()
+        observer.first_event(streamed=False)
         echo = observer.echo()
         if echo is None:
             # Nothing to merge: the answer goes out as it came, and usage is read once it is gone.
@@ -302,6 +316,28 @@ class ResponseTap:
     def _finish(self) -> None:
         self.complete = True
         self._observer.end(True)
+
+
+def _announces_role_only(payload: bytes) -> bool:
+    """A chat chunk whose every choice only names the role (``{"role": "assistant"}``, empty
+    content, no finish): what the simulated engine, and servers like it, send before prefill ends.
+    vLLM and SGLang send theirs with the first token, so for them nothing changes."""
+    if b'"role"' not in payload:  # only a prefilter: the decoded event decides
+        return False
+    try:
+        doc = _json_decode(payload)
+    except msgspec.DecodeError:
+        return False
+    choices = doc.get("choices") if isinstance(doc, dict) else None
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or "role" not in delta or choice.get("finish_reason"):
+            return False
+        if any(v for k, v in delta.items() if k != "role"):
+            return False
+    return True
 
 
 def _report_content(doc: Any, content: Content | None) -> None:

@@ -9,21 +9,37 @@ uncached prompt tokens of requests still in prefill there, plus its own) is pref
 ``k = ceil(X / B)`` engine steps of at most ``B`` tokens (``max_num_batched_tokens``)::
 
     prefill(X) = a * sum(chunk_tokens^2) + b * X + c * k        (the curve engines are fitted with)
-    ttft(X)    = prefill(X) + n_decode * d(p)
+    ttft(X)    = o + prefill(X) + n_decode * d(p)
+
+``o`` is the worker's fixed overhead per request: everything between the router's dispatch and the
+first token that is not engine work (HTTP, the engine's own request handling, the streaming of the
+first event back). It is not engine time, so nothing queued behind the request waits for it:
+:meth:`TimingModel.prefill_ms` (what the request adds to a worker's queue) leaves it out. Without
+this term the fit had to explain the overhead with the per-token slope and, on short prompts,
+learned slopes 10x the engine's. ``o`` and ``c`` are told apart by prompts that take more than one
+step (``k > 1``); until such prompts come, their sum is what the data fixes and the prior splits it.
 
 Every step that also advances requests already generating runs a decode pass of ``d(p)`` ms (``p``
 the share of KV blocks in use): ``n_decode = k`` when some request decodes there, else 1 (the step
 that emits this request's first token). ``d(p)`` is the prior's decode curve scaled by a factor
 learned from the gaps between streamed tokens.
 
-Fitting: recursive least squares on ``(a, b, c)`` with a forgetting factor (a worker that slows
-down is followed within a few dozen requests), a bounded covariance (no wind-up when traffic does
-not excite every coefficient) and clipped residuals: a residual beyond ``CLIP`` robust scales
-counts only as ``CLIP`` scales, so one stalled request cannot drag the curve. Coefficients stay
-non-negative. The seed is a worker's reported profile (``/kvmesh/info`` ``timing_profile``) or the
-reference mocker's fit; both are only a starting point.
+Fitting: Bayesian recursive least squares (a Kalman filter for constant coefficients) on
+``(a, b, c, o)``. The prior is the seed curve with a standard deviation of ``PRIOR_SPREAD`` times each
+coefficient (the overhead's: as much of a step constant ``c``), and each observation is weighed by the noise
+variance the model measures (a robust scale of its residuals). That weighing is what keeps the fit
+sane: a request's TTFT also holds the unmodelled remainder of the step in progress when it
+arrived, tens of ms, while short prompts change ``b * X`` by a few ms. An observation that cannot
+tell the slope apart from that noise barely moves it; long prompts, whose prefill dominates, do.
+(The first version treated every residual as exact to 1 ms and followed the last few requests:
+slopes swung from 0 to 20x the engine's within one run.) A forgetting factor lets a worker that
+slows down be followed within a few dozen requests; the covariance never grows past the prior's (the
+data can only make the model surer than its seed), and residuals beyond ``CLIP`` scales count only
+as ``CLIP`` scales, so one stalled request cannot drag the curve. Coefficients stay non-negative.
+The seed is a worker's reported profile (``/kvmesh/info`` ``timing_profile``) or the reference
+mocker's fit; both are only a starting point.
 
-A worker the router has barely seen borrows from the fleet: :class:`FleetTiming` predicts with
+A worker the router has barely seen borrows from the fleet: :class:`WorkerTiming` predicts with
 a blend of the worker's own fit and a fleet-wide one, weighted by how many observations the
 worker has (``n / (n + SHRINK)``). Without that, a worker that already answered a few requests
 quickly would look faster than an identical one still on the (slower) prior, and take the traffic
@@ -40,17 +56,31 @@ from dataclasses import dataclass
 from typing import Any
 
 KTOK = 1000.0
-"""Features are in thousands of tokens, so the three coefficients have similar magnitudes."""
+"""Features are in thousands of tokens, so the coefficients have similar magnitudes."""
 FORGET = 0.98
 """RLS forgetting factor: observations older than ~1 / (1 - FORGET) requests fade out."""
 CLIP = 3.0
 """Residuals beyond this many robust scales are clipped (Huber-style)."""
 SCALE_ALPHA = 0.05
 """EWMA weight of the robust residual scale, the decode scale and the error statistics."""
-TRACE_CAP = 1e4
-"""Upper bound on the covariance trace (keeps the gain finite under poor excitation)."""
+MAD_TO_SD = math.sqrt(math.pi / 2)
+"""Mean absolute deviation to standard deviation, for normal noise: the noise variance the fit
+weighs observations with is ``(MAD_TO_SD * scale_ms) ** 2``."""
+PRIOR_SPREAD = 1.0
+"""Prior standard deviation of each coefficient, in multiples of its seed value: the seed is taken
+to be right to within its own size. A router sees tens of requests per worker, each with tens of
+ms of queueing the model does not explain; a wider prior let a handful of them throw the
+coefficients around (measured: per-token slopes from 0 to 6x the engine's within one short run).
+A worker further off than that is found by the change detection (``CHANGE_RUN``), which returns
+the fit to this uncertainty as often as the residuals keep saying the curve is wrong."""
+CHANGE_RUN = 3
+"""Clipped residuals in a row, on one side, taken as a change of the worker rather than outliers.
+Beyond ``CLIP`` scales a residual has well under a 1% chance under the measured noise, so three in
+a row on one side (< 1e-6) do not happen to a worker that stayed the same."""
 SHRINK = 20.0
 """Observations after which a worker's own fit and the fleet's weigh the same."""
+N = 4
+"""Coefficients: (a, b, c, o), see the module docstring."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +147,10 @@ class TimingModel:
 
     __slots__ = (
         "_p",
+        "_p0",
+        "_run",
         "abs_error_ms",
+        "changes",
         "decode_scale",
         "max_batched_tokens",
         "observations",
@@ -132,13 +165,18 @@ class TimingModel:
         self.prior = prior
         self.max_batched_tokens = max(int(max_batched_tokens), 1)
         c2, c1, c0 = prior.prefill_ms
-        self.theta = [c2 * KTOK * KTOK, c1 * KTOK, c0]
-        # prior variance: each coefficient may move by about its own size (plus a floor)
-        self._p = [[0.0] * 3 for _ in range(3)]
-        for i, v in enumerate(self.theta):
-            self._p[i][i] = max(v, 1.0) ** 2
+        step = max(c0, 1.0)
+        self.theta = [c2 * KTOK * KTOK, c1 * KTOK, c0, 0.0]
+        # prior: each coefficient may be PRIOR_SPREAD times off its seed (at least 1 in feature
+        # units); the overhead, unknown, as much as a step constant
+        sd = [PRIOR_SPREAD * max(v, 1.0) for v in self.theta[:3]] + [PRIOR_SPREAD * step]
+        self._p0 = [sd[i] ** 2 for i in range(N)]
+        self._p = [[self._p0[i] if i == j else 0.0 for j in range(N)] for i in range(N)]
         self.decode_scale = 1.0
-        self.scale_ms = max(c0, 1.0)
+        self.scale_ms = step
+        self._run = 0
+        """Consecutive clipped residuals, signed by their side."""
+        self.changes = 0
         self.observations = 0
         self.outliers = 0
         self.abs_error_ms = 0.0
@@ -146,19 +184,31 @@ class TimingModel:
 
     # ------------------------------------------------------------------ prediction
     def prefill_ms(self, x_tokens: float) -> float:
-        """Modelled engine time to prefill ``x_tokens`` (chunked at the step budget)."""
+        """Modelled engine time to prefill ``x_tokens`` (chunked at the step budget), overhead
+        excluded: the time the worker is busy with it."""
         s2, s1, k = features(x_tokens, self.max_batched_tokens)
-        a, b, c = self.theta
+        a, b, c, _ = self.theta
         return a * s2 + b * s1 + c * k
+
+    def added_prefill_ms(self, ahead_tokens: float, own_tokens: float) -> float:
+        """Engine time ``own_tokens`` add to a worker with ``ahead_tokens`` of prefill queued: the
+        marginal cost, so the step constant counts only for the steps the request adds (a request
+        that joins a step already due pays its tokens, not the step)."""
+        if own_tokens <= 0:
+            return 0.0
+        return max(self.prefill_ms(ahead_tokens + own_tokens) - self.prefill_ms(ahead_tokens), 0.0)
 
     def decode_ms(self, kv_usage: float) -> float:
         return self.decode_scale * self.prior.decode(kv_usage)
 
+    def overhead_ms(self) -> float:
+        return self.theta[3]
+
     def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float) -> float:
         """Predicted ms to first token with ``x_tokens`` of prefill work ahead and including its own."""
         s2, s1, k = features(x_tokens, self.max_batched_tokens)
-        a, b, c = self.theta
-        return a * s2 + b * s1 + c * k + (k if decoding else 1.0) * self.decode_ms(kv_usage)
+        a, b, c, o = self.theta
+        return o + a * s2 + b * s1 + c * k + (k if decoding else 1.0) * self.decode_ms(kv_usage)
 
     def ms_per_token(self) -> float:
         """Marginal linear prefill cost (ms per token), what recomputing an evicted block costs."""
@@ -170,17 +220,27 @@ class TimingModel:
         predicted = self.ttft_ms(x_tokens, decoding, kv_usage)
         if not (ttft_ms > 0 and math.isfinite(ttft_ms)):
             return predicted
-        phi = features(x_tokens, self.max_batched_tokens)
-        k = phi[2]
+        s2, s1, k = features(x_tokens, self.max_batched_tokens)
+        phi = (s2, s1, k, 1.0)
         y = ttft_ms - (k if decoding else 1.0) * self.decode_ms(kv_usage)
         residual = y - sum(p * t for p, t in zip(phi, self.theta, strict=True))
         limit = CLIP * self.scale_ms
         if abs(residual) > limit:
-            self.outliers += 1
-            residual = math.copysign(limit, residual)
-        self.scale_ms += SCALE_ALPHA * (abs(residual) - self.scale_ms)
+            # One far residual is an outlier (a stalled request); a run of them on one side is
+            # the worker having changed: forget back to the prior's uncertainty and learn it.
+            side = 1 if residual > 0 else -1
+            self._run = self._run + side if self._run * side > 0 else side
+            if abs(self._run) >= CHANGE_RUN:
+                self._reset_uncertainty()
+            else:
+                self.outliers += 1
+                residual = side * limit
+        else:
+            self._run = 0
+        noise = (MAD_TO_SD * self.scale_ms) ** 2
+        self.scale_ms += SCALE_ALPHA * (min(abs(residual), limit) - self.scale_ms)
         self.scale_ms = max(self.scale_ms, 0.5)
-        self._rls(phi, residual)
+        self._rls(phi, residual, noise)
         self.observations += 1
         err = abs(predicted - ttft_ms)
         self.abs_error_ms += SCALE_ALPHA * (err - self.abs_error_ms)
@@ -195,33 +255,45 @@ class TimingModel:
         sample = min(gap_ms / base, CLIP * max(self.decode_scale, 0.1) + 1.0)
         self.decode_scale += SCALE_ALPHA * (sample - self.decode_scale)
 
-    def _rls(self, phi: tuple[float, float, float], residual: float) -> None:
+    def _rls(self, phi: tuple[float, ...], residual: float, noise: float) -> None:
+        """One Kalman step: ``gain = P phi / (noise + phi' P phi)``, then forgetting (``P / FORGET``)
+        bounded by the prior's variances."""
         p = self._p
-        p_phi = [sum(p[i][j] * phi[j] for j in range(3)) for i in range(3)]
-        denom = FORGET + sum(phi[i] * p_phi[i] for i in range(3))
+        p_phi = [sum(p[i][j] * phi[j] for j in range(N)) for i in range(N)]
+        denom = noise + sum(phi[i] * p_phi[i] for i in range(N))
         gain = [v / denom for v in p_phi]
         theta = self.theta
-        for i in range(3):
+        for i in range(N):
             theta[i] = max(0.0, theta[i] + gain[i] * residual)
-        for i in range(3):
-            for j in range(3):
-                p[i][j] = (p[i][j] - gain[i] * p_phi[j]) / FORGET
-        trace = p[0][0] + p[1][1] + p[2][2]
-        if trace > TRACE_CAP:
-            f = TRACE_CAP / trace
+        for i in range(N):
+            row = p[i]
+            gi = gain[i]
+            for j in range(N):
+                row[j] = (row[j] - gi * p_phi[j]) / FORGET
+        # never less sure than the prior: scale the covariance back where a variance outgrew it
+        worst = max(p[i][i] / self._p0[i] for i in range(N))
+        if worst > 1.0:
             for row in p:
-                for j in range(3):
-                    row[j] *= f
+                for j in range(N):
+                    row[j] /= worst
+
+    def _reset_uncertainty(self) -> None:
+        self.changes += 1
+        self._run = 0
+        self._p = [[self._p0[i] if i == j else 0.0 for j in range(N)] for i in range(N)]
 
     def describe(self) -> dict[str, Any]:
         """The fitted coefficients in the prior's units, and how well they predict."""
-        a, b, c = self.theta
+        a, b, c, o = self.theta
         return {
             "seed": self.prior.source,
             "prefill_ms": [a / (KTOK * KTOK), b / KTOK, c],
+            "overhead_ms": round(o, 3),
             "decode_scale": round(self.decode_scale, 4),
             "observations": self.observations,
             "outliers_clipped": self.outliers,
+            "changes_detected": self.changes,
+            "noise_ms": round(MAD_TO_SD * self.scale_ms, 3),
             "ttft_abs_error_ms": round(self.abs_error_ms, 3),
             "ttft_rel_error": round(self.rel_error, 4),
         }
@@ -256,6 +328,13 @@ class WorkerTiming:
         if w >= 1.0:
             return own
         return w * own + (1.0 - w) * self.fleet.prefill_ms(x_tokens)
+
+    def added_prefill_ms(self, ahead_tokens: float, own_tokens: float) -> float:
+        w = self._weight()
+        own = self.own.added_prefill_ms(ahead_tokens, own_tokens)
+        if w >= 1.0:
+            return own
+        return w * own + (1.0 - w) * self.fleet.added_prefill_ms(ahead_tokens, own_tokens)
 
     def ms_per_token(self) -> float:
         w = self._weight()

@@ -54,19 +54,19 @@ def _slow_events(engine: Any, delay: float) -> None:
     publisher.flush = lambda: loop.call_later(delay, flush) and None
 
 
-async def _sibling_workers(predicted_ttl: float | None) -> list[tuple[str, set[str]]]:
+async def _sibling_workers(predicted_ttl: float | None, cost: str) -> list[tuple[str, set[str]]]:
     """Best-of-n bursts: the first sibling starts decoding, the other three follow at once."""
-    # Dynamo's cost: this pins the side index's effect as the reference defines it
-    config = RouterConfig(router_predicted_ttl_secs=predicted_ttl, router_cost_model="dynamo")
+    config = RouterConfig(router_predicted_ttl_secs=predicted_ttl, router_cost_model=cost)  # type: ignore[arg-type]
     out = []
     async with start_mesh(3, config, MOCK.replace(speedup=1.0)) as nodes, aiohttp.ClientSession() as http:
         for node in nodes:
             _slow_events(node.engine, 1.0)
         for burst in range(3):
-            body = chat(f"Problem {burst}: " + "prove the lemma step by step " * 40, max_tokens=16)
+            body = chat(f"Problem {burst}: " + "prove the lemma step by step " * 200, max_tokens=16)
             streamed = {**body, "stream": True}
             async with http.post(nodes[0].url + "/v1/chat/completions", json=streamed) as first:
-                await first.content.readuntil(b"\n\n")  # the first sibling is past its prefill
+                await first.content.readuntil(b"\n\n")  # the role, announced at once
+                await first.content.readuntil(b"\n\n")  # a token: the first sibling is past its prefill
                 siblings = await asyncio.gather(*(_worker_of(http, nodes[0].url, body) for _ in range(3)))
                 out.append((first.headers["x-kvmesh-worker-id"], {w for w, _ in siblings}))
                 await first.read()
@@ -75,15 +75,28 @@ async def _sibling_workers(predicted_ttl: float | None) -> list[tuple[str, set[s
 
 async def test_sibling_bursts_co_locate_with_predict_on_route() -> None:
     """The engine's "stored" events lag by a second: only predict-on-route knows where the
-    siblings' prefix is about to be, and sends them to the first sibling's worker."""
-    for first, siblings in await _sibling_workers(5.0):
+    siblings' prefix is about to be, and sends them to the first sibling's worker. With the default
+    cost, which learns from these very requests: the siblings are not streamed, and a whole answer
+    must not be taken for a time to first token (it once taught the model that prompt size does not
+    matter, and the siblings scattered). The prompt is long (~2.3k tokens) so that its cached copy
+    saves more than the short prefill stalls the first sibling's decoding there; for a prompt of a
+    few hundred tokens the default cost rightly prefers an idle worker (see test_latency_cost)."""
+    for first, siblings in await _sibling_workers(5.0, "latency"):
+        assert siblings == {first}
+
+
+async def test_sibling_bursts_co_locate_with_predict_on_route_under_dynamo_cost() -> None:
+    """The side index's effect as the reference defines it (Dynamo's cost)."""
+    for first, siblings in await _sibling_workers(5.0, "dynamo"):
         assert siblings == {first}
 
 
 async def test_without_predict_on_route_lagging_events_scatter_siblings() -> None:
-    """The contrast: without the side index the siblings look uncached everywhere, and the load
-    model sends them away from the busy first worker."""
-    bursts = await _sibling_workers(None)
+    """The contrast, under Dynamo's cost: without the side index the siblings look uncached
+    everywhere, and the load model sends them away from the busy first worker. (The latency cost
+    counts the blocks of requests in flight on a worker as cached there, so it needs no side index
+    to keep them together.)"""
+    bursts = await _sibling_workers(None, "dynamo")
     assert any(siblings != {first} for first, siblings in bursts)
 
 

@@ -17,7 +17,7 @@ class Recorder:
     async def send(self, message: dict[str, Any]) -> None:
         self.sent.append(message)
 
-    def first_event(self) -> None:
+    def first_event(self, streamed: bool = True) -> None:
         self.calls.append("first")
 
     def events(self, n: int) -> None:
@@ -152,6 +152,30 @@ async def test_a_data_line_split_anywhere_is_read_whole_and_crlf_lines_count() -
     await tap({"type": "http.response.body", "body": b"", "more_body": False})
     assert b"".join(m["body"] for m in rec.sent[1:]) == stream
     assert rec.calls == ["first", "events:1", "events:1", "end:True"]
+
+
+async def test_a_role_announcement_is_not_the_first_token() -> None:
+    """Some servers (the simulated engine among them) announce the assistant role before the
+    engine has produced anything; prefill is done at the first chunk that carries output, and the
+    announcement is passed through untouched. A first chunk with the role *and* content (vLLM's
+    shape) is the first token."""
+    rec = Recorder()
+    tap = ResponseTap(rec.send, rec)
+    role = {"id": "c1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    token = {"id": "c1", "choices": [{"index": 0, "delta": {"content": "a"}}]}
+    await tap(SSE_HEAD)
+    await tap({"type": "http.response.body", "body": _event(role), "more_body": True})
+    assert rec.calls == [] and rec.sent[-1]["body"] == _event(role)
+    await tap({"type": "http.response.body", "body": _event(token), "more_body": True})
+    await tap({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+    assert rec.calls == ["first", "events:1", "end:True"]
+
+    rec = Recorder()
+    tap = ResponseTap(rec.send, rec)
+    both = {"id": "c1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}}]}
+    await tap(SSE_HEAD)
+    await tap({"type": "http.response.body", "body": _event(both) + b"data: [DONE]\n\n", "more_body": False})
+    assert rec.calls == ["first", "events:1", "end:True"]
 
 
 async def test_a_usage_key_that_is_not_the_events_own_is_not_usage() -> None:

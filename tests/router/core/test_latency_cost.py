@@ -61,6 +61,20 @@ def test_latency_is_the_default_and_dynamo_stays_selectable() -> None:
         assert s.cost == pytest.approx(s.predicted_ttft_ms + s.work_ms + s.eviction_ms)
 
 
+def test_the_work_a_request_adds_is_its_marginal_prefill_time() -> None:
+    """Joining prefill work already due adds its tokens, not another step constant: 2k tokens
+    behind 1k queued cost the same engine time as 2k on an idle worker, and the fixed overhead of a
+    request (no engine time) is never part of it."""
+    r = router()
+    queue_prefill(r, "a", 1000, seed=70)
+    d = pick(r, "new", toks(3, 2000))
+    by = {s.worker[0]: s for s in d.breakdown}
+    model = r._timing[("a", 0)]
+    assert by["a"].work_ms == pytest.approx(model.prefill_ms(3000) - model.prefill_ms(1000))
+    assert by["a"].work_ms == pytest.approx(by["b"].work_ms, rel=0.1)  # the quadratic term differs
+    assert by["a"].work_ms < model.prefill_ms(2000)  # no second step constant
+
+
 def test_the_cached_worker_wins_while_its_cache_saves_more_than_its_queue_costs() -> None:
     prefix = toks(1, 4000)
     prompt = prefix + toks(2, 100)
@@ -143,8 +157,10 @@ def test_a_worker_reported_slow_loses_the_traffic_its_cache_would_attract() -> N
     assert pick(r, "before", prompt).worker == ("b", 0)
     r.finished("before", 0.0)
     rng = random.Random(4)
-    for i in range(120):  # b answers 5x slower than the prior predicts; a as predicted
-        for w, slow in (("a", 1.0), ("b", 5.0)):
+    # b answers 10x slower than the prior predicts; a as predicted. (At 5x, b's 3k cached tokens
+    # still save the requests after it more engine time than b's slowness costs this one.)
+    for i in range(120):
+        for w, slow in (("a", 1.0), ("b", 10.0)):
             t = toks(1000 + 2 * i + (w == "b"), rng.randrange(100, 6000))
             d = r.route(req(f"{w}{i}", t, backend_instance_id=w), 1.0 + i)
             assert isinstance(d, Decision)

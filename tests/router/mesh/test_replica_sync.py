@@ -68,7 +68,7 @@ async def _burst(
     max_tokens: int = 250,
 ) -> list[aiohttp.ClientResponse]:
     """``n`` long streaming requests sent to replica ``via``, pinned to worker ``target``; returns
-    once each has streamed its first event (so they are in flight, past prefill)."""
+    once each has streamed its first token (so they are in flight, past prefill)."""
     streams = []
     for i in range(n):
         body = chat(
@@ -80,7 +80,8 @@ async def _burst(
         r = await stack.enter_async_context(http.post(via + "/v1/chat/completions", json=body))
         assert r.status == 200
         assert r.headers["x-kvmesh-worker-id"] == target
-        await r.content.readuntil(b"\n\n")
+        await r.content.readuntil(b"\n\n")  # the assistant role, announced at once
+        await r.content.readuntil(b"\n\n")  # a token: past prefill
         streams.append(r)
     return streams
 

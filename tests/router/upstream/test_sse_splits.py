@@ -42,7 +42,7 @@ class Recorder:
         self.cached: list[int] = []
         self.ended: list[bool] = []
 
-    def first_event(self) -> None:
+    def first_event(self, streamed: bool = True) -> None:
         self.firsts += 1
 
     def events(self, n: int) -> None:

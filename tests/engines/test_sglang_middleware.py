@@ -120,15 +120,15 @@ def test_router_hashes_with_sglangs_tokenizer_and_salted_or_lora_requests_get_no
         # tokenizer (kvmesh's builtin fallback would render and count it differently).
         tokens = 34
         first = engine.chat(text, nvext={"backend_instance_id": engine.url})
-        assert first["nvext"]["worker_id"] == engine.url
+        assert first["nvext"]["worker_id"]["decode_worker_id"] == engine.url
         again = engine.chat(text)
         # Credited with the prefix it routed before, hashed from SGLang's token ids (8 full blocks).
-        assert again["nvext"]["worker_id"] == engine.url
+        assert again["nvext"]["worker_id"]["decode_worker_id"] == engine.url
         assert again["nvext"]["timing"]["cached_tokens_predicted"] == tokens // BLOCK * BLOCK
         namespaced = engine.chat(text, **extra)
         # SGLang caches it apart: no credit for the unsalted, base-model prefix, so the router
         # picks the worker whose cache it would not disturb (the peer's tree is the smaller).
-        assert namespaced["nvext"]["worker_id"] == engine.peer, extra
+        assert namespaced["nvext"]["worker_id"]["decode_worker_id"] == engine.peer, extra
         assert namespaced["nvext"]["timing"]["cached_tokens_predicted"] == 0
         assert "nvext" not in namespaced["seen"]["body"]
         for field, value in extra.items():

@@ -15,6 +15,7 @@ import json
 import sys
 from collections import Counter
 
+from kvmesh.commands.argtypes import non_negative_int, positive_float, positive_int
 from kvmesh.errors import ConfigError
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import BlockRemoved, BlockStored, EngineHashT, EventBatch, event_to_json
@@ -42,12 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     tap.add_argument(
         "--from-seq",
-        type=_non_negative,
+        type=non_negative_int,
         metavar="N",
         help="start at sequence N, replaying what the publisher still buffers (default: start with "
         "the first batch that arrives live)",
     )
-    tap.add_argument("--count", type=_positive, metavar="N", help="exit (status 0) after printing N batches")
+    tap.add_argument(
+        "--count", type=positive_int, metavar="N", help="exit (status 0) after printing N batches"
+    )
     tap.add_argument(
         "--json",
         action="store_true",
@@ -64,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     tap.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         metavar="S",
         help="stop after S seconds; exit status 1 if --count batches have not arrived by then",
     )
@@ -160,24 +163,3 @@ def format_summary(seq: int, batch: EventBatch) -> str:
 def _first_hashes(hashes: list[EngineHashT]) -> str:
     shown = ", ".join(h.hex()[:16] if isinstance(h, bytes) else str(h) for h in hashes[:_SHOWN_HASHES])
     return shown + (", ..." if len(hashes) > _SHOWN_HASHES else "")
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-    return value

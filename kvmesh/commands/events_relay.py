@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from kvmesh.commands.argtypes import positive_float, positive_int
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsOptions, parse_event_plane
 
@@ -64,7 +65,7 @@ def add_parser(actions: Any) -> None:
     relay.add_argument("--topic", default="", metavar="T", help="only batches whose topic starts with T")
     relay.add_argument(
         "--buffer-batches",
-        type=_positive,
+        type=positive_int,
         default=10_000,
         metavar="N",
         help="batches kept per rank while NATS is away; beyond that the oldest are dropped [10000]",
@@ -93,7 +94,7 @@ def add_parser(actions: Any) -> None:
     )
     reg.add_argument(
         "--nats-worker-ttl",
-        type=_positive_float,
+        type=positive_float,
         default=6.0,
         metavar="S",
         help="the registration's lifetime without renewal; renewed every S/3 seconds [6]",
@@ -119,19 +120,19 @@ def add_parser(actions: Any) -> None:
     auth.add_argument("--nats-prefix", default="kvmesh", help="first subject token [kvmesh]")
     auth.add_argument(
         "--nats-stream-max-age",
-        type=_positive_float,
+        type=positive_float,
         default=600.0,
         metavar="S",
         help="seconds a batch stays replayable in the stream [600]",
     )
     auth.add_argument(
-        "--nats-stream-max-bytes", type=_positive, default=1 << 30, metavar="N", help="stream size [1 GiB]"
+        "--nats-stream-max-bytes", type=positive_int, default=1 << 30, metavar="N", help="stream size [1 GiB]"
     )
     auth.add_argument(
-        "--nats-replicas", type=_positive, default=1, metavar="N", help="JetStream replicas [1]"
+        "--nats-replicas", type=positive_int, default=1, metavar="N", help="JetStream replicas [1]"
     )
     relay.add_argument(
-        "--duration", type=_positive_float, metavar="S", help="stop after S seconds (default: until a signal)"
+        "--duration", type=positive_float, metavar="S", help="stop after S seconds (default: until a signal)"
     )
     relay.set_defaults(_run=run)
 
@@ -255,17 +256,3 @@ async def _relay(args: argparse.Namespace) -> int:
             await relay.stop()
     print(f"kvmesh events relay: stopped {json.dumps(relay.stats())}", file=sys.stderr, flush=True)
     return 0
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-    return value

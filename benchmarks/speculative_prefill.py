@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, percentile, table
 
 from kvmesh.bench.fleet import kvmesh_router, start_fleet
+from kvmesh.bench.session import words
 
 ENGINE_ARGS = (
     "--speedup",
@@ -48,30 +49,6 @@ ENGINE_ARGS = (
     "8192",
 )
 MODEL = "kvmesh-mock"
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "eta",
-    "theta",
-    "iota",
-    "kappa",
-    "lambda",
-    "mu",
-    "nu",
-    "xi",
-    "omicron",
-    "pi",
-    "rho",
-    "sigma",
-]
-
-
-def message(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 async def turn(
@@ -114,11 +91,11 @@ async def conversation(
     http: aiohttp.ClientSession, url: str, seed: int, args: argparse.Namespace, speculate: bool
 ) -> list[tuple[float, int, int]]:
     rng = random.Random(seed)
-    messages = [{"role": "system", "content": f"conversation {seed}: " + message(rng, args.system_words)}]
+    messages = [{"role": "system", "content": f"conversation {seed}: " + words(rng, args.system_words)}]
     out = []
     await asyncio.sleep(rng.uniform(0, args.think))  # conversations do not start in lockstep
     for i in range(args.turns):
-        messages.append({"role": "user", "content": message(rng, args.user_words)})
+        messages.append({"role": "user", "content": words(rng, args.user_words)})
         ttft, prompt, cached, answer = await turn(http, url, messages, args.answer_tokens, speculate)
         if i:
             out.append((ttft, prompt, cached))

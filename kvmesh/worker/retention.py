@@ -30,13 +30,15 @@ from running requests. When a hold does not fit:
 from __future__ import annotations
 
 import heapq
+import math
+import os
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 from types import MappingProxyType
 from typing import Generic, Literal, TypeVar
 
-from kvmesh.errors import RequestError
+from kvmesh.errors import ConfigError, RequestError
 
 __all__ = ["OverBudgetPolicy", "PinBudgetExceeded", "Retention", "TooManySessions"]
 
@@ -278,3 +280,23 @@ class Retention(Generic[B]):
 
     def _push_deadline(self, owner: _Owner, expires_at: float) -> None:
         heapq.heappush(self._deadlines, (expires_at, next(self._tie), owner))
+
+
+DEFAULT_PIN_BUDGET = 0.25
+PIN_BUDGET_ENV = "KVMESH_PIN_BUDGET"
+"""Fraction of an engine's KV cache that pins and open sessions together may hold resident."""
+
+
+def pin_budget_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """``KVMESH_PIN_BUDGET`` as every engine adapter reads it; ConfigError naming it when invalid."""
+    env = os.environ if environ is None else environ
+    text = env.get(PIN_BUDGET_ENV)
+    if text is None:
+        return DEFAULT_PIN_BUDGET
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{PIN_BUDGET_ENV} must be a fraction between 0 and 1, got {text!r}") from None
+    if math.isnan(value) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{PIN_BUDGET_ENV} must be a fraction between 0 and 1, got {text!r}")
+    return value

@@ -9,8 +9,8 @@ import pytest
 
 from kvmesh.adapters.vllm._vllm import import_vllm
 from kvmesh.adapters.vllm.endpoints import VllmWorkerBackend, advertise_host_from_env
-from kvmesh.adapters.vllm.engine_rpc import pin_budget_from_env
 from kvmesh.errors import ConfigError
+from kvmesh.worker.retention import pin_budget_from_env
 
 
 def test_a_missing_vllm_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,33 +22,12 @@ Runs in the scheduler's thread only (the radix cache is not thread-safe): see :m
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvmesh.errors import ConfigError
-from kvmesh.worker.retention import Retention
-
-DEFAULT_PIN_BUDGET = 0.25
-PIN_BUDGET_ENV = "KVMESH_PIN_BUDGET"
-"""Fraction of the KV cache (in pages) that pins may hold resident."""
-
-
-def pin_budget_from_env(environ: dict[str, str] | None = None) -> float:
-    env = os.environ if environ is None else environ
-    text = env.get(PIN_BUDGET_ENV)
-    if text is None:
-        return DEFAULT_PIN_BUDGET
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{PIN_BUDGET_ENV} must be a fraction between 0 and 1, got {text!r}") from None
-    if math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise ConfigError(f"{PIN_BUDGET_ENV} must be a fraction between 0 and 1, got {text!r}")
-    return value
+from kvmesh.worker.retention import DEFAULT_PIN_BUDGET, PIN_BUDGET_ENV, Retention
 
 
 class RadixPins:

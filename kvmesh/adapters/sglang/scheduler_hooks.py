@@ -22,8 +22,9 @@ import os
 from typing import Any
 
 from kvmesh.adapters.sglang.control import CONTROL_ENV, ControlServer, control_endpoint
-from kvmesh.adapters.sglang.pins import RadixPins, pin_budget_from_env
+from kvmesh.adapters.sglang.pins import RadixPins
 from kvmesh.errors import RequestError
+from kvmesh.worker.retention import pin_budget_from_env
 
 logger = logging.getLogger("kvmesh.adapters.sglang")
 

@@ -31,13 +31,10 @@ from typing import Any
 
 from kvmesh.adapters.trtllm.bridge import KvEventBridge
 from kvmesh.adapters.trtllm.hints import has_priority_parameter, wrap_generate_async
-from kvmesh.adapters.trtllm.retention import (
-    DEFAULT_PIN_BUDGET,
-    ClaimSubmitter,
-    RankRetention,
-)
+from kvmesh.adapters.trtllm.retention import ClaimSubmitter, RankRetention
 from kvmesh.errors import RequestError
 from kvmesh.worker.block_state import kv_state_answer
+from kvmesh.worker.retention import DEFAULT_PIN_BUDGET
 
 logger = logging.getLogger("kvmesh.adapters.trtllm")
 

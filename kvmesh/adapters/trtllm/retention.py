@@ -48,7 +48,6 @@ PIN_PRIORITY = 100
 """Retention priority of pinned blocks (TensorRT-LLM's scale is 0-100, 100 highest)."""
 DEFAULT_PRIORITY = 35
 """TensorRT-LLM's default retention priority, what a released block goes back to."""
-DEFAULT_PIN_BUDGET = 0.25
 PIN_BUDGET_FLAG = "--kvmesh-pin-budget"
 MAX_SESSIONS = 100_000
 

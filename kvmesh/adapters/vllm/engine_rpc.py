@@ -23,41 +23,21 @@ Deadlines are checked on every RPC and on ``tick``, which the API server calls p
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmesh.adapters.vllm._vllm import import_vllm
-from kvmesh.errors import ConfigError
-from kvmesh.worker.retention import Retention
+from kvmesh.worker.retention import DEFAULT_PIN_BUDGET, PIN_BUDGET_ENV, Retention, pin_budget_from_env
 
 logger = logging.getLogger("kvmesh.adapters.vllm")
 
-DEFAULT_PIN_BUDGET = 0.25
-PIN_BUDGET_ENV = "KVMESH_PIN_BUDGET"
-"""Fraction of the KV cache that pins and open sessions together may hold resident."""
 
 MAX_SESSIONS = 100_000
 """Open sessions per engine core; one more is refused (a leak guard, not a tuning knob)."""
 
 RPC_METHOD = "kvmesh_rpc"
 """The utility method the general plugin adds to vLLM's EngineCore."""
-
-
-def pin_budget_from_env(environ: dict[str, str] | None = None) -> float:
-    env = os.environ if environ is None else environ
-    text = env.get(PIN_BUDGET_ENV)
-    if text is None:
-        return DEFAULT_PIN_BUDGET
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{PIN_BUDGET_ENV} must be a fraction between 0 and 1, got {text!r}") from None
-    if not (0.0 <= value <= 1.0) or math.isnan(value):
-        raise ConfigError(f"{PIN_BUDGET_ENV} must be a fraction between 0 and 1, got {text!r}")
-    return value
 
 
 class EngineRpc:

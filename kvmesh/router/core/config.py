@@ -103,6 +103,13 @@ class RouterConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the flag and its allowed range for the first bad value."""
         check_all(self, _FLAGS)
+        if self.router_predicted_ttl_secs is not None and not self.use_kv_events:
+            # Without events the approximate index already records every decision (for
+            # --router-ttl-secs): a predict-on-route TTL would be accepted and change nothing.
+            raise ConfigError(
+                "--router-predicted-ttl-secs needs KV events; without them the approximate index "
+                "already records each decision (set --router-ttl-secs instead)"
+            )
 
     def with_overrides(self, **changes: Any) -> RouterConfig:
         """A copy with some fields changed (validated)."""

@@ -32,19 +32,15 @@ def test_flags() -> None:
         "--no-router-kv-events",
         "--router-queue-policy",
         "wspt",
-        "--router-predicted-ttl-secs",
-        "5",
         "--active-decode-blocks-threshold",
         "0.9",
         "--router-mode",
         "round_robin",
     )
     assert (c.router_temperature, c.use_kv_events, c.router_queue_policy) == (0.5, False, "wspt")
-    assert (c.router_predicted_ttl_secs, c.active_decode_blocks_threshold, c.router_mode) == (
-        5.0,
-        0.9,
-        "round-robin",
-    )
+    assert (c.active_decode_blocks_threshold, c.router_mode) == (0.9, "round-robin")
+    # predict-on-route sits beside KV events; without them it is refused (it would change nothing)
+    assert parse("--router-predicted-ttl-secs", "5").router_predicted_ttl_secs == 5.0
     assert parse("--router-queue-threshold", "none").router_queue_threshold is None
 
 

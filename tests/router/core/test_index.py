@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kvmesh.errors import ConfigError
 from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.hashing import block_hashes
 from kvmesh.router.core.approx_index import ApproxIndex
@@ -207,7 +208,7 @@ def test_the_config_chooses_the_index() -> None:
     both = index_for(RouterConfig(router_predicted_ttl_secs=3.0, router_max_tree_size=50))
     assert isinstance(both, PredictedIndex)
     assert (both.predicted.ttl, both.predicted.max_blocks) == (3.0, 50)
-    # predictions only make sense beside events: without events the approximate index already is one
-    assert isinstance(
-        index_for(RouterConfig(use_kv_events=False, router_predicted_ttl_secs=3.0)), ApproxIndex
-    )
+    # predictions only make sense beside events: without events the approximate index already is
+    # one, so the combination is refused rather than accepted and ignored
+    with pytest.raises(ConfigError, match="--router-predicted-ttl-secs needs KV events"):
+        RouterConfig(use_kv_events=False, router_predicted_ttl_secs=3.0)

@@ -124,6 +124,7 @@ class EventSubscriber:
 
         self._expected: int | None = None  # None: nothing seen and no resume point, so start at 0
         self._last_live: int | None = None  # last sequence read from the live socket
+        self._last_live_payload = b""  # its payload, to tell a duplicate from a restart
         # Batches above the expected sequence, waiting for a replay to fill the gap below them.
         # Live order is sequence order, so the dict's insertion order is ascending.
         self._held: dict[int, EventBatch | None] = {}
@@ -310,10 +311,16 @@ class EventSubscriber:
         except MalformedEventError as e:
             self._count_malformed(None, e)
             return
+        if seq == self._last_live and payload == self._last_live_payload:
+            # The same message twice (a relay or a network retry duplicated it): a publisher that
+            # restarted would not repeat the last batch byte for byte under the same sequence.
+            self.stats.duplicates += 1
+            return
         batch = self._decode(seq, payload)
         if self._last_live is not None and seq <= self._last_live:
             self._publisher_restarted(seq)
         self._last_live = seq
+        self._last_live_payload = payload
         if batch is None and self.replay_endpoint is not None:
             # Perhaps garbled on the way: treated as lost, so the next batch (or the quiet-stream
             # probe) reveals the gap and the replay fetches the publisher's copy. A copy that is

@@ -397,6 +397,24 @@ async def test_malformed_messages_are_counted_and_the_next_good_batch_applies(
     assert "(seq 2): malformed KV event #0: Expected `int`, got `str` - at `$.block_size`" in warnings[3]
 
 
+async def test_a_duplicated_live_message_is_dropped_not_taken_for_a_restart(endpoint_factory: Endpoints) -> None:
+    got = Collector()
+    endpoint = endpoint_factory("pub")
+    with raw_publisher(endpoint) as xpub:
+        sub = EventSubscriber(endpoint, got.on_batch, on_reset=got.on_reset)
+        async with running(sub):
+            await wait_subscribed(xpub)
+            good = lambda i, salt=0: [b"", pack_seq(i), encode_batch(make_batch(i, salt=salt))]  # noqa: E731
+            # seq 1 twice byte for byte is a duplicate; a new seq 0 after seq 2 is a restart
+            for frames in [good(0), good(1), good(1), good(2), good(0, salt=9)]:
+                xpub.send_multipart(frames)
+            await got.wait_for(4)
+            await asyncio.sleep(0.05)
+    assert sub.stats.duplicates == 1
+    assert sub.stats.restarts == 1 and len(got.resets) == 1
+    assert got.batches == expected([0, 1, 2]) + expected([0], salt=9)
+
+
 async def test_on_batch_errors_are_logged_and_the_stream_goes_on(endpoint_factory: Endpoints) -> None:
     got = Collector()
 

@@ -397,7 +397,9 @@ async def test_malformed_messages_are_counted_and_the_next_good_batch_applies(
     assert "(seq 2): malformed KV event #0: Expected `int`, got `str` - at `$.block_size`" in warnings[3]
 
 
-async def test_a_duplicated_live_message_is_dropped_not_taken_for_a_restart(endpoint_factory: Endpoints) -> None:
+async def test_a_duplicated_live_message_is_dropped_not_taken_for_a_restart(
+    endpoint_factory: Endpoints,
+) -> None:
     got = Collector()
     endpoint = endpoint_factory("pub")
     with raw_publisher(endpoint) as xpub:

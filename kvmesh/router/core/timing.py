@@ -9,7 +9,7 @@ uncached prompt tokens of requests still in prefill there, plus its own) is pref
 ``k = ceil(X / B)`` engine steps of at most ``B`` tokens (``max_num_batched_tokens``)::
 
     prefill(X) = a * sum(chunk_tokens^2) + b * X + c * k        (the curve engines are fitted with)
-    ttft(X)    = o + prefill(X) + n_decode * d(p)
+    ttft(X)    = o + r + prefill(X) + n_decode * d(p)
 
 ``o`` is the worker's fixed overhead per request: everything between the router's dispatch and the
 first token that is not engine work (HTTP, the engine's own request handling, the streaming of the
@@ -21,7 +21,11 @@ step (``k > 1``); until such prompts come, their sum is what the data fixes and 
 
 Every step that also advances requests already generating runs a decode pass of ``d(p)`` ms (``p``
 the share of KV blocks in use): ``n_decode = k`` when some request decodes there, else 1 (the step
-that emits this request's first token). ``d(p)`` is the prior's decode curve scaled by a factor
+that emits this request's first token). On a worker that is decoding, a request also arrives in the
+middle of a step and starts at the next one: half a decode pass on average (``r = d(p) / 2`` when
+decoding, else 0), since engines admit work only at step boundaries. Without it, joining a busy
+worker looked as cheap as an idle one (only ``d(p)`` grows, ~1.6 ms per conversation's blocks) and
+a 184-token shared system prompt was enough to pile a whole chat fleet onto one engine. ``d(p)`` is the prior's decode curve scaled by a factor
 learned from the gaps between streamed tokens.
 
 Fitting: Bayesian recursive least squares (a Kalman filter for constant coefficients) on
@@ -196,6 +200,8 @@ class TimingModel:
         that joins a step already due pays its tokens, not the step)."""
         if own_tokens <= 0:
             return 0.0
+        if ahead_tokens <= 0:  # no step is due: it adds one
+            return self.prefill_ms(own_tokens)
         return max(self.prefill_ms(ahead_tokens + own_tokens) - self.prefill_ms(ahead_tokens), 0.0)
 
     def decode_ms(self, kv_usage: float) -> float:
@@ -208,7 +214,14 @@ class TimingModel:
         """Predicted ms to first token with ``x_tokens`` of prefill work ahead and including its own."""
         s2, s1, k = features(x_tokens, self.max_batched_tokens)
         a, b, c, o = self.theta
-        return o + a * s2 + b * s1 + c * k + (k if decoding else 1.0) * self.decode_ms(kv_usage)
+        return o + a * s2 + b * s1 + c * k + self._decode_passes_ms(k, decoding, kv_usage)
+
+    def _decode_passes_ms(self, steps: float, decoding: bool, kv_usage: float) -> float:
+        """The decode passes before the first token: the rest of the step in progress (half a pass
+        on average) and one per prefill step on a worker that is decoding; else the one pass that
+        emits the first token."""
+        d = self.decode_ms(kv_usage)
+        return (steps + 0.5) * d if decoding else d
 
     def ms_per_token(self) -> float:
         """Marginal linear prefill cost (ms per token), what recomputing an evicted block costs."""
@@ -222,7 +235,7 @@ class TimingModel:
             return predicted
         s2, s1, k = features(x_tokens, self.max_batched_tokens)
         phi = (s2, s1, k, 1.0)
-        y = ttft_ms - (k if decoding else 1.0) * self.decode_ms(kv_usage)
+        y = ttft_ms - self._decode_passes_ms(k, decoding, kv_usage)
         residual = y - sum(p * t for p, t in zip(phi, self.theta, strict=True))
         limit = CLIP * self.scale_ms
         if abs(residual) > limit:
@@ -335,6 +348,16 @@ class WorkerTiming:
         if w >= 1.0:
             return own
         return w * own + (1.0 - w) * self.fleet.added_prefill_ms(ahead_tokens, own_tokens)
+
+    def decode_ms(self, kv_usage: float) -> float:
+        """One decode pass at ``kv_usage``, as this worker's streamed gaps have shown it."""
+        return self.own.decode_ms(kv_usage)
+
+    def noise_ms(self) -> float:
+        """The spread of its TTFT residuals (standard deviation, ms): predictions closer than
+        this cannot be told apart."""
+        w = self._weight()
+        return MAD_TO_SD * (w * self.own.scale_ms + (1.0 - w) * self.fleet.scale_ms)
 
     def ms_per_token(self) -> float:
         w = self._weight()

@@ -4,6 +4,7 @@ what the router learns from feedback. Decisions are asserted, never wall-clock t
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -57,22 +58,59 @@ def test_latency_is_the_default_and_dynamo_stays_selectable() -> None:
     assert all(s.predicted_ttft_ms is None for s in d.breakdown)
     d = pick(router(), "r", toks(1, 400))
     for s in d.breakdown:  # predicted TTFT + the engine time it adds there + eviction
-        assert s.predicted_ttft_ms is not None and s.work_ms > 0
+        assert s.predicted_ttft_ms is not None and s.work_ms == 0  # nobody arrives there yet
         assert s.cost == pytest.approx(s.predicted_ttft_ms + s.work_ms + s.eviction_ms)
 
 
-def test_the_work_a_request_adds_is_its_marginal_prefill_time() -> None:
-    """Joining prefill work already due adds its tokens, not another step constant: 2k tokens
-    behind 1k queued cost the same engine time as 2k on an idle worker, and the fixed overhead of a
-    request (no engine time) is never part of it."""
+def stream_to(r: KvRouter, worker: str, prompt: Callable[[int], list[int]], n: int, gap_s: float) -> float:
+    """``n`` requests pinned to ``worker`` every ``gap_s``, each 30 ms to its first token and done
+    250 ms after it was sent, fed to the router in time order; returns the time after the last."""
+    events: list[tuple[float, int, int]] = []  # (time, what: 0 route 1 first 2 done, request)
+    for i in range(n):
+        t = i * gap_s
+        events += [(t, 0, i), (t + 0.03, 1, i), (t + 0.25, 2, i)]
+    now = n * gap_s
+    for t, what, i in sorted(e for e in events if e[0] < now):
+        if what == 0:
+            r.route(req(f"{worker}{i}", prompt(i), backend_instance_id=worker), t)
+        elif what == 1:
+            r.first_token(f"{worker}{i}", t)
+        else:
+            r.finished(f"{worker}{i}", t)
+    return now
+
+
+def test_the_delay_to_others_counts_the_requests_arriving_there() -> None:
+    """A worker nobody sends to charges nothing; one with requests streaming in charges what its
+    arrivals will wait for (rate from the requests in flight there over their time there), and a
+    client that waits for each answer before the next makes no arrivals during it."""
     r = router()
-    queue_prefill(r, "a", 1000, seed=70)
-    d = pick(r, "new", toks(3, 2000))
+    now = stream_to(r, "a", lambda i: toks(100 + i, 300), 20, 0.02)
+    d = pick(r, "new", toks(3, 2000), now=now)
     by = {s.worker[0]: s for s in d.breakdown}
-    model = r._timing[("a", 0)]
-    assert by["a"].work_ms == pytest.approx(model.prefill_ms(3000) - model.prefill_ms(1000))
-    assert by["a"].work_ms == pytest.approx(by["b"].work_ms, rel=0.1)  # the quadratic term differs
-    assert by["a"].work_ms < model.prefill_ms(2000)  # no second step constant
+    assert by["b"].work_ms == 0 and by["a"].work_ms > 0
+    assert d.worker == ("b", 0)
+
+    r = router()
+    now = stream_to(r, "a", lambda i: toks(100 + i, 300), 20, 0.5)  # one at a time
+    d = pick(r, "new", toks(3, 2000), now=now)
+    assert all(s.work_ms == 0 for s in d.breakdown)
+
+
+def test_a_hot_prefix_spreads_once_its_worker_takes_traffic_faster_than_the_cache_saves() -> None:
+    """The herding test: one hot prefix, requests arriving on its worker ever faster. At a slow
+    pace the cache wins; once the requests piling up there cost the arrivals more than recomputing
+    the prefix on an idle worker saves, the next one goes to the idle worker."""
+    hot = toks(1, 2800)
+
+    def placed_after(gap_s: float) -> str:
+        r = router()
+        store(r, "a", hot)
+        now = stream_to(r, "a", lambda i: hot + toks(200 + i, 140), 60, gap_s)
+        return pick(r, "next", hot + toks(7, 140), now=now).worker[0]
+
+    assert placed_after(1.0) == "a"
+    assert placed_after(0.005) == "b"
 
 
 def test_the_cached_worker_wins_while_its_cache_saves_more_than_its_queue_costs() -> None:
@@ -237,3 +275,27 @@ def test_siblings_in_flight_count_as_cache_where_they_were_sent() -> None:
 
     assert len(burst("latency")) == 1  # one prefill, three hits
     assert len(burst("dynamo")) == 4  # Dynamo's cost spreads them by load
+
+
+def test_a_decoding_worker_costs_the_rest_of_its_step_but_a_long_history_still_wins() -> None:
+    """A request that joins a worker mid-decode waits for that step to end (half a pass on
+    average); an idle worker starts it at once. A long conversation history cached on the busy
+    worker is still worth that wait."""
+    r = router()
+    busy = r.route(req("busy", toks(2, 800), backend_instance_id="a"), 0.0)
+    assert isinstance(busy, Decision)
+    r.first_token("busy", 0.05)  # a is decoding now, b is idle
+    d = pick(r, "cold", toks(3, 800), now=0.1)
+    assert d.worker == ("b", 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].predicted_ttft_ms is not None and by["b"].predicted_ttft_ms is not None
+    half_pass = 0.5 * r._timing[("a", 0)].own.decode_ms(0.0)
+    assert by["a"].predicted_ttft_ms - by["b"].predicted_ttft_ms >= half_pass
+
+    history = toks(4, 2400)
+    r = router()
+    store(r, "a", history)
+    busy = r.route(req("busy", toks(5, 800), backend_instance_id="a"), 0.0)
+    assert isinstance(busy, Decision)
+    r.first_token("busy", 0.05)
+    assert pick(r, "turn", history + toks(6, 200), now=0.1).worker == ("a", 0)

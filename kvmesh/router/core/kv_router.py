@@ -656,7 +656,9 @@ class KvRouter:
                 ttft, evict = self._latency_cost(
                     key, prefill, dev, n_blocks, decode, weights.prefill_load_scale
                 )
-                work = self._delay_to_arrivals_ms(key, active, prefill - active, decode - new, decode, req.osl)
+                work = self._delay_to_arrivals_ms(
+                    key, active, prefill - active, decode - new, decode, req.osl
+                )
                 c = ttft + work + evict
                 scores.append(
                     CandidateScore(

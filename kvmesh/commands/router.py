@@ -7,12 +7,21 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvmesh.commands.argtypes import positive_float
     from kvmesh.router.core.config import RouterConfig
     from kvmesh.router.mesh.settings import add_arguments as add_mesh_arguments
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on [8000]")
     parser.add_argument("--log-level", default="info", help="uvicorn log level [info]")
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=positive_float,
+        default=75.0,
+        help="seconds an idle client connection stays open [75]. Keep it above the idle timeout of "
+        "whatever sends to the router (client pools, load balancers): when the router closes "
+        "first, a request sent on the closing connection fails with 'server disconnected'",
+    )
     add_mesh_arguments(parser)
     RouterConfig.add_arguments(parser)
 
@@ -43,5 +52,12 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_keep_alive=args.timeout_keep_alive,
+    )
     return 0

@@ -147,3 +147,34 @@ async def test_kvmesh_router_command(http: aiohttp.ClientSession) -> None:
         finally:
             proc.terminate()
             await proc.wait()
+
+
+async def test_kvmesh_router_closes_idle_client_connections_after_timeout_keep_alive() -> None:
+    async with run_mock(block_size=16, speedup=50.0) as mock:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvmesh", "router", "--workers", mock.base_url, "--port", str(port),
+            "--timeout-keep-alive", "0.5", "--log-level", "warning",
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            for _ in range(300):
+                with contextlib.suppress(OSError):
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    break
+                await asyncio.sleep(0.05)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200")
+            length = int(
+                next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))[15:]
+            )
+            await reader.readexactly(length)
+            # idle past the timeout: the router closes the connection (EOF), it does not hang on
+            assert await asyncio.wait_for(reader.read(1), 10) == b""
+            writer.close()
+        finally:
+            proc.terminate()
+            await proc.wait()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
@@ -76,6 +78,11 @@ _LEN_OFFSET = (0, _CHUNK_BASE, _CHUNK_BASE + (1 << _LEN_SHIFT), _CHUNK_BASE + (2
 # alternatives cover every character, so the pieces concatenate back to the text.
 _PIECE = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+")
 _PIECE_CACHE_LIMIT = 1 << 16
+_TURN_CACHE_TOKENS = 1 << 20
+"""Tokens of rendered turns kept (8 MB as int64 arrays, plus their texts): a multi-turn
+conversation's earlier turns are encoded once, not once per turn."""
+_TURN_CACHE_MIN_CHARS = 256
+"""Shorter turns are encoded directly: cheaper than keeping them."""
 
 
 class BuiltinTokenizer:
@@ -96,6 +103,11 @@ class BuiltinTokenizer:
     def __init__(self) -> None:
         # Prompts repeat their words; caching a piece's ids roughly halves encoding time.
         self._piece_cache: dict[str, tuple[int, ...]] = {}
+        # Each turn encodes on its own (the template never merges tokens across turns), so a
+        # conversation's next request re-encodes only its new turns. (The router tokenizes on its
+        # event loop thread; this cache is not for sharing across threads.)
+        self._turns: OrderedDict[str, array[int]] = OrderedDict()
+        self._turn_tokens = 0
 
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
@@ -148,9 +160,27 @@ class BuiltinTokenizer:
 
     def _turn(self, out: list[int], role: str, text: str) -> None:
         out.append(IM_START)
-        out += self.encode(f"{role}\n{text}")
+        out += self._encode_turn(f"{role}\n{text}")
         out.append(IM_END)
         out += self.encode("\n")
+
+    def _encode_turn(self, text: str) -> Sequence[int]:
+        if len(text) < _TURN_CACHE_MIN_CHARS:
+            return self.encode(text)
+        turns = self._turns
+        ids = turns.get(text)
+        if ids is not None:
+            turns.move_to_end(text)
+            return ids
+        ids = array("q", self.encode(text))
+        if len(ids) > _TURN_CACHE_TOKENS // 4:  # one huge turn would flush everything else
+            return ids
+        turns[text] = ids
+        self._turn_tokens += len(ids)
+        while self._turn_tokens > _TURN_CACHE_TOKENS:
+            _, old = turns.popitem(last=False)
+            self._turn_tokens -= len(old)
+        return ids
 
 
 def _encode_piece(piece: str) -> tuple[int, ...]:

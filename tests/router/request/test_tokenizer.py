@@ -167,3 +167,23 @@ def test_hf_tokenizer_names_the_extra_when_transformers_is_missing(monkeypatch: 
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"pip install 'kvmesh\[hf\]'"):
         HfTokenizer("/nonexistent")
+
+
+def test_a_conversation_encodes_the_same_when_its_earlier_turns_come_from_the_turn_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvmesh.router.request.tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "_TURN_CACHE_TOKENS", 4000)  # small: evictions happen
+    long_turn = "a tool returned these rows: " + " ".join(f"row{i}=é{i * 7}" for i in range(300))
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are terse. " * 30}]
+    tok = BuiltinTokenizer()
+    for turn in range(12):
+        messages += [
+            {"role": "user", "content": f"turn {turn}: {long_turn}"},
+            {"role": "assistant", "content": f"answer {turn} " * 40},
+        ]
+        cached = tok.apply_chat_template(messages)
+        assert cached == BuiltinTokenizer().apply_chat_template(messages)
+        assert type(cached) is list
+    assert 0 < tok._turn_tokens <= 4000  # bounded: the oldest turns were dropped

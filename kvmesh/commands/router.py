@@ -18,9 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout-keep-alive",
         type=positive_float,
         default=75.0,
-        help="seconds an idle client connection stays open [75]. Keep it above the idle timeout of "
+        help="seconds an idle client connection stays open; keep it above the idle timeout of "
         "whatever sends to the router (client pools, load balancers): when the router closes "
-        "first, a request sent on the closing connection fails with 'server disconnected'",
+        "first, a request sent on the closing connection fails with 'server disconnected' [75]",
     )
     add_mesh_arguments(parser)
     RouterConfig.add_arguments(parser)

@@ -7,6 +7,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -116,65 +117,66 @@ async def test_session_control_and_cache_control_reach_the_engine(http: aiohttp.
             assert mock.engine.retention.num_retained > 0
 
 
+@contextlib.asynccontextmanager
+async def router_process(worker_url: str, *flags: str) -> AsyncIterator[int]:
+    """``kvmesh router --workers worker_url *flags`` as its own process; yields its port once it
+    accepts connections."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvmesh", "router", "--workers", worker_url, "--port", str(port),
+        "--log-level", "warning", *flags,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        for _ in range(300):
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                break
+            await asyncio.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
 async def test_kvmesh_router_command(http: aiohttp.ClientSession) -> None:
-    async with run_mock(block_size=16, speedup=50.0) as mock:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvmesh", "router", "--workers", mock.base_url, "--port", str(port),
-            "--router-temperature", "0", "--log-level", "warning",
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        try:
-            url = f"http://127.0.0.1:{port}"
-            for _ in range(300):
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with http.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                await asyncio.sleep(0.05)
-            async with http.get(url + "/v1/models") as r:
-                assert [m["id"] for m in (await r.json())["data"]] == [mock.config.model]
-            body = {
-                "model": mock.config.model,
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 2,
-            }
-            async with http.post(url + "/v1/chat/completions", json=body) as r:
-                assert r.status == 200
-                assert r.headers["x-kvmesh-worker-id"] == mock.base_url
-        finally:
-            proc.terminate()
-            await proc.wait()
+    async with (
+        run_mock(block_size=16, speedup=50.0) as mock,
+        router_process(mock.base_url, "--router-temperature", "0") as port,
+    ):
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(url + "/health") as r:
+                    if r.status == 200:
+                        break
+            await asyncio.sleep(0.05)
+        async with http.get(url + "/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == [mock.config.model]
+        body = {
+            "model": mock.config.model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+        }
+        async with http.post(url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["x-kvmesh-worker-id"] == mock.base_url
 
 
 async def test_kvmesh_router_closes_idle_client_connections_after_timeout_keep_alive() -> None:
-    async with run_mock(block_size=16, speedup=50.0) as mock:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvmesh", "router", "--workers", mock.base_url, "--port", str(port),
-            "--timeout-keep-alive", "0.5", "--log-level", "warning",
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        try:
-            for _ in range(300):
-                with contextlib.suppress(OSError):
-                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                    break
-                await asyncio.sleep(0.05)
-            writer.write(b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n")
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            assert head.startswith(b"HTTP/1.1 200")
-            length = int(
-                next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))[15:]
-            )
-            await reader.readexactly(length)
-            # idle past the timeout: the router closes the connection (EOF), it does not hang on
-            assert await asyncio.wait_for(reader.read(1), 10) == b""
-            writer.close()
-        finally:
-            proc.terminate()
-            await proc.wait()
+    async with (
+        run_mock(block_size=16, speedup=50.0) as mock,
+        router_process(mock.base_url, "--timeout-keep-alive", "0.5") as port,
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200")
+        length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))[15:])
+        await reader.readexactly(length)
+        # idle past the timeout: the router closes the connection (EOF), it does not hang on
+        assert await asyncio.wait_for(reader.read(1), 10) == b""
+        writer.close()

@@ -110,8 +110,8 @@ class CandidateScore:
     """The latency cost's price for live cache this request would evict there."""
     work_ms: float = 0.0
     """The latency cost's delay to others: the time to first token this request would take from
-    the requests arriving on this worker while it is there, at the worker's measured arrival rate
-    (half its prefill for those arriving during it; one and a half longer decode passes for those
+    the requests arriving on this worker while it is there, at the rate the requests in flight there
+    imply (Little's law; half its prefill for those arriving during it; one and a half longer decode passes for those
     arriving during its decode). Replaced a flat "its prefill time, as if one request waited
     behind it", which made a worker already taking most of a hot prefix's traffic look as cheap as
     an idle one and piled the prefix onto it (all 376 hot-prefix requests on one of 8 engines,
@@ -754,9 +754,11 @@ class KvRouter:
         """The time to first token this request takes from the requests that will arrive on ``key``
         while it is there.
 
-        How many arrive: by Little's law, the requests in flight there over their mean time there
-        (``n / W``, the worker's arrival rate, measured from what the router holds now, so a
-        client that waits for each answer before sending the next makes no arrivals during it).
+        How many arrive: by Little's law, the requests in flight there over the time a request
+        stays (``n / W``; ``W`` is the learned first-token-to-finish time there, most of a
+        request's stay), counted from what the router holds now, so a client that waits for each
+        answer before sending the next makes no arrivals during it. Its decode lasts ``osl``
+        passes when the client gave ``agent_hints.osl``, else ``W``.
         Its prefill adds ``S`` ms of engine time: the ``rate * S`` requests arriving meanwhile wait
         half of it on average. Its blocks raise the worker's KV usage for its whole decode, which
         lengthens every decode pass there: each request arriving during that time waits for one and

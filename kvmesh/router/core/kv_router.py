@@ -108,7 +108,7 @@ class CandidateScore:
     """The latency cost's predicted time to first token (None with Dynamo's cost)."""
     eviction_ms: float = 0.0
     """The latency cost's price for live cache this request would evict there."""
-    work_ms: float = 0.0
+    delay_to_others_ms: float = 0.0
     """The latency cost's delay to others: the time to first token this request would take from
     the requests arriving on this worker while it is there, at the rate the requests in flight there
     imply (Little's law; half its prefill for those arriving during it; one and a half longer decode passes for those
@@ -656,13 +656,13 @@ class KvRouter:
                 ttft, evict = self._latency_cost(
                     key, prefill, dev, n_blocks, decode, weights.prefill_load_scale
                 )
-                work = self._delay_to_arrivals_ms(
+                delay = self._delay_to_arrivals_ms(
                     key, active, prefill - active, decode - new, decode, req.osl
                 )
-                c = ttft + work + evict
+                c = ttft + delay + evict
                 scores.append(
                     CandidateScore(
-                        key, dev, host, disk, prefill, prefill / bs, decode, c, False, ttft, evict, work
+                        key, dev, host, disk, prefill, prefill / bs, decode, c, False, ttft, evict, delay
                     )
                 )
             else:
@@ -778,8 +778,9 @@ class KvRouter:
         total = max(self._workers[key[0]].total_blocks, 1)
         before = min(blocks_before / total, 1.0)
         after = min(blocks_after / total, 1.0)
-        longer_pass = max(timing.decode_ms(after) - timing.decode_ms(before), 0.0)
-        decode_s = osl * timing.decode_ms(after) / 1000.0 if osl is not None and osl > 0 else stay_s
+        pass_after = timing.decode_ms(after)
+        longer_pass = max(pass_after - timing.decode_ms(before), 0.0)
+        decode_s = osl * pass_after / 1000.0 if osl is not None and osl > 0 else stay_s
         return rate * (prefill / 1000.0) * prefill / 2.0 + rate * decode_s * 1.5 * longer_pass
 
     def _memory_wait_ms(self, key: WorkerKey, decode_blocks: float, total_blocks: int) -> float:

@@ -58,8 +58,8 @@ def test_latency_is_the_default_and_dynamo_stays_selectable() -> None:
     assert all(s.predicted_ttft_ms is None for s in d.breakdown)
     d = pick(router(), "r", toks(1, 400))
     for s in d.breakdown:  # predicted TTFT + the engine time it adds there + eviction
-        assert s.predicted_ttft_ms is not None and s.work_ms == 0  # nobody arrives there yet
-        assert s.cost == pytest.approx(s.predicted_ttft_ms + s.work_ms + s.eviction_ms)
+        assert s.predicted_ttft_ms is not None and s.delay_to_others_ms == 0  # nobody arrives there yet
+        assert s.cost == pytest.approx(s.predicted_ttft_ms + s.delay_to_others_ms + s.eviction_ms)
 
 
 def stream_to(r: KvRouter, worker: str, prompt: Callable[[int], list[int]], n: int, gap_s: float) -> float:
@@ -88,13 +88,13 @@ def test_the_delay_to_others_counts_the_requests_arriving_there() -> None:
     now = stream_to(r, "a", lambda i: toks(100 + i, 300), 20, 0.02)
     d = pick(r, "new", toks(3, 2000), now=now)
     by = {s.worker[0]: s for s in d.breakdown}
-    assert by["b"].work_ms == 0 and by["a"].work_ms > 0
+    assert by["b"].delay_to_others_ms == 0 and by["a"].delay_to_others_ms > 0
     assert d.worker == ("b", 0)
 
     r = router()
     now = stream_to(r, "a", lambda i: toks(100 + i, 300), 20, 0.5)  # one at a time
     d = pick(r, "new", toks(3, 2000), now=now)
-    assert all(s.work_ms == 0 for s in d.breakdown)
+    assert all(s.delay_to_others_ms == 0 for s in d.breakdown)
 
 
 def test_a_hot_prefix_spreads_once_its_worker_takes_traffic_faster_than_the_cache_saves() -> None:

@@ -144,6 +144,7 @@ class TwoStage:
             else:
                 decode_parsed, background = self._bootstrap(worker, prefill)
             self.account.prefill_worker = prefill.worker
+            self.request.prefilled_elsewhere = True
         except PrefillFailed as e:
             mesh.router.cancel(prefill_request.request_id, time.monotonic())
             metrics.disagg_stages.labels("prefill", "fallback").inc()

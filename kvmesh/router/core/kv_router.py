@@ -83,6 +83,10 @@ class RouteRequest:
     """Restrict candidates (e.g. healthy workers only); None means every registered worker."""
     client: str | None = None
     """Who sent it (the client address): the owner of a session it opens, for the per-client limit."""
+    prefilled_elsewhere: bool = False
+    """The decode stage of a disaggregated request: another worker computes its prompt and the KV
+    arrives by transfer, so a candidate adds no prefill work for it; its load decides, and among
+    equally loaded candidates the one holding most of the prompt (the least KV to move)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -628,6 +632,7 @@ class KvRouter:
         costs: list[float] = []
         trees: list[int] = []
         own_tokens: list[float] = []
+        moved: list[float] = []
         n_blocks = len(req.local_hashes)
         isl = req.isl_tokens
         latency = self._latency
@@ -651,6 +656,9 @@ class KvRouter:
                     host = max(host - (in_flight - dev), 0)
                     dev = in_flight
             prefill = selector.projected_prefill_tokens(active, isl, dev, host, disk, bs, weights)
+            if req.prefilled_elsewhere:
+                moved.append(prefill - active)
+                prefill = active
             decode = load.decode_blocks(key) + new
             if latency:
                 ttft, evict = self._latency_cost(
@@ -671,7 +679,9 @@ class KvRouter:
             costs.append(c)
             trees.append(index.block_count(key))
             own_tokens.append(prefill - active)
-        if latency and self.config.router_temperature == 0:
+        if req.prefilled_elsewhere and self.config.router_temperature == 0:
+            i = self._pick_least_loaded(candidates, moved, costs, trees)
+        elif latency and self.config.router_temperature == 0:
             i = self._pick_saving_work(candidates, own_tokens, costs, trees)
         else:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
@@ -699,6 +709,21 @@ class KvRouter:
         near = [i for i, w in zip(near, own, strict=True) if w <= least]
         j = selector.pick([costs[i] for i in near], [trees[i] for i in near], 0.0, self._rng)
         return near[j]
+
+    def _pick_least_loaded(
+        self,
+        candidates: Sequence[WorkerKey],
+        moved_tokens: Sequence[float],
+        costs: Sequence[float],
+        trees: Sequence[int],
+    ) -> int:
+        """A decode stage: fewest requests in flight, then the least KV to move there, then cost.
+        Its cost differs between candidates by little more than the decode passes' growth with KV
+        usage, which a model that has not learned the fleet yet cannot tell from noise, so the
+        requests the router holds there decide."""
+        load = self._load
+        keys = [(load.requests(k), moved_tokens[i], costs[i], trees[i]) for i, k in enumerate(candidates)]
+        return min(range(len(candidates)), key=keys.__getitem__)
 
     def _latency_cost(
         self,

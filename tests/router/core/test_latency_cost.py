@@ -299,3 +299,25 @@ def test_a_decoding_worker_costs_the_rest_of_its_step_but_a_long_history_still_w
     assert isinstance(busy, Decision)
     r.first_token("busy", 0.05)
     assert pick(r, "turn", history + toks(6, 200), now=0.1).worker == ("a", 0)
+
+
+@pytest.mark.parametrize("model", ["latency", "dynamo"])
+def test_a_decode_stage_goes_to_the_least_loaded_worker_then_the_one_holding_the_prompt(model: str) -> None:
+    """Prefilled elsewhere, a request adds no prefill on its decode worker: a sibling in flight
+    there does not draw it (as it would an aggregated request), the requests in flight do; among
+    equally loaded workers, the one already holding the prompt needs the least KV moved."""
+    prompt = toks(9, 640)
+    r = router("ab", router_cost_model=model)
+    first = r.route(req("d0", prompt, prefilled_elsewhere=True), 0.0)
+    assert isinstance(first, Decision)
+    second = r.route(req("d1", prompt, prefilled_elsewhere=True), 0.0)
+    assert isinstance(second, Decision) and second.worker != first.worker
+    r = router("ab", router_cost_model=model)
+    store(r, "b", prompt)
+    assert [pick_stage(r, f"e{i}", prompt).worker[0] for i in range(4)] == ["b", "a", "b", "a"]
+
+
+def pick_stage(r: KvRouter, rid: str, tokens: list[int]) -> Decision:
+    d = r.route(req(rid, tokens, prefilled_elsewhere=True), 0.0)
+    assert isinstance(d, Decision), d
+    return d

@@ -112,6 +112,8 @@ class CandidateScore:
     """The latency cost's predicted time to first token (None with Dynamo's cost)."""
     eviction_ms: float = 0.0
     """The latency cost's price for live cache this request would evict there."""
+    step_wait_ms: float = 0.0
+    """The latency cost's wait for the prefill step running there (see ``step_in_progress``)."""
     delay_to_others_ms: float = 0.0
     """The latency cost's delay to others: the time to first token this request would take from
     the requests arriving on this worker while it is there, at the rate the requests in flight there
@@ -250,7 +252,7 @@ class _Obs:
     worker: WorkerKey
     dispatched: float
     ahead: float
-    """Prefill tokens ahead of it on the worker at dispatch (the decayed view)."""
+    """Prefill tokens queued on the worker at dispatch for the step it joins (``step_in_progress``)."""
     uncached: int
     """Its own uncached tokens as predicted at dispatch (replaced by the engine's report)."""
     isl: int
@@ -258,6 +260,8 @@ class _Obs:
     kv_usage: float
     predicted_ms: float
     memory_wait_ms: float = 0.0
+    step_wait_ms: float = 0.0
+    """What was left of the prefill step running there at dispatch (the model's own estimate)."""
     ttft: float | None = None
     last_token: float | None = None
     cached: int | None = None
@@ -641,7 +645,12 @@ class KvRouter:
             dev = depths.device
             host = depths.host - dev
             disk = depths.disk - depths.host
-            active = load.prefill_tokens_at(key, now) if latency or self._aic else load.prefill_tokens(key)
+            wait_ms = 0.0
+            if latency:  # the step running there cannot be joined; what is queued behind it can
+                wait_s, queued = load.step_in_progress(key, now)
+                wait_ms, active = 1000.0 * wait_s, float(queued)
+            else:
+                active = load.prefill_tokens_at(key, now) if self._aic else load.prefill_tokens(key)
             if prompt is not None:
                 new = load.new_blocks(key, prompt, isl)
             elif self.config.router_track_active_blocks:
@@ -662,7 +671,7 @@ class KvRouter:
             decode = load.decode_blocks(key) + new
             if latency:
                 ttft, evict = self._latency_cost(
-                    key, prefill, dev, n_blocks, decode, weights.prefill_load_scale
+                    key, prefill, dev, n_blocks, decode, weights.prefill_load_scale, wait_ms
                 )
                 delay = self._delay_to_arrivals_ms(
                     key, active, prefill - active, decode - new, decode, req.osl
@@ -670,7 +679,19 @@ class KvRouter:
                 c = ttft + delay + evict
                 scores.append(
                     CandidateScore(
-                        key, dev, host, disk, prefill, prefill / bs, decode, c, False, ttft, evict, delay
+                        key,
+                        dev,
+                        host,
+                        disk,
+                        prefill,
+                        prefill / bs,
+                        decode,
+                        c,
+                        False,
+                        ttft,
+                        evict,
+                        wait_ms,
+                        delay,
                     )
                 )
             else:
@@ -733,11 +754,13 @@ class KvRouter:
         n_blocks: int,
         decode_blocks: float,
         prefill_weight: float,
+        wait_ms: float = 0.0,
     ) -> tuple[float, float]:
         """(predicted ms to first token on ``key``, ms of future prefill its evictions would cost).
 
-        ``prefill_tokens`` is the work there once this request is added (the decayed queue plus its
-        credited uncached tokens). Memory: when the blocks of the requests in flight there
+        ``prefill_tokens`` is the work there once this request is added (what is queued for the
+        next step plus its credited uncached tokens), ``wait_ms`` what is left of the step running
+        there. Memory: when the blocks of the requests in flight there
         (``decode_blocks``, this one included) exceed the worker's KV blocks, the engine holds the
         request until that share of them has finished, about that share of a request's decode
         time. Eviction: the blocks it adds beyond the worker's free blocks push out
@@ -753,10 +776,11 @@ class KvRouter:
         usage = min(load.decode_blocks(key) / total, 1.0)
         decoding = load.decoding(key) > 0
         if prefill_weight == 1.0:
-            ttft = model.ttft_ms(prefill_tokens, decoding, usage)
+            ttft = model.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
         else:  # --router-prefill-load-scale weighs the prefill part against the decode passes
-            decode_part = model.ttft_ms(prefill_tokens, decoding, usage) - model.prefill_ms(prefill_tokens)
-            ttft = prefill_weight * model.prefill_ms(prefill_tokens) + decode_part
+            whole = model.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
+            prefill_part = wait_ms + model.prefill_ms(prefill_tokens)
+            ttft = prefill_weight * prefill_part + whole - prefill_part
         ttft += self._memory_wait_ms(key, decode_blocks, total)
         reuse = self._reuse_fleet
         if not reuse:
@@ -823,8 +847,10 @@ class KvRouter:
         now: float,
         prompt: PromptBlocks | None,
     ) -> Decision:
+        # the queue as this request finds it, before it joins: what it waits for, what it batches with
+        view = self._load.step_in_progress(worker, now)
         self._commit(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, now, req.osl, prompt)
-        self._start_observation(req, worker, overlap, breakdown, now)
+        self._start_observation(req, worker, overlap, breakdown, now, view)
         if self.observer is not None:
             self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
         if req.session_id is not None and req.session_action in ("open", "bind"):
@@ -894,23 +920,25 @@ class KvRouter:
         overlap: int,
         breakdown: tuple[CandidateScore, ...],
         now: float,
+        view: tuple[float, int],
     ) -> None:
+        """``view``: the worker's ``step_in_progress`` before this request joined it."""
         model = self._timing.get(worker)
         if model is None:
             return
         load = self._load
         uncached = max(req.isl_tokens - overlap * (self._block_size or 1), 0)
-        # the load view right after commit: this request is the newest prefill on the worker
-        ahead = max(load.prefill_tokens_at(worker, now) - uncached, 0.0)
+        step_wait_ms, ahead = 1000.0 * view[0], float(view[1])
+        # the load after commit: this request's blocks are in
         total = max(self._workers[worker[0]].total_blocks, 1)
         usage = min(load.decode_blocks(worker) / total, 1.0)
         decoding = load.decoding(worker) > 0
         predicted = next((s.predicted_ttft_ms for s in breakdown if s.worker == worker), None)
         if predicted is None:
-            predicted = model.ttft_ms(ahead + uncached, decoding, usage)
+            predicted = model.ttft_ms(ahead + uncached, decoding, usage, step_wait_ms)
         wait = self._memory_wait_ms(worker, load.decode_blocks(worker), total)
         self._obs[req.request_id] = _Obs(
-            worker, now, ahead, uncached, req.isl_tokens, decoding, usage, predicted, wait
+            worker, now, ahead, uncached, req.isl_tokens, decoding, usage, predicted, wait, step_wait_ms
         )
 
     def _commit(
@@ -996,7 +1024,11 @@ class KvRouter:
             self._decode_fleet += _REUSE_ALPHA * (decode_s - self._decode_fleet)
         if obs.memory_wait_ms < 1000.0 * obs.ttft:
             model.observe_ttft(
-                obs.ahead + uncached, obs.decoding, obs.kv_usage, 1000.0 * obs.ttft - obs.memory_wait_ms
+                obs.ahead + uncached,
+                obs.decoding,
+                obs.kv_usage,
+                1000.0 * obs.ttft - obs.memory_wait_ms,
+                obs.step_wait_ms,
             )
         return TimingSample(obs.worker, obs.predicted_ms / 1000.0, obs.ttft)
 

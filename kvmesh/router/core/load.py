@@ -182,6 +182,22 @@ class ActiveSequences:
             return w.prefill_tokens - anchor.prefill * done
         return float(w.prefill_tokens)
 
+    def step_in_progress(self, worker: WorkerKey, now: float) -> tuple[float, int]:
+        """``(seconds left, tokens queued behind it)``: the oldest request in prefill is taken to be
+        in the engine step running now, which nothing can join (engines admit work at step
+        boundaries); what is left of it is its predicted duration less the time since it became
+        the oldest. The other requests in prefill wait for the next step, which a request sent now
+        joins. ``(0, all prefill tokens)`` when the oldest has no predicted duration (the caller
+        then sees every prefill token as joinable, as before)."""
+        w = self._workers.get(worker)
+        if w is None or not w.in_prefill:
+            return 0.0, 0
+        anchor = next(iter(w.in_prefill.values()))
+        if anchor.expected <= 0:
+            return 0.0, w.prefill_tokens
+        left = max(w.anchor_since + anchor.expected - now, 0.0)
+        return left, w.prefill_tokens - anchor.prefill
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
 

@@ -4,12 +4,18 @@ Why: Dynamo's cost adds prefill blocks and decode blocks 1:1, but one uncached p
 far more engine time than one block held in decode, and the right exchange rate depends on the
 model, the hardware and the traffic. Predicting time directly needs no exchange rate.
 
-The model (milliseconds). A request that finds ``X`` tokens of prefill work on a worker (the
-uncached prompt tokens of requests still in prefill there, plus its own) is prefilled in
+The model (milliseconds). A request that finds ``X`` tokens of prefill work waiting on a worker (the
+uncached prompt tokens of requests queued there for the next step, plus its own) is prefilled in
 ``k = ceil(X / B)`` engine steps of at most ``B`` tokens (``max_num_batched_tokens``)::
 
     prefill(X) = a * sum(chunk_tokens^2) + b * X + c * k        (the curve engines are fitted with)
-    ttft(X)    = o + r + prefill(X) + n_decode * d(p)
+    ttft(X)    = o + w + r + prefill(X) + n_decode * d(p)
+
+``w`` is what is left of a prefill step already running there (the caller's estimate, from the
+predicted prefill time of the oldest request in prefill and when it started): engines admit work at
+step boundaries, so a request cannot join that step and waits for it whole. Without it, a request
+arriving just after another one's long prefill had started was predicted to share its step, and a
+worker busy with a 1.6k-token prefill cost the same as an idle one.
 
 ``o`` is the worker's fixed overhead per request: everything between the router's dispatch and the
 first token that is not engine work (HTTP, the engine's own request handling, the streaming of the
@@ -23,7 +29,8 @@ Every step that also advances requests already generating runs a decode pass of 
 the share of KV blocks in use): ``n_decode = k`` when some request decodes there, else 1 (the step
 that emits this request's first token). On a worker that is decoding, a request also arrives in the
 middle of a step and starts at the next one: half a decode pass on average (``r = d(p) / 2`` when
-decoding, else 0), since engines admit work only at step boundaries. Without it, joining a busy
+decoding, else 0; a whole pass when it waits for a running prefill step, which ends with one),
+since engines admit work only at step boundaries. Without it, joining a busy
 worker looked as cheap as an idle one (only ``d(p)`` grows, ~1.6 ms per conversation's blocks) and
 a 184-token shared system prompt was enough to pile a whole chat fleet onto one engine. ``d(p)`` is the prior's decode curve scaled by a factor
 learned from the gaps between streamed tokens.
@@ -210,32 +217,37 @@ class TimingModel:
     def overhead_ms(self) -> float:
         return self.theta[3]
 
-    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float) -> float:
-        """Predicted ms to first token with ``x_tokens`` of prefill work ahead and including its own."""
+    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
+        """Predicted ms to first token with ``x_tokens`` of prefill work queued, its own included,
+        behind ``wait_ms`` left of a prefill step already running."""
         s2, s1, k = features(x_tokens, self.max_batched_tokens)
         a, b, c, o = self.theta
-        return o + a * s2 + b * s1 + c * k + self._decode_passes_ms(k, decoding, kv_usage)
+        return o + wait_ms + a * s2 + b * s1 + c * k + self._decode_passes_ms(k, decoding, kv_usage, wait_ms)
 
-    def _decode_passes_ms(self, steps: float, decoding: bool, kv_usage: float) -> float:
+    def _decode_passes_ms(self, steps: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
         """The decode passes before the first token: the rest of the step in progress (half a pass
-        on average) and one per prefill step on a worker that is decoding; else the one pass that
-        emits the first token."""
+        on average, all of it behind a running prefill step) and one per prefill step on a worker
+        that is decoding; else the one pass that emits the first token."""
         d = self.decode_ms(kv_usage)
-        return (steps + 0.5) * d if decoding else d
+        if not decoding:
+            return d
+        return (steps + (1.0 if wait_ms > 0 else 0.5)) * d
 
     def ms_per_token(self) -> float:
         """Marginal linear prefill cost (ms per token), what recomputing an evicted block costs."""
         return self.theta[1] / KTOK
 
     # ------------------------------------------------------------------ learning
-    def observe_ttft(self, x_tokens: float, decoding: bool, kv_usage: float, ttft_ms: float) -> float:
+    def observe_ttft(
+        self, x_tokens: float, decoding: bool, kv_usage: float, ttft_ms: float, wait_ms: float = 0.0
+    ) -> float:
         """Learn from one request; returns the prediction it made (before the update)."""
-        predicted = self.ttft_ms(x_tokens, decoding, kv_usage)
+        predicted = self.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
         if not (ttft_ms > 0 and math.isfinite(ttft_ms)):
             return predicted
         s2, s1, k = features(x_tokens, self.max_batched_tokens)
         phi = (s2, s1, k, 1.0)
-        y = ttft_ms - self._decode_passes_ms(k, decoding, kv_usage)
+        y = ttft_ms - wait_ms - self._decode_passes_ms(k, decoding, kv_usage, wait_ms)
         residual = y - sum(p * t for p, t in zip(phi, self.theta, strict=True))
         limit = CLIP * self.scale_ms
         if abs(residual) > limit:
@@ -328,12 +340,12 @@ class WorkerTiming:
         n = self.own.observations
         return n / (n + SHRINK)
 
-    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float) -> float:
+    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
         w = self._weight()
-        own = self.own.ttft_ms(x_tokens, decoding, kv_usage)
+        own = self.own.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
         if w >= 1.0:
             return own
-        return w * own + (1.0 - w) * self.fleet.ttft_ms(x_tokens, decoding, kv_usage)
+        return w * own + (1.0 - w) * self.fleet.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
 
     def prefill_ms(self, x_tokens: float) -> float:
         w = self._weight()
@@ -363,10 +375,12 @@ class WorkerTiming:
         w = self._weight()
         return w * self.own.ms_per_token() + (1.0 - w) * self.fleet.ms_per_token()
 
-    def observe_ttft(self, x_tokens: float, decoding: bool, kv_usage: float, ttft_ms: float) -> None:
-        self.own.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms)
+    def observe_ttft(
+        self, x_tokens: float, decoding: bool, kv_usage: float, ttft_ms: float, wait_ms: float = 0.0
+    ) -> None:
+        self.own.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms, wait_ms)
         if not self.profiled:
-            self.fleet.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms)
+            self.fleet.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms, wait_ms)
 
     def observe_itl(self, gap_ms: float, kv_usage: float) -> None:
         self.own.observe_itl(gap_ms, kv_usage)

@@ -214,7 +214,7 @@ def test_a_worker_reported_slow_loses_the_traffic_its_cache_would_attract() -> N
 
 
 def test_aic_decays_the_oldest_active_prefill_over_its_predicted_duration() -> None:
-    for cost in ("dynamo", "latency"):
+    for cost in ("dynamo",):
         r = router(router_cost_model=cost, router_prefill_load_model="aic")
         queue_prefill(r, "a", 1000, seed=1)
         queue_prefill(r, "a", 500, seed=2)
@@ -235,6 +235,52 @@ def test_aic_decays_the_oldest_active_prefill_over_its_predicted_duration() -> N
     queue_prefill(r, "a", 1000, seed=1)
     d = pick(r, "late", toks(99, 32), 60.0)
     assert {s.worker[0]: s for s in d.breakdown}["a"].prefill_tokens == 1032
+
+
+def _prefill_ms(x: float) -> float:
+    c2, c1, c0 = MOCKER_PRIOR.prefill_ms
+    return c2 * x * x + c1 * x + c0
+
+
+def test_the_step_in_progress_is_waited_for_and_the_queue_behind_it_is_joined() -> None:
+    """The latency cost's view of the same queue: the oldest prefill is the step running now, which
+    a new request waits out (its predicted time less what has passed); the younger one is queued
+    for the next step, which the new request joins (its tokens count in the same steps)."""
+    r = router()
+    queue_prefill(r, "a", 1000, seed=1)
+    queue_prefill(r, "a", 500, seed=2)
+    first, second = _prefill_ms(1000), _prefill_ms(500)
+
+    def view(now: float, rid: str) -> tuple[float, float]:
+        d = pick(r, rid, toks(99, 32), now)
+        r.cancel(rid, now)
+        a = {s.worker[0]: s for s in d.breakdown}["a"]
+        return a.step_wait_ms, a.prefill_tokens - 32
+
+    assert view(0.0, "t0") == (pytest.approx(first), pytest.approx(500))
+    assert view(first / 2000, "t1") == (pytest.approx(first / 2), pytest.approx(500))
+    assert view(first * 3 / 1000, "t2") == (0.0, pytest.approx(500))  # overdue: nothing left to wait
+    r.first_token("q1", first * 3 / 1000)  # the oldest is done: the younger one runs now
+    assert view(first * 3 / 1000, "t3") == (pytest.approx(second), 0.0)
+
+
+def test_a_request_arriving_during_a_long_prefill_goes_to_an_idle_worker_holding_nothing() -> None:
+    """Both hold nothing of the prompt; a has just started a 1.6k-token prefill, b is idle. Joining
+    a would mean waiting out that step, then running its own: b prefills it sooner. Once a's step
+    is over (its first token seen), a is idle again and holds the context: a wins."""
+    r = router()
+    context = toks(7, 1600)
+    d = r.route(req("first", context + toks(8, 16), backend_instance_id="a"), 0.0)
+    assert isinstance(d, Decision)
+    sibling = pick(r, "sibling", toks(9, 1600) + toks(10, 16), now=0.002)
+    by = {s.worker[0]: s for s in sibling.breakdown}
+    assert by["a"].step_wait_ms > 30.0 and by["b"].step_wait_ms == 0.0
+    assert sibling.worker == ("b", 0)
+    r.cancel("sibling", 0.002)
+    store(r, "a", context)
+    r.first_token("first", 0.05)
+    r.finished("first", 0.06)
+    assert pick(r, "next", context + toks(11, 16), now=0.07).worker == ("a", 0)
 
 
 def test_busy_thresholds_temperature_and_pins_still_apply_on_top() -> None:

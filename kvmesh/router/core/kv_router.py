@@ -703,7 +703,9 @@ class KvRouter:
         if req.prefilled_elsewhere and self.config.router_temperature == 0:
             i = self._pick_least_loaded(candidates, moved, costs, trees)
         elif latency and self.config.router_temperature == 0:
-            i = self._pick_saving_work(candidates, own_tokens, costs, trees)
+            i = self._pick_saving_work(
+                candidates, own_tokens, costs, trees, [sc.prefill_tokens for sc in scores]
+            )
         else:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
         return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt)
@@ -714,14 +716,19 @@ class KvRouter:
         own_tokens: Sequence[float],
         costs: Sequence[float],
         trees: Sequence[int],
+        prefill_tokens: Sequence[float],
     ) -> int:
-        """The cheapest candidate, except that costs closer than the best one's prediction noise
-        are a tie the model cannot resolve: among those, the one where this request adds the least
-        prefill work wins (a sibling joins the prefill of the one sent a moment ago, rather than
-        recomputing it on an idle worker at the same predicted time), and the capacity saved serves
-        whatever comes next."""
+        """The cheapest candidate, except that costs closer than the best one's prediction
+        uncertainty are a tie the model cannot resolve: among those, the one where this request
+        adds the least prefill work wins (a sibling joins the prefill of the one sent a moment ago,
+        rather than recomputing it on an idle worker at about the same predicted time), and the
+        capacity saved serves whatever comes next. The uncertainty is the fit's own about its
+        expected value, wide on a new worker and narrowing as it learns. (It was the spread of
+        single TTFTs, which is mostly where in a step a request lands, the same on every
+        candidate: it kept siblings queued behind the first one's step on a learned fleet, where
+        another worker holding the context answered ~25 ms sooner.)"""
         best = min(range(len(costs)), key=costs.__getitem__)
-        tolerance = self._timing[candidates[best]].noise_ms()
+        tolerance = self._timing[candidates[best]].uncertainty_ms(prefill_tokens[best])
         near = [i for i in range(len(costs)) if costs[i] <= costs[best] + tolerance]
         if len(near) == 1:
             return best

@@ -29,7 +29,8 @@ Every step that also advances requests already generating runs a decode pass of 
 the share of KV blocks in use): ``n_decode = k`` when some request decodes there, else 1 (the step
 that emits this request's first token). On a worker that is decoding, a request also arrives in the
 middle of a step and starts at the next one: half a decode pass on average (``r = d(p) / 2`` when
-decoding, else 0; a whole pass when it waits for a running prefill step, which ends with one),
+decoding, else 0; a whole pass when it waits for a running prefill step, which ends with one, and
+whose request decodes during every step after it),
 since engines admit work only at step boundaries. Without it, joining a busy
 worker looked as cheap as an idle one (only ``d(p)`` grows, ~1.6 ms per conversation's blocks) and
 a 184-token shared system prompt was enough to pile a whole chat fleet onto one engine. ``d(p)`` is the prior's decode curve scaled by a factor
@@ -226,16 +227,29 @@ class TimingModel:
 
     def _decode_passes_ms(self, steps: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
         """The decode passes before the first token: the rest of the step in progress (half a pass
-        on average, all of it behind a running prefill step) and one per prefill step on a worker
-        that is decoding; else the one pass that emits the first token."""
+        on average) and one per prefill step on a worker that is decoding; else the one pass that
+        emits the first token. Behind a running prefill step, that step's own pass (it emits its
+        request's first token) and one per step after it: the request that ran it decodes by then."""
         d = self.decode_ms(kv_usage)
+        if wait_ms > 0:  # the running step ends with the pass that emits its first token
+            return (steps + 1.0) * d
         if not decoding:
             return d
-        return (steps + (1.0 if wait_ms > 0 else 0.5)) * d
+        return (steps + 0.5) * d
 
     def ms_per_token(self) -> float:
         """Marginal linear prefill cost (ms per token), what recomputing an evicted block costs."""
         return self.theta[1] / KTOK
+
+    def uncertainty_ms(self, x_tokens: float) -> float:
+        """Standard deviation of the predicted TTFT's expected value at ``x_tokens`` (``sqrt(phi' P
+        phi)``, the fit's own uncertainty about its coefficients): wide on the prior, narrowing as
+        the worker is learned. Not the spread of single TTFTs around it (``scale_ms``): that comes
+        from where in a step a request happens to land, which no choice of worker changes."""
+        phi = (*features(x_tokens, self.max_batched_tokens), 1.0)
+        p = self._p
+        var = sum(phi[i] * sum(p[i][j] * phi[j] for j in range(N)) for i in range(N))
+        return math.sqrt(max(var, 0.0))
 
     # ------------------------------------------------------------------ learning
     def observe_ttft(
@@ -366,10 +380,18 @@ class WorkerTiming:
         return self.own.decode_ms(kv_usage)
 
     def noise_ms(self) -> float:
-        """The spread of its TTFT residuals (standard deviation, ms): predictions closer than
-        this cannot be told apart."""
+        """The spread of single TTFTs around the prediction (standard deviation, ms)."""
         w = self._weight()
         return MAD_TO_SD * (w * self.own.scale_ms + (1.0 - w) * self.fleet.scale_ms)
+
+    def uncertainty_ms(self, x_tokens: float) -> float:
+        """How uncertain the predicted TTFT at ``x_tokens`` is (see :meth:`TimingModel.uncertainty_ms`):
+        costs closer than this cannot be told apart."""
+        w = self._weight()
+        own = self.own.uncertainty_ms(x_tokens)
+        if w >= 1.0:
+            return own
+        return w * own + (1.0 - w) * self.fleet.uncertainty_ms(x_tokens)
 
     def ms_per_token(self) -> float:
         w = self._weight()

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvmesh.router.core.timing import MOCKER_PRIOR, Profile, TimingModel, features
+from kvmesh.router.core.timing import MAD_TO_SD, MOCKER_PRIOR, Profile, TimingModel, features
 
 TRUE = Profile((2.0e-06, 0.04, 30.0), (0.0, 0.0, 8.0), 8.0, "truth")
 """A worker ~2.5x slower than the prior on long prompts, with an 8 ms decode pass."""
@@ -112,3 +112,45 @@ def test_profiles_from_worker_info() -> None:
     assert Profile.from_info({"prefill_ms": [1, 2]}) is None
     assert Profile.from_info({"prefill_ms": [-1, 2, 3], "decode_ms": [0, 0, 1]}) is None
     assert Profile.from_info(None) is None
+
+
+def test_a_wait_for_the_running_step_is_taken_out_before_fitting() -> None:
+    """Requests that arrived during another request's prefill step waited it out (0-80 ms here,
+    plus the decode pass that ends it) before their own steps ran, each with a decode pass for the
+    request that ran it. Told that wait, the fit recovers the same curve as without it, and
+    predicts the wait on top; a fit not told it reads it as a longer step."""
+    told, untold = TimingModel(MOCKER_PRIOR, 8192), TimingModel(MOCKER_PRIOR, 8192)
+    rng = random.Random(5)
+    d = TRUE.decode(0.3)
+    for _ in range(400):
+        x = rng.uniform(50, 16000)
+        wait = rng.choice((0.0, rng.uniform(1.0, 80.0)))
+        behind = wait + features(x, 8192)[2] * d if wait else 0.0  # (k + 1) passes, not 1
+        y = (_truth(x, False) + behind) * (1 + rng.gauss(0, 0.02))
+        told.observe_ttft(x, False, 0.3, y, wait)
+        untold.observe_ttft(x, False, 0.3, y)
+    for x in (200, 3000, 12000):
+        assert told.ttft_ms(x, False, 0.3) == pytest.approx(_truth(x, False), rel=0.1)
+        k = features(x, 8192)[2]
+        assert told.ttft_ms(x, False, 0.3, 40.0) == pytest.approx(_truth(x, False) + 40.0 + k * d, rel=0.1)
+    assert told.describe()["ttft_rel_error"] < untold.describe()["ttft_rel_error"]
+    assert untold.ttft_ms(200, False, 0.3) > 1.2 * _truth(200, False)
+    # behind a running prefill step: that step's own decode pass, and one in each step after it
+    d = told.decode_ms(0.3)
+    assert told.ttft_ms(3000, True, 0.3, 10.0) - told.ttft_ms(3000, True, 0.3) == pytest.approx(
+        10.0 + 0.5 * d
+    )
+    assert told.ttft_ms(3000, False, 0.3, 10.0) - told.ttft_ms(3000, False, 0.3) == pytest.approx(10.0 + d)
+
+
+def test_the_uncertainty_of_a_prediction_narrows_as_the_worker_is_learned() -> None:
+    """On its prior the model is unsure of its expected TTFT by tens of ms; after a few hundred
+    observations by a few, far less than single TTFTs scatter around it (which no choice of
+    worker changes, so it is no reason to call two candidates a tie)."""
+    model = TimingModel(MOCKER_PRIOR, 8192)
+    cold = model.uncertainty_ms(3000)
+    assert cold > 20.0
+    _feed(model, random.Random(2), 300, noise=0.1)
+    warm = model.uncertainty_ms(3000)
+    assert warm < cold / 5
+    assert warm < MAD_TO_SD * model.scale_ms

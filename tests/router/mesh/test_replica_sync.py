@@ -95,10 +95,13 @@ async def test_a_burst_through_one_replica_is_load_in_every_replica_and_steers_t
 
             async def everyone_sees_the_burst() -> bool:
                 views = [await _load(http, r) for r in (a, x, c)]
-                return all(v[x]["active_requests"] == 4 for v in views)
+                return all(
+                    v[x]["active_requests"] == 4 and v[x]["ranks"][0]["active_prefill_tokens"] == 0 for v in views
+                )
 
             # In x's own view the burst counts once, though it arrives both as forwarded requests
-            # and through a's decision stream.
+            # and through a's decision stream. (Each first token reaches the other replicas in a
+            # message of its own, after the decision: wait for both, not just the decisions.)
             await _until(everyone_sees_the_burst)
             ranks = [(await _load(http, r))[x]["ranks"][0] for r in (a, x, c)]
             # the views agree: the same blocks, and no prefill left (a told them of first tokens)

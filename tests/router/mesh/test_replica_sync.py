@@ -96,7 +96,8 @@ async def test_a_burst_through_one_replica_is_load_in_every_replica_and_steers_t
             async def everyone_sees_the_burst() -> bool:
                 views = [await _load(http, r) for r in (a, x, c)]
                 return all(
-                    v[x]["active_requests"] == 4 and v[x]["ranks"][0]["active_prefill_tokens"] == 0 for v in views
+                    v[x]["active_requests"] == 4 and v[x]["ranks"][0]["active_prefill_tokens"] == 0
+                    for v in views
                 )
 
             # In x's own view the burst counts once, though it arrives both as forwarded requests

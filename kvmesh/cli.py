@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "mock": ("kvmesh.commands.mock", "run a simulated OpenAI-compatible engine that publishes KV events"),
     "demo": (
         "kvmesh.commands.demo",
-        "start a simulated 4-engine mesh and compare KV routing with round-robin",
+        "start a simulated 4-engine mesh and compare KV routing (the default cost, Dynamo's cost) with round-robin",
     ),
     "bench": (
         "kvmesh.commands.bench",

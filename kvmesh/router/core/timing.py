@@ -29,12 +29,13 @@ Every step that also advances requests already generating runs a decode pass of 
 the share of KV blocks in use): ``n_decode = k`` when some request decodes there, else 1 (the step
 that emits this request's first token). On a worker that is decoding, a request also arrives in the
 middle of a step and starts at the next one: half a decode pass on average (``r = d(p) / 2`` when
-decoding, else 0; a whole pass when it waits for a running prefill step, which ends with one, and
-whose request decodes during every step after it),
-since engines admit work only at step boundaries. Without it, joining a busy
+decoding, else 0), since engines admit work only at step boundaries. Without it, joining a busy
 worker looked as cheap as an idle one (only ``d(p)`` grows, ~1.6 ms per conversation's blocks) and
-a 184-token shared system prompt was enough to pile a whole chat fleet onto one engine. ``d(p)`` is the prior's decode curve scaled by a factor
-learned from the gaps between streamed tokens.
+a 184-token shared system prompt was enough to pile a whole chat fleet onto one engine. Behind a
+running prefill step (``w > 0``) the rest of that step is a whole pass (it ends with the pass that
+emits its request's first token), and every step after it has one (that request decodes by then):
+``r = d(p)``, ``n_decode = k``. ``d(p)`` is the prior's decode curve scaled by a factor learned
+from the gaps between streamed tokens.
 
 Fitting: Bayesian recursive least squares (a Kalman filter for constant coefficients) on
 ``(a, b, c, o)``. The prior is the seed curve with a standard deviation of ``PRIOR_SPREAD`` times each

@@ -703,9 +703,7 @@ class KvRouter:
         if req.prefilled_elsewhere and self.config.router_temperature == 0:
             i = self._pick_least_loaded(candidates, moved, costs, trees)
         elif latency and self.config.router_temperature == 0:
-            i = self._pick_saving_work(
-                candidates, own_tokens, costs, trees, [sc.prefill_tokens for sc in scores]
-            )
+            i = self._pick_saving_work(candidates, own_tokens, costs, trees, scores)
         else:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
         return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt)
@@ -716,7 +714,7 @@ class KvRouter:
         own_tokens: Sequence[float],
         costs: Sequence[float],
         trees: Sequence[int],
-        prefill_tokens: Sequence[float],
+        scores: Sequence[CandidateScore],
     ) -> int:
         """The cheapest candidate, except that costs closer than the best one's prediction
         uncertainty are a tie the model cannot resolve: among those, the one where this request
@@ -728,7 +726,7 @@ class KvRouter:
         candidate: it kept siblings queued behind the first one's step on a learned fleet, where
         another worker holding the context answered ~25 ms sooner.)"""
         best = min(range(len(costs)), key=costs.__getitem__)
-        tolerance = self._timing[candidates[best]].uncertainty_ms(prefill_tokens[best])
+        tolerance = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
         near = [i for i in range(len(costs)) if costs[i] <= costs[best] + tolerance]
         if len(near) == 1:
             return best
@@ -761,7 +759,7 @@ class KvRouter:
         n_blocks: int,
         decode_blocks: float,
         prefill_weight: float,
-        wait_ms: float = 0.0,
+        wait_ms: float,
     ) -> tuple[float, float]:
         """(predicted ms to first token on ``key``, ms of future prefill its evictions would cost).
 

@@ -380,11 +380,6 @@ class WorkerTiming:
         """One decode pass at ``kv_usage``, as this worker's streamed gaps have shown it."""
         return self.own.decode_ms(kv_usage)
 
-    def noise_ms(self) -> float:
-        """The spread of single TTFTs around the prediction (standard deviation, ms)."""
-        w = self._weight()
-        return MAD_TO_SD * (w * self.own.scale_ms + (1.0 - w) * self.fleet.scale_ms)
-
     def uncertainty_ms(self, x_tokens: float) -> float:
         """How uncertain the predicted TTFT at ``x_tokens`` is (see :meth:`TimingModel.uncertainty_ms`):
         costs closer than this cannot be told apart."""

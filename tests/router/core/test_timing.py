@@ -136,11 +136,13 @@ def test_a_wait_for_the_running_step_is_taken_out_before_fitting() -> None:
     assert told.describe()["ttft_rel_error"] < untold.describe()["ttft_rel_error"]
     assert untold.ttft_ms(200, False, 0.3) > 1.2 * _truth(200, False)
     # behind a running prefill step: that step's own decode pass, and one in each step after it
-    d = told.decode_ms(0.3)
+    learned = told.decode_ms(0.3)
     assert told.ttft_ms(3000, True, 0.3, 10.0) - told.ttft_ms(3000, True, 0.3) == pytest.approx(
-        10.0 + 0.5 * d
+        10.0 + 0.5 * learned
     )
-    assert told.ttft_ms(3000, False, 0.3, 10.0) - told.ttft_ms(3000, False, 0.3) == pytest.approx(10.0 + d)
+    assert told.ttft_ms(3000, False, 0.3, 10.0) - told.ttft_ms(3000, False, 0.3) == pytest.approx(
+        10.0 + learned
+    )
 
 
 def test_the_uncertainty_of_a_prediction_narrows_as_the_worker_is_learned() -> None:

@@ -333,6 +333,8 @@ class KvRouter:
         self._decode_s: dict[WorkerKey, float] = {}
         """Per worker, an EWMA of a request's time from first token to finish."""
         self._decode_fleet = 0.0
+        self._out_tokens = 0.0
+        """Output tokens a request generates, fleet-wide (moving average of finished ones)."""
         self._latency = config.router_cost_model == "latency"
         self._aic = config.router_prefill_load_model == "aic"
 
@@ -671,7 +673,7 @@ class KvRouter:
             decode = load.decode_blocks(key) + new
             if latency:
                 ttft, evict = self._latency_cost(
-                    key, prefill, dev, n_blocks, decode, weights.prefill_load_scale, wait_ms
+                    key, prefill, dev, n_blocks, decode, weights.prefill_load_scale, wait_ms, now
                 )
                 delay = self._delay_to_arrivals_ms(
                     key, active, prefill - active, decode - new, decode, req.osl
@@ -760,6 +762,7 @@ class KvRouter:
         decode_blocks: float,
         prefill_weight: float,
         wait_ms: float,
+        now: float,
     ) -> tuple[float, float]:
         """(predicted ms to first token on ``key``, ms of future prefill its evictions would cost).
 
@@ -767,8 +770,7 @@ class KvRouter:
         next step plus its credited uncached tokens), ``wait_ms`` what is left of the step running
         there. Memory: when the blocks of the requests in flight there
         (``decode_blocks``, this one included) exceed the worker's KV blocks, the engine holds the
-        request until that share of them has finished, about that share of a request's decode
-        time. Eviction: the blocks it adds beyond the worker's free blocks push out
+        request until enough of them have finished (:meth:`_memory_wait_ms`). Eviction: the blocks it adds beyond the worker's free blocks push out
         least-recently-used cache, which the fleet's reported hit share says will be asked for
         again at that rate; recomputing it later costs the fitted per-token prefill time. (The rate
         is the fleet's, not the worker's: a worker's own low hit share would make the worker that
@@ -786,7 +788,7 @@ class KvRouter:
             whole = model.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
             prefill_part = wait_ms + model.prefill_ms(prefill_tokens)
             ttft = prefill_weight * prefill_part + whole - prefill_part
-        ttft += self._memory_wait_ms(key, decode_blocks, total)
+        ttft += self._memory_wait_ms(key, decode_blocks, total, now)
         reuse = self._reuse_fleet
         if not reuse:
             return ttft, 0.0
@@ -837,11 +839,30 @@ class KvRouter:
         decode_s = osl * pass_after / 1000.0 if osl is not None and osl > 0 else stay_s
         return rate * (prefill / 1000.0) * prefill / 2.0 + rate * decode_s * 1.5 * longer_pass
 
-    def _memory_wait_ms(self, key: WorkerKey, decode_blocks: float, total_blocks: int) -> float:
-        overflow = decode_blocks / total_blocks - 1.0
-        if overflow <= 0:
+    def _memory_wait_ms(
+        self,
+        key: WorkerKey,
+        decode_blocks: float,
+        total_blocks: int,
+        now: float,
+        exclude: str | None = None,
+    ) -> float:
+        """How long the request waits for KV blocks on ``key`` when the blocks in flight there
+        (``decode_blocks``, its own included) exceed the worker's: until enough requests have
+        finished to free the excess, in the order they are expected to finish (their blocks come
+        back whole, at the end). (Taking the excess as that share of one request's decode time
+        put a 10k-token turn behind six long requests that would all run for another half second
+        at 250 ms; it waited 550.) Beyond what every request in flight frees, the rest waits a
+        further decode time per cache's worth."""
+        excess = decode_blocks - total_blocks
+        if excess <= 0:
             return 0.0
-        return overflow * self._decode_s.get(key, self._decode_fleet) * 1000.0
+        stay_s = self._decode_s.get(key, self._decode_fleet)
+        left = freed = 0.0
+        for left, freed in self._load.releases(key, now, stay_s, self._out_tokens, exclude):
+            if freed >= excess:
+                return 1000.0 * left
+        return 1000.0 * (left + (excess - freed) / total_blocks * stay_s)
 
     def _finish(
         self,
@@ -941,7 +962,7 @@ class KvRouter:
         predicted = next((s.predicted_ttft_ms for s in breakdown if s.worker == worker), None)
         if predicted is None:
             predicted = model.ttft_ms(ahead + uncached, decoding, usage, step_wait_ms)
-        wait = self._memory_wait_ms(worker, load.decode_blocks(worker), total)
+        wait = self._memory_wait_ms(worker, load.decode_blocks(worker), total, now, req.request_id)
         self._obs[req.request_id] = _Obs(
             worker, now, ahead, uncached, req.isl_tokens, decoding, usage, predicted, wait, step_wait_ms
         )
@@ -1001,6 +1022,10 @@ class KvRouter:
     def finished(self, request_id: str, now: float) -> TimingSample | None:
         """The stream ended: free the request's load (unknown ids are ignored) and teach the
         worker's timing model; returns the prediction made at dispatch beside what happened."""
+        generated = self._load.generated_tokens(request_id)
+        if generated > 0:
+            old_out = self._out_tokens
+            self._out_tokens = generated if not old_out else old_out + _REUSE_ALPHA * (generated - old_out)
         if self._load.free(request_id, now) and self.observer is not None:
             self.observer.freed(request_id)
         obs = self._obs.pop(request_id, None)

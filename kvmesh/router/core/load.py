@@ -79,7 +79,16 @@ class PromptBlocks:
 
 
 class _WorkerLoad:
-    __slots__ = ("anchor_since", "blocks", "in_prefill", "output", "prefill_tokens", "refs", "requests")
+    __slots__ = (
+        "active",
+        "anchor_since",
+        "blocks",
+        "in_prefill",
+        "output",
+        "prefill_tokens",
+        "refs",
+        "requests",
+    )
 
     def __init__(self) -> None:
         self.prefill_tokens = 0
@@ -89,6 +98,8 @@ class _WorkerLoad:
         self.refs: dict[int, int] = {}
         self.in_prefill: dict[str, _Active] = {}
         """Requests before their first token, oldest first (dicts keep insertion order)."""
+        self.active: dict[str, _Active] = {}
+        """Every request in flight here."""
         self.anchor_since = 0.0
 
 
@@ -96,12 +107,14 @@ class _Active:
     __slots__ = (
         "anchors",
         "expected",
+        "first_token_at",
         "generated",
         "ids",
         "last_seen",
         "osl",
         "output",
         "prefill",
+        "routed_at",
         "unique",
         "worker",
     )
@@ -126,6 +139,8 @@ class _Active:
         self.output = 0.0
         self.last_seen = now
         self.expected = 0.0
+        self.routed_at = now
+        self.first_token_at: float | None = None
 
 
 class ActiveSequences:
@@ -198,6 +213,64 @@ class ActiveSequences:
         left = max(w.anchor_since + anchor.expected - now, 0.0)
         return left, w.prefill_tokens - anchor.prefill
 
+    def releases(
+        self,
+        worker: WorkerKey,
+        now: float,
+        stay_s: float,
+        out_tokens: float,
+        exclude: str | None = None,
+    ) -> list[tuple[float, float]]:
+        """When the worker gets its blocks back: ``[(seconds from now, blocks free by then)]``,
+        one entry per request in flight there (``exclude`` aside), soonest first, the blocks
+        cumulative. An engine frees a request's blocks when it finishes, not gradually, so a
+        request that does not fit waits for whole requests to end.
+
+        A request generating has its ``osl`` (or the ``out_tokens`` a request typically
+        generates) less what it generated still to go, at the pace it has kept so far: on a
+        worker short of memory every request slows, and a time since the first token measured
+        against the usual ``stay_s`` took requests with half a second left for finished. One
+        still in prefill finishes its predicted prefill after it was routed, then ``stay_s``
+        later. A prefix shared by several requests comes back with the last of them."""
+        w = self._workers.get(worker)
+        if w is None or not w.active:
+            return []
+        ends = []
+        for rid, r in w.active.items():
+            if rid == exclude:
+                continue
+            if r.first_token_at is not None:
+                expect = r.osl or out_tokens
+                if expect <= 0:
+                    left = max(stay_s - (now - r.first_token_at), 0.0)
+                else:
+                    gaps = r.generated - 1
+                    pace = (now - r.first_token_at) / gaps if gaps >= 2 else stay_s / expect
+                    left = max(expect - r.generated, 1.0) * pace
+            else:
+                left = max(r.expected - (now - r.routed_at), 0.0) + stay_s
+            ends.append((left, r))
+        ends.sort(key=lambda e: e[0])
+        released: dict[int, int] = {}
+        refs = w.refs
+        freed = 0.0
+        out = []
+        for left, r in ends:
+            freed += r.unique + r.output
+            if r.ids is not None:
+                for i, ident in enumerate(r.ids):
+                    n = released.get(ident, 0) + 1
+                    released[ident] = n
+                    if n == refs[ident]:
+                        freed += CHUNK if i < r.anchors else 1
+            out.append((left, freed))
+        return out
+
+    def generated_tokens(self, request_id: str) -> int:
+        """Output tokens counted so far for a request in flight (0 when unknown)."""
+        r = self._requests.get(request_id)
+        return r.generated if r is not None else 0
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
 
@@ -261,6 +334,7 @@ class ActiveSequences:
         if not w.in_prefill:
             w.anchor_since = now
         w.in_prefill[request_id] = r
+        w.active[request_id] = r
         self._requests[request_id] = r
         if osl and self.track_active_blocks:
             r.output = output_blocks(osl, 0, self.block_size)
@@ -271,6 +345,8 @@ class ActiveSequences:
         if r is None:
             return
         r.last_seen = now
+        if r.first_token_at is None:
+            r.first_token_at = now
         w = self._workers[r.worker]
         if r.prefill:
             w.prefill_tokens -= r.prefill
@@ -307,6 +383,7 @@ class ActiveSequences:
             return False
         w = self._workers[r.worker]
         self._leave_prefill(w, request_id, r.last_seen if now is None else now)
+        del w.active[request_id]
         w.prefill_tokens -= r.prefill
         w.blocks -= r.unique
         if r.ids is not None:

@@ -9,6 +9,8 @@ Per worker it tracks
   first, each with its predicted prefill duration. Only the oldest (the anchor) decays, linearly
   from the moment it became the anchor over its predicted duration; the others count in full until
   they reach the front. ``prefill_tokens_at(worker, now)`` is that decayed view;
+* **releases**: when each request there is expected to finish and the blocks that gives back
+  (``releases``), for the wait of a request that does not fit in the worker's KV cache;
 * **output blocks**: a request that declared an ``osl`` (expected output tokens) counts the blocks
   its answer will hold, ``ceil(max(osl, generated) / block_size)``, from the moment it is routed,
   weighted by ``max(0, 1 - generated / osl)`` (nearly done = about to free them), so a worker

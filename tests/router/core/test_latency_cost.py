@@ -396,3 +396,43 @@ def pick_stage(r: KvRouter, rid: str, tokens: list[int]) -> Decision:
     d = r.route(req(rid, tokens, prefilled_elsewhere=True), 0.0)
     assert isinstance(d, Decision), d
     return d
+
+
+def _answer(r: KvRouter, rid: str, worker: str, tokens: list[int], start: float, n_out: int) -> None:
+    """A pinned request answered in full: first token 30 ms after it was sent, then ``n_out``
+    tokens 10 ms apart."""
+    d = r.route(req(rid, tokens, backend_instance_id=worker), start)
+    assert isinstance(d, Decision)
+    r.first_token(rid, start + 0.03)
+    r.output_tokens(rid, 1, start + 0.03)
+    r.output_tokens(rid, n_out - 1, start + 0.03 + 0.01 * n_out)
+    r.finished(rid, start + 0.03 + 0.01 * n_out)
+
+
+@pytest.mark.parametrize(("generated", "pace", "worker"), [(39, 0.02, "a"), (5, 0.1, "b")])
+def test_a_request_short_of_kv_blocks_waits_for_whole_requests_to_finish(
+    generated: int, pace: float, worker: str
+) -> None:
+    """a holds the request's 6k-token prefix, but the requests running there hold most of its KV
+    blocks: the request waits until one of them finishes. A token from their 40-token answers'
+    end, a is still the better place; 5 tokens in, at their pace, an idle b without the prefix is.
+    (Taken as the excess share of one request's decode time, ~0.1 x 0.4 s, the wait looked
+    small either way, and the request queued on a.)"""
+    r = router(total_blocks=1000)
+    for i in range(20):  # the fleet's requests answer 40 tokens
+        _answer(r, f"teach{i}", "ab"[i % 2], toks(900 + i, 300), i * 0.5, 40)
+    prefix = toks(1, 6000)
+    store(r, "a", prefix)
+    now = 20.0
+    for i in range(3):  # 900 of a's 1000 blocks in flight, answering at ``pace`` s a token
+        rid = f"long{i}"
+        d = r.route(req(rid, toks(10 + i, 300 * B), backend_instance_id="a"), now - 5.0)
+        assert isinstance(d, Decision)
+        r.first_token(rid, now - pace * (generated - 1))
+        r.output_tokens(rid, 1, now - pace * (generated - 1))
+        r.output_tokens(rid, generated - 1, now)
+    d = pick(r, "new", prefix + toks(2, 200), now)
+    assert d.worker == (worker, 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    wait_ms = by["a"].predicted_ttft_ms - by["b"].predicted_ttft_ms
+    assert wait_ms > 0 if worker == "b" else wait_ms < 0

@@ -37,6 +37,7 @@ from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.router.core import selector
 from kvmesh.router.core.chain_trie import TierDepths
 from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.core.conversations import Conversations
 from kvmesh.router.core.index_factory import index_for
 from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
@@ -335,6 +336,7 @@ class KvRouter:
         self._decode_fleet = 0.0
         self._out_tokens = 0.0
         """Output tokens a request generates, fleet-wide (moving average of finished ones)."""
+        self._conversations = Conversations()
         self._latency = config.router_cost_model == "latency"
         self._aic = config.router_prefill_load_model == "aic"
 
@@ -397,6 +399,7 @@ class KvRouter:
         self._decode_s.pop(key, None)
         self._index.remove_worker(key)
         self._load.remove_worker(key)
+        self._conversations.remove_worker(key)
 
     @property
     def workers(self) -> list[WorkerKey]:
@@ -678,6 +681,7 @@ class KvRouter:
                 delay = self._delay_to_arrivals_ms(
                     key, active, prefill - active, decode - new, decode, req.osl
                 )
+                evict += self._growth_eviction_ms(key, n_blocks - dev)
                 c = ttft + delay + evict
                 scores.append(
                     CandidateScore(
@@ -797,6 +801,30 @@ class KvRouter:
         if evicted <= 0:
             return ttft, 0.0
         return ttft, reuse * evicted * (self._block_size or 1) * model.ms_per_token()
+
+    def _growth_eviction_ms(self, key: WorkerKey, added_blocks: float) -> float:
+        """What the cache its conversation grows into there evicts from the other conversations
+        living there, in their recompute time when they come back.
+
+        A turn's later turns follow it to the worker holding its history, each adding the blocks a
+        turn typically adds: ``turns to come x blocks a turn`` more cache there. Where the live
+        conversations' blocks (:class:`Conversations`) and this request's leave room for that,
+        nothing; beyond it, the excess pushes out blocks that live conversations come back for (at
+        the share of requests that are continued), to be prefilled again at the worker's fitted
+        per-token time. Without this the cost saw only the request in hand: a new session's
+        first turn, which adds little beyond a cached system prompt, went where that prompt was,
+        until a few workers held twelve growing agent sessions each (more than their caches), two
+        of eight held none, and turns there waited for memory or recomputed 10k-token histories.
+        """
+        conv = self._conversations
+        growth = conv.turns_to_come() * conv.growth_blocks
+        if growth <= 0:
+            return 0.0
+        room = self._workers[key[0]].total_blocks - conv.live_blocks(key) - added_blocks
+        evicted = growth - max(room, 0.0)
+        if evicted <= 0:
+            return 0.0
+        return conv.p_continued * evicted * (self._block_size or 1) * self._timing[key].ms_per_token()
 
     def _delay_to_arrivals_ms(
         self,
@@ -987,6 +1015,8 @@ class KvRouter:
             request_id, worker, prompt, isl_tokens, overlap, now, osl=osl, expected_prefill=expected
         )
         self._index.record(worker, local_hashes, now)
+        if self._latency and prompt.ids:
+            self._conversations.routed(request_id, worker, prompt, local_hashes, now)
 
     # ---------------------------------------------------------------- feedback
     def first_token(self, request_id: str, now: float, *, timed: bool = True) -> None:
@@ -1089,6 +1119,7 @@ class KvRouter:
             self._obs.pop(rid, None)
         self._stats.requests_expired += len(gone)
         self._index.expire(now)
+        self._conversations.expire(now)
         return [ExpiredSession(sid, w) for sid, w in self._sessions.expire(now)]
 
     # ---------------------------------------------------------------- runtime knobs / views

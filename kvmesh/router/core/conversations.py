@@ -1,0 +1,192 @@
+"""Live conversations: which requests come back, where, and how much cache they will need then.
+
+A conversation's next turn sends its whole history again plus a little more, and a KV-aware router
+sends it back to the worker holding that history. So placing a conversation's turn also places
+its later turns, and the cache they will grow into. The router learns that from its own traffic:
+
+* a request **continues** an earlier one when its full blocks start with all of the earlier
+  prompt's full blocks and add more (identical prompts are siblings, not turns);
+* each request is a **tip** until a later turn continues it (the tip moves to that turn, on the
+  worker it went to) or it is not continued for ``EXPIRE_CYCLES`` typical gaps between turns (the
+  conversation is taken to be over);
+* from the tips' fates: the share of requests that are continued ``p`` (so a conversation has
+  ``p / (1 - p)`` more turns to come, on average), the blocks a turn adds, and the gap between
+  turns;
+* per worker, the **live blocks**: the blocks of the tips placed there, a prefix shared by several
+  counted once. They are what conversations will ask that worker for again.
+
+Pure: no clock, no I/O. Prefixes are named by :class:`~kvmesh.router.core.load.PromptBlocks`
+identities (a chunk of 16 blocks is one identity), so a tip costs a list the router already built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh._types import WorkerKey
+from kvmesh.router.core.load import CHUNK, PromptBlocks
+
+ALPHA = 0.05
+"""Weight of one outcome in the moving averages (the last ~20 conversations' turns)."""
+EXPIRE_CYCLES = 4.0
+"""A tip not continued after this many typical gaps between turns is taken as the end of its
+conversation: gaps vary (think time, tool time) but rarely by 4x."""
+EXPIRE_FIRST_S = 30.0
+"""The expiry before any gap between turns has been seen."""
+P_MAX = 0.95
+"""At most ``P_MAX / (1 - P_MAX)`` = 19 turns to come: a fleet of endless conversations has no
+finite answer, and beyond ~20 turns the first ones' cache is long gone anyway."""
+
+
+@dataclass(slots=True)
+class _Tip:
+    worker: WorkerKey
+    ids: list[int]
+    anchors: int
+    trailing: tuple[int, ...]
+    """Local hashes of the full blocks after the last whole chunk (fewer than ``CHUNK``)."""
+    n_blocks: int
+    at: float
+
+
+class Conversations:
+    """The router's view of the conversations in flight or between turns, per worker."""
+
+    def __init__(self) -> None:
+        self._tips: dict[str, _Tip] = {}
+        """By request id, oldest first (tips are made in routing order)."""
+        self._by_anchor: dict[int, set[str]] = {}
+        """Tips by the identity of their last whole chunk (0 when shorter than a chunk)."""
+        self._refs: dict[WorkerKey, dict[int, int]] = {}
+        self._live: dict[WorkerKey, int] = {}
+        self.p_continued = 0.0
+        self.growth_blocks = 0.0
+        self.cycle_s = 0.0
+
+    # ------------------------------------------------------------------ views
+    def live_blocks(self, worker: WorkerKey) -> int:
+        """Blocks of the conversations placed on ``worker`` and not over."""
+        return self._live.get(worker, 0)
+
+    def turns_to_come(self) -> float:
+        """Further turns a conversation brings, on average (0 until a continuation is seen)."""
+        p = min(self.p_continued, P_MAX)
+        return p / (1.0 - p)
+
+    def expiry_s(self) -> float:
+        return EXPIRE_CYCLES * self.cycle_s if self.cycle_s > 0 else EXPIRE_FIRST_S
+
+    # ------------------------------------------------------------------ lifecycle
+    def routed(
+        self,
+        request_id: str,
+        worker: WorkerKey,
+        prompt: PromptBlocks,
+        local_hashes: Sequence[int],
+        now: float,
+    ) -> str | None:
+        """A request went to ``worker``: it becomes a tip, replacing the one it continues (whose
+        id is returned)."""
+        self.expire(now)
+        previous = self._continued(prompt, local_hashes)
+        if previous is not None:
+            old = self._drop(previous)
+            self._outcome(1.0)
+            growth = prompt.n_blocks - old.n_blocks
+            gap = max(now - old.at, 0.0)
+            if self.cycle_s > 0:
+                self.growth_blocks += ALPHA * (growth - self.growth_blocks)
+                self.cycle_s += ALPHA * (gap - self.cycle_s)
+            else:
+                self.growth_blocks, self.cycle_s = float(growth), gap
+        full = prompt.n_anchors * CHUNK
+        tip = _Tip(
+            worker,
+            prompt.ids,
+            prompt.n_anchors,
+            tuple(local_hashes[full : prompt.n_blocks]),
+            prompt.n_blocks,
+            now,
+        )
+        if request_id in self._tips:
+            self._drop(request_id)
+        self._tips[request_id] = tip
+        self._by_anchor.setdefault(_anchor(tip), set()).add(request_id)
+        self._hold(tip)
+        return previous
+
+    def expire(self, now: float) -> int:
+        """End the conversations whose next turn is overdue; returns how many."""
+        horizon = now - self.expiry_s()
+        gone = 0
+        while self._tips:
+            rid, tip = next(iter(self._tips.items()))
+            if tip.at > horizon:
+                break
+            self._drop(rid)
+            self._outcome(0.0)
+            gone += 1
+        return gone
+
+    def remove_worker(self, worker: WorkerKey) -> None:
+        for rid in [rid for rid, tip in self._tips.items() if tip.worker == worker]:
+            self._drop(rid)
+        self._refs.pop(worker, None)
+        self._live.pop(worker, None)
+
+    # ------------------------------------------------------------------ internals
+    def _continued(self, prompt: PromptBlocks, local_hashes: Sequence[int]) -> str | None:
+        """The latest tip whose full blocks this prompt starts with, adding more; None if none."""
+        ids = prompt.ids
+        for k in range(prompt.n_anchors, -1, -1):  # longest prefix first
+            key = ids[k - 1] if k else 0
+            for rid in self._by_anchor.get(key, ()):
+                tip = self._tips[rid]
+                if tip.anchors != k or tip.n_blocks >= prompt.n_blocks:
+                    continue
+                start = k * CHUNK
+                if tuple(local_hashes[start : start + len(tip.trailing)]) == tip.trailing:
+                    return rid
+        return None
+
+    def _outcome(self, continued: float) -> None:
+        # From 0, not from the first outcome: continuations are seen a turn after a request,
+        # endings only after EXPIRE_CYCLES gaps, so the first outcomes are all continuations.
+        self.p_continued += ALPHA * (continued - self.p_continued)
+
+    def _hold(self, tip: _Tip) -> None:
+        refs = self._refs.setdefault(tip.worker, {})
+        added = 0
+        for i, ident in enumerate(tip.ids):
+            c = refs.get(ident)
+            if c is None:
+                refs[ident] = 1
+                added += CHUNK if i < tip.anchors else 1
+            else:
+                refs[ident] = c + 1
+        self._live[tip.worker] = self._live.get(tip.worker, 0) + added
+
+    def _drop(self, request_id: str) -> _Tip:
+        tip = self._tips.pop(request_id)
+        key = _anchor(tip)
+        same = self._by_anchor[key]
+        same.discard(request_id)
+        if not same:
+            del self._by_anchor[key]
+        refs = self._refs.get(tip.worker)
+        if refs is not None:
+            freed = 0
+            for i, ident in enumerate(tip.ids):
+                c = refs[ident]
+                if c == 1:
+                    del refs[ident]
+                    freed += CHUNK if i < tip.anchors else 1
+                else:
+                    refs[ident] = c - 1
+            self._live[tip.worker] -= freed
+        return tip
+
+
+def _anchor(tip: _Tip) -> int:
+    return tip.ids[tip.anchors - 1] if tip.anchors else 0

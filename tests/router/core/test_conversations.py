@@ -1,0 +1,135 @@
+"""Live conversations: continuation detection, live blocks per worker, the learned turn statistics,
+and the decision they change (a new conversation placed where its growth fits)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.events.wire import BlockStored, EventBatch
+from kvmesh.hashing import block_hashes
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.core.conversations import ALPHA, EXPIRE_CYCLES, Conversations
+from kvmesh.router.core.kv_router import Decision, KvRouter, RouteRequest
+from kvmesh.router.core.load import CHUNK, PromptBlocks
+
+B = 16
+A, W = ("a", 0), ("b", 0)
+
+
+def toks(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n)]
+
+
+def route(
+    conv: Conversations, rid: str, worker: tuple[str, int], tokens: list[int], now: float
+) -> str | None:
+    hashes = block_hashes(tokens, B)
+    return conv.routed(rid, worker, PromptBlocks(hashes), hashes, now)
+
+
+SYSTEM = toks(1, 2 * CHUNK * B)  # two whole chunks: sessions share exactly these identities
+
+
+def test_a_turn_continues_the_request_whose_whole_prompt_it_extends() -> None:
+    conv = Conversations()
+    first = SYSTEM + toks(2, 10 * B)
+    second = first + toks(3, 40 * B)
+    assert route(conv, "s1-t1", A, first, 0.0) is None
+    assert route(conv, "s2-t1", A, SYSTEM + toks(4, 10 * B), 0.1) is None  # same system prompt, other task
+    assert route(conv, "s1-t2", A, second, 1.0) == "s1-t1"
+    assert route(conv, "s1-t2-sibling", A, second, 1.0) is None  # the same prompt again is a sibling
+    assert route(conv, "s1-t3", A, second[:-B] + toks(5, 30 * B), 2.0) is None  # drops a block of it
+    assert conv.growth_blocks == 40
+    assert conv.cycle_s == pytest.approx(1.0)
+    assert conv.p_continued == pytest.approx(ALPHA)
+
+
+def test_live_blocks_count_a_shared_prefix_once_and_follow_the_conversation() -> None:
+    conv = Conversations()
+    one, two = SYSTEM + toks(2, 10 * B), SYSTEM + toks(3, 10 * B)
+    route(conv, "one", A, one, 0.0)
+    route(conv, "two", A, two, 0.0)
+    assert conv.live_blocks(A) == 2 * CHUNK + 10 + 10
+    # the conversation's next turn went to b: its history lives there now
+    route(conv, "one-2", W, one + toks(4, 6 * B), 1.0)
+    assert conv.live_blocks(A) == 2 * CHUNK + 10
+    assert conv.live_blocks(W) == 2 * CHUNK + 16
+    # nothing comes back for EXPIRE_CYCLES typical gaps (1 s): both conversations are over
+    assert conv.expire(1.0 + EXPIRE_CYCLES - 0.01) == 1  # "two", routed at 0
+    assert conv.expire(1.0 + EXPIRE_CYCLES + 0.01) == 1
+    assert conv.live_blocks(A) == conv.live_blocks(W) == 0
+    conv.remove_worker(A)  # nothing left to forget; removing it is harmless
+
+
+def test_the_share_of_requests_continued_gives_the_turns_to_come() -> None:
+    conv = Conversations()
+    assert conv.turns_to_come() == 0  # nothing learned: no future is priced
+    now = 0.0
+    for s in range(40):  # conversations of 6 turns, one after another, a second apart
+        prompt = toks(100 + s, 8 * B)
+        for t in range(6):
+            route(conv, f"{s}-{t}", A, prompt, now)
+            prompt = prompt + toks(1000 * s + t, 4 * B)
+            now += 1.0
+    conv.expire(now + 10 * EXPIRE_CYCLES)
+    # 5 of every 6 requests are continued: about 5 turns to come
+    assert 0.7 < conv.p_continued < 0.9
+    assert 2.3 < conv.turns_to_come() < 9.0
+    assert conv.growth_blocks == pytest.approx(4)
+
+
+# --- the decision ------------------------------------------------------------------------------
+
+
+def router() -> KvRouter:
+    r = KvRouter(RouterConfig(), random.Random(0))
+    for w in "ab":
+        r.add_worker(w, total_blocks=1000, max_num_batched_tokens=8192, block_size=B)
+    return r
+
+
+def answered(r: KvRouter, rid: str, worker: str, tokens: list[int], now: float) -> None:
+    d = r.route(RouteRequest(rid, block_hashes(tokens, B), len(tokens), backend_instance_id=worker), now)
+    assert isinstance(d, Decision)
+    r.first_token(rid, now + 0.05, timed=False)  # the worker's timing model stays on its prior
+    r.finished(rid, now + 0.3)
+
+
+def held_by_a(system: list[int], conversations: bool) -> tuple[KvRouter, float]:
+    """a holds ``system`` (its KV events say so) and has served traffic over it: six agent
+    sessions of 2k-token turns that have ended and six still going (``conversations``), or as
+    many single questions of the same sizes. Returns the router and the time after them."""
+    r = router()
+    n = len(system) // B
+    r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(n)), None, system[: n * B], B)], 0))
+    now = 0.0
+    for batch in range(2):
+        prompts = {s: system + toks(10 * batch + s, 200) for s in range(6)}
+        for turn in range(4):
+            for s, prompt in prompts.items():
+                tokens = prompt if conversations else toks(500 + 100 * batch + 10 * turn + s, len(prompt))
+                answered(r, f"{batch}-{s}-{turn}", "a", tokens, now)
+                prompts[s] = prompt + toks(1000 + 100 * batch + 10 * turn + s, 2000)
+                now += 0.1
+        if batch == 0:
+            now += 20.0  # the first six end
+            r.expire(now)
+    return r, now
+
+
+@pytest.mark.parametrize(("conversations", "worker"), [(True, "b"), (False, "a")])
+def test_a_new_conversation_goes_where_its_growth_fits(conversations: bool, worker: str) -> None:
+    """The six sessions living on a hold more blocks than its cache: a new session's later turns
+    there would push theirs out, so it starts on b, paying its 2k-token system prompt once. When
+    a's traffic is single questions, nothing comes back and a's cached prompt wins."""
+    system = toks(7, 2000)
+    r, now = held_by_a(system, conversations)
+    d = r.route(RouteRequest("new", block_hashes(system + toks(9, 200), B), 2200), now)
+    assert isinstance(d, Decision)
+    assert d.worker == (worker, 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms  # a answers this turn sooner
+    assert (by["a"].eviction_ms > 0) is conversations

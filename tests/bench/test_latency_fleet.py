@@ -22,19 +22,23 @@ SPEC = WorkloadSpec("agent-long", sessions=8, turns=4, groups=2, prefix_words=90
                     max_tokens=8, seed=7)  # fmt: skip
 
 
-async def _run(cost_model: str) -> tuple[dict[str, object], list[dict[str, object]]]:
+async def _run(cost_model: str) -> tuple[dict[str, object], list[dict[str, object]], dict[str, object]]:
     front = kvmesh_router("--router-cost-model", cost_model)
     async with start_fleet(3, ENGINE, front) as fleet:
         load = LoadSpec(urls=(fleet.front_url,), concurrency=6, think_time=0.05, seed=7)
         run = await run_workload(cost_model, build(SPEC), load)
-        async with aiohttp.ClientSession() as http, http.get(fleet.front_url + "/kvmesh/workers") as r:
-            workers = (await r.json())["workers"]
-    return report.summarize(run), workers
+        async with aiohttp.ClientSession() as http:
+            async with http.get(fleet.front_url + "/kvmesh/workers") as r:
+                workers = (await r.json())["workers"]
+            async with http.get(fleet.front_url + "/kvmesh/router") as r:
+                described = await r.json()
+    return report.summarize(run), workers, described
 
 
 async def test_the_latency_cost_does_no_more_prefill_work_than_dynamos_and_learns_the_engines() -> None:
-    dynamo, _ = await _run("dynamo")
-    latency, workers = await _run("latency")
+    dynamo, _, described = await _run("dynamo")
+    assert described["conversations"] is None  # Dynamo's cost prices no conversations
+    latency, workers, described = await _run("latency")
     assert dynamo["errors"] == 0 and latency["errors"] == 0
     assert latency["requests"] == dynamo["requests"] == 32
 
@@ -47,3 +51,11 @@ async def test_the_latency_cost_does_no_more_prefill_work_than_dynamos_and_learn
     models = [rank["timing_model"] for w in workers for rank in w["ranks"]]
     assert all(m is not None for m in models)
     assert sum(m["observations"] for m in models) == 32  # every finished request taught its worker
+    # 8 sessions of 4 turns: 24 of the 32 requests were later turns of earlier ones
+    conversations = described["conversations"]
+    assert isinstance(conversations, dict)
+    assert conversations["continued_share"] > 0 and conversations["turns_to_come"] > 0
+    assert conversations["blocks_per_turn"] > 300 // 16  # a turn adds its ~700-token tool output
+    assert conversations["live"] > 0  # the last turns, not yet overdue
+    live = [rank["live_conversation_blocks"] for w in workers for rank in w["ranks"]]
+    assert sum(live) > 0

@@ -74,6 +74,16 @@ class Conversations:
         p = min(self.p_continued, P_MAX)
         return p / (1.0 - p)
 
+    def describe(self) -> dict[str, float | int]:
+        """What the router has learned, for ``GET /kvmesh/router``."""
+        return {
+            "continued_share": round(self.p_continued, 4),
+            "turns_to_come": round(self.turns_to_come(), 3),
+            "blocks_per_turn": round(self.growth_blocks, 2),
+            "seconds_between_turns": round(self.cycle_s, 4),
+            "live": len(self._tips),
+        }
+
     def expiry_s(self) -> float:
         return EXPIRE_CYCLES * self.cycle_s if self.cycle_s > 0 else EXPIRE_FIRST_S
 

@@ -187,6 +187,8 @@ class WorkerSnapshot:
     busy: bool
     timing: dict[str, Any] | None = None
     """The worker's fitted timing model (coefficients, prediction error), when it has one."""
+    live_blocks: int = 0
+    """Blocks of the conversations living there (the latency cost's view; 0 with Dynamo's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1163,9 +1165,14 @@ class KvRouter:
                     info.max_num_batched_tokens,
                     b,
                     self._timing[key].describe() if key in self._timing else None,
+                    self._conversations.live_blocks(key),
                 )
             )
         return out
+
+    def conversation_stats(self) -> dict[str, float | int] | None:
+        """The conversations the latency cost has learned about (None with Dynamo's cost)."""
+        return self._conversations.describe() if self._latency else None
 
     @property
     def stats(self) -> RouterStats:

@@ -267,6 +267,7 @@ class WorkerRegistry:
                     "total_blocks": snap.total_blocks,
                     "busy": snap.busy,
                     "timing_model": snap.timing,
+                    "live_conversation_blocks": snap.live_blocks,
                 }
             )
         rows = []

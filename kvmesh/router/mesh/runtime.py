@@ -246,6 +246,7 @@ class Mesh:
             "timing_models": {
                 f"{s.worker[0]}/{s.worker[1]}": s.timing for s in self.router.worker_snapshot() if s.timing
             },
+            "conversations": self.router.conversation_stats(),
             "replica_sync": sync is not None,
             "router_sync_endpoint": sync.endpoint if sync is not None else None,
             **({"sync": sync.describe()} if sync is not None else {}),

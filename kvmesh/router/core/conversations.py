@@ -56,8 +56,13 @@ class Conversations:
     def __init__(self) -> None:
         self._tips: dict[str, _Tip] = {}
         """By request id, oldest first (tips are made in routing order)."""
-        self._by_anchor: dict[int, set[str]] = {}
-        """Tips by the identity of their last whole chunk (0 when shorter than a chunk)."""
+        self._by_prompt: dict[tuple[int, tuple[int, ...]], set[str]] = {}
+        """Tips by their prompt: the identity of its last whole chunk (0 when it is shorter than a
+        chunk) and the local hashes of the full blocks after it. Identical prompts (siblings)
+        share an entry."""
+        self._tails: dict[int, dict[int, int]] = {}
+        """Per last-chunk identity, how many tips have each number of full blocks after it: the
+        few lengths a prompt's lookup tries at that chunk (never a scan over the tips)."""
         self._refs: dict[WorkerKey, dict[int, int]] = {}
         self._live: dict[WorkerKey, int] = {}
         self.p_continued = 0.0
@@ -122,7 +127,10 @@ class Conversations:
         if request_id in self._tips:
             self._drop(request_id)
         self._tips[request_id] = tip
-        self._by_anchor.setdefault(_anchor(tip), set()).add(request_id)
+        anchor = _anchor(tip)
+        self._by_prompt.setdefault((anchor, tip.trailing), set()).add(request_id)
+        tails = self._tails.setdefault(anchor, {})
+        tails[len(tip.trailing)] = tails.get(len(tip.trailing), 0) + 1
         self._hold(tip)
         return previous
 
@@ -147,17 +155,23 @@ class Conversations:
 
     # ------------------------------------------------------------------ internals
     def _continued(self, prompt: PromptBlocks, local_hashes: Sequence[int]) -> str | None:
-        """The latest tip whose full blocks this prompt starts with, adding more; None if none."""
+        """A tip whose full blocks this prompt starts with, adding more (the longest); None if
+        none. One dictionary probe per whole chunk of the prompt, and one per tip length present
+        at a chunk that has tips after it."""
         ids = prompt.ids
+        n = prompt.n_blocks
         for k in range(prompt.n_anchors, -1, -1):  # longest prefix first
-            key = ids[k - 1] if k else 0
-            for rid in self._by_anchor.get(key, ()):
-                tip = self._tips[rid]
-                if tip.anchors != k or tip.n_blocks >= prompt.n_blocks:
-                    continue
-                start = k * CHUNK
-                if tuple(local_hashes[start : start + len(tip.trailing)]) == tip.trailing:
-                    return rid
+            anchor = ids[k - 1] if k else 0
+            tails = self._tails.get(anchor)
+            if not tails:
+                continue
+            start = k * CHUNK
+            for length in sorted(tails, reverse=True):
+                if start + length >= n:
+                    continue  # as long as this prompt or longer: a sibling, not an earlier turn
+                same = self._by_prompt.get((anchor, tuple(local_hashes[start : start + length])))
+                if same:
+                    return next(iter(same))
         return None
 
     def _outcome(self, continued: float) -> None:
@@ -179,11 +193,20 @@ class Conversations:
 
     def _drop(self, request_id: str) -> _Tip:
         tip = self._tips.pop(request_id)
-        key = _anchor(tip)
-        same = self._by_anchor[key]
+        anchor = _anchor(tip)
+        key = (anchor, tip.trailing)
+        same = self._by_prompt[key]
         same.discard(request_id)
         if not same:
-            del self._by_anchor[key]
+            del self._by_prompt[key]
+        tails = self._tails[anchor]
+        length = len(tip.trailing)
+        if tails[length] == 1:
+            del tails[length]
+            if not tails:
+                del self._tails[anchor]
+        else:
+            tails[length] -= 1
         refs = self._refs.get(tip.worker)
         if refs is not None:
             freed = 0

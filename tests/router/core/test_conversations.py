@@ -47,6 +47,19 @@ def test_a_turn_continues_the_request_whose_whole_prompt_it_extends() -> None:
     assert conv.p_continued == pytest.approx(ALPHA)
 
 
+def test_the_longest_earlier_prompt_is_the_one_continued_whatever_its_length() -> None:
+    conv = Conversations()
+    base = toks(2, 3 * B)  # shorter than a chunk
+    route(conv, "short", A, base, 0.0)
+    for i in range(200):  # many other short prompts, some sharing its first blocks
+        route(conv, f"other{i}", A, base[: B * (i % 3)] + toks(100 + i, 5 * B), 0.0)
+    assert route(conv, "short-2", A, base + toks(3, 20 * B), 1.0) == "short"  # crosses a chunk
+    longer = base + toks(3, 20 * B)
+    route(conv, "mid", A, longer[: 18 * B], 1.0)  # an unrelated tip inside the same chunk
+    assert route(conv, "short-3", A, longer + toks(4, 2 * B), 2.0) == "short-2"  # the longest
+    assert route(conv, "mid-2", A, longer[: 18 * B] + toks(5, B), 2.0) == "mid"
+
+
 def test_live_blocks_count_a_shared_prefix_once_and_follow_the_conversation() -> None:
     conv = Conversations()
     one, two = SYSTEM + toks(2, 10 * B), SYSTEM + toks(3, 10 * B)

@@ -21,8 +21,10 @@ identities (a chunk of 16 blocks is one identity), so a tip costs a list the rou
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
 
 from kvmesh._types import WorkerKey
 from kvmesh.router.core.load import CHUNK, PromptBlocks
@@ -63,7 +65,7 @@ class Conversations:
         self._tails: dict[int, dict[int, int]] = {}
         """Per last-chunk identity, how many tips have each number of full blocks after it: the
         few lengths a prompt's lookup tries at that chunk (never a scan over the tips)."""
-        self._refs: dict[WorkerKey, dict[int, int]] = {}
+        self._refs: dict[WorkerKey, Counter[int]] = {}
         self._live: dict[WorkerKey, int] = {}
         self.p_continued = 0.0
         self.growth_blocks = 0.0
@@ -104,17 +106,25 @@ class Conversations:
         """A request went to ``worker``: it becomes a tip, replacing the one it continues (whose
         id is returned)."""
         self.expire(now)
+        # the same request routed again: not an earlier turn of itself
+        again = self._unindex(request_id) if request_id in self._tips else None
         previous = self._continued(prompt, local_hashes)
+        replaced = None
         if previous is not None:
-            old = self._drop(previous)
+            replaced = self._unindex(previous)
             self._outcome(1.0)
-            growth = prompt.n_blocks - old.n_blocks
-            gap = max(now - old.at, 0.0)
+            growth = prompt.n_blocks - replaced.n_blocks
+            gap = max(now - replaced.at, 0.0)
             if self.cycle_s > 0:
                 self.growth_blocks += ALPHA * (growth - self.growth_blocks)
                 self.cycle_s += ALPHA * (gap - self.cycle_s)
             else:
                 self.growth_blocks, self.cycle_s = float(growth), gap
+        if again is not None:
+            if replaced is None:
+                replaced = again
+            else:
+                self._release(again, 0)
         full = prompt.n_anchors * CHUNK
         tip = _Tip(
             worker,
@@ -124,14 +134,17 @@ class Conversations:
             prompt.n_blocks,
             now,
         )
-        if request_id in self._tips:
-            self._drop(request_id)
         self._tips[request_id] = tip
         anchor = _anchor(tip)
         self._by_prompt.setdefault((anchor, tip.trailing), set()).add(request_id)
         tails = self._tails.setdefault(anchor, {})
         tails[len(tip.trailing)] = tails.get(len(tip.trailing), 0) + 1
-        self._hold(tip)
+        # A turn that stays on its worker moves only what changed: the history's whole chunks
+        # are held by both (a conversation's every turn would otherwise walk its whole history)
+        shared = _shared_anchors(replaced, tip) if replaced is not None and replaced.worker == worker else 0
+        self._hold(tip, shared)
+        if replaced is not None:
+            self._release(replaced, shared)
         return previous
 
     def expire(self, now: float) -> int:
@@ -156,17 +169,25 @@ class Conversations:
     # ------------------------------------------------------------------ internals
     def _continued(self, prompt: PromptBlocks, local_hashes: Sequence[int]) -> str | None:
         """A tip whose full blocks this prompt starts with, adding more (the longest); None if
-        none. One dictionary probe per whole chunk of the prompt, and one per tip length present
-        at a chunk that has tips after it."""
+        none. The prompt's whole chunks that tips end after are found in one set operation; at
+        each, one probe per tip length present there (never a scan over the tips)."""
+        tails = self._tails
+        if not tails:
+            return None
         ids = prompt.ids
+        n_anchors = prompt.n_anchors
+        anchors = ids[:n_anchors]
+        if tails.keys().isdisjoint(anchors):
+            levels = []
+        else:
+            levels = [ids.index(a, 0, n_anchors) + 1 for a in tails.keys() & anchors]
+        if 0 in tails:
+            levels.append(0)
         n = prompt.n_blocks
-        for k in range(prompt.n_anchors, -1, -1):  # longest prefix first
+        for k in sorted(levels, reverse=True):  # longest prefix first
             anchor = ids[k - 1] if k else 0
-            tails = self._tails.get(anchor)
-            if not tails:
-                continue
             start = k * CHUNK
-            for length in sorted(tails, reverse=True):
+            for length in sorted(tails[anchor], reverse=True):
                 if start + length >= n:
                     continue  # as long as this prompt or longer: a sibling, not an earlier turn
                 same = self._by_prompt.get((anchor, tuple(local_hashes[start : start + length])))
@@ -179,19 +200,39 @@ class Conversations:
         # endings only after EXPIRE_CYCLES gaps, so the first outcomes are all continuations.
         self.p_continued += ALPHA * (continued - self.p_continued)
 
-    def _hold(self, tip: _Tip) -> None:
-        refs = self._refs.setdefault(tip.worker, {})
+    def _hold(self, tip: _Tip, start: int) -> None:
+        """Count ``tip``'s identities from ``start`` on as live on its worker. (A new
+        conversation's first turn holds its whole prompt, on every routing decision: the counting
+        is left to ``Counter``'s C loop.)"""
+        refs = self._refs.setdefault(tip.worker, Counter())
         added = 0
-        for i, ident in enumerate(tip.ids):
-            c = refs.get(ident)
-            if c is None:
-                refs[ident] = 1
-                added += CHUNK if i < tip.anchors else 1
-            else:
-                refs[ident] = c + 1
+        for lo, hi, weight in _parts(tip, start):
+            if lo < hi:
+                before = len(refs)
+                refs.update(tip.ids[lo:hi])
+                added += (len(refs) - before) * weight
         self._live[tip.worker] = self._live.get(tip.worker, 0) + added
 
-    def _drop(self, request_id: str) -> _Tip:
+    def _release(self, tip: _Tip, start: int) -> None:
+        refs = self._refs.get(tip.worker)
+        if refs is None:  # its worker is gone
+            return
+        freed = 0
+        for lo, hi, weight in _parts(tip, start):
+            if lo < hi:
+                part = tip.ids[lo:hi]
+                counts = list(map(refs.pop, part))  # popped; the ones others hold go back
+                gone = counts.count(1)
+                if gone < len(part):
+                    back = compress(zip(part, counts, strict=True), map(_MORE_THAN_ONE, counts))
+                    dict.update(refs, ((ident, c - 1) for ident, c in back))
+                freed += gone * weight
+        self._live[tip.worker] -= freed
+
+    def _drop(self, request_id: str) -> None:
+        self._release(self._unindex(request_id), 0)
+
+    def _unindex(self, request_id: str) -> _Tip:
         tip = self._tips.pop(request_id)
         anchor = _anchor(tip)
         key = (anchor, tip.trailing)
@@ -207,18 +248,23 @@ class Conversations:
                 del self._tails[anchor]
         else:
             tails[length] -= 1
-        refs = self._refs.get(tip.worker)
-        if refs is not None:
-            freed = 0
-            for i, ident in enumerate(tip.ids):
-                c = refs[ident]
-                if c == 1:
-                    del refs[ident]
-                    freed += CHUNK if i < tip.anchors else 1
-                else:
-                    refs[ident] = c - 1
-            self._live[tip.worker] -= freed
         return tip
+
+
+_MORE_THAN_ONE = (1).__lt__
+
+
+def _parts(tip: _Tip, start: int) -> tuple[tuple[int, int, int], ...]:
+    """``tip.ids[start:]`` as ``(lo, hi, blocks per identity)``: whole chunks, then single blocks."""
+    return ((start, tip.anchors, CHUNK), (max(start, tip.anchors), len(tip.ids), 1))
+
+
+def _shared_anchors(old: _Tip, new: _Tip) -> int:
+    """Whole chunks two prompts start with (chunk identities name the whole prefix up to them)."""
+    k = min(old.anchors, new.anchors)
+    while k and old.ids[k - 1] != new.ids[k - 1]:
+        k -= 1
+    return k
 
 
 def _anchor(tip: _Tip) -> int:

@@ -24,10 +24,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress
 
 from kvmesh._types import WorkerKey
-from kvmesh.router.core.load import CHUNK, PromptBlocks
+from kvmesh.router.core.load import CHUNK, PromptBlocks, hold_prefix, release_prefix
 
 ALPHA = 0.05
 """Weight of one outcome in the moving averages (the last ~20 conversations' turns)."""
@@ -48,8 +47,11 @@ class _Tip:
     anchors: int
     trailing: tuple[int, ...]
     """Local hashes of the full blocks after the last whole chunk (fewer than ``CHUNK``)."""
-    n_blocks: int
     at: float
+
+    @property
+    def n_blocks(self) -> int:
+        return self.anchors * CHUNK + len(self.trailing)
 
 
 class Conversations:
@@ -131,7 +133,6 @@ class Conversations:
             prompt.ids,
             prompt.n_anchors,
             tuple(local_hashes[full : prompt.n_blocks]),
-            prompt.n_blocks,
             now,
         )
         self._tips[request_id] = tip
@@ -201,33 +202,15 @@ class Conversations:
         self.p_continued += ALPHA * (continued - self.p_continued)
 
     def _hold(self, tip: _Tip, start: int) -> None:
-        """Count ``tip``'s identities from ``start`` on as live on its worker. (A new
-        conversation's first turn holds its whole prompt, on every routing decision: the counting
-        is left to ``Counter``'s C loop.)"""
+        """Count ``tip``'s identities from ``start`` on as live on its worker."""
         refs = self._refs.setdefault(tip.worker, Counter())
-        added = 0
-        for lo, hi, weight in _parts(tip, start):
-            if lo < hi:
-                before = len(refs)
-                refs.update(tip.ids[lo:hi])
-                added += (len(refs) - before) * weight
+        added = hold_prefix(refs, tip.ids, tip.anchors, start)
         self._live[tip.worker] = self._live.get(tip.worker, 0) + added
 
     def _release(self, tip: _Tip, start: int) -> None:
         refs = self._refs.get(tip.worker)
-        if refs is None:  # its worker is gone
-            return
-        freed = 0
-        for lo, hi, weight in _parts(tip, start):
-            if lo < hi:
-                part = tip.ids[lo:hi]
-                counts = list(map(refs.pop, part))  # popped; the ones others hold go back
-                gone = counts.count(1)
-                if gone < len(part):
-                    back = compress(zip(part, counts, strict=True), map(_MORE_THAN_ONE, counts))
-                    dict.update(refs, ((ident, c - 1) for ident, c in back))
-                freed += gone * weight
-        self._live[tip.worker] -= freed
+        if refs is not None:  # else its worker is gone
+            self._live[tip.worker] -= release_prefix(refs, tip.ids, tip.anchors, start)
 
     def _drop(self, request_id: str) -> None:
         self._release(self._unindex(request_id), 0)
@@ -249,14 +232,6 @@ class Conversations:
         else:
             tails[length] -= 1
         return tip
-
-
-_MORE_THAN_ONE = (1).__lt__
-
-
-def _parts(tip: _Tip, start: int) -> tuple[tuple[int, int, int], ...]:
-    """``tip.ids[start:]`` as ``(lo, hi, blocks per identity)``: whole chunks, then single blocks."""
-    return ((start, tip.anchors, CHUNK), (max(start, tip.anchors), len(tip.ids), 1))
 
 
 def _shared_anchors(old: _Tip, new: _Tip) -> int:

@@ -31,7 +31,9 @@ ending inside a chunk that only one of them completes are deduplicated up to the
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
+from itertools import compress
 
 from kvmesh._types import WorkerKey
 
@@ -80,6 +82,38 @@ class PromptBlocks:
         return CHUNK if i < self.n_anchors else 1
 
 
+def hold_prefix(refs: Counter[int], ids: Sequence[int], anchors: int, start: int = 0) -> int:
+    """Count the prefix identities ``ids[start:]`` as held once more in ``refs``; returns the
+    blocks no one held before (an identity of a whole chunk is ``CHUNK`` blocks, one after the
+    last whole chunk (``anchors`` of them) a single block). Counting is left to ``Counter``'s C
+    loop: this runs for every routed request."""
+    added = 0
+    for lo, hi, weight in ((start, anchors, CHUNK), (max(start, anchors), len(ids), 1)):
+        if lo < hi:
+            before = len(refs)
+            refs.update(ids[lo:hi])
+            added += (len(refs) - before) * weight
+    return added
+
+
+def release_prefix(refs: Counter[int], ids: Sequence[int], anchors: int, start: int = 0) -> int:
+    """Undo :func:`hold_prefix`; returns the blocks no one holds any more."""
+    freed = 0
+    for lo, hi, weight in ((start, anchors, CHUNK), (max(start, anchors), len(ids), 1)):
+        if lo < hi:
+            part = ids[lo:hi]
+            counts = list(map(refs.pop, part))  # popped; the ones others hold go back
+            gone = counts.count(1)
+            if gone < len(part):
+                back = compress(zip(part, counts, strict=True), map(_MORE_THAN_ONE, counts))
+                dict.update(refs, ((ident, c - 1) for ident, c in back))
+            freed += gone * weight
+    return freed
+
+
+_MORE_THAN_ONE = (1).__lt__
+
+
 class _WorkerLoad:
     __slots__ = (
         "active",
@@ -97,7 +131,7 @@ class _WorkerLoad:
         self.blocks = 0
         self.output = 0.0
         self.requests = 0
-        self.refs: dict[int, int] = {}
+        self.refs: Counter[int] = Counter()
         self.in_prefill: dict[str, _Active] = {}
         """Requests before their first token, oldest first (dicts keep insertion order)."""
         self.active: dict[str, _Active] = {}
@@ -317,15 +351,7 @@ class ActiveSequences:
             unique = 1 if isl_tokens > prompt.n_blocks * self.block_size else 0
             if self.assume_kv_reuse:
                 ids = prompt.ids
-                refs = w.refs
-                n_anchors = prompt.n_anchors
-                for i, ident in enumerate(ids):
-                    c = refs.get(ident)
-                    if c is None:
-                        refs[ident] = 1
-                        w.blocks += CHUNK if i < n_anchors else 1
-                    else:
-                        refs[ident] = c + 1
+                w.blocks += hold_prefix(w.refs, ids, prompt.n_anchors)
             else:
                 unique += prompt.n_blocks
             w.blocks += unique
@@ -389,14 +415,7 @@ class ActiveSequences:
         w.prefill_tokens -= r.prefill
         w.blocks -= r.unique
         if r.ids is not None:
-            refs = w.refs
-            for i, ident in enumerate(r.ids):
-                c = refs[ident]
-                if c == 1:
-                    del refs[ident]
-                    w.blocks -= CHUNK if i < r.anchors else 1
-                else:
-                    refs[ident] = c - 1
+            w.blocks -= release_prefix(w.refs, r.ids, r.anchors)
         w.requests -= 1
         if w.requests == 0:
             w.output = 0.0  # exact zero, whatever float rounding accumulated
@@ -422,7 +441,7 @@ class ActiveSequences:
         return list(self._requests)
 
 
-def _active_weight(refs: dict[int, int], prompt: PromptBlocks) -> int:
+def _active_weight(refs: Counter[int], prompt: PromptBlocks) -> int:
     """Weight of the prompt's identities already active: they are prefix-closed, so bisect."""
     ids = prompt.ids
     n_anchors = prompt.n_anchors

@@ -74,7 +74,17 @@ def test_live_blocks_count_a_shared_prefix_once_and_follow_the_conversation() ->
     assert conv.expire(1.0 + EXPIRE_CYCLES - 0.01) == 1  # "two", routed at 0
     assert conv.expire(1.0 + EXPIRE_CYCLES + 0.01) == 1
     assert conv.live_blocks(A) == conv.live_blocks(W) == 0
-    conv.remove_worker(A)  # nothing left to forget; removing it is harmless
+
+
+def test_a_removed_worker_takes_its_conversations_with_it() -> None:
+    conv = Conversations()
+    first = SYSTEM + toks(2, 10 * B)
+    route(conv, "on-a", A, first, 0.0)
+    route(conv, "on-b", W, SYSTEM + toks(3, 10 * B), 0.0)
+    conv.remove_worker(A)
+    assert conv.live_blocks(A) == 0
+    assert conv.live_blocks(W) == 2 * CHUNK + 10
+    assert route(conv, "next", W, first + toks(4, 4 * B), 1.0) is None  # nothing left to continue
 
 
 def test_the_share_of_requests_continued_gives_the_turns_to_come() -> None:

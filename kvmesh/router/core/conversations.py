@@ -9,9 +9,10 @@ its later turns, and the cache they will grow into. The router learns that from 
 * each request is a **tip** until a later turn continues it (the tip moves to that turn, on the
   worker it went to) or it is not continued for ``EXPIRE_CYCLES`` typical gaps between turns (the
   conversation is taken to be over);
-* from the tips' fates: the share of requests that are continued ``p`` (so a conversation has
-  ``p / (1 - p)`` more turns to come, on average), the blocks a turn adds, and the gap between
-  turns;
+* each request has a **turn number** (1 when it continues nothing; a sibling shares its twin's);
+  from how many conversations reached each turn, the turns still to come after turn ``n`` (those
+  that reached ``n`` and went on, counted at each turn they reached), the blocks a turn adds, and
+  the gap between turns;
 * per worker, the **live blocks**: the blocks of the tips placed there, a prefix shared by several
   counted once. They are what conversations will ask that worker for again.
 
@@ -29,15 +30,32 @@ from kvmesh._types import WorkerKey
 from kvmesh.router.core.load import CHUNK, PromptBlocks, hold_prefix, release_prefix
 
 ALPHA = 0.05
-"""Weight of one outcome in the moving averages (the last ~20 conversations' turns)."""
+"""Weight of one turn in the moving averages of growth and gap (the last ~20 turns)."""
 EXPIRE_CYCLES = 4.0
 """A tip not continued after this many typical gaps between turns is taken as the end of its
 conversation: gaps vary (think time, tool time) but rarely by 4x."""
 EXPIRE_FIRST_S = 30.0
 """The expiry before any gap between turns has been seen."""
-P_MAX = 0.95
-"""At most ``P_MAX / (1 - P_MAX)`` = 19 turns to come: a fleet of endless conversations has no
-finite answer, and beyond ~20 turns the first ones' cache is long gone anyway."""
+MAX_TURNS_TO_COME = 19.0
+"""A fleet of endless conversations has no finite answer, and beyond ~20 turns the first ones'
+cache is long gone anyway."""
+MAX_TURN = 1024
+"""Turns past this one are counted as this one."""
+HALVE_AT = 2000.0
+"""When this many conversations have been counted, every count is halved, so the statistics
+follow the traffic of the last thousand or two conversations."""
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """Where a request stands in its conversation (:meth:`Conversations.lookup`)."""
+
+    previous: str | None
+    """The tip it continues (None: it continues nothing)."""
+    number: int
+    """1 for a conversation's first request; a sibling has its twin's."""
+    sibling: bool = False
+    """Its prompt is a live tip's: the same turn again (best-of-n, a retry), not a new one."""
 
 
 @dataclass(slots=True)
@@ -48,6 +66,7 @@ class _Tip:
     trailing: tuple[int, ...]
     """Local hashes of the full blocks after the last whole chunk (fewer than ``CHUNK``)."""
     at: float
+    number: int
 
     @property
     def n_blocks(self) -> int:
@@ -69,7 +88,12 @@ class Conversations:
         few lengths a prompt's lookup tries at that chunk (never a scan over the tips)."""
         self._refs: dict[WorkerKey, Counter[int]] = {}
         self._live: dict[WorkerKey, int] = {}
-        self.p_continued = 0.0
+        self._reached: list[float] = []
+        """``[n - 1]``: how many conversations reached turn ``n`` (live ones as far as they got).
+        Counting what was seen, rather than a share of requests continued, never extrapolates: a
+        share learned from the tips' fates ran to 19 turns to come in a fleet of 4-turn
+        conversations, since a continuation is seen a turn later and an ending only after
+        ``EXPIRE_CYCLES`` gaps, or never within a run."""
         self.growth_blocks = 0.0
         self.cycle_s = 0.0
 
@@ -78,16 +102,27 @@ class Conversations:
         """Blocks of the conversations placed on ``worker`` and not over."""
         return self._live.get(worker, 0)
 
-    def turns_to_come(self) -> float:
-        """Further turns a conversation brings, on average (0 until a continuation is seen)."""
-        p = min(self.p_continued, P_MAX)
-        return p / (1.0 - p)
+    def turns_to_come(self, number: int = 1) -> float:
+        """Further turns a conversation at turn ``number`` brings, on average: of the conversations
+        that reached it, how many turns beyond it they reached (0 before any did)."""
+        reached = self._reached
+        n = min(number, MAX_TURN)
+        if n > len(reached) or reached[n - 1] <= 0:
+            return 0.0
+        return min(sum(reached[n:]) / reached[n - 1], MAX_TURNS_TO_COME)
+
+    def continued_share(self) -> float:
+        """The share of turns that a later turn continued: the chance that a live conversation
+        comes back for its blocks."""
+        total = sum(self._reached)
+        return (total - self._reached[0]) / total if total > 0 else 0.0
 
     def describe(self) -> dict[str, float | int]:
         """What the router has learned, for ``GET /kvmesh/router``."""
         return {
-            "continued_share": round(self.p_continued, 4),
+            "continued_share": round(self.continued_share(), 4),
             "turns_to_come": round(self.turns_to_come(), 3),
+            "deepest_turn": len(self._reached),
             "blocks_per_turn": round(self.growth_blocks, 2),
             "seconds_between_turns": round(self.cycle_s, 4),
             "live": len(self._tips),
@@ -97,6 +132,19 @@ class Conversations:
         return EXPIRE_CYCLES * self.cycle_s if self.cycle_s > 0 else EXPIRE_FIRST_S
 
     # ------------------------------------------------------------------ lifecycle
+    def lookup(self, prompt: PromptBlocks, local_hashes: Sequence[int], now: float) -> Turn:
+        """Where a request with this prompt would stand: the tip it continues, its turn number."""
+        self.expire(now)
+        previous = self._continued(prompt, local_hashes)
+        if previous is not None:
+            return Turn(previous, self._tips[previous].number + 1)
+        full = prompt.n_anchors * CHUNK
+        anchor = prompt.ids[prompt.n_anchors - 1] if prompt.n_anchors else 0
+        twins = self._by_prompt.get((anchor, tuple(local_hashes[full : prompt.n_blocks])))
+        if twins:
+            return Turn(None, self._tips[next(iter(twins))].number, sibling=True)
+        return Turn(None, 1)
+
     def routed(
         self,
         request_id: str,
@@ -104,17 +152,21 @@ class Conversations:
         prompt: PromptBlocks,
         local_hashes: Sequence[int],
         now: float,
+        turn: Turn | None = None,
     ) -> str | None:
         """A request went to ``worker``: it becomes a tip, replacing the one it continues (whose
-        id is returned)."""
-        self.expire(now)
-        # the same request routed again: not an earlier turn of itself
+        id is returned). ``turn``: its :meth:`lookup` at ``now``, when the caller made one."""
+        if turn is None:
+            turn = self.lookup(prompt, local_hashes, now)
+        # the same request routed again: not an earlier turn of itself, nor a turn more
         again = self._unindex(request_id) if request_id in self._tips else None
-        previous = self._continued(prompt, local_hashes)
+        previous = turn.previous
+        number = turn.number if again is None else again.number
+        if again is None and not turn.sibling:
+            self._count(number)
         replaced = None
         if previous is not None:
             replaced = self._unindex(previous)
-            self._outcome(1.0)
             growth = prompt.n_blocks - replaced.n_blocks
             gap = max(now - replaced.at, 0.0)
             if self.cycle_s > 0:
@@ -134,6 +186,7 @@ class Conversations:
             prompt.n_anchors,
             tuple(local_hashes[full : prompt.n_blocks]),
             now,
+            number,
         )
         self._tips[request_id] = tip
         anchor = _anchor(tip)
@@ -157,7 +210,6 @@ class Conversations:
             if tip.at > horizon:
                 break
             self._drop(rid)
-            self._outcome(0.0)
             gone += 1
         return gone
 
@@ -196,10 +248,15 @@ class Conversations:
                     return next(iter(same))
         return None
 
-    def _outcome(self, continued: float) -> None:
-        # From 0, not from the first outcome: continuations are seen a turn after a request,
-        # endings only after EXPIRE_CYCLES gaps, so the first outcomes are all continuations.
-        self.p_continued += ALPHA * (continued - self.p_continued)
+    def _count(self, number: int) -> None:
+        """One more conversation reached turn ``number``."""
+        reached = self._reached
+        n = min(number, MAX_TURN)
+        if n > len(reached):
+            reached.extend([0.0] * (n - len(reached)))
+        reached[n - 1] += 1.0
+        if reached[0] >= HALVE_AT:
+            self._reached = [r / 2.0 for r in reached]
 
     def _hold(self, tip: _Tip, start: int) -> None:
         """Count ``tip``'s identities from ``start`` on as live on its worker."""

@@ -27,6 +27,7 @@ which is how replica sync shares them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -37,7 +38,7 @@ from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.router.core import selector
 from kvmesh.router.core.chain_trie import TierDepths
 from kvmesh.router.core.config import RouterConfig
-from kvmesh.router.core.conversations import Conversations
+from kvmesh.router.core.conversations import Conversations, Turn
 from kvmesh.router.core.index_factory import index_for
 from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
@@ -647,6 +648,12 @@ class KvRouter:
         n_blocks = len(req.local_hashes)
         isl = req.isl_tokens
         latency = self._latency
+        turn = None
+        growth = 0.0
+        if latency and prompt is not None and prompt.ids:
+            conv = self._conversations
+            turn = conv.lookup(prompt, req.local_hashes, now)
+            growth = conv.turns_to_come(turn.number) * conv.growth_blocks
         for key in candidates:
             depths = overlaps.get(key, _NO_TIERS)
             dev = depths.device
@@ -681,9 +688,10 @@ class KvRouter:
                     key, prefill, dev, n_blocks, decode, weights.prefill_load_scale, wait_ms, now
                 )
                 delay = self._delay_to_arrivals_ms(
-                    key, active, prefill - active, decode - new, decode, req.osl
+                    key, active, prefill - active, decode - new, decode, req.osl, now
                 )
-                evict += self._growth_eviction_ms(key, n_blocks - dev)
+                if growth > 0:
+                    evict += self._growth_eviction_ms(key, growth, n_blocks - dev)
                 c = ttft + delay + evict
                 scores.append(
                     CandidateScore(
@@ -714,7 +722,7 @@ class KvRouter:
             i = self._pick_saving_work(candidates, own_tokens, costs, trees, scores)
         else:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
-        return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt)
+        return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt, turn)
 
     def _pick_saving_work(
         self,
@@ -804,12 +812,12 @@ class KvRouter:
             return ttft, 0.0
         return ttft, reuse * evicted * (self._block_size or 1) * model.ms_per_token()
 
-    def _growth_eviction_ms(self, key: WorkerKey, added_blocks: float) -> float:
+    def _growth_eviction_ms(self, key: WorkerKey, growth_blocks: float, added_blocks: float) -> float:
         """What the cache its conversation grows into there evicts from the other conversations
         living there, in their recompute time when they come back.
 
         A turn's later turns follow it to the worker holding its history, each adding the blocks a
-        turn typically adds: ``turns to come x blocks a turn`` more cache there. Where the live
+        turn typically adds: ``growth_blocks`` (its turns to come x blocks a turn) more cache there. Where the live
         conversations' blocks (:class:`Conversations`) and this request's leave room for that,
         nothing; beyond it, the excess pushes out blocks that live conversations come back for (at
         the share of requests that are continued), to be prefilled again at the worker's fitted
@@ -819,14 +827,11 @@ class KvRouter:
         of eight held none, and turns there waited for memory or recomputed 10k-token histories.
         """
         conv = self._conversations
-        growth = conv.turns_to_come() * conv.growth_blocks
-        if growth <= 0:
-            return 0.0
         room = self._workers[key[0]].total_blocks - conv.live_blocks(key) - added_blocks
-        evicted = growth - max(room, 0.0)
+        evicted = growth_blocks - max(room, 0.0)
         if evicted <= 0:
             return 0.0
-        return conv.p_continued * evicted * (self._block_size or 1) * self._timing[key].ms_per_token()
+        return conv.continued_share() * evicted * (self._block_size or 1) * self._timing[key].ms_per_token()
 
     def _delay_to_arrivals_ms(
         self,
@@ -836,6 +841,7 @@ class KvRouter:
         blocks_before: float,
         blocks_after: float,
         osl: int | None,
+        now: float,
     ) -> float:
         """The time to first token this request takes from the requests that will arrive on ``key``
         while it is there.
@@ -849,6 +855,16 @@ class KvRouter:
         half of it on average. Its blocks raise the worker's KV usage for its whole decode, which
         lengthens every decode pass there: each request arriving during that time waits for one and
         a half passes longer (the rest of the step in progress and the step emitting its token).
+        Beyond the worker's KV blocks, the arrivals wait for memory as well (:meth:`_memory_wait_ms`),
+        and the blocks this request adds past the limit are blocks they wait to see freed: each
+        waits that share of the cache's turnover time (the worker frees a cache's worth of blocks
+        per stay) longer. That lasts while the worker stays over its limit: until the requests
+        finishing there have freed the excess and what arrivals bring meanwhile (the blocks in
+        flight there over their stay, Little's law again), or for its whole decode when they
+        cannot. (Without it the cost saw only the request's own wait for memory, which hinges on
+        when the next request there ends: it put turns on a worker already 240 blocks over its
+        cache because one request there was about to finish, and the turns behind them waited
+        300-500 ms, where spreading the excess over the fleet keeps every wait short.)
         An idle worker charges nothing, so a request that would pile onto a worker already taking
         most of the traffic pays for the queue it makes there; a request that shares blocks already
         in use there (a sibling, a conversation's next turn) adds few blocks and little prefill,
@@ -867,7 +883,13 @@ class KvRouter:
         pass_after = timing.decode_ms(after)
         longer_pass = max(pass_after - timing.decode_ms(before), 0.0)
         decode_s = osl * pass_after / 1000.0 if osl is not None and osl > 0 else stay_s
-        return rate * (prefill / 1000.0) * prefill / 2.0 + rate * decode_s * 1.5 * longer_pass
+        delay = rate * (prefill / 1000.0) * prefill / 2.0 + rate * decode_s * 1.5 * longer_pass
+        over_limit = min(blocks_after - blocks_before, blocks_after - total)
+        if over_limit > 0:
+            inflow = blocks_before / stay_s
+            window = min(self._time_to_free_s(key, blocks_after - total, now, stay_s, inflow), decode_s)
+            delay += rate * window * 1000.0 * over_limit / total * stay_s
+        return delay
 
     def _memory_wait_ms(
         self,
@@ -888,11 +910,28 @@ class KvRouter:
         if excess <= 0:
             return 0.0
         stay_s = self._decode_s.get(key, self._decode_fleet)
+        return 1000.0 * self._time_to_free_s(key, excess, now, stay_s, 0.0, exclude, total_blocks)
+
+    def _time_to_free_s(
+        self,
+        key: WorkerKey,
+        excess: float,
+        now: float,
+        stay_s: float,
+        inflow: float,
+        exclude: str | None = None,
+        total_blocks: int = 0,
+    ) -> float:
+        """Seconds until the requests in flight on ``key`` have freed ``excess`` blocks more than
+        arrivals bring meanwhile (``inflow`` blocks a second). Past the last of them: with no
+        inflow, a further decode time per ``total_blocks`` still missing; with inflow, never."""
         left = freed = 0.0
         for left, freed in self._load.releases(key, now, stay_s, self._out_tokens, exclude):
-            if freed >= excess:
-                return 1000.0 * left
-        return 1000.0 * (left + (excess - freed) / total_blocks * stay_s)
+            if freed - inflow * left >= excess:
+                return left
+        if inflow > 0 or total_blocks <= 0:
+            return math.inf
+        return left + (excess - freed) / total_blocks * stay_s
 
     def _finish(
         self,
@@ -902,10 +941,13 @@ class KvRouter:
         breakdown: tuple[CandidateScore, ...],
         now: float,
         prompt: PromptBlocks | None,
+        turn: Turn | None = None,
     ) -> Decision:
         # the queue as this request finds it, before it joins: what it waits for, what it batches with
         view = self._load.step_in_progress(worker, now)
-        self._commit(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, now, req.osl, prompt)
+        self._commit(
+            req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, now, req.osl, prompt, turn
+        )
         self._start_observation(req, worker, overlap, breakdown, now, view)
         if self.observer is not None:
             self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
@@ -1007,6 +1049,7 @@ class KvRouter:
         now: float,
         osl: int | None,
         prompt: PromptBlocks | None,
+        turn: Turn | None = None,
     ) -> None:
         if prompt is None:
             prompt = PromptBlocks(local_hashes) if self._load.assume_kv_reuse else _bare_prompt(local_hashes)
@@ -1018,7 +1061,7 @@ class KvRouter:
         )
         self._index.record(worker, local_hashes, now)
         if self._latency and prompt.ids:
-            self._conversations.routed(request_id, worker, prompt, local_hashes, now)
+            self._conversations.routed(request_id, worker, prompt, local_hashes, now, turn)
 
     # ---------------------------------------------------------------- feedback
     def first_token(self, request_id: str, now: float, *, timed: bool = True) -> None:

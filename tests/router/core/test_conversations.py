@@ -10,7 +10,7 @@ import pytest
 from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.hashing import block_hashes
 from kvmesh.router.core.config import RouterConfig
-from kvmesh.router.core.conversations import ALPHA, EXPIRE_CYCLES, Conversations
+from kvmesh.router.core.conversations import EXPIRE_CYCLES, MAX_TURNS_TO_COME, Conversations
 from kvmesh.router.core.kv_router import Decision, KvRouter, RouteRequest
 from kvmesh.router.core.load import CHUNK, PromptBlocks
 
@@ -44,7 +44,26 @@ def test_a_turn_continues_the_request_whose_whole_prompt_it_extends() -> None:
     assert route(conv, "s1-t3", A, second[:-B] + toks(5, 30 * B), 2.0) is None  # drops a block of it
     assert conv.growth_blocks == 40
     assert conv.cycle_s == pytest.approx(1.0)
-    assert conv.p_continued == pytest.approx(ALPHA)
+    # turns reached: s1-t1, s2-t1 and s1-t3 are first turns, s1-t2 a second (its sibling is the
+    # same turn again, not a conversation more)
+    assert conv.continued_share() == pytest.approx(1 / 4)
+    assert conv.turns_to_come(1) == pytest.approx(1 / 3)
+    assert conv.turns_to_come(2) == 0
+
+
+def test_a_sibling_shares_its_twins_turn_number() -> None:
+    conv = Conversations()
+    first = SYSTEM + toks(2, 10 * B)
+    second = first + toks(3, 10 * B)
+    route(conv, "t1", A, first, 0.0)
+    route(conv, "t2", A, second, 1.0)
+    hashes = block_hashes(second, B)
+    turn = conv.lookup(PromptBlocks(hashes), hashes, 1.0)
+    assert (turn.previous, turn.number, turn.sibling) == (None, 2, True)
+    third = second + toks(4, 10 * B)
+    hashes = block_hashes(third, B)
+    turn = conv.lookup(PromptBlocks(hashes), hashes, 2.0)
+    assert (turn.previous, turn.number, turn.sibling) == ("t2", 3, False)
 
 
 def test_the_longest_earlier_prompt_is_the_one_continued_whatever_its_length() -> None:
@@ -87,7 +106,7 @@ def test_a_removed_worker_takes_its_conversations_with_it() -> None:
     assert route(conv, "next", W, first + toks(4, 4 * B), 1.0) is None  # nothing left to continue
 
 
-def test_the_share_of_requests_continued_gives_the_turns_to_come() -> None:
+def test_the_turns_conversations_reached_give_the_turns_to_come() -> None:
     conv = Conversations()
     assert conv.turns_to_come() == 0  # nothing learned: no future is priced
     now = 0.0
@@ -98,10 +117,35 @@ def test_the_share_of_requests_continued_gives_the_turns_to_come() -> None:
             prompt = prompt + toks(1000 * s + t, 4 * B)
             now += 1.0
     conv.expire(now + 10 * EXPIRE_CYCLES)
-    # 5 of every 6 requests are continued: about 5 turns to come
-    assert 0.7 < conv.p_continued < 0.9
-    assert 2.3 < conv.turns_to_come() < 9.0
+    assert conv.turns_to_come(1) == pytest.approx(5)
+    assert conv.turns_to_come(4) == pytest.approx(2)
+    assert conv.turns_to_come(6) == 0  # no conversation went past its sixth turn
+    assert conv.continued_share() == pytest.approx(5 / 6)
     assert conv.growth_blocks == pytest.approx(4)
+
+
+def test_conversations_still_going_count_only_the_turns_they_reached() -> None:
+    """One wave of conversations, all live at their third turn: nothing says they go on, so no
+    more than two turns to come are priced (the share of turns continued, learned from the tips'
+    fates, read 19 here: continuations are seen at once, endings only after expiry)."""
+    conv = Conversations()
+    prompts = {s: toks(100 + s, 8 * B) for s in range(30)}
+    for t in range(3):
+        for s in range(30):
+            route(conv, f"{s}-{t}", A, prompts[s], float(t))
+            prompts[s] = prompts[s] + toks(1000 * s + t, 4 * B)
+    assert conv.turns_to_come(1) == pytest.approx(2)
+    assert conv.turns_to_come(3) == 0
+
+
+def test_endless_conversations_are_priced_a_bounded_future() -> None:
+    conv = Conversations()
+    prompt = toks(5, 2 * B)
+    for t in range(60):
+        route(conv, f"t{t}", A, prompt, float(t))
+        prompt = prompt + toks(t, B)
+    route(conv, "other", A, toks(6, 2 * B), 60.0)  # a second conversation, just begun
+    assert conv.turns_to_come(1) == MAX_TURNS_TO_COME
 
 
 # --- the decision ------------------------------------------------------------------------------
@@ -131,7 +175,7 @@ def held_by_a(system: list[int], conversations: bool) -> tuple[KvRouter, float]:
     now = 0.0
     for batch in range(2):
         prompts = {s: system + toks(10 * batch + s, 200) for s in range(6)}
-        for turn in range(4):
+        for turn in range(6):
             for s, prompt in prompts.items():
                 tokens = prompt if conversations else toks(500 + 100 * batch + 10 * turn + s, len(prompt))
                 answered(r, f"{batch}-{s}-{turn}", "a", tokens, now)

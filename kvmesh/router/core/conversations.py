@@ -41,6 +41,10 @@ MAX_TURNS_TO_COME = 19.0
 cache is long gone anyway."""
 MAX_TURN = 1024
 """Turns past this one are counted as this one."""
+MAX_TIPS = 20_000
+"""Live conversations the router follows at most (~1.5 kB each); past it the oldest tip is
+dropped, as if its conversation had ended. A fleet with more conversations between turns than this
+is priced from the most recent ones."""
 HALVE_AT = 2000.0
 """When this many conversations have been counted, every count is halved, so the statistics
 follow the traffic of the last thousand or two conversations."""
@@ -199,6 +203,8 @@ class Conversations:
         self._hold(tip, shared)
         if replaced is not None:
             self._release(replaced, shared)
+        while len(self._tips) > MAX_TIPS:
+            self._drop(next(iter(self._tips)))
         return previous
 
     def expire(self, now: float) -> int:

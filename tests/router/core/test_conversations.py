@@ -200,3 +200,17 @@ def test_a_new_conversation_goes_where_its_growth_fits(conversations: bool, work
     by = {s.worker[0]: s for s in d.breakdown}
     assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms  # a answers this turn sooner
     assert (by["a"].eviction_ms > 0) is conversations
+
+
+def test_the_router_follows_at_most_max_tips_conversations(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvmesh.router.core.conversations as module
+
+    monkeypatch.setattr(module, "MAX_TIPS", 3)
+    conv = Conversations()
+    prompts = [SYSTEM + toks(10 + i, 4 * B) for i in range(5)]
+    for i, p in enumerate(prompts):
+        route(conv, f"c{i}", A, p, 0.0)
+    assert conv.describe()["live"] == 3
+    assert conv.live_blocks(A) == 2 * CHUNK + 3 * 4  # the two oldest were let go, blocks and all
+    assert route(conv, "c0-2", A, prompts[0] + toks(99, B), 1.0) is None  # no longer followed
+    assert route(conv, "c4-2", A, prompts[4] + toks(98, B), 1.0) == "c4"

@@ -436,3 +436,32 @@ def test_a_request_short_of_kv_blocks_waits_for_whole_requests_to_finish(
     by = {s.worker[0]: s for s in d.breakdown}
     wait_ms = by["a"].predicted_ttft_ms - by["b"].predicted_ttft_ms
     assert wait_ms > 0 if worker == "b" else wait_ms < 0
+
+
+def _held_by_three(generated: int, pace: float) -> KvRouter:
+    """a runs three 300-block requests (900 of its 1000 blocks), ``generated`` tokens into their
+    40-token answers at ``pace`` s a token; b is idle."""
+    r = router(total_blocks=1000)
+    for i in range(20):  # the fleet's requests answer 40 tokens
+        _answer(r, f"teach{i}", "ab"[i % 2], toks(900 + i, 300), i * 0.5, 40)
+    now = 20.0
+    for i in range(3):
+        rid = f"long{i}"
+        d = r.route(req(rid, toks(10 + i, 300 * B), backend_instance_id="a"), now - 5.0)
+        assert isinstance(d, Decision)
+        r.first_token(rid, now - pace * (generated - 1))
+        r.output_tokens(rid, 1, now - pace * (generated - 1))
+        r.output_tokens(rid, generated - 1, now)
+    return r
+
+
+def test_the_blocks_a_request_puts_past_the_limit_delay_arrivals_while_the_worker_stays_over() -> None:
+    """A 200-block request would put a 100 blocks past its limit either way. When the three
+    requests there end within a token, the worker is back under its limit before arrivals notice;
+    when they run on for seconds, every arrival during the new request's stay waits for those
+    100 blocks to be freed, and the request pays for it."""
+    ending = pick(_held_by_three(39, 0.02), "new", toks(2, 200 * B), 20.0)
+    running = pick(_held_by_three(5, 0.1), "new", toks(2, 200 * B), 20.0)
+    brief = next(s for s in ending.breakdown if s.worker == ("a", 0)).delay_to_others_ms
+    long = next(s for s in running.breakdown if s.worker == ("a", 0)).delay_to_others_ms
+    assert long > 4 * brief > 0

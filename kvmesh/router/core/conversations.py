@@ -235,11 +235,7 @@ class Conversations:
             return None
         ids = prompt.ids
         n_anchors = prompt.n_anchors
-        anchors = ids[:n_anchors]
-        if tails.keys().isdisjoint(anchors):
-            levels = []
-        else:
-            levels = [ids.index(a, 0, n_anchors) + 1 for a in tails.keys() & anchors]
+        levels = [ids.index(a, 0, n_anchors) + 1 for a in tails.keys() & ids[:n_anchors]]
         if 0 in tails:
             levels.append(0)
         n = prompt.n_blocks

@@ -222,7 +222,13 @@ class TimingModel:
     def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
         """Predicted ms to first token with ``x_tokens`` of prefill work queued, its own included,
         behind ``wait_ms`` left of a prefill step already running."""
-        s2, s1, k = features(x_tokens, self.max_batched_tokens)
+        return self.ttft_of(features(x_tokens, self.max_batched_tokens), decoding, kv_usage, wait_ms)
+
+    def ttft_of(
+        self, feats: tuple[float, float, float], decoding: bool, kv_usage: float, wait_ms: float = 0.0
+    ) -> float:
+        """:meth:`ttft_ms` from the :func:`features` of the prefill work (computed once for a blend)."""
+        s2, s1, k = feats
         a, b, c, o = self.theta
         return o + wait_ms + a * s2 + b * s1 + c * k + self._decode_passes_ms(k, decoding, kv_usage, wait_ms)
 
@@ -247,9 +253,14 @@ class TimingModel:
         phi)``, the fit's own uncertainty about its coefficients): wide on the prior, narrowing as
         the worker is learned. Not the spread of single TTFTs around it (``scale_ms``): that comes
         from where in a step a request happens to land, which no choice of worker changes."""
-        phi = (*features(x_tokens, self.max_batched_tokens), 1.0)
-        p = self._p
-        var = sum(phi[i] * sum(p[i][j] * phi[j] for j in range(N)) for i in range(N))
+        s2, s1, k = features(x_tokens, self.max_batched_tokens)
+        p0, p1, p2, p3 = self._p  # N == 4, unrolled: this runs for every routing decision
+        var = (
+            s2 * (p0[0] * s2 + p0[1] * s1 + p0[2] * k + p0[3])
+            + s1 * (p1[0] * s2 + p1[1] * s1 + p1[2] * k + p1[3])
+            + k * (p2[0] * s2 + p2[1] * s1 + p2[2] * k + p2[3])
+            + (p3[0] * s2 + p3[1] * s1 + p3[2] * k + p3[3])
+        )
         return math.sqrt(max(var, 0.0))
 
     # ------------------------------------------------------------------ learning
@@ -357,10 +368,16 @@ class WorkerTiming:
 
     def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
         w = self._weight()
-        own = self.own.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
+        own, fleet = self.own, self.fleet
         if w >= 1.0:
-            return own
-        return w * own + (1.0 - w) * self.fleet.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
+            return own.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
+        feats = features(x_tokens, own.max_batched_tokens)
+        theirs = (
+            fleet.ttft_of(feats, decoding, kv_usage, wait_ms)
+            if fleet.max_batched_tokens == own.max_batched_tokens
+            else fleet.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
+        )
+        return w * own.ttft_of(feats, decoding, kv_usage, wait_ms) + (1.0 - w) * theirs
 
     def prefill_ms(self, x_tokens: float) -> float:
         w = self._weight()

@@ -54,7 +54,9 @@ async def test_the_latency_cost_does_no_more_prefill_work_than_dynamos_and_learn
     # 8 sessions of 4 turns: 24 of the 32 requests were later turns of earlier ones
     conversations = described["conversations"]
     assert isinstance(conversations, dict)
-    assert conversations["continued_share"] > 0 and conversations["turns_to_come"] > 0
+    assert conversations["continued_share"] == 0.75
+    assert conversations["turns_to_come"] == 3.0  # after a first turn, counted from the turns reached
+    assert conversations["deepest_turn"] == 4
     assert conversations["blocks_per_turn"] > 300 // 16  # a turn adds its ~700-token tool output
     assert conversations["live"] > 0  # the last turns, not yet overdue
     live = [rank["live_conversation_blocks"] for w in workers for rank in w["ranks"]]

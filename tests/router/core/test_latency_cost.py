@@ -409,35 +409,6 @@ def _answer(r: KvRouter, rid: str, worker: str, tokens: list[int], start: float,
     r.finished(rid, start + 0.03 + 0.01 * n_out)
 
 
-@pytest.mark.parametrize(("generated", "pace", "worker"), [(39, 0.02, "a"), (5, 0.1, "b")])
-def test_a_request_short_of_kv_blocks_waits_for_whole_requests_to_finish(
-    generated: int, pace: float, worker: str
-) -> None:
-    """a holds the request's 6k-token prefix, but the requests running there hold most of its KV
-    blocks: the request waits until one of them finishes. A token from their 40-token answers'
-    end, a is still the better place; 5 tokens in, at their pace, an idle b without the prefix is.
-    (Taken as the excess share of one request's decode time, ~0.1 x 0.4 s, the wait looked
-    small either way, and the request queued on a.)"""
-    r = router(total_blocks=1000)
-    for i in range(20):  # the fleet's requests answer 40 tokens
-        _answer(r, f"teach{i}", "ab"[i % 2], toks(900 + i, 300), i * 0.5, 40)
-    prefix = toks(1, 6000)
-    store(r, "a", prefix)
-    now = 20.0
-    for i in range(3):  # 900 of a's 1000 blocks in flight, answering at ``pace`` s a token
-        rid = f"long{i}"
-        d = r.route(req(rid, toks(10 + i, 300 * B), backend_instance_id="a"), now - 5.0)
-        assert isinstance(d, Decision)
-        r.first_token(rid, now - pace * (generated - 1))
-        r.output_tokens(rid, 1, now - pace * (generated - 1))
-        r.output_tokens(rid, generated - 1, now)
-    d = pick(r, "new", prefix + toks(2, 200), now)
-    assert d.worker == (worker, 0)
-    by = {s.worker[0]: s for s in d.breakdown}
-    wait_ms = by["a"].predicted_ttft_ms - by["b"].predicted_ttft_ms
-    assert wait_ms > 0 if worker == "b" else wait_ms < 0
-
-
 def _held_by_three(generated: int, pace: float) -> KvRouter:
     """a runs three 300-block requests (900 of its 1000 blocks), ``generated`` tokens into their
     40-token answers at ``pace`` s a token; b is idle."""
@@ -453,6 +424,25 @@ def _held_by_three(generated: int, pace: float) -> KvRouter:
         r.output_tokens(rid, 1, now - pace * (generated - 1))
         r.output_tokens(rid, generated - 1, now)
     return r
+
+
+@pytest.mark.parametrize(("generated", "pace", "worker"), [(39, 0.02, "a"), (5, 0.1, "b")])
+def test_a_request_short_of_kv_blocks_waits_for_whole_requests_to_finish(
+    generated: int, pace: float, worker: str
+) -> None:
+    """a holds the request's 6k-token prefix, but the requests running there hold most of its KV
+    blocks: the request waits until one of them finishes. A token from their 40-token answers'
+    end, a is still the better place; 5 tokens in, at their pace, an idle b without the prefix is.
+    (Taken as the excess share of one request's decode time, ~0.1 x 0.4 s, the wait looked
+    small either way, and the request queued on a.)"""
+    r = _held_by_three(generated, pace)
+    prefix = toks(1, 6000)
+    store(r, "a", prefix)
+    d = pick(r, "new", prefix + toks(2, 200), 20.0)
+    assert d.worker == (worker, 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    wait_ms = by["a"].predicted_ttft_ms - by["b"].predicted_ttft_ms
+    assert wait_ms > 0 if worker == "b" else wait_ms < 0
 
 
 def test_the_blocks_a_request_puts_past_the_limit_delay_arrivals_while_the_worker_stays_over() -> None:

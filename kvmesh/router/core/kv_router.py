@@ -782,10 +782,10 @@ class KvRouter:
 
         ``prefill_tokens`` is the work there once this request is added (what is queued for the
         next step plus its credited uncached tokens), ``wait_ms`` what is left of the step running
-        there. Memory: when the blocks of the requests in flight there
-        (``decode_blocks``, this one included) exceed the worker's KV blocks, the engine holds the
-        request until enough of them have finished (:meth:`_memory_wait_ms`). Eviction: the blocks it adds beyond the worker's free blocks push out
-        least-recently-used cache, which the fleet's reported hit share says will be asked for
+        there. Memory: when the blocks of the requests in flight there (``decode_blocks``, this
+        one included) exceed the worker's KV blocks, the engine holds the request until enough of
+        them have finished (:meth:`_memory_wait_ms`). Eviction: the blocks it adds beyond the
+        worker's free blocks push out least-recently-used cache, which the fleet's reported hit share says will be asked for
         again at that rate; recomputing it later costs the fitted per-token prefill time. (The rate
         is the fleet's, not the worker's: a worker's own low hit share would make the worker that
         thrashes most the cheapest place for new prefixes.)
@@ -817,14 +817,15 @@ class KvRouter:
         living there, in their recompute time when they come back.
 
         A turn's later turns follow it to the worker holding its history, each adding the blocks a
-        turn typically adds: ``growth_blocks`` (its turns to come x blocks a turn) more cache there. Where the live
-        conversations' blocks (:class:`Conversations`) and this request's leave room for that,
-        nothing; beyond it, the excess pushes out blocks that live conversations come back for (at
-        the share of requests that are continued), to be prefilled again at the worker's fitted
-        per-token time. Without this the cost saw only the request in hand: a new session's
-        first turn, which adds little beyond a cached system prompt, went where that prompt was,
-        until a few workers held twelve growing agent sessions each (more than their caches), two
-        of eight held none, and turns there waited for memory or recomputed 10k-token histories.
+        turn typically adds: ``growth_blocks`` (its turns to come x blocks a turn) more cache
+        there. Where the live conversations' blocks (:class:`Conversations`) and this request's
+        leave room for that, nothing; beyond it, the excess pushes out blocks that live
+        conversations come back for (at the share of turns continued), to be prefilled again at
+        the worker's fitted per-token time. Without this the cost saw only the request in hand: a
+        new session's first turn, which adds little beyond a cached system prompt, went where that
+        prompt was, until a few workers held twelve growing agent sessions each (more than their
+        caches), two of eight held none, and turns there waited for memory or recomputed 10k-token
+        histories.
         """
         conv = self._conversations
         room = self._workers[key[0]].total_blocks - conv.live_blocks(key) - added_blocks

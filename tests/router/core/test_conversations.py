@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.hashing import block_hashes
@@ -214,3 +216,60 @@ def test_the_router_follows_at_most_max_tips_conversations(monkeypatch: pytest.M
     assert conv.live_blocks(A) == 2 * CHUNK + 3 * 4  # the two oldest were let go, blocks and all
     assert route(conv, "c0-2", A, prompts[0] + toks(99, B), 1.0) is None  # no longer followed
     assert route(conv, "c4-2", A, prompts[4] + toks(98, B), 1.0) == "c4"
+
+
+# --- bookkeeping under any sequence of events -------------------------------------------------
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["turn", "sibling", "retry", "new", "wait"]),
+        st.integers(0, 3),  # conversation
+        st.sampled_from([A, W]),
+        st.integers(1, 40),  # blocks a turn adds / seconds waited
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS)
+def test_live_blocks_and_turn_counts_stay_consistent(
+    ops: list[tuple[str, int, tuple[str, int], int]],
+) -> None:
+    """Whatever arrives (turns, siblings, retries on another worker, new conversations, gaps long
+    enough to end them), each worker's live blocks are the distinct blocks of the tips placed there,
+    the learned turn statistics stay in range, and once every conversation is over nothing is held."""
+    conv = Conversations()
+    prompts = {c: SYSTEM + toks(50 + c, 3 * B) for c in range(4)}
+    sent: dict[str, tuple[list[int], tuple[str, int]]] = {}
+    now, n, last = 0.0, 0, ""
+    for op, c, worker, k in ops:
+        n += 1
+        if op == "wait":
+            now += k
+            conv.expire(now)
+            continue
+        if op == "turn":
+            prompts[c] = prompts[c] + toks(1000 * n, k * B // 4 + B)
+        elif op == "new":
+            prompts[c] = SYSTEM + toks(2000 * n, k * B // 4 + B)
+        if op == "retry" and sent:
+            rid = last if c == 0 else sorted(sent)[c % len(sent)]  # c == 0: the request just sent
+            tokens = sent[rid][0]
+        else:
+            rid, tokens = f"r{n}", prompts[c]
+        route(conv, rid, worker, tokens, now)
+        sent[rid] = (tokens, worker)
+        last = rid
+        now += 0.1
+        for w in (A, W):
+            held: dict[int, int] = {}
+            for tip in conv._tips.values():
+                if tip.worker == w:
+                    held.update((ident, CHUNK if i < tip.anchors else 1) for i, ident in enumerate(tip.ids))
+            assert conv.live_blocks(w) == sum(held.values())
+        assert all(tip.number >= 1 for tip in conv._tips.values())
+        assert 0.0 <= conv.turns_to_come() <= MAX_TURNS_TO_COME
+        assert 0.0 <= conv.continued_share() < 1.0
+    conv.expire(now + 1e6)  # every conversation over: nothing may stay held
+    assert conv.live_blocks(A) == conv.live_blocks(W) == 0

@@ -60,6 +60,8 @@ class Turn:
     """1 for a conversation's first request; a sibling has its twin's."""
     sibling: bool = False
     """Its prompt is a live tip's: the same turn again (best-of-n, a retry), not a new one."""
+    key: tuple[int, tuple[int, ...]] = (0, ())
+    """The prompt as tips are indexed (:func:`_prompt_key`), so its commit does not rebuild it."""
 
 
 @dataclass(slots=True)
@@ -139,15 +141,14 @@ class Conversations:
     def lookup(self, prompt: PromptBlocks, local_hashes: Sequence[int], now: float) -> Turn:
         """Where a request with this prompt would stand: the tip it continues, its turn number."""
         self.expire(now)
+        key = _prompt_key(prompt, local_hashes)
         previous = self._continued(prompt, local_hashes)
         if previous is not None:
-            return Turn(previous, self._tips[previous].number + 1)
-        full = prompt.n_anchors * CHUNK
-        anchor = prompt.ids[prompt.n_anchors - 1] if prompt.n_anchors else 0
-        twins = self._by_prompt.get((anchor, tuple(local_hashes[full : prompt.n_blocks])))
+            return Turn(previous, self._tips[previous].number + 1, key=key)
+        twins = self._by_prompt.get(key)
         if twins:
-            return Turn(None, self._tips[next(iter(twins))].number, sibling=True)
-        return Turn(None, 1)
+            return Turn(None, self._tips[next(iter(twins))].number, sibling=True, key=key)
+        return Turn(None, 1, key=key)
 
     def routed(
         self,
@@ -183,18 +184,10 @@ class Conversations:
                 replaced = again
             else:
                 self._release(again, 0)
-        full = prompt.n_anchors * CHUNK
-        tip = _Tip(
-            worker,
-            prompt.ids,
-            prompt.n_anchors,
-            tuple(local_hashes[full : prompt.n_blocks]),
-            now,
-            number,
-        )
+        anchor, trailing = turn.key
+        tip = _Tip(worker, prompt.ids, prompt.n_anchors, trailing, now, number)
         self._tips[request_id] = tip
-        anchor = _anchor(tip)
-        self._by_prompt.setdefault((anchor, tip.trailing), set()).add(request_id)
+        self._by_prompt.setdefault(turn.key, set()).add(request_id)
         tails = self._tails.setdefault(anchor, {})
         tails[len(tip.trailing)] = tails.get(len(tip.trailing), 0) + 1
         # A turn that stays on its worker moves only what changed: the history's whole chunks
@@ -299,6 +292,13 @@ def _shared_anchors(old: _Tip, new: _Tip) -> int:
     while k and old.ids[k - 1] != new.ids[k - 1]:
         k -= 1
     return k
+
+
+def _prompt_key(prompt: PromptBlocks, local_hashes: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """How tips are indexed: the identity of the prompt's last whole chunk (0 when it is shorter
+    than a chunk) and the local hashes of the full blocks after it."""
+    anchor = prompt.ids[prompt.n_anchors - 1] if prompt.n_anchors else 0
+    return anchor, tuple(local_hashes[prompt.n_anchors * CHUNK : prompt.n_blocks])
 
 
 def _anchor(tip: _Tip) -> int:

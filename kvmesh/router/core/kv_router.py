@@ -785,8 +785,9 @@ class KvRouter:
         there. Memory: when the blocks of the requests in flight there (``decode_blocks``, this
         one included) exceed the worker's KV blocks, the engine holds the request until enough of
         them have finished (:meth:`_memory_wait_ms`). Eviction: the blocks it adds beyond the
-        worker's free blocks push out least-recently-used cache, which the fleet's reported hit share says will be asked for
-        again at that rate; recomputing it later costs the fitted per-token prefill time. (The rate
+        worker's free blocks push out least-recently-used cache, which the fleet's reported hit
+        share says will be asked for again at that rate; recomputing it later costs the fitted
+        per-token prefill time. (The rate
         is the fleet's, not the worker's: a worker's own low hit share would make the worker that
         thrashes most the cheapest place for new prefixes.)
         """
@@ -888,7 +889,8 @@ class KvRouter:
         over_limit = min(blocks_after - blocks_before, blocks_after - total)
         if over_limit > 0:
             inflow = blocks_before / stay_s
-            window = min(self._time_to_free_s(key, blocks_after - total, now, stay_s, inflow), decode_s)
+            left_s = self._time_to_free_s(key, blocks_after - total, total, now, stay_s, inflow)
+            window = min(left_s, decode_s)
             delay += rate * window * 1000.0 * over_limit / total * stay_s
         return delay
 
@@ -911,17 +913,17 @@ class KvRouter:
         if excess <= 0:
             return 0.0
         stay_s = self._decode_s.get(key, self._decode_fleet)
-        return 1000.0 * self._time_to_free_s(key, excess, now, stay_s, 0.0, exclude, total_blocks)
+        return 1000.0 * self._time_to_free_s(key, excess, total_blocks, now, stay_s, 0.0, exclude)
 
     def _time_to_free_s(
         self,
         key: WorkerKey,
         excess: float,
+        total_blocks: int,
         now: float,
         stay_s: float,
         inflow: float,
         exclude: str | None = None,
-        total_blocks: int = 0,
     ) -> float:
         """Seconds until the requests in flight on ``key`` have freed ``excess`` blocks more than
         arrivals bring meanwhile (``inflow`` blocks a second). Past the last of them: with no
@@ -930,7 +932,7 @@ class KvRouter:
         for left, freed in self._load.releases(key, now, stay_s, self._out_tokens, exclude):
             if freed - inflow * left >= excess:
                 return left
-        if inflow > 0 or total_blocks <= 0:
+        if inflow > 0:
             return math.inf
         return left + (excess - freed) / total_blocks * stay_s
 

@@ -39,6 +39,7 @@ from kvmesh.router.core import selector
 from kvmesh.router.core.chain_trie import TierDepths
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.conversations import Conversations, Turn
+from kvmesh.router.core.copies import SharedPrefixes, copy_saving_ms
 from kvmesh.router.core.index_factory import index_for
 from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
@@ -116,6 +117,9 @@ class CandidateScore:
     """The latency cost's price for live cache this request would evict there."""
     step_wait_ms: float = 0.0
     """The latency cost's wait for the prefill step running there (see ``step_in_progress``)."""
+    copy_credit_ms: float = 0.0
+    """The latency cost's credit for copying a shared prefix here: the wait the copy saves the
+    requests that will share it (:mod:`kvmesh.router.core.copies`), taken off the cost."""
     delay_to_others_ms: float = 0.0
     """The latency cost's delay to others: the time to first token this request would take from
     the requests arriving on this worker while it is there, at the rate the requests in flight there
@@ -340,6 +344,7 @@ class KvRouter:
         self._out_tokens = 0.0
         """Output tokens a request generates, fleet-wide (moving average of finished ones)."""
         self._conversations = Conversations()
+        self._shared = SharedPrefixes()
         self._latency = config.router_cost_model == "latency"
         self._aic = config.router_prefill_load_model == "aic"
 
@@ -654,6 +659,15 @@ class KvRouter:
             conv = self._conversations
             turn = conv.lookup(prompt, req.local_hashes, now)
             growth = conv.turns_to_come(turn.number) * conv.growth_blocks
+        copy = None
+        if (
+            latency
+            and prompt is not None
+            and overlaps
+            and weights.overlap_score_credit > 0
+            and not req.prefilled_elsewhere
+        ):
+            copy = self._copy_credit(prompt, candidates, overlaps, isl, now)
         for key in candidates:
             depths = overlaps.get(key, _NO_TIERS)
             dev = depths.device
@@ -692,7 +706,8 @@ class KvRouter:
                 )
                 if growth > 0:
                     evict += self._growth_eviction_ms(key, growth, n_blocks - dev)
-                c = ttft + delay + evict
+                credit = copy[1] if copy is not None and key not in copy[0] else 0.0
+                c = ttft + delay + evict - credit
                 scores.append(
                     CandidateScore(
                         key,
@@ -707,6 +722,7 @@ class KvRouter:
                         ttft,
                         evict,
                         wait_ms,
+                        credit,
                         delay,
                     )
                 )
@@ -723,6 +739,44 @@ class KvRouter:
         else:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
         return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt, turn)
+
+    def _copy_credit(
+        self,
+        prompt: PromptBlocks,
+        candidates: Sequence[WorkerKey],
+        overlaps: dict[WorkerKey, TierDepths],
+        isl_tokens: int,
+        now: float,
+    ) -> tuple[set[WorkerKey], float] | None:
+        """``(candidates holding the prompt's deepest cached prefix, what a copy of it on any
+        other is worth)``, or None when nothing is worth copying.
+
+        The prefix is the whole chunks of the deepest one cached on a candidate. A candidate holds
+        it when it is cached there or a request in flight there carries it (cached by the time this
+        one would be prefilled). Its demand is the requests in flight carrying it, over a request's
+        stay; the wait one more copy saves them is :func:`copy_saving_ms` over the time the prefix
+        has been shared so far. A conversation's own history is carried by no other request in
+        flight, so a turn is never credited for leaving it."""
+        deepest = max(d.device for d in overlaps.values())
+        found = prompt.chunk_prefix(deepest)
+        stay_s = self._decode_fleet
+        if found is None or stay_s <= 0.0:
+            return None
+        identity, depth = found
+        load = self._load
+        carried = 0
+        holders: set[WorkerKey] = set()
+        for key in candidates:
+            n = load.holding(key, identity)
+            carried += n
+            if n or overlaps.get(key, _NO_TIERS).device >= depth:
+                holders.add(key)
+        if not carried or not holders or len(holders) == len(candidates):
+            return None
+        age = self._shared.age(identity, now, stay_s)
+        suffix = isl_tokens - depth * (self._block_size or 1)
+        step_ms = self._timing[next(iter(holders))].added_prefill_ms(0.0, suffix)
+        return holders, copy_saving_ms(carried / stay_s, step_ms, len(holders), age)
 
     def _pick_saving_work(
         self,

@@ -81,6 +81,15 @@ class PromptBlocks:
     def weight(self, i: int) -> int:
         return CHUNK if i < self.n_anchors else 1
 
+    def chunk_prefix(self, depth_blocks: int) -> tuple[int, int] | None:
+        """``(identity, blocks)`` of the longest run of whole chunks within the prompt's first
+        ``depth_blocks`` blocks, the prefix other prompts share the identity of (None: shorter than
+        a chunk)."""
+        n = min(depth_blocks // CHUNK, self.n_anchors)
+        if n <= 0:
+            return None
+        return self.ids[n - 1], n * CHUNK
+
 
 def hold_prefix(refs: Counter[int], ids: Sequence[int], anchors: int, start: int = 0) -> int:
     """Count the prefix identities ``ids[start:]`` as held once more in ``refs``; returns the
@@ -214,6 +223,11 @@ class ActiveSequences:
     def requests(self, worker: WorkerKey) -> int:
         w = self._workers.get(worker)
         return w.requests if w is not None else 0
+
+    def holding(self, worker: WorkerKey, identity: int) -> int:
+        """Requests in flight on ``worker`` whose prompt has the prefix named ``identity``."""
+        w = self._workers.get(worker)
+        return w.refs.get(identity, 0) if w is not None else 0
 
     def decoding(self, worker: WorkerKey) -> int:
         """Requests past their first token (generating) on ``worker``."""

@@ -3,6 +3,7 @@ what the router learns from feedback. Decisions are asserted, never wall-clock t
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Callable
 
@@ -111,6 +112,60 @@ def test_a_hot_prefix_spreads_once_its_worker_takes_traffic_faster_than_the_cach
 
     assert placed_after(1.0) == "a"
     assert placed_after(0.005) == "b"
+
+
+def stream(
+    r: KvRouter, prompt: Callable[[int], list[int]], n: int, gap_s: float
+) -> list[tuple[float, Decision]]:
+    """``n`` requests routed by the router every ``gap_s``, each to its first token after 20 ms and
+    15 us per token it did not find cached, done 250 ms after it was sent; fed in time order."""
+    events = [(i * gap_s, 0, i) for i in range(n)]
+    heapq.heapify(events)
+    placed: list[tuple[float, Decision]] = []
+    while events:
+        t, what, i = heapq.heappop(events)
+        if what == 0:
+            tokens = prompt(i)
+            d = pick(r, f"s{i}", tokens, now=t)
+            placed.append((t, d))
+            heapq.heappush(events, (t + 0.02 + 15e-6 * (len(tokens) - d.overlap_blocks * B), 1, i))
+            heapq.heappush(events, (t + 0.25, 2, i))
+        elif what == 1:
+            r.first_token(f"s{i}", t)
+        else:
+            r.finished(f"s{i}", t)
+    return placed
+
+
+@pytest.mark.parametrize(("gap_s", "copies"), [(0.05, True), (0.5, False)])
+def test_a_prefix_in_steady_demand_is_copied_for_the_waits_the_copy_saves_later(
+    gap_s: float, copies: bool
+) -> None:
+    """A 2.8k-token prefix cached on a, asked for every 50 ms for 10 s: each request alone is
+    answered sooner on a than by a cold prefill elsewhere, but the requests queue behind each
+    other's prefill steps there. Once the prefix has been in demand long enough for a copy to save
+    more than its cold prefill costs, it is copied, and each copy was made for that credit (the
+    copying request's own cost was above a's). Asked for every 500 ms, it never queues: one copy."""
+    hot = toks(1, 2800)
+    r = router("abcd")
+    store(r, "a", hot)
+    placed = stream(r, lambda i: hot + toks(200 + i, 140), int(10 / gap_s), gap_s)
+    first: dict[str, tuple[float, Decision]] = {}
+    for t, d in placed:
+        first.setdefault(d.worker[0], (t, d))
+    if not copies:
+        assert set(first) == {"a"}
+        return
+    assert len(first) >= 3
+    for worker, (t, d) in first.items():
+        if worker == "a":
+            continue
+        assert t > 1.0  # a new demand is not worth a copy yet
+        by = {s.worker[0]: s for s in d.breakdown}
+        assert by[worker].copy_credit_ms > 0
+        assert by[worker].cost + by[worker].copy_credit_ms > min(
+            s.cost for s in d.breakdown if s.copy_credit_ms == 0
+        )
 
 
 def test_the_cached_worker_wins_while_its_cache_saves_more_than_its_queue_costs() -> None:

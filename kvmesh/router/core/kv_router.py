@@ -345,6 +345,8 @@ class KvRouter:
         """Output tokens a request generates, fleet-wide (moving average of finished ones)."""
         self._conversations = Conversations()
         self._shared = SharedPrefixes()
+        self._copies = 0
+        """Requests placed on a worker that did not hold the shared prefix they carry: copies made."""
         self._latency = config.router_cost_model == "latency"
         self._aic = config.router_prefill_load_model == "aic"
 
@@ -738,6 +740,8 @@ class KvRouter:
             i = self._pick_saving_work(candidates, own_tokens, costs, trees, scores)
         else:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
+        if copy is not None and candidates[i] not in copy[0]:
+            self._copies += 1
         return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt, turn)
 
     def _copy_credit(
@@ -1273,6 +1277,12 @@ class KvRouter:
     def conversation_stats(self) -> dict[str, float | int] | None:
         """The conversations the latency cost has learned about (None with Dynamo's cost)."""
         return self._conversations.describe() if self._latency else None
+
+    def shared_prefix_stats(self) -> dict[str, int] | None:
+        """Shared prefixes the latency cost follows, and the copies of them it made: requests placed
+        on a worker that did not hold the prefix requests in flight shared with them (None with
+        Dynamo's cost)."""
+        return {"followed": len(self._shared), "copies": self._copies} if self._latency else None
 
     @property
     def stats(self) -> RouterStats:

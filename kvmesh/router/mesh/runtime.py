@@ -247,6 +247,7 @@ class Mesh:
                 f"{s.worker[0]}/{s.worker[1]}": s.timing for s in self.router.worker_snapshot() if s.timing
             },
             "conversations": self.router.conversation_stats(),
+            "shared_prefixes": self.router.shared_prefix_stats(),
             "replica_sync": sync is not None,
             "router_sync_endpoint": sync.endpoint if sync is not None else None,
             **({"sync": sync.describe()} if sync is not None else {}),

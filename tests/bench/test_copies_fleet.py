@@ -28,9 +28,8 @@ async def test_a_hot_prefix_is_copied_to_more_engines_as_its_demand_lasts() -> N
     async with start_fleet(3, ENGINE, kvmesh_router()) as fleet:
         load = LoadSpec(urls=(fleet.front_url,), concurrency=None, rate=15.0, seed=3)
         run = await run_workload("latency", sessions, load)
-        async with aiohttp.ClientSession() as http:
-            async with http.get(fleet.front_url + "/kvmesh/router") as r:
-                described = await r.json()
+        async with aiohttp.ClientSession() as http, http.get(fleet.front_url + "/kvmesh/router") as r:
+            described = await r.json()
     summary = report.summarize(run)
     assert summary["errors"] == 0
     served = [r for r in run.results if r.session_id in hot]

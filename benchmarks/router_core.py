@@ -199,7 +199,12 @@ def main() -> int:
             router.add_worker(f"w{i}", total_blocks=100_000, max_num_batched_tokens=8192, block_size=bs)
         for w, ev in eight:
             router.apply_events(f"w{w}", EventBatch(0.0, [ev], 0))
-        for i in range(16):  # some load in flight, so the load model has work to do
+        # one request answered, so the router knows how long a request stays; then some load in
+        # flight, so the load model has work to do (one of them carries the query's prompt)
+        router.route(RouteRequest("done", block_hashes(prompts[99], bs), len(prompts[99])), -1.0)
+        router.first_token("done", -0.95)
+        router.finished("done", -0.5)
+        for i in range(16):
             router.route(RouteRequest(f"bg{i}", block_hashes(prompts[i], bs), len(prompts[i])), 0.0)
         routers[model] = router
     del eight
@@ -215,6 +220,9 @@ def main() -> int:
                 routes[model].append(time.perf_counter() - t0)
                 gc.enable()
                 router.finished("r", 0.0)
+    # the latency cost's route() ran its whole path: a request in flight shares the query's prompt,
+    # so every decision priced a copy of it
+    assert routers["latency"].shared_prefix_stats()["followed"] == 1  # type: ignore[index]
     del routers, router
 
     # ---------------------------------------------------------------- memory

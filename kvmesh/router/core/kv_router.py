@@ -775,9 +775,11 @@ class KvRouter:
             carried += n
             if n or overlaps.get(key, _NO_TIERS).device >= depth:
                 holders.add(key)
-        if not carried or not holders or len(holders) == len(candidates):
+        if not carried:
             return None
-        age = self._shared.age(identity, now, stay_s)
+        age = self._shared.age(identity, now, stay_s)  # every worker may hold it: it still ages
+        if len(holders) == len(candidates):
+            return None
         suffix = isl_tokens - depth * (self._block_size or 1)
         step_ms = self._timing[next(iter(holders))].added_prefill_ms(0.0, suffix)
         return holders, copy_saving_ms(carried / stay_s, step_ms, len(holders), age)

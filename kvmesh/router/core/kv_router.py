@@ -390,8 +390,8 @@ class KvRouter:
                 self._timing[key] = WorkerTiming(own, self._fleet_timing, profile is not None)
             else:
                 assert model is not None
-                model.own.max_batched_tokens = max(max_num_batched_tokens, 1)
-            self._fleet_timing.max_batched_tokens = max_num_batched_tokens
+                model.own.set_step_budget(max_num_batched_tokens)
+            self._fleet_timing.set_step_budget(max_num_batched_tokens)
         self._profiles[worker_id] = profile
         self._keys = [(w, r) for w, info in self._workers.items() for r in range(info.dp_size)]
 
@@ -698,14 +698,14 @@ class KvRouter:
             if req.prefilled_elsewhere:
                 moved.append(prefill - active)
                 prefill = active
-            decode = load.decode_blocks(key) + new
+            held = load.decode_blocks(key)
+            decode = held + new
+            tree = index.block_count(key)
             if latency:
                 ttft, evict = self._latency_cost(
-                    key, prefill, dev, n_blocks, decode, weights.prefill_load_scale, wait_ms, now
+                    key, prefill, dev, n_blocks, held, new, tree, weights.prefill_load_scale, wait_ms, now
                 )
-                delay = self._delay_to_arrivals_ms(
-                    key, active, prefill - active, decode - new, decode, req.osl, now
-                )
+                delay = self._delay_to_arrivals_ms(key, active, prefill - active, held, decode, req.osl, now)
                 if growth > 0:
                     evict += self._growth_eviction_ms(key, growth, n_blocks - dev)
                 credit = copy[1] if copy is not None and key not in copy[0] else 0.0
@@ -732,7 +732,7 @@ class KvRouter:
                 c = selector.cost(prefill, decode, bs, weights.prefill_load_scale)
                 scores.append(CandidateScore(key, dev, host, disk, prefill, prefill / bs, decode, c))
             costs.append(c)
-            trees.append(index.block_count(key))
+            trees.append(tree)
             own_tokens.append(prefill - active)
         if req.prefilled_elsewhere and self.config.router_temperature == 0:
             i = self._pick_least_loaded(candidates, moved, costs, trees)
@@ -833,7 +833,9 @@ class KvRouter:
         prefill_tokens: float,
         device_blocks: int,
         n_blocks: int,
-        decode_blocks: float,
+        held_blocks: float,
+        new_blocks: float,
+        cached_blocks: int,
         prefill_weight: float,
         wait_ms: float,
         now: float,
@@ -842,8 +844,9 @@ class KvRouter:
 
         ``prefill_tokens`` is the work there once this request is added (what is queued for the
         next step plus its credited uncached tokens), ``wait_ms`` what is left of the step running
-        there. Memory: when the blocks of the requests in flight there (``decode_blocks``, this
-        one included) exceed the worker's KV blocks, the engine holds the request until enough of
+        there, ``cached_blocks`` the blocks indexed there. Memory: when the blocks of the requests
+        in flight there (``held_blocks``, plus this one's ``new_blocks``) exceed the worker's KV
+        blocks, the engine holds the request until enough of
         them have finished (:meth:`_memory_wait_ms`). Eviction: the blocks it adds beyond the
         worker's free blocks push out least-recently-used cache, which the fleet's reported hit
         share says will be asked for again at that rate; recomputing it later costs the fitted
@@ -852,22 +855,21 @@ class KvRouter:
         thrashes most the cheapest place for new prefixes.)
         """
         model = self._timing[key]
-        info = self._workers[key[0]]
-        load = self._load
-        total = max(info.total_blocks, 1)
-        usage = min(load.decode_blocks(key) / total, 1.0)
-        decoding = load.decoding(key) > 0
+        total = max(self._workers[key[0]].total_blocks, 1)
+        usage = min(held_blocks / total, 1.0)
+        decoding = self._load.decoding(key) > 0
         if prefill_weight == 1.0:
             ttft = model.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
         else:  # --router-prefill-load-scale weighs the prefill part against the decode passes
             whole = model.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
             prefill_part = wait_ms + model.prefill_ms(prefill_tokens)
             ttft = prefill_weight * prefill_part + whole - prefill_part
-        ttft += self._memory_wait_ms(key, decode_blocks, total, now)
+        if held_blocks + new_blocks > total:
+            ttft += self._memory_wait_ms(key, held_blocks + new_blocks, total, now)
         reuse = self._reuse_fleet
         if not reuse:
             return ttft, 0.0
-        free = total - self._index.block_count(key)
+        free = total - cached_blocks
         evicted = n_blocks - device_blocks - free
         if evicted <= 0:
             return ttft, 0.0

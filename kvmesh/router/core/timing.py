@@ -155,45 +155,19 @@ def features(x_tokens: float, budget: int) -> tuple[float, float, float]:
     return full * bk * bk + rk * rk, x_tokens / KTOK, float(steps)
 
 
-class TimingModel:
-    """One worker's fitted TTFT model (see the module docstring). Not thread-safe."""
+class Curve:
+    """A TTFT curve's predictions from its coefficients ``theta`` (a, b, c, o), the prior's decode
+    curve times ``decode_scale`` and the step budget (see the module docstring)."""
 
-    __slots__ = (
-        "_p",
-        "_p0",
-        "_run",
-        "abs_error_ms",
-        "changes",
-        "decode_scale",
-        "max_batched_tokens",
-        "observations",
-        "outliers",
-        "prior",
-        "rel_error",
-        "scale_ms",
-        "theta",
-    )
+    __slots__ = ("decode_scale", "max_batched_tokens", "prior", "theta")
 
-    def __init__(self, prior: Profile, max_batched_tokens: int) -> None:
+    def __init__(
+        self, prior: Profile, max_batched_tokens: int, theta: list[float], decode_scale: float
+    ) -> None:
         self.prior = prior
         self.max_batched_tokens = max(int(max_batched_tokens), 1)
-        c2, c1, c0 = prior.prefill_ms
-        step = max(c0, 1.0)
-        self.theta = [c2 * KTOK * KTOK, c1 * KTOK, c0, 0.0]
-        # prior: each coefficient may be PRIOR_SPREAD times off its seed (at least 1 in feature
-        # units); the overhead, unknown, as much as a step constant
-        sd = [PRIOR_SPREAD * max(v, 1.0) for v in self.theta[:3]] + [PRIOR_SPREAD * step]
-        self._p0 = [sd[i] ** 2 for i in range(N)]
-        self._p = [[self._p0[i] if i == j else 0.0 for j in range(N)] for i in range(N)]
-        self.decode_scale = 1.0
-        self.scale_ms = step
-        self._run = 0
-        """Consecutive clipped residuals, signed by their side."""
-        self.changes = 0
-        self.observations = 0
-        self.outliers = 0
-        self.abs_error_ms = 0.0
-        self.rel_error = 0.0
+        self.theta = theta
+        self.decode_scale = decode_scale
 
     # ------------------------------------------------------------------ prediction
     def prefill_ms(self, x_tokens: float) -> float:
@@ -248,6 +222,48 @@ class TimingModel:
         """Marginal linear prefill cost (ms per token), what recomputing an evicted block costs."""
         return self.theta[1] / KTOK
 
+
+class TimingModel(Curve):
+    """One worker's fitted TTFT model (see the module docstring). Not thread-safe."""
+
+    __slots__ = (
+        "_p",
+        "_p0",
+        "_run",
+        "abs_error_ms",
+        "changes",
+        "observations",
+        "outliers",
+        "rel_error",
+        "scale_ms",
+        "version",
+    )
+
+    def __init__(self, prior: Profile, max_batched_tokens: int) -> None:
+        c2, c1, c0 = prior.prefill_ms
+        step = max(c0, 1.0)
+        super().__init__(prior, max_batched_tokens, [c2 * KTOK * KTOK, c1 * KTOK, c0, 0.0], 1.0)
+        # prior: each coefficient may be PRIOR_SPREAD times off its seed (at least 1 in feature
+        # units); the overhead, unknown, as much as a step constant
+        sd = [PRIOR_SPREAD * max(v, 1.0) for v in self.theta[:3]] + [PRIOR_SPREAD * step]
+        self._p0 = [sd[i] ** 2 for i in range(N)]
+        self._p = [[self._p0[i] if i == j else 0.0 for j in range(N)] for i in range(N)]
+        self.scale_ms = step
+        self._run = 0
+        """Consecutive clipped residuals, signed by their side."""
+        self.changes = 0
+        self.observations = 0
+        self.outliers = 0
+        self.abs_error_ms = 0.0
+        self.rel_error = 0.0
+        self.version = 0
+        """Bumped whenever a prediction could change (coefficients, decode scale, step budget)."""
+
+    def set_step_budget(self, max_batched_tokens: int) -> None:
+        self.max_batched_tokens = max(int(max_batched_tokens), 1)
+        self.version += 1
+
+    # ------------------------------------------------------------------ uncertainty
     def uncertainty_ms(self, x_tokens: float) -> float:
         """Standard deviation of the predicted TTFT's expected value at ``x_tokens`` (``sqrt(phi' P
         phi)``, the fit's own uncertainty about its coefficients): wide on the prior, narrowing as
@@ -293,6 +309,7 @@ class TimingModel:
         self.scale_ms = max(self.scale_ms, 0.5)
         self._rls(phi, residual, noise)
         self.observations += 1
+        self.version += 1
         err = abs(predicted - ttft_ms)
         self.abs_error_ms += SCALE_ALPHA * (err - self.abs_error_ms)
         self.rel_error += SCALE_ALPHA * (err / ttft_ms - self.rel_error)
@@ -305,6 +322,7 @@ class TimingModel:
             return
         sample = min(gap_ms / base, CLIP * max(self.decode_scale, 0.1) + 1.0)
         self.decode_scale += SCALE_ALPHA * (sample - self.decode_scale)
+        self.version += 1
 
     def _rls(self, phi: tuple[float, ...], residual: float, noise: float) -> None:
         """One Kalman step: ``gain = P phi / (noise + phi' P phi)``, then forgetting (``P / FORGET``)
@@ -351,14 +369,23 @@ class TimingModel:
 
 
 class WorkerTiming:
-    """A worker's timing model, shrunk toward the fleet's while it has few observations."""
+    """A worker's timing model, shrunk toward the fleet's while it has few observations.
 
-    __slots__ = ("fleet", "own", "profiled")
+    Predictions are linear in the coefficients, so the blend of the two fits is one curve with
+    blended coefficients: it is built once per change of either fit (the fleet's changes with every
+    finished request, a worker's with its own) and predicts at the cost of one model. When the two
+    fits chunk prompts differently (different step budgets) or decode on different curves, each
+    predicts and the predictions are blended."""
+
+    __slots__ = ("_mix", "_mix_fleet", "_mix_own", "fleet", "own", "profiled")
 
     def __init__(self, own: TimingModel, fleet: TimingModel, profiled: bool) -> None:
         self.own = own
         self.fleet = fleet
         self.profiled = profiled
+        self._mix: Curve | None = None
+        self._mix_own = self._mix_fleet = -1
+        """The fits' versions the blended curve was built from."""
 
     def _weight(self) -> float:
         if self.profiled:
@@ -366,31 +393,49 @@ class WorkerTiming:
         n = self.own.observations
         return n / (n + SHRINK)
 
+    def _curve(self) -> Curve | None:
+        """The one curve that predicts for this worker: its own fit when it is profiled, else the
+        blend (None when the two fits cannot be blended into one curve)."""
+        if self.profiled:
+            return self.own
+        own, fleet = self.own, self.fleet
+        if self._mix_own == own.version and self._mix_fleet == fleet.version:
+            return self._mix
+        self._mix_own, self._mix_fleet = own.version, fleet.version
+        if own.max_batched_tokens != fleet.max_batched_tokens or own.prior is not fleet.prior:
+            self._mix = None
+            return None
+        w = self._weight()
+        theta = [w * a + (1.0 - w) * b for a, b in zip(own.theta, fleet.theta, strict=True)]
+        scale = w * own.decode_scale + (1.0 - w) * fleet.decode_scale
+        self._mix = Curve(own.prior, own.max_batched_tokens, theta, scale)
+        return self._mix
+
     def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
+        curve = self._curve()
+        if curve is not None:
+            return curve.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
         w = self._weight()
         own, fleet = self.own, self.fleet
-        if w >= 1.0:
-            return own.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
-        feats = features(x_tokens, own.max_batched_tokens)
-        theirs = (
-            fleet.ttft_of(feats, decoding, kv_usage, wait_ms)
-            if fleet.max_batched_tokens == own.max_batched_tokens
-            else fleet.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
+        return w * own.ttft_ms(x_tokens, decoding, kv_usage, wait_ms) + (1.0 - w) * fleet.ttft_ms(
+            x_tokens, decoding, kv_usage, wait_ms
         )
-        return w * own.ttft_of(feats, decoding, kv_usage, wait_ms) + (1.0 - w) * theirs
 
     def prefill_ms(self, x_tokens: float) -> float:
+        curve = self._curve()
+        if curve is not None:
+            return curve.prefill_ms(x_tokens)
         w = self._weight()
-        own = self.own.prefill_ms(x_tokens)
-        if w >= 1.0:
-            return own
-        return w * own + (1.0 - w) * self.fleet.prefill_ms(x_tokens)
+        return w * self.own.prefill_ms(x_tokens) + (1.0 - w) * self.fleet.prefill_ms(x_tokens)
 
     def added_prefill_ms(self, ahead_tokens: float, own_tokens: float) -> float:
+        # coefficients are non-negative, so each fit's marginal cost is too, and blending the
+        # curves before taking the difference gives the same as blending the differences
+        curve = self._curve()
+        if curve is not None:
+            return curve.added_prefill_ms(ahead_tokens, own_tokens)
         w = self._weight()
         own = self.own.added_prefill_ms(ahead_tokens, own_tokens)
-        if w >= 1.0:
-            return own
         return w * own + (1.0 - w) * self.fleet.added_prefill_ms(ahead_tokens, own_tokens)
 
     def decode_ms(self, kv_usage: float) -> float:

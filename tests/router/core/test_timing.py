@@ -7,7 +7,15 @@ import random
 
 import pytest
 
-from kvmesh.router.core.timing import MAD_TO_SD, MOCKER_PRIOR, Profile, TimingModel, features
+from kvmesh.router.core.timing import (
+    MAD_TO_SD,
+    MOCKER_PRIOR,
+    SHRINK,
+    Profile,
+    TimingModel,
+    WorkerTiming,
+    features,
+)
 
 TRUE = Profile((2.0e-06, 0.04, 30.0), (0.0, 0.0, 8.0), 8.0, "truth")
 """A worker ~2.5x slower than the prior on long prompts, with an 8 ms decode pass."""
@@ -156,3 +164,37 @@ def test_the_uncertainty_of_a_prediction_narrows_as_the_worker_is_learned() -> N
     warm = model.uncertainty_ms(3000)
     assert warm < cold / 5
     assert warm < MAD_TO_SD * model.scale_ms
+
+
+def test_a_blended_worker_predicts_as_the_weighted_mean_of_its_fit_and_the_fleets() -> None:
+    """The blend is built once per change of either fit; it must predict exactly what weighing the
+    two fits' predictions would, after each of them learns and when the step budget changes."""
+    rng = random.Random(5)
+    own, fleet = TimingModel(MOCKER_PRIOR, 8192), TimingModel(MOCKER_PRIOR, 8192)
+    worker = WorkerTiming(own, fleet, profiled=False)
+
+    def check() -> None:
+        w = own.observations / (own.observations + SHRINK)
+        for x in (0.0, 300.0, 5000.0, 20000.0):
+            for decoding, wait in ((False, 0.0), (True, 0.0), (True, 12.0)):
+                want = w * own.ttft_ms(x, decoding, 0.4, wait) + (1 - w) * fleet.ttft_ms(
+                    x, decoding, 0.4, wait
+                )
+                assert worker.ttft_ms(x, decoding, 0.4, wait) == pytest.approx(want, rel=1e-12)
+            want = w * own.added_prefill_ms(1000.0, x) + (1 - w) * fleet.added_prefill_ms(1000.0, x)
+            assert worker.added_prefill_ms(1000.0, x) == pytest.approx(want, rel=1e-12, abs=1e-12)
+            want = w * own.prefill_ms(x) + (1 - w) * fleet.prefill_ms(x)
+            assert worker.prefill_ms(x) == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+    check()
+    for i in range(60):
+        x = rng.uniform(100, 9000)
+        target = own if i % 3 else fleet  # the fleet also learns from other workers
+        target.observe_ttft(x, True, 0.3, 20 + 0.03 * x + rng.uniform(-5, 5))
+        check()
+        target.observe_itl(rng.uniform(8, 14), 0.3)
+        check()
+    own.set_step_budget(2048)  # own chunks differently now: the fits are blended as predictions
+    check()
+    fleet.set_step_budget(2048)
+    check()

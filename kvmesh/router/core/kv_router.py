@@ -802,13 +802,14 @@ class KvRouter:
         candidate: it kept siblings queued behind the first one's step on a learned fleet, where
         another worker holding the context answered ~25 ms sooner.)"""
         best = min(range(len(costs)), key=costs.__getitem__)
-        tolerance = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
-        near = [i for i in range(len(costs)) if costs[i] <= costs[best] + tolerance]
+        cutoff = costs[best] + self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
+        near = [i for i, c in enumerate(costs) if c <= cutoff]
         if len(near) == 1:
             return best
-        own = [own_tokens[i] for i in near]
-        least = min(own)
-        near = [i for i, w in zip(near, own, strict=True) if w <= least]
+        least = min([own_tokens[i] for i in near])
+        near = [i for i in near if own_tokens[i] <= least]
+        if len(near) == 1:
+            return near[0]
         j = selector.pick([costs[i] for i in near], [trees[i] for i in near], 0.0, self._rng)
         return near[j]
 

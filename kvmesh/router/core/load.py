@@ -69,12 +69,13 @@ class PromptBlocks:
         ids: list[int] = []
         prev = 0
         full = n - n % CHUNK
+        hashes = tuple(local_hashes)  # a tuple's slice is a tuple: no 17-item tuple built per chunk
         for start in range(0, full, CHUNK):
-            prev = hash((prev, *local_hashes[start : start + CHUNK]))
+            prev = hash((prev, hashes[start : start + CHUNK]))
             ids.append(prev)
         self.n_anchors = len(ids)
         for end in range(full + 1, n + 1):
-            ids.append(hash((prev, *local_hashes[full:end])))
+            ids.append(hash((prev, hashes[full:end])))
         self.ids = ids
         self.n_blocks = n
 

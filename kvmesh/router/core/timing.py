@@ -204,7 +204,10 @@ class Curve:
         """:meth:`ttft_ms` from the :func:`features` of the prefill work (computed once for a blend)."""
         s2, s1, k = feats
         a, b, c, o = self.theta
-        return o + wait_ms + a * s2 + b * s1 + c * k + self._decode_passes_ms(k, decoding, kv_usage, wait_ms)
+        # _decode_passes_ms, inlined: this runs for every candidate of every decision
+        d = self.decode_scale * self.prior.decode(kv_usage)
+        passes = (k + 1.0) * d if wait_ms > 0 else ((k + 0.5) * d if decoding else d)
+        return o + wait_ms + a * s2 + b * s1 + c * k + passes
 
     def _decode_passes_ms(self, steps: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
         """The decode passes before the first token: the rest of the step in progress (half a pass
@@ -446,6 +449,8 @@ class WorkerTiming:
         """How uncertain the predicted TTFT at ``x_tokens`` is (see :meth:`TimingModel.uncertainty_ms`):
         costs closer than this cannot be told apart."""
         w = self._weight()
+        if w <= 0.0:
+            return self.fleet.uncertainty_ms(x_tokens)
         own = self.own.uncertainty_ms(x_tokens)
         if w >= 1.0:
             return own

@@ -185,6 +185,8 @@ def test_a_blended_worker_predicts_as_the_weighted_mean_of_its_fit_and_the_fleet
             assert worker.added_prefill_ms(1000.0, x) == pytest.approx(want, rel=1e-12, abs=1e-12)
             want = w * own.prefill_ms(x) + (1 - w) * fleet.prefill_ms(x)
             assert worker.prefill_ms(x) == pytest.approx(want, rel=1e-12, abs=1e-12)
+            want = w * own.uncertainty_ms(x) + (1 - w) * fleet.uncertainty_ms(x)
+            assert worker.uncertainty_ms(x) == pytest.approx(want, rel=1e-12)
 
     check()
     for i in range(60):

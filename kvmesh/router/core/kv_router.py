@@ -770,18 +770,20 @@ class KvRouter:
         load = self._load
         carried = 0
         holders: set[WorkerKey] = set()
+        first: WorkerKey | None = None  # in candidate order: a set's order varies by process
         for key in candidates:
             n = load.holding(key, identity)
             carried += n
             if n or overlaps.get(key, _NO_TIERS).device >= depth:
                 holders.add(key)
-        if not carried:
+                first = first or key
+        if not carried or first is None:
             return None
         age = self._shared.age(identity, now, stay_s)  # every worker may hold it: it still ages
         if len(holders) == len(candidates):
             return None
         suffix = isl_tokens - depth * (self._block_size or 1)
-        step_ms = self._timing[next(iter(holders))].added_prefill_ms(0.0, suffix)
+        step_ms = self._timing[first].added_prefill_ms(0.0, suffix)
         return holders, copy_saving_ms(carried / stay_s, step_ms, len(holders), age)
 
     def _pick_saving_work(

@@ -849,13 +849,12 @@ class KvRouter:
         next step plus its credited uncached tokens), ``wait_ms`` what is left of the step running
         there, ``cached_blocks`` the blocks indexed there. Memory: when the blocks of the requests
         in flight there (``held_blocks``, plus this one's ``new_blocks``) exceed the worker's KV
-        blocks, the engine holds the request until enough of
-        them have finished (:meth:`_memory_wait_ms`). Eviction: the blocks it adds beyond the
-        worker's free blocks push out least-recently-used cache, which the fleet's reported hit
-        share says will be asked for again at that rate; recomputing it later costs the fitted
-        per-token prefill time. (The rate
-        is the fleet's, not the worker's: a worker's own low hit share would make the worker that
-        thrashes most the cheapest place for new prefixes.)
+        blocks, the engine holds the request until enough of them have finished
+        (:meth:`_memory_wait_ms`). Eviction: the blocks it adds beyond the worker's free blocks
+        push out least-recently-used cache, which the fleet's reported hit share says will be asked
+        for again at that rate; recomputing it later costs the fitted per-token prefill time. (The
+        rate is the fleet's, not the worker's: a worker's own low hit share would make the worker
+        that thrashes most the cheapest place for new prefixes.)
         """
         model = self._timing[key]
         total = max(self._workers[key[0]].total_blocks, 1)
@@ -867,8 +866,7 @@ class KvRouter:
             whole = model.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
             prefill_part = wait_ms + model.prefill_ms(prefill_tokens)
             ttft = prefill_weight * prefill_part + whole - prefill_part
-        if held_blocks + new_blocks > total:
-            ttft += self._memory_wait_ms(key, held_blocks + new_blocks, total, now)
+        ttft += self._memory_wait_ms(key, held_blocks + new_blocks, total, now)
         reuse = self._reuse_fleet
         if not reuse:
             return ttft, 0.0

@@ -675,12 +675,13 @@ class KvRouter:
             dev = depths.device
             host = depths.host - dev
             disk = depths.disk - depths.host
-            wait_ms = 0.0
             if latency:  # the step running there cannot be joined; what is queued behind it can
-                wait_s, queued = load.step_in_progress(key, now)
-                wait_ms, active = 1000.0 * wait_s, float(queued)
+                view = load.candidate_view(key, now)
+                active = float(view[1])
+                held = view[2]
             else:
                 active = load.prefill_tokens_at(key, now) if self._aic else load.prefill_tokens(key)
+                held = load.decode_blocks(key)
             if prompt is not None:
                 new = load.new_blocks(key, prompt, isl)
             elif self.config.router_track_active_blocks:
@@ -698,14 +699,18 @@ class KvRouter:
             if req.prefilled_elsewhere:
                 moved.append(prefill - active)
                 prefill = active
-            held = load.decode_blocks(key)
             decode = held + new
             tree = index.block_count(key)
             if latency:
+                timing = self._timing[key]
                 ttft, evict = self._latency_cost(
-                    key, prefill, dev, n_blocks, held, new, tree, weights.prefill_load_scale, wait_ms, now
+                    key, timing, view, prefill, dev, n_blocks, new, tree, weights.prefill_load_scale, now
                 )
-                delay = self._delay_to_arrivals_ms(key, active, prefill - active, held, decode, req.osl, now)
+                delay = (
+                    self._delay_to_arrivals_ms(key, timing, view, prefill - active, decode, req.osl, now)
+                    if view[3]
+                    else 0.0  # nothing in flight there: nothing arrives behind it
+                )
                 if growth > 0:
                     evict += self._growth_eviction_ms(key, growth, n_blocks - dev)
                 credit = copy[1] if copy is not None and key not in copy[0] else 0.0
@@ -723,7 +728,7 @@ class KvRouter:
                         False,
                         ttft,
                         evict,
-                        wait_ms,
+                        1000.0 * view[0],
                         credit,
                         delay,
                     )
@@ -803,8 +808,9 @@ class KvRouter:
         single TTFTs, which is mostly where in a step a request lands, the same on every
         candidate: it kept siblings queued behind the first one's step on a learned fleet, where
         another worker holding the context answered ~25 ms sooner.)"""
-        best = min(range(len(costs)), key=costs.__getitem__)
-        cutoff = costs[best] + self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
+        lowest = min(costs)
+        best = costs.index(lowest)
+        cutoff = lowest + self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
         near = [i for i, c in enumerate(costs) if c <= cutoff]
         if len(near) == 1:
             return best
@@ -833,22 +839,23 @@ class KvRouter:
     def _latency_cost(
         self,
         key: WorkerKey,
+        timing: WorkerTiming,
+        view: tuple[float, int, float, int, int],
         prefill_tokens: float,
         device_blocks: int,
         n_blocks: int,
-        held_blocks: float,
         new_blocks: float,
         cached_blocks: int,
         prefill_weight: float,
-        wait_ms: float,
         now: float,
     ) -> tuple[float, float]:
         """(predicted ms to first token on ``key``, ms of future prefill its evictions would cost).
 
         ``prefill_tokens`` is the work there once this request is added (what is queued for the
-        next step plus its credited uncached tokens), ``wait_ms`` what is left of the step running
-        there, ``cached_blocks`` the blocks indexed there. Memory: when the blocks of the requests
-        in flight there (``held_blocks``, plus this one's ``new_blocks``) exceed the worker's KV
+        next step plus its credited uncached tokens), ``view`` the worker's load
+        (:meth:`ActiveSequences.candidate_view`: what is left of the step running there, the blocks
+        of the requests in flight there), ``cached_blocks`` the blocks indexed there. Memory: when
+        the blocks in flight there, plus this request's ``new_blocks``, exceed the worker's KV
         blocks, the engine holds the request until enough of them have finished
         (:meth:`_memory_wait_ms`). Eviction: the blocks it adds beyond the worker's free blocks
         push out least-recently-used cache, which the fleet's reported hit share says will be asked
@@ -856,17 +863,18 @@ class KvRouter:
         rate is the fleet's, not the worker's: a worker's own low hit share would make the worker
         that thrashes most the cheapest place for new prefixes.)
         """
-        model = self._timing[key]
+        curve = timing.curve()
+        wait_ms = 1000.0 * view[0]
+        held_blocks = view[2]
         total = max(self._workers[key[0]].total_blocks, 1)
         usage = min(held_blocks / total, 1.0)
-        decoding = self._load.decoding(key) > 0
-        if prefill_weight == 1.0:
-            ttft = model.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
-        else:  # --router-prefill-load-scale weighs the prefill part against the decode passes
-            whole = model.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
-            prefill_part = wait_ms + model.prefill_ms(prefill_tokens)
-            ttft = prefill_weight * prefill_part + whole - prefill_part
-        ttft += self._memory_wait_ms(key, held_blocks + new_blocks, total, now)
+        decoding = view[4] > 0
+        ttft = curve.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
+        if prefill_weight != 1.0:  # --router-prefill-load-scale weighs the prefill part against the decode passes
+            prefill_part = wait_ms + curve.prefill_ms(prefill_tokens)
+            ttft = prefill_weight * prefill_part + ttft - prefill_part
+        if held_blocks + new_blocks > total:  # (checked here too: this runs for every candidate)
+            ttft += self._memory_wait_ms(key, held_blocks + new_blocks, total, now)
         reuse = self._reuse_fleet
         if not reuse:
             return ttft, 0.0
@@ -874,7 +882,7 @@ class KvRouter:
         evicted = n_blocks - device_blocks - free
         if evicted <= 0:
             return ttft, 0.0
-        return ttft, reuse * evicted * (self._block_size or 1) * model.ms_per_token()
+        return ttft, reuse * evicted * (self._block_size or 1) * timing.ms_per_token()
 
     def _growth_eviction_ms(self, key: WorkerKey, growth_blocks: float, added_blocks: float) -> float:
         """What the cache its conversation grows into there evicts from the other conversations
@@ -901,9 +909,9 @@ class KvRouter:
     def _delay_to_arrivals_ms(
         self,
         key: WorkerKey,
-        ahead_tokens: float,
+        timing: WorkerTiming,
+        view: tuple[float, int, float, int, int],
         own_tokens: float,
-        blocks_before: float,
         blocks_after: float,
         osl: int | None,
         now: float,
@@ -935,13 +943,12 @@ class KvRouter:
         in use there (a sibling, a conversation's next turn) adds few blocks and little prefill,
         and pays little.
         """
-        in_flight = self._load.requests(key)
+        _, ahead_tokens, blocks_before, in_flight, _ = view
         stay_s = self._decode_s.get(key, self._decode_fleet)
         if in_flight == 0 or stay_s <= 0.0:
             return 0.0
         rate = in_flight / stay_s
-        timing = self._timing[key]
-        prefill = timing.added_prefill_ms(ahead_tokens, own_tokens)
+        prefill = timing.curve().added_prefill_ms(ahead_tokens, own_tokens)
         total = max(self._workers[key[0]].total_blocks, 1)
         before = min(blocks_before / total, 1.0)
         after = min(blocks_after / total, 1.0)

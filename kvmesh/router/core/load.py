@@ -189,6 +189,16 @@ class _Active:
         self.first_token_at: float | None = None
 
 
+def _step(w: _WorkerLoad, now: float) -> tuple[float, int]:
+    """:meth:`ActiveSequences.step_in_progress` of one worker's load."""
+    if not w.in_prefill:
+        return 0.0, 0
+    anchor = next(iter(w.in_prefill.values()))
+    if anchor.expected <= 0:
+        return 0.0, w.prefill_tokens
+    return max(w.anchor_since + anchor.expected - now, 0.0), w.prefill_tokens - anchor.prefill
+
+
 class ActiveSequences:
     """Load per (worker, dp_rank) from the requests the router has sent and not yet seen finish."""
 
@@ -256,13 +266,20 @@ class ActiveSequences:
         joins. ``(0, all prefill tokens)`` when the oldest has no predicted duration (the caller
         then sees every prefill token as joinable, as before)."""
         w = self._workers.get(worker)
-        if w is None or not w.in_prefill:
+        if w is None:
             return 0.0, 0
-        anchor = next(iter(w.in_prefill.values()))
-        if anchor.expected <= 0:
-            return 0.0, w.prefill_tokens
-        left = max(w.anchor_since + anchor.expected - now, 0.0)
-        return left, w.prefill_tokens - anchor.prefill
+        return _step(w, now)
+
+    def candidate_view(self, worker: WorkerKey, now: float) -> tuple[float, int, float, int, int]:
+        """What the latency cost reads of ``worker``, in one lookup (it runs for every candidate of
+        every decision): ``(seconds left of the step in progress, prefill tokens queued behind it,
+        decode blocks, requests in flight, requests generating)``, as :meth:`step_in_progress`,
+        :meth:`decode_blocks`, :meth:`requests` and :meth:`decoding` give them."""
+        w = self._workers.get(worker)
+        if w is None:
+            return 0.0, 0, 0.0, 0, 0
+        left, queued = _step(w, now)
+        return left, queued, w.blocks + w.output, w.requests, w.requests - len(w.in_prefill)
 
     def releases(
         self,

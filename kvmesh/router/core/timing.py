@@ -107,9 +107,11 @@ class Profile:
     source: str
 
     def decode(self, p: float) -> float:
-        p = min(max(p, 0.0), 1.0)
+        # comparisons rather than min()/max() calls: this runs for every candidate of every decision
+        p = 0.0 if p < 0.0 else (1.0 if p > 1.0 else p)
         d2, d1, d0 = self.decode_ms
-        return max(self.decode_min_ms, d2 * p * p + d1 * p + d0)
+        ms = d2 * p * p + d1 * p + d0
+        return ms if ms > self.decode_min_ms else self.decode_min_ms
 
     @classmethod
     def from_info(cls, doc: Any) -> Profile | None:
@@ -147,7 +149,8 @@ def features(x_tokens: float, budget: int) -> tuple[float, float, float]:
     in thousands of tokens."""
     if x_tokens <= 0:
         return 0.0, 0.0, 1.0
-    budget = max(budget, 1)
+    if budget < 1:
+        budget = 1
     full, rest = divmod(x_tokens, budget)
     steps = full + (1 if rest > 0 else 0)
     bk = budget / KTOK
@@ -196,13 +199,7 @@ class Curve:
     def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
         """Predicted ms to first token with ``x_tokens`` of prefill work queued, its own included,
         behind ``wait_ms`` left of a prefill step already running."""
-        return self.ttft_of(features(x_tokens, self.max_batched_tokens), decoding, kv_usage, wait_ms)
-
-    def ttft_of(
-        self, feats: tuple[float, float, float], decoding: bool, kv_usage: float, wait_ms: float = 0.0
-    ) -> float:
-        """:meth:`ttft_ms` from the :func:`features` of the prefill work (computed once for a blend)."""
-        s2, s1, k = feats
+        s2, s1, k = features(x_tokens, self.max_batched_tokens)
         a, b, c, o = self.theta
         # _decode_passes_ms, inlined: this runs for every candidate of every decision
         d = self.decode_scale * self.prior.decode(kv_usage)
@@ -371,14 +368,35 @@ class TimingModel(Curve):
         }
 
 
+class _Weighed:
+    """Two fits that cannot be one curve (they chunk prompts at different step budgets, or decode
+    on different prior curves): each predicts, and the predictions are weighed."""
+
+    __slots__ = ("fleet", "own", "w")
+
+    def __init__(self, own: TimingModel, fleet: TimingModel, w: float) -> None:
+        self.own, self.fleet, self.w = own, fleet, w
+
+    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
+        own = self.own.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
+        return self.w * own + (1.0 - self.w) * self.fleet.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
+
+    def prefill_ms(self, x_tokens: float) -> float:
+        return self.w * self.own.prefill_ms(x_tokens) + (1.0 - self.w) * self.fleet.prefill_ms(x_tokens)
+
+    def added_prefill_ms(self, ahead_tokens: float, own_tokens: float) -> float:
+        own = self.own.added_prefill_ms(ahead_tokens, own_tokens)
+        return self.w * own + (1.0 - self.w) * self.fleet.added_prefill_ms(ahead_tokens, own_tokens)
+
+
 class WorkerTiming:
     """A worker's timing model, shrunk toward the fleet's while it has few observations.
 
     Predictions are linear in the coefficients, so the blend of the two fits is one curve with
-    blended coefficients: it is built once per change of either fit (the fleet's changes with every
-    finished request, a worker's with its own) and predicts at the cost of one model. When the two
-    fits chunk prompts differently (different step budgets) or decode on different curves, each
-    predicts and the predictions are blended."""
+    blended coefficients (:meth:`curve`): it is built once per change of either fit (the fleet's
+    changes with every finished request, a worker's with its own) and predicts at the cost of one
+    model. The blended marginal prefill is the blend of the fits' marginal prefills too: the
+    coefficients are non-negative, so each fit's marginal cost is."""
 
     __slots__ = ("_mix", "_mix_fleet", "_mix_own", "fleet", "own", "profiled")
 
@@ -386,9 +404,9 @@ class WorkerTiming:
         self.own = own
         self.fleet = fleet
         self.profiled = profiled
-        self._mix: Curve | None = None
+        self._mix: Curve | _Weighed | None = None
         self._mix_own = self._mix_fleet = -1
-        """The fits' versions the blended curve was built from."""
+        """The fits' versions the blend was built from."""
 
     def _weight(self) -> float:
         if self.profiled:
@@ -396,50 +414,34 @@ class WorkerTiming:
         n = self.own.observations
         return n / (n + SHRINK)
 
-    def _curve(self) -> Curve | None:
-        """The one curve that predicts for this worker: its own fit when it is profiled, else the
-        blend (None when the two fits cannot be blended into one curve)."""
+    def curve(self) -> Curve | _Weighed:
+        """What predicts for this worker (``ttft_ms``, ``prefill_ms``, ``added_prefill_ms``): its
+        own fit when it is profiled, else the blend. The router takes it once per candidate."""
         if self.profiled:
             return self.own
         own, fleet = self.own, self.fleet
-        if self._mix_own == own.version and self._mix_fleet == fleet.version:
-            return self._mix
+        mix = self._mix
+        if mix is not None and self._mix_own == own.version and self._mix_fleet == fleet.version:
+            return mix
         self._mix_own, self._mix_fleet = own.version, fleet.version
-        if own.max_batched_tokens != fleet.max_batched_tokens or own.prior is not fleet.prior:
-            self._mix = None
-            return None
         w = self._weight()
-        theta = [w * a + (1.0 - w) * b for a, b in zip(own.theta, fleet.theta, strict=True)]
-        scale = w * own.decode_scale + (1.0 - w) * fleet.decode_scale
-        self._mix = Curve(own.prior, own.max_batched_tokens, theta, scale)
-        return self._mix
+        if own.max_batched_tokens != fleet.max_batched_tokens or own.prior is not fleet.prior:
+            mix = _Weighed(own, fleet, w)
+        else:
+            theta = [w * a + (1.0 - w) * b for a, b in zip(own.theta, fleet.theta, strict=True)]
+            scale = w * own.decode_scale + (1.0 - w) * fleet.decode_scale
+            mix = Curve(own.prior, own.max_batched_tokens, theta, scale)
+        self._mix = mix
+        return mix
 
     def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
-        curve = self._curve()
-        if curve is not None:
-            return curve.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
-        w = self._weight()
-        own, fleet = self.own, self.fleet
-        return w * own.ttft_ms(x_tokens, decoding, kv_usage, wait_ms) + (1.0 - w) * fleet.ttft_ms(
-            x_tokens, decoding, kv_usage, wait_ms
-        )
+        return self.curve().ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
 
     def prefill_ms(self, x_tokens: float) -> float:
-        curve = self._curve()
-        if curve is not None:
-            return curve.prefill_ms(x_tokens)
-        w = self._weight()
-        return w * self.own.prefill_ms(x_tokens) + (1.0 - w) * self.fleet.prefill_ms(x_tokens)
+        return self.curve().prefill_ms(x_tokens)
 
     def added_prefill_ms(self, ahead_tokens: float, own_tokens: float) -> float:
-        # coefficients are non-negative, so each fit's marginal cost is too, and blending the
-        # curves before taking the difference gives the same as blending the differences
-        curve = self._curve()
-        if curve is not None:
-            return curve.added_prefill_ms(ahead_tokens, own_tokens)
-        w = self._weight()
-        own = self.own.added_prefill_ms(ahead_tokens, own_tokens)
-        return w * own + (1.0 - w) * self.fleet.added_prefill_ms(ahead_tokens, own_tokens)
+        return self.curve().added_prefill_ms(ahead_tokens, own_tokens)
 
     def decode_ms(self, kv_usage: float) -> float:
         """One decode pass at ``kv_usage``, as this worker's streamed gaps have shown it."""

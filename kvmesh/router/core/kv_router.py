@@ -870,7 +870,7 @@ class KvRouter:
         usage = min(held_blocks / total, 1.0)
         decoding = view[4] > 0
         ttft = curve.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
-        if prefill_weight != 1.0:  # --router-prefill-load-scale weighs the prefill part against the decode passes
+        if prefill_weight != 1.0:  # --router-prefill-load-scale: the prefill part against the decode passes
             prefill_part = wait_ms + curve.prefill_ms(prefill_tokens)
             ttft = prefill_weight * prefill_part + ttft - prefill_part
         if held_blocks + new_blocks > total:  # (checked here too: this runs for every candidate)

@@ -50,7 +50,7 @@ HALVE_AT = 2000.0
 follow the traffic of the last thousand or two conversations."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Turn:
     """Where a request stands in its conversation (:meth:`Conversations.lookup`)."""
 
@@ -228,7 +228,8 @@ class Conversations:
             return None
         ids = prompt.ids
         n_anchors = prompt.n_anchors
-        levels = [ids.index(a, 0, n_anchors) + 1 for a in tails.keys() & ids[:n_anchors]]
+        anchors = ids if n_anchors == len(ids) else ids[:n_anchors]
+        levels = [ids.index(a, 0, n_anchors) + 1 for a in tails.keys() & anchors]
         if 0 in tails:
             levels.append(0)
         n = prompt.n_blocks

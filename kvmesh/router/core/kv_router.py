@@ -14,7 +14,7 @@ Every Decision is already counted as load on its worker; feedback calls undo it.
 
 With the latency cost (the default) each worker has a :class:`TimingModel`: a candidate's cost is
 its predicted time to first token, plus what evicting live cache would cost later (see
-``_latency_costs``). The model learns from the feedback calls: ``first_token`` gives the time from
+``_eviction_ms``). The model learns from the feedback calls: ``first_token`` gives the time from
 dispatch to first token, ``output_tokens`` the gaps between tokens, ``reported_cached`` the cached
 tokens the engine reported; ``finished`` turns them into one observation and returns a
 :class:`TimingSample` (prediction at dispatch vs what happened) for metrics.
@@ -654,6 +654,7 @@ class KvRouter:
         moved: list[float] = []
         n_blocks = len(req.local_hashes)
         isl = req.isl_tokens
+        own_blocks = n_blocks + (1 if isl > n_blocks * bs else 0)  # a partial last block is one more
         latency = self._latency
         turn = None
         growth = 0.0
@@ -685,13 +686,15 @@ class KvRouter:
             if prompt is not None:
                 new = load.new_blocks(key, prompt, isl)
             elif self.config.router_track_active_blocks:
-                new = n_blocks + (1 if isl > n_blocks * bs else 0)
+                new = own_blocks
             else:
                 new = 0
             if latency and prompt is not None and weights.overlap_score_credit > 0:
                 # Blocks of requests in flight there (a sibling sent a moment ago) will be cached
                 # by the time this one is prefilled behind them: count them as cached there.
-                in_flight = min(n_blocks, prompt.n_blocks + (1 if isl > n_blocks * bs else 0) - new)
+                in_flight = own_blocks - new
+                if in_flight > n_blocks:
+                    in_flight = n_blocks
                 if in_flight > dev:
                     host = max(host - (in_flight - dev), 0)
                     dev = in_flight
@@ -701,11 +704,19 @@ class KvRouter:
                 prefill = active
             decode = held + new
             tree = index.block_count(key)
-            if latency:
+            if (
+                latency
+            ):  # the predicted TTFT there, plus what its evictions cost later (inlined: per candidate)
                 timing = self._timing[key]
-                ttft, evict = self._latency_cost(
-                    key, timing, view, prefill, dev, n_blocks, new, tree, weights.prefill_load_scale, now
-                )
+                curve = timing.curve()
+                total = max(self._workers[key[0]].total_blocks, 1)
+                usage = held / total
+                ttft = curve.ttft_ms(prefill, view[4] > 0, usage if usage < 1.0 else 1.0, 1000.0 * view[0])
+                if weights.prefill_load_scale != 1.0:
+                    ttft = _weigh_prefill(timing, ttft, prefill, 1000.0 * view[0], weights.prefill_load_scale)
+                if decode > total:
+                    ttft += self._memory_wait_ms(key, decode, total, now)
+                evict = self._eviction_ms(timing, n_blocks - dev, total - tree) if self._reuse_fleet else 0.0
                 delay = (
                     self._delay_to_arrivals_ms(key, timing, view, prefill - active, decode, req.osl, now)
                     if view[3]
@@ -747,7 +758,7 @@ class KvRouter:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
         if copy is not None and candidates[i] not in copy[0]:
             self._copies += 1
-        return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt, turn)
+        return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt, turn, i)
 
     def _copy_credit(
         self,
@@ -766,7 +777,7 @@ class KvRouter:
         stay; the wait one more copy saves them is :func:`copy_saving_ms` over the time the prefix
         has been shared so far. A conversation's own history is carried by no other request in
         flight, so a turn is never credited for leaving it."""
-        deepest = max(d.device for d in overlaps.values())
+        deepest = max([d.device for d in overlaps.values()])
         found = prompt.chunk_prefix(deepest)
         stay_s = self._decode_fleet
         if found is None or stay_s <= 0.0:
@@ -836,53 +847,23 @@ class KvRouter:
         keys = [(load.requests(k), moved_tokens[i], costs[i], trees[i]) for i, k in enumerate(candidates)]
         return min(range(len(candidates)), key=keys.__getitem__)
 
-    def _latency_cost(
-        self,
-        key: WorkerKey,
-        timing: WorkerTiming,
-        view: tuple[float, int, float, int, int],
-        prefill_tokens: float,
-        device_blocks: int,
-        n_blocks: int,
-        new_blocks: float,
-        cached_blocks: int,
-        prefill_weight: float,
-        now: float,
-    ) -> tuple[float, float]:
-        """(predicted ms to first token on ``key``, ms of future prefill its evictions would cost).
+    def _eviction_ms(self, timing: WorkerTiming, added_blocks: int, free_blocks: int) -> float:
+        """What placing a request there costs later in evicted cache: the blocks it adds
+        (``added_blocks``, those not cached there) beyond the worker's ``free_blocks`` push out
+        least-recently-used cache, which the fleet's reported hit share says will be asked for
+        again at that rate; recomputing it later costs the fitted per-token prefill time. (The rate
+        is the fleet's, not the worker's: a worker's own low hit share would make the worker that
+        thrashes most the cheapest place for new prefixes.)
 
-        ``prefill_tokens`` is the work there once this request is added (what is queued for the
-        next step plus its credited uncached tokens), ``view`` the worker's load
-        (:meth:`ActiveSequences.candidate_view`: what is left of the step running there, the blocks
-        of the requests in flight there), ``cached_blocks`` the blocks indexed there. Memory: when
-        the blocks in flight there, plus this request's ``new_blocks``, exceed the worker's KV
-        blocks, the engine holds the request until enough of them have finished
-        (:meth:`_memory_wait_ms`). Eviction: the blocks it adds beyond the worker's free blocks
-        push out least-recently-used cache, which the fleet's reported hit share says will be asked
-        for again at that rate; recomputing it later costs the fitted per-token prefill time. (The
-        rate is the fleet's, not the worker's: a worker's own low hit share would make the worker
-        that thrashes most the cheapest place for new prefixes.)
-        """
-        curve = timing.curve()
-        wait_ms = 1000.0 * view[0]
-        held_blocks = view[2]
-        total = max(self._workers[key[0]].total_blocks, 1)
-        usage = min(held_blocks / total, 1.0)
-        decoding = view[4] > 0
-        ttft = curve.ttft_ms(prefill_tokens, decoding, usage, wait_ms)
-        if prefill_weight != 1.0:  # --router-prefill-load-scale: the prefill part against the decode passes
-            prefill_part = wait_ms + curve.prefill_ms(prefill_tokens)
-            ttft = prefill_weight * prefill_part + ttft - prefill_part
-        if held_blocks + new_blocks > total:  # (checked here too: this runs for every candidate)
-            ttft += self._memory_wait_ms(key, held_blocks + new_blocks, total, now)
-        reuse = self._reuse_fleet
-        if not reuse:
-            return ttft, 0.0
-        free = total - cached_blocks
-        evicted = n_blocks - device_blocks - free
+        The rest of a candidate's latency cost is computed in :meth:`_decide`'s loop, which runs for
+        every candidate of every decision: the predicted time to first token there, from the
+        worker's curve (the prefill work there once this request is added, behind what is left of
+        the step running there), plus the wait for KV blocks when the blocks in flight there and
+        this request's exceed the worker's (:meth:`_memory_wait_ms`)."""
+        evicted = added_blocks - free_blocks
         if evicted <= 0:
-            return ttft, 0.0
-        return ttft, reuse * evicted * (self._block_size or 1) * timing.ms_per_token()
+            return 0.0
+        return self._reuse_fleet * evicted * (self._block_size or 1) * timing.ms_per_token()
 
     def _growth_eviction_ms(self, key: WorkerKey, growth_blocks: float, added_blocks: float) -> float:
         """What the cache its conversation grows into there evicts from the other conversations
@@ -1015,13 +996,16 @@ class KvRouter:
         now: float,
         prompt: PromptBlocks | None,
         turn: Turn | None = None,
+        chosen: int | None = None,
     ) -> Decision:
+        """Commit the decision for ``worker`` (``breakdown[chosen]`` when it was scored)."""
         # the queue as this request finds it, before it joins: what it waits for, what it batches with
         view = self._load.step_in_progress(worker, now)
         self._commit(
             req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, now, req.osl, prompt, turn
         )
-        self._start_observation(req, worker, overlap, breakdown, now, view)
+        predicted = breakdown[chosen].predicted_ttft_ms if chosen is not None else None
+        self._start_observation(req, worker, overlap, predicted, now, view)
         if self.observer is not None:
             self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
         if req.session_id is not None and req.session_action in ("open", "bind"):
@@ -1089,11 +1073,13 @@ class KvRouter:
         req: RouteRequest,
         worker: WorkerKey,
         overlap: int,
-        breakdown: tuple[CandidateScore, ...],
+        predicted: float | None,
         now: float,
         view: tuple[float, int],
     ) -> None:
-        """``view``: the worker's ``step_in_progress`` before this request joined it."""
+        """``predicted``: the TTFT the decision predicted there (None: the decision made none,
+        so it is predicted here); ``view``: the worker's ``step_in_progress`` before this request
+        joined it."""
         model = self._timing.get(worker)
         if model is None:
             return
@@ -1104,7 +1090,6 @@ class KvRouter:
         total = max(self._workers[worker[0]].total_blocks, 1)
         usage = min(load.decode_blocks(worker) / total, 1.0)
         decoding = load.decoding(worker) > 0
-        predicted = next((s.predicted_ttft_ms for s in breakdown if s.worker == worker), None)
         if predicted is None:
             predicted = model.ttft_ms(ahead + uncached, decoding, usage, step_wait_ms)
         wait = self._memory_wait_ms(worker, load.decode_blocks(worker), total, now, req.request_id)
@@ -1309,6 +1294,15 @@ class KvRouter:
     def queue_pending(self) -> tuple[int, int]:
         """(requests, prompt tokens) waiting in the admission queue."""
         return len(self._queue), self._queue.pending_tokens
+
+
+def _weigh_prefill(
+    timing: WorkerTiming, ttft_ms: float, prefill_tokens: float, wait_ms: float, weight: float
+) -> float:
+    """``--router-prefill-load-scale`` on the latency cost: the prefill part of a predicted TTFT
+    (the step waited for and the prefill work) weighed against its decode passes."""
+    prefill_part = wait_ms + timing.prefill_ms(prefill_tokens)
+    return weight * prefill_part + ttft_ms - prefill_part
 
 
 def _bare_prompt(local_hashes: Sequence[int]) -> PromptBlocks:

@@ -662,15 +662,17 @@ class KvRouter:
             conv = self._conversations
             turn = conv.lookup(prompt, req.local_hashes, now)
             growth = conv.turns_to_come(turn.number) * conv.growth_blocks
-        copy = None
-        if (
-            latency
-            and prompt is not None
-            and overlaps
-            and weights.overlap_score_credit > 0
-            and not req.prefilled_elsewhere
-        ):
+        elsewhere = req.prefilled_elsewhere
+        copy_to: set[WorkerKey] | None = None  # the holders: a copy on any other is credited
+        copy_ms = 0.0
+        if latency and prompt is not None and overlaps and weights.overlap_score_credit > 0 and not elsewhere:
             copy = self._copy_credit(prompt, candidates, overlaps, isl, now)
+            if copy is not None:
+                copy_to, copy_ms = copy
+        # per-decision constants out of the loop, which runs for every candidate
+        in_flight_cached = latency and prompt is not None and weights.overlap_score_credit > 0
+        scale = weights.prefill_load_scale
+        timing_of, workers, reuse, osl = self._timing, self._workers, self._reuse_fleet, req.osl
         for key in candidates:
             depths = overlaps.get(key, _NO_TIERS)
             dev = depths.device
@@ -689,7 +691,7 @@ class KvRouter:
                 new = own_blocks
             else:
                 new = 0
-            if latency and prompt is not None and weights.overlap_score_credit > 0:
+            if in_flight_cached:
                 # Blocks of requests in flight there (a sibling sent a moment ago) will be cached
                 # by the time this one is prefilled behind them: count them as cached there.
                 in_flight = own_blocks - new
@@ -699,64 +701,62 @@ class KvRouter:
                     host = max(host - (in_flight - dev), 0)
                     dev = in_flight
             prefill = selector.projected_prefill_tokens(active, isl, dev, host, disk, bs, weights)
-            if req.prefilled_elsewhere:
+            if elsewhere:
                 moved.append(prefill - active)
                 prefill = active
             decode = held + new
             tree = index.block_count(key)
-            if (
-                latency
-            ):  # the predicted TTFT there, plus what its evictions cost later (inlined: per candidate)
-                timing = self._timing[key]
-                curve = timing.curve()
-                total = max(self._workers[key[0]].total_blocks, 1)
+            if latency:
+                # the predicted time to first token there (see _eviction_ms for the whole cost)
+                timing = timing_of[key]
+                total = max(workers[key[0]].total_blocks, 1)
+                wait_ms = 1000.0 * view[0]
                 usage = held / total
-                ttft = curve.ttft_ms(prefill, view[4] > 0, usage if usage < 1.0 else 1.0, 1000.0 * view[0])
-                if weights.prefill_load_scale != 1.0:
-                    ttft = _weigh_prefill(timing, ttft, prefill, 1000.0 * view[0], weights.prefill_load_scale)
+                ttft = timing.curve().ttft_ms(prefill, view[4] > 0, usage if usage < 1.0 else 1.0, wait_ms)
+                if scale != 1.0:
+                    ttft = _weigh_prefill(timing, ttft, prefill, wait_ms, scale)
                 if decode > total:
                     ttft += self._memory_wait_ms(key, decode, total, now)
-                evict = self._eviction_ms(timing, n_blocks - dev, total - tree) if self._reuse_fleet else 0.0
+                evict = self._eviction_ms(timing, n_blocks - dev, total - tree) if reuse else 0.0
+                if growth > 0:
+                    evict += self._growth_eviction_ms(key, growth, n_blocks - dev)
                 delay = (
-                    self._delay_to_arrivals_ms(key, timing, view, prefill - active, decode, req.osl, now)
+                    self._delay_to_arrivals_ms(key, timing, view, prefill - active, decode, osl, now)
                     if view[3]
                     else 0.0  # nothing in flight there: nothing arrives behind it
                 )
-                if growth > 0:
-                    evict += self._growth_eviction_ms(key, growth, n_blocks - dev)
-                credit = copy[1] if copy is not None and key not in copy[0] else 0.0
+                credit = copy_ms if copy_to is not None and key not in copy_to else 0.0
                 c = ttft + delay + evict - credit
-                scores.append(
-                    CandidateScore(
-                        key,
-                        dev,
-                        host,
-                        disk,
-                        prefill,
-                        prefill / bs,
-                        decode,
-                        c,
-                        False,
-                        ttft,
-                        evict,
-                        1000.0 * view[0],
-                        credit,
-                        delay,
-                    )
+                score = CandidateScore(
+                    key,
+                    dev,
+                    host,
+                    disk,
+                    prefill,
+                    prefill / bs,
+                    decode,
+                    c,
+                    False,
+                    ttft,
+                    evict,
+                    wait_ms,
+                    credit,
+                    delay,
                 )
             else:
-                c = selector.cost(prefill, decode, bs, weights.prefill_load_scale)
-                scores.append(CandidateScore(key, dev, host, disk, prefill, prefill / bs, decode, c))
+                c = selector.cost(prefill, decode, bs, scale)
+                score = CandidateScore(key, dev, host, disk, prefill, prefill / bs, decode, c)
+            scores.append(score)
             costs.append(c)
             trees.append(tree)
             own_tokens.append(prefill - active)
-        if req.prefilled_elsewhere and self.config.router_temperature == 0:
+        if elsewhere and self.config.router_temperature == 0:
             i = self._pick_least_loaded(candidates, moved, costs, trees)
         elif latency and self.config.router_temperature == 0:
             i = self._pick_saving_work(candidates, own_tokens, costs, trees, scores)
         else:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
-        if copy is not None and candidates[i] not in copy[0]:
+        if copy_to is not None and candidates[i] not in copy_to:
             self._copies += 1
         return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt, turn, i)
 

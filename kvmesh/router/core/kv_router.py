@@ -825,12 +825,12 @@ class KvRouter:
         near = [i for i, c in enumerate(costs) if c <= cutoff]
         if len(near) == 1:
             return best
-        least = min([own_tokens[i] for i in near])
-        near = [i for i in near if own_tokens[i] <= least]
-        if len(near) == 1:
-            return near[0]
-        j = selector.pick([costs[i] for i in near], [trees[i] for i in near], 0.0, self._rng)
-        return near[j]
+        # the least own work, then the lowest cost, then the smallest tree (the selector's
+        # tie-break); a random one of those still equal
+        keys = [(own_tokens[i], costs[i], trees[i]) for i in near]
+        low = min(keys)
+        tied = [i for i, k in zip(near, keys, strict=True) if k == low]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
     def _pick_least_loaded(
         self,

@@ -85,10 +85,11 @@ class Conversations:
     def __init__(self) -> None:
         self._tips: dict[str, _Tip] = {}
         """By request id, oldest first (tips are made in routing order)."""
-        self._by_prompt: dict[tuple[int, tuple[int, ...]], set[str]] = {}
+        self._by_prompt: dict[tuple[int, tuple[int, ...]], dict[str, None]] = {}
         """Tips by their prompt: the identity of its last whole chunk (0 when it is shorter than a
         chunk) and the local hashes of the full blocks after it. Identical prompts (siblings)
-        share an entry."""
+        share an entry, oldest first (a dict, not a set: a set of strings iterates in an order
+        that varies between processes, and a run must replay exactly)."""
         self._tails: dict[int, dict[int, int]] = {}
         """Per last-chunk identity, how many tips have each number of full blocks after it: the
         few lengths a prompt's lookup tries at that chunk (never a scan over the tips)."""
@@ -187,7 +188,7 @@ class Conversations:
         anchor, trailing = turn.key
         tip = _Tip(worker, prompt.ids, prompt.n_anchors, trailing, now, number)
         self._tips[request_id] = tip
-        self._by_prompt.setdefault(turn.key, set()).add(request_id)
+        self._by_prompt.setdefault(turn.key, {})[request_id] = None
         tails = self._tails.setdefault(anchor, {})
         tails[len(tip.trailing)] = tails.get(len(tip.trailing), 0) + 1
         # A turn that stays on its worker moves only what changed: the history's whole chunks
@@ -273,7 +274,7 @@ class Conversations:
         anchor = _anchor(tip)
         key = (anchor, tip.trailing)
         same = self._by_prompt[key]
-        same.discard(request_id)
+        same.pop(request_id, None)
         if not same:
             del self._by_prompt[key]
         tails = self._tails[anchor]

@@ -68,6 +68,16 @@ def test_a_sibling_shares_its_twins_turn_number() -> None:
     assert (turn.previous, turn.number, turn.sibling) == ("t2", 3, False)
 
 
+def test_a_turn_after_identical_siblings_continues_the_oldest_whatever_the_string_hashing() -> None:
+    """Which twin a turn continues decides which worker's history it moves: the oldest, never an
+    order that changes between processes (string hashes are salted per process)."""
+    conv = Conversations()
+    first = SYSTEM + toks(2, 10 * B)
+    for i in range(20):
+        route(conv, f"twin-{19 - i}", A if i % 2 else W, first, 0.0)
+    assert route(conv, "next", A, first + toks(3, 5 * B), 1.0) == "twin-19"
+
+
 def test_the_longest_earlier_prompt_is_the_one_continued_whatever_its_length() -> None:
     conv = Conversations()
     base = toks(2, 3 * B)  # shorter than a chunk

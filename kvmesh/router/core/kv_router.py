@@ -933,8 +933,9 @@ class KvRouter:
         total = max(self._workers[key[0]].total_blocks, 1)
         before = min(blocks_before / total, 1.0)
         after = min(blocks_after / total, 1.0)
-        pass_after = timing.decode_ms(after)
-        longer_pass = max(pass_after - timing.decode_ms(before), 0.0)
+        own = timing.own  # a decode pass as this worker's streamed gaps have shown it
+        pass_after = own.decode_ms(after)
+        longer_pass = max(pass_after - own.decode_ms(before), 0.0)
         decode_s = osl * pass_after / 1000.0 if osl is not None and osl > 0 else stay_s
         delay = rate * (prefill / 1000.0) * prefill / 2.0 + rate * decode_s * 1.5 * longer_pass
         over_limit = min(blocks_after - blocks_before, blocks_after - total)

@@ -101,7 +101,7 @@ def hold_prefix(refs: Counter[int], ids: Sequence[int], anchors: int, start: int
     for lo, hi, weight in ((start, anchors, CHUNK), (max(start, anchors), len(ids), 1)):
         if lo < hi:
             before = len(refs)
-            refs.update(ids[lo:hi])
+            refs.update(ids if lo == 0 and hi == len(ids) else ids[lo:hi])
             added += (len(refs) - before) * weight
     return added
 
@@ -111,7 +111,7 @@ def release_prefix(refs: Counter[int], ids: Sequence[int], anchors: int, start: 
     freed = 0
     for lo, hi, weight in ((start, anchors, CHUNK), (max(start, anchors), len(ids), 1)):
         if lo < hi:
-            part = ids[lo:hi]
+            part = ids if lo == 0 and hi == len(ids) else ids[lo:hi]
             counts = list(map(refs.pop, part))  # popped; the ones others hold go back
             gone = counts.count(1)
             if gone < len(part):

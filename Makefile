@@ -41,8 +41,8 @@ fuzz: venv
 	cat fuzz-report.jsonl
 
 lint: venv
-	$(PY) -m ruff check kvmesh tests benchmarks examples
-	$(PY) -m ruff format --check kvmesh tests benchmarks examples
+	$(PY) -m ruff check kvmesh tests benchmarks examples scripts
+	$(PY) -m ruff format --check kvmesh tests benchmarks examples scripts
 	$(PY) -m mypy
 
 demo: venv

@@ -680,8 +680,8 @@ class KvRouter:
             disk = depths.disk - depths.host
             if latency:  # the step running there cannot be joined; what is queued behind it can
                 view = load.candidate_view(key, now)
-                active = float(view[1])
-                held = view[2]
+                step_left_s, queued, held, requests_there, generating = view
+                active = float(queued)
             else:
                 active = load.prefill_tokens_at(key, now) if self._aic else load.prefill_tokens(key)
                 held = load.decode_blocks(key)
@@ -710,9 +710,9 @@ class KvRouter:
                 # the predicted time to first token there (see _eviction_ms for the whole cost)
                 timing = timing_of[key]
                 total = max(workers[key[0]].total_blocks, 1)
-                wait_ms = 1000.0 * view[0]
+                wait_ms = 1000.0 * step_left_s
                 usage = held / total
-                ttft = timing.curve().ttft_ms(prefill, view[4] > 0, usage if usage < 1.0 else 1.0, wait_ms)
+                ttft = timing.curve().ttft_ms(prefill, generating > 0, usage if usage < 1.0 else 1.0, wait_ms)
                 if scale != 1.0:
                     ttft = _weigh_prefill(timing, ttft, prefill, wait_ms, scale)
                 if decode > total:
@@ -722,7 +722,7 @@ class KvRouter:
                     evict += self._growth_eviction_ms(key, growth, n_blocks - dev)
                 delay = (
                     self._delay_to_arrivals_ms(key, timing, view, prefill - active, decode, osl, now)
-                    if view[3]
+                    if requests_there
                     else 0.0  # nothing in flight there: nothing arrives behind it
                 )
                 credit = copy_ms if copy_to is not None and key not in copy_to else 0.0

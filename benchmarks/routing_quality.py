@@ -1,7 +1,7 @@
 """Routing quality: the same seeded traffic through each router, in front of fresh simulated fleets.
 
     .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--workloads W,...]
-        [--contenders NAME,...] [--engines N]
+        [--contenders NAME,...] [--engines N] [--set KNOB=VALUE ...] [--num-blocks N]
 
 For every case (a workload on a fleet of 4 or 8 engines) and every contender, a fresh fleet of
 ``kvmesh mock`` engines starts as real processes on loopback (``--speedup 1``: the fitted GPU step
@@ -23,6 +23,11 @@ hit ratio (``usage.prompt_tokens_details.cached_tokens`` over prompt tokens), re
 (from each engine's own /metrics, so every router is counted the same way) and the engines'
 fidelity (real busy step time over modelled: near 1.0 means the 2-core machine kept up).
 ``--json`` keeps every number, ``--plot`` draws them.
+
+``--set`` and ``--num-blocks`` run the workloads at other sizes and ratios than their presets (the
+suite's presets are what the router was developed on; a router that only wins there has been
+tuned to them): ``--set prefix_words=3000 --set concurrency=16`` changes every chosen workload's
+preset before it is scaled to the fleet, and ``--num-blocks`` each engine's KV cache.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from _harness import machine, table
 from kvmesh.bench import report
 from kvmesh.bench.fleet import FrontCommand, engine_stats, kvmesh_router, sglang_router, start_fleet
 from kvmesh.bench.runner import LoadSpec, Progress, run_workload
-from kvmesh.bench.workloads import build, preset
+from kvmesh.bench.session import WorkloadSpec
+from kvmesh.bench.workloads import Preset, build, preset
 from kvmesh.router.core.config import RouterConfig
 
 ENGINE_ARGS = (
@@ -68,20 +74,71 @@ class Contender:
     ask_worker_id: bool = True
 
 
+SPEC_KNOBS = frozenset(f.name for f in dataclasses.fields(WorkloadSpec)) - {"name", "seed"}
+LOAD_KNOBS = frozenset(("concurrency", "rate", "think_time", "ramp"))
+KNOBS = SPEC_KNOBS | LOAD_KNOBS
+"""What ``--set`` may change: the workload's knobs (``kvmesh bench``'s flags of the same names) and
+its load."""
+
+
 @dataclass(frozen=True)
 class Case:
     workload: str
     engines: int
     short: bool = False
     """Half the turns and think times, one wave of sessions, half the KV cache per engine."""
+    changes: tuple[tuple[str, int | float], ...] = ()
+    """``--set`` overrides of the preset, in the order given."""
+    num_blocks: int | None = None
+    """``--num-blocks``: each engine's KV cache, in place of the suite's."""
 
     @property
     def label(self) -> str:
-        return f"{self.workload} x{self.engines}"
+        extra = [f"{k}={v:g}" for k, v in self.changes]
+        if self.num_blocks is not None:
+            extra.append(f"num_blocks={self.num_blocks}")
+        return f"{self.workload} x{self.engines}" + (f" ({', '.join(extra)})" if extra else "")
 
     @property
     def engine_args(self) -> tuple[str, ...]:
-        return SHORT_ENGINE_ARGS if self.short else ENGINE_ARGS
+        args = SHORT_ENGINE_ARGS if self.short else ENGINE_ARGS
+        if self.num_blocks is None:
+            return args
+        i = args.index("--num-blocks")
+        return (*args[:i], "--num-blocks", str(self.num_blocks), *args[i + 2 :])
+
+    def preset(self) -> Preset:
+        """The workload's preset with this case's ``--set`` changes."""
+        p = preset(self.workload)
+        spec_changes = {k: v for k, v in self.changes if k in SPEC_KNOBS}
+        load_changes: dict[str, Any] = {k: v for k, v in self.changes if k in LOAD_KNOBS}
+        if "rate" in load_changes:  # an open loop has no sessions in flight to keep, and back
+            load_changes.setdefault("concurrency", None)
+        elif "concurrency" in load_changes:
+            load_changes["rate"] = None
+        return dataclasses.replace(p, spec=p.spec.replace(**spec_changes), **load_changes)
+
+
+def parse_knob(text: str) -> tuple[str, int | float]:
+    """``KNOB=VALUE`` of ``--set``: an integer knob takes an integer, a share or a time a number."""
+    name, sep, raw = text.partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or name not in KNOBS:
+        raise argparse.ArgumentTypeError(
+            f"--set takes KNOB=VALUE with KNOB one of {', '.join(sorted(KNOBS))}; got {text!r}"
+        )
+    kind = float if name in ("hot_share", "long_share", "rate", "think_time", "ramp") else int
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--set {name} needs a{'n integer' if kind is int else ' number'}, got {raw!r}"
+        ) from None
+    low = 0 if name in ("think_time", "ramp", "hot_share", "long_share") else 1
+    if value < low or (name in ("hot_share", "long_share") and value > 1):
+        bound = "in [0, 1]" if name.endswith("_share") else f"at least {low}"
+        raise argparse.ArgumentTypeError(f"--set {name} must be {bound}, got {raw!r}")
+    return name, value
 
 
 def _has_cost_models() -> bool:
@@ -115,7 +172,7 @@ def cases(short: bool) -> list[Case]:
 def load_for(case: Case, ask_worker_id: bool, seed: int) -> tuple[Any, LoadSpec]:
     """The case's sessions and load: the workload preset, scaled to the fleet (sessions,
     concurrency and rate grow with ``engines / 4``), shortened for ``--short``."""
-    p = preset(case.workload)
+    p = case.preset()
     k = case.engines / 4
     sessions = max(1, round(p.spec.sessions * k))
     concurrency = None if p.rate else max(1, round((p.concurrency or 8) * k))
@@ -282,12 +339,15 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.engines:
         chosen = [dataclasses.replace(c, engines=args.engines) for c in chosen]
         chosen = list(dict.fromkeys(chosen))
+    if args.changes or args.num_blocks:
+        changes = tuple(dict(args.changes).items())  # the last of a knob set twice wins
+        chosen = [dataclasses.replace(c, changes=changes, num_blocks=args.num_blocks) for c in chosen]
     people = contenders()
     if args.contenders:
         names = args.contenders.split(",")
         people = [c for c in people if c.name in names]
     print(f"machine: {machine()}")
-    engine_args = SHORT_ENGINE_ARGS if args.short else ENGINE_ARGS
+    engine_args = chosen[0].engine_args if chosen else ENGINE_ARGS
     print(f"engines: kvmesh mock {' '.join(engine_args)}; seed {args.seed}; rounds {args.rounds}")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     started = time.monotonic()
@@ -307,7 +367,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 )
                 per[contender.name].append(await run_one(case, contender, args.seed, not args.no_progress))
         results[case.label] = per
-        p = preset(case.workload)
+        p = case.preset()
         size = "short: half the turns, one wave, half the cache" if case.short else f"x{case.engines / 4:g}"
         print(f"\n### {case.label}: {p.note} ({size})\n")
         print(case_table(per))
@@ -326,6 +386,16 @@ async def main_async(args: argparse.Namespace) -> int:
     return 0 if errors == 0 else 1
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs a positive integer, got {text!r}")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -340,6 +410,23 @@ def main() -> int:
     )
     parser.add_argument("--contenders", default=None, help="comma-separated contenders to run")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    parser.add_argument(
+        "--set",
+        dest="changes",
+        type=parse_knob,
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="change every chosen workload's preset (repeatable): "
+        + ", ".join(sorted(KNOBS))
+        + "; sizes are for 4 engines and scale with --engines",
+    )
+    parser.add_argument(
+        "--num-blocks",
+        type=_positive,
+        default=None,
+        help="KV cache blocks per engine (default: 2048, or 1024 with --short)",
+    )
     parser.add_argument("--json", dest="json_path", default=None, help="write every summary here")
     parser.add_argument("--plot", default="routing-quality.png", help="PNG plot path ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

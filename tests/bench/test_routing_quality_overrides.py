@@ -1,0 +1,65 @@
+"""`benchmarks/routing_quality.py --set/--num-blocks`: the suite's workloads at other sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_quality.py"
+
+
+@pytest.fixture(scope="module")
+def rq():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("routing_quality", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["routing_quality"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_change_reaches_the_sessions_sent_and_the_load(rq) -> None:  # type: ignore[no-untyped-def]
+    base = rq.Case("agent-long", 4)
+    changed = rq.Case("agent-long", 4, changes=(("question_words", 100), ("concurrency", 3)))
+    sessions, load = rq.load_for(base, True, 0)
+    small, small_load = rq.load_for(changed, True, 0)
+    assert load.concurrency == 12 and small_load.concurrency == 3
+    # the tool outputs a session appends are a fifth as long, the system prompt the same
+    assert len(small[0].followups[0]) < len(sessions[0].followups[0]) / 3
+    assert small[0].messages[0] == sessions[0].messages[0]
+    assert "question_words=100" in changed.label and "concurrency=3" in changed.label
+
+
+def test_a_rate_turns_a_closed_loop_open_and_scales_with_the_fleet(rq) -> None:  # type: ignore[no-untyped-def]
+    case = rq.Case("chat-fits", 8, changes=(("rate", 5.0),))
+    _, load = rq.load_for(case, True, 0)
+    assert load.concurrency is None and load.rate == 10.0
+
+
+def test_num_blocks_replaces_the_engines_cache(rq) -> None:  # type: ignore[no-untyped-def]
+    args = rq.Case("siblings", 4, num_blocks=512).engine_args
+    assert args[args.index("--num-blocks") + 1] == "512"
+    assert args.count("--num-blocks") == 1
+    assert rq.Case("siblings", 4).engine_args == rq.ENGINE_ARGS
+
+
+@pytest.mark.parametrize(
+    ("flag", "names"),
+    [
+        (["--set", "prefix=3000"], "KNOB one of"),
+        (["--set", "turns=two"], "--set turns needs an integer"),
+        (["--set", "hot_share=1.5"], "--set hot_share must be in [0, 1]"),
+        (["--set", "sessions=0"], "--set sessions must be at least 1"),
+        (["--num-blocks", "-4"], "--num-blocks: needs a positive integer"),
+    ],
+)
+def test_a_bad_change_is_refused_before_any_fleet_starts(flag: list[str], names: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *flag], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2
+    assert names in done.stderr

@@ -216,6 +216,7 @@ METRICS = (
     ("TTFT p50 ms", lambda s: _ms(s["ttft_s"]["p50"])),
     ("TTFT p90 ms", lambda s: _ms(s["ttft_s"]["p90"])),
     ("TTFT p99 ms", lambda s: _ms(s["ttft_s"]["p99"])),
+    ("TTFT mean ms", lambda s: _ms(s["ttft_s"].get("mean"))),
     ("ITL p50 ms", lambda s: _ms(s["itl_s"]["p50"])),
     ("req/s", lambda s: s["throughput_rps"]),
     ("prefix hits", lambda s: s["prefix_hit_ratio"]),
@@ -256,6 +257,7 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         "case",
         "p50 / best(sglang, dynamo)",
         "p99 / best(sglang, dynamo)",
+        "mean / best(sglang, dynamo)",
         "hits - best",
         "p50 / round-robin",
     ]
@@ -272,8 +274,8 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         ) -> str:
             vals = []
             for i in range(len(me)):
-                best = min(per[n][i]["ttft_s"][q] or float("inf") for n in others)
-                mine = me[i]["ttft_s"][q]
+                best = min(per[n][i]["ttft_s"].get(q) or float("inf") for n in others)
+                mine = me[i]["ttft_s"].get(q)
                 vals.append(mine / best if mine is not None and best != float("inf") else None)
             return _fmt(vals, 2)
 
@@ -282,7 +284,7 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
             best = max(per[n][i]["prefix_hit_ratio"] or 0.0 for n in per)
             hits.append((me[i]["prefix_hit_ratio"] or 0.0) - best)
         rr = ratio("p50", ["round-robin"]) if "round-robin" in per else "-"
-        rows.append([case, ratio("p50", base), ratio("p99", base), _fmt(hits, 3), rr])
+        rows.append([case, ratio("p50", base), ratio("p99", base), ratio("mean", base), _fmt(hits, 3), rr])
     return table(headers, rows) if rows else ""
 
 

@@ -60,6 +60,7 @@ def test_percentiles_and_table() -> None:
     assert summary["prefix_hit_ratio"] == 0.25
     assert summary["per_worker"] == {"w1": 1, "w2": 1}
     assert summary["throughput_rps"] == 1.0
+    assert summary["ttft_s"]["mean"] == pytest.approx(0.2)  # the failed request has no TTFT
     table = report.format_table([summary])
     assert "TTFT p50 (ms)" in table and "200.0" in table and "25.0%" in table
 

@@ -4,6 +4,8 @@
     POST   /kvmesh/workers        {"url": ..., "id": ..., spec fields} -> 201 + the worker's row
     DELETE /kvmesh/workers/{id}   -> 200 {"removed": id}
     GET    /kvmesh/router         -> this replica: name, epoch, replica-sync endpoint and peers
+    GET    /kvmesh/decisions?limit=N -> the last N decisions (default 20, at most 64), newest first,
+                                  with every candidate's cost terms
     GET    /busy_threshold        -> {"thresholds": [{"model", thresholds...} per served model]}
     POST   /busy_threshold        {"model": m, threshold: value, ...} -> {"model": m, thresholds...}
                                   ({"model": m} alone reads them; without "model": kvmesh's older
@@ -38,8 +40,9 @@ from starlette.routing import Route, Router
 from kvmesh._http import error_body, token_matches
 from kvmesh.errors import ConfigError
 from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.core.kv_router import DECISION_HISTORY
 from kvmesh.router.mesh.registry import WorkerConflict
-from kvmesh.router.mesh.runtime import ROUTER_PATH, Mesh
+from kvmesh.router.mesh.runtime import DECISIONS_PATH, ROUTER_PATH, Mesh
 from kvmesh.router.mesh.settings import WorkerSpecError, worker_from_mapping
 
 WORKERS_PATH = "/kvmesh/workers"
@@ -56,7 +59,7 @@ _encode = msgspec.json.encode
 
 def handles(path: str) -> bool:
     """True for the paths the admin app answers (any method: a wrong one gets its 405 there)."""
-    return path in (WORKERS_PATH, ROUTER_PATH, BUSY_PATH) or path.startswith(_WORKER_PREFIX)
+    return path in (WORKERS_PATH, ROUTER_PATH, DECISIONS_PATH, BUSY_PATH) or path.startswith(_WORKER_PREFIX)
 
 
 def _json(doc: Any, status: int = 200) -> Response:
@@ -152,6 +155,16 @@ def build_admin_app(mesh: Mesh) -> Router:
     async def describe_router(request: Request) -> Response:
         return _json(mesh.describe())
 
+    async def list_decisions(request: Request) -> Response:
+        raw = request.query_params.get("limit", "20")
+        try:
+            limit = int(raw)
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= DECISION_HISTORY:
+            raise _BadBody(f"limit must be an integer from 1 to {DECISION_HISTORY}, got {raw!r}", "limit")
+        return _json(mesh.describe_decisions(limit))
+
     async def get_thresholds(request: Request) -> Response:
         current = _thresholds(mesh)
         return _json({"thresholds": [{"model": m, **current} for m in mesh.registry.models]})
@@ -179,6 +192,7 @@ def build_admin_app(mesh: Mesh) -> Router:
             Route(WORKERS_PATH, guarded(add_worker), methods=["POST"]),
             Route(_WORKER_PREFIX + "{worker_id:path}", guarded(remove_worker), methods=["DELETE"]),
             Route(ROUTER_PATH, guarded(describe_router, peers_too=True), methods=["GET"]),
+            Route(DECISIONS_PATH, guarded(list_decisions), methods=["GET"]),
             Route(BUSY_PATH, guarded(get_thresholds), methods=["GET"]),
             Route(BUSY_PATH, guarded(set_thresholds), methods=["POST"]),
         ]

@@ -28,6 +28,7 @@ which is how replica sync shares them.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -52,6 +53,11 @@ if TYPE_CHECKING:
 SessionAction = Literal["open", "close", "bind"]
 RejectReason = Literal["busy", "queue_full", "unknown_worker", "no_workers", "no_target", "session_limit"]
 DecisionReason = Literal["kv", "pinned", "session", "round-robin", "random", "direct"]
+
+DECISION_HISTORY = 64
+"""Decisions kept for ``GET /kvmesh/decisions``: enough to see a burst's siblings and the turns
+around them placed, few enough that a large fleet's breakdowns (one score per candidate) stay a
+few MB."""
 
 
 @dataclass(slots=True)
@@ -349,6 +355,8 @@ class KvRouter:
         """Requests placed on a worker that did not hold the shared prefix they carry: copies made."""
         self._latency = config.router_cost_model == "latency"
         self._aic = config.router_prefill_load_model == "aic"
+        self._recent: deque[tuple[float, Decision]] = deque(maxlen=DECISION_HISTORY)
+        """The last decisions, oldest first, with the time each was made."""
 
     # ---------------------------------------------------------------- fleet
     def add_worker(
@@ -1013,7 +1021,7 @@ class KvRouter:
             self._sessions.bind(req.session_id, worker, now, req.session_timeout, req.client)
             self._tell_session(req.session_id, worker)
         bs = self._block_size or 1
-        return Decision(
+        decision = Decision(
             req.request_id,
             worker,
             overlap,
@@ -1021,6 +1029,15 @@ class KvRouter:
             self._reason_for(req),
             breakdown,
         )
+        self._recent.append((now, decision))
+        return decision
+
+    def recent_decisions(self, limit: int = DECISION_HISTORY) -> list[tuple[float, Decision]]:
+        """Up to ``limit`` of the last decisions, newest first, each with the time it was made
+        (the ``now`` of its ``route()`` or ``release()``): every candidate's cost terms are in its
+        ``breakdown``, which is how a placement can be explained after the fact."""
+        recent = self._recent
+        return [recent[-1 - i] for i in range(min(limit, len(recent)))]
 
     def _tell_session(self, session_id: str, worker: WorkerKey | None) -> None:
         if self.observer is not None:

@@ -46,6 +46,7 @@ _HOUSEKEEPING_INTERVAL = 0.25
 # Exponential moving average weight of one request in the reported/predicted cached-token ratio.
 _RATIO_ALPHA = 0.05
 ROUTER_PATH = "/kvmesh/router"
+DECISIONS_PATH = "/kvmesh/decisions"
 # A worker that does not answer GET /kvmesh/router (no middleware) is asked again after this long.
 _PEER_RETRY_SECS = 30.0
 
@@ -252,6 +253,19 @@ class Mesh:
             "router_sync_endpoint": sync.endpoint if sync is not None else None,
             **({"sync": sync.describe()} if sync is not None else {}),
             "event_plane": self.event_plane_status(),
+        }
+
+    def describe_decisions(self, limit: int) -> dict[str, Any]:
+        """``GET /kvmesh/decisions``: the last ``limit`` decisions, newest first, each with every
+        candidate's numbers (the latency cost's terms in ms), so a placement can be explained: why
+        a sibling stayed behind its twin's prefill, why a turn left its history."""
+        now = time.monotonic()
+        bs = self.registry.block_size or 16
+        return {
+            "replica": self.replica,
+            "cost_model": self.config.router_cost_model,
+            "block_size": bs,
+            "decisions": [_decision_doc(d, now - at) for at, d in self.router.recent_decisions(limit)],
         }
 
     def event_plane_status(self) -> dict[str, Any]:
@@ -494,3 +508,32 @@ class Mesh:
 def _log_failure(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.warning("kvmesh worker RPC failed: %s", task.exception())
+
+
+def _decision_doc(decision: Decision, age_s: float) -> dict[str, Any]:
+    chosen = decision.worker
+    return {
+        "request_id": decision.request_id,
+        "age_s": round(age_s, 3),
+        "reason": decision.reason,
+        "worker_id": chosen[0],
+        "dp_rank": chosen[1],
+        "overlap_blocks": decision.overlap_blocks,
+        "candidates": [
+            {
+                "worker_id": c.worker[0],
+                "dp_rank": c.worker[1],
+                "chosen": c.worker == chosen,
+                "overlap_blocks": c.overlap_blocks,
+                "prefill_tokens": round(c.prefill_tokens, 1),
+                "decode_blocks": round(c.decode_blocks, 1),
+                "cost": round(c.cost, 3),
+                "predicted_ttft_ms": None if c.predicted_ttft_ms is None else round(c.predicted_ttft_ms, 2),
+                "step_wait_ms": round(c.step_wait_ms, 2),
+                "eviction_ms": round(c.eviction_ms, 2),
+                "delay_to_others_ms": round(c.delay_to_others_ms, 2),
+                "copy_credit_ms": round(c.copy_credit_ms, 2),
+            }
+            for c in decision.breakdown
+        ],
+    }

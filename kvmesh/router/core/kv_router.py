@@ -56,8 +56,8 @@ DecisionReason = Literal["kv", "pinned", "session", "round-robin", "random", "di
 
 DECISION_HISTORY = 64
 """Decisions kept for ``GET /kvmesh/decisions``: enough to see a burst's siblings and the turns
-around them placed, few enough that a large fleet's breakdowns (one score per candidate) stay a
-few MB."""
+around them placed. Each keeps its breakdown, about 0.4 kB per candidate (measured): ~200 kB for
+the whole history on 8 workers, ~25 MB on 1,000."""
 
 
 @dataclass(slots=True)

@@ -27,7 +27,8 @@ fidelity (real busy step time over modelled: near 1.0 means the 2-core machine k
 ``--set`` and ``--num-blocks`` run the workloads at other sizes and ratios than their presets (the
 suite's presets are what the router was developed on; a router that only wins there has been
 tuned to them): ``--set prefix_words=3000 --set concurrency=16`` changes every chosen workload's
-preset before it is scaled to the fleet, and ``--num-blocks`` each engine's KV cache.
+preset before it is scaled to the fleet, and ``--num-blocks`` each engine's KV cache. A knob that
+none of the chosen workloads reads (``burst`` for chat, ``ramp`` for an open loop) is refused.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from kvmesh.bench import report
 from kvmesh.bench.fleet import FrontCommand, engine_stats, kvmesh_router, sglang_router, start_fleet
 from kvmesh.bench.runner import LoadSpec, Progress, run_workload
 from kvmesh.bench.session import WorkloadSpec
-from kvmesh.bench.workloads import Preset, build, preset
+from kvmesh.bench.workloads import Preset, build, ignored_load_knobs, knob_matters, preset
+from kvmesh.commands.argtypes import positive_int
 from kvmesh.router.core.config import RouterConfig
 
 ENGINE_ARGS = (
@@ -117,6 +119,17 @@ class Case:
         elif "concurrency" in load_changes:
             load_changes["rate"] = None
         return dataclasses.replace(p, spec=p.spec.replace(**spec_changes), **load_changes)
+
+
+def changes_something(case: Case, knob: str) -> bool:
+    """Whether ``--set knob=...`` changes what ``case`` sends or how (a knob that changes nothing
+    is refused, not run as if it had)."""
+    if knob in SPEC_KNOBS:
+        return knob_matters(case.workload, knob)
+    if knob not in ("think_time", "ramp"):
+        return True  # concurrency and rate set the load of every workload
+    p = case.preset()
+    return knob not in ignored_load_knobs(build(p.spec), open_loop=p.rate is not None)
 
 
 def parse_knob(text: str) -> tuple[str, int | float]:
@@ -344,6 +357,14 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.changes or args.num_blocks:
         changes = tuple(dict(args.changes).items())  # the last of a knob set twice wins
         chosen = [dataclasses.replace(c, changes=changes, num_blocks=args.num_blocks) for c in chosen]
+        ignored = [name for name, _ in changes if not any(changes_something(c, name) for c in chosen)]
+        if ignored:
+            workloads = ", ".join(dict.fromkeys(c.workload for c in chosen))
+            print(
+                f"--set {', '.join(ignored)}: no effect on the chosen workloads ({workloads})",
+                file=sys.stderr,
+            )
+            return 2
     people = contenders()
     if args.contenders:
         names = args.contenders.split(",")
@@ -369,9 +390,10 @@ async def main_async(args: argparse.Namespace) -> int:
                 )
                 per[contender.name].append(await run_one(case, contender, args.seed, not args.no_progress))
         results[case.label] = per
-        p = case.preset()
+        p = preset(case.workload)
         size = "short: half the turns, one wave, half the cache" if case.short else f"x{case.engines / 4:g}"
-        print(f"\n### {case.label}: {p.note} ({size})\n")
+        note = f"the preset is {p.note}" if case.changes else p.note  # the label gives the changes
+        print(f"\n### {case.label}: {note} ({size})\n")
         print(case_table(per))
         sys.stdout.flush()
     summary = verdicts(results)
@@ -386,16 +408,6 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"wrote {write_plot(results, Path(args.plot))}")
     errors = sum(r["errors"] for per in results.values() for runs in per.values() for r in runs)
     return 0 if errors == 0 else 1
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"needs a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"needs a positive integer, got {text!r}")
-    return value
 
 
 def main() -> int:
@@ -425,7 +437,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--num-blocks",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="KV cache blocks per engine (default: 2048, or 1024 with --short)",
     )

@@ -21,11 +21,23 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 from kvmesh.bench import conversations
 from kvmesh.bench.session import Answer, Session, WorkloadSpec, tool, words
 
-__all__ = ["PRESETS", "WORKLOADS", "Answer", "Preset", "Session", "WorkloadSpec", "build", "preset"]
+__all__ = [
+    "PRESETS",
+    "WORKLOADS",
+    "Answer",
+    "Preset",
+    "Session",
+    "WorkloadSpec",
+    "build",
+    "ignored_load_knobs",
+    "knob_matters",
+    "preset",
+]
 
 
 def agentic(spec: WorkloadSpec) -> list[Session]:
@@ -252,3 +264,25 @@ def build(spec: WorkloadSpec) -> list[Session]:
     except KeyError:
         raise ValueError(f"unknown workload {spec.name!r}; choose one of {', '.join(WORKLOADS)}") from None
     return builder(spec)
+
+
+@cache
+def knob_matters(workload: str, knob: str) -> bool:
+    """Whether the :class:`WorkloadSpec` field ``knob`` changes what workload ``workload`` sends:
+    its preset built with the knob moved to another value sends other sessions. (Read from the
+    builders themselves rather than a table beside them, so a new knob or workload cannot make a
+    flag that is parsed and then ignored.)"""
+    spec = preset(workload).spec
+    value = getattr(spec, knob)
+    other = (1.0 - value if value != 0.5 else 0.25) if isinstance(value, float) else value + 1
+    return build(spec) != build(spec.replace(**{knob: other}))
+
+
+def ignored_load_knobs(sessions: list[Session], *, open_loop: bool) -> frozenset[str]:
+    """The load knobs that change nothing for these sessions: ``ramp`` spreads the starts of a
+    closed loop only, and ``think_time`` is the pause between a session's steps, which
+    single-step sessions never take."""
+    ignored = {"ramp"} if open_loop else set()
+    if all(s.steps_left <= 1 for s in sessions):
+        ignored.add("think_time")
+    return frozenset(ignored)

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvmesh.bench import report
     from kvmesh.bench.runner import LoadSpec, Progress, run_workload
-    from kvmesh.bench.workloads import build, preset
+    from kvmesh.bench.workloads import build, ignored_load_knobs, knob_matters, preset
 
     urls = tuple(u.strip().rstrip("/") for u in args.url.split(",") if u.strip())
     headers = []
@@ -97,6 +97,15 @@ def run(args: argparse.Namespace) -> int:
     spec = chosen.spec.replace(seed=args.seed, **overrides)
     sessions = build(spec)
     rate = args.rate if args.rate is not None else (None if args.concurrency else chosen.rate)
+    # a flag that changes nothing in what is sent is refused rather than silently ignored
+    ignored = [name for name in overrides if not knob_matters(args.workload, name)]
+    idle = ignored_load_knobs(sessions, open_loop=rate is not None)
+    ignored += [name for name in ("think_time", "ramp") if getattr(args, name) is not None and name in idle]
+    if ignored:
+        flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
+        verb = "has" if len(ignored) == 1 else "have"
+        print(f"kvmesh bench: {flags} {verb} no effect on workload {args.workload!r}", file=sys.stderr)
+        return 2
     load = LoadSpec(
         urls=urls,
         model=args.model,

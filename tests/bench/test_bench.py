@@ -12,7 +12,7 @@ import pytest
 
 from kvmesh.bench import report
 from kvmesh.bench.runner import LoadSpec, RequestResult, RunResult, run_workload, think_times
-from kvmesh.bench.workloads import WORKLOADS, Answer, WorkloadSpec, build, preset
+from kvmesh.bench.workloads import WORKLOADS, Answer, WorkloadSpec, build, knob_matters, preset
 from kvmesh.mock.testing import run_mock
 
 
@@ -91,6 +91,36 @@ async def test_bench_command_end_to_end(tmp_path: Path) -> None:
     assert "TTFT p99 (ms)" in stdout.decode()
     doc = json.loads(out.read_text())
     assert doc["runs"][0]["summary"]["ok"] == 6
+
+
+def test_a_knob_matters_where_the_builder_reads_it() -> None:
+    assert knob_matters("siblings", "burst") and knob_matters("best-of-n", "burst")
+    assert not knob_matters("agent-long", "burst")
+    assert knob_matters("hot-prefix", "hot_share") and not knob_matters("chat-fits", "hot_share")
+    assert knob_matters("mixed", "long_share") and not knob_matters("agent-long", "long_share")
+    assert all(knob_matters(name, "sessions") and knob_matters(name, "max_tokens") for name in WORKLOADS)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workload", "agent-long", "--burst", "3"], "--burst has no effect on workload 'agent-long'"),
+        (
+            ["--workload", "shared-prefix", "--think-time", "2", "--rate", "4", "--ramp", "1"],
+            "--think-time, --ramp have no effect on workload 'shared-prefix'",
+        ),
+    ],
+)
+def test_bench_refuses_a_flag_that_would_change_nothing(flags: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "bench", "--url", "http://127.0.0.1:9", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert message in done.stderr
 
 
 def test_every_workload_has_a_preset_that_builds() -> None:

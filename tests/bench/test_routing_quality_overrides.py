@@ -54,7 +54,13 @@ def test_num_blocks_replaces_the_engines_cache(rq) -> None:  # type: ignore[no-u
         (["--set", "turns=two"], "--set turns needs an integer"),
         (["--set", "hot_share=1.5"], "--set hot_share must be in [0, 1]"),
         (["--set", "sessions=0"], "--set sessions must be at least 1"),
-        (["--num-blocks", "-4"], "--num-blocks: needs a positive integer"),
+        (["--num-blocks", "-4"], "--num-blocks: must be at least 1, got -4"),
+        # a knob none of the chosen workloads reads, and load knobs their load never uses
+        (["--workloads", "agent-long,chat-fits", "--set", "burst=8"], "--set burst: no effect on the chosen"),
+        (
+            ["--workloads", "hot-prefix", "--set", "think_time=2", "--set", "ramp=1"],
+            "--set think_time, ramp: no",
+        ),
     ],
 )
 def test_a_bad_change_is_refused_before_any_fleet_starts(flag: list[str], names: str) -> None:
@@ -63,3 +69,13 @@ def test_a_bad_change_is_refused_before_any_fleet_starts(flag: list[str], names:
     )
     assert done.returncode == 2
     assert names in done.stderr
+
+
+def test_a_change_counts_when_any_chosen_workload_reads_it(rq) -> None:  # type: ignore[no-untyped-def]
+    assert rq.changes_something(rq.Case("siblings", 4), "burst")
+    assert not rq.changes_something(rq.Case("agent-long", 4), "burst")
+    assert rq.changes_something(rq.Case("agent-long", 4), "think_time")  # multi-turn, closed loop
+    assert not rq.changes_something(rq.Case("hot-prefix", 4), "ramp")  # an open loop has no ramp
+    # a rate makes a closed loop open: then its ramp does nothing either
+    assert not rq.changes_something(rq.Case("chat-fits", 4, changes=(("rate", 2.0),)), "ramp")
+    assert rq.changes_something(rq.Case("hot-prefix", 4), "concurrency")

@@ -260,11 +260,10 @@ class Mesh:
         candidate's numbers (the latency cost's terms in ms), so a placement can be explained: why
         a sibling stayed behind its twin's prefill, why a turn left its history."""
         now = time.monotonic()
-        bs = self.registry.block_size or 16
         return {
             "replica": self.replica,
             "cost_model": self.config.router_cost_model,
-            "block_size": bs,
+            "block_size": self.registry.block_size,
             "decisions": [_decision_doc(d, now - at) for at, d in self.router.recent_decisions(limit)],
         }
 

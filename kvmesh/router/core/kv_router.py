@@ -723,7 +723,7 @@ class KvRouter:
                 ttft = timing.curve().ttft_ms(prefill, generating > 0, usage if usage < 1.0 else 1.0, wait_ms)
                 if scale != 1.0:
                     ttft = _weigh_prefill(timing, ttft, prefill, wait_ms, scale)
-                if decode > total:
+                if decode > total:  # (it returns 0 below the limit; checked here, as the call is not free)
                     ttft += self._memory_wait_ms(key, decode, total, now)
                 evict = self._eviction_ms(timing, n_blocks - dev, total - tree) if reuse else 0.0
                 if growth > 0:

@@ -281,10 +281,14 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         me = per["kvmesh"]
         rounds = len(me)
         base = [n for n in ("sglang", "dynamo") if n in per]
+        if not base and "round-robin" not in per:
+            continue  # nothing to hold it against
 
         def ratio(
             q: str, others: Sequence[str], me: list[dict[str, Any]] = me, per: dict[str, Any] = per
         ) -> str:
+            if not others:
+                return "-"
             vals = []
             for i in range(len(me)):
                 best = min(per[n][i]["ttft_s"].get(q) or float("inf") for n in others)
@@ -396,13 +400,14 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"\n### {case.label}: {note} ({size})\n")
         print(case_table(per))
         sys.stdout.flush()
+    if args.json_path:  # first: a long run's numbers must survive whatever the report does
+        Path(args.json_path).write_text(json.dumps(results, indent=1))
     summary = verdicts(results)
     if summary:
         print("\n### the default router against the baselines (same rounds)\n")
         print(summary)
     print(f"\ntotal {time.monotonic() - started:.0f}s")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(results, indent=1))
         print(f"wrote {args.json_path}")
     if args.plot:
         print(f"wrote {write_plot(results, Path(args.plot))}")

@@ -79,3 +79,20 @@ def test_a_change_counts_when_any_chosen_workload_reads_it(rq) -> None:  # type:
     # a rate makes a closed loop open: then its ramp does nothing either
     assert not rq.changes_something(rq.Case("chat-fits", 4, changes=(("rate", 2.0),)), "ramp")
     assert rq.changes_something(rq.Case("hot-prefix", 4), "concurrency")
+
+
+def _summary(p50: float, hits: float) -> dict[str, object]:
+    return {"ttft_s": {"p50": p50, "p99": 2 * p50, "mean": p50}, "prefix_hit_ratio": hits}
+
+
+def test_verdicts_need_a_baseline_and_compare_round_by_round(rq) -> None:  # type: ignore[no-untyped-def]
+    # kvmesh alone (a trace, a profile): nothing to hold it against, so no verdict row, and no
+    # crash after a long run
+    assert rq.verdicts({"case": {"kvmesh": [_summary(0.1, 0.9)]}}) == ""
+    text = rq.verdicts(
+        {"wl": {"kvmesh": [_summary(0.09, 0.90)], "dynamo": [_summary(0.1, 0.85)], "sglang": [_summary(0.12, 0.95)]}}
+    )
+    row = next(line for line in text.splitlines() if line.startswith("| wl "))
+    assert "0.90" in row and "-0.050" in row  # p50 against the better baseline; hits against the best
+    only_rr = rq.verdicts({"case": {"kvmesh": [_summary(0.05, 0.9)], "round-robin": [_summary(0.1, 0.5)]}})
+    assert "0.50" in only_rr  # p50 against round-robin, with no sglang or Dynamo run

@@ -14,6 +14,7 @@ from kvmesh.errors import RequestError
 __all__ = ["read_body", "send_error", "send_json"]
 
 _encode = msgspec.json.encode
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 _CONTENT_TYPE = (b"content-type", b"application/json")
 
 
@@ -27,6 +28,11 @@ async def read_body(
     if timeout is None:
         return await _read_body(scope, receive, limit)
     try:
+        if _timeout is not None:
+            # In this task: ``wait_for`` (3.10) reads in a task of its own, which starts only after
+            # everything already scheduled, so a burst's requests queued behind one another.
+            async with _timeout(timeout):
+                return await _read_body(scope, receive, limit)
         return await asyncio.wait_for(_read_body(scope, receive, limit), timeout)
     except asyncio.TimeoutError:
         raise RequestError(

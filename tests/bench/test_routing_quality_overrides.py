@@ -90,7 +90,13 @@ def test_verdicts_need_a_baseline_and_compare_round_by_round(rq) -> None:  # typ
     # crash after a long run
     assert rq.verdicts({"case": {"kvmesh": [_summary(0.1, 0.9)]}}) == ""
     text = rq.verdicts(
-        {"wl": {"kvmesh": [_summary(0.09, 0.90)], "dynamo": [_summary(0.1, 0.85)], "sglang": [_summary(0.12, 0.95)]}}
+        {
+            "wl": {
+                "kvmesh": [_summary(0.09, 0.90)],
+                "dynamo": [_summary(0.1, 0.85)],
+                "sglang": [_summary(0.12, 0.95)],
+            }
+        }
     )
     row = next(line for line in text.splitlines() if line.startswith("| wl "))
     assert "0.90" in row and "-0.050" in row  # p50 against the better baseline; hits against the best

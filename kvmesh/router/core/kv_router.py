@@ -544,17 +544,19 @@ class KvRouter:
             if not isinstance(result, Decision):
                 queue.push(item)  # every candidate busy (or none left): try again later
                 break
-            out.append(
-                Decision(
-                    result.request_id,
-                    result.worker,
-                    result.overlap_blocks,
-                    result.cached_tokens,
-                    result.reason,
-                    result.breakdown,
-                    now - pending.queued_at,
-                )
+            released = Decision(
+                result.request_id,
+                result.worker,
+                result.overlap_blocks,
+                result.cached_tokens,
+                result.reason,
+                result.breakdown,
+                now - pending.queued_at,
             )
+            recent = self._recent
+            if recent and recent[-1][1] is result:  # the history shows the wait as well
+                recent[-1] = (recent[-1][0], released)
+            out.append(released)
         return out
 
     def track(

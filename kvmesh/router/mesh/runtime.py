@@ -518,6 +518,7 @@ def _decision_doc(decision: Decision, age_s: float) -> dict[str, Any]:
         "worker_id": chosen[0],
         "dp_rank": chosen[1],
         "overlap_blocks": decision.overlap_blocks,
+        "queued_s": round(decision.waited, 4),
         "candidates": [
             {
                 "worker_id": c.worker[0],

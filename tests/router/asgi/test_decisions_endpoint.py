@@ -47,6 +47,7 @@ async def test_the_last_decisions_explain_where_each_request_went() -> None:
             assert decisions[0]["age_s"] <= decisions[1]["age_s"]
             for d in decisions:
                 assert d["reason"] == "kv"
+                assert d["queued_s"] == 0.0  # no admission queue on this router
                 candidates = {c["worker_id"]: c for c in d["candidates"]}
                 assert set(candidates) == {"m0", "m1"}
                 assert [w for w, c in candidates.items() if c["chosen"]] == [d["worker_id"]]

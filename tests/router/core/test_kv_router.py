@@ -149,6 +149,9 @@ def test_queue_holds_while_every_worker_is_saturated_and_releases_in_order() -> 
     released = r.release(now=5.0)
     assert [d.request_id for d in released] == ["r2", "r1"]
     assert released[0].waited == 3.0
+    # the decision history (GET /kvmesh/decisions) shows each one's wait in the queue too
+    recent = {d.request_id: (at, d.waited) for at, d in r.recent_decisions()}
+    assert recent == {"r1": (5.0, 4.0), "r2": (5.0, 3.0), "r0": (0.0, 0.0)}
 
 
 def test_queue_full_and_cancel_of_a_waiting_request() -> None:

@@ -198,3 +198,33 @@ async def test_a_usage_key_that_is_not_the_events_own_is_not_usage() -> None:
         {"type": "http.response.body", "body": _event(nested) + b"data: [DONE]\n\n", "more_body": False}
     )
     assert not any(c.startswith("cached:") for c in rec.calls)
+
+
+async def test_only_the_usage_event_is_decoded_for_usage(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With ``include_usage`` every chunk carries ``"usage": null``; only the last event's numbers
+    are usage, and only events that may carry them are decoded for it."""
+    import kvmesh.router.asgi.tap as tap_module
+
+    decoded: list[bytes] = []
+    real = tap_module._json_decode
+
+    def counting(payload: bytes) -> Any:
+        decoded.append(payload)
+        return real(payload)
+
+    monkeypatch.setattr(tap_module, "_json_decode", counting)
+    rec = Recorder()
+    tap = ResponseTap(rec.send, rec)
+    chunk = {"id": "c1", "choices": [{"index": 0, "delta": {"content": "x"}}], "usage": None}
+    spaced = b'data: {"id": "c1", "choices": [{"index": 0, "delta": {"content": "y"}}], "usage": null}\n\n'
+    # a tool call's arguments naming usage as well: decoded, and still not the event's usage
+    nested = {"id": "c1", "choices": [{"delta": {"tool_calls": [{"function": {"usage": {}}}]}}], "usage": None}
+    last = {"id": "c1", "choices": [], "usage": {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 7}}}
+    second = {"id": "c1", "choices": [{"index": 0, "delta": {"content": "z"}}], "usage": None}
+    body = _event(chunk) + _event(second) + spaced + _event(nested) + _event(last) + b"data: [DONE]\n\n"
+    await tap(SSE_HEAD)
+    await tap({"type": "http.response.body", "body": body, "more_body": False})
+    assert [c for c in rec.calls if c.startswith("cached:")] == ["cached:7"]
+    # the first event is read for the stream's id and model; after it, only the nested and the last
+    assert [real(p).get("choices") for p in decoded[1:]] == [nested["choices"], []]
+    assert b'"z"' not in b"".join(decoded) and b'"y"' not in b"".join(decoded)

@@ -221,6 +221,8 @@ async def run_one(case: Case, contender: Contender, seed: int, progress: bool) -
     summary["per_engine"] = [s.requests for s in stats]
     modelled = sum(s.modelled_seconds for s in stats)
     summary["fidelity"] = sum(s.busy_seconds for s in stats) / modelled if modelled else None
+    counted = sum(s.ttft_count for s in stats)
+    summary["engine_ttft_mean_s"] = sum(s.ttft_seconds_sum for s in stats) / counted if counted else None
     return summary
 
 
@@ -230,6 +232,9 @@ METRICS = (
     ("TTFT p90 ms", lambda s: _ms(s["ttft_s"]["p90"])),
     ("TTFT p99 ms", lambda s: _ms(s["ttft_s"]["p99"])),
     ("TTFT mean ms", lambda s: _ms(s["ttft_s"].get("mean"))),
+    # the engines' own mean TTFT (placement) and what the front adds on the way in and out
+    ("engine TTFT mean ms", lambda s: _ms(s.get("engine_ttft_mean_s"))),
+    ("front ms", lambda s: _front_ms(s)),
     ("ITL p50 ms", lambda s: _ms(s["itl_s"]["p50"])),
     ("req/s", lambda s: s["throughput_rps"]),
     ("prefix hits", lambda s: s["prefix_hit_ratio"]),
@@ -238,6 +243,13 @@ METRICS = (
 
 def _ms(x: float | None) -> float | None:
     return None if x is None else 1000 * x
+
+
+def _front_ms(s: dict[str, Any]) -> float | None:
+    """Mean TTFT as the client saw it minus as the engines did: the front's own time in the path
+    (its parsing, routing and proxying both ways), which no placement can win back."""
+    client, engine = s["ttft_s"].get("mean"), s.get("engine_ttft_mean_s")
+    return None if client is None or engine is None else 1000 * (client - engine)
 
 
 def _fmt(values: Sequence[float | None], digits: int) -> str:
@@ -271,6 +283,7 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         "p50 / best(sglang, dynamo)",
         "p99 / best(sglang, dynamo)",
         "mean / best(sglang, dynamo)",
+        "engine mean / best",
         "hits - best",
         "p50 / round-robin",
     ]
@@ -289,10 +302,12 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         ) -> str:
             if not others:
                 return "-"
+            # "engine": the engines' own mean TTFT, which placement decides (no front time in it)
+            get = (lambda s: s.get("engine_ttft_mean_s")) if q == "engine" else (lambda s: s["ttft_s"].get(q))
             vals = []
             for i in range(len(me)):
-                best = min(per[n][i]["ttft_s"].get(q) or float("inf") for n in others)
-                mine = me[i]["ttft_s"].get(q)
+                best = min(get(per[n][i]) or float("inf") for n in others)
+                mine = get(me[i])
                 vals.append(mine / best if mine is not None and best != float("inf") else None)
             return _fmt(vals, 2)
 
@@ -301,7 +316,17 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
             best = max(per[n][i]["prefix_hit_ratio"] or 0.0 for n in per)
             hits.append((me[i]["prefix_hit_ratio"] or 0.0) - best)
         rr = ratio("p50", ["round-robin"]) if "round-robin" in per else "-"
-        rows.append([case, ratio("p50", base), ratio("p99", base), ratio("mean", base), _fmt(hits, 3), rr])
+        rows.append(
+            [
+                case,
+                ratio("p50", base),
+                ratio("p99", base),
+                ratio("mean", base),
+                ratio("engine", base),
+                _fmt(hits, 3),
+                rr,
+            ]
+        )
     return table(headers, rows) if rows else ""
 
 

@@ -60,6 +60,11 @@ class EngineStats:
     requests: int
     modelled_seconds: float
     busy_seconds: float
+    ttft_seconds_sum: float = 0.0
+    """The engine's own time to first token, summed over its requests (arrival to first token, as
+    the engine measures it): beside the client's, it splits a request's TTFT into the engine's
+    part, which is where it was placed, and the front's own time in the path."""
+    ttft_count: int = 0
 
 
 def kvmesh_router(*flags: str) -> FrontCommand:
@@ -207,7 +212,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 async def engine_stats(urls: Sequence[str]) -> list[EngineStats]:
-    """Each engine's finished requests and its modelled vs real busy step time (from /metrics)."""
+    """Each engine's finished requests, its modelled vs real busy step time and its own TTFTs (from
+    /metrics)."""
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
         for url in urls:
@@ -218,6 +224,8 @@ async def engine_stats(urls: Sequence[str]) -> list[EngineStats]:
                     int(m.get("vllm:request_success_total", 0)),
                     m.get("kvmesh_mock_modelled_step_seconds", 0.0),
                     m.get("kvmesh_mock_busy_step_seconds", 0.0),
+                    m.get("vllm:time_to_first_token_seconds_sum", 0.0),
+                    int(m.get("vllm:time_to_first_token_seconds_count", 0)),
                 )
             )
     return out

@@ -30,6 +30,10 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile()
     assert all(r.ok for r in run.results) and len(run.results) == 4
     assert [s.requests for s in stats] == [2, 2]  # round-robin, counted by the engines themselves
     assert all(s.modelled_seconds > 0 for s in stats)
+    # the engines' own TTFTs: one per request, each within what the client saw through the front
+    assert [s.ttft_count for s in stats] == [2, 2]
+    client = sum(r.ttft for r in run.results if r.ttft is not None)
+    assert 0 < sum(s.ttft_seconds_sum for s in stats) < client
 
 
 async def test_an_engine_that_cannot_start_fails_the_fleet_with_its_log() -> None:

@@ -81,8 +81,12 @@ def test_a_change_counts_when_any_chosen_workload_reads_it(rq) -> None:  # type:
     assert rq.changes_something(rq.Case("hot-prefix", 4), "concurrency")
 
 
-def _summary(p50: float, hits: float) -> dict[str, object]:
-    return {"ttft_s": {"p50": p50, "p99": 2 * p50, "mean": p50}, "prefix_hit_ratio": hits}
+def _summary(p50: float, hits: float, engine: float | None = None) -> dict[str, object]:
+    return {
+        "ttft_s": {"p50": p50, "p99": 2 * p50, "mean": p50},
+        "prefix_hit_ratio": hits,
+        "engine_ttft_mean_s": engine,
+    }
 
 
 def test_verdicts_need_a_baseline_and_compare_round_by_round(rq) -> None:  # type: ignore[no-untyped-def]
@@ -100,5 +104,11 @@ def test_verdicts_need_a_baseline_and_compare_round_by_round(rq) -> None:  # typ
     )
     row = next(line for line in text.splitlines() if line.startswith("| wl "))
     assert "0.90" in row and "-0.050" in row  # p50 against the better baseline; hits against the best
+    # the engines' own mean TTFT against the better baseline's, where the engines reported it
+    engine = rq.verdicts(
+        {"wl": {"kvmesh": [_summary(0.09, 0.9, 0.06)], "dynamo": [_summary(0.1, 0.9, 0.08)]}}
+    )
+    cells = [c.strip() for c in next(x for x in engine.splitlines() if x.startswith("| wl ")).split("|")]
+    assert cells[5] == "0.75" and cells[4] == "0.90"  # engine 60/80 ms; client mean 90/100
     only_rr = rq.verdicts({"case": {"kvmesh": [_summary(0.05, 0.9)], "round-robin": [_summary(0.1, 0.5)]}})
     assert "0.50" in only_rr  # p50 against round-robin, with no sglang or Dynamo run

@@ -218,8 +218,16 @@ async def test_only_the_usage_event_is_decoded_for_usage(monkeypatch) -> None:  
     chunk = {"id": "c1", "choices": [{"index": 0, "delta": {"content": "x"}}], "usage": None}
     spaced = b'data: {"id": "c1", "choices": [{"index": 0, "delta": {"content": "y"}}], "usage": null}\n\n'
     # a tool call's arguments naming usage as well: decoded, and still not the event's usage
-    nested = {"id": "c1", "choices": [{"delta": {"tool_calls": [{"function": {"usage": {}}}]}}], "usage": None}
-    last = {"id": "c1", "choices": [], "usage": {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 7}}}
+    nested = {
+        "id": "c1",
+        "choices": [{"delta": {"tool_calls": [{"function": {"usage": {}}}]}}],
+        "usage": None,
+    }
+    last = {
+        "id": "c1",
+        "choices": [],
+        "usage": {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 7}},
+    }
     second = {"id": "c1", "choices": [{"index": 0, "delta": {"content": "z"}}], "usage": None}
     body = _event(chunk) + _event(second) + spaced + _event(nested) + _event(last) + b"data: [DONE]\n\n"
     await tap(SSE_HEAD)

@@ -198,25 +198,41 @@ class Dispatch:
         self, url: str, worker_id: str, body: bytes
     ) -> tuple[UpstreamResponse, bytes | None] | None:
         """``_open``, abandoned when the client disconnects first (None): closing the upstream
-        connection tells the worker to abort, so a long prefill does not run for nobody."""
-        opening = asyncio.ensure_future(self._open(url, body))
+        connection tells the worker to abort, so a long prefill does not run for nobody.
+
+        It runs in this task, so the request is written to the worker at once. In a task of its
+        own it was written only after everything already scheduled, which in a burst is the other
+        requests' parsing and routing. A watcher cancels this task when the client leaves."""
+        me = asyncio.current_task()
+        assert me is not None
+        state = {"opening": True, "left": False}
+
+        def client_left(watch: asyncio.Future[None]) -> None:
+            # (a callback already scheduled can run after the open ended: then it is too late)
+            if state["opening"] and not watch.cancelled() and watch.exception() is None:
+                state["left"] = True
+                me.cancel()
+
         gone = asyncio.ensure_future(wait_disconnect(self.receive))
+        gone.add_done_callback(client_left)
         try:
-            await asyncio.wait((opening, gone), return_when=asyncio.FIRST_COMPLETED)
+            opened = await self._open(url, body)
+        except (asyncio.CancelledError, KvMeshError):
+            if not state["left"]:
+                raise
+            _uncancel(me)  # the client is gone: nothing to fail over for
+            return None
         finally:
+            state["opening"] = False
             gone.cancel()
-        if opening.done():
-            return opening.result()
-        # Cancel until it ends: a cancellation can be lost when it meets a connect that just
-        # completed (asyncio.wait_for before Python 3.12), and the request would then be written
-        # and left running on the worker with nobody to read it.
-        while not opening.done():
-            opening.cancel()
-            await asyncio.wait((opening,), timeout=0.1)
-        with contextlib.suppress(asyncio.CancelledError, KvMeshError):
-            opened = opening.result()
-            opened[0].close()  # it got through after all: the worker must see the disconnect
-        return None
+        if state["left"]:
+            # The cancellation was lost on the way (it can meet a connect that just completed,
+            # asyncio.wait_for before Python 3.12) and the request got through: the worker must
+            # see the disconnect, or it runs the request for nobody.
+            _uncancel(me)
+            opened[0].close()
+            return None
+        return opened
 
     async def _open(self, url: str, body: bytes) -> tuple[UpstreamResponse, bytes | None]:
         """Send upstream and wait for the first body bytes: until then a failure may fail over."""
@@ -290,3 +306,11 @@ class Dispatch:
         event = b"data: " + msgspec.json.encode(error_body(message, 502)) + b"\n\n"
         with contextlib.suppress(Exception):
             await self.send({"type": "http.response.body", "body": event, "more_body": False})
+
+
+def _uncancel(task: asyncio.Task[Any]) -> None:
+    """Withdraw a cancellation this module asked for and handled (Python 3.11+ counts them, and
+    ``asyncio.timeout`` in the same task reads the count)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()

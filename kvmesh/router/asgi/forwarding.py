@@ -208,8 +208,11 @@ class Dispatch:
         state = {"opening": True, "left": False}
 
         def client_left(watch: asyncio.Future[None]) -> None:
+            if watch.cancelled():
+                return
+            watch.exception()  # retrieved: a receive that failed is a client gone as well
             # (a callback already scheduled can run after the open ended: then it is too late)
-            if state["opening"] and not watch.cancelled() and watch.exception() is None:
+            if state["opening"]:
                 state["left"] = True
                 me.cancel()
 

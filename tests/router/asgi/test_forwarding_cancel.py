@@ -42,8 +42,7 @@ class _SwallowsOneCancel:
         return self.upstream
 
 
-async def test_a_response_that_got_through_after_the_client_left_is_closed() -> None:
-    forwarder = _SwallowsOneCancel()
+def _dispatch(forwarder: Any, receive: Any) -> Dispatch:
     mesh = SimpleNamespace(
         forwarder=forwarder,
         settings=SimpleNamespace(mesh_secret=None),
@@ -51,15 +50,10 @@ async def test_a_response_that_got_through_after_the_client_left_is_closed() -> 
         registry=SimpleNamespace(get=lambda worker_id: None),
     )
     parsed = SimpleNamespace(endpoint="/v1/chat/completions", engine_body=lambda *_: b"{}", nvext=EMPTY)
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.disconnect"}  # the client is gone already
-
-    scope = {"headers": [], "query_string": b""}
-    dispatch = Dispatch(
+    return Dispatch(
         mesh,  # type: ignore[arg-type]
         None,
-        scope,
+        {"headers": [], "query_string": b""},
         receive,
         None,
         parsed,  # type: ignore[arg-type]
@@ -68,6 +62,15 @@ async def test_a_response_that_got_through_after_the_client_left_is_closed() -> 
         error=None,  # type: ignore[arg-type]
         count=None,  # type: ignore[arg-type]
     )
+
+
+async def test_a_response_that_got_through_after_the_client_left_is_closed() -> None:
+    forwarder = _SwallowsOneCancel()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}  # the client is gone already
+
+    dispatch = _dispatch(forwarder, receive)
     assert await dispatch._open_while_client_waits("http://w", "w", b"{}") is None
     assert forwarder.upstream.closed
     assert _cancels_pending() == 0  # the cancellation it asked for is withdrawn: the task goes on
@@ -89,28 +92,6 @@ class _Records:
     async def open(self, *args: Any) -> _Upstream:
         self.order.append("written")
         return self.upstream
-
-
-def _dispatch(forwarder: Any, receive: Any) -> Dispatch:
-    mesh = SimpleNamespace(
-        forwarder=forwarder,
-        settings=SimpleNamespace(mesh_secret=None),
-        replica="r1",
-        registry=SimpleNamespace(get=lambda worker_id: None),
-    )
-    parsed = SimpleNamespace(endpoint="/v1/chat/completions", engine_body=lambda *_: b"{}", nvext=EMPTY)
-    return Dispatch(
-        mesh,  # type: ignore[arg-type]
-        None,
-        {"headers": [], "query_string": b""},
-        receive,
-        None,
-        parsed,  # type: ignore[arg-type]
-        SimpleNamespace(request_id="req-1"),  # type: ignore[arg-type]
-        reroute=None,  # type: ignore[arg-type]
-        error=None,  # type: ignore[arg-type]
-        count=None,  # type: ignore[arg-type]
-    )
 
 
 async def test_the_request_is_written_before_work_already_scheduled_runs() -> None:

@@ -52,9 +52,10 @@ from _harness import machine, table
 from kvmesh.bench import report
 from kvmesh.bench.fleet import FrontCommand, engine_stats, kvmesh_router, sglang_router, start_fleet
 from kvmesh.bench.runner import LoadSpec, Progress, run_workload
-from kvmesh.bench.session import WorkloadSpec
 from kvmesh.bench.workloads import Preset, build, ignored_load_knobs, knob_matters, preset
 from kvmesh.commands.argtypes import positive_int
+from kvmesh.commands.bench import LOAD_KNOBS as LOAD_KNOB_TYPES
+from kvmesh.commands.bench import WORKLOAD_KNOBS
 from kvmesh.router.core.config import RouterConfig
 
 ENGINE_ARGS = (
@@ -76,11 +77,12 @@ class Contender:
     ask_worker_id: bool = True
 
 
-SPEC_KNOBS = frozenset(f.name for f in dataclasses.fields(WorkloadSpec)) - {"name", "seed"}
-LOAD_KNOBS = frozenset(("concurrency", "rate", "think_time", "ramp"))
+KNOB_TYPES = {**WORKLOAD_KNOBS, **LOAD_KNOB_TYPES}
+"""What ``--set`` may change, with the values each takes: ``kvmesh bench``'s workload and load
+flags of the same names, from the same table."""
+SPEC_KNOBS = frozenset(WORKLOAD_KNOBS)
+LOAD_KNOBS = frozenset(LOAD_KNOB_TYPES)
 KNOBS = SPEC_KNOBS | LOAD_KNOBS
-"""What ``--set`` may change: the workload's knobs (``kvmesh bench``'s flags of the same names) and
-its load."""
 
 
 @dataclass(frozen=True)
@@ -140,18 +142,14 @@ def parse_knob(text: str) -> tuple[str, int | float]:
         raise argparse.ArgumentTypeError(
             f"--set takes KNOB=VALUE with KNOB one of {', '.join(sorted(KNOBS))}; got {text!r}"
         )
-    kind = float if name in ("hot_share", "long_share", "rate", "think_time", "ramp") else int
+    parse = KNOB_TYPES[name]
     try:
-        value = kind(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--set {name} needs a{'n integer' if kind is int else ' number'}, got {raw!r}"
-        ) from None
-    low = 0 if name in ("think_time", "ramp", "hot_share", "long_share") else 1
-    if value < low or (name in ("hot_share", "long_share") and value > 1):
-        bound = "in [0, 1]" if name.endswith("_share") else f"at least {low}"
-        raise argparse.ArgumentTypeError(f"--set {name} must be {bound}, got {raw!r}")
-    return name, value
+        return name, parse(raw)
+    except ValueError:  # not a number at all (an ArgumentTypeError is not one: it names the range)
+        kind = "an integer" if parse is positive_int else "a number"
+        raise argparse.ArgumentTypeError(f"--set {name} needs {kind}, got {raw!r}") from None
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"--set {name} {e}") from None
 
 
 def _has_cost_models() -> bool:

@@ -117,15 +117,23 @@ class Progress:
             self.stream.flush()
 
 
+class NoModel(RuntimeError):
+    """The server could not say which model it serves (unreachable, an error, no model listed)."""
+
+
 async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
-    """The first model a server lists at /v1/models."""
-    async with session.get(url + "/v1/models") as response:
-        response.raise_for_status()
-        data = await response.json(content_type=None)
-    models = data.get("data") or []
-    if not models:
-        raise RuntimeError(f"{url}/v1/models lists no model; pass --model")
-    return str(models[0]["id"])
+    """The first model a server lists at /v1/models; :class:`NoModel` when there is none to be had."""
+    try:
+        async with session.get(url + "/v1/models") as response:
+            response.raise_for_status()
+            data = await response.json(content_type=None)
+        models = data.get("data") or []
+        first = str(models[0]["id"]) if models else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError, KeyError, TypeError) as e:
+        raise NoModel(f"cannot read {url}/v1/models ({e}); is the server up? (or pass --model)") from None
+    if first is None:
+        raise NoModel(f"{url}/v1/models lists no model; pass --model")
+    return first
 
 
 async def _one_request(

@@ -6,7 +6,31 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from kvmesh.commands.argtypes import non_negative_float, positive_float, positive_int, share
+
+WORKLOAD_KNOBS: dict[str, Callable[[str], int | float]] = {
+    "sessions": positive_int,
+    "turns": positive_int,
+    "burst": positive_int,
+    "groups": positive_int,
+    "prefix_words": positive_int,
+    "question_words": positive_int,
+    "max_tokens": positive_int,
+    "hot_share": share,
+    "long_share": share,
+}
+"""The workload's knobs (``WorkloadSpec`` fields) a user may set, with the values each takes: the
+flags below and ``benchmarks/routing_quality.py --set`` read them from here."""
+LOAD_KNOBS: dict[str, Callable[[str], int | float]] = {
+    "concurrency": positive_int,
+    "rate": positive_float,
+    "think_time": non_negative_float,
+    "ramp": non_negative_float,
+}
+"""The load's knobs, likewise."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,39 +48,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument(
-        "--concurrency", type=int, default=None, help="closed loop: sessions in flight [preset]"
+        "--concurrency",
+        type=LOAD_KNOBS["concurrency"],
+        default=None,
+        help="closed loop: sessions in flight [preset]",
     )
     load.add_argument(
-        "--rate", type=float, default=None, help="open loop: sessions started per second (Poisson) [preset]"
+        "--rate",
+        type=LOAD_KNOBS["rate"],
+        default=None,
+        help="open loop: sessions started per second (Poisson) [preset]",
     )
-    parser.add_argument("--sessions", type=int, default=None, help="conversations / groups / bursts [preset]")
-    parser.add_argument("--turns", type=int, default=None, help="turns (steps) per session [preset]")
-    parser.add_argument("--burst", type=int, default=None, help="siblings per burst (best-of-n, siblings)")
     parser.add_argument(
-        "--groups", type=int, default=None, help="distinct shared prefixes (agents / documents / personas)"
+        "--sessions",
+        type=WORKLOAD_KNOBS["sessions"],
+        default=None,
+        help="conversations / groups / bursts [preset]",
     )
-    parser.add_argument("--prefix-words", type=int, default=None, help="length of shared prefixes in words")
+    parser.add_argument(
+        "--turns", type=WORKLOAD_KNOBS["turns"], default=None, help="turns (steps) per session [preset]"
+    )
+    parser.add_argument(
+        "--burst", type=WORKLOAD_KNOBS["burst"], default=None, help="siblings per burst (best-of-n, siblings)"
+    )
+    parser.add_argument(
+        "--groups",
+        type=WORKLOAD_KNOBS["groups"],
+        default=None,
+        help="distinct shared prefixes (agents / documents / personas)",
+    )
+    parser.add_argument(
+        "--prefix-words",
+        type=WORKLOAD_KNOBS["prefix_words"],
+        default=None,
+        help="length of shared prefixes in words",
+    )
     parser.add_argument(
         "--question-words",
-        type=int,
+        type=WORKLOAD_KNOBS["question_words"],
         default=None,
         help="words of per-turn text (user message, tool output) [preset]",
     )
-    parser.add_argument("--max-tokens", type=int, default=None, help="max_tokens of every request [preset]")
     parser.add_argument(
-        "--hot-share", type=float, default=None, help="hot-prefix: share of requests on the hot prefix"
+        "--max-tokens",
+        type=WORKLOAD_KNOBS["max_tokens"],
+        default=None,
+        help="max_tokens of every request [preset]",
     )
     parser.add_argument(
-        "--long-share", type=float, default=None, help="mixed: share of sessions that are long agents"
+        "--hot-share",
+        type=WORKLOAD_KNOBS["hot_share"],
+        default=None,
+        help="hot-prefix: share of requests on the hot prefix",
+    )
+    parser.add_argument(
+        "--long-share",
+        type=WORKLOAD_KNOBS["long_share"],
+        default=None,
+        help="mixed: share of sessions that are long agents",
     )
     parser.add_argument(
         "--think-time",
-        type=float,
+        type=LOAD_KNOBS["think_time"],
         default=None,
         help="mean seconds between an answer and the next step (exponential, seeded) [preset]",
     )
     parser.add_argument(
-        "--ramp", type=float, default=None, help="closed loop: spread the first starts over this many seconds"
+        "--ramp",
+        type=LOAD_KNOBS["ramp"],
+        default=None,
+        help="closed loop: spread the first starts over this many seconds",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="workload and arrival seed (same seed, same prompts)"
@@ -76,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.bench import report
-    from kvmesh.bench.runner import LoadSpec, Progress, run_workload
+    from kvmesh.bench.runner import LoadSpec, NoModel, Progress, run_workload
     from kvmesh.bench.workloads import build, ignored_load_knobs, knob_matters, preset
 
     urls = tuple(u.strip().rstrip("/") for u in args.url.split(",") if u.strip())
@@ -88,12 +149,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         headers.append((name.strip(), value.strip()))
     chosen = preset(args.workload)
-    overrides = {
-        name: getattr(args, name)
-        for name in ("sessions", "turns", "burst", "groups", "prefix_words", "question_words", "max_tokens",
-                     "hot_share", "long_share")
-        if getattr(args, name) is not None
-    }  # fmt: skip
+    overrides = {name: getattr(args, name) for name in WORKLOAD_KNOBS if getattr(args, name) is not None}
     spec = chosen.spec.replace(seed=args.seed, **overrides)
     sessions = build(spec)
     rate = args.rate if args.rate is not None else (None if args.concurrency else chosen.rate)
@@ -119,7 +175,11 @@ def run(args: argparse.Namespace) -> int:
     )
     total = sum(s.total_requests for s in sessions)
     progress = Progress(total, args.workload, enabled=False if args.no_progress else None)
-    result = asyncio.run(run_workload(args.workload, sessions, load, progress=progress))
+    try:
+        result = asyncio.run(run_workload(args.workload, sessions, load, progress=progress))
+    except NoModel as e:
+        print(f"kvmesh bench: {e}", file=sys.stderr)
+        return 1
     summary = report.summarize(result)
     print(report.format_table([summary]))
     if args.json_path:

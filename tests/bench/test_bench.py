@@ -123,6 +123,55 @@ def test_bench_refuses_a_flag_that_would_change_nothing(flags: list[str], messag
     assert message in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--sessions", "0"], "argument --sessions: must be at least 1, got 0"),
+        (
+            ["--workload", "hot-prefix", "--hot-share", "1.5"],
+            "argument --hot-share: must be in [0, 1], got 1.5",
+        ),
+        (["--concurrency", "0"], "argument --concurrency: must be at least 1, got 0"),
+        (["--rate", "-1"], "argument --rate: must be greater than 0, got -1"),
+        (["--workload", "chat-fits", "--think-time", "-1"], "argument --think-time: must be a finite number"),
+        (["--ramp", "inf"], "argument --ramp: must be a finite number"),
+    ],
+)
+def test_bench_refuses_a_value_out_of_range(flags: list[str], message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "bench", "--url", "http://127.0.0.1:9", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_bench_against_a_server_that_is_not_there_says_so() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmesh", "bench", "--url", "http://127.0.0.1:9", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "kvmesh bench: cannot read http://127.0.0.1:9/v1/models" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_every_workload_knob_has_a_flag_and_a_value_type() -> None:
+    # one table feeds kvmesh bench's flags and routing_quality.py --set: a WorkloadSpec field
+    # added without a row would be neither settable nor checked
+    from dataclasses import fields
+
+    from kvmesh.commands.bench import WORKLOAD_KNOBS
+
+    assert set(WORKLOAD_KNOBS) == {f.name for f in fields(WorkloadSpec)} - {"name", "seed"}
+
+
 def test_every_workload_has_a_preset_that_builds() -> None:
     for name in WORKLOADS:
         sessions = build(preset(name).spec)

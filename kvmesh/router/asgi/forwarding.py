@@ -205,15 +205,16 @@ class Dispatch:
         requests' parsing and routing. A watcher cancels this task when the client leaves."""
         me = asyncio.current_task()
         assert me is not None
-        state = {"opening": True, "left": False}
+        opening, left = True, False
 
         def client_left(watch: asyncio.Future[None]) -> None:
+            nonlocal left
             if watch.cancelled():
                 return
             watch.exception()  # retrieved: a receive that failed is a client gone as well
             # (a callback already scheduled can run after the open ended: then it is too late)
-            if state["opening"]:
-                state["left"] = True
+            if opening:
+                left = True
                 me.cancel()
 
         gone = asyncio.ensure_future(wait_disconnect(self.receive))
@@ -221,14 +222,14 @@ class Dispatch:
         try:
             opened = await self._open(url, body)
         except (asyncio.CancelledError, KvMeshError):
-            if not state["left"]:
+            if not left:
                 raise
             _uncancel(me)  # the client is gone: nothing to fail over for
             return None
         finally:
-            state["opening"] = False
+            opening = False
             gone.cancel()
-        if state["left"]:
+        if left:
             # The cancellation was lost on the way (it can meet a connect that just completed,
             # asyncio.wait_for before Python 3.12) and the request got through: the worker must
             # see the disconnect, or it runs the request for nobody.

@@ -101,6 +101,12 @@ def test_a_knob_matters_where_the_builder_reads_it() -> None:
     assert all(knob_matters(name, "sessions") and knob_matters(name, "max_tokens") for name in WORKLOADS)
 
 
+def _bench_cli(*flags: str) -> subprocess.CompletedProcess[str]:
+    """``kvmesh bench`` against a port where nothing listens."""
+    argv = [sys.executable, "-m", "kvmesh", "bench", "--url", "http://127.0.0.1:9", *flags]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -112,13 +118,7 @@ def test_a_knob_matters_where_the_builder_reads_it() -> None:
     ],
 )
 def test_bench_refuses_a_flag_that_would_change_nothing(flags: list[str], message: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "bench", "--url", "http://127.0.0.1:9", *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _bench_cli(*flags)
     assert done.returncode == 2
     assert message in done.stderr
 
@@ -138,25 +138,13 @@ def test_bench_refuses_a_flag_that_would_change_nothing(flags: list[str], messag
     ],
 )
 def test_bench_refuses_a_value_out_of_range(flags: list[str], message: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "bench", "--url", "http://127.0.0.1:9", *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _bench_cli(*flags)
     assert done.returncode == 2
     assert message in done.stderr
 
 
 def test_bench_against_a_server_that_is_not_there_says_so() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "bench", "--url", "http://127.0.0.1:9", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _bench_cli("--no-progress")
     assert done.returncode == 1
     assert "kvmesh bench: cannot read http://127.0.0.1:9/v1/models" in done.stderr
     assert "Traceback" not in done.stderr

@@ -21,7 +21,11 @@ Contenders:
 Reported per case and contender: TTFT p50/p90/p99, ITL p50, throughput, the engine-reported prefix
 hit ratio (``usage.prompt_tokens_details.cached_tokens`` over prompt tokens), requests per engine
 (from each engine's own /metrics, so every router is counted the same way) and the engines'
-fidelity (real busy step time over modelled: near 1.0 means the 2-core machine kept up).
+fidelity (real busy step time over modelled: near 1.0 means the 2-core machine kept up). The mean
+TTFT is split into the engines' own (``engine TTFT mean ms``: where the requests were placed) and
+the front's time in the path (``front ms``, the rest); ``routing ms`` is the part of that a kvmesh
+front spends from a request's arrival to its decision (parsing, tokenizing, hashing, routing), from
+its ``kvmesh_router_overhead_seconds`` histogram (sglang-router reports none).
 ``--json`` keeps every number, ``--plot`` draws them.
 
 ``--set`` and ``--num-blocks`` run the workloads at other sizes and ratios than their presets (the
@@ -50,7 +54,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
 
 from kvmesh.bench import report
-from kvmesh.bench.fleet import FrontCommand, engine_stats, kvmesh_router, sglang_router, start_fleet
+from kvmesh.bench.fleet import (
+    FrontCommand,
+    engine_stats,
+    front_routing_seconds,
+    kvmesh_router,
+    sglang_router,
+    start_fleet,
+)
 from kvmesh.bench.runner import LoadSpec, Progress, run_workload
 from kvmesh.bench.workloads import Preset, build, ignored_load_knobs, knob_matters, preset
 from kvmesh.commands.argtypes import positive_int
@@ -215,7 +226,9 @@ async def run_one(case: Case, contender: Contender, seed: int, progress: bool) -
         bar = Progress(total, f"{case.label:>16} {contender.name:>14}", enabled=None if progress else False)
         run = await run_workload(contender.name, sessions, load, progress=bar)
         stats = await engine_stats(fleet.engine_urls)
+        routing_s = await front_routing_seconds(fleet.front_url)
     summary = report.summarize(run)
+    summary["front_routing_mean_s"] = routing_s
     summary["per_engine"] = [s.requests for s in stats]
     modelled = sum(s.modelled_seconds for s in stats)
     summary["fidelity"] = sum(s.busy_seconds for s in stats) / modelled if modelled else None
@@ -233,6 +246,8 @@ METRICS = (
     # the engines' own mean TTFT (placement) and what the front adds on the way in and out
     ("engine TTFT mean ms", lambda s: _ms(s.get("engine_ttft_mean_s"))),
     ("front ms", lambda s: _front_ms(s)),
+    # of that, a kvmesh front's own work before it forwards (parse, tokenize, hash, route)
+    ("routing ms", lambda s: _ms(s.get("front_routing_mean_s"))),
     ("ITL p50 ms", lambda s: _ms(s["itl_s"]["p50"])),
     ("req/s", lambda s: s["throughput_rps"]),
     ("prefix hits", lambda s: s["prefix_hit_ratio"]),

@@ -211,6 +211,39 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+ROUTING_TOTAL = ("kvmesh_router_overhead_seconds_sum", "kvmesh_router_overhead_seconds_count")
+"""A kvmesh front's histogram of each request's time from arrival to its routing decision."""
+
+
+def routing_mean(text: str) -> float | None:
+    """Mean seconds from a request's arrival to its routing decision (reading, parsing,
+    tokenizing, hashing, routing) in a kvmesh router's Prometheus exposition (the ``total`` phase
+    of ``kvmesh_router_overhead_seconds``); None when it has none."""
+    total = count = 0.0
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or m.group(1) not in ROUTING_TOTAL or 'phase="total"' not in (m.group(2) or ""):
+            continue
+        if m.group(1) == ROUTING_TOTAL[0]:
+            total += float(m.group(3))
+        else:
+            count += float(m.group(3))
+    return total / count if count else None
+
+
+async def front_routing_seconds(url: str) -> float | None:
+    """:func:`routing_mean` of the front at ``url``; None for a front that does not report it
+    (sglang-router has no such histogram)."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            async with http.get(url + "/metrics") as r:
+                if r.status != 200:
+                    return None
+                return routing_mean(await r.text())
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+
+
 async def engine_stats(urls: Sequence[str]) -> list[EngineStats]:
     """Each engine's finished requests, its modelled vs real busy step time and its own TTFTs (from
     /metrics)."""

@@ -5,7 +5,14 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from kvmesh.bench.fleet import engine_stats, kvmesh_router, parse_metrics, start_fleet
+from kvmesh.bench.fleet import (
+    engine_stats,
+    front_routing_seconds,
+    kvmesh_router,
+    parse_metrics,
+    routing_mean,
+    start_fleet,
+)
 from kvmesh.bench.runner import LoadSpec, run_workload
 from kvmesh.bench.workloads import WorkloadSpec, build
 
@@ -21,6 +28,8 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile()
                                       max_tokens=4))  # fmt: skip
         run = await run_workload("rr", sessions, LoadSpec(urls=(fleet.front_url,), concurrency=2))
         stats = await engine_stats(fleet.engine_urls)
+        routing = await front_routing_seconds(fleet.front_url)
+        engine_routing = await front_routing_seconds(fleet.engine_urls[0])  # an engine routes nothing
     # the mock's step model divided by --speedup, as data a router can seed a timing model from
     assert info["timing_profile"] == {
         "prefill_ms": pytest.approx([4.209989e-07 / 20, 1.518344e-02 / 20, 16.50142 / 20]),
@@ -34,6 +43,9 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile()
     assert [s.ttft_count for s in stats] == [2, 2]
     client = sum(r.ttft for r in run.results if r.ttft is not None)
     assert 0 < sum(s.ttft_seconds_sum for s in stats) < client
+    # the front's own time to each decision, a part of what it adds to the engines' TTFTs
+    assert routing is not None and 0 < routing * 4 < client - sum(s.ttft_seconds_sum for s in stats)
+    assert engine_routing is None
 
 
 async def test_an_engine_that_cannot_start_fails_the_fleet_with_its_log() -> None:
@@ -50,3 +62,17 @@ def test_parse_metrics_sums_labelled_samples() -> None:
         "kvmesh_mock_busy_step_seconds 1.5\n"
     )
     assert parse_metrics(text) == {"vllm:request_success_total": 5.0, "kvmesh_mock_busy_step_seconds": 1.5}
+
+
+def test_routing_mean_reads_the_total_phase_only() -> None:
+    text = (
+        "# HELP kvmesh_router_overhead_seconds Routing overhead per phase\n"
+        'kvmesh_router_overhead_seconds_bucket{phase="total",le="0.001"} 3.0\n'
+        'kvmesh_router_overhead_seconds_count{phase="total"} 4.0\n'
+        'kvmesh_router_overhead_seconds_sum{phase="total"} 0.002\n'
+        'kvmesh_router_overhead_seconds_count{phase="tokenize"} 4.0\n'
+        'kvmesh_router_overhead_seconds_sum{phase="tokenize"} 0.5\n'
+    )
+    assert routing_mean(text) == pytest.approx(0.0005)
+    assert routing_mean('kvmesh_router_overhead_seconds_count{phase="total"} 0.0\n') is None
+    assert routing_mean("vllm:num_requests_running 1.0\n") is None

@@ -235,11 +235,11 @@ async def front_routing_seconds(url: str) -> float | None:
     """:func:`routing_mean` of the front at ``url``; None for a front that does not report it
     (sglang-router has no such histogram)."""
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
-            async with http.get(url + "/metrics") as r:
-                if r.status != 200:
-                    return None
-                return routing_mean(await r.text())
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
+            http.get(url + "/metrics") as r,
+        ):
+            return routing_mean(await r.text()) if r.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return None
 

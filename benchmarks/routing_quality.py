@@ -42,6 +42,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import time
@@ -106,12 +107,16 @@ class Case:
     """``--set`` overrides of the preset, in the order given."""
     num_blocks: int | None = None
     """``--num-blocks``: each engine's KV cache, in place of the suite's."""
+    speedups: tuple[float, ...] = ()
+    """``--engine-speedups``: each engine's ``--speedup``, cycled over the fleet (a mixed fleet)."""
 
     @property
     def label(self) -> str:
         extra = [f"{k}={v:g}" for k, v in self.changes]
         if self.num_blocks is not None:
             extra.append(f"num_blocks={self.num_blocks}")
+        if self.speedups:
+            extra.append("speedups=" + ",".join(f"{s:g}" for s in self.speedups))
         return f"{self.workload} x{self.engines}" + (f" ({', '.join(extra)})" if extra else "")
 
     @property
@@ -121,6 +126,10 @@ class Case:
             return args
         i = args.index("--num-blocks")
         return (*args[:i], "--num-blocks", str(self.num_blocks), *args[i + 2 :])
+
+    @property
+    def per_engine_args(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(("--speedup", f"{s:g}") for s in self.speedups)
 
     def preset(self) -> Preset:
         """The workload's preset with this case's ``--set`` changes."""
@@ -161,6 +170,17 @@ def parse_knob(text: str) -> tuple[str, int | float]:
         raise argparse.ArgumentTypeError(f"--set {name} needs {kind}, got {raw!r}") from None
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"--set {name} {e}") from None
+
+
+def parse_speedups(text: str) -> tuple[float, ...]:
+    """``--engine-speedups``: comma-separated positive step-time divisors."""
+    try:
+        speeds = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        speeds = ()
+    if not speeds or not all(s > 0 and math.isfinite(s) for s in speeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive numbers, such as 1,0.5")
+    return speeds
 
 
 def _has_cost_models() -> bool:
@@ -220,7 +240,9 @@ def load_for(case: Case, ask_worker_id: bool, seed: int) -> tuple[Any, LoadSpec]
 async def run_one(case: Case, contender: Contender, seed: int, progress: bool) -> dict[str, Any]:
     sessions, load = load_for(case, contender.ask_worker_id, seed)
     engine_args = (*case.engine_args, *contender.engine_args)
-    async with start_fleet(case.engines, engine_args, contender.front) as fleet:
+    async with start_fleet(
+        case.engines, engine_args, contender.front, per_engine_args=case.per_engine_args
+    ) as fleet:
         load = dataclasses.replace(load, urls=(fleet.front_url,))
         total = sum(s.total_requests for s in sessions)
         bar = Progress(total, f"{case.label:>16} {contender.name:>14}", enabled=None if progress else False)
@@ -396,6 +418,8 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.engines:
         chosen = [dataclasses.replace(c, engines=args.engines) for c in chosen]
         chosen = list(dict.fromkeys(chosen))
+    if args.speedups:
+        chosen = [dataclasses.replace(c, speedups=args.speedups) for c in chosen]
     if args.changes or args.num_blocks:
         changes = tuple(dict(args.changes).items())  # the last of a knob set twice wins
         chosen = [dataclasses.replace(c, changes=changes, num_blocks=args.num_blocks) for c in chosen]
@@ -413,7 +437,8 @@ async def main_async(args: argparse.Namespace) -> int:
         people = [c for c in people if c.name in names]
     print(f"machine: {machine()}")
     engine_args = chosen[0].engine_args if chosen else ENGINE_ARGS
-    print(f"engines: kvmesh mock {' '.join(engine_args)}; seed {args.seed}; rounds {args.rounds}")
+    speeds = f" (--speedup {','.join(f'{s:g}' for s in args.speedups)} by engine)" if args.speedups else ""
+    print(f"engines: kvmesh mock {' '.join(engine_args)}{speeds}; seed {args.seed}; rounds {args.rounds}")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     started = time.monotonic()
     runs_total = len(chosen) * len(people) * args.rounds
@@ -483,6 +508,15 @@ def main() -> int:
         type=positive_int,
         default=None,
         help="KV cache blocks per engine (default: 2048, or 1024 with --short)",
+    )
+    parser.add_argument(
+        "--engine-speedups",
+        dest="speedups",
+        type=parse_speedups,
+        default=(),
+        metavar="S,S,...",
+        help="a mixed fleet: engine i runs at --speedup S[i mod n] (0.5 = twice as slow), e.g. 1,0.5 "
+        "(default: every engine at 1)",
     )
     parser.add_argument("--json", dest="json_path", default=None, help="write every summary here")
     parser.add_argument("--plot", default="routing-quality.png", help="PNG plot path ('' for none)")

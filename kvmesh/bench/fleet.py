@@ -99,8 +99,12 @@ async def start_fleet(
     *,
     startup_timeout: float = 60.0,
     keep_logs: Path | None = None,
+    per_engine_args: Sequence[Sequence[str]] = (),
 ) -> AsyncIterator[Fleet]:
-    """``n`` ``kvmesh mock`` engines (KV events on) and a front router; yields when all serve."""
+    """``n`` ``kvmesh mock`` engines (KV events on) and a front router; yields when all serve.
+
+    Engine ``i`` also gets ``per_engine_args[i % len(per_engine_args)]`` after ``engine_args``
+    (the later of a flag given twice wins): a mixed fleet, such as engines of two speeds."""
     ports = free_ports(3 * n + 1)
     engine_urls = [f"http://127.0.0.1:{p}" for p in ports[:n]]
     front_url = f"http://127.0.0.1:{ports[-1]}"
@@ -116,6 +120,8 @@ async def start_fleet(
                 "--kv-events-endpoint", f"tcp://127.0.0.1:{ports[n + i]}",
                 "--kv-replay-endpoint", f"tcp://127.0.0.1:{ports[2 * n + i]}", *engine_args,
             ]  # fmt: skip
+            if per_engine_args:
+                argv += per_engine_args[i % len(per_engine_args)]
             fleet.procs.append(_spawn(argv, logs / f"engine-{i}.log", env))
         await _wait_until(fleet, [u + "/health" for u in engine_urls], startup_timeout)
         fleet.procs.append(_spawn(front(engine_urls, ports[-1]), logs / "front.log", env))

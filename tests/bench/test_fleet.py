@@ -21,9 +21,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile() -> None:
     engine_args = ["--speedup", "20", "--block-size", "16", "--num-blocks", "256", "--report-profile"]
-    async with start_fleet(2, engine_args, kvmesh_router("--router-mode", "round-robin")) as fleet:
-        async with aiohttp.ClientSession() as http, http.get(fleet.engine_urls[0] + "/kvmesh/info") as r:
-            info = await r.json()
+    front = kvmesh_router("--router-mode", "round-robin")
+    # engine 1 runs at its own speed: the later --speedup wins
+    async with start_fleet(2, engine_args, front, per_engine_args=[(), ("--speedup", "10")]) as fleet:
+        async with aiohttp.ClientSession() as http:
+            infos = []
+            for url in fleet.engine_urls:
+                async with http.get(url + "/kvmesh/info") as r:
+                    infos.append(await r.json())
         sessions = build(WorkloadSpec("chat-fits", sessions=2, turns=2, prefix_words=10, question_words=10,
                                       max_tokens=4))  # fmt: skip
         run = await run_workload("rr", sessions, LoadSpec(urls=(fleet.front_url,), concurrency=2))
@@ -31,11 +36,14 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile()
         routing = await front_routing_seconds(fleet.front_url)
         engine_routing = await front_routing_seconds(fleet.engine_urls[0])  # an engine routes nothing
     # the mock's step model divided by --speedup, as data a router can seed a timing model from
-    assert info["timing_profile"] == {
+    assert infos[0]["timing_profile"] == {
         "prefill_ms": pytest.approx([4.209989e-07 / 20, 1.518344e-02 / 20, 16.50142 / 20]),
         "decode_ms": pytest.approx([-25.74 / 20, 54.01 / 20, 5.74 / 20]),
         "decode_min_ms": pytest.approx(1.0 / 20),
     }
+    assert infos[1]["timing_profile"]["prefill_ms"] == pytest.approx(
+        [4.209989e-07 / 10, 1.518344e-02 / 10, 16.50142 / 10]
+    )
     assert all(r.ok for r in run.results) and len(run.results) == 4
     assert [s.requests for s in stats] == [2, 2]  # round-robin, counted by the engines themselves
     assert all(s.modelled_seconds > 0 for s in stats)

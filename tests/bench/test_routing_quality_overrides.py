@@ -47,6 +47,14 @@ def test_num_blocks_replaces_the_engines_cache(rq) -> None:  # type: ignore[no-u
     assert rq.Case("siblings", 4).engine_args == rq.ENGINE_ARGS
 
 
+def test_engine_speedups_give_each_engine_its_speed_and_name_the_case(rq) -> None:  # type: ignore[no-untyped-def]
+    case = rq.Case("chat-fits", 4, speedups=(1.0, 0.5))
+    assert case.per_engine_args == (("--speedup", "1"), ("--speedup", "0.5"))
+    assert case.label == "chat-fits x4 (speedups=1,0.5)"
+    assert rq.parse_speedups("2,1,0.25") == (2.0, 1.0, 0.25)
+    assert rq.Case("chat-fits", 4).per_engine_args == ()
+
+
 @pytest.mark.parametrize(
     ("flag", "names"),
     [
@@ -55,6 +63,9 @@ def test_num_blocks_replaces_the_engines_cache(rq) -> None:  # type: ignore[no-u
         (["--set", "hot_share=1.5"], "--set hot_share must be in [0, 1]"),
         (["--set", "sessions=0"], "--set sessions must be at least 1"),
         (["--num-blocks", "-4"], "--num-blocks: must be at least 1, got -4"),
+        (["--engine-speedups", "1,0"], "--engine-speedups: '1,0': give comma-separated positive numbers"),
+        (["--engine-speedups", "1,,2"], "--engine-speedups: '1,,2'"),
+        (["--engine-speedups", "inf"], "--engine-speedups: 'inf'"),
         # a knob none of the chosen workloads reads, and load knobs their load never uses
         (["--workloads", "agent-long,chat-fits", "--set", "burst=8"], "--set burst: no effect on the chosen"),
         (

@@ -252,6 +252,8 @@ async def run_one(case: Case, contender: Contender, seed: int, progress: bool) -
     summary = report.summarize(run)
     summary["front_routing_mean_s"] = routing_s
     summary["per_engine"] = [s.requests for s in stats]
+    if case.speedups:  # a mixed fleet: which engine ran at which speed
+        summary["engine_speedups"] = [case.speedups[i % len(case.speedups)] for i in range(case.engines)]
     modelled = sum(s.modelled_seconds for s in stats)
     summary["fidelity"] = sum(s.busy_seconds for s in stats) / modelled if modelled else None
     counted = sum(s.ttft_count for s in stats)
@@ -397,7 +399,10 @@ def write_plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) 
             counts = per[n][-1]["per_engine"]
             ax_w.bar([e + i * w for e in range(engines)], counts, width=w, label=n)
         ax_w.set_xticks([e + w * (len(names) - 1) / 2 for e in range(engines)])
-        ax_w.set_xticklabels([f"e{e}" for e in range(engines)], fontsize=8)
+        speeds = per[names[0]][-1].get("engine_speedups")
+        ax_w.set_xticklabels(
+            [f"e{e}" + (f" x{speeds[e]:g}" if speeds else "") for e in range(engines)], fontsize=8
+        )
         ax_w.set_title("requests per engine (last round)")
         ax_w.legend(fontsize=7)
     fig.tight_layout()

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--workloads W,...]
         [--contenders NAME,...] [--engines N] [--set KNOB=VALUE ...] [--num-blocks N]
+        [--engine-speedups S,S,...]
 
 For every case (a workload on a fleet of 4 or 8 engines) and every contender, a fresh fleet of
 ``kvmesh mock`` engines starts as real processes on loopback (``--speedup 1``: the fitted GPU step
@@ -33,6 +34,9 @@ suite's presets are what the router was developed on; a router that only wins th
 tuned to them): ``--set prefix_words=3000 --set concurrency=16`` changes every chosen workload's
 preset before it is scaled to the fleet, and ``--num-blocks`` each engine's KV cache. A knob that
 none of the chosen workloads reads (``burst`` for chat, ``ramp`` for an open loop) is refused.
+``--engine-speedups 1,0.5`` runs a mixed fleet: engine ``i`` at ``--speedup S[i mod n]``, so every
+other engine takes twice as long per step (a router that learns each worker's speed should send
+the slow ones less).
 """
 
 from __future__ import annotations

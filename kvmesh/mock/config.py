@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,8 +50,8 @@ class MockConfig:
                 raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
         if not self.model:
             raise ConfigError("--model must not be empty")
-        if not self.speedup > 0:
-            raise ConfigError(f"--speedup must be positive, got {self.speedup!r}")
+        if not 0 < self.speedup < math.inf:  # (an infinite speed-up would make every step free)
+            raise ConfigError(f"--speedup must be a positive finite number, got {self.speedup!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if not 0.0 <= self.pin_budget < 1.0:

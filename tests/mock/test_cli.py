@@ -99,15 +99,24 @@ def test_a_busy_events_port_is_a_clear_error() -> None:
     assert f"kvmesh mock: cannot bind KV-event socket to 'tcp://127.0.0.1:{taken}'" in done.stderr
 
 
-def test_bad_flags_name_the_flag() -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--block-size", "0"], "--block-size must be a positive integer, got 0"),
+        (["--speedup", "0"], "--speedup must be a positive finite number, got 0.0"),
+        (["--speedup", "inf"], "--speedup must be a positive finite number, got inf"),
+        (["--speedup", "nan"], "--speedup must be a positive finite number, got nan"),
+    ],
+)
+def test_bad_flags_name_the_flag(flags: list[str], message: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kvmesh", "mock", "--block-size", "0"],
+        [sys.executable, "-m", "kvmesh", "mock", *flags],
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert done.returncode == 2
-    assert "kvmesh mock: --block-size must be a positive integer, got 0" in done.stderr
+    assert f"kvmesh mock: {message}" in done.stderr
 
 
 async def stamp(request: Request, call_next):  # type: ignore[no-untyped-def]

@@ -46,7 +46,6 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
-import math
 import statistics
 import sys
 import time
@@ -69,7 +68,7 @@ from kvmesh.bench.fleet import (
 )
 from kvmesh.bench.runner import LoadSpec, Progress, run_workload
 from kvmesh.bench.workloads import Preset, build, ignored_load_knobs, knob_matters, preset
-from kvmesh.commands.argtypes import positive_int
+from kvmesh.commands.argtypes import positive_float, positive_int
 from kvmesh.commands.bench import LOAD_KNOBS as LOAD_KNOB_TYPES
 from kvmesh.commands.bench import WORKLOAD_KNOBS
 from kvmesh.router.core.config import RouterConfig
@@ -179,12 +178,11 @@ def parse_knob(text: str) -> tuple[str, int | float]:
 def parse_speedups(text: str) -> tuple[float, ...]:
     """``--engine-speedups``: comma-separated positive step-time divisors."""
     try:
-        speeds = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        speeds = ()
-    if not speeds or not all(s > 0 and math.isfinite(s) for s in speeds):
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive numbers, such as 1,0.5")
-    return speeds
+        return tuple(positive_float(part) for part in text.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give comma-separated positive numbers, such as 1,0.5"
+        ) from None
 
 
 def _has_cost_models() -> bool:

@@ -205,36 +205,26 @@ async def _wait_front(fleet: Fleet, timeout: float) -> None:
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sum of every sample of each metric in a Prometheus text exposition (labels folded)."""
+def parse_metrics(text: str, label: str | None = None) -> dict[str, float]:
+    """Sum of every sample of each metric in a Prometheus text exposition (labels folded); with
+    ``label`` (such as ``phase="total"``), of the samples whose labels include it only."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         m = _SAMPLE.match(line)
-        if m:
+        if m and (label is None or label in (m.group(2) or "")):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
     return out
-
-
-ROUTING_TOTAL = ("kvmesh_router_overhead_seconds_sum", "kvmesh_router_overhead_seconds_count")
-"""A kvmesh front's histogram of each request's time from arrival to its routing decision."""
 
 
 def routing_mean(text: str) -> float | None:
     """Mean seconds from a request's arrival to its routing decision (reading, parsing,
     tokenizing, hashing, routing) in a kvmesh router's Prometheus exposition (the ``total`` phase
     of ``kvmesh_router_overhead_seconds``); None when it has none."""
-    total = count = 0.0
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None or m.group(1) not in ROUTING_TOTAL or 'phase="total"' not in (m.group(2) or ""):
-            continue
-        if m.group(1) == ROUTING_TOTAL[0]:
-            total += float(m.group(3))
-        else:
-            count += float(m.group(3))
-    return total / count if count else None
+    m = parse_metrics(text, 'phase="total"')
+    total, count = m.get("kvmesh_router_overhead_seconds_sum"), m.get("kvmesh_router_overhead_seconds_count")
+    return total / count if total is not None and count else None
 
 
 async def front_routing_seconds(url: str) -> float | None:

@@ -24,6 +24,8 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    if not math.isfinite(value):  # a rate, a duration or a timeout: infinity means nothing here
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
     return value
 
 

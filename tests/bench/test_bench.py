@@ -133,6 +133,7 @@ def test_bench_refuses_a_flag_that_would_change_nothing(flags: list[str], messag
         ),
         (["--concurrency", "0"], "argument --concurrency: must be at least 1, got 0"),
         (["--rate", "-1"], "argument --rate: must be greater than 0, got -1"),
+        (["--rate", "inf"], "argument --rate: must be finite, got inf"),
         (["--workload", "chat-fits", "--think-time", "-1"], "argument --think-time: must be a finite number"),
         (["--ramp", "inf"], "argument --ramp: must be a finite number"),
     ],

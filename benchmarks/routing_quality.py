@@ -1,7 +1,7 @@
 """Routing quality: the same seeded traffic through each router, in front of fresh simulated fleets.
 
     .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--workloads W,...]
-        [--contenders NAME,...] [--engines N] [--set KNOB=VALUE ...] [--num-blocks N]
+        [--contenders NAME,...] [--engines N] [--set KNOB=VALUE ...] [--num-blocks N[,N,...]]
         [--engine-speedups S,S,...]
 
 For every case (a workload on a fleet of 4 or 8 engines) and every contender, a fresh fleet of
@@ -36,7 +36,9 @@ preset before it is scaled to the fleet, and ``--num-blocks`` each engine's KV c
 none of the chosen workloads reads (``burst`` for chat, ``ramp`` for an open loop) is refused.
 ``--engine-speedups 1,0.5`` runs a mixed fleet: engine ``i`` at ``--speedup S[i mod n]``, so every
 other engine takes twice as long per step (a router that learns each worker's speed should send
-the slow ones less).
+the slow ones less). ``--num-blocks 2048,1024`` likewise gives every other engine half the KV
+cache (engines with less memory: a router that weighs each worker's free cache should put fewer
+growing conversations there).
 """
 
 from __future__ import annotations
@@ -108,16 +110,17 @@ class Case:
     """Half the turns and think times, one wave of sessions, half the KV cache per engine."""
     changes: tuple[tuple[str, int | float], ...] = ()
     """``--set`` overrides of the preset, in the order given."""
-    num_blocks: int | None = None
-    """``--num-blocks``: each engine's KV cache, in place of the suite's."""
+    num_blocks: tuple[int, ...] = ()
+    """``--num-blocks``: the engines' KV cache in place of the suite's; several are cycled over the
+    fleet (engines of two memory sizes)."""
     speedups: tuple[float, ...] = ()
     """``--engine-speedups``: each engine's ``--speedup``, cycled over the fleet (a mixed fleet)."""
 
     @property
     def label(self) -> str:
         extra = [f"{k}={v:g}" for k, v in self.changes]
-        if self.num_blocks is not None:
-            extra.append(f"num_blocks={self.num_blocks}")
+        if self.num_blocks:
+            extra.append("num_blocks=" + ",".join(str(b) for b in self.num_blocks))
         if self.speedups:
             extra.append("speedups=" + ",".join(f"{s:g}" for s in self.speedups))
         return f"{self.workload} x{self.engines}" + (f" ({', '.join(extra)})" if extra else "")
@@ -125,14 +128,27 @@ class Case:
     @property
     def engine_args(self) -> tuple[str, ...]:
         args = SHORT_ENGINE_ARGS if self.short else ENGINE_ARGS
-        if self.num_blocks is None:
-            return args
+        if len(self.num_blocks) != 1:
+            return args  # none: the suite's; several: per engine
         i = args.index("--num-blocks")
-        return (*args[:i], "--num-blocks", str(self.num_blocks), *args[i + 2 :])
+        return (*args[:i], "--num-blocks", str(self.num_blocks[0]), *args[i + 2 :])
 
     @property
     def per_engine_args(self) -> tuple[tuple[str, ...], ...]:
-        return tuple(("--speedup", f"{s:g}") for s in self.speedups)
+        """Each engine's own flags (after :attr:`engine_args`, so they win): its speed and, with
+        several ``--num-blocks``, its cache. Empty on a uniform fleet."""
+        blocks = self.num_blocks if len(self.num_blocks) > 1 else ()
+        if not self.speedups and not blocks:
+            return ()
+        out = []
+        for i in range(self.engines):
+            own: tuple[str, ...] = ()
+            if self.speedups:
+                own += ("--speedup", f"{self.speedups[i % len(self.speedups)]:g}")
+            if blocks:
+                own += ("--num-blocks", str(blocks[i % len(blocks)]))
+            out.append(own)
+        return tuple(out)
 
     def preset(self) -> Preset:
         """The workload's preset with this case's ``--set`` changes."""
@@ -173,6 +189,17 @@ def parse_knob(text: str) -> tuple[str, int | float]:
         raise argparse.ArgumentTypeError(f"--set {name} needs {kind}, got {raw!r}") from None
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"--set {name} {e}") from None
+
+
+def parse_num_blocks(text: str) -> tuple[int, ...]:
+    """``--num-blocks``: one KV cache size for every engine, or comma-separated sizes cycled over
+    the fleet."""
+    try:
+        return tuple(positive_int(part) for part in text.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a positive integer, or comma-separated ones such as 2048,1024"
+        ) from None
 
 
 def parse_speedups(text: str) -> tuple[float, ...]:
@@ -256,6 +283,10 @@ async def run_one(case: Case, contender: Contender, seed: int, progress: bool) -
     summary["per_engine"] = [s.requests for s in stats]
     if case.speedups:  # a mixed fleet: which engine ran at which speed
         summary["engine_speedups"] = [case.speedups[i % len(case.speedups)] for i in range(case.engines)]
+    if len(case.num_blocks) > 1:  # engines of several cache sizes: which had which
+        summary["engine_num_blocks"] = [
+            case.num_blocks[i % len(case.num_blocks)] for i in range(case.engines)
+        ]
     modelled = sum(s.modelled_seconds for s in stats)
     summary["fidelity"] = sum(s.busy_seconds for s in stats) / modelled if modelled else None
     counted = sum(s.ttft_count for s in stats)
@@ -402,8 +433,13 @@ def write_plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) 
             ax_w.bar([e + i * w for e in range(engines)], counts, width=w, label=n)
         ax_w.set_xticks([e + w * (len(names) - 1) / 2 for e in range(engines)])
         speeds = per[names[0]][-1].get("engine_speedups")
+        caches = per[names[0]][-1].get("engine_num_blocks")
         ax_w.set_xticklabels(
-            [f"e{e}" + (f" x{speeds[e]:g}" if speeds else "") for e in range(engines)], fontsize=8
+            [
+                f"e{e}" + (f" x{speeds[e]:g}" if speeds else "") + (f" {caches[e]}b" if caches else "")
+                for e in range(engines)
+            ],
+            fontsize=8,
         )
         ax_w.set_title("requests per engine (last round)")
         ax_w.legend(fontsize=7)
@@ -444,7 +480,12 @@ async def main_async(args: argparse.Namespace) -> int:
         people = [c for c in people if c.name in names]
     print(f"machine: {machine()}")
     engine_args = chosen[0].engine_args if chosen else ENGINE_ARGS
-    speeds = f" (--speedup {','.join(f'{s:g}' for s in args.speedups)} by engine)" if args.speedups else ""
+    by_engine = []
+    if args.speedups:
+        by_engine.append(f"--speedup {','.join(f'{s:g}' for s in args.speedups)}")
+    if len(args.num_blocks) > 1:
+        by_engine.append(f"--num-blocks {','.join(str(b) for b in args.num_blocks)}")
+    speeds = f" ({'; '.join(by_engine)} by engine)" if by_engine else ""
     print(f"engines: kvmesh mock {' '.join(engine_args)}{speeds}; seed {args.seed}; rounds {args.rounds}")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     started = time.monotonic()
@@ -512,9 +553,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--num-blocks",
-        type=positive_int,
-        default=None,
-        help="KV cache blocks per engine (default: 2048, or 1024 with --short)",
+        type=parse_num_blocks,
+        default=(),
+        metavar="N[,N,...]",
+        help="KV cache blocks per engine (default: 2048, or 1024 with --short); several, such as "
+        "2048,1024, are cycled over the fleet (engine i gets N[i mod n])",
     )
     parser.add_argument(
         "--engine-speedups",

@@ -41,15 +41,29 @@ def test_a_rate_turns_a_closed_loop_open_and_scales_with_the_fleet(rq) -> None: 
 
 
 def test_num_blocks_replaces_the_engines_cache(rq) -> None:  # type: ignore[no-untyped-def]
-    args = rq.Case("siblings", 4, num_blocks=512).engine_args
+    args = rq.Case("siblings", 4, num_blocks=(512,)).engine_args
     assert args[args.index("--num-blocks") + 1] == "512"
     assert args.count("--num-blocks") == 1
     assert rq.Case("siblings", 4).engine_args == rq.ENGINE_ARGS
+    assert rq.Case("siblings", 4, num_blocks=(512,)).per_engine_args == ()
+
+
+def test_several_num_blocks_give_each_engine_its_cache_beside_its_speed(rq) -> None:  # type: ignore[no-untyped-def]
+    case = rq.Case("chat-fits", 4, num_blocks=(2048, 1024), speedups=(1.0, 1.0, 0.5))
+    assert case.engine_args == rq.ENGINE_ARGS  # the suite's cache, which each engine's own replaces
+    assert case.per_engine_args == (
+        ("--speedup", "1", "--num-blocks", "2048"),
+        ("--speedup", "1", "--num-blocks", "1024"),
+        ("--speedup", "0.5", "--num-blocks", "2048"),
+        ("--speedup", "1", "--num-blocks", "1024"),
+    )
+    assert case.label == "chat-fits x4 (num_blocks=2048,1024, speedups=1,1,0.5)"
+    assert rq.parse_num_blocks("2048,1024") == (2048, 1024)
 
 
 def test_engine_speedups_give_each_engine_its_speed_and_name_the_case(rq) -> None:  # type: ignore[no-untyped-def]
     case = rq.Case("chat-fits", 4, speedups=(1.0, 0.5))
-    assert case.per_engine_args == (("--speedup", "1"), ("--speedup", "0.5"))
+    assert case.per_engine_args == (("--speedup", "1"), ("--speedup", "0.5")) * 2
     assert case.label == "chat-fits x4 (speedups=1,0.5)"
     assert rq.parse_speedups("2,1,0.25") == (2.0, 1.0, 0.25)
     assert rq.Case("chat-fits", 4).per_engine_args == ()
@@ -62,7 +76,9 @@ def test_engine_speedups_give_each_engine_its_speed_and_name_the_case(rq) -> Non
         (["--set", "turns=two"], "--set turns needs an integer"),
         (["--set", "hot_share=1.5"], "--set hot_share must be in [0, 1]"),
         (["--set", "sessions=0"], "--set sessions must be at least 1"),
-        (["--num-blocks", "-4"], "--num-blocks: must be at least 1, got -4"),
+        (["--num-blocks", "-4"], "--num-blocks: '-4': give a positive integer"),
+        (["--num-blocks", "2048,0"], "--num-blocks: '2048,0'"),
+        (["--num-blocks", "2048,1.5"], "--num-blocks: '2048,1.5'"),
         (["--engine-speedups", "1,0"], "--engine-speedups: '1,0': give comma-separated positive numbers"),
         (["--engine-speedups", "1,,2"], "--engine-speedups: '1,,2'"),
         (["--engine-speedups", "inf"], "--engine-speedups: 'inf'"),

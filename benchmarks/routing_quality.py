@@ -51,10 +51,10 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
@@ -191,25 +191,26 @@ def parse_knob(text: str) -> tuple[str, int | float]:
         raise argparse.ArgumentTypeError(f"--set {name} {e}") from None
 
 
+T = TypeVar("T")
+
+
+def _per_engine(text: str, parse: Callable[[str], T], wanted: str) -> tuple[T, ...]:
+    """Comma-separated values, each read by ``parse``; one bad value refuses the whole flag."""
+    try:
+        return tuple(parse(part) for part in text.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r}: give {wanted}") from None
+
+
 def parse_num_blocks(text: str) -> tuple[int, ...]:
     """``--num-blocks``: one KV cache size for every engine, or comma-separated sizes cycled over
     the fleet."""
-    try:
-        return tuple(positive_int(part) for part in text.split(","))
-    except (ValueError, argparse.ArgumentTypeError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give a positive integer, or comma-separated ones such as 2048,1024"
-        ) from None
+    return _per_engine(text, positive_int, "a positive integer, or comma-separated ones such as 2048,1024")
 
 
 def parse_speedups(text: str) -> tuple[float, ...]:
     """``--engine-speedups``: comma-separated positive step-time divisors."""
-    try:
-        return tuple(positive_float(part) for part in text.split(","))
-    except (ValueError, argparse.ArgumentTypeError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give comma-separated positive numbers, such as 1,0.5"
-        ) from None
+    return _per_engine(text, positive_float, "comma-separated positive numbers, such as 1,0.5")
 
 
 def _has_cost_models() -> bool:

@@ -486,8 +486,8 @@ async def main_async(args: argparse.Namespace) -> int:
         by_engine.append(f"--speedup {','.join(f'{s:g}' for s in args.speedups)}")
     if len(args.num_blocks) > 1:
         by_engine.append(f"--num-blocks {','.join(str(b) for b in args.num_blocks)}")
-    speeds = f" ({'; '.join(by_engine)} by engine)" if by_engine else ""
-    print(f"engines: kvmesh mock {' '.join(engine_args)}{speeds}; seed {args.seed}; rounds {args.rounds}")
+    own_flags = f" ({'; '.join(by_engine)} by engine)" if by_engine else ""
+    print(f"engines: kvmesh mock {' '.join(engine_args)}{own_flags}; seed {args.seed}; rounds {args.rounds}")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     started = time.monotonic()
     runs_total = len(chosen) * len(people) * args.rounds

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--workloads W,...]
         [--contenders NAME,...] [--engines N] [--set KNOB=VALUE ...] [--num-blocks N[,N,...]]
-        [--engine-speedups S,S,...]
+        [--engine-speedups S,S,...] [--json PATH] [--requests PATH] [--plot PATH]
 
 For every case (a workload on a fleet of 4 or 8 engines) and every contender, a fresh fleet of
 ``kvmesh mock`` engines starts as real processes on loopback (``--speedup 1``: the fitted GPU step
@@ -27,7 +27,9 @@ TTFT is split into the engines' own (``engine TTFT mean ms``: where the requests
 the front's time in the path (``front ms``, the rest); ``routing ms`` is the part of that a kvmesh
 front spends from a request's arrival to its decision (parsing, tokenizing, hashing, routing), from
 its ``kvmesh_router_overhead_seconds`` histogram (sglang-router reports none).
-``--json`` keeps every number, ``--plot`` draws them.
+``--json`` keeps every summary, ``--requests`` every request (one JSON object a line: its case,
+router, round, session and turn, start, TTFT, prompt and cached tokens, and the worker a kvmesh
+front chose), ``--plot`` draws the summaries.
 
 ``--set`` and ``--num-blocks`` run the workloads at other sizes and ratios than their presets (the
 suite's presets are what the router was developed on; a router that only wins there has been
@@ -68,7 +70,7 @@ from kvmesh.bench.fleet import (
     sglang_router,
     start_fleet,
 )
-from kvmesh.bench.runner import LoadSpec, Progress, run_workload
+from kvmesh.bench.runner import LoadSpec, Progress, RunResult, run_workload
 from kvmesh.bench.workloads import Preset, build, ignored_load_knobs, knob_matters, preset
 from kvmesh.commands.argtypes import positive_float, positive_int
 from kvmesh.commands.bench import LOAD_KNOBS as LOAD_KNOB_TYPES
@@ -267,7 +269,38 @@ def load_for(case: Case, ask_worker_id: bool, seed: int) -> tuple[Any, LoadSpec]
     return build(spec), load
 
 
-async def run_one(case: Case, contender: Contender, seed: int, progress: bool) -> dict[str, Any]:
+def request_rows(case: Case, router: str, rnd: int, run: RunResult) -> list[dict[str, Any]]:
+    """One row per request of a run, for ``--requests``: what the summaries average over (which
+    turn of which session was slow, how much of its prompt was cached, where a kvmesh front sent
+    it; sglang-router does not say)."""
+    return [
+        {
+            "case": case.label,
+            "router": router,
+            "round": rnd,
+            "session": r.session_id,
+            "turn": r.step,
+            "start_s": round(r.start, 6),
+            "ttft_ms": None if r.ttft is None else round(1000.0 * r.ttft, 3),
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "worker": r.worker_id,
+            "error": r.error,
+        }
+        for r in run.results
+    ]
+
+
+async def run_one(
+    case: Case,
+    contender: Contender,
+    seed: int,
+    progress: bool,
+    rows: list[dict[str, Any]] | None = None,
+    rnd: int = 1,
+) -> dict[str, Any]:
+    """One contender on one case, on a fresh fleet: the run's summary (and, into ``rows``, one row
+    per request)."""
     sessions, load = load_for(case, contender.ask_worker_id, seed)
     engine_args = (*case.engine_args, *contender.engine_args)
     async with start_fleet(
@@ -279,6 +312,8 @@ async def run_one(case: Case, contender: Contender, seed: int, progress: bool) -
         run = await run_workload(contender.name, sessions, load, progress=bar)
         stats = await engine_stats(fleet.engine_urls)
         routing_s = await front_routing_seconds(fleet.front_url)
+    if rows is not None:
+        rows.extend(request_rows(case, contender.name, rnd, run))
     summary = report.summarize(run)
     summary["front_routing_mean_s"] = routing_s
     summary["per_engine"] = [s.requests for s in stats]
@@ -489,6 +524,8 @@ async def main_async(args: argparse.Namespace) -> int:
     own_flags = f" ({'; '.join(by_engine)} by engine)" if by_engine else ""
     print(f"engines: kvmesh mock {' '.join(engine_args)}{own_flags}; seed {args.seed}; rounds {args.rounds}")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    if args.requests_path:
+        Path(args.requests_path).write_text("")  # this run's requests only
     started = time.monotonic()
     runs_total = len(chosen) * len(people) * args.rounds
     done = 0
@@ -504,7 +541,13 @@ async def main_async(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-                per[contender.name].append(await run_one(case, contender, args.seed, not args.no_progress))
+                rows: list[dict[str, Any]] = []
+                per[contender.name].append(
+                    await run_one(case, contender, args.seed, not args.no_progress, rows, rnd + 1)
+                )
+                if args.requests_path:  # as each run ends: a long run's requests survive a crash
+                    with open(args.requests_path, "a") as out:
+                        out.writelines(json.dumps(row) + "\n" for row in rows)
         results[case.label] = per
         p = preset(case.workload)
         size = "short: half the turns, one wave, half the cache" if case.short else f"x{case.engines / 4:g}"
@@ -521,6 +564,8 @@ async def main_async(args: argparse.Namespace) -> int:
     print(f"\ntotal {time.monotonic() - started:.0f}s")
     if args.json_path:
         print(f"wrote {args.json_path}")
+    if args.requests_path:
+        print(f"wrote {args.requests_path}")
     if args.plot:
         print(f"wrote {write_plot(results, Path(args.plot))}")
     errors = sum(r["errors"] for per in results.values() for runs in per.values() for r in runs)
@@ -570,6 +615,14 @@ def main() -> int:
         "(default: every engine at 1)",
     )
     parser.add_argument("--json", dest="json_path", default=None, help="write every summary here")
+    parser.add_argument(
+        "--requests",
+        dest="requests_path",
+        default=None,
+        metavar="PATH",
+        help="write every request's result here, one JSON object a line (case, router, round, "
+        "session, turn, start, TTFT, prompt and cached tokens, the worker a kvmesh front chose)",
+    )
     parser.add_argument("--plot", default="routing-quality.png", help="PNG plot path ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args()

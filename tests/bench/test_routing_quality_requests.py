@@ -1,0 +1,37 @@
+"""`benchmarks/routing_quality.py --requests`: every request's result, as the suite ran it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_quality.py"
+
+
+def test_every_request_of_every_run_is_written_with_where_it_went(tmp_path: Path) -> None:
+    out, summaries = tmp_path / "requests.jsonl", tmp_path / "summary.json"
+    out.write_text("a stale line from an earlier run\n")
+    done = subprocess.run(
+        [
+            sys.executable, str(SCRIPT), "--workloads", "chat-fits", "--engines", "1",
+            "--set", "sessions=4", "--set", "turns=2", "--contenders", "round-robin,kvmesh",
+            "--plot", "", "--no-progress", "--requests", str(out), "--json", str(summaries),
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ((case, per),) = json.loads(summaries.read_text()).items()
+    assert {r["router"] for r in rows} == {"round-robin", "kvmesh"}
+    for router, runs in per.items():
+        mine = [r for r in rows if r["router"] == router]
+        assert len(mine) == runs[0]["requests"] == 2  # a session of two turns on one engine
+        assert all(r["case"] == case and r["round"] == 1 and r["error"] is None for r in mine)
+        first, second = sorted(mine, key=lambda r: r["turn"])
+        assert (first["turn"], second["turn"]) == (1, 2) and first["session"] == second["session"]
+        assert second["start_s"] > first["start_s"] and first["ttft_ms"] > 0
+        # the engine reported the second turn's history as cached, and the front which engine it was
+        assert first["cached_tokens"] == 0 < second["cached_tokens"] < second["prompt_tokens"]
+        assert first["worker"] == second["worker"] and first["worker"].startswith("http://127.0.0.1:")

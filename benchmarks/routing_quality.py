@@ -269,10 +269,14 @@ def load_for(case: Case, ask_worker_id: bool, seed: int) -> tuple[Any, LoadSpec]
     return build(spec), load
 
 
-def request_rows(case: Case, router: str, rnd: int, run: RunResult) -> list[dict[str, Any]]:
+def request_rows(
+    case: Case, router: str, rnd: int, run: RunResult, engine_urls: Sequence[str]
+) -> list[dict[str, Any]]:
     """One row per request of a run, for ``--requests``: what the summaries average over (which
     turn of which session was slow, how much of its prompt was cached, where a kvmesh front sent
-    it; sglang-router does not say)."""
+    it; sglang-router does not say). ``engine`` is the worker's index in the fleet, the order of
+    the summaries' ``per_engine``, ``engine_speedups`` and ``engine_num_blocks``."""
+    index = {url: i for i, url in enumerate(engine_urls)}
     return [
         {
             "case": case.label,
@@ -285,6 +289,7 @@ def request_rows(case: Case, router: str, rnd: int, run: RunResult) -> list[dict
             "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens,
             "worker": r.worker_id,
+            "engine": index.get(r.worker_id) if r.worker_id is not None else None,
             "error": r.error,
         }
         for r in run.results
@@ -313,7 +318,7 @@ async def run_one(
         stats = await engine_stats(fleet.engine_urls)
         routing_s = await front_routing_seconds(fleet.front_url)
     if rows is not None:
-        rows.extend(request_rows(case, contender.name, rnd, run))
+        rows.extend(request_rows(case, contender.name, rnd, run, fleet.engine_urls))
     summary = report.summarize(run)
     summary["front_routing_mean_s"] = routing_s
     summary["per_engine"] = [s.requests for s in stats]

@@ -35,3 +35,4 @@ def test_every_request_of_every_run_is_written_with_where_it_went(tmp_path: Path
         # the engine reported the second turn's history as cached, and the front which engine it was
         assert first["cached_tokens"] == 0 < second["cached_tokens"] < second["prompt_tokens"]
         assert first["worker"] == second["worker"] and first["worker"].startswith("http://127.0.0.1:")
+        assert first["engine"] == second["engine"] == 0  # its index in the fleet: the only engine

@@ -29,7 +29,7 @@ front spends from a request's arrival to its decision (parsing, tokenizing, hash
 its ``kvmesh_router_overhead_seconds`` histogram (sglang-router reports none).
 ``--json`` keeps every summary, ``--requests`` every request (one JSON object a line: its case,
 router, round, session and turn, start, TTFT, prompt and cached tokens, and the worker a kvmesh
-front chose), ``--plot`` draws the summaries.
+front chose with its index in the fleet), ``--plot`` draws the summaries.
 
 ``--set`` and ``--num-blocks`` run the workloads at other sizes and ratios than their presets (the
 suite's presets are what the router was developed on; a router that only wins there has been
@@ -289,7 +289,7 @@ def request_rows(
             "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens,
             "worker": r.worker_id,
-            "engine": index.get(r.worker_id) if r.worker_id is not None else None,
+            "engine": index.get(r.worker_id),  # None when the front did not say
             "error": r.error,
         }
         for r in run.results

@@ -104,6 +104,9 @@ LOAD_KNOBS = frozenset(LOAD_KNOB_TYPES)
 KNOBS = SPEC_KNOBS | LOAD_KNOBS
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
 class Case:
     workload: str
@@ -128,6 +131,15 @@ class Case:
         return f"{self.workload} x{self.engines}" + (f" ({', '.join(extra)})" if extra else "")
 
     @property
+    def engine_blocks(self) -> tuple[int, ...]:
+        """The caches given per engine: several ``--num-blocks`` (one is every engine's)."""
+        return self.num_blocks if len(self.num_blocks) > 1 else ()
+
+    def by_engine(self, values: Sequence[T]) -> list[T]:
+        """``values`` cycled over the fleet: engine ``i``'s is ``values[i mod n]`` (none: [])."""
+        return [values[i % len(values)] for i in range(self.engines)] if values else []
+
+    @property
     def engine_args(self) -> tuple[str, ...]:
         args = SHORT_ENGINE_ARGS if self.short else ENGINE_ARGS
         if len(self.num_blocks) != 1:
@@ -139,18 +151,11 @@ class Case:
     def per_engine_args(self) -> tuple[tuple[str, ...], ...]:
         """Each engine's own flags (after :attr:`engine_args`, so they win): its speed and, with
         several ``--num-blocks``, its cache. Empty on a uniform fleet."""
-        blocks = self.num_blocks if len(self.num_blocks) > 1 else ()
-        if not self.speedups and not blocks:
-            return ()
-        out = []
-        for i in range(self.engines):
-            own: tuple[str, ...] = ()
-            if self.speedups:
-                own += ("--speedup", f"{self.speedups[i % len(self.speedups)]:g}")
-            if blocks:
-                own += ("--num-blocks", str(blocks[i % len(blocks)]))
-            out.append(own)
-        return tuple(out)
+        speeds = [("--speedup", f"{s:g}") for s in self.by_engine(self.speedups)]
+        caches = [("--num-blocks", str(b)) for b in self.by_engine(self.engine_blocks)]
+        if not speeds or not caches:
+            return tuple(speeds or caches)
+        return tuple(s + c for s, c in zip(speeds, caches, strict=True))
 
     def preset(self) -> Preset:
         """The workload's preset with this case's ``--set`` changes."""
@@ -191,9 +196,6 @@ def parse_knob(text: str) -> tuple[str, int | float]:
         raise argparse.ArgumentTypeError(f"--set {name} needs {kind}, got {raw!r}") from None
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"--set {name} {e}") from None
-
-
-T = TypeVar("T")
 
 
 def _per_engine(text: str, parse: Callable[[str], T], wanted: str) -> tuple[T, ...]:
@@ -323,11 +325,9 @@ async def run_one(
     summary["front_routing_mean_s"] = routing_s
     summary["per_engine"] = [s.requests for s in stats]
     if case.speedups:  # a mixed fleet: which engine ran at which speed
-        summary["engine_speedups"] = [case.speedups[i % len(case.speedups)] for i in range(case.engines)]
-    if len(case.num_blocks) > 1:  # engines of several cache sizes: which had which
-        summary["engine_num_blocks"] = [
-            case.num_blocks[i % len(case.num_blocks)] for i in range(case.engines)
-        ]
+        summary["engine_speedups"] = case.by_engine(case.speedups)
+    if case.engine_blocks:  # engines of several cache sizes: which had which
+        summary["engine_num_blocks"] = case.by_engine(case.engine_blocks)
     modelled = sum(s.modelled_seconds for s in stats)
     summary["fidelity"] = sum(s.busy_seconds for s in stats) / modelled if modelled else None
     counted = sum(s.ttft_count for s in stats)
@@ -626,7 +626,8 @@ def main() -> int:
         default=None,
         metavar="PATH",
         help="write every request's result here, one JSON object a line (case, router, round, "
-        "session, turn, start, TTFT, prompt and cached tokens, the worker a kvmesh front chose)",
+        "session, turn, start, TTFT, prompt and cached tokens, the worker a kvmesh front chose and "
+        "its index in the fleet)",
     )
     parser.add_argument("--plot", default="routing-quality.png", help="PNG plot path ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

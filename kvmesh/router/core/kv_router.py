@@ -98,9 +98,10 @@ class RouteRequest:
     equally loaded candidates the one holding most of the prompt (the least KV to move)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen one sets each field through object.__setattr__, ~8x slower
 class CandidateScore:
-    """One candidate's numbers behind a decision (kept for metrics and ``/kvmesh/workers`` debugging)."""
+    """One candidate's numbers behind a decision (kept for metrics and ``/kvmesh/workers`` debugging).
+    Every candidate of every decision builds one; nothing changes it afterwards."""
 
     worker: WorkerKey
     overlap_blocks: int
@@ -727,9 +728,13 @@ class KvRouter:
                     ttft = _weigh_prefill(timing, ttft, prefill, wait_ms, scale)
                 if decode > total:  # (it returns 0 below the limit; checked here, as the call is not free)
                     ttft += self._memory_wait_ms(key, decode, total, now)
-                evict = self._eviction_ms(timing, n_blocks - dev, total - tree) if reuse else 0.0
+                added = n_blocks - dev
+                # (it returns 0 where the blocks added fit; checked here, as the call is not free)
+                evict = (
+                    self._eviction_ms(timing, added, total - tree) if reuse and added > total - tree else 0.0
+                )
                 if growth > 0:
-                    evict += self._growth_eviction_ms(key, growth, n_blocks - dev)
+                    evict += self._growth_eviction_ms(key, growth, added)
                 delay = (
                     self._delay_to_arrivals_ms(key, timing, view, prefill - active, decode, osl, now)
                     if requests_there

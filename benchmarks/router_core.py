@@ -1,6 +1,6 @@
 """Router core vs NVIDIA Dynamo's compiled RadixTree, same workload, same run.
 
-    .venv/bin/python benchmarks/router_core.py [--sequences 10000] [--blocks 64] [--block-size 16]
+    .venv/bin/python benchmarks/router_core.py [--sequences 10000] [--blocks 64] [--block-size 16] [--baseline REV]
 
 Workload: ``--sequences`` prompts of ``--blocks`` blocks over 4 workers; every prompt starts with one
 of 100 shared 32-block prefixes. Each worker publishes what a prefix-caching engine would: the
@@ -12,7 +12,10 @@ Measured (GC disabled while timing, like every script here; medians over interle
 * applying all stored events, hashing their tokens included (kvmesh: ``PrefixIndex.apply`` on
   decoded BlockStored structs; Dynamo: ``compute_block_hash_for_seq`` + ``RadixTree.apply_event`` on
   KvCacheEvent JSON, shown with and without building that JSON);
-* one full ``KvRouter.route`` decision for a 2,048-block request over 8 workers;
+* one full ``KvRouter.route`` decision for a 2,048-block request over 8 workers, with both cost
+  models; with ``--baseline REV`` also that revision's ``route()`` beside this tree's, each timed by
+  ``route_decision.py`` in a process of its own (a target stated against older code is measured
+  against that code, in the same run);
 * memory of the index per (block, worker) entry (tracemalloc) and what the default budget bounds.
 
 Dynamo's binding comes from the ``bench`` extra; without it only kvmesh's numbers print.
@@ -22,49 +25,25 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
 import json
-import random
+import os
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, median, percentile, table
+from route_decision import PREFIX_BLOCKS, PREFIXES, query_tokens, routers, time_routes, workload
 
 from kvmesh.events.wire import BlockStored
 from kvmesh.hashing import block_hashes
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.event_index import PrefixIndex
-from kvmesh.router.core.kv_router import KvRouter, RouteRequest
-
-PREFIXES = 100
-PREFIX_BLOCKS = 32
-
-
-def workload(n_seq: int, n_blocks: int, bs: int, n_workers: int, seed: int = 0):
-    """(worker index, BlockStored) events in publish order, plus every prompt's tokens."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(150_000) for _ in range(PREFIX_BLOCKS * bs)] for _ in range(PREFIXES)]
-    prefix_hashes = [[rng.getrandbits(63) for _ in range(PREFIX_BLOCKS)] for _ in range(PREFIXES)]
-    prompts, events = [], []
-    known: dict[tuple[int, int], list[int]] = {}  # (worker, prefix) -> engine hashes of the prefix
-    for i in range(n_seq):
-        p = i % PREFIXES
-        w = (i // PREFIXES) % n_workers  # every prefix ends up on every worker
-        toks = prefixes[p] + [rng.randrange(150_000) for _ in range((n_blocks - PREFIX_BLOCKS) * bs)]
-        prompts.append(toks)
-        hashes = known.get((w, p))
-        if hashes is None:
-            # the same content gets the same engine hash on every worker (vLLM without a salt): the
-            # compiled reference indexes only the first worker that stores a block under another hash
-            ehs = prefix_hashes[p] + [rng.getrandbits(63) for _ in range(n_blocks - PREFIX_BLOCKS)]
-            known[(w, p)] = prefix_hashes[p]
-            events.append((w, BlockStored(ehs, None, toks, bs)))
-        else:
-            ehs = [rng.getrandbits(63) for _ in range(n_blocks - PREFIX_BLOCKS)]
-            events.append((w, BlockStored(ehs, hashes[-1], toks[PREFIX_BLOCKS * bs :], bs)))
-    return events, prompts
 
 
 def dynamo_json(event_id: int, ev: BlockStored, local: list[int]) -> bytes:
@@ -99,6 +78,85 @@ def per_call(fn, repeat: int) -> list[float]:
     return out
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def resolve_commit(rev: str) -> str:
+    """The commit ``rev`` names in this repository (ValueError: none)."""
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not commit:
+        raise ValueError(f"--baseline: {rev!r} is not a commit of {REPO}")
+    return commit
+
+
+def revision_tree(commit: str, into: str) -> None:
+    """Extract ``commit``'s ``kvmesh`` package into the directory ``into``."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, "kvmesh"], capture_output=True, check=True
+    )
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(into, filter="data")
+
+
+def routes_in(tree: str, model: str, args: argparse.Namespace) -> list[float]:
+    """route() samples of ``tree``'s kvmesh, timed by ``route_decision.py`` in a process of its own."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve().parent / "route_decision.py"),
+        f"--model={model}",
+        "--samples=200",
+        f"--sequences={args.sequences}",
+        f"--blocks={args.blocks}",
+        f"--block-size={args.block_size}",
+        f"--query-blocks={args.query_blocks}",
+    ]
+    env = {**os.environ, "PYTHONPATH": tree}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"route_decision.py --model {model} on {tree} failed:\n{done.stderr}")
+    out = json.loads(done.stdout)
+    if not out["kvmesh"].startswith(tree):  # the installed package would otherwise be timed twice
+        raise RuntimeError(f"timed {out['kvmesh']}, not the kvmesh under {tree}")
+    return out["samples_s"]
+
+
+def baseline_table(rev: str, args: argparse.Namespace) -> str:
+    """route() of revision ``rev`` (its default configuration) beside this tree's two cost models:
+    each in a process of its own, one per round and contender, in an order rotated every round."""
+    commit = resolve_commit(rev)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-baseline-") as tree:
+        revision_tree(commit, tree)
+        contenders = [
+            (f"{rev} ({commit[:9]}), its default", tree, "default"),
+            ("this tree, --router-cost-model dynamo", str(REPO), "dynamo"),
+            ("this tree, --router-cost-model latency", str(REPO), "latency"),
+        ]
+        medians: dict[str, list[float]] = {name: [] for name, _, _ in contenders}
+        for rnd in range(args.rounds):
+            turn = contenders[rnd % 3 :] + contenders[: rnd % 3]
+            for name, where, model in turn:
+                print(f"route() vs {rev}: round {rnd + 1}/{args.rounds}, {name}", file=sys.stderr, flush=True)
+                medians[name].append(median(routes_in(where, model, args)))
+    base = medians[contenders[0][0]]
+    rows = []
+    for name, meds in medians.items():
+        # each round timed every contender once, so a round's ratio shares that round's machine
+        per_round = sorted(m / b for m, b in zip(meds, base, strict=True))
+        rows.append(
+            [
+                name,
+                f"{median(meds) * 1e6:.1f} ({min(meds) * 1e6:.1f}-{max(meds) * 1e6:.1f})",
+                f"{median(per_round):.2f}x ({per_round[0]:.2f}-{per_round[-1]:.2f})",
+            ]
+        )
+    head = f"route(), {args.query_blocks} blocks, 8 workers, one process each, {args.rounds} rounds"
+    return table([head, "median us (per-round range)", f"time vs {rev}, per round"], rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sequences", type=int, default=10_000)
@@ -106,7 +164,20 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--query-blocks", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also time route() of this git revision's code (its default configuration) beside this "
+        "tree's, each in a process of its own, alternating; e.g. the code a target was stated against",
+    )
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    if args.baseline is not None:
+        try:
+            resolve_commit(args.baseline)  # before the minutes of the rest, not after them
+        except ValueError as exc:
+            ap.error(str(exc))
     bs = args.block_size
     try:
         from dynamo._core import RadixTree, compute_block_hash_for_seq
@@ -163,11 +234,7 @@ def main() -> int:
 
     # ---------------------------------------------------------------- find_matches
     index = kv_store()
-    rng = random.Random(1)
-    query_tokens = prompts[5] + [
-        rng.randrange(150_000) for _ in range((args.query_blocks - args.blocks) * bs)
-    ]
-    query = block_hashes(query_tokens, bs)
+    query = block_hashes(query_tokens(prompts, args.blocks, args.query_blocks, bs), bs)
     # every worker holds prompt 5's shared prefix; its own worker holds all of it
     expected = {w: PREFIX_BLOCKS for w in workers} | {workers[(5 // PREFIXES) % 4]: args.blocks}
     assert index.find_matches(query) == expected, index.find_matches(query)
@@ -186,44 +253,16 @@ def main() -> int:
     # ---------------------------------------------------------------- route()
     # Both cost models on the same index and load, timed in interleaved rounds: Dynamo's formula
     # (the route() of earlier runs) and the latency cost (the default).
-    from kvmesh.events.wire import EventBatch
-
-    eight, _ = workload(args.sequences, args.blocks, bs, 8)
-    req = RouteRequest("r", query, len(query_tokens))
-    routers = {}
-    for model in ("dynamo", "latency"):
-        router = KvRouter(
-            RouterConfig(router_queue_threshold=None, router_cost_model=model), random.Random(0)
-        )
-        for i in range(8):
-            router.add_worker(f"w{i}", total_blocks=100_000, max_num_batched_tokens=8192, block_size=bs)
-        for w, ev in eight:
-            router.apply_events(f"w{w}", EventBatch(0.0, [ev], 0))
-        # one request answered, so the router knows how long a request stays; then some load in
-        # flight, so the load model has work to do (one of them carries the query's prompt)
-        router.route(RouteRequest("done", block_hashes(prompts[99], bs), len(prompts[99])), -1.0)
-        router.first_token("done", -0.95)
-        router.finished("done", -0.5)
-        for i in range(16):
-            router.route(RouteRequest(f"bg{i}", block_hashes(prompts[i], bs), len(prompts[i])), 0.0)
-        routers[model] = router
-    del eight
+    routed, req = routers(("dynamo", "latency"), args.sequences, args.blocks, bs, args.query_blocks)
     routes: dict[str, list[float]] = {"dynamo": [], "latency": []}
     for rnd in range(args.rounds):
         order = ["dynamo", "latency"] if rnd % 2 == 0 else ["latency", "dynamo"]
         for model in order:
-            router = routers[model]
-            for _ in range(200):
-                gc.disable()
-                t0 = time.perf_counter()
-                router.route(req, 0.0)
-                routes[model].append(time.perf_counter() - t0)
-                gc.enable()
-                router.finished("r", 0.0)
+            routes[model] += time_routes(routed[model], req, 200)
     # the latency cost's route() ran its whole path: a request in flight shares the query's prompt,
     # so every decision priced a copy of it
-    assert routers["latency"].shared_prefix_stats()["followed"] == 1  # type: ignore[index]
-    del routers, router
+    assert routed["latency"].shared_prefix_stats()["followed"] == 1  # type: ignore[index]
+    del routed
 
     # ---------------------------------------------------------------- memory
     gc.collect()
@@ -285,7 +324,12 @@ def main() -> int:
     print()
     print(
         table(
-            ["KvRouter.route, 2048 blocks, 8 workers", "median us", "p99 us", "time vs dynamo cost"],
+            [
+                f"KvRouter.route, {args.query_blocks} blocks, 8 workers",
+                "median us",
+                "p99 us",
+                "time vs dynamo cost",
+            ],
             [
                 [
                     f"route() decision, --router-cost-model {model}",
@@ -312,6 +356,9 @@ def main() -> int:
             ],
         )
     )
+    if args.baseline is not None:
+        print()
+        print(baseline_table(args.baseline, args))
     return 0
 
 

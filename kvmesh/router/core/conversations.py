@@ -95,6 +95,11 @@ class Conversations:
         few lengths a prompt's lookup tries at that chunk (never a scan over the tips)."""
         self._refs: dict[WorkerKey, Counter[int]] = {}
         self._live: dict[WorkerKey, int] = {}
+        self._numbers: dict[WorkerKey, dict[int, int]] = {}
+        """Per worker, how many tips there are at each turn number: what their growth still ahead
+        is computed from (:meth:`growth_ahead_blocks`)."""
+        self._to_come: list[float] | None = None
+        """``turns_to_come(n)`` for every ``n`` reached, rebuilt after the counts change."""
         self._reached: list[float] = []
         """``[n - 1]``: how many conversations reached turn ``n`` (live ones as far as they got).
         Counting what was seen, rather than a share of requests continued, never extrapolates: a
@@ -117,6 +122,27 @@ class Conversations:
         if n > len(reached) or reached[n - 1] <= 0:
             return 0.0
         return min(sum(reached[n:]) / reached[n - 1], MAX_TURNS_TO_COME)
+
+    def growth_ahead_blocks(self, worker: WorkerKey, exclude: str | None = None) -> float:
+        """The blocks the conversations living on ``worker`` will still add there: each tip at
+        turn ``n`` comes back :meth:`turns_to_come` more times, ``growth_blocks`` each. ``exclude``:
+        a tip left out (the one the request being priced continues, whose growth is its own)."""
+        numbers = self._numbers.get(worker)
+        if not numbers or self.growth_blocks <= 0:
+            return 0.0
+        to_come = self._to_come
+        if to_come is None:
+            to_come = self._to_come = [self.turns_to_come(n) for n in range(1, len(self._reached) + 1)]
+        last = len(to_come)
+        turns = 0.0
+        for number, count in numbers.items():
+            if number <= last:
+                turns += count * to_come[number - 1]
+        if exclude is not None:
+            tip = self._tips.get(exclude)
+            if tip is not None and tip.worker == worker and tip.number <= last:
+                turns -= to_come[tip.number - 1]
+        return max(turns, 0.0) * self.growth_blocks
 
     def continued_share(self) -> float:
         """The share of turns that a later turn continued: the chance that a live conversation
@@ -188,6 +214,8 @@ class Conversations:
         anchor, trailing = turn.key
         tip = _Tip(worker, prompt.ids, prompt.n_anchors, trailing, now, number)
         self._tips[request_id] = tip
+        numbers = self._numbers.setdefault(worker, {})
+        numbers[number] = numbers.get(number, 0) + 1
         self._by_prompt.setdefault(turn.key, {})[request_id] = None
         tails = self._tails.setdefault(anchor, {})
         tails[len(tip.trailing)] = tails.get(len(tip.trailing), 0) + 1
@@ -218,6 +246,7 @@ class Conversations:
             self._drop(rid)
         self._refs.pop(worker, None)
         self._live.pop(worker, None)
+        self._numbers.pop(worker, None)
 
     # ------------------------------------------------------------------ internals
     def _continued(self, prompt: PromptBlocks, local_hashes: Sequence[int]) -> str | None:
@@ -254,6 +283,7 @@ class Conversations:
         reached[n - 1] += 1.0
         if reached[0] >= HALVE_AT:
             self._reached = [r / 2.0 for r in reached]
+        self._to_come = None
 
     def _hold(self, tip: _Tip, start: int) -> None:
         """Count ``tip``'s identities from ``start`` on as live on its worker."""
@@ -271,6 +301,12 @@ class Conversations:
 
     def _unindex(self, request_id: str) -> _Tip:
         tip = self._tips.pop(request_id)
+        numbers = self._numbers.get(tip.worker)
+        if numbers is not None:  # else its worker is gone
+            if numbers[tip.number] == 1:
+                del numbers[tip.number]
+            else:
+                numbers[tip.number] -= 1
         anchor = _anchor(tip)
         key = (anchor, tip.trailing)
         same = self._by_prompt[key]

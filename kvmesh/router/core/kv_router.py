@@ -669,10 +669,12 @@ class KvRouter:
         latency = self._latency
         turn = None
         growth = 0.0
+        continues = None  # the tip this turn continues: its growth is the turn's own
         if latency and prompt is not None and prompt.ids:
             conv = self._conversations
             turn = conv.lookup(prompt, req.local_hashes, now)
             growth = conv.turns_to_come(turn.number) * conv.growth_blocks
+            continues = turn.previous
         elsewhere = req.prefilled_elsewhere
         copy_to: set[WorkerKey] | None = None  # the holders: a copy on any other is credited
         copy_ms = 0.0
@@ -734,7 +736,7 @@ class KvRouter:
                     self._eviction_ms(timing, added, total - tree) if reuse and added > total - tree else 0.0
                 )
                 if growth > 0:
-                    evict += self._growth_eviction_ms(key, growth, added)
+                    evict += self._growth_eviction_ms(key, growth, added, continues)
                 delay = (
                     self._delay_to_arrivals_ms(key, timing, view, prefill - active, decode, osl, now)
                     if requests_there
@@ -880,7 +882,9 @@ class KvRouter:
             return 0.0
         return self._reuse_fleet * evicted * (self._block_size or 1) * timing.ms_per_token()
 
-    def _growth_eviction_ms(self, key: WorkerKey, growth_blocks: float, added_blocks: float) -> float:
+    def _growth_eviction_ms(
+        self, key: WorkerKey, growth_blocks: float, added_blocks: float, previous: str | None
+    ) -> float:
         """What the cache its conversation grows into there evicts from the other conversations
         living there, in their recompute time when they come back.
 
@@ -894,9 +898,17 @@ class KvRouter:
         prompt was, until a few workers held twelve growing agent sessions each (more than their
         caches), two of eight held none, and turns there waited for memory or recomputed 10k-token
         histories.
+
+        The room is what is left once the conversations already there have grown as well
+        (:meth:`Conversations.growth_ahead_blocks`; ``previous``, the tip this turn continues, is
+        its own growth): the cache a worker's conversations will need is theirs and this one's
+        together, and of that total this conversation's growth is the part beyond what theirs
+        leaves. (Room counted from their blocks now saw space on a worker whose five sessions at
+        their first turn would each double, and put a sixth there beside four idle workers.)
         """
         conv = self._conversations
-        room = self._workers[key[0]].total_blocks - conv.live_blocks(key) - added_blocks
+        ahead = conv.growth_ahead_blocks(key, previous)
+        room = self._workers[key[0]].total_blocks - conv.live_blocks(key) - ahead - added_blocks
         evicted = growth_blocks - max(room, 0.0)
         if evicted <= 0:
             return 0.0

@@ -214,6 +214,56 @@ def test_a_new_conversation_goes_where_its_growth_fits(conversations: bool, work
     assert (by["a"].eviction_ms > 0) is conversations
 
 
+def test_the_growth_ahead_of_a_workers_conversations_counts_each_at_its_turn() -> None:
+    conv = Conversations()
+    now = 0.0
+    for s in range(40):  # conversations of 6 turns teach 5 turns to come after the first
+        prompt = toks(100 + s, 8 * B)
+        for t in range(6):
+            route(conv, f"{s}-{t}", W, prompt, now)
+            prompt = prompt + toks(1000 * s + t, 4 * B)
+            now += 1.0
+    conv.expire(now + 10 * EXPIRE_CYCLES)
+    assert conv.growth_ahead_blocks(A) == 0  # nothing lives on a
+    young = toks(7, 8 * B)
+    route(conv, "young", A, young, now)  # turn 1: 5 turns of 4 blocks to come
+    route(conv, "older-1", A, toks(8, 8 * B), now)
+    route(conv, "older-2", A, toks(8, 8 * B) + toks(9, 4 * B), now)  # older-1's turn 2: the tip moves
+    first, second = conv.turns_to_come(1) * 4, conv.turns_to_come(2) * 4  # ~5 and ~4 turns of 4 blocks
+    assert conv.growth_blocks == pytest.approx(4)
+    assert first == pytest.approx(20, rel=0.1) and second == pytest.approx(16, rel=0.1)
+    assert conv.growth_ahead_blocks(A) == pytest.approx(first + second)  # young, and older-2
+    # the tip a turn continues is left out: its growth is the turn's own
+    assert conv.growth_ahead_blocks(A, exclude="older-2") == pytest.approx(first)
+    assert conv.growth_ahead_blocks(A, exclude="young") == pytest.approx(second)
+    assert conv.growth_ahead_blocks(W, exclude="young") == 0  # not a tip there
+    conv.expire(now + 1e6)
+    assert conv.growth_ahead_blocks(A) == 0
+
+
+def test_a_new_conversation_leaves_a_worker_whose_young_conversations_will_fill_it() -> None:
+    """Three sessions at their first turn hold little of a's cache now, but each will grow by as
+    much as the ended ones did: with theirs, a fourth session's growth has no room there, so it
+    starts on b although a holds its system prompt. Counted from their blocks now, a looked
+    empty enough to take it."""
+    system = toks(7, 2000)
+    r, now = held_by_a(system, conversations=True)
+    now += 20.0
+    r.expire(now)  # the second six end as well: only the three below live on a
+    for s in range(3):
+        answered(r, f"young-{s}", "a", system + toks(200 + s, 200), now)
+        now += 0.1
+    conv = r._conversations
+    live = conv.live_blocks(("a", 0))
+    assert live < 200 < conv.growth_ahead_blocks(("a", 0)) - 1000  # little now, a cache's worth ahead
+    d = r.route(RouteRequest("new", block_hashes(system + toks(9, 200), B), 2200), now)
+    assert isinstance(d, Decision)
+    assert d.worker == ("b", 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms  # a answers this turn sooner
+    assert by["a"].eviction_ms > by["b"].predicted_ttft_ms - by["a"].predicted_ttft_ms
+
+
 def test_the_router_follows_at_most_max_tips_conversations(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvmesh.router.core.conversations as module
 
@@ -279,7 +329,11 @@ def test_live_blocks_and_turn_counts_stay_consistent(
                     held.update((ident, CHUNK if i < tip.anchors else 1) for i, ident in enumerate(tip.ids))
             assert conv.live_blocks(w) == sum(held.values())
         assert all(tip.number >= 1 for tip in conv._tips.values())
+        for w in (A, W):
+            to_come = sum(conv.turns_to_come(t.number) for t in conv._tips.values() if t.worker == w)
+            assert conv.growth_ahead_blocks(w) == pytest.approx(to_come * conv.growth_blocks)
         assert 0.0 <= conv.turns_to_come() <= MAX_TURNS_TO_COME
         assert 0.0 <= conv.continued_share() < 1.0
     conv.expire(now + 1e6)  # every conversation over: nothing may stay held
     assert conv.live_blocks(A) == conv.live_blocks(W) == 0
+    assert conv.growth_ahead_blocks(A) == conv.growth_ahead_blocks(W) == 0

@@ -903,8 +903,8 @@ class KvRouter:
         (:meth:`Conversations.growth_ahead_blocks`; ``previous``, the tip this turn continues, is
         its own growth): the cache a worker's conversations will need is theirs and this one's
         together, and of that total this conversation's growth is the part beyond what theirs
-        leaves. (Room counted from their blocks now saw space on a worker whose five sessions at
-        their first turn would each double, and put a sixth there beside four idle workers.)
+        leaves. (Counted from their blocks now, a worker whose sessions were all at their first
+        turn looked nearly empty to a new session, however far those sessions had yet to grow.)
         """
         conv = self._conversations
         ahead = conv.growth_ahead_blocks(key, previous)

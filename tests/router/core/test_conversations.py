@@ -118,17 +118,25 @@ def test_a_removed_worker_takes_its_conversations_with_it() -> None:
     assert route(conv, "next", W, first + toks(4, 4 * B), 1.0) is None  # nothing left to continue
 
 
+def six_turn_conversations(conv: Conversations, worker: tuple[str, int]) -> float:
+    """40 conversations of 6 turns adding 4 blocks each, one after another a second apart, all
+    over by the time returned."""
+    now = 0.0
+    for s in range(40):
+        prompt = toks(100 + s, 8 * B)
+        for t in range(6):
+            route(conv, f"{s}-{t}", worker, prompt, now)
+            prompt = prompt + toks(1000 * s + t, 4 * B)
+            now += 1.0
+    now += 10 * EXPIRE_CYCLES
+    conv.expire(now)
+    return now
+
+
 def test_the_turns_conversations_reached_give_the_turns_to_come() -> None:
     conv = Conversations()
     assert conv.turns_to_come() == 0  # nothing learned: no future is priced
-    now = 0.0
-    for s in range(40):  # conversations of 6 turns, one after another, a second apart
-        prompt = toks(100 + s, 8 * B)
-        for t in range(6):
-            route(conv, f"{s}-{t}", A, prompt, now)
-            prompt = prompt + toks(1000 * s + t, 4 * B)
-            now += 1.0
-    conv.expire(now + 10 * EXPIRE_CYCLES)
+    six_turn_conversations(conv, A)
     assert conv.turns_to_come(1) == pytest.approx(5)
     assert conv.turns_to_come(4) == pytest.approx(2)
     assert conv.turns_to_come(6) == 0  # no conversation went past its sixth turn
@@ -216,14 +224,7 @@ def test_a_new_conversation_goes_where_its_growth_fits(conversations: bool, work
 
 def test_the_growth_ahead_of_a_workers_conversations_counts_each_at_its_turn() -> None:
     conv = Conversations()
-    now = 0.0
-    for s in range(40):  # conversations of 6 turns teach 5 turns to come after the first
-        prompt = toks(100 + s, 8 * B)
-        for t in range(6):
-            route(conv, f"{s}-{t}", W, prompt, now)
-            prompt = prompt + toks(1000 * s + t, 4 * B)
-            now += 1.0
-    conv.expire(now + 10 * EXPIRE_CYCLES)
+    now = six_turn_conversations(conv, W)  # 5 turns to come after the first, 4 blocks each
     assert conv.growth_ahead_blocks(A) == 0  # nothing lives on a
     young = toks(7, 8 * B)
     route(conv, "young", A, young, now)  # turn 1: 5 turns of 4 blocks to come

@@ -199,22 +199,10 @@ class Curve:
     def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
         """Predicted ms to first token with ``x_tokens`` of prefill work queued, its own included,
         behind ``wait_ms`` left of a prefill step already running."""
-        # features() and _decode_passes_ms, inlined: this runs for every candidate of every decision
+        s2, s1, k = features(x_tokens, self.max_batched_tokens)
         a, b, c, o = self.theta
-        if x_tokens > 0:
-            budget = self.max_batched_tokens
-            full, rest = divmod(x_tokens, budget)
-            k = full + 1.0 if rest > 0 else full + 0.0
-            bk = budget / KTOK
-            rk = rest / KTOK
-            s2, s1 = full * bk * bk + rk * rk, x_tokens / KTOK
-        else:
-            s2, s1, k = 0.0, 0.0, 1.0
-        p = 0.0 if kv_usage < 0.0 else (1.0 if kv_usage > 1.0 else kv_usage)
-        prior = self.prior
-        d2, d1, d0 = prior.decode_ms
-        d = d2 * p * p + d1 * p + d0
-        d = self.decode_scale * (d if d > prior.decode_min_ms else prior.decode_min_ms)
+        # _decode_passes_ms, inlined: this runs for every candidate of every decision
+        d = self.decode_scale * self.prior.decode(kv_usage)
         passes = (k + 1.0) * d if wait_ms > 0 else ((k + 0.5) * d if decoding else d)
         return o + wait_ms + a * s2 + b * s1 + c * k + passes
 

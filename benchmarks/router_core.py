@@ -98,8 +98,10 @@ def revision_tree(commit: str, into: str) -> None:
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", commit, "kvmesh"], capture_output=True, check=True
     )
+    # the "data" filter (Python 3.10.12+) refuses members that would land outside ``into``
+    safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(into, filter="data")
+        tar.extractall(into, **safe)
 
 
 def routes_in(tree: str, model: str, args: argparse.Namespace) -> list[float]:

@@ -17,7 +17,13 @@ Contenders:
 * ``dynamo``        ``kvmesh router`` with NVIDIA Dynamo's cost (prefill blocks + decode blocks);
 * ``sglang``        sglang-router 0.3.2, ``--policy cache_aware`` (the ``bench`` extra installs it);
 * ``kvmesh``        ``kvmesh router`` with its default cost (when the router has one beyond Dynamo's);
-* ``kvmesh+profile`` the same, with engines that report their timing profile (``--report-profile``).
+* ``kvmesh+profile`` the same, with engines that report their timing profile (``--report-profile``);
+* ``floor``         not a router, and run only when named: the case's sessions one at a time, on one
+                    engine of the fleet's kind (the first engine's flags) behind a one-worker
+                    ``kvmesh router``, with no think time. Every request meets an idle engine that
+                    holds whatever its own session left there, so its TTFT is about the least any
+                    router in front of the fleet could give it: ``floor / round-robin`` in the
+                    verdicts is the lowest ``p50 / round-robin`` the case allows.
 
 Reported per case and contender: TTFT p50/p90/p99, ITL p50, throughput, the engine-reported prefix
 hit ratio (``usage.prompt_tokens_details.cached_tokens`` over prompt tokens), requests per engine
@@ -94,6 +100,9 @@ class Contender:
     front: FrontCommand
     engine_args: tuple[str, ...] = ()
     ask_worker_id: bool = True
+    alone: bool = False
+    """The ``floor``: the case's sessions one at a time on a single engine, no think time (a
+    bound to hold the routers against, not one of them)."""
 
 
 KNOB_TYPES = {**WORKLOAD_KNOBS, **LOAD_KNOB_TYPES}
@@ -234,7 +243,21 @@ def contenders() -> list[Contender]:
     if _has_cost_models():
         out.append(Contender("kvmesh", kvmesh_router()))
         out.append(Contender("kvmesh+profile", kvmesh_router(), engine_args=("--report-profile",)))
+    out.append(Contender("floor", kvmesh_router("--router-mode", "round-robin"), alone=True))
     return out
+
+
+def choose_contenders(available: Sequence[Contender], names: str | None) -> list[Contender]:
+    """``--contenders``: the named ones, in the suite's order; by default every router (the
+    ``floor`` runs only when named). An unknown name is a usage error naming it."""
+    if names is None:
+        return [c for c in available if not c.alone]
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in {c.name for c in available}]
+    if unknown or not wanted:
+        known = ", ".join(c.name for c in available)
+        raise ValueError(f"--contenders: unknown {', '.join(unknown) or 'empty list'} (known: {known})")
+    return [c for c in available if c.name in wanted]
 
 
 def cases(short: bool) -> list[Case]:
@@ -310,9 +333,11 @@ async def run_one(
     per request)."""
     sessions, load = load_for(case, contender.ask_worker_id, seed)
     engine_args = (*case.engine_args, *contender.engine_args)
-    async with start_fleet(
-        case.engines, engine_args, contender.front, per_engine_args=case.per_engine_args
-    ) as fleet:
+    engines, per_engine_args = case.engines, case.per_engine_args
+    if contender.alone:  # the same sessions, one at a time, on one engine of the fleet's kind
+        engines, per_engine_args = 1, per_engine_args[:1]
+        load = dataclasses.replace(load, concurrency=1, rate=None, think_time=0.0, ramp=0.0)
+    async with start_fleet(engines, engine_args, contender.front, per_engine_args=per_engine_args) as fleet:
         load = dataclasses.replace(load, urls=(fleet.front_url,))
         total = sum(s.total_requests for s in sessions)
         bar = Progress(total, f"{case.label:>16} {contender.name:>14}", enabled=None if progress else False)
@@ -397,6 +422,7 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         "engine mean / best",
         "hits - best",
         "p50 / round-robin",
+        "floor / round-robin",
     ]
     rows = []
     for case, per in results.items():
@@ -422,11 +448,15 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
                 vals.append(mine / best if mine is not None and best != float("inf") else None)
             return _fmt(vals, 2)
 
+        routers = [n for n in per if n != "floor"]  # the floor holds every history: no router's hits
         hits = []
         for i in range(rounds):
-            best = max(per[n][i]["prefix_hit_ratio"] or 0.0 for n in per)
+            best = max(per[n][i]["prefix_hit_ratio"] or 0.0 for n in routers)
             hits.append((me[i]["prefix_hit_ratio"] or 0.0) - best)
         rr = ratio("p50", ["round-robin"]) if "round-robin" in per else "-"
+        floor = "-"
+        if "floor" in per and "round-robin" in per:
+            floor = ratio("p50", ["round-robin"], per["floor"])
         rows.append(
             [
                 case,
@@ -436,6 +466,7 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
                 ratio("engine", base),
                 _fmt(hits, 3),
                 rr,
+                floor,
             ]
         )
     return table(headers, rows) if rows else ""
@@ -467,14 +498,15 @@ def write_plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) 
         ax_h.set_ylim(0, 100)
         ax_h.set_title("engine-reported prefix hits (%)")
         ax_h.tick_params(axis="x", labelsize=8)
-        engines = len(per[names[0]][-1]["per_engine"])
-        w = 0.8 / len(names)
-        for i, n in enumerate(names):
+        fleets = [n for n in names if n != "floor"] or names  # the floor runs on one engine
+        engines = len(per[fleets[0]][-1]["per_engine"])
+        w = 0.8 / len(fleets)
+        for i, n in enumerate(fleets):
             counts = per[n][-1]["per_engine"]
-            ax_w.bar([e + i * w for e in range(engines)], counts, width=w, label=n)
-        ax_w.set_xticks([e + w * (len(names) - 1) / 2 for e in range(engines)])
-        speeds = per[names[0]][-1].get("engine_speedups")
-        caches = per[names[0]][-1].get("engine_num_blocks")
+            ax_w.bar([e + i * w for e in range(len(counts))], counts, width=w, label=n)
+        ax_w.set_xticks([e + w * (len(fleets) - 1) / 2 for e in range(engines)])
+        speeds = per[fleets[0]][-1].get("engine_speedups")
+        caches = per[fleets[0]][-1].get("engine_num_blocks")
         ax_w.set_xticklabels(
             [
                 f"e{e}" + (f" x{speeds[e]:g}" if speeds else "") + (f" {caches[e]}b" if caches else "")
@@ -515,10 +547,11 @@ async def main_async(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    people = contenders()
-    if args.contenders:
-        names = args.contenders.split(",")
-        people = [c for c in people if c.name in names]
+    try:
+        people = choose_contenders(contenders(), args.contenders)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     print(f"machine: {machine()}")
     engine_args = chosen[0].engine_args if chosen else ENGINE_ARGS
     by_engine = []
@@ -589,7 +622,12 @@ def main() -> int:
     parser.add_argument(
         "--engines", type=int, default=None, help="run every chosen case on this many engines"
     )
-    parser.add_argument("--contenders", default=None, help="comma-separated contenders to run")
+    parser.add_argument(
+        "--contenders",
+        default=None,
+        help="comma-separated contenders to run: round-robin, dynamo, sglang, kvmesh, kvmesh+profile "
+        "(all by default), and floor (each session alone on one engine; only when named)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     parser.add_argument(
         "--set",

@@ -139,3 +139,10 @@ def test_verdicts_need_a_baseline_and_compare_round_by_round(rq) -> None:  # typ
     assert cells[5] == "0.75" and cells[4] == "0.90"  # engine 60/80 ms; client mean 90/100
     only_rr = rq.verdicts({"case": {"kvmesh": [_summary(0.05, 0.9)], "round-robin": [_summary(0.1, 0.5)]}})
     assert "0.50" in only_rr  # p50 against round-robin, with no sglang or Dynamo run
+
+
+def test_every_router_runs_by_default_and_the_floor_only_when_named(rq) -> None:  # type: ignore[no-untyped-def]
+    available = rq.contenders()
+    default = [c.name for c in rq.choose_contenders(available, None)]
+    assert "floor" not in default and {"round-robin", "dynamo", "kvmesh"} <= set(default)
+    assert [c.name for c in rq.choose_contenders(available, "floor,round-robin")] == ["round-robin", "floor"]

@@ -1,0 +1,67 @@
+"""`benchmarks/routing_quality.py --contenders floor,...`: each session alone on one engine, the
+least TTFT the case allows, held beside the routers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_quality.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--plot", "", "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def test_the_floor_runs_the_same_sessions_one_at_a_time_on_one_engine(tmp_path: Path) -> None:
+    out, summaries = tmp_path / "requests.jsonl", tmp_path / "summary.json"
+    done = _run(
+        "--workloads", "chat-fits", "--engines", "2", "--set", "sessions=3", "--set", "turns=3",
+        "--contenders", "round-robin,kvmesh,floor", "--requests", str(out), "--json", str(summaries),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    ((_, per),) = json.loads(summaries.read_text()).items()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    floor = sorted((r for r in rows if r["router"] == "floor"), key=lambda r: r["start_s"])
+    routed = [r for r in rows if r["router"] == "round-robin"]
+    # the same requests as the routers sent, all on one engine, where the routers had two
+    assert sorted((r["session"], r["turn"]) for r in floor) == sorted(
+        (r["session"], r["turn"]) for r in routed
+    )
+    assert per["floor"][0]["per_engine"] == [len(routed)] and len(per["round-robin"][0]["per_engine"]) == 2
+    # one session at a time: its turns run back to back, and nothing of another session between
+    assert [r["session"] for r in floor] == [
+        s for s in dict.fromkeys(r["session"] for r in floor) for _ in range(3)
+    ]
+    # every later turn finds its whole history on that engine: at least the full 16-token blocks of
+    # the turn before's prompt
+    for before, turn in itertools.pairwise(floor):
+        if turn["turn"] > 1:
+            assert turn["cached_tokens"] >= before["prompt_tokens"] // 16 * 16
+    # the verdicts hold it against round-robin; it is no router, so no router's hits are held to it
+    verdict = done.stdout[done.stdout.index("### the default router") :]
+    header, row = (line for line in verdict.splitlines() if line.startswith("|") and "---" not in line)
+    cells = dict(
+        zip((c.strip() for c in header.split("|")), (c.strip() for c in row.split("|")), strict=True)
+    )
+    floor_p50 = per["floor"][0]["ttft_s"]["p50"] / per["round-robin"][0]["ttft_s"]["p50"]
+    assert cells["floor / round-robin"] == f"{floor_p50:.2f}"
+    best_router_hits = max(per[n][0]["prefix_hit_ratio"] for n in ("round-robin", "kvmesh"))
+    assert cells["hits - best"] == f"{per['kvmesh'][0]['prefix_hit_ratio'] - best_router_hits:.3f}"
+
+
+def test_the_floor_runs_only_when_named_and_an_unknown_contender_is_refused() -> None:
+    refused = _run("--workloads", "chat-fits", "--contenders", "kvmesh,oracle")
+    assert refused.returncode == 2
+    assert "--contenders: unknown oracle" in refused.stderr and "floor" in refused.stderr
+    empty = _run("--workloads", "chat-fits", "--contenders", ",")
+    assert empty.returncode == 2 and "--contenders: unknown empty list" in empty.stderr

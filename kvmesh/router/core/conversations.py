@@ -100,6 +100,9 @@ class Conversations:
         is computed from (:meth:`growth_ahead_blocks`)."""
         self._to_come: list[float] | None = None
         """``turns_to_come(n)`` for every ``n`` reached, rebuilt after the counts change."""
+        self._go_on: list[float] | None = None
+        """``[n - 1]``: the share of the conversations that reached turn ``n`` that went on to
+        ``n + 1``, for every ``n`` but the deepest reached; rebuilt after the counts change."""
         self._reached: list[float] = []
         """``[n - 1]``: how many conversations reached turn ``n`` (live ones as far as they got).
         Counting what was seen, rather than a share of requests continued, never extrapolates: a
@@ -110,9 +113,20 @@ class Conversations:
         self.cycle_s = 0.0
 
     # ------------------------------------------------------------------ views
-    def live_blocks(self, worker: WorkerKey) -> int:
-        """Blocks of the conversations placed on ``worker`` and not over."""
-        return self._live.get(worker, 0)
+    def live_blocks(self, worker: WorkerKey, exclude: str | None = None) -> int:
+        """Blocks of the conversations placed on ``worker`` and not over. ``exclude``: a tip whose
+        own blocks (those no other tip there shares) are left out: the conversation of the request
+        being priced, whose blocks are that request's."""
+        live = self._live.get(worker, 0)
+        tip = self._tips.get(exclude) if exclude is not None else None
+        if tip is None or tip.worker != worker:
+            return live
+        refs = self._refs.get(worker)
+        if not refs:
+            return live
+        ids, anchors = tip.ids, tip.anchors
+        only = [refs.get(ident) == 1 for ident in ids]
+        return live - CHUNK * sum(only[:anchors]) - sum(only[anchors:])
 
     def turns_to_come(self, number: int = 1) -> float:
         """Further turns a conversation at turn ``number`` brings, on average: of the conversations
@@ -127,22 +141,45 @@ class Conversations:
         """The blocks the conversations living on ``worker`` will still add there: each tip at
         turn ``n`` comes back :meth:`turns_to_come` more times, ``growth_blocks`` each. ``exclude``:
         a tip left out (the one the request being priced continues, whose growth is its own)."""
-        numbers = self._numbers.get(worker)
-        if not numbers or self.growth_blocks <= 0:
+        if self.growth_blocks <= 0:
             return 0.0
         to_come = self._to_come
         if to_come is None:
             to_come = self._to_come = [self.turns_to_come(n) for n in range(1, len(self._reached) + 1)]
-        last = len(to_come)
-        turns = 0.0
+        return self._over_tips(worker, to_come, exclude) * self.growth_blocks
+
+    def returning_per_s(self, worker: WorkerKey, exclude: str | None = None) -> float:
+        """The turns a second the conversations living on ``worker`` send it, by Little's law over
+        conversations: each tip at turn ``n`` comes back once a gap between turns (``cycle_s``)
+        with the chance that a conversation at turn ``n`` went on (of those that reached ``n``,
+        the share that reached ``n + 1``). Unlike the requests in flight there, this does not fall
+        to 0 while a worker's conversations are all between turns, just before their next turns
+        arrive. ``exclude``: a tip left out (the one the request being priced continues: it is
+        that turn). 0 before a gap between turns has been seen."""
+        if self.cycle_s <= 0:
+            return 0.0
+        go_on = self._go_on
+        if go_on is None:
+            reached = self._reached
+            go_on = self._go_on = [reached[n] / max(reached[n - 1], 1e-9) for n in range(1, len(reached))]
+        return self._over_tips(worker, go_on, exclude) / self.cycle_s
+
+    def _over_tips(self, worker: WorkerKey, per_number: list[float], exclude: str | None) -> float:
+        """``per_number[n - 1]`` summed over the tips on ``worker`` at turn ``n`` (0 past the
+        table), ``exclude``'s left out."""
+        numbers = self._numbers.get(worker)
+        if not numbers:
+            return 0.0
+        last = len(per_number)
+        total = 0.0
         for number, count in numbers.items():
             if number <= last:
-                turns += count * to_come[number - 1]
+                total += count * per_number[number - 1]
         if exclude is not None:
             tip = self._tips.get(exclude)
             if tip is not None and tip.worker == worker and tip.number <= last:
-                turns -= to_come[tip.number - 1]
-        return max(turns, 0.0) * self.growth_blocks
+                total -= per_number[tip.number - 1]
+        return max(total, 0.0)
 
     def continued_share(self) -> float:
         """The share of turns that a later turn continued: the chance that a live conversation
@@ -283,7 +320,7 @@ class Conversations:
         reached[n - 1] += 1.0
         if reached[0] >= HALVE_AT:
             self._reached = [r / 2.0 for r in reached]
-        self._to_come = None
+        self._to_come = self._go_on = None
 
     def _hold(self, tip: _Tip, start: int) -> None:
         """Count ``tip``'s identities from ``start`` on as live on its worker."""

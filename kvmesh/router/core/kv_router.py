@@ -667,11 +667,11 @@ class KvRouter:
         isl = req.isl_tokens
         own_blocks = n_blocks + (1 if isl > n_blocks * bs else 0)  # a partial last block is one more
         latency = self._latency
+        conv = self._conversations
         turn = None
         growth = 0.0
         continues = None  # the tip this turn continues: its growth is the turn's own
         if latency and prompt is not None and prompt.ids:
-            conv = self._conversations
             turn = conv.lookup(prompt, req.local_hashes, now)
             growth = conv.turns_to_come(turn.number) * conv.growth_blocks
             continues = turn.previous
@@ -737,10 +737,17 @@ class KvRouter:
                 )
                 if growth > 0:
                     evict += self._growth_eviction_ms(key, growth, added, continues)
+                returning = living = 0.0  # the conversations living there: their turns and blocks
+                if turn is not None:
+                    returning = conv.returning_per_s(key, continues)
+                    if returning > 0.0:
+                        living = conv.live_blocks(key, continues)
                 delay = (
-                    self._delay_to_arrivals_ms(key, timing, view, prefill - active, decode, osl, now)
-                    if requests_there
-                    else 0.0  # nothing in flight there: nothing arrives behind it
+                    self._delay_to_arrivals_ms(
+                        key, timing, view, prefill - active, decode, osl, now, returning, living
+                    )
+                    if requests_there or returning > 0.0
+                    else 0.0  # nothing in flight there and no conversation to come back: no arrivals
                 )
                 credit = copy_ms if copy_to is not None and key not in copy_to else 0.0
                 c = ttft + delay + evict - credit
@@ -923,6 +930,8 @@ class KvRouter:
         blocks_after: float,
         osl: int | None,
         now: float,
+        returning_per_s: float = 0.0,
+        living_blocks: float = 0.0,
     ) -> float:
         """The time to first token this request takes from the requests that will arrive on ``key``
         while it is there.
@@ -930,7 +939,9 @@ class KvRouter:
         How many arrive: by Little's law, the requests in flight there over the time a request
         stays (``n / W``; ``W`` is the learned first-token-to-finish time there, most of a
         request's stay), counted from what the router holds now, so a client that waits for each
-        answer before sending the next makes no arrivals during it. Its decode lasts ``osl``
+        answer before sending the next makes no arrivals during it; or, where more, the turns the
+        conversations living there send it (``returning_per_s``, from
+        :meth:`Conversations.returning_per_s`). Its decode lasts ``osl``
         passes when the client gave ``agent_hints.osl``, else ``W``.
         Its prefill adds ``S`` ms of engine time: the ``rate * S`` requests arriving meanwhile wait
         half of it on average. Its blocks raise the worker's KV usage for its whole decode, which
@@ -946,6 +957,16 @@ class KvRouter:
         when the next request there ends: it put turns on a worker already 240 blocks over its
         cache because one request there was about to finish, and the turns behind them waited
         300-500 ms, where spreading the excess over the fleet keeps every wait short.)
+        The memory those arrivals need is at least the blocks of the conversations living there
+        (``living_blocks``, this request's own conversation aside): their turns bring their
+        histories back. Where that is more than the blocks in flight, the blocks this request adds
+        beyond what they leave are waited for in the same way, for its whole decode, since the
+        conversations stay. (Counted from the blocks in flight alone, a worker whose
+        conversations were all between turns looked empty: 12-turn agent sessions moved their
+        turns there, recomputing 12-15k tokens each, just before that worker's own conversations
+        came back for its memory, found their histories evicted by the newcomer and recomputed
+        them in turn; hits fell to 0.58-0.63, against 0.80 for a router that never moves a
+        conversation.)
         An idle worker charges nothing, so a request that would pile onto a worker already taking
         most of the traffic pays for the queue it makes there; a request that shares blocks already
         in use there (a sibling, a conversation's next turn) adds few blocks and little prefill,
@@ -953,9 +974,11 @@ class KvRouter:
         """
         _, ahead_tokens, blocks_before, in_flight, _ = view
         stay_s = self._decode_s.get(key, self._decode_fleet)
-        if in_flight == 0 or stay_s <= 0.0:
+        if stay_s <= 0.0:
             return 0.0
-        rate = in_flight / stay_s
+        rate = max(in_flight / stay_s, returning_per_s)
+        if rate <= 0.0:
+            return 0.0
         prefill = timing.curve().added_prefill_ms(ahead_tokens, own_tokens)
         total = max(self._workers[key[0]].total_blocks, 1)
         before = min(blocks_before / total, 1.0)
@@ -965,7 +988,13 @@ class KvRouter:
         longer_pass = max(pass_after - own.decode_ms(before), 0.0)
         decode_s = osl * pass_after / 1000.0 if osl is not None and osl > 0 else stay_s
         delay = rate * (prefill / 1000.0) * prefill / 2.0 + rate * decode_s * 1.5 * longer_pass
-        over_limit = min(blocks_after - blocks_before, blocks_after - total)
+        added = blocks_after - blocks_before
+        if living_blocks > blocks_before:  # the conversations there will need more than is in flight
+            over_living = min(added, added + living_blocks - total)
+            if over_living > 0:
+                return delay + rate * decode_s * 1000.0 * over_living / total * stay_s
+            return delay
+        over_limit = min(added, blocks_after - total)
         if over_limit > 0:
             inflow = blocks_before / stay_s
             left_s = self._time_to_free_s(key, blocks_after - total, total, now, stay_s, inflow)

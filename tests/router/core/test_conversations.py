@@ -338,3 +338,84 @@ def test_live_blocks_and_turn_counts_stay_consistent(
     conv.expire(now + 1e6)  # every conversation over: nothing may stay held
     assert conv.live_blocks(A) == conv.live_blocks(W) == 0
     assert conv.growth_ahead_blocks(A) == conv.growth_ahead_blocks(W) == 0
+
+
+def test_the_turns_conversations_send_a_worker_come_from_those_living_there() -> None:
+    conv = Conversations()
+    assert conv.returning_per_s(A) == 0  # no gap between turns seen yet
+    now = six_turn_conversations(conv, W)  # a turn a second; every conversation went on to turn 6
+    route(conv, "first", A, toks(7, 8 * B), now)
+    route(conv, "second-1", A, toks(8, 8 * B), now)
+    route(conv, "second-2", A, toks(8, 8 * B) + toks(9, 4 * B), now + 0.9)  # turn 2: the tip moves
+    assert conv.cycle_s == pytest.approx(1.0, rel=0.01)
+    # two tips, each back once a gap between turns with the chance that a conversation at its turn
+    # went on (all 40 did; of the 42 at turn 1 and the 41 at turn 2, these two are still going)
+    assert conv.returning_per_s(A) == pytest.approx((41 / 42 + 40 / 41) / conv.cycle_s)
+    # the tip a turn being priced continues is that turn
+    assert conv.returning_per_s(A, exclude="first") == pytest.approx(40 / 41 / conv.cycle_s)
+    assert conv.returning_per_s(W) == 0  # its conversations are over
+    # a tip at the deepest turn seen is a conversation's last: it does not come back
+    prompt = toks(10, 8 * B)
+    for t in range(6):
+        route(conv, f"last-{t}", W, prompt, now + t)
+        prompt = prompt + toks(2000 + t, 4 * B)
+    assert conv.returning_per_s(W) == 0
+
+
+def test_a_conversation_left_out_of_live_blocks_keeps_what_others_share() -> None:
+    conv = Conversations()
+    route(conv, "one", A, SYSTEM + toks(2, 10 * B), 0.0)
+    route(conv, "two", A, SYSTEM + toks(3, 10 * B), 0.0)
+    assert conv.live_blocks(A) == 2 * CHUNK + 20
+    assert conv.live_blocks(A, exclude="one") == 2 * CHUNK + 10  # the system prompt is two's too
+    assert conv.live_blocks(W, exclude="one") == 0 and conv.live_blocks(A, exclude="gone") == 2 * CHUNK + 20
+    route(conv, "two-2", W, SYSTEM + toks(3, 10 * B) + toks(4, 4 * B), 1.0)  # two moved to b
+    assert conv.live_blocks(A, exclude="one") == 0
+
+
+def test_a_worker_whose_conversations_are_between_turns_is_not_empty() -> None:
+    """Three conversations live on a, between turns, with 330 blocks each; nothing is in flight
+    anywhere. A new 525-block request would be answered sooner on a, which holds its first 125
+    blocks, but when a's conversations come back (the router learned they do, a turn every 0.6 s)
+    they need 990 of a's 1,000 blocks, and this request's would keep them waiting for memory
+    through its decode: it goes to b. Counted from the requests in flight alone, a was idle and
+    took it. Once a's conversations are over, a wins again."""
+    r = router()
+    r.add_worker("c", total_blocks=1000, max_num_batched_tokens=8192, block_size=B)
+    now = 0.0
+    for s in range(12):  # what the router learns from: 4-turn conversations on c, answered in 0.3 s
+        prompt = toks(100 + s, 50 * B)
+        for turn in range(4):
+            rid, at = f"past-{s}-{turn}", now + 0.6 * turn
+            d = r.route(RouteRequest(rid, block_hashes(prompt, B), len(prompt), backend_instance_id="c"), at)
+            assert isinstance(d, Decision)
+            r.first_token(rid, at + 0.05)
+            r.finished(rid, at + 0.3)
+            prompt = prompt + toks(1000 + 10 * s + turn, B)
+        now += 0.1
+    now += 60.0
+    r.expire(now)
+    r.remove_worker("c")  # what it learned stays: turns, gaps, how long a request stays
+    system = toks(7, 125 * B)
+    r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(125)), None, system, B)], 0))
+    for s in range(3):
+        answered(r, f"living-{s}", "a", toks(200 + s, 330 * B), now)
+        now += 0.1
+    now += 0.2  # every one of them answered and between turns
+    request = system + toks(9, 400 * B)
+
+    def decide(rid: str) -> Decision:
+        d = r.route(RouteRequest(rid, block_hashes(request, B), len(request)), now)
+        assert isinstance(d, Decision)
+        r.cancel(rid, now)
+        return d
+
+    d = decide("new")
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms  # a's cached 125 blocks
+    assert by["a"].delay_to_others_ms > by["b"].predicted_ttft_ms - by["a"].predicted_ttft_ms
+    assert by["b"].delay_to_others_ms == 0 and by["a"].eviction_ms < 1.0  # (a block a turn of growth)
+    assert d.worker == ("b", 0)
+    now += 60.0
+    r.expire(now)  # a's conversations are over: nothing comes back there
+    assert decide("later").worker == ("a", 0)

@@ -21,8 +21,9 @@ Contenders:
 * ``floor``         not a router, and run only when named: the case's sessions one at a time, on one
                     engine of the fleet's kind (the first engine's flags) behind a one-worker
                     ``kvmesh router``, with no think time. Every request meets an idle engine that
-                    holds whatever its own session left there, so its TTFT is about the least any
-                    router in front of the fleet could give it: ``floor / round-robin`` in the
+                    holds whatever its own session left there, so a later turn's TTFT is about the
+                    least any router in front of the fleet could give it (a first turn finds only
+                    what earlier sessions left on that one engine): ``floor / round-robin`` in the
                     verdicts is the lowest ``p50 / round-robin`` the case allows.
 
 Reported per case and contender: TTFT p50/p90/p99, ITL p50, throughput, the engine-reported prefix

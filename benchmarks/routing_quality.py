@@ -101,9 +101,11 @@ class Contender:
     front: FrontCommand
     engine_args: tuple[str, ...] = ()
     ask_worker_id: bool = True
-    alone: bool = False
-    """The ``floor``: the case's sessions one at a time on a single engine, no think time (a
-    bound to hold the routers against, not one of them)."""
+
+
+FLOOR = "floor"
+"""The contender that is no router: the case's sessions one at a time on a single engine, no think
+time (a bound to hold the routers against). It runs only when named."""
 
 
 KNOB_TYPES = {**WORKLOAD_KNOBS, **LOAD_KNOB_TYPES}
@@ -244,7 +246,7 @@ def contenders() -> list[Contender]:
     if _has_cost_models():
         out.append(Contender("kvmesh", kvmesh_router()))
         out.append(Contender("kvmesh+profile", kvmesh_router(), engine_args=("--report-profile",)))
-    out.append(Contender("floor", kvmesh_router("--router-mode", "round-robin"), alone=True))
+    out.append(Contender(FLOOR, kvmesh_router("--router-mode", "round-robin")))
     return out
 
 
@@ -252,7 +254,7 @@ def choose_contenders(available: Sequence[Contender], names: str | None) -> list
     """``--contenders``: the named ones, in the suite's order; by default every router (the
     ``floor`` runs only when named). An unknown name is a usage error naming it."""
     if names is None:
-        return [c for c in available if not c.alone]
+        return [c for c in available if c.name != FLOOR]
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in {c.name for c in available}]
     if unknown or not wanted:
@@ -335,7 +337,7 @@ async def run_one(
     sessions, load = load_for(case, contender.ask_worker_id, seed)
     engine_args = (*case.engine_args, *contender.engine_args)
     engines, per_engine_args = case.engines, case.per_engine_args
-    if contender.alone:  # the same sessions, one at a time, on one engine of the fleet's kind
+    if contender.name == FLOOR:  # the same sessions, one at a time, on one engine of the fleet's kind
         engines, per_engine_args = 1, per_engine_args[:1]
         load = dataclasses.replace(load, concurrency=1, rate=None, think_time=0.0, ramp=0.0)
     async with start_fleet(engines, engine_args, contender.front, per_engine_args=per_engine_args) as fleet:
@@ -449,15 +451,15 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
                 vals.append(mine / best if mine is not None and best != float("inf") else None)
             return _fmt(vals, 2)
 
-        routers = [n for n in per if n != "floor"]  # the floor holds every history: no router's hits
+        routers = [n for n in per if n != FLOOR]  # the floor holds every history: no router's hits
         hits = []
         for i in range(rounds):
             best = max(per[n][i]["prefix_hit_ratio"] or 0.0 for n in routers)
             hits.append((me[i]["prefix_hit_ratio"] or 0.0) - best)
         rr = ratio("p50", ["round-robin"]) if "round-robin" in per else "-"
         floor = "-"
-        if "floor" in per and "round-robin" in per:
-            floor = ratio("p50", ["round-robin"], per["floor"])
+        if FLOOR in per and "round-robin" in per:
+            floor = ratio("p50", ["round-robin"], per[FLOOR])
         rows.append(
             [
                 case,
@@ -499,7 +501,7 @@ def write_plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) 
         ax_h.set_ylim(0, 100)
         ax_h.set_title("engine-reported prefix hits (%)")
         ax_h.tick_params(axis="x", labelsize=8)
-        fleets = [n for n in names if n != "floor"] or names  # the floor runs on one engine
+        fleets = [n for n in names if n != FLOOR] or names  # the floor runs on one engine
         engines = len(per[fleets[0]][-1]["per_engine"])
         w = 0.8 / len(fleets)
         for i, n in enumerate(fleets):

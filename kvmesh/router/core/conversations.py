@@ -143,10 +143,26 @@ class Conversations:
         a tip left out (the one the request being priced continues, whose growth is its own)."""
         if self.growth_blocks <= 0:
             return 0.0
+        return self.turns_ahead(worker, exclude) * self.growth_blocks
+
+    def turns_ahead(self, worker: WorkerKey, exclude: str | None = None) -> float:
+        """The turns the conversations living on ``worker`` will still send it: each tip at turn
+        ``n`` comes back :meth:`turns_to_come` more times. ``exclude``: a tip left out."""
         to_come = self._to_come
         if to_come is None:
             to_come = self._to_come = [self.turns_to_come(n) for n in range(1, len(self._reached) + 1)]
-        return self._over_tips(worker, to_come, exclude) * self.growth_blocks
+        return self._over_tips(worker, to_come, exclude)
+
+    def turns_per_cycle(self, worker: WorkerKey, exclude: str | None = None) -> float:
+        """The turns the conversations living on ``worker`` send it over one gap between turns:
+        each tip at turn ``n`` once, with the chance that a conversation at ``n`` went on (of those
+        that reached ``n``, the share that reached ``n + 1``; none at the deepest turn seen).
+        ``exclude``: a tip left out."""
+        go_on = self._go_on
+        if go_on is None:
+            reached = self._reached
+            go_on = self._go_on = [reached[n] / max(reached[n - 1], 1e-9) for n in range(1, len(reached))]
+        return self._over_tips(worker, go_on, exclude)
 
     def returning_per_s(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """The turns a second the conversations living on ``worker`` send it, by Little's law over
@@ -158,11 +174,7 @@ class Conversations:
         that turn). 0 before a gap between turns has been seen."""
         if self.cycle_s <= 0:
             return 0.0
-        go_on = self._go_on
-        if go_on is None:
-            reached = self._reached
-            go_on = self._go_on = [reached[n] / max(reached[n - 1], 1e-9) for n in range(1, len(reached))]
-        return self._over_tips(worker, go_on, exclude) / self.cycle_s
+        return self.turns_per_cycle(worker, exclude) / self.cycle_s
 
     def _over_tips(self, worker: WorkerKey, per_number: list[float], exclude: str | None) -> float:
         """``per_number[n - 1]`` summed over the tips on ``worker`` at turn ``n`` (0 past the

@@ -669,11 +669,12 @@ class KvRouter:
         latency = self._latency
         conv = self._conversations
         turn = None
-        growth = 0.0
+        to_come = growth = 0.0
         continues = None  # the tip this turn continues: its growth is the turn's own
         if latency and prompt is not None and prompt.ids:
             turn = conv.lookup(prompt, req.local_hashes, now)
-            growth = conv.turns_to_come(turn.number) * conv.growth_blocks
+            to_come = conv.turns_to_come(turn.number)
+            growth = to_come * conv.growth_blocks
             continues = turn.previous
         elsewhere = req.prefilled_elsewhere
         copy_to: set[WorkerKey] | None = None  # the holders: a copy on any other is credited
@@ -737,6 +738,9 @@ class KvRouter:
                 )
                 if growth > 0:
                     evict += self._growth_eviction_ms(key, growth, added, continues)
+                # (it returns 0 unless live conversations there and these blocks overflow the cache)
+                if turn is not None and added > 0 and conv.live_blocks(key) + added > total:
+                    evict += self._pushed_out_ms(key, timing, added, total, continues, to_come)
                 returning = living = 0.0  # the conversations living there: their turns and blocks
                 if turn is not None:
                     returning = conv.returning_per_s(key, continues)
@@ -920,6 +924,41 @@ class KvRouter:
         if evicted <= 0:
             return 0.0
         return conv.continued_share() * evicted * (self._block_size or 1) * self._timing[key].ms_per_token()
+
+    def _pushed_out_ms(
+        self,
+        key: WorkerKey,
+        timing: WorkerTiming,
+        added_blocks: int,
+        total_blocks: int,
+        previous: str | None,
+        to_come: float,
+    ) -> float:
+        """The live conversations' blocks this request pushes out of ``key``'s cache, prefilled
+        again at every turn those conversations bring back while the push lasts.
+
+        The blocks it adds there (``added_blocks``) beyond what the live conversations' blocks
+        (:meth:`Conversations.live_blocks`, its own conversation's left out) leave of the cache
+        push theirs out. The engine evicts the least recently used first, which is a conversation
+        between turns: the next one back finds the pushed blocks gone, prefills them again, and so
+        pushes as many out of the next one's history, turn after turn, for as long as this
+        request's blocks stay live there (its conversation's ``to_come`` turns and the gap after
+        its last). So they cost the worker's fitted per-token time once for every turn the
+        conversations there bring back meanwhile: a gap's worth of them
+        (:meth:`Conversations.turns_per_cycle`) per turn this one has to come and one more, and
+        no more than they have left (:meth:`Conversations.turns_ahead`). Conversations at their
+        last turns cost little; young ones with most of their turns ahead, a lot.
+        (:meth:`_eviction_ms` prices what a request evicts once. With 12 agent sessions on 4
+        engines, turns that moved onto an engine whose conversations were between turns pushed
+        their histories out, and they were prefilled again at every later turn there.)"""
+        conv = self._conversations
+        pushed = min(added_blocks, conv.live_blocks(key, previous) + added_blocks - total_blocks)
+        if pushed <= 0:
+            return 0.0
+        returns = min(conv.turns_ahead(key, previous), (1.0 + to_come) * conv.turns_per_cycle(key, previous))
+        if returns <= 0:
+            return 0.0
+        return returns * pushed * (self._block_size or 1) * timing.ms_per_token()
 
     def _delay_to_arrivals_ms(
         self,

@@ -332,6 +332,7 @@ def test_live_blocks_and_turn_counts_stay_consistent(
         assert all(tip.number >= 1 for tip in conv._tips.values())
         for w in (A, W):
             to_come = sum(conv.turns_to_come(t.number) for t in conv._tips.values() if t.worker == w)
+            assert conv.turns_ahead(w) == pytest.approx(to_come)
             assert conv.growth_ahead_blocks(w) == pytest.approx(to_come * conv.growth_blocks)
         assert 0.0 <= conv.turns_to_come() <= MAX_TURNS_TO_COME
         assert 0.0 <= conv.continued_share() < 1.0
@@ -351,6 +352,7 @@ def test_the_turns_conversations_send_a_worker_come_from_those_living_there() ->
     # two tips, each back once a gap between turns with the chance that a conversation at its turn
     # went on (all 40 did; of the 42 at turn 1 and the 41 at turn 2, these two are still going)
     assert conv.returning_per_s(A) == pytest.approx((41 / 42 + 40 / 41) / conv.cycle_s)
+    assert conv.turns_per_cycle(A) == pytest.approx(41 / 42 + 40 / 41)  # a gap's worth of them
     # the tip a turn being priced continues is that turn
     assert conv.returning_per_s(A, exclude="first") == pytest.approx(40 / 41 / conv.cycle_s)
     assert conv.returning_per_s(W) == 0  # its conversations are over
@@ -414,8 +416,67 @@ def test_a_worker_whose_conversations_are_between_turns_is_not_empty() -> None:
     by = {s.worker[0]: s for s in d.breakdown}
     assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms  # a's cached 125 blocks
     assert by["a"].delay_to_others_ms > by["b"].predicted_ttft_ms - by["a"].predicted_ttft_ms
-    assert by["b"].delay_to_others_ms == 0 and by["a"].eviction_ms < 1.0  # (a block a turn of growth)
+    assert by["b"].delay_to_others_ms == 0 == by["b"].eviction_ms
+    assert by["a"].eviction_ms > 0  # and the histories it would push out of a's cache (below)
     assert d.worker == ("b", 0)
     now += 60.0
     r.expire(now)  # a's conversations are over: nothing comes back there
     assert decide("later").worker == ("a", 0)
+
+
+def conversations_living_on_a(turns: int) -> tuple[KvRouter, float]:
+    """a and b, 1,000 blocks each. The router has learned 6-turn conversations that add a block a
+    turn, a turn every 0.6 s (on c, gone since); three of them live on a, between turns, after
+    ``turns`` turns, 300 blocks each; b is prefilling a 600-block request."""
+    r = router()
+    r.add_worker("c", total_blocks=1000, max_num_batched_tokens=8192, block_size=B)
+    now = 0.0
+    for s in range(12):
+        prompt = toks(100 + s, 50 * B)
+        for turn in range(6):
+            rid, at = f"past-{s}-{turn}", now + 0.6 * turn
+            d = r.route(RouteRequest(rid, block_hashes(prompt, B), len(prompt), backend_instance_id="c"), at)
+            assert isinstance(d, Decision)
+            r.first_token(rid, at + 0.05)
+            r.finished(rid, at + 0.3)
+            prompt = prompt + toks(1000 + 10 * s + turn, B)
+        now += 0.1
+    now += 60.0
+    r.expire(now)
+    r.remove_worker("c")
+    prompts = [toks(200 + s, 297 * B) for s in range(3)]
+    for turn in range(turns):
+        for s in range(3):
+            prompts[s] = prompts[s] + toks(3000 + 10 * s + turn, B)
+            answered(r, f"living-{s}-{turn}", "a", prompts[s], now)
+            now += 0.1
+        now += 0.3
+    busy = toks(5, 600 * B)
+    d = r.route(RouteRequest("busy", block_hashes(busy, B), len(busy), backend_instance_id="b"), now)
+    assert isinstance(d, Decision)
+    return r, now
+
+
+@pytest.mark.parametrize(("turns", "worker"), [(1, "b"), (6, "a")])
+def test_a_request_does_not_push_out_histories_that_will_come_back_again_and_again(
+    turns: int, worker: str
+) -> None:
+    """A new 400-block request would be answered sooner on a, idle, than on b, busy prefilling;
+    but a's three conversations hold 900 of its 1,000 blocks, and the request's would push 300 of
+    theirs out. Each conversation that comes back prefills what was pushed out of it, and pushes
+    as much out of the next one's history: at their first turn, with five turns each to come, that
+    is 300 blocks again at every one of fifteen turns, and the request goes to b. At their last
+    turn nothing comes back for them, and a wins."""
+    r, now = conversations_living_on_a(turns)
+    conv = r._conversations
+    assert conv.turns_ahead(A) == pytest.approx(3 * conv.turns_to_come(turns), rel=0.01)
+    request = toks(9, 400 * B)
+    d = r.route(RouteRequest("new", block_hashes(request, B), len(request)), now)
+    assert isinstance(d, Decision)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms  # a answers it sooner
+    assert d.worker == (worker, 0)
+    if turns == 1:
+        assert by["a"].eviction_ms > by["b"].cost - by["a"].predicted_ttft_ms
+    else:
+        assert by["a"].eviction_ms < 1.0  # (its own conversation's growth, a block a turn)

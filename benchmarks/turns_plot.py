@@ -1,0 +1,103 @@
+"""Turn by turn: what each router's requests cost at each turn of a multi-turn case.
+
+    .venv/bin/python benchmarks/turns_plot.py --case 'agent-long x4 (turns=12)' \\
+        before=/tmp/old.jsonl after=/tmp/new.jsonl --out docs/turns.png
+
+Reads the ``--requests`` files of ``benchmarks/routing_quality.py`` runs (one JSON object a
+request), each under a label, and draws, for one case, the mean time to first token and the
+prompt tokens prefilled (not cached) at every turn, one line per label and router, averaged over
+the rounds in the file. A table of the same numbers prints. Where a multi-turn case's tail comes
+from (late turns that find their history gone) shows here and not in the suite's percentiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def load(labelled: list[tuple[str, Path]], case: str, routers: set[str] | None):
+    """``{(label, router): {turn: (mean TTFT ms, mean uncached tokens per round)}}``."""
+    out: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+    for label, path in labelled:
+        ttft: dict[tuple[str, int], list[float]] = defaultdict(list)
+        uncached: dict[tuple[str, int], float] = defaultdict(float)
+        rounds: dict[str, set[int]] = defaultdict(set)
+        with path.open() as f:
+            for line in f:
+                row = json.loads(line)
+                if row["case"] != case or row.get("error") or (routers and row["router"] not in routers):
+                    continue
+                key = (row["router"], row["turn"])
+                ttft[key].append(row["ttft_ms"])
+                uncached[key] += row["prompt_tokens"] - (row["cached_tokens"] or 0)
+                rounds[row["router"]].add(row["round"])
+        for (router, turn), values in ttft.items():
+            n_rounds = len(rounds[router])
+            out.setdefault((label, router), {})[turn] = (
+                sum(values) / len(values),
+                uncached[(router, turn)] / n_rounds,
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "runs", nargs="+", metavar="LABEL=PATH", help="a --requests file of a suite run, labelled"
+    )
+    ap.add_argument("--case", required=True, help="the case to draw, as the suite names it")
+    ap.add_argument(
+        "--routers", default="", help="comma-separated routers to draw (default: all in the files)"
+    )
+    ap.add_argument("--out", default="", help="PNG path ('' for the table alone)")
+    args = ap.parse_args(argv)
+    labelled = []
+    for run in args.runs:
+        label, sep, path = run.partition("=")
+        if not sep or not label or not path:
+            ap.error(f"{run!r}: expected LABEL=PATH")
+        if not Path(path).is_file():
+            ap.error(f"{path}: no such file")
+        labelled.append((label, Path(path)))
+    routers = {r for r in args.routers.split(",") if r} or None
+    lines = load(labelled, args.case, routers)
+    if not lines:
+        ap.error(f"no request of case {args.case!r} in {', '.join(str(p) for _, p in labelled)}")
+    turns = sorted({t for by_turn in lines.values() for t in by_turn})
+    print(f"{args.case}: mean TTFT ms / prompt tokens prefilled (thousands, per round) at each turn")
+    print("| run | " + " | ".join(f"turn {t}" for t in turns) + " | total prefilled |")
+    print("|---" * (len(turns) + 2) + "|")
+    for (label, router), by_turn in lines.items():
+        cells = [f"{by_turn[t][0]:.0f} / {by_turn[t][1] / 1000:.1f}k" if t in by_turn else "-" for t in turns]
+        total = sum(v[1] for v in by_turn.values())
+        print(f"| {label} {router} | " + " | ".join(cells) + f" | {total / 1000:.1f}k |")
+    if args.out:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+        for (label, router), by_turn in lines.items():
+            xs = sorted(by_turn)
+            name = f"{label}: {router}"
+            left.plot(xs, [by_turn[t][0] for t in xs], marker="o", label=name)
+            right.plot(xs, [by_turn[t][1] / 1000 for t in xs], marker="o", label=name)
+        left.set(title=f"{args.case}: mean time to first token", xlabel="turn", ylabel="ms")
+        right.set(title="prompt tokens prefilled (not cached), per round", xlabel="turn", ylabel="thousands")
+        for ax in (left, right):
+            ax.set_xticks(turns)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.out, dpi=100)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""`benchmarks/turns_plot.py`: a case's cost turn by turn, from the suite's `--requests` files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "turns_plot.py"
+CASE = "agent-long x4 (turns=2)"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def _requests(path: Path, router: str, rows: list[tuple[int, int, float, int, int]]) -> Path:
+    """Rows as `routing_quality.py --requests` writes them: (round, turn, TTFT ms, prompt, cached)."""
+    with path.open("w") as f:
+        for rnd, turn, ttft, prompt, cached in rows:
+            row = {
+                "case": CASE, "router": router, "round": rnd, "session": f"s{turn}", "turn": turn,
+                "start_s": 0.0, "ttft_ms": ttft, "prompt_tokens": prompt, "cached_tokens": cached,
+                "worker": "http://127.0.0.1:1", "engine": 0, "error": None,
+            }  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+        other = {"case": "chat-fits x4", "router": router, "round": 1, "turn": 1, "ttft_ms": 1e6}
+        f.write(json.dumps(other | {"prompt_tokens": 1, "cached_tokens": 0, "error": None}) + "\n")
+    return path
+
+
+def test_each_turn_gets_its_mean_ttft_and_the_tokens_prefilled_per_round(tmp_path: Path) -> None:
+    before = _requests(
+        tmp_path / "before.jsonl",
+        "kvmesh",
+        [
+            (1, 1, 100.0, 5000, 0),
+            (2, 1, 300.0, 5000, 1000),
+            (1, 2, 50.0, 6000, 5000),
+            (2, 2, 70.0, 6000, 4000),
+        ],
+    )
+    after = _requests(
+        tmp_path / "after.jsonl", "kvmesh", [(1, 1, 80.0, 5000, 2000), (1, 2, 40.0, 6000, 6000)]
+    )
+    png = tmp_path / "turns.png"
+    done = _run("--case", CASE, f"before={before}", f"after={after}", "--out", str(png))
+    assert done.returncode == 0, done.stderr
+    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    # turn 1 before: TTFT (100 + 300) / 2; prefilled (5000 + 4000) over 2 rounds; the other case is left out
+    assert "| 200 / 4.5k | 60 / 1.5k | 6.0k |" in rows["before kvmesh"]
+    assert "| 80 / 3.0k | 40 / 0.0k | 3.0k |" in rows["after kvmesh"]
+    assert png.stat().st_size > 10_000
+
+
+def test_a_router_can_be_left_out(tmp_path: Path) -> None:
+    both = tmp_path / "both.jsonl"
+    _requests(both, "kvmesh", [(1, 1, 80.0, 5000, 2000)])
+    with both.open("a") as f, _requests(tmp_path / "s.jsonl", "sglang", [(1, 1, 90.0, 5000, 0)]).open() as g:
+        f.write(g.read())
+    done = _run("--case", CASE, "--routers", "sglang", f"run={both}")
+    assert done.returncode == 0, done.stderr
+    assert "run sglang" in done.stdout and "run kvmesh" not in done.stdout
+
+
+def test_a_bad_run_or_a_case_not_in_the_files_is_a_usage_error(tmp_path: Path) -> None:
+    path = _requests(tmp_path / "r.jsonl", "kvmesh", [(1, 1, 80.0, 5000, 2000)])
+    for args, says in (
+        ([str(path)], "expected LABEL=PATH"),
+        ([f"x={tmp_path / 'missing.jsonl'}"], "no such file"),
+        ([f"x={path}", "--case", "hot-prefix x4"], "no request of case 'hot-prefix x4'"),
+    ):
+        done = _run("--case", CASE, *args) if "--case" not in args else _run(*args)
+        assert done.returncode == 2, (args, done.stdout)
+        assert says in done.stderr

@@ -1,10 +1,10 @@
 """Turn by turn: what each router's requests cost at each turn of a multi-turn case.
 
     .venv/bin/python benchmarks/turns_plot.py --case 'agent-long x4 (turns=12)' \\
-        before=/tmp/old.jsonl after=/tmp/new.jsonl --out docs/turns.png
+        before=/tmp/old.jsonl after=/tmp/new-1.jsonl,/tmp/new-2.jsonl --out docs/turns.png
 
 Reads the ``--requests`` files of ``benchmarks/routing_quality.py`` runs (one JSON object a
-request), each under a label, and draws, for one case, the mean time to first token and the
+request), under labels (several files under one label are rounds of the same thing), and draws, for one case, the mean time to first token and the
 prompt tokens prefilled (not cached) at every turn, one line per label and router, averaged over
 the rounds in the file. A table of the same numbers prints. Where a multi-turn case's tail comes
 from (late turns that find their history gone) shows here and not in the suite's percentiles.
@@ -19,22 +19,23 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def load(labelled: list[tuple[str, Path]], case: str, routers: set[str] | None):
+def load(labelled: list[tuple[str, list[Path]]], case: str, routers: set[str] | None):
     """``{(label, router): {turn: (mean TTFT ms, mean uncached tokens per round)}}``."""
     out: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
-    for label, path in labelled:
+    for label, paths in labelled:
         ttft: dict[tuple[str, int], list[float]] = defaultdict(list)
         uncached: dict[tuple[str, int], float] = defaultdict(float)
-        rounds: dict[str, set[int]] = defaultdict(set)
-        with path.open() as f:
-            for line in f:
-                row = json.loads(line)
-                if row["case"] != case or row.get("error") or (routers and row["router"] not in routers):
-                    continue
-                key = (row["router"], row["turn"])
-                ttft[key].append(row["ttft_ms"])
-                uncached[key] += row["prompt_tokens"] - (row["cached_tokens"] or 0)
-                rounds[row["router"]].add(row["round"])
+        rounds: dict[str, set[tuple[int, int]]] = defaultdict(set)
+        for i, path in enumerate(paths):
+            with path.open() as f:
+                for line in f:
+                    row = json.loads(line)
+                    if row["case"] != case or row.get("error") or (routers and row["router"] not in routers):
+                        continue
+                    key = (row["router"], row["turn"])
+                    ttft[key].append(row["ttft_ms"])
+                    uncached[key] += row["prompt_tokens"] - (row["cached_tokens"] or 0)
+                    rounds[row["router"]].add((i, row["round"]))
         for (router, turn), values in ttft.items():
             n_rounds = len(rounds[router])
             out.setdefault((label, router), {})[turn] = (
@@ -47,7 +48,10 @@ def load(labelled: list[tuple[str, Path]], case: str, routers: set[str] | None):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "runs", nargs="+", metavar="LABEL=PATH", help="a --requests file of a suite run, labelled"
+        "runs",
+        nargs="+",
+        metavar="LABEL=PATH[,PATH...]",
+        help="--requests files of suite runs, labelled (several under one label: more rounds)",
     )
     ap.add_argument("--case", required=True, help="the case to draw, as the suite names it")
     ap.add_argument(
@@ -57,16 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     labelled = []
     for run in args.runs:
-        label, sep, path = run.partition("=")
-        if not sep or not label or not path:
-            ap.error(f"{run!r}: expected LABEL=PATH")
-        if not Path(path).is_file():
-            ap.error(f"{path}: no such file")
-        labelled.append((label, Path(path)))
+        label, sep, joined = run.partition("=")
+        paths = [Path(p) for p in joined.split(",") if p]
+        if not sep or not label or not paths:
+            ap.error(f"{run!r}: expected LABEL=PATH[,PATH...]")
+        for path in paths:
+            if not path.is_file():
+                ap.error(f"{path}: no such file")
+        labelled.append((label, paths))
     routers = {r for r in args.routers.split(",") if r} or None
     lines = load(labelled, args.case, routers)
     if not lines:
-        ap.error(f"no request of case {args.case!r} in {', '.join(str(p) for _, p in labelled)}")
+        ap.error(f"no request of case {args.case!r} in {', '.join(str(p) for _, ps in labelled for p in ps)}")
     turns = sorted({t for by_turn in lines.values() for t in by_turn})
     print(f"{args.case}: mean TTFT ms / prompt tokens prefilled (thousands, per round) at each turn")
     print("| run | " + " | ".join(f"turn {t}" for t in turns) + " | total prefilled |")

@@ -56,6 +56,14 @@ def test_each_turn_gets_its_mean_ttft_and_the_tokens_prefilled_per_round(tmp_pat
     assert png.stat().st_size > 10_000
 
 
+def test_files_under_one_label_are_more_rounds(tmp_path: Path) -> None:
+    one = _requests(tmp_path / "1.jsonl", "kvmesh", [(1, 1, 100.0, 5000, 0)])
+    two = _requests(tmp_path / "2.jsonl", "kvmesh", [(1, 1, 300.0, 5000, 1000)])  # its round 1 too
+    done = _run("--case", CASE, f"new={one},{two}")
+    assert done.returncode == 0, done.stderr
+    assert "| new kvmesh | 200 / 4.5k | 4.5k |" in done.stdout
+
+
 def test_a_router_can_be_left_out(tmp_path: Path) -> None:
     both = tmp_path / "both.jsonl"
     _requests(both, "kvmesh", [(1, 1, 80.0, 5000, 2000)])
@@ -70,6 +78,7 @@ def test_a_bad_run_or_a_case_not_in_the_files_is_a_usage_error(tmp_path: Path) -
     path = _requests(tmp_path / "r.jsonl", "kvmesh", [(1, 1, 80.0, 5000, 2000)])
     for args, says in (
         ([str(path)], "expected LABEL=PATH"),
+        (["x="], "expected LABEL=PATH"),
         ([f"x={tmp_path / 'missing.jsonl'}"], "no such file"),
         ([f"x={path}", "--case", "hot-prefix x4"], "no request of case 'hot-prefix x4'"),
     ):

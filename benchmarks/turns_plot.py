@@ -4,10 +4,11 @@
         before=/tmp/old.jsonl after=/tmp/new-1.jsonl,/tmp/new-2.jsonl --out docs/turns.png
 
 Reads the ``--requests`` files of ``benchmarks/routing_quality.py`` runs (one JSON object a
-request), under labels (several files under one label are rounds of the same thing), and draws, for one case, the mean time to first token and the
-prompt tokens prefilled (not cached) at every turn, one line per label and router, averaged over
-the rounds in the file. A table of the same numbers prints. Where a multi-turn case's tail comes
-from (late turns that find their history gone) shows here and not in the suite's percentiles.
+request) under labels, several files under one label being more rounds of the same thing, and
+draws for one case the mean time to first token and the prompt tokens prefilled (not cached) at
+every turn, one line per label and router, the tokens averaged over rounds. A table of the same
+numbers prints. Where a multi-turn case's tail comes from (late turns that find their history
+gone) shows here and not in the suite's percentiles.
 """
 
 from __future__ import annotations

@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     routers = {r for r in args.routers.split(",") if r} or None
     lines = load(labelled, args.case, routers)
     if not lines:
-        ap.error(f"no request of case {args.case!r} in {', '.join(str(p) for _, ps in labelled for p in ps)}")
+        by = f" by {', '.join(sorted(routers))}" if routers else ""
+        files = ", ".join(str(p) for _, ps in labelled for p in ps)
+        ap.error(f"no request of case {args.case!r}{by} in {files}")
     turns = sorted({t for by_turn in lines.values() for t in by_turn})
     print(f"{args.case}: mean TTFT ms / prompt tokens prefilled (thousands, per round) at each turn")
     print("| run | " + " | ".join(f"turn {t}" for t in turns) + " | total prefilled |")

@@ -81,6 +81,7 @@ def test_a_bad_run_or_a_case_not_in_the_files_is_a_usage_error(tmp_path: Path) -
         (["x="], "expected LABEL=PATH"),
         ([f"x={tmp_path / 'missing.jsonl'}"], "no such file"),
         ([f"x={path}", "--case", "hot-prefix x4"], "no request of case 'hot-prefix x4'"),
+        ([f"x={path}", "--case", CASE, "--routers", "dynamo"], f"no request of case {CASE!r} by dynamo"),
     ):
         done = _run("--case", CASE, *args) if "--case" not in args else _run(*args)
         assert done.returncode == 2, (args, done.stdout)

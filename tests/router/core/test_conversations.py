@@ -375,19 +375,15 @@ def test_a_conversation_left_out_of_live_blocks_keeps_what_others_share() -> Non
     assert conv.live_blocks(A, exclude="one") == 0
 
 
-def test_a_worker_whose_conversations_are_between_turns_is_not_empty() -> None:
-    """Three conversations live on a, between turns, with 330 blocks each; nothing is in flight
-    anywhere. A new 525-block request would be answered sooner on a, which holds its first 125
-    blocks, but when a's conversations come back (the router learned they do, a turn every 0.6 s)
-    they need 990 of a's 1,000 blocks, and this request's would keep them waiting for memory
-    through its decode: it goes to b. Counted from the requests in flight alone, a was idle and
-    took it. Once a's conversations are over, a wins again."""
-    r = router()
+def learned_conversations(r: KvRouter, turns: int) -> float:
+    """The router learns ``turns``-turn conversations (12 of them, a block added a turn, a turn
+    every 0.6 s, each answered in 0.3 s) on a worker c that is then removed: what it learned stays
+    (turns reached, the gap between turns, how long a request stays). Returns the time after."""
     r.add_worker("c", total_blocks=1000, max_num_batched_tokens=8192, block_size=B)
     now = 0.0
-    for s in range(12):  # what the router learns from: 4-turn conversations on c, answered in 0.3 s
+    for s in range(12):
         prompt = toks(100 + s, 50 * B)
-        for turn in range(4):
+        for turn in range(turns):
             rid, at = f"past-{s}-{turn}", now + 0.6 * turn
             d = r.route(RouteRequest(rid, block_hashes(prompt, B), len(prompt), backend_instance_id="c"), at)
             assert isinstance(d, Decision)
@@ -397,7 +393,19 @@ def test_a_worker_whose_conversations_are_between_turns_is_not_empty() -> None:
         now += 0.1
     now += 60.0
     r.expire(now)
-    r.remove_worker("c")  # what it learned stays: turns, gaps, how long a request stays
+    r.remove_worker("c")
+    return now
+
+
+def test_a_worker_whose_conversations_are_between_turns_is_not_empty() -> None:
+    """Three conversations live on a, between turns, with 330 blocks each; nothing is in flight
+    anywhere. A new 525-block request would be answered sooner on a, which holds its first 125
+    blocks, but when a's conversations come back (the router learned they do, a turn every 0.6 s)
+    they need 990 of a's 1,000 blocks, and this request's would keep them waiting for memory
+    through its decode: it goes to b. Counted from the requests in flight alone, a was idle and
+    took it. Once a's conversations are over, a wins again."""
+    r = router()
+    now = learned_conversations(r, 4)
     system = toks(7, 125 * B)
     r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(125)), None, system, B)], 0))
     for s in range(3):
@@ -425,25 +433,11 @@ def test_a_worker_whose_conversations_are_between_turns_is_not_empty() -> None:
 
 
 def conversations_living_on_a(turns: int) -> tuple[KvRouter, float]:
-    """a and b, 1,000 blocks each. The router has learned 6-turn conversations that add a block a
-    turn, a turn every 0.6 s (on c, gone since); three of them live on a, between turns, after
+    """a and b, 1,000 blocks each. The router has learned 6-turn conversations
+    (:func:`learned_conversations`); three of them live on a, between turns, after
     ``turns`` turns, 300 blocks each; b is prefilling a 600-block request."""
     r = router()
-    r.add_worker("c", total_blocks=1000, max_num_batched_tokens=8192, block_size=B)
-    now = 0.0
-    for s in range(12):
-        prompt = toks(100 + s, 50 * B)
-        for turn in range(6):
-            rid, at = f"past-{s}-{turn}", now + 0.6 * turn
-            d = r.route(RouteRequest(rid, block_hashes(prompt, B), len(prompt), backend_instance_id="c"), at)
-            assert isinstance(d, Decision)
-            r.first_token(rid, at + 0.05)
-            r.finished(rid, at + 0.3)
-            prompt = prompt + toks(1000 + 10 * s + turn, B)
-        now += 0.1
-    now += 60.0
-    r.expire(now)
-    r.remove_worker("c")
+    now = learned_conversations(r, 6)
     prompts = [toks(200 + s, 297 * B) for s in range(3)]
     for turn in range(turns):
         for s in range(3):

@@ -85,6 +85,7 @@ def fingerprint(seed: int, requests: int, *, model: str, workers: int, temperatu
                         round(s.copy_credit_ms, 6),
                         round(s.delay_to_others_ms, 6),
                         round(s.eviction_ms, 6),
+                        round(s.turns_overlap_ms, 6),
                     )
                     for s in result.breakdown
                 ]

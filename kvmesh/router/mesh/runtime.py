@@ -533,6 +533,7 @@ def _decision_doc(decision: Decision, age_s: float) -> dict[str, Any]:
                 "eviction_ms": round(c.eviction_ms, 2),
                 "delay_to_others_ms": round(c.delay_to_others_ms, 2),
                 "copy_credit_ms": round(c.copy_credit_ms, 2),
+                "turns_overlap_ms": round(c.turns_overlap_ms, 2),
             }
             for c in decision.breakdown
         ],

@@ -58,6 +58,7 @@ async def test_the_last_decisions_explain_where_each_request_went() -> None:
                         c["predicted_ttft_ms"]
                         + c["eviction_ms"]
                         + c["delay_to_others_ms"]
+                        + c["turns_overlap_ms"]
                         - c["copy_credit_ms"]
                     )
                     assert abs(terms - c["cost"]) < 0.01

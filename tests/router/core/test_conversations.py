@@ -474,3 +474,63 @@ def test_a_request_does_not_push_out_histories_that_will_come_back_again_and_aga
         assert by["a"].eviction_ms > by["b"].cost - by["a"].predicted_ttft_ms
     else:
         assert by["a"].eviction_ms < 1.0  # (its own conversation's growth, a block a turn)
+
+
+def conversations_between_turns_on_a(living: int) -> tuple[KvRouter, float, list[int]]:
+    """a holds a 960-token system prompt; ``living`` conversations over it live on a, answered and
+    between turns. The router has learned 6-turn conversations that spend about two fifths of
+    each gap between turns in flight (:func:`learned_conversations`). b holds nothing and serves
+    nothing. Returns the router, the time and the system prompt."""
+    r = router()
+    now = learned_conversations(r, 6)
+    system = toks(7, 60 * B)
+    r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(60)), None, system, B)], 0))
+    for s in range(living):
+        answered(r, f"living-{s}", "a", system + toks(200 + s, 30 * B), now)
+        now += 0.1
+    return r, now + 0.3, system
+
+
+@pytest.mark.parametrize(("living", "worker"), [(2, "b"), (0, "a")])
+def test_a_new_conversation_does_not_crowd_its_turns_onto_a_worker_for_a_shared_prompt(
+    living: int, worker: str
+) -> None:
+    """A new conversation's first turn would be answered sooner on a, which holds its 960-token
+    system prompt. But it has five turns to come there, and two conversations living on a will be
+    in flight there for two fifths of the time: many of its turns would find a decoding and wait
+    for the pass in progress, and slow theirs the same way. So it starts on b, paying the prompt
+    once. With no conversation living on a, a wins. (Without the price it took a either way: the
+    conversations' own arrivals made a's cost no dearer than the tie its cached prompt wins.)"""
+    r, now, system = conversations_between_turns_on_a(living)
+    prompt = system + toks(9, 30 * B)
+    d = r.route(RouteRequest("new", block_hashes(prompt, B), len(prompt)), now)
+    assert isinstance(d, Decision)
+    assert d.worker == (worker, 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms  # a answers this turn sooner
+    assert by["b"].turns_overlap_ms == 0  # nobody lives there
+    assert (by["a"].turns_overlap_ms > 0) is (living > 0)
+    for s in d.breakdown:
+        assert s.cost == pytest.approx(
+            s.predicted_ttft_ms + s.delay_to_others_ms + s.eviction_ms + s.turns_overlap_ms - s.copy_credit_ms
+        )
+
+
+def test_the_overlap_grows_with_the_conversations_living_there_and_spares_a_conversation_alone() -> None:
+    """A new conversation pays more overlap on a the more conversations live there; a sibling of
+    a live turn pays none (its twin's turns are its turns), nor does a conversation's next turn
+    on the worker where it lives alone."""
+
+    def priced(living: int, tokens: list[int]) -> float:
+        r, now, _ = conversations_between_turns_on_a(living)
+        d = r.route(RouteRequest("probe", block_hashes(tokens, B), len(tokens)), now)
+        assert isinstance(d, Decision)
+        return next(s for s in d.breakdown if s.worker == A).turns_overlap_ms
+
+    system = toks(7, 60 * B)  # as conversations_between_turns_on_a's
+    new = [priced(living, system + toks(9, 30 * B)) for living in (1, 2, 4)]
+    assert 0 < new[0] < new[1] < new[2]
+    for living in (1, 2, 4):
+        assert priced(living, system + toks(200 + living - 1, 30 * B)) == 0  # a live turn again
+        alone = priced(living, system + toks(200, 30 * B) + toks(300, 5 * B))  # living-0's next turn
+        assert (alone == 0) is (living == 1)

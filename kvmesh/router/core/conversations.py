@@ -157,24 +157,15 @@ class Conversations:
         """The turns the conversations living on ``worker`` send it over one gap between turns:
         each tip at turn ``n`` once, with the chance that a conversation at ``n`` went on (of those
         that reached ``n``, the share that reached ``n + 1``; none at the deepest turn seen).
-        ``exclude``: a tip left out."""
+        Over ``cycle_s``, the turns a second they send it, by Little's law over conversations:
+        unlike the requests in flight there, this does not fall to 0 while a worker's
+        conversations are all between turns, just before their next turns arrive. ``exclude``: a
+        tip left out (the one the request being priced continues: it is that turn)."""
         go_on = self._go_on
         if go_on is None:
             reached = self._reached
             go_on = self._go_on = [reached[n] / max(reached[n - 1], 1e-9) for n in range(1, len(reached))]
         return self._over_tips(worker, go_on, exclude)
-
-    def returning_per_s(self, worker: WorkerKey, exclude: str | None = None) -> float:
-        """The turns a second the conversations living on ``worker`` send it, by Little's law over
-        conversations: each tip at turn ``n`` comes back once a gap between turns (``cycle_s``)
-        with the chance that a conversation at turn ``n`` went on (of those that reached ``n``,
-        the share that reached ``n + 1``). Unlike the requests in flight there, this does not fall
-        to 0 while a worker's conversations are all between turns, just before their next turns
-        arrive. ``exclude``: a tip left out (the one the request being priced continues: it is
-        that turn). 0 before a gap between turns has been seen."""
-        if self.cycle_s <= 0:
-            return 0.0
-        return self.turns_per_cycle(worker, exclude) / self.cycle_s
 
     def _over_tips(self, worker: WorkerKey, per_number: list[float], exclude: str | None) -> float:
         """``per_number[n - 1]`` summed over the tips on ``worker`` at turn ``n`` (0 past the

@@ -750,7 +750,7 @@ class KvRouter:
                 if turn is not None and cycle_s > 0.0:
                     per_cycle = conv.turns_per_cycle(key, continues)
                     if per_cycle > 0.0:
-                        returning = per_cycle / cycle_s
+                        returning = per_cycle / cycle_s  # their turns a second (Little's law)
                         living = conv.live_blocks(key, continues)
                         if to_come > 0.0 and not turn.sibling:
                             overlap = self._turns_overlap_ms(
@@ -1037,8 +1037,8 @@ class KvRouter:
         stays (``n / W``; ``W`` is the learned first-token-to-finish time there, most of a
         request's stay), counted from what the router holds now, so a client that waits for each
         answer before sending the next makes no arrivals during it; or, where more, the turns the
-        conversations living there send it (``returning_per_s``, from
-        :meth:`Conversations.returning_per_s`). Its decode lasts ``osl``
+        conversations living there send it (``returning_per_s``: :meth:`Conversations.turns_per_cycle`
+        over the gap between turns). Its decode lasts ``osl``
         passes when the client gave ``agent_hints.osl``, else ``W``.
         Its prefill adds ``S`` ms of engine time: the ``rate * S`` requests arriving meanwhile wait
         half of it on average. Its blocks raise the worker's KV usage for its whole decode, which

@@ -343,7 +343,7 @@ def test_live_blocks_and_turn_counts_stay_consistent(
 
 def test_the_turns_conversations_send_a_worker_come_from_those_living_there() -> None:
     conv = Conversations()
-    assert conv.returning_per_s(A) == 0  # no gap between turns seen yet
+    assert conv.turns_per_cycle(A) == 0 and conv.cycle_s == 0  # nothing seen yet
     now = six_turn_conversations(conv, W)  # a turn a second; every conversation went on to turn 6
     route(conv, "first", A, toks(7, 8 * B), now)
     route(conv, "second-1", A, toks(8, 8 * B), now)
@@ -351,17 +351,16 @@ def test_the_turns_conversations_send_a_worker_come_from_those_living_there() ->
     assert conv.cycle_s == pytest.approx(1.0, rel=0.01)
     # two tips, each back once a gap between turns with the chance that a conversation at its turn
     # went on (all 40 did; of the 42 at turn 1 and the 41 at turn 2, these two are still going)
-    assert conv.returning_per_s(A) == pytest.approx((41 / 42 + 40 / 41) / conv.cycle_s)
     assert conv.turns_per_cycle(A) == pytest.approx(41 / 42 + 40 / 41)  # a gap's worth of them
     # the tip a turn being priced continues is that turn
-    assert conv.returning_per_s(A, exclude="first") == pytest.approx(40 / 41 / conv.cycle_s)
-    assert conv.returning_per_s(W) == 0  # its conversations are over
+    assert conv.turns_per_cycle(A, exclude="first") == pytest.approx(40 / 41)
+    assert conv.turns_per_cycle(W) == 0  # its conversations are over
     # a tip at the deepest turn seen is a conversation's last: it does not come back
     prompt = toks(10, 8 * B)
     for t in range(6):
         route(conv, f"last-{t}", W, prompt, now + t)
         prompt = prompt + toks(2000 + t, 4 * B)
-    assert conv.returning_per_s(W) == 0
+    assert conv.turns_per_cycle(W) == 0
 
 
 def test_a_conversation_left_out_of_live_blocks_keeps_what_others_share() -> None:

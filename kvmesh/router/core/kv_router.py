@@ -730,8 +730,8 @@ class KvRouter:
                 timing = timing_of[key]
                 total = max(workers[key[0]].total_blocks, 1)
                 wait_ms = 1000.0 * step_left_s
-                usage = held / total
-                ttft = timing.curve().ttft_ms(prefill, generating > 0, usage if usage < 1.0 else 1.0, wait_ms)
+                usage = held / total if held < total else 1.0
+                ttft = timing.curve().ttft_ms(prefill, generating > 0, usage, wait_ms)
                 if scale != 1.0:
                     ttft = _weigh_prefill(timing, ttft, prefill, wait_ms, scale)
                 if decode > total:  # (it returns 0 below the limit; checked here, as the call is not free)
@@ -743,25 +743,18 @@ class KvRouter:
                 )
                 if growth > 0:
                     evict += self._growth_eviction_ms(key, growth, added, continues)
-                # (it returns 0 unless live conversations there and these blocks overflow the cache)
-                if turn is not None and added > 0 and conv.live_blocks(key) + added > total:
-                    evict += self._pushed_out_ms(key, timing, added, total, continues, to_come)
                 returning = living = overlap = 0.0  # the conversations living there: their turns and blocks
-                if turn is not None and cycle_s > 0.0:
-                    per_cycle = conv.turns_per_cycle(key, continues)
-                    if per_cycle > 0.0:
+                if turn is not None:
+                    per_cycle = conv.turns_per_cycle(key, continues)  # a gap between turns' worth of theirs
+                    # (it returns 0 unless live conversations there and these blocks overflow the cache)
+                    if added > 0 and conv.live_blocks(key) + added > total:
+                        evict += self._pushed_out_ms(key, timing, added, total, continues, to_come, per_cycle)
+                    if per_cycle > 0.0 and cycle_s > 0.0:
                         returning = per_cycle / cycle_s  # their turns a second (Little's law)
                         living = conv.live_blocks(key, continues)
                         if to_come > 0.0 and not turn.sibling:
                             overlap = self._turns_overlap_ms(
-                                key,
-                                timing,
-                                usage if usage < 1.0 else 1.0,
-                                to_come,
-                                continues,
-                                per_cycle,
-                                cycle_s,
-                                turn_tokens,
+                                key, timing, usage, to_come, continues, per_cycle, cycle_s, turn_tokens
                             )
                 delay = (
                     self._delay_to_arrivals_ms(
@@ -951,6 +944,7 @@ class KvRouter:
         total_blocks: int,
         previous: str | None,
         to_come: float,
+        per_cycle: float,
     ) -> float:
         """The live conversations' blocks this request pushes out of ``key``'s cache, prefilled
         again at every turn those conversations bring back while the push lasts.
@@ -962,8 +956,8 @@ class KvRouter:
         pushes as many out of the next one's history, turn after turn, for as long as this
         request's blocks stay live there (its conversation's ``to_come`` turns and the gap after
         its last). So they cost the worker's fitted per-token time once for every turn the
-        conversations there bring back meanwhile: a gap's worth of them
-        (:meth:`Conversations.turns_per_cycle`) per turn this one has to come and one more, and
+        conversations there bring back meanwhile: a gap's worth of them (``per_cycle``,
+        :meth:`Conversations.turns_per_cycle`) per turn this one has to come and one more, and
         no more than they have left (:meth:`Conversations.turns_ahead`). Conversations at their
         last turns cost little; young ones with most of their turns ahead, a lot.
         (:meth:`_eviction_ms` prices what a request evicts once. With 12 agent sessions on 4
@@ -973,7 +967,7 @@ class KvRouter:
         pushed = min(added_blocks, conv.live_blocks(key, previous) + added_blocks - total_blocks)
         if pushed <= 0:
             return 0.0
-        returns = min(conv.turns_ahead(key, previous), (1.0 + to_come) * conv.turns_per_cycle(key, previous))
+        returns = min(conv.turns_ahead(key, previous), (1.0 + to_come) * per_cycle)
         if returns <= 0:
             return 0.0
         return returns * pushed * (self._block_size or 1) * timing.ms_per_token()

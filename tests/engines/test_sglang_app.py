@@ -56,7 +56,7 @@ class RecordingTokenizerManager:
 
 
 @pytest.fixture(scope="module")
-def served() -> Any:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     sglang_env.prepare()
     http_server = sglang_env.engine("sglang.srt.entrypoints.http_server")
     auth = sglang_env.engine("sglang.srt.utils.auth")
@@ -64,7 +64,7 @@ def served() -> Any:
 
     from kvmesh.adapters.sglang import launcher
 
-    os.environ["KVMESH_SGLANG_CONTROL"] = f"ipc:///tmp/kvmesh-sglang-test-{os.getpid()}"
+    os.environ["KVMESH_SGLANG_CONTROL"] = f"ipc://{tmp_path_factory.mktemp('sglang-control')}/control"
     args = launcher.prepare(
         [
             "--model-path",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -26,3 +27,10 @@ def fake_trtllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
 
     yield tensorrt_llm
     _purge()
+
+
+@pytest.fixture(autouse=True)
+def _temp_files_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher writes its merged YAML with ``tempfile``: a test's copy goes to its own
+    tmp_path, not the machine's /tmp (the tests that only parse arguments never remove it)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

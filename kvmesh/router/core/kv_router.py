@@ -204,6 +204,8 @@ class WorkerSnapshot:
     """The worker's fitted timing model (coefficients, prediction error), when it has one."""
     live_blocks: int = 0
     """Blocks of the conversations living there (the latency cost's view; 0 with Dynamo's)."""
+    unseen_requests: float = 0.0
+    """Requests the engine last reported beyond the router's own (:meth:`KvRouter.engine_load`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1406,6 +1408,14 @@ class KvRouter:
         self._busy = BusyThresholds(**merged)  # type: ignore[arg-type]
         return self._busy
 
+    def engine_load(self, worker_id: WorkerId, running: float, waiting: float, now: float) -> None:
+        """What ``worker_id``'s engine reports running and waiting (its own gauges, read at each
+        health check; 0 and 0 when it reports none): the load there this router did not route
+        counts in the latency cost's view of it (:meth:`ActiveSequences.set_unseen`)."""
+        info = self._workers.get(worker_id)
+        if info is not None:
+            self._load.set_unseen([(worker_id, r) for r in range(info.dp_size)], running, waiting, now)
+
     def worker_snapshot(self) -> list[WorkerSnapshot]:
         busy = self._busy_flags(self._keys)
         load = self._load
@@ -1424,6 +1434,7 @@ class KvRouter:
                     b,
                     self._timing[key].describe() if key in self._timing else None,
                     self._conversations.live_blocks(key),
+                    load.unseen_requests(key),
                 )
             )
         return out

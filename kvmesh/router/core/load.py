@@ -11,6 +11,11 @@ Per worker it tracks
   they reach the front. ``prefill_tokens_at(worker, now)`` is that decayed view;
 * **releases**: when each request there is expected to finish and the blocks that gives back
   (``releases``), for the wait of a request that does not fit in the worker's KV cache;
+* **unseen load**: what the engine itself reports running and queueing beyond the requests this
+  router sent there (:meth:`ActiveSequences.set_unseen`): the load that other routers put on it (the
+  other replicas of a mesh without replica sync) or clients that call the engine directly. It
+  counts in the latency cost's view of the worker (:meth:`ActiveSequences.candidate_view`) as that
+  many requests the size of those this router has in flight;
 * **output blocks**: a request that declared an ``osl`` (expected output tokens) counts the blocks
   its answer will hold, ``ceil(max(osl, generated) / block_size)``, from the moment it is routed,
   weighted by ``max(0, 1 - generated / osl)`` (nearly done = about to free them), so a worker
@@ -38,6 +43,9 @@ from itertools import compress
 from kvmesh._types import WorkerKey
 
 CHUNK = 16
+_SIZES_EVERY_S = 0.5
+"""How often the size of an unseen request is measured again (it sums over every worker, and
+health checks report every worker at about the same moment)."""
 # Milliseconds to prefill T uncached tokens: a2*T^2 + a1*T + a0 (the reference mocker's fit).
 PREFILL_MS = (4.209989e-07, 1.518344e-02, 16.50142)
 
@@ -134,6 +142,10 @@ class _WorkerLoad:
         "prefill_tokens",
         "refs",
         "requests",
+        "unseen_blocks",
+        "unseen_queued",
+        "unseen_running",
+        "unseen_waiting",
     )
 
     def __init__(self) -> None:
@@ -147,6 +159,14 @@ class _WorkerLoad:
         self.active: dict[str, _Active] = {}
         """Every request in flight here."""
         self.anchor_since = 0.0
+        self.unseen_running = 0.0
+        """Requests the engine reports in its batch beyond this router's (``set_unseen``)."""
+        self.unseen_waiting = 0.0
+        """... and in its waiting queue."""
+        self.unseen_blocks = 0.0
+        """KV blocks the unseen requests are taken to hold (the waiting ones, once they run)."""
+        self.unseen_queued = 0
+        """Prompt tokens the unseen waiting requests are taken to queue."""
 
 
 class _Active:
@@ -218,6 +238,9 @@ class ActiveSequences:
         self.track_output_blocks = track_output_blocks
         self._workers: dict[WorkerKey, _WorkerLoad] = {}
         self._requests: dict[str, _Active] = {}
+        self._sizes = (0.0, 0.0)
+        """What an unseen request is taken to hold (KV blocks) and queue (uncached prompt tokens)."""
+        self._sizes_at: float | None = None
 
     # ------------------------------------------------------------------ views
     def add_worker(self, worker: WorkerKey) -> None:
@@ -279,7 +302,71 @@ class ActiveSequences:
         if w is None:
             return 0.0, 0, 0.0, 0, 0
         left, queued = _step(w, now)
-        return left, queued, w.blocks + w.output, w.requests, w.requests - len(w.in_prefill)
+        held = w.blocks + w.output
+        requests = w.requests
+        generating = requests - len(w.in_prefill)
+        if w.unseen_running or w.unseen_waiting:
+            # requests the engine reports and this router did not send (see set_unseen)
+            queued += w.unseen_queued
+            held += w.unseen_blocks
+            requests += math.ceil(w.unseen_running + w.unseen_waiting)
+            generating += math.ceil(w.unseen_running)
+        return left, queued, held, requests, generating
+
+    def set_unseen(self, workers: Sequence[WorkerKey], running: float, waiting: float, now: float) -> None:
+        """The engine behind ``workers`` (one worker's ranks) reports ``running`` requests in its
+        batch and ``waiting`` in its queue: what it holds beyond the requests this router has in
+        flight there is load it cannot see otherwise, spread evenly over the ranks (the engine's
+        gauges are summed over them). Its waiting requests beyond this router's that have not
+        shown a first token are unseen queued prefills; the rest run. Zero for both clears it.
+
+        An unseen request is taken to be the size of those this router has in flight: it holds the
+        KV blocks they hold on average (a waiting one, by the time a request queued behind it
+        runs, as the router counts its own), and a waiting one queues the uncached prompt tokens
+        of those still in prefill. Both are averages over the requests present at one
+        moment, as the engine's counts are, not over the requests routed: a long prefill is more
+        often among the requests waiting than among those arriving. (The mean of the routed
+        requests priced a queue of long re-prefills as one of short turns.) With none of its own in
+        flight (or in prefill), it has no size to give them, and they count as requests only.
+
+        (In a mesh without replica sync each replica counts every request on its own engine, the
+        hops included, but only its own on the others: each engine looked the busiest to its own
+        replica, which sent its conversations away from it, and a replica sent long prefills onto
+        a peer whose queue other replicas had already filled. The engines' own counts, read at each
+        health check, fill in the rest.)"""
+        loads = [w for w in (self._workers.get(k) for k in workers) if w is not None]
+        if not loads:
+            return
+        if self._sizes_at is None or now - self._sizes_at >= _SIZES_EVERY_S:
+            self._measure_sizes(now)
+        blocks_each, queued_each = self._sizes
+        seen = sum(w.requests for w in loads)
+        seen_waiting = sum(len(w.in_prefill) for w in loads)
+        unseen = max(running + waiting - seen, 0.0)
+        unseen_waiting = min(max(waiting - seen_waiting, 0.0), unseen)
+        share = 1.0 / len(loads)
+        for w in loads:
+            w.unseen_running = (unseen - unseen_waiting) * share
+            w.unseen_waiting = unseen_waiting * share
+            w.unseen_blocks = (w.unseen_running + w.unseen_waiting) * blocks_each
+            w.unseen_queued = int(w.unseen_waiting * queued_each)
+
+    def _measure_sizes(self, now: float) -> None:
+        """The size of an unseen request (:meth:`set_unseen`), from the requests in flight now;
+        none where there are none to measure."""
+        requests = blocks = in_prefill = queued = 0.0
+        for w in self._workers.values():
+            requests += w.requests
+            blocks += w.blocks + w.output
+            in_prefill += len(w.in_prefill)
+            queued += w.prefill_tokens
+        self._sizes_at = now
+        self._sizes = (blocks / requests if requests else 0.0, queued / in_prefill if in_prefill else 0.0)
+
+    def unseen_requests(self, worker: WorkerKey) -> float:
+        """Requests the engine last reported beyond this router's (:meth:`set_unseen`)."""
+        w = self._workers.get(worker)
+        return (w.unseen_running + w.unseen_waiting) if w is not None else 0.0
 
     def releases(
         self,

@@ -3,8 +3,11 @@
 The router's load is an estimate (the requests it routed, tokens it counted); the engine knows the
 truth, including requests that reached it some other way. At each health check the registry reads
 the worker's ``/metrics`` and keeps the figures below, shown beside the router's estimate in
-``/kvmesh/workers`` and as gauges, so a drift between the two is visible. Known names (summed over
-label sets: one engine may report per model or per DP rank):
+``/kvmesh/workers`` and as gauges, so a drift between the two is visible. What they count beyond
+the router's own requests there (other replicas' in a mesh without replica sync, clients that call
+the engine directly) enters the latency cost's view of the worker (``unseen_requests`` in
+``/kvmesh/workers``). Known names (summed over label sets: one engine may report per model or per
+DP rank):
 
 =========  ==============================  ==========================
 engine     running                         waiting

@@ -17,7 +17,9 @@ For each configured worker the registry
    entries whose ``parent`` is another model), so prompts for an adapter are hashed the way the
    engine salts that adapter's blocks and go only to workers that serve it.
 7. at each health check, reads the engine's own running / waiting counts from its ``/metrics``
-   (:mod:`~kvmesh.router.mesh.engine_load`), shown beside the router's estimate.
+   (:mod:`~kvmesh.router.mesh.engine_load`), shown beside the router's estimate; what they count
+   beyond it is load the router did not route there, and the latency cost counts it
+   (:meth:`~kvmesh.router.core.kv_router.KvRouter.engine_load`).
 
 Workers come from the settings, and at runtime from the admin API (:meth:`WorkerRegistry.add`,
 :meth:`WorkerRegistry.remove`).
@@ -268,6 +270,7 @@ class WorkerRegistry:
                     "busy": snap.busy,
                     "timing_model": snap.timing,
                     "live_conversation_blocks": snap.live_blocks,
+                    "unseen_requests": round(snap.unseen_requests, 3),
                 }
             )
         rows = []
@@ -507,9 +510,11 @@ class WorkerRegistry:
         if load is None:
             w.metrics_misses += 1
             w.engine_load = None
+            self.router.engine_load(w.worker_id, 0.0, 0.0, time.monotonic())
         else:
             w.metrics_misses = 0
             w.engine_load = load
+            self.router.engine_load(w.worker_id, load.running, load.waiting, load.at)
 
     async def _routine(self, w: Worker) -> None:
         """What an up worker gets at each health check besides the probe."""

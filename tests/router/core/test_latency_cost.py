@@ -187,6 +187,33 @@ def test_the_cached_worker_wins_while_its_cache_saves_more_than_its_queue_costs(
     assert by["a"].overlap_blocks == 250 and by["a"].predicted_ttft_ms > by["b"].predicted_ttft_ms
 
 
+def test_a_queue_the_engine_reports_and_the_router_did_not_route_counts_like_its_own() -> None:
+    """Another replica queued three long prefills on a: this router routed none of them, but a's
+    engine reports them waiting. Counted as requests the size of those this router has in prefill
+    (7k tokens), they make a's queue what it would be had it routed them itself, and b wins, as in
+    the test above."""
+    prefix = toks(1, 4000)
+    prompt = prefix + toks(2, 100)
+    r = router()
+    store(r, "a", prefix)
+    assert pick(r, "before", prompt).worker == ("a", 0)
+    r.cancel("before", 0.0)
+
+    queue_prefill(r, "b", 7000, seed=30)  # in prefill when a reports: the size of a waiting request
+    r.engine_load("a", running=0, waiting=3, now=0.0)
+    r.cancel("q30", 0.0)
+    assert [s.unseen_requests for s in r.worker_snapshot()] == [3.0, 0.0]
+    d = pick(r, "r1", prompt)
+    assert d.worker == ("b", 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].overlap_blocks == 250 and by["a"].predicted_ttft_ms > by["b"].predicted_ttft_ms
+    r.cancel("r1", 0.0)
+
+    r.engine_load("a", running=0, waiting=0, now=1.0)  # drained (or no longer reported)
+    assert pick(r, "after", prompt).worker == ("a", 0)
+    r.engine_load("gone", running=9, waiting=9, now=1.0)  # a worker the router does not know: ignored
+
+
 def test_dynamo_weighs_blocks_one_to_one_where_latency_weighs_time() -> None:
     """One case where they disagree: a long cached prefix behind a modest queue. Dynamo adds the
     queue's blocks twice (as prefill and as decode blocks held) against the prefix's blocks; in

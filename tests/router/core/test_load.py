@@ -195,3 +195,57 @@ def test_a_release_uses_the_osl_the_stay_and_the_predicted_prefill_when_it_has_n
     assert got["c"][0] == pytest.approx(4.1)  # the rest of queued's prefill, then a stay
     answer = output_blocks(30, 13, B)  # the blocks osl's answer holds, freed with it
     assert [g[1] for g in got.values()] == pytest.approx([4 + answer, 8 + answer, 12 + answer])
+
+
+def test_requests_the_engine_reports_beyond_the_routers_count_as_the_ones_in_flight() -> None:
+    load = ActiveSequences(block_size=B)
+    other = ("b", 0)
+    load.add_worker(other)
+    p, _ = prompt(3, 10)
+    load.add("r1", W, p, 40, overlap_blocks=0, now=0.0)  # 10 blocks, 40 uncached tokens: in prefill
+    assert load.candidate_view(W, 0.0)[1:] == (40, 10, 1, 0)
+    # the engine counts this router's request: nothing unseen
+    load.set_unseen([W], running=1, waiting=0, now=0.0)
+    assert load.unseen_requests(W) == 0.0
+    assert load.candidate_view(W, 0.0)[1:] == (40, 10, 1, 0)
+    # 3 running and 2 waiting on b, none of them this router's, each the size of r1
+    load.set_unseen([other], running=3, waiting=2, now=0.0)
+    assert load.unseen_requests(other) == 5.0
+    assert load.candidate_view(other, 0.0) == (0.0, 2 * 40, 5 * 10, 5, 3)
+    # on a, 4 waiting: one is this router's request (in prefill), 3 are unseen queued prefills
+    load.set_unseen([W], running=1, waiting=4, now=0.0)
+    assert load.candidate_view(W, 0.0)[1:] == (40 + 3 * 40, 10 + 4 * 10, 5, 1)
+    # the size is measured again at most every half second, from the requests in flight then: a
+    # 20-block request that has its first token makes an unseen one 15 blocks, and leaves the
+    # waiting one's size to the one still in prefill
+    q, _ = prompt(5, 20)
+    load.add("r2", W, q, 80, overlap_blocks=20, now=0.0)
+    load.prefill_done("r2", 0.1)
+    load.set_unseen([other], running=3, waiting=2, now=0.2)
+    assert load.candidate_view(other, 0.2)[1:3] == (2 * 40, 5 * 10)  # not yet measured again
+    load.set_unseen([other], running=3, waiting=2, now=0.5)
+    assert load.candidate_view(other, 0.5)[1:3] == (2 * 40, pytest.approx(5 * 15))
+    # with nothing of its own in flight, the router has no size to give them: they count as
+    # requests only
+    load.free("r1", 0.6)
+    load.free("r2", 0.6)
+    load.set_unseen([other], running=1, waiting=1, now=1.5)
+    assert load.candidate_view(other, 1.5) == (0.0, 0, 0.0, 2, 1)
+    # a report of nothing clears it; a worker the router does not know is ignored
+    load.set_unseen([other], running=0, waiting=0, now=1.5)
+    assert load.candidate_view(other, 1.5) == (0.0, 0, 0.0, 0, 0)
+    load.set_unseen([("c", 0)], running=5, waiting=5, now=1.5)
+    assert load.unseen_requests(("c", 0)) == 0.0
+
+
+def test_unseen_load_spreads_over_the_ranks_of_one_engine() -> None:
+    load = ActiveSequences(block_size=B)
+    ranks = [("dp", 0), ("dp", 1)]
+    for key in ranks:
+        load.add_worker(key)
+    p, _ = prompt(4, 8)
+    load.add("r1", ranks[0], p, 32, overlap_blocks=0, now=0.0)
+    load.prefill_done("r1", 0.1)  # generating on rank 0
+    load.set_unseen(ranks, running=4, waiting=0, now=0.2)  # summed over the ranks, as the gauges are
+    assert [load.unseen_requests(k) for k in ranks] == [1.5, 1.5]
+    assert load.candidate_view(ranks[1], 0.2)[2:] == (pytest.approx(1.5 * 8), 2, 2)  # rounded up

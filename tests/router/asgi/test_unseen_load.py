@@ -1,0 +1,106 @@
+"""Load the router did not route, seen through the engine's own gauges (standalone router, three
+mock engines on loopback): a client that calls an engine directly (as another replica of a mesh
+without replica sync does through its own hops) keeps it busy; at the next health check the router
+reads the engine's ``/metrics``, shows the requests beyond its own as ``unseen_requests`` in
+``/kvmesh/workers``, and its latency cost counts them as requests the size of its own in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import aiohttp
+
+from kvmesh.mock.testing import run_mock
+from kvmesh.router.asgi.standalone import build_router_app
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.servers import serve
+
+BS = 16
+
+
+def _body(model: str, text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": text}]
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True, **extra}
+
+
+async def _served_by(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
+    async with http.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return r.headers["x-kvmesh-worker-id"]
+
+
+async def _stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    """A streamed request, read to its end (or until it is cancelled)."""
+    async with http.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status == 200
+        async for _ in r.content:
+            pass
+
+
+async def test_a_worker_busy_with_requests_the_router_never_sent_loses_the_next_one(
+    http: aiohttp.ClientSession,
+) -> None:
+    context = "the shared context of this conversation, long enough to matter " * 40
+    async with contextlib.AsyncExitStack() as stack:
+        # a runs two sequences at a time (a third waits in its queue); c prefills 256 tokens a step
+        a = await stack.enter_async_context(run_mock(block_size=BS, max_num_seqs=2))
+        b = await stack.enter_async_context(run_mock(block_size=BS))
+        c = await stack.enter_async_context(run_mock(block_size=BS, max_num_batched_tokens=256))
+        settings = MeshSettings(
+            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b"), WorkerSpec(c.base_url, "c")),
+            router=RouterConfig(router_queue_threshold=None),
+            health_interval=0.2,
+        )
+        front = await stack.enter_async_context(serve(build_router_app(settings)))
+        model = a.config.model
+
+        async def rows() -> dict[str, Any]:
+            async with http.get(front.url + "/kvmesh/workers") as r:
+                return {row["worker_id"]: row for row in (await r.json())["workers"]}
+
+        # the context goes to a through the router, and a's KV events put it in the router's index
+        pinned = _body(model, context, 4, nvext={"backend_instance_id": "a"})
+        assert await _served_by(http, front.url, pinned) == "a"
+        for _ in range(250):
+            if (await rows())["a"]["indexed_blocks"] >= 40:
+                break
+            await asyncio.sleep(0.02)
+        probe = _body(model, context + " first question", 4)
+        assert await _served_by(http, front.url, probe) == "a"  # the holder wins while idle
+
+        # the router's own long prefill on c (~20k tokens, 256 a step): the size it gives a request
+        # queued where it cannot see
+        long = _body(model, "a very long document to read " * 4000, 4, nvext={"backend_instance_id": "c"})
+        own = asyncio.ensure_future(_stream(http, front.url, long))
+        # a client keeps a busy with six long answers, none of them through the router: two run,
+        # four wait, and a request sent to a now would wait behind them
+        direct = [
+            asyncio.ensure_future(_stream(http, a.base_url, _body(model, f"other work {i} " * 120, 4000)))
+            for i in range(6)
+        ]
+        try:
+            reported = None
+            for _ in range(250):  # until a health check reads them from a's /metrics
+                now = await rows()
+                reported = now["a"]["engine_load"]
+                if reported is not None and reported["waiting"] == 4.0:
+                    break
+                await asyncio.sleep(0.02)
+            assert reported is not None and reported["running"] == 2.0
+            assert now["a"]["ranks"][0]["unseen_requests"] == 6.0
+            assert now["b"]["ranks"][0]["unseen_requests"] == 0.0
+            assert now["c"]["ranks"][0]["active_prefill_tokens"] > 10_000, "c's prefill ended too soon"
+            question = _body(model, context + " second question", 4)
+            assert await _served_by(http, front.url, question) == "b"
+        finally:
+            for task in (*direct, own):
+                task.cancel()
+            await asyncio.gather(*direct, own, return_exceptions=True)
+        for _ in range(250):  # aborted on a: the next health check reads an idle engine
+            if (await rows())["a"]["ranks"][0]["unseen_requests"] == 0.0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await rows())["a"]["ranks"][0]["unseen_requests"] == 0.0

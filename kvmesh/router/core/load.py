@@ -77,9 +77,10 @@ class PromptBlocks:
         ids: list[int] = []
         prev = 0
         full = n - n % CHUNK
-        hashes = tuple(local_hashes)  # a tuple's slice is a tuple: no 17-item tuple built per chunk
-        for start in range(0, full, CHUNK):
-            prev = hash((prev, hashes[start : start + CHUNK]))
+        hashes = tuple(local_hashes)
+        # zip over one iterator CHUNK times: each whole chunk as a tuple, built in C
+        for chunk in zip(*[iter(hashes)] * CHUNK, strict=False):
+            prev = hash((prev, chunk))
             ids.append(prev)
         self.n_anchors = len(ids)
         for end in range(full + 1, n + 1):
@@ -142,6 +143,7 @@ class _WorkerLoad:
         "prefill_tokens",
         "refs",
         "requests",
+        "unseen",
         "unseen_blocks",
         "unseen_queued",
         "unseen_running",
@@ -159,8 +161,10 @@ class _WorkerLoad:
         self.active: dict[str, _Active] = {}
         """Every request in flight here."""
         self.anchor_since = 0.0
+        self.unseen = 0.0
+        """Requests the engine reports beyond this router's (:meth:`ActiveSequences.set_unseen`)."""
         self.unseen_running = 0.0
-        """Requests the engine reports in its batch beyond this router's (``set_unseen``)."""
+        """... those of them in its batch."""
         self.unseen_waiting = 0.0
         """... and in its waiting queue."""
         self.unseen_blocks = 0.0
@@ -302,16 +306,15 @@ class ActiveSequences:
         if w is None:
             return 0.0, 0, 0.0, 0, 0
         left, queued = _step(w, now)
-        held = w.blocks + w.output
-        requests = w.requests
-        generating = requests - len(w.in_prefill)
-        if w.unseen_running or w.unseen_waiting:
-            # requests the engine reports and this router did not send (see set_unseen)
-            queued += w.unseen_queued
-            held += w.unseen_blocks
-            requests += math.ceil(w.unseen_running + w.unseen_waiting)
-            generating += math.ceil(w.unseen_running)
-        return left, queued, held, requests, generating
+        if w.unseen:  # requests the engine reports and this router did not send (see set_unseen)
+            return (
+                left,
+                queued + w.unseen_queued,
+                w.blocks + w.output + w.unseen_blocks,
+                w.requests + math.ceil(w.unseen),
+                w.requests - len(w.in_prefill) + math.ceil(w.unseen_running),
+            )
+        return left, queued, w.blocks + w.output, w.requests, w.requests - len(w.in_prefill)
 
     def set_unseen(self, workers: Sequence[WorkerKey], running: float, waiting: float, now: float) -> None:
         """The engine behind ``workers`` (one worker's ranks) reports ``running`` requests in its
@@ -348,6 +351,7 @@ class ActiveSequences:
         for w in loads:
             w.unseen_running = (unseen - unseen_waiting) * share
             w.unseen_waiting = unseen_waiting * share
+            w.unseen = unseen * share
             w.unseen_blocks = (w.unseen_running + w.unseen_waiting) * blocks_each
             w.unseen_queued = int(w.unseen_waiting * queued_each)
 
@@ -366,7 +370,7 @@ class ActiveSequences:
     def unseen_requests(self, worker: WorkerKey) -> float:
         """Requests the engine last reported beyond this router's (:meth:`set_unseen`)."""
         w = self._workers.get(worker)
-        return (w.unseen_running + w.unseen_waiting) if w is not None else 0.0
+        return w.unseen if w is not None else 0.0
 
     def releases(
         self,

@@ -192,10 +192,9 @@ def test_a_queue_the_engine_reports_and_the_router_did_not_route_counts_like_its
     engine reports them waiting. Counted as requests the size of those this router has in prefill
     (7k tokens), they make a's queue what it would be had it routed them itself, and b wins, as in
     the test above."""
-    prefix = toks(1, 4000)
-    prompt = prefix + toks(2, 100)
     r = router()
-    store(r, "a", prefix)
+    store(r, "a", toks(1, 4000))
+    prompt = toks(1, 4000) + toks(2, 100)  # the 4k-token prefix a holds, and 100 tokens more
     assert pick(r, "before", prompt).worker == ("a", 0)
     r.cancel("before", 0.0)
 

@@ -334,7 +334,7 @@ class ActiveSequences:
         (In a mesh without replica sync each replica counts every request on its own engine, the
         hops included, but only its own on the others, so it sent long prefills onto peers whose
         queues other replicas had filled: ``make demo``'s TTFT p90 was 359-1048 ms over 14 runs,
-        and 292-388 ms over 5 with the engines' own counts filling in the rest.)"""
+        and 292-558 ms over 7 with the engines' own counts filling in the rest.)"""
         loads = [w for w in (self._workers.get(k) for k in workers) if w is not None]
         if not loads:
             return

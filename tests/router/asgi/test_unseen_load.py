@@ -1,8 +1,9 @@
-"""Load the router did not route, seen through the engine's own gauges (standalone router, three
-mock engines on loopback): a client that calls an engine directly (as another replica of a mesh
-without replica sync does through its own hops) keeps it busy; at the next health check the router
-reads the engine's ``/metrics``, shows the requests beyond its own as ``unseen_requests`` in
-``/kvmesh/workers``, and its latency cost counts them as requests the size of its own in flight."""
+"""Load the router did not route, seen through the engine's own gauges: a client that calls an
+engine directly (a standalone router in front of three mock engines), or another replica of a mesh
+without replica sync (four mock engines embedding the middleware), keeps an engine busy; at the
+next health check the router reads the engine's ``/metrics``, shows the requests beyond its own as
+``unseen_requests`` in ``/kvmesh/workers``, and its latency cost counts them as requests the size
+of its own in flight."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 
 import aiohttp
 
+from kvmesh.commands.demo import start_mesh
+from kvmesh.mock.config import MockConfig
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
@@ -104,3 +107,57 @@ async def test_a_worker_busy_with_requests_the_router_never_sent_loses_the_next_
                 break
             await asyncio.sleep(0.02)
         assert (await rows())["a"]["ranks"][0]["unseen_requests"] == 0.0
+
+
+async def test_a_replica_counts_the_queue_another_replica_put_on_a_peer() -> None:
+    """The mesh (four mock engines embedding the middleware, no replica sync): replica 1 queues six
+    long answers on engine 2, which counts them as hops; replica 0 routed none of them, sees them
+    through engine 2's own counts, and sends a question whose context engine 2 caches elsewhere."""
+    mock = MockConfig(block_size=BS, speedup=1.0, max_num_seqs=2, max_num_batched_tokens=256)
+    context = "the shared context of this conversation, long enough to matter " * 40
+    config = RouterConfig(router_queue_threshold=None)
+    async with start_mesh(4, config, mock) as nodes, aiohttp.ClientSession() as http:
+        n0, n1, n2, n3 = (node.url for node in nodes)
+        model = mock.model
+
+        async def seen_by_n0() -> dict[str, Any]:
+            async with http.get(n0 + "/kvmesh/workers") as r:
+                return {row["worker_id"]: row for row in (await r.json())["workers"]}
+
+        pinned = _body(model, context, 4, nvext={"backend_instance_id": n2})
+        assert await _served_by(http, n0, pinned) == n2
+        for _ in range(250):  # engine 2's KV events reach replica 0's index
+            if (await seen_by_n0())[n2]["indexed_blocks"] >= 40:
+                break
+            await asyncio.sleep(0.02)
+        # replica 0's own long prefill on engine 3: the size it gives a request it cannot see
+        long = _body(model, "a very long document to read " * 4000, 4, nvext={"backend_instance_id": n3})
+        tasks = [asyncio.ensure_future(_stream(http, n0, long))]
+        # replica 1 sends six long answers to engine 2: two run there, four wait
+        tasks += [
+            asyncio.ensure_future(
+                _stream(
+                    http,
+                    n1,
+                    _body(model, f"other work {i} " * 120, 4000, nvext={"backend_instance_id": n2}),
+                )
+            )
+            for i in range(6)
+        ]
+        try:
+            rows: dict[str, Any] = {}
+            for _ in range(250):
+                rows = await seen_by_n0()
+                load = rows[n2]["engine_load"]
+                if load is not None and load["waiting"] == 4.0:
+                    break
+                await asyncio.sleep(0.02)
+            assert rows[n2]["active_requests"] == 0  # replica 0 routed none of them
+            assert rows[n2]["ranks"][0]["unseen_requests"] == 6.0
+            assert rows[n3]["ranks"][0]["active_prefill_tokens"] > 10_000, "the prefill ended too soon"
+            question = _body(model, context + " second question", 4)
+            assert await _served_by(http, n0, question) not in (n2, n3)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

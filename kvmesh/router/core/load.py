@@ -162,7 +162,8 @@ class _WorkerLoad:
         """Every request in flight here."""
         self.anchor_since = 0.0
         self.unseen = 0.0
-        """Requests the engine reports beyond this router's (:meth:`ActiveSequences.set_unseen`)."""
+        """Requests the engine reports beyond this router's (:meth:`ActiveSequences.set_unseen`):
+        the two below together, kept so the load view tests one attribute per candidate."""
         self.unseen_running = 0.0
         """... those of them in its batch."""
         self.unseen_waiting = 0.0
@@ -301,7 +302,9 @@ class ActiveSequences:
         """What the latency cost reads of ``worker``, in one lookup (it runs for every candidate of
         every decision): ``(seconds left of the step in progress, prefill tokens queued behind it,
         decode blocks, requests in flight, requests generating)``, as :meth:`step_in_progress`,
-        :meth:`decode_blocks`, :meth:`requests` and :meth:`decoding` give them."""
+        :meth:`decode_blocks`, :meth:`requests` and :meth:`decoding` give them, plus the unseen
+        load the engine last reported (:meth:`set_unseen`), which those four leave out (Dynamo's
+        cost and the busy thresholds read them, and keep Dynamo's meaning)."""
         w = self._workers.get(worker)
         if w is None:
             return 0.0, 0, 0.0, 0, 0

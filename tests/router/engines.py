@@ -34,6 +34,8 @@ class EngineState:
     status: int = 200  # of every generation answer (a failing prefill worker: 500)
     text: str | None = None  # each streamed chunk's content (default "<name>:<i> ")
     stream_usage: bool = True  # end a stream with a usage event
+    dp_size: int = 1
+    metrics: str | None = None  # the Prometheus page /metrics serves (404 when None)
     received: list[dict[str, Any]] = field(default_factory=list)
     rpcs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # worker RPCs, in order
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -54,7 +56,7 @@ def engine_app(state: EngineState) -> Starlette:
                 "role": state.role,
                 "model": "test-model",
                 "block_size": state.block_size,
-                "dp_size": 1,
+                "dp_size": state.dp_size,
                 "kv_events_endpoints": [],
                 "kv_replay_endpoints": [],
                 "max_num_batched_tokens": 8192,
@@ -76,6 +78,11 @@ def engine_app(state: EngineState) -> Starlette:
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+    async def metrics(request: Request) -> Response:
+        if state.metrics is None:
+            return Response(status_code=404)
+        return Response(state.metrics, media_type="text/plain; version=0.0.4")
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "test-model", "object": "model"}]})
@@ -154,6 +161,7 @@ def engine_app(state: EngineState) -> Starlette:
             Route("/kvmesh/session_control", session_control, methods=["POST"]),
             Route("/kvmesh/pin_prefix", pin_prefix, methods=["POST"]),
             Route("/health", health),
+            Route("/metrics", metrics),
             Route("/v1/models", models),
             Route("/v1/chat/completions", generate, methods=["POST"]),
             Route("/v1/completions", generate, methods=["POST"]),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -1408,13 +1408,30 @@ class KvRouter:
         self._busy = BusyThresholds(**merged)  # type: ignore[arg-type]
         return self._busy
 
-    def engine_load(self, worker_id: WorkerId, running: float, waiting: float, now: float) -> None:
+    def engine_load(
+        self,
+        worker_id: WorkerId,
+        running: float,
+        waiting: float,
+        now: float,
+        ranks: Mapping[int, tuple[float, float]] | None = None,
+    ) -> None:
         """What ``worker_id``'s engine reports running and waiting (its own gauges, read at each
         health check; 0 and 0 when it reports none): the load there this router did not route
-        counts in the latency cost's view of it (:meth:`ActiveSequences.set_unseen`)."""
+        counts in the latency cost's view of it (:meth:`ActiveSequences.set_unseen`). ``ranks``:
+        the same per DP rank, when the engine labels them; each rank then has its own (a rank
+        missing there reports none). Without them, or naming a rank the worker does not have, the
+        totals are spread evenly over its ranks."""
         info = self._workers.get(worker_id)
-        if info is not None:
-            self._load.set_unseen([(worker_id, r) for r in range(info.dp_size)], running, waiting, now)
+        if info is None:
+            return
+        load = self._load
+        if ranks and all(0 <= r < info.dp_size for r in ranks):
+            for r in range(info.dp_size):
+                run, wait = ranks.get(r, (0.0, 0.0))
+                load.set_unseen([(worker_id, r)], run, wait, now)
+        else:
+            load.set_unseen([(worker_id, r) for r in range(info.dp_size)], running, waiting, now)
 
     def worker_snapshot(self) -> list[WorkerSnapshot]:
         busy = self._busy_flags(self._keys)

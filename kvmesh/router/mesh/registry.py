@@ -514,7 +514,7 @@ class WorkerRegistry:
         else:
             w.metrics_misses = 0
             w.engine_load = load
-            self.router.engine_load(w.worker_id, load.running, load.waiting, load.at)
+            self.router.engine_load(w.worker_id, load.running, load.waiting, load.at, load.ranks)
 
     async def _routine(self, w: Worker) -> None:
         """What an up worker gets at each health check besides the probe."""
@@ -542,11 +542,17 @@ class WorkerRegistry:
         return w
 
 
-def _engine_load_row(load: EngineLoad | None, now: float) -> dict[str, float] | None:
-    """The engine's own counts beside the router's estimate, with their age in seconds."""
+def _engine_load_row(load: EngineLoad | None, now: float) -> dict[str, Any] | None:
+    """The engine's own counts beside the router's estimate, with their age in seconds, and per DP
+    rank where the engine labels them."""
     if load is None:
         return None
-    return {"running": load.running, "waiting": load.waiting, "age_s": round(now - load.at, 3)}
+    row: dict[str, Any] = {"running": load.running, "waiting": load.waiting, "age_s": round(now - load.at, 3)}
+    if load.ranks is not None:
+        row["ranks"] = {
+            str(r): {"running": run, "waiting": wait} for r, (run, wait) in sorted(load.ranks.items())
+        }
+    return row
 
 
 def _feed_target(w: Worker, info: WorkerInfo) -> FeedTarget:

@@ -19,6 +19,7 @@ from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.engines import EngineState, engine_app
 from tests.router.servers import serve
 
 BS = 16
@@ -161,3 +162,50 @@ async def test_a_replica_counts_the_queue_another_replica_put_on_a_peer() -> Non
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_an_engine_s_dp_ranks_each_carry_the_queue_its_metrics_label_them_with(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A worker with two DP ranks whose ``/metrics`` labels each rank's gauges, as vLLM (``engine``)
+    and SGLang (``dp_rank``, one series per TP rank) do: the standalone router's health check puts
+    the three waiting on rank 1 there, and none on rank 0; a page without rank labels spreads its
+    totals over both ranks."""
+    vllm_page = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="test-model"} 0.0\n'
+        'vllm:num_requests_running{engine="1",model_name="test-model"} 2.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="test-model"} 0.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="test-model"} 3.0\n'
+    )
+    sglang_page = "".join(
+        f'sglang:num_{name}{{dp_rank="{rank}",engine_type="unified",model_name="m",tp_rank="{tp}"}} {n}\n'
+        for rank, tp in ((0, 0), (0, 1), (1, 2), (1, 3))
+        for name, n in (("running_reqs", 4.0 * rank), ("queue_reqs", 0.0))
+    )
+    state = EngineState("dp", dp_size=2, metrics=vllm_page)
+    async with contextlib.AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(serve(engine_app(state)))
+        settings = MeshSettings(  # the test engine publishes no KV events: the router predicts its cache
+            workers=(WorkerSpec(engine.url, "dp"),),
+            router=RouterConfig(use_kv_events=False),
+            health_interval=0.1,
+        )
+        front = await stack.enter_async_context(serve(build_router_app(settings)))
+
+        async def unseen_when(expected: list[float]) -> list[float]:
+            got: list[float] = []
+            for _ in range(250):  # until a health check has read the page
+                async with http.get(front.url + "/kvmesh/workers") as r:
+                    rows = (await r.json())["workers"]
+                got = [rank["unseen_requests"] for rank in rows[0]["ranks"]] if rows else []
+                if got == expected:
+                    break
+                await asyncio.sleep(0.02)
+            return got
+
+        assert await unseen_when([0.0, 5.0]) == [0.0, 5.0]
+        state.metrics = sglang_page  # rank 1 runs 4, reported by both of its TP ranks: counted once
+        assert await unseen_when([0.0, 4.0]) == [0.0, 4.0]
+        state.metrics = 'vllm:num_requests_waiting{model_name="test-model"} 6.0\n'  # no rank labels
+        assert await unseen_when([3.0, 3.0]) == [3.0, 3.0]

@@ -213,6 +213,34 @@ def test_a_queue_the_engine_reports_and_the_router_did_not_route_counts_like_its
     r.engine_load("gone", running=9, waiting=9, now=1.0)  # a worker the router does not know: ignored
 
 
+def test_an_engine_that_labels_its_dp_ranks_has_each_rank_s_queue_where_it_reports_it() -> None:
+    """Engine d runs two DP ranks and reports three long prefills waiting on rank 1 (vLLM's
+    ``engine`` label, SGLang's ``dp_rank``): rank 1 carries them and loses to rank 0, which the
+    same totals spread over both ranks would have half-loaded as well."""
+    r = KvRouter(RouterConfig(), random.Random(0))
+    r.add_worker("d", dp_size=2, total_blocks=4096, max_num_batched_tokens=8192, block_size=B)
+    r.add_worker("b", total_blocks=4096, max_num_batched_tokens=8192, block_size=B)
+    queue_prefill(r, "b", 7000, seed=30)  # in prefill when d reports: the size of a waiting request
+    r.engine_load("d", running=0, waiting=3, now=0.0, ranks={1: (0.0, 3.0)})
+    r.cancel("q30", 0.0)
+    assert [(s.worker, s.unseen_requests) for s in r.worker_snapshot()] == [
+        (("d", 0), 0.0),
+        (("d", 1), 3.0),
+        (("b", 0), 0.0),
+    ]
+    d = pick(r, "r1", toks(3, 300))
+    by = {s.worker: s for s in d.breakdown}
+    assert d.worker != ("d", 1)
+    assert by[("d", 1)].predicted_ttft_ms > by[("d", 0)].predicted_ttft_ms == by[("b", 0)].predicted_ttft_ms
+    r.cancel("r1", 0.0)
+
+    # a rank the worker does not have (another server's ranks): the totals, spread over both
+    r.engine_load("d", running=0, waiting=4, now=1.0, ranks={0: (0.0, 1.0), 5: (0.0, 3.0)})
+    assert [s.unseen_requests for s in r.worker_snapshot()] == [2.0, 2.0, 0.0]
+    r.engine_load("d", running=0, waiting=4, now=1.0)  # no per-rank counts: the same
+    assert [s.unseen_requests for s in r.worker_snapshot()] == [2.0, 2.0, 0.0]
+
+
 def test_dynamo_weighs_blocks_one_to_one_where_latency_weighs_time() -> None:
     """One case where they disagree: a long cached prefix behind a modest queue. Dynamo adds the
     queue's blocks twice (as prefill and as decode blocks held) against the prefix's blocks; in

@@ -20,8 +20,35 @@ sglang:num_running_reqs_offline_batch{model_name="m"} 50.0
 """
 
 
+SGLANG_DP = b"""# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="m",priority="1",tp_rank="0"} 2.0
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="m",priority="5",tp_rank="0"} 1.0
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="m",priority="1",tp_rank="1"} 2.0
+sglang:num_running_reqs{dp_rank="0",engine_type="unified",model_name="m",priority="5",tp_rank="1"} 1.0
+sglang:num_running_reqs{dp_rank="1",engine_type="unified",model_name="m \\\"x\\\"",priority="1",tp_rank="2"} 4.0
+sglang:num_queue_reqs{dp_rank="1",engine_type="unified",model_name="m",priority="1",tp_rank="2"} 6.0
+sglang:num_queue_reqs{dp_rank="1",engine_type="unified",model_name="m",priority="1",tp_rank="3"} 6.0
+"""
+
+
 def test_vllm_names_are_summed_over_their_label_sets_and_look_alikes_ignored() -> None:
-    assert parse_engine_load(VLLM, 1.0) == EngineLoad(running=5.0, waiting=4.0, at=1.0)
+    assert parse_engine_load(VLLM, 1.0) == EngineLoad(
+        running=5.0, waiting=4.0, at=1.0, ranks={0: (3.0, 4.0), 1: (2.0, 0.0)}
+    )
+
+
+def test_sglang_dp_ranks_apart_priorities_summed_and_a_queue_its_tp_ranks_repeat_counted_once() -> None:
+    # every TP rank of a scheduler reports its queue with --enable-metrics-for-all-schedulers
+    assert parse_engine_load(SGLANG_DP, 3.0) == EngineLoad(
+        running=7.0, waiting=6.0, at=3.0, ranks={0: (3.0, 0.0), 1: (4.0, 6.0)}
+    )
+
+
+def test_ranks_only_when_every_series_names_a_rank() -> None:
+    mixed = b'vllm:num_requests_running{engine="0"} 1.0\nvllm:num_requests_running 2.0\n'
+    assert parse_engine_load(mixed, 0.0) == EngineLoad(running=3.0, waiting=0.0, at=0.0)
+    odd = b'vllm:num_requests_waiting{engine="core-a"} 2.0\n'
+    assert parse_engine_load(odd, 0.0) == EngineLoad(running=0.0, waiting=2.0, at=0.0)
 
 
 def test_sglang_names_with_timestamps_and_braces_inside_label_values() -> None:

@@ -32,7 +32,6 @@ of a large ``/metrics`` page (histograms) costs one ``startswith`` per line.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 _NAMES: dict[bytes, str] = {
@@ -47,6 +46,8 @@ _PREFIXES = (b"vllm:num_requests_", b"sglang:num_")
 _RANK_LABELS = (b"engine", b"dp_rank")
 """The label naming a series' DP rank: vLLM's, SGLang's."""
 _TP_LABEL = b"tp_rank"
+_MAX_COUNT = 1e9
+"""Requests no engine holds: a page claiming more is broken, and its sums would overflow."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ def parse_engine_load(text: bytes, at: float) -> EngineLoad | None:
             value = float(fields[0])
         except (IndexError, ValueError):
             continue
-        if not math.isfinite(value):
+        if not 0.0 <= value < _MAX_COUNT:  # NaN, infinities, negatives: not a count of requests
             continue
         rank: int | None = None
         tp: bytes | None = None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvmesh.router.mesh.engine_load import EngineLoad, parse_engine_load
 
 VLLM = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -61,3 +65,45 @@ def test_a_page_without_the_gauges_is_none() -> None:
         is None
     )
     assert parse_engine_load(b"", 0) is None
+
+
+_NAME = st.sampled_from(
+    [b"vllm:num_requests_running", b"vllm:num_requests_waiting", b"sglang:num_queue_reqs"]
+)
+_LABELS = st.lists(
+    st.tuples(
+        st.sampled_from([b"engine", b"dp_rank", b"tp_rank", b"model_name", b"x"]),
+        st.binary(max_size=8) | st.sampled_from([b"0", b"1", b"12", b"-1", b"99999999"]),
+    ),
+    max_size=4,
+)
+
+
+@st.composite
+def _pages(draw: st.DrawFn) -> bytes:
+    """Pages that mix well-formed series with mangled ones: truncated label sections, stray
+    quotes and backslashes, bad values."""
+    lines = []
+    for _ in range(draw(st.integers(0, 8))):
+        name = draw(_NAME)
+        pairs = b",".join(k + b'="' + v.replace(b"\n", b"") + b'"' for k, v in draw(_LABELS))
+        value = draw(
+            st.sampled_from([b"1.0", b"0", b"NaN", b"+Inf", b"-2", b"1e308", b"x", b"", b"3 1700000000000"])
+        )
+        line = name + (b"{" + pairs + b"}" if pairs or draw(st.booleans()) else b"") + b" " + value
+        cut = draw(st.integers(0, len(line)))
+        lines.append(line if draw(st.booleans()) else line[:cut] + draw(st.binary(max_size=6)))
+    return b"\n".join(lines)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(_pages())
+def test_any_page_parses_to_finite_counts_or_none_and_never_raises(page: bytes) -> None:
+    load = parse_engine_load(page, 0.0)
+    if load is None:
+        return
+    assert 0 <= load.running < 1e10 and 0 <= load.waiting < 1e10
+    if load.ranks is not None:
+        assert all(r >= 0 for r in load.ranks)
+        assert sum(run for run, _ in load.ranks.values()) == pytest.approx(load.running)
+        assert sum(wait for _, wait in load.ranks.values()) == pytest.approx(load.waiting)

@@ -42,10 +42,11 @@ from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.conversations import Conversations, Turn
 from kvmesh.router.core.copies import SharedPrefixes, copy_saving_ms
 from kvmesh.router.core.index_factory import index_for
+from kvmesh.router.core.joins import Joins
 from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
 from kvmesh.router.core.sessions import SessionTable
-from kvmesh.router.core.timing import MOCKER_PRIOR, Profile, TimingModel, WorkerTiming
+from kvmesh.router.core.timing import MOCKER_PRIOR, Predictor, Profile, TimingModel, WorkerTiming
 
 if TYPE_CHECKING:
     import random
@@ -282,6 +283,12 @@ class _Obs:
     memory_wait_ms: float = 0.0
     step_wait_ms: float = 0.0
     """What was left of the prefill step running there at dispatch (the model's own estimate)."""
+    anchor: str | None = None
+    """The request taken to be in that step (None: no step was running)."""
+    gap_s: float = 0.0
+    """How long after that request became the step in progress this one was routed."""
+    joined: bool = False
+    """It showed its first token with the anchor's: it joined that step rather than waiting it out."""
     ttft: float | None = None
     last_token: float | None = None
     cached: int | None = None
@@ -356,6 +363,10 @@ class KvRouter:
         self._out_tokens = 0.0
         """Output tokens a request generates, fleet-wide (moving average of finished ones)."""
         self._conversations = Conversations()
+        self._joins = Joins()
+        self._first_at: dict[str, float] = {}
+        """When recent requests showed their first token (bounded): a request that was routed
+        behind one is compared with it after it has finished."""
         self._shared = SharedPrefixes()
         self._copies = 0
         """Requests placed on a worker that did not hold the shared prefix they carry: copies made."""
@@ -694,6 +705,7 @@ class KvRouter:
         in_flight_cached = latency and prompt is not None and weights.overlap_score_credit > 0
         scale = weights.prefill_load_scale
         timing_of, workers, reuse, osl = self._timing, self._workers, self._reuse_fleet, req.osl
+        joins = self._joins
         for key in candidates:
             depths = overlaps.get(key, _NO_TIERS)
             dev = depths.device
@@ -733,7 +745,10 @@ class KvRouter:
                 total = max(workers[key[0]].total_blocks, 1)
                 wait_ms = 1000.0 * step_left_s
                 usage = held / total if held < total else 1.0
-                ttft = timing.curve().ttft_ms(prefill, generating > 0, usage, wait_ms)
+                curve = timing.curve()
+                ttft = curve.ttft_ms(prefill, generating > 0, usage, wait_ms)
+                if wait_ms > 0.0 and joins.joined:  # (a call per candidate only once a join was seen)
+                    ttft = self._joining_ttft_ms(key, curve, ttft, wait_ms, prefill - active, now)
                 if scale != 1.0:
                     ttft = _weigh_prefill(timing, ttft, prefill, wait_ms, scale)
                 if decode > total:  # (it returns 0 below the limit; checked here, as the call is not free)
@@ -800,6 +815,22 @@ class KvRouter:
         if copy_to is not None and candidates[i] not in copy_to:
             self._copies += 1
         return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt, turn, i)
+
+    def _joining_ttft_ms(
+        self, key: WorkerKey, curve: Predictor, ttft: float, wait_ms: float, own: float, now: float
+    ) -> float:
+        """``ttft`` (behind the prefill step in progress on ``key``) with the chance that the
+        request gets to the engine before that step starts (:class:`~kvmesh.router.core.joins.Joins`,
+        by how soon after the step's request it is routed): then its first token comes with that
+        step's, which its tokens make a little longer, and it runs no step of its own."""
+        anchor = self._load.anchor(key)
+        if anchor is None:
+            return ttft
+        p = self._joins.share(now - anchor[1])
+        if p <= 0.0:
+            return ttft
+        joined = curve.overhead_ms() + wait_ms + curve.added_prefill_ms(float(anchor[2]), own)
+        return ttft - p * max(ttft - joined, 0.0)
 
     def _copy_credit(
         self,
@@ -1252,9 +1283,13 @@ class KvRouter:
         if predicted is None:
             predicted = model.ttft_ms(ahead + uncached, decoding, usage, step_wait_ms)
         wait = self._memory_wait_ms(worker, load.decode_blocks(worker), total, now, req.request_id)
-        self._obs[req.request_id] = _Obs(
+        obs = self._obs[req.request_id] = _Obs(
             worker, now, ahead, uncached, req.isl_tokens, decoding, usage, predicted, wait, step_wait_ms
         )
+        if step_wait_ms > 0.0:
+            anchor = load.anchor(worker)  # the step's request (this one joined the queue behind it)
+            if anchor is not None and anchor[0] != req.request_id:
+                obs.anchor, obs.gap_s = anchor[0], now - anchor[1]
 
     def _commit(
         self,
@@ -1289,9 +1324,36 @@ class KvRouter:
             obs.ttft = now - obs.dispatched
             obs.last_token = now
             obs.timed = timed
+            if timed:
+                first = self._first_at
+                first[request_id] = now
+                if len(first) > _FIRST_TOKENS_KEPT:
+                    del first[next(iter(first))]
+                if obs.anchor is not None:
+                    self._learn_join(obs, now)
         self._load.prefill_done(request_id, now)
         if self.observer is not None:
             self.observer.prefill_done(request_id)
+
+    def _learn_join(self, obs: _Obs, now: float) -> None:
+        """Did a request routed behind a step in progress join it? It did if its first token came
+        with the step's request's (within half a step of its own, which it would otherwise have
+        needed), or before it (a long prompt's step is chunked: this one joined a chunk)."""
+        anchor = obs.anchor
+        assert anchor is not None
+        at = self._first_at.get(anchor)
+        if at is None:
+            if anchor not in self._load:
+                return  # the step's request left without a first token: nothing to compare with
+            joined = True
+        else:
+            model = self._timing.get(obs.worker)
+            if model is None:
+                return
+            step_ms = model.curve().step_ms() + model.decode_ms(obs.kv_usage)
+            joined = 1000.0 * abs(now - at) < 0.5 * step_ms
+        obs.joined = joined
+        self._joins.observe(obs.gap_s, joined)
 
     def output_tokens(self, request_id: str, n: int, now: float) -> None:
         """``n`` more tokens were generated (output-block tracking, liveness, decode timing)."""
@@ -1344,7 +1406,9 @@ class KvRouter:
             self._decode_fleet = decode_s
         else:
             self._decode_fleet += _REUSE_ALPHA * (decode_s - self._decode_fleet)
-        if obs.memory_wait_ms < 1000.0 * obs.ttft:
+        # a request that joined the step in progress ran no step of its own: its TTFT was that
+        # step's, which the step's own request teaches
+        if obs.memory_wait_ms < 1000.0 * obs.ttft and not obs.joined:
             model.observe_ttft(
                 obs.ahead + uncached,
                 obs.decoding,
@@ -1460,6 +1524,11 @@ class KvRouter:
         """The conversations the latency cost has learned about (None with Dynamo's cost)."""
         return self._conversations.describe() if self._latency else None
 
+    def join_stats(self) -> dict[str, list[float]] | None:
+        """How often requests routed right behind the step in progress on a worker joined it, by
+        how soon after its request they were routed (None with Dynamo's cost)."""
+        return self._joins.describe() if self._latency else None
+
     def shared_prefix_stats(self) -> dict[str, int] | None:
         """Shared prefixes the latency cost follows, and the copies of them it made: requests placed
         on a worker that did not hold the prefix requests in flight shared with them (None with
@@ -1479,6 +1548,11 @@ class KvRouter:
     def queue_pending(self) -> tuple[int, int]:
         """(requests, prompt tokens) waiting in the admission queue."""
         return len(self._queue), self._queue.pending_tokens
+
+
+_FIRST_TOKENS_KEPT = 4096
+"""Recent first-token times kept for :meth:`KvRouter._learn_join` (a request routed behind
+another finds it there after it has finished)."""
 
 
 def _weigh_prefill(

@@ -298,6 +298,20 @@ class ActiveSequences:
             return 0.0, 0
         return _step(w, now)
 
+    def anchor(self, worker: WorkerKey) -> tuple[str, float, int] | None:
+        """The request taken to be in the step running on ``worker`` (:meth:`step_in_progress`):
+        ``(its id, since when, its uncached prompt tokens)``; None when nothing is in prefill."""
+        w = self._workers.get(worker)
+        if w is None or not w.in_prefill:
+            return None
+        rid, r = next(iter(w.in_prefill.items()))
+        return rid, w.anchor_since, r.prefill
+
+    def first_token_at(self, request_id: str) -> float | None:
+        """When a request in flight showed its first token (None: not yet, or not in flight)."""
+        r = self._requests.get(request_id)
+        return r.first_token_at if r is not None else None
+
     def candidate_view(self, worker: WorkerKey, now: float) -> tuple[float, int, float, int, int]:
         """What the latency cost reads of ``worker``, in one lookup (it runs for every candidate of
         every decision): ``(seconds left of the step in progress, prefill tokens queued behind it,

@@ -196,6 +196,10 @@ class Curve:
     def overhead_ms(self) -> float:
         return self.theta[3]
 
+    def step_ms(self) -> float:
+        """The fitted constant of a prefill step: what a step costs beyond its tokens."""
+        return self.theta[2]
+
     def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
         """Predicted ms to first token with ``x_tokens`` of prefill work queued, its own included,
         behind ``wait_ms`` left of a prefill step already running."""
@@ -388,6 +392,16 @@ class _Weighed:
         own = self.own.added_prefill_ms(ahead_tokens, own_tokens)
         return self.w * own + (1.0 - self.w) * self.fleet.added_prefill_ms(ahead_tokens, own_tokens)
 
+    def overhead_ms(self) -> float:
+        return self.w * self.own.overhead_ms() + (1.0 - self.w) * self.fleet.overhead_ms()
+
+    def step_ms(self) -> float:
+        return self.w * self.own.step_ms() + (1.0 - self.w) * self.fleet.step_ms()
+
+
+Predictor = Curve | _Weighed
+"""What predicts for a worker (:meth:`WorkerTiming.curve`)."""
+
 
 class WorkerTiming:
     """A worker's timing model, shrunk toward the fleet's while it has few observations.
@@ -414,7 +428,7 @@ class WorkerTiming:
         n = self.own.observations
         return n / (n + SHRINK)
 
-    def curve(self) -> Curve | _Weighed:
+    def curve(self) -> Predictor:
         """What predicts for this worker (``ttft_ms``, ``prefill_ms``, ``added_prefill_ms``): its
         own fit when it is profiled, else the blend. The router takes it once per candidate."""
         if self.profiled:

@@ -392,6 +392,64 @@ def test_a_request_arriving_during_a_long_prefill_goes_to_an_idle_worker_holding
     assert pick(r, "next", context + toks(11, 16), now=0.07).worker == ("a", 0)
 
 
+def _pairs(r: KvRouter, n: int, start: float, *, follower_lag: float) -> float:
+    """``n`` times: a 1.6k-token prompt sent to a, its identical twin routed 0.3 ms later to a too,
+    the twin's first token ``follower_lag`` after the first one's; returns the time after them."""
+    now = start
+    for i in range(n):
+        prompt = toks(1000 + i, 1600)
+        for rid, at in ((f"lead{i}", now), (f"twin{i}", now + 0.0003)):
+            d = r.route(req(rid, prompt, backend_instance_id="a"), at)
+            assert isinstance(d, Decision) and d.worker == ("a", 0)
+        r.first_token(f"lead{i}", now + 0.045)
+        r.first_token(f"twin{i}", now + 0.045 + follower_lag)
+        r.finished(f"lead{i}", now + 0.2)
+        r.finished(f"twin{i}", now + 0.2 + follower_lag)
+        now += 0.5
+    return now
+
+
+def _twin_prediction(r: KvRouter, seed: int, now: float) -> float:
+    """The predicted TTFT on a of a twin routed 0.3 ms after its first, the step in progress."""
+    prompt = toks(seed, 1600)
+    assert isinstance(r.route(req(f"first{seed}", prompt, backend_instance_id="a"), now), Decision)
+    d = pick(r, f"second{seed}", prompt, now + 0.0003)
+    a = {s.worker[0]: s for s in d.breakdown}["a"]
+    assert a.step_wait_ms > 20.0  # behind the first one's step, as the model sees it
+    r.cancel(f"first{seed}", now)
+    r.cancel(f"second{seed}", now)
+    assert a.predicted_ttft_ms is not None
+    return a.predicted_ttft_ms
+
+
+def test_requests_that_reach_the_engine_before_the_step_they_wait_for_starts_are_learned_to_join_it() -> None:
+    """Twins routed 0.3 ms apart: the model first takes the second to wait out the first one's step
+    and then run its own. Where the engine shows both first tokens together (it took both into one
+    step), the router learns that requests routed so soon join the step, predicts the second twin
+    without a step of its own, and does not teach its curve those TTFTs as waits they never had.
+    Where the second shows its first token a step later, nothing changes."""
+    joined, missed = router(), router()
+    before = _twin_prediction(joined, 1, 0.0)
+    assert _twin_prediction(missed, 1, 0.0) == pytest.approx(before)
+
+    end = _pairs(joined, 12, 1.0, follower_lag=0.0005)
+    _pairs(missed, 12, 1.0, follower_lag=0.030)
+    stats = joined.join_stats()
+    assert stats is not None and stats["joined_share"][0] == 1.0 and stats["seen"][0] == 12.0
+    assert missed.join_stats()["joined_share"][0] == 0.0  # type: ignore[index]
+
+    after_joined = _twin_prediction(joined, 2, end)
+    after_missed = _twin_prediction(missed, 2, end)
+    step = MOCKER_PRIOR.prefill_ms[2]  # the step constant a step of its own costs
+    assert after_joined < after_missed - step / 2
+    observations = {
+        r: {s.worker[0]: s.timing["observations"] for s in r.worker_snapshot() if s.timing}
+        for r in (joined, missed)
+    }
+    assert observations[joined]["a"] == 12  # the first of each pair only
+    assert observations[missed]["a"] == 24
+
+
 def test_busy_thresholds_temperature_and_pins_still_apply_on_top() -> None:
     r = router(active_prefill_tokens_threshold=2000)
     store(r, "a", toks(1, 4000))

@@ -292,7 +292,9 @@ class ActiveSequences:
         boundaries); what is left of it is its predicted duration less the time since it became
         the oldest. The other requests in prefill wait for the next step, which a request sent now
         joins. ``(0, all prefill tokens)`` when the oldest has no predicted duration (the caller
-        then sees every prefill token as joinable, as before)."""
+        then sees every prefill token as joinable, as before). (A request routed a moment after
+        the oldest can still reach the engine before its step starts: how often it does, the
+        latency cost learns, :mod:`~kvmesh.router.core.joins`.)"""
         w = self._workers.get(worker)
         if w is None:
             return 0.0, 0

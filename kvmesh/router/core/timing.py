@@ -15,7 +15,10 @@ uncached prompt tokens of requests queued there for the next step, plus its own)
 predicted prefill time of the oldest request in prefill and when it started): engines admit work at
 step boundaries, so a request cannot join that step and waits for it whole. Without it, a request
 arriving just after another one's long prefill had started was predicted to share its step, and a
-worker busy with a 1.6k-token prefill cost the same as an idle one.
+worker busy with a 1.6k-token prefill cost the same as an idle one. (A request routed right
+after the one in that step can reach the engine before the step starts and run in it: the router
+learns how often (:mod:`kvmesh.router.core.joins`), predicts it, and does not fit the curve to the
+TTFTs of requests that did, which had no prefill of their own.)
 
 ``o`` is the worker's fixed overhead per request: everything between the router's dispatch and the
 first token that is not engine work (HTTP, the engine's own request handling, the streaming of the

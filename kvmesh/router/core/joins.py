@@ -15,11 +15,16 @@ predicted at 55-78 ms, behind the first one's step, and most showed their first 
 36-40 ms; in the same runs the fit, taught those TTFTs as waits it never had, predicted idle
 workers 7-11 ms short, and siblings were sent to recompute the conversation elsewhere.)
 
-Pure: no clock, no I/O. Fleet-wide: the way an engine takes arrivals is the engine's, shared by
-the workers of one kind.
+Each worker has its own counts, shrunk toward the fleet's while it has few (fleets can be mixed:
+an engine that defers a request sharing a prefix with one being scheduled to the next step, as
+SGLang can, never shows a join, where vLLM and the simulated engine do).
+
+Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
+
+from kvmesh._types import WorkerKey
 
 EDGES_S = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032)
 """Upper edges of the gap bins (seconds from the step's request being routed); beyond the last,
@@ -27,51 +32,80 @@ one more bin."""
 HALVE_AT = 2000.0
 """When this many requests have been counted, every count is halved, so the statistics follow
 the last thousand or two."""
+SHRINK = 5.0
+"""Requests in a gap bin after which a worker's own share and the fleet's weigh the same."""
+
+
+class _Counts:
+    __slots__ = ("joined", "seen", "total")
+
+    def __init__(self) -> None:
+        self.joined = [0.0] * (len(EDGES_S) + 1)
+        self.seen = [0.0] * (len(EDGES_S) + 1)
+        self.total = 0.0
+
+    def add(self, i: int, joined: bool) -> None:
+        self.seen[i] += 1.0
+        if joined:
+            self.joined[i] += 1.0
+        self.total += 1.0
+        if self.total >= HALVE_AT:
+            self.total /= 2.0
+            self.seen = [v / 2.0 for v in self.seen]
+            self.joined = [v / 2.0 for v in self.joined]
 
 
 class Joins:
-    """How often a request routed ``gap`` seconds after the request of the step in progress joins
-    that step."""
+    """How often a request routed ``gap`` seconds after the request of the step in progress on a
+    worker joins that step."""
 
-    __slots__ = ("_joined", "_seen", "_total", "joined")
+    __slots__ = ("_fleet", "_workers", "joined")
 
     def __init__(self) -> None:
-        self._joined = [0.0] * (len(EDGES_S) + 1)
-        self._seen = [0.0] * (len(EDGES_S) + 1)
-        self._total = 0.0
+        self._fleet = _Counts()
+        self._workers: dict[WorkerKey, _Counts] = {}
         self.joined = False
         """Whether any request was seen joining a step (until then every share is 0)."""
 
-    def share(self, gap_s: float) -> float:
-        """The share of requests routed ``gap_s`` after the step's request that joined it: 0 before
-        any was seen (a step in progress cannot be joined, the model's assumption), and shrunk
-        toward 0 by one request while few were."""
+    def share(self, worker: WorkerKey, gap_s: float) -> float:
+        """The share of requests routed ``gap_s`` after the step's request on ``worker`` that
+        joined it: the worker's own, shrunk toward the fleet's while it has seen few (``SHRINK``);
+        0 before any was seen (a step in progress cannot be joined, the model's assumption), and
+        shrunk toward 0 by one request while few were."""
         i = _bin(gap_s)
-        seen = self._seen[i]
+        fleet = self._fleet
+        seen = fleet.seen[i]
         if seen <= 0.0:
             return 0.0
-        return self._joined[i] / (seen + 1.0)
+        prior = fleet.joined[i] / (seen + 1.0)
+        own = self._workers.get(worker)
+        if own is None:
+            return prior
+        return (own.joined[i] + SHRINK * prior) / (own.seen[i] + SHRINK)
 
-    def observe(self, gap_s: float, joined: bool) -> None:
+    def observe(self, worker: WorkerKey, gap_s: float, joined: bool) -> None:
         i = _bin(gap_s)
-        self._seen[i] += 1.0
+        self._fleet.add(i, joined)
+        own = self._workers.get(worker)
+        if own is None:
+            own = self._workers[worker] = _Counts()
+        own.add(i, joined)
         if joined:
-            self._joined[i] += 1.0
             self.joined = True
-        self._total += 1.0
-        if self._total >= HALVE_AT:
-            self._total /= 2.0
-            self._seen = [s / 2.0 for s in self._seen]
-            self._joined = [j / 2.0 for j in self._joined]
+
+    def forget(self, worker: WorkerKey) -> None:
+        """A worker left the fleet."""
+        self._workers.pop(worker, None)
 
     def describe(self) -> dict[str, list[float]]:
-        """Per gap bin (upper edges in ms, the last open), the requests seen and the share that
-        joined, for ``GET /kvmesh/router``."""
+        """Over the fleet, per gap bin (upper edges in ms, the last open), the requests seen and the
+        share that joined, for ``GET /kvmesh/router``."""
+        fleet = self._fleet
         return {
             "gap_ms": [e * 1000.0 for e in EDGES_S],
-            "seen": [round(s, 1) for s in self._seen],
+            "seen": [round(v, 1) for v in fleet.seen],
             "joined_share": [
-                round(j / s, 3) if s else 0.0 for j, s in zip(self._joined, self._seen, strict=True)
+                round(j / v, 3) if v else 0.0 for j, v in zip(fleet.joined, fleet.seen, strict=True)
             ],
         }
 

@@ -435,6 +435,7 @@ class KvRouter:
         self._index.remove_worker(key)
         self._load.remove_worker(key)
         self._conversations.remove_worker(key)
+        self._joins.forget(key)
 
     @property
     def workers(self) -> list[WorkerKey]:
@@ -826,7 +827,7 @@ class KvRouter:
         anchor = self._load.anchor(key)
         if anchor is None:
             return ttft
-        p = self._joins.share(now - anchor[1])
+        p = self._joins.share(key, now - anchor[1])
         if p <= 0.0:
             return ttft
         joined = curve.overhead_ms() + wait_ms + curve.added_prefill_ms(float(anchor[2]), own)
@@ -1353,7 +1354,7 @@ class KvRouter:
             step_ms = model.curve().step_ms() + model.decode_ms(obs.kv_usage)
             joined = 1000.0 * abs(now - at) < 0.5 * step_ms
         obs.joined = joined
-        self._joins.observe(obs.gap_s, joined)
+        self._joins.observe(obs.worker, obs.gap_s, joined)
 
     def output_tokens(self, request_id: str, n: int, now: float) -> None:
         """``n`` more tokens were generated (output-block tracking, liveness, decode timing)."""

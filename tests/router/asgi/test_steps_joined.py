@@ -7,21 +7,14 @@ tests/router/core/test_latency_cost.py)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import aiohttp
 
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.clients import stream_chat
 from tests.router.servers import serve
-
-
-async def _ask(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
-    async with http.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
-        assert r.status == 200
-        async for _ in r.content:
-            pass
 
 
 async def test_bursts_of_twins_teach_the_router_that_they_join_the_first_one_s_step(
@@ -33,7 +26,9 @@ async def test_bursts_of_twins_teach_the_router_that_they_join_the_first_one_s_s
             for burst in range(8):
                 text = f"burst {burst}: " + "the same long question, asked four times at once " * 40
                 body = {"model": engine.config.model, "messages": [{"role": "user", "content": text}]}
-                await asyncio.gather(*(_ask(http, front.url, {**body, "max_tokens": 2}) for _ in range(4)))
+                await asyncio.gather(
+                    *(stream_chat(http, front.url, {**body, "max_tokens": 2}) for _ in range(4))
+                )
             async with http.get(front.url + "/kvmesh/router") as r:
                 joined = (await r.json())["steps_joined"]
     # the twins (24) were routed while the first one's step was in progress (an idle engine, one

@@ -19,6 +19,7 @@ from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.clients import stream_chat
 from tests.router.engines import EngineState, engine_app
 from tests.router.servers import serve
 
@@ -34,14 +35,6 @@ async def _served_by(http: aiohttp.ClientSession, url: str, body: dict[str, Any]
     async with http.post(url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
         return r.headers["x-kvmesh-worker-id"]
-
-
-async def _stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
-    """A streamed request, read to its end (or until it is cancelled)."""
-    async with http.post(url + "/v1/chat/completions", json={**body, "stream": True}) as r:
-        assert r.status == 200
-        async for _ in r.content:
-            pass
 
 
 async def test_a_worker_busy_with_requests_the_router_never_sent_loses_the_next_one(
@@ -78,11 +71,11 @@ async def test_a_worker_busy_with_requests_the_router_never_sent_loses_the_next_
         # the router's own long prefill on c (~20k tokens, 256 a step): the size it gives a request
         # queued where it cannot see
         long = _body(model, "a very long document to read " * 4000, 4, nvext={"backend_instance_id": "c"})
-        own = asyncio.ensure_future(_stream(http, front.url, long))
+        own = asyncio.ensure_future(stream_chat(http, front.url, long))
         # a client keeps a busy with six long answers, none of them through the router: two run,
         # four wait, and a request sent to a now would wait behind them
         direct = [
-            asyncio.ensure_future(_stream(http, a.base_url, _body(model, f"other work {i} " * 120, 4000)))
+            asyncio.ensure_future(stream_chat(http, a.base_url, _body(model, f"other work {i} " * 120, 4000)))
             for i in range(6)
         ]
         try:
@@ -133,11 +126,11 @@ async def test_a_replica_counts_the_queue_another_replica_put_on_a_peer() -> Non
             await asyncio.sleep(0.02)
         # replica 0's own long prefill on engine 3: the size it gives a request it cannot see
         long = _body(model, "a very long document to read " * 4000, 4, nvext={"backend_instance_id": n3})
-        tasks = [asyncio.ensure_future(_stream(http, n0, long))]
+        tasks = [asyncio.ensure_future(stream_chat(http, n0, long))]
         # replica 1 sends six long answers to engine 2: two run there, four wait
         tasks += [
             asyncio.ensure_future(
-                _stream(
+                stream_chat(
                     http,
                     n1,
                     _body(model, f"other work {i} " * 120, 4000, nvext={"backend_instance_id": n2}),

@@ -17,7 +17,10 @@ its predicted time to first token, plus what evicting live cache would cost late
 ``_eviction_ms``). The model learns from the feedback calls: ``first_token`` gives the time from
 dispatch to first token, ``output_tokens`` the gaps between tokens, ``reported_cached`` the cached
 tokens the engine reported; ``finished`` turns them into one observation and returns a
-:class:`TimingSample` (prediction at dispatch vs what happened) for metrics.
+:class:`TimingSample` (prediction at dispatch vs what happened) for metrics. ``first_token`` also
+tells whether a request routed behind the step in progress ran in that step
+(:class:`~kvmesh.router.core.joins.Joins`): such a request teaches no curve, and the cost predicts
+the share of them that do.
 
 Two optional hooks, both given by the caller so the core stays pure: a ``clock`` (any
 ``() -> seconds`` callable) times the prefix lookup of each ``route()`` (``last_find_matches``),

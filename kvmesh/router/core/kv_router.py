@@ -290,8 +290,12 @@ class _Obs:
     """The request taken to be in that step (None: no step was running)."""
     gap_s: float = 0.0
     """How long after that request became the step in progress this one was routed."""
+    anchor_first_at: float | None = None
+    """When the anchor showed its first token (None: not yet)."""
     joined: bool = False
     """It showed its first token with the anchor's: it joined that step rather than waiting it out."""
+    followers: list[_Obs] | None = None
+    """The requests routed behind this one's step (told its first token's time)."""
     ttft: float | None = None
     last_token: float | None = None
     cached: int | None = None
@@ -367,9 +371,6 @@ class KvRouter:
         """Output tokens a request generates, fleet-wide (moving average of finished ones)."""
         self._conversations = Conversations()
         self._joins = Joins()
-        self._first_at: dict[str, float] = {}
-        """When recent requests showed their first token (bounded): a request that was routed
-        behind one is compared with it after it has finished."""
         self._shared = SharedPrefixes()
         self._copies = 0
         """Requests placed on a worker that did not hold the shared prefix they carry: copies made."""
@@ -1292,8 +1293,12 @@ class KvRouter:
         )
         if step_wait_ms > 0.0:
             anchor = load.anchor(worker)  # the step's request (this one joined the queue behind it)
-            if anchor is not None and anchor[0] != req.request_id:
+            ahead_obs = self._obs.get(anchor[0]) if anchor is not None else None
+            if anchor is not None and ahead_obs is not None and ahead_obs is not obs:
                 obs.anchor, obs.gap_s = anchor[0], now - anchor[1]
+                if ahead_obs.followers is None:
+                    ahead_obs.followers = []
+                ahead_obs.followers.append(obs)
 
     def _commit(
         self,
@@ -1328,13 +1333,15 @@ class KvRouter:
             obs.ttft = now - obs.dispatched
             obs.last_token = now
             obs.timed = timed
-            if timed:
-                first = self._first_at
-                first[request_id] = now
-                if len(first) > _FIRST_TOKENS_KEPT:
-                    del first[next(iter(first))]
-                if obs.anchor is not None:
-                    self._learn_join(obs, now)
+            if obs.followers is not None:  # the requests routed behind its step compare with it
+                for follower in obs.followers:
+                    if timed:
+                        follower.anchor_first_at = now
+                    else:  # its answer came whole: no first token to compare with
+                        follower.anchor = None
+                obs.followers = None
+            if timed and obs.anchor is not None:
+                self._learn_join(obs, now)
         self._load.prefill_done(request_id, now)
         if self.observer is not None:
             self.observer.prefill_done(request_id)
@@ -1345,7 +1352,7 @@ class KvRouter:
         needed), or before it (a long prompt's step is chunked: this one joined a chunk)."""
         anchor = obs.anchor
         assert anchor is not None
-        at = self._first_at.get(anchor)
+        at = obs.anchor_first_at
         if at is None:
             if anchor not in self._load:
                 return  # the step's request left without a first token: nothing to compare with
@@ -1552,11 +1559,6 @@ class KvRouter:
     def queue_pending(self) -> tuple[int, int]:
         """(requests, prompt tokens) waiting in the admission queue."""
         return len(self._queue), self._queue.pending_tokens
-
-
-_FIRST_TOKENS_KEPT = 4096
-"""Recent first-token times kept for :meth:`KvRouter._learn_join` (a request routed behind
-another finds it there after it has finished)."""
 
 
 def _weigh_prefill(

@@ -309,11 +309,6 @@ class ActiveSequences:
         rid, r = next(iter(w.in_prefill.items()))
         return rid, w.anchor_since, r.prefill
 
-    def first_token_at(self, request_id: str) -> float | None:
-        """When a request in flight showed its first token (None: not yet, or not in flight)."""
-        r = self._requests.get(request_id)
-        return r.first_token_at if r is not None else None
-
     def candidate_view(self, worker: WorkerKey, now: float) -> tuple[float, int, float, int, int]:
         """What the latency cost reads of ``worker``, in one lookup (it runs for every candidate of
         every decision): ``(seconds left of the step in progress, prefill tokens queued behind it,

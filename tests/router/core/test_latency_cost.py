@@ -450,6 +450,19 @@ def test_requests_that_reach_the_engine_before_the_step_they_wait_for_starts_are
     assert observations[missed]["a"] == 24
 
 
+def test_a_request_behind_an_answer_that_came_whole_is_not_compared_with_it() -> None:
+    """A non-streamed request shows no first token (its whole answer arrives at once): the twin
+    routed behind its step has nothing to compare with, and teaches nothing about joins."""
+    r = router()
+    prompt = toks(5, 1600)
+    for rid, at in (("whole", 0.0), ("twin", 0.0003)):
+        assert isinstance(r.route(req(rid, prompt, backend_instance_id="a"), at), Decision)
+    r.first_token("whole", 0.2, timed=False)
+    r.first_token("twin", 0.045)
+    stats = r.join_stats()
+    assert stats is not None and sum(stats["seen"]) == 0
+
+
 def test_busy_thresholds_temperature_and_pins_still_apply_on_top() -> None:
     r = router(active_prefill_tokens_threshold=2000)
     store(r, "a", toks(1, 4000))

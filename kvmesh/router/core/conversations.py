@@ -10,9 +10,10 @@ its later turns, and the cache they will grow into. The router learns that from 
   worker it went to) or it is not continued for ``EXPIRE_CYCLES`` typical gaps between turns (the
   conversation is taken to be over);
 * each request has a **turn number** (1 when it continues nothing; a sibling shares its twin's);
-  from how many conversations reached each turn, the turns still to come after turn ``n`` (those
-  that reached ``n`` and went on, counted at each turn they reached), the blocks a turn adds, and
-  the gap between turns;
+  from how many conversations reached each turn, the share that went on from each turn to the next
+  (of those whose next turn has come or is overdue: a conversation still between its turns has not
+  ended), the turns still to come after turn ``n``, the blocks a turn adds, and the gap between
+  turns;
 * per worker, the **live blocks**: the blocks of the tips placed there, a prefix shared by several
   counted once. They are what conversations will ask that worker for again.
 
@@ -73,6 +74,9 @@ class _Tip:
     """Local hashes of the full blocks after the last whole chunk (fewer than ``CHUNK``)."""
     at: float
     number: int
+    counted: float
+    """What it added to the turns reached (1, halved with them; 0 for a sibling): while it waits
+    for its next turn, that much of its turn's count has no fate yet."""
 
     @property
     def n_blocks(self) -> int:
@@ -108,7 +112,14 @@ class Conversations:
         Counting what was seen, rather than a share of requests continued, never extrapolates: a
         share learned from the tips' fates ran to 19 turns to come in a fleet of 4-turn
         conversations, since a continuation is seen a turn later and an ending only after
-        ``EXPIRE_CYCLES`` gaps, or never within a run."""
+        ``EXPIRE_CYCLES`` gaps, or never within a run. No turn past the deepest one reached is
+        counted on."""
+        self._waiting: list[float] = []
+        """``[n - 1]``: of ``_reached[n - 1]``, the conversations still between turn ``n`` and the
+        next (their tips live, not yet continued nor overdue). They have not gone on yet, nor
+        ended: a share that counts them as ended reads every conversation of a fleet that is still
+        starting up as a short one (sessions of six turns, arriving one every 0.1 s, read 0.3
+        turns to come after their first for the first seconds of a run)."""
         self.growth_blocks = 0.0
         self.cycle_s = 0.0
 
@@ -129,13 +140,33 @@ class Conversations:
         return live - CHUNK * sum(only[:anchors]) - sum(only[anchors:])
 
     def turns_to_come(self, number: int = 1) -> float:
-        """Further turns a conversation at turn ``number`` brings, on average: of the conversations
-        that reached it, how many turns beyond it they reached (0 before any did)."""
-        reached = self._reached
+        """Further turns a conversation at turn ``number`` brings, on average: the chance it reaches
+        each later turn (the shares that went on, :meth:`_shares_going_on`, multiplied out), summed
+        up to the deepest turn reached (0 before any conversation went past ``number``)."""
+        to_come = self._to_come
+        if to_come is None:
+            to_come = self._to_come = self._build_to_come()
         n = min(number, MAX_TURN)
-        if n > len(reached) or reached[n - 1] <= 0:
-            return 0.0
-        return min(sum(reached[n:]) / reached[n - 1], MAX_TURNS_TO_COME)
+        return to_come[n - 1] if n <= len(to_come) else 0.0
+
+    def _build_to_come(self) -> list[float]:
+        go_on = self._shares_going_on()
+        to_come = [0.0] * (len(go_on) + 1)
+        for k in range(len(go_on) - 1, -1, -1):  # from the deepest turn back
+            to_come[k] = min(go_on[k] * (1.0 + to_come[k + 1]), MAX_TURNS_TO_COME)
+        return to_come
+
+    def _shares_going_on(self) -> list[float]:
+        """``[n - 1]``: of the conversations that reached turn ``n`` and are no longer waiting at it,
+        the share that went on to ``n + 1``."""
+        go_on = self._go_on
+        if go_on is None:
+            reached, waiting = self._reached, self._waiting
+            go_on = self._go_on = [
+                reached[n] / max(reached[n - 1] - waiting[n - 1], reached[n], 1e-9)
+                for n in range(1, len(reached))
+            ]
+        return go_on
 
     def growth_ahead_blocks(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """The blocks the conversations living on ``worker`` will still add there: each tip at
@@ -150,22 +181,18 @@ class Conversations:
         ``n`` comes back :meth:`turns_to_come` more times. ``exclude``: a tip left out."""
         to_come = self._to_come
         if to_come is None:
-            to_come = self._to_come = [self.turns_to_come(n) for n in range(1, len(self._reached) + 1)]
+            to_come = self._to_come = self._build_to_come()
         return self._over_tips(worker, to_come, exclude)
 
     def turns_per_cycle(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """The turns the conversations living on ``worker`` send it over one gap between turns:
-        each tip at turn ``n`` once, with the chance that a conversation at ``n`` went on (of those
-        that reached ``n``, the share that reached ``n + 1``; none at the deepest turn seen).
+        each tip at turn ``n`` once, with the chance that a conversation at ``n`` went on
+        (:meth:`_shares_going_on`; none at the deepest turn seen).
         Over ``cycle_s``, the turns a second they send it, by Little's law over conversations:
         unlike the requests in flight there, this does not fall to 0 while a worker's
         conversations are all between turns, just before their next turns arrive. ``exclude``: a
         tip left out (the one the request being priced continues: it is that turn)."""
-        go_on = self._go_on
-        if go_on is None:
-            reached = self._reached
-            go_on = self._go_on = [reached[n] / max(reached[n - 1], 1e-9) for n in range(1, len(reached))]
-        return self._over_tips(worker, go_on, exclude)
+        return self._over_tips(worker, self._shares_going_on(), exclude)
 
     def _over_tips(self, worker: WorkerKey, per_number: list[float], exclude: str | None) -> float:
         """``per_number[n - 1]`` summed over the tips on ``worker`` at turn ``n`` (0 past the
@@ -234,6 +261,7 @@ class Conversations:
         again = self._unindex(request_id) if request_id in self._tips else None
         previous = turn.previous
         number = turn.number if again is None else again.number
+        counted = again.counted if again is not None else 0.0 if turn.sibling else 1.0
         if again is None and not turn.sibling:
             self._count(number)
         replaced = None
@@ -252,8 +280,10 @@ class Conversations:
             else:
                 self._release(again, 0)
         anchor, trailing = turn.key
-        tip = _Tip(worker, prompt.ids, prompt.n_anchors, trailing, now, number)
+        tip = _Tip(worker, prompt.ids, prompt.n_anchors, trailing, now, number, counted)
         self._tips[request_id] = tip
+        if counted:
+            self._wait(number, counted)
         numbers = self._numbers.setdefault(worker, {})
         numbers[number] = numbers.get(number, 0) + 1
         self._by_prompt.setdefault(turn.key, {})[request_id] = None
@@ -320,10 +350,22 @@ class Conversations:
         n = min(number, MAX_TURN)
         if n > len(reached):
             reached.extend([0.0] * (n - len(reached)))
+            self._waiting.extend([0.0] * (n - len(self._waiting)))
         reached[n - 1] += 1.0
         if reached[0] >= HALVE_AT:
             self._reached = [r / 2.0 for r in reached]
+            self._waiting = [w / 2.0 for w in self._waiting]
+            for tip in self._tips.values():  # (once per ~1,000 conversations)
+                tip.counted /= 2.0
         self._to_come = self._go_on = None
+
+    def _wait(self, number: int, weight: float) -> None:
+        """``weight`` more (or less) of turn ``number``'s count waits for its next turn."""
+        n = min(number, MAX_TURN) - 1
+        waiting = self._waiting
+        if n < len(waiting):
+            waiting[n] = max(waiting[n] + weight, 0.0)
+            self._to_come = self._go_on = None
 
     def _hold(self, tip: _Tip, start: int) -> None:
         """Count ``tip``'s identities from ``start`` on as live on its worker."""
@@ -341,6 +383,8 @@ class Conversations:
 
     def _unindex(self, request_id: str) -> _Tip:
         tip = self._tips.pop(request_id)
+        if tip.counted:  # its fate is known now: continued, or over
+            self._wait(tip.number, -tip.counted)
         numbers = self._numbers.get(tip.worker)
         if numbers is not None:  # else its worker is gone
             if numbers[tip.number] == 1:

@@ -765,7 +765,7 @@ class KvRouter:
                 )
                 if growth > 0:
                     evict += self._growth_eviction_ms(key, growth, added, continues)
-                returning = living = overlap = 0.0  # the conversations living there: their turns and blocks
+                returning = overlap = 0.0  # the conversations living there: their turns
                 if turn is not None:
                     per_cycle = conv.turns_per_cycle(key, continues)  # a gap between turns' worth of theirs
                     # (it returns 0 unless live conversations there and these blocks overflow the cache)
@@ -773,14 +773,13 @@ class KvRouter:
                         evict += self._pushed_out_ms(key, timing, added, total, continues, to_come, per_cycle)
                     if per_cycle > 0.0 and cycle_s > 0.0:
                         returning = per_cycle / cycle_s  # their turns a second (Little's law)
-                        living = conv.live_blocks(key, continues)
                         if to_come > 0.0 and not turn.sibling:
                             overlap = self._turns_overlap_ms(
                                 key, timing, usage, to_come, continues, per_cycle, cycle_s, turn_tokens
                             )
                 delay = (
                     self._delay_to_arrivals_ms(
-                        key, timing, view, prefill - active, decode, osl, now, returning, living
+                        key, timing, view, prefill - active, decode, osl, now, returning
                     )
                     if requests_there or returning > 0.0
                     else 0.0  # nothing in flight there and no conversation to come back: no arrivals
@@ -1060,7 +1059,6 @@ class KvRouter:
         osl: int | None,
         now: float,
         returning_per_s: float = 0.0,
-        living_blocks: float = 0.0,
     ) -> float:
         """The time to first token this request takes from the requests that will arrive on ``key``
         while it is there.
@@ -1086,16 +1084,13 @@ class KvRouter:
         when the next request there ends: it put turns on a worker already 240 blocks over its
         cache because one request there was about to finish, and the turns behind them waited
         300-500 ms, where spreading the excess over the fleet keeps every wait short.)
-        The memory those arrivals need is at least the blocks of the conversations living there
-        (``living_blocks``, this request's own conversation aside): their turns bring their
-        histories back. Where that is more than the blocks in flight, the blocks this request adds
-        beyond what they leave are waited for in the same way, for its whole decode, since the
-        conversations stay. (Counted from the blocks in flight alone, a worker whose
-        conversations were all between turns looked empty: 12-turn agent sessions moved their
-        turns there, recomputing 12-15k tokens each, just before that worker's own conversations
-        came back for its memory, found their histories evicted by the newcomer and recomputed
-        them in turn; hits fell to 0.58-0.63, against 0.80 for a router that never moves a
-        conversation.)
+        The histories of the conversations living there between turns are cached, not in flight:
+        the engine evicts them for the blocks it needs, and no one waits for them. What evicting
+        them costs is their recompute when they come back (:meth:`_pushed_out_ms`). (Priced here as
+        well, as memory every arrival would wait for, they made every block a request adds to a
+        worker under cache pressure a wait for everyone arriving there: conversations moved off
+        busy engines, and 48 chats outgrowing four engines' caches had 0.68-0.72 of their prompts
+        cached instead of 0.76-0.77.)
         An idle worker charges nothing, so a request that would pile onto a worker already taking
         most of the traffic pays for the queue it makes there; a request that shares blocks already
         in use there (a sibling, a conversation's next turn) adds few blocks and little prefill,
@@ -1118,11 +1113,6 @@ class KvRouter:
         decode_s = osl * pass_after / 1000.0 if osl is not None and osl > 0 else stay_s
         delay = rate * (prefill / 1000.0) * prefill / 2.0 + rate * decode_s * 1.5 * longer_pass
         added = blocks_after - blocks_before
-        if living_blocks > blocks_before:  # the conversations there will need more than is in flight
-            over_living = min(added, added + living_blocks - total)
-            if over_living > 0:
-                return delay + rate * decode_s * 1000.0 * over_living / total * stay_s
-            return delay
         over_limit = min(added, blocks_after - total)
         if over_limit > 0:
             inflow = blocks_before / stay_s

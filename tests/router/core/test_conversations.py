@@ -49,8 +49,12 @@ def test_a_turn_continues_the_request_whose_whole_prompt_it_extends() -> None:
     # turns reached: s1-t1, s2-t1 and s1-t3 are first turns, s1-t2 a second (its sibling is the
     # same turn again, not a conversation more)
     assert conv.continued_share() == pytest.approx(1 / 4)
-    assert conv.turns_to_come(1) == pytest.approx(1 / 3)
+    # of the three first turns, s2-t1 and s1-t3 still wait for their next turns: the one whose
+    # fate is known went on
+    assert conv.turns_to_come(1) == pytest.approx(1)
     assert conv.turns_to_come(2) == 0
+    conv.expire(2.0 + EXPIRE_CYCLES * conv.cycle_s + 0.01)  # overdue: those two were over
+    assert conv.turns_to_come(1) == pytest.approx(1 / 3)
 
 
 def test_a_sibling_shares_its_twins_turn_number() -> None:
@@ -156,6 +160,38 @@ def test_conversations_still_going_count_only_the_turns_they_reached() -> None:
             prompts[s] = prompts[s] + toks(1000 * s + t, 4 * B)
     assert conv.turns_to_come(1) == pytest.approx(2)
     assert conv.turns_to_come(3) == 0
+
+
+def test_conversations_still_starting_up_are_not_read_as_short_ones() -> None:
+    """Six-turn sessions starting one every 0.1 s, a turn a second: 1.5 s in, the first five are
+    at their second turn and ten more wait at their first. Counted as having ended there, those ten
+    read as conversations of one turn (5/15 turns to come); they have not ended, and every
+    conversation whose next turn could have come went on."""
+    conv = Conversations()
+    prompts = {s: toks(100 + s, 8 * B) for s in range(15)}
+    events = sorted([(0.1 * s, s, 0) for s in range(15)] + [(0.1 * s + 1.0, s, 1) for s in range(5)])
+    for at, s, t in events:
+        route(conv, f"{s}-{t}", A, prompts[s], at)
+        prompts[s] = prompts[s] + toks(1000 * s + t, 4 * B)
+    assert conv.turns_to_come(1) == pytest.approx(1)  # no turn past the second seen yet
+    assert conv.turns_per_cycle(A) == pytest.approx(10)  # the ten at turn 1 come back
+
+
+def test_conversations_that_ended_count_once_their_next_turn_is_overdue() -> None:
+    """Half the conversations end after two turns, half go on to four: once the short ones'
+    third turns are overdue, going on from turn 2 reads one in two."""
+    conv = Conversations()
+    prompts = {s: toks(100 + s, 8 * B) for s in range(20)}
+    for t in range(4):  # all twenty side by side, a turn a second
+        for s in range(20):
+            if t < (2 if s % 2 else 4):
+                route(conv, f"{s}-{t}", A, prompts[s], float(t))
+                prompts[s] = prompts[s] + toks(1000 * s + t, 4 * B)
+    # at 3 s the short ones' third turns are a second late, not yet overdue
+    assert conv.turns_to_come(2) == pytest.approx(2)
+    conv.expire(3.0 + 10 * EXPIRE_CYCLES)
+    assert conv.turns_to_come(2) == pytest.approx(0.5 * 2)
+    assert conv.turns_to_come(1) == pytest.approx(1 + 0.5 * 2)
 
 
 def test_endless_conversations_are_priced_a_bounded_future() -> None:
@@ -350,10 +386,10 @@ def test_the_turns_conversations_send_a_worker_come_from_those_living_there() ->
     route(conv, "second-2", A, toks(8, 8 * B) + toks(9, 4 * B), now + 0.9)  # turn 2: the tip moves
     assert conv.cycle_s == pytest.approx(1.0, rel=0.01)
     # two tips, each back once a gap between turns with the chance that a conversation at its turn
-    # went on (all 40 did; of the 42 at turn 1 and the 41 at turn 2, these two are still going)
-    assert conv.turns_per_cycle(A) == pytest.approx(41 / 42 + 40 / 41)  # a gap's worth of them
+    # went on: every one whose next turn came or was overdue did (these two still wait)
+    assert conv.turns_per_cycle(A) == pytest.approx(2)  # a gap's worth of them
     # the tip a turn being priced continues is that turn
-    assert conv.turns_per_cycle(A, exclude="first") == pytest.approx(40 / 41)
+    assert conv.turns_per_cycle(A, exclude="first") == pytest.approx(1)
     assert conv.turns_per_cycle(W) == 0  # its conversations are over
     # a tip at the deepest turn seen is a conversation's last: it does not come back
     prompt = toks(10, 8 * B)
@@ -399,10 +435,11 @@ def learned_conversations(r: KvRouter, turns: int) -> float:
 def test_a_worker_whose_conversations_are_between_turns_is_not_empty() -> None:
     """Three conversations live on a, between turns, with 330 blocks each; nothing is in flight
     anywhere. A new 525-block request would be answered sooner on a, which holds its first 125
-    blocks, but when a's conversations come back (the router learned they do, a turn every 0.6 s)
-    they need 990 of a's 1,000 blocks, and this request's would keep them waiting for memory
-    through its decode: it goes to b. Counted from the requests in flight alone, a was idle and
-    took it. Once a's conversations are over, a wins again."""
+    blocks, but a's conversations come back (the router learned they do, a turn every 0.6 s) and
+    hold 990 of a's 1,000 blocks: this request's would push their histories out, to be prefilled
+    again at their turns, and its prefill and blocks would slow those turns: it goes to b.
+    Counted from the requests in flight alone, a was idle and took it. Once a's conversations
+    are over, a wins again."""
     r = router()
     now = learned_conversations(r, 4)
     system = toks(7, 125 * B)
@@ -429,6 +466,28 @@ def test_a_worker_whose_conversations_are_between_turns_is_not_empty() -> None:
     now += 60.0
     r.expire(now)  # a's conversations are over: nothing comes back there
     assert decide("later").worker == ("a", 0)
+
+
+def test_a_turn_stays_with_its_history_where_the_conversations_outgrow_the_cache() -> None:
+    """Four conversations live on a, between turns, with 300 blocks each: more than a's 1,000
+    blocks. The next turn of one of them adds 20 blocks to its history, cached on a. The others'
+    histories are cached, not in flight: the engine evicts what it needs of them, and no one
+    waits for that memory. So the turn stays on a, 30 ms sooner than prefilling its history
+    again on b. (Priced as memory the others' turns would wait for, the 300 blocks this turn
+    holds during its decode sent it to b.)"""
+    r = router()
+    now = learned_conversations(r, 6)
+    prompts = [toks(300 + s, 300 * B) for s in range(4)]
+    for s in range(4):
+        answered(r, f"living-{s}", "a", prompts[s], now)
+        now += 0.1
+    r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(300)), None, prompts[0], B)], 0))
+    request = prompts[0] + toks(9, 20 * B)
+    d = r.route(RouteRequest("next", block_hashes(request, B), len(request)), now + 0.2)
+    assert isinstance(d, Decision)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms - 25.0
+    assert d.worker == ("a", 0)
 
 
 def conversations_living_on_a(turns: int) -> tuple[KvRouter, float]:

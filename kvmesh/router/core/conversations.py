@@ -118,8 +118,9 @@ class Conversations:
         """``[n - 1]``: of ``_reached[n - 1]``, the conversations still between turn ``n`` and the
         next (their tips live, not yet continued nor overdue). They have not gone on yet, nor
         ended: a share that counts them as ended reads every conversation of a fleet that is still
-        starting up as a short one (sessions of six turns, arriving one every 0.1 s, read 0.3
-        turns to come after their first for the first seconds of a run)."""
+        starting up as a short one (six-turn sessions starting one every 0.1 s, a turn a second,
+        read 0.33 turns to come after their first 1.5 s in, where the turns seen allow 1, and
+        the histories a newcomer would push out were priced as if few turns came back for them)."""
         self.growth_blocks = 0.0
         self.cycle_s = 0.0
 

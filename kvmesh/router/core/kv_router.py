@@ -1089,7 +1089,7 @@ class KvRouter:
         them costs is their recompute when they come back (:meth:`_pushed_out_ms`). (Priced here as
         well, as memory every arrival would wait for, they made every block a request adds to a
         worker under cache pressure a wait for everyone arriving there: conversations moved off
-        busy engines, and 48 chats outgrowing four engines' caches had 0.68-0.72 of their prompts
+        busy engines, and 48 chats outgrowing four engines' caches had 0.68-0.73 of their prompts
         cached instead of 0.76-0.77.)
         An idle worker charges nothing, so a request that would pile onto a worker already taking
         most of the traffic pays for the queue it makes there; a request that shares blocks already

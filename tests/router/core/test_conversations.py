@@ -366,6 +366,11 @@ def test_live_blocks_and_turn_counts_stay_consistent(
                     held.update((ident, CHUNK if i < tip.anchors else 1) for i, ident in enumerate(tip.ids))
             assert conv.live_blocks(w) == sum(held.values())
         assert all(tip.number >= 1 for tip in conv._tips.values())
+        # the turns still waiting for their next are the live tips counted at them, no more
+        waiting = [0.0] * len(conv._waiting)
+        for tip in conv._tips.values():
+            waiting[tip.number - 1] += tip.counted
+        assert conv._waiting == pytest.approx(waiting)
         for w in (A, W):
             to_come = sum(conv.turns_to_come(t.number) for t in conv._tips.values() if t.worker == w)
             assert conv.turns_ahead(w) == pytest.approx(to_come)
@@ -375,6 +380,7 @@ def test_live_blocks_and_turn_counts_stay_consistent(
     conv.expire(now + 1e6)  # every conversation over: nothing may stay held
     assert conv.live_blocks(A) == conv.live_blocks(W) == 0
     assert conv.growth_ahead_blocks(A) == conv.growth_ahead_blocks(W) == 0
+    assert not any(conv._waiting)  # and every turn's fate is known
 
 
 def test_the_turns_conversations_send_a_worker_come_from_those_living_there() -> None:

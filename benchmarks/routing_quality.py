@@ -31,8 +31,11 @@ hit ratio (``usage.prompt_tokens_details.cached_tokens`` over prompt tokens), re
 (from each engine's own /metrics, so every router is counted the same way) and the engines'
 fidelity (real busy step time over modelled: near 1.0 means the 2-core machine kept up). The mean
 TTFT is split into the engines' own (``engine TTFT mean ms``: where the requests were placed) and
-the front's time in the path (``front ms``, the rest); ``routing ms`` is the part of that a kvmesh
-front spends from a request's arrival to its decision (parsing, tokenizing, hashing, routing), from
+the front's time in the path (``front ms``, the rest). Of the engines' own, ``engine queue mean ms``
+is the wait before a step took a request in (``vllm:request_queue_time_seconds``): the rest of the
+step running when it arrived, or memory (a burst's later siblings that reach an engine after the
+first one's step started wait there for that step). ``routing ms`` is the part of the front's time
+a kvmesh front spends from a request's arrival to its decision (parsing, tokenizing, hashing, routing), from
 its ``kvmesh_router_overhead_seconds`` histogram (sglang-router reports none).
 ``--json`` keeps every summary, ``--requests`` every request (one JSON object a line: its case,
 router, round, session and turn, start, TTFT, prompt and cached tokens, and the worker a kvmesh
@@ -360,6 +363,8 @@ async def run_one(
     summary["fidelity"] = sum(s.busy_seconds for s in stats) / modelled if modelled else None
     counted = sum(s.ttft_count for s in stats)
     summary["engine_ttft_mean_s"] = sum(s.ttft_seconds_sum for s in stats) / counted if counted else None
+    queued = sum(s.queue_count for s in stats)
+    summary["engine_queue_mean_s"] = sum(s.queue_seconds_sum for s in stats) / queued if queued else None
     return summary
 
 
@@ -371,6 +376,9 @@ METRICS = (
     ("TTFT mean ms", lambda s: _ms(s["ttft_s"].get("mean"))),
     # the engines' own mean TTFT (placement) and what the front adds on the way in and out
     ("engine TTFT mean ms", lambda s: _ms(s.get("engine_ttft_mean_s"))),
+    # of the engines' own, the wait before a step took the request in: behind the step running
+    # when it arrived (a sibling that missed the first one's step) or for memory
+    ("engine queue mean ms", lambda s: _ms(s.get("engine_queue_mean_s"))),
     ("front ms", lambda s: _front_ms(s)),
     # of that, a kvmesh front's own work before it forwards (parse, tokenize, hash, route)
     ("routing ms", lambda s: _ms(s.get("front_routing_mean_s"))),

@@ -65,6 +65,11 @@ class EngineStats:
     the engine measures it): beside the client's, it splits a request's TTFT into the engine's
     part, which is where it was placed, and the front's own time in the path."""
     ttft_count: int = 0
+    queue_seconds_sum: float = 0.0
+    """Of the engine's own time to first token, the part its requests waited before a step took
+    them in (``vllm:request_queue_time_seconds``): behind the step in progress when they arrived,
+    or for memory."""
+    queue_count: int = 0
 
 
 def kvmesh_router(*flags: str) -> FrontCommand:
@@ -241,8 +246,8 @@ async def front_routing_seconds(url: str) -> float | None:
 
 
 async def engine_stats(urls: Sequence[str]) -> list[EngineStats]:
-    """Each engine's finished requests, its modelled vs real busy step time and its own TTFTs (from
-    /metrics)."""
+    """Each engine's finished requests, its modelled vs real busy step time, its own TTFTs and
+    queue waits (from /metrics)."""
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
         for url in urls:
@@ -255,6 +260,8 @@ async def engine_stats(urls: Sequence[str]) -> list[EngineStats]:
                     m.get("kvmesh_mock_busy_step_seconds", 0.0),
                     m.get("vllm:time_to_first_token_seconds_sum", 0.0),
                     int(m.get("vllm:time_to_first_token_seconds_count", 0)),
+                    m.get("vllm:request_queue_time_seconds_sum", 0.0),
+                    int(m.get("vllm:request_queue_time_seconds_count", 0)),
                 )
             )
     return out

@@ -75,6 +75,7 @@ class TokenStream:
         "first_token_time",
         "prompt_tokens",
         "request_id",
+        "scheduled_time",
         "tokens",
     )
 
@@ -86,6 +87,8 @@ class TokenStream:
         self.cached_tokens = 0
         self.finish_reason: str | None = None
         self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None
+        """When a step first took it in (its wait in the queue ends there)."""
         self._waiter: asyncio.Future[None] | None = None
 
     @property
@@ -443,6 +446,8 @@ class MockEngine:
                     await self._idle(deadline)
                     continue
                 out = sched.schedule()
+                if out.admitted:
+                    self._note_admitted(out.admitted, start)
                 self._publish_events()
                 if out.empty:
                     # Work is waiting but no block can be had (pins/sessions hold the rest):
@@ -471,6 +476,20 @@ class MockEngine:
             for request_id in list(self._streams):
                 self.abort(request_id)
             raise
+
+    def _note_admitted(self, admitted: list[EngineRequest], start: float) -> None:
+        """The queue wait of each request a step takes in for the first time: from its arrival to
+        the start of that step. A request that arrived while another's step ran waits for that
+        step to end (a burst's later siblings, when they reach the engine after the first one's
+        step started); one the cache has no room for waits for memory. A preempted request taken
+        in again is not counted twice."""
+        streams = self._streams
+        queue_time = self.metrics.queue_time
+        for req in admitted:
+            stream = streams.get(req.request_id)
+            if stream is not None and stream.scheduled_time is None:
+                stream.scheduled_time = start
+                queue_time.observe(max(start - stream.arrival, 0.0))
 
     def _finish_step(self, out: SchedulerOutput, now: float) -> None:
         sched = self.scheduler

@@ -85,6 +85,13 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         ).labels(model)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time from a request's arrival to the first step that schedules it, in seconds.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "End-to-end request latency, in seconds.",

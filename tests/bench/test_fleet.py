@@ -51,6 +51,9 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile()
     assert [s.ttft_count for s in stats] == [2, 2]
     client = sum(r.ttft for r in run.results if r.ttft is not None)
     assert 0 < sum(s.ttft_seconds_sum for s in stats) < client
+    # of those, the waits before a step took each in: one each, a part of the engine's own TTFT
+    assert [s.queue_count for s in stats] == [2, 2]
+    assert all(0 <= s.queue_seconds_sum < s.ttft_seconds_sum for s in stats)
     # the front's own time to each decision, a part of what it adds to the engines' TTFTs
     assert routing is not None and 0 < routing * 4 < client - sum(s.ttft_seconds_sum for s in stats)
     assert engine_routing is None

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from kvmesh.mock.engine import GenerationParams
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.request.tokenizer import BuiltinTokenizer
 
@@ -283,3 +284,30 @@ async def test_without_max_tokens_a_request_stops_at_a_natural_length() -> None:
             )
         ).json()
         assert fixed["choices"][0]["finish_reason"] == "length" and fixed["usage"]["completion_tokens"] == 300
+
+
+async def test_the_queue_time_is_the_wait_for_the_step_running_when_a_request_came() -> None:
+    """``vllm:request_queue_time_seconds``: a request that reaches an idle engine is taken in at
+    once; one that arrives while another's prefill step runs waits for that step to end."""
+    async with (
+        run_mock(block_size=16, num_blocks=512, speedup=0.5, events=False) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        engine = mock.engine
+        first = engine.submit(GenerationParams(list(range(1, 1601)), max_tokens=2))
+        while first.scheduled_time is None:  # its 1,600-token prefill step has started
+            await asyncio.sleep(0.001)
+        assert first.first_token_time is None
+        second = engine.submit(GenerationParams(list(range(5001, 5101)), max_tokens=2))
+        async for _ in second.deltas():
+            pass
+        await first.wait()
+        assert first.scheduled_time is not None and second.scheduled_time is not None
+        assert first.first_token_time is not None
+        # the first one's step ended with its first token; only then was the second taken in
+        assert second.scheduled_time >= first.first_token_time
+        waits = [s.scheduled_time - s.arrival for s in (first, second)]  # type: ignore[operator]
+        text = (await http.get("/metrics")).text
+        assert _metric(text, "vllm:request_queue_time_seconds_count") == 2
+        assert _metric(text, "vllm:request_queue_time_seconds_sum") == pytest.approx(sum(waits))
+        assert waits[0] < waits[1]

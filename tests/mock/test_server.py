@@ -290,7 +290,7 @@ async def test_the_queue_time_is_the_wait_for_the_step_running_when_a_request_ca
     """``vllm:request_queue_time_seconds``: a request that reaches an idle engine is taken in at
     once; one that arrives while another's prefill step runs waits for that step to end."""
     async with (
-        run_mock(block_size=16, num_blocks=512, speedup=0.5, events=False) as mock,
+        run_mock(block_size=16, num_blocks=512, speedup=0.25, events=False) as mock,
         httpx.AsyncClient(base_url=mock.base_url) as http,
     ):
         engine = mock.engine

@@ -11,12 +11,19 @@ too, for reference.
 End to end: batches/s from ``BatchPublisher`` to ``EventSubscriber`` over loopback tcp (sequence
 checks, in-order delivery, replay machinery idle), against a bare pyzmq PUB -> SUB + decode loop
 (no sequence checking, nothing recoverable) as the floor.
+
+Paced: a router hears each engine step's batch on its own, so what a batch costs it is mostly
+the wake-up around it. A publisher in another process sends one batch every ``--paced-gap-ms``;
+the subscriber's process CPU per batch is measured for ``EventSubscriber`` and for the plainest
+asyncio consumer pyzmq offers (``await sock.recv_multipart()`` on a ``zmq.asyncio`` socket, then
+``decode_batch``), each on its own event loop in this process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +33,7 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, median, table, time_calls
@@ -195,17 +203,109 @@ def bench_end_to_end(n: int) -> str:
     )
 
 
+_PACED_PUBLISHER = """
+import sys, time
+from kvmesh.events.publisher import BatchPublisher
+from kvmesh.events.wire import BlockStored, EventBatch
+n, gap = int(sys.argv[2]), float(sys.argv[3]) / 1000
+with BatchPublisher(sys.argv[1], bind=True) as pub:
+    time.sleep(1.0)  # the subscriber has connected
+    for i in range(n):
+        pub.publish(EventBatch(ts=time.time(), events=[BlockStored(block_hashes=[i], parent_block_hash=None,
+                    token_ids=list(range(16)), block_size=16, lora_id=None)]))
+        time.sleep(gap)
+    time.sleep(0.5)
+"""
+
+
+def _free_endpoint() -> str:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    probe = ctx.socket(zmq.PUB)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(linger=0)
+    return f"tcp://127.0.0.1:{port}"
+
+
+async def _paced(n: int, gap_ms: float, consume: Callable[[str, Callable[[], None]], Any]) -> float:
+    """CPU seconds this process spent per batch, from the 200th batch to the last."""
+    endpoint = _free_endpoint()
+    count, since = 0, 0.0
+    done = asyncio.Event()
+
+    def got() -> None:
+        nonlocal count, since
+        count += 1
+        if count == 200:
+            since = time.process_time()
+        if count == n:
+            done.set()
+
+    consumer = consume(endpoint, got)
+    publisher = subprocess.Popen([sys.executable, "-c", _PACED_PUBLISHER, endpoint, str(n), str(gap_ms)])
+    try:
+        await asyncio.wait_for(done.wait(), 60 + n * gap_ms / 1000 * 3)
+        return (time.process_time() - since) / (n - 200)
+    finally:
+        publisher.wait()
+        if isinstance(consumer, EventSubscriber):
+            await consumer.stop()
+        else:
+            consumer.cancel()
+
+
+def _kvmesh_consumer(endpoint: str, got: Callable[[], None]) -> EventSubscriber:
+    sub = EventSubscriber(endpoint, lambda _seq, _batch: got())
+    sub.start()
+    return sub
+
+
+def _bare_consumer(endpoint: str, got: Callable[[], None]) -> asyncio.Task[None]:
+    async def run() -> None:
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
+        try:
+            while True:
+                _, _, payload = await sock.recv_multipart()
+                decode_batch(payload)
+                got()
+        finally:
+            sock.close(linger=0)
+
+    return asyncio.get_running_loop().create_task(run())
+
+
+def bench_paced(n: int, gap_ms: float) -> str:
+    bare = asyncio.run(_paced(n, gap_ms, _bare_consumer))
+    ours = asyncio.run(_paced(n, gap_ms, _kvmesh_consumer))
+    rows = [
+        ["baseline: zmq.asyncio SUB, await recv_multipart + decode_batch", f"{bare * 1e6:.0f}", "1.00x"],
+        ["kvmesh EventSubscriber", f"{ours * 1e6:.0f}", f"{ours / bare:.2f}x"],
+    ]
+    return table(
+        [f"consumer (one batch every {gap_ms:g} ms, publisher in another process)", "CPU us/batch", "vs baseline"],
+        rows,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeat", type=int, default=3000, help="timed decodes per decoder and payload")
     parser.add_argument("--e2e-batches", type=int, default=20000, help="batches sent in the end-to-end runs")
+    parser.add_argument("--paced-batches", type=int, default=3000, help="batches sent in the paced runs")
+    parser.add_argument(
+        "--paced-gap-ms", type=float, default=0.7, help="gap between two batches in the paced runs (ms)"
+    )
     args = parser.parse_args()
     print(f"machine: {machine()}\n")
     print(bench_decode(args.repeat))
     print()
     print(bench_end_to_end(args.e2e_batches))
+    print()
+    print(bench_paced(args.paced_batches, args.paced_gap_ms))
     return 0
 
 

@@ -142,6 +142,9 @@ class EventSubscriber:
         self._sub: zmq.Socket[bytes] | None = None
         self._wake_rx: zmq.Socket[bytes] | None = None
         self._wake_tx: zmq.Socket[bytes] | None = None
+        # what the poller waits on: asyncio shadows of _sub and _wake_rx (see _waiter)
+        self._sub_waiter: zmq.asyncio.Socket | None = None
+        self._wake_waiter: zmq.asyncio.Socket | None = None
         self._poller: zmq.asyncio.Poller | None = None
 
     # --- public API ---------------------------------------------------------------------------
@@ -245,9 +248,11 @@ class EventSubscriber:
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.setsockopt(zmq.LINGER, 0)
         self._wake_tx.connect(address)
+        self._sub_waiter = _waiter(sub)
+        self._wake_waiter = _waiter(self._wake_rx)
         self._poller = zmq.asyncio.Poller()
-        self._poller.register(sub, zmq.POLLIN)
-        self._poller.register(self._wake_rx, zmq.POLLIN)
+        self._poller.register(self._sub_waiter, zmq.POLLIN)
+        self._poller.register(self._wake_waiter, zmq.POLLIN)
         # After resume_from() or a reconnect, catch up at once instead of waiting for the next
         # live batch to reveal the gap (an idle engine may not publish for a long time).
         if self._expected is not None:
@@ -259,10 +264,13 @@ class EventSubscriber:
             # Frees the address at once (closing alone releases it later, in ZMQ's I/O thread).
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.unbind(self._sub.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint)
-        for sock in (self._sub, self._wake_rx, self._wake_tx):
+        # A shadow's close closes its socket and takes its file descriptor off the event loop.
+        # (Only here, once the pump has stopped: closed under a waiting poll it would cancel it.)
+        for sock in (self._sub_waiter, self._wake_waiter, self._sub, self._wake_rx, self._wake_tx):
             if sock is not None:
                 sock.close(linger=0)
         self._sub = self._wake_rx = self._wake_tx = None
+        self._sub_waiter = self._wake_waiter = None
         self._poller = None
 
     async def _back_off(self, delay: float, error: BaseException) -> None:
@@ -285,15 +293,16 @@ class EventSubscriber:
                 self._kick = False
                 self._catch_up()
             assert self._poller is not None and self._sub is not None and self._wake_rx is not None
+            assert self._sub_waiter is not None and self._wake_waiter is not None
             timeout_ms = None
             if self._replay is not None:
                 timeout_ms = max(0, int((self._replay.deadline - loop.time()) * 1000))
             ready = dict(await self._poller.poll(timeout_ms))
-            if self._wake_rx in ready:
+            if self._wake_waiter in ready:
                 _drain(self._wake_rx, lambda _frames: None)
             if self._replay is not None and self._replay.sock in ready:
                 self._drain_replay(self._replay)
-            got_live = self._sub in ready
+            got_live = self._sub_waiter in ready
             if got_live:
                 _drain(self._sub, self._on_live_message)
                 self._healthy = True
@@ -429,6 +438,9 @@ class EventSubscriber:
         sock.send_multipart([b"", pack_seq(start)], zmq.NOBLOCK)
         deadline = asyncio.get_running_loop().time() + self._replay_timeout
         self._replay = _Replay(sock, start, attempt, deadline)
+        # Registered as it is (pyzmq wraps it for each poll): a replay is rare and short, and a
+        # shadow made for it could not be closed while a poll waits on it (closing it cancels the
+        # poll's future, shared by every socket, and with it the pump; resume_from() does that).
         self._poller.register(sock, zmq.POLLIN)
         logger.info("%s: requesting replay from seq %d (attempt %d)", self.name, start, attempt)
 
@@ -529,6 +541,15 @@ class EventSubscriber:
         self.stats.malformed += 1
         where = f"seq {seq}" if seq is not None else "unreadable seq"
         logger.warning("%s: dropping malformed KV-event batch (%s): %s", self.name, where, error)
+
+
+def _waiter(sock: zmq.Socket[bytes]) -> zmq.asyncio.Socket:
+    """An asyncio shadow of ``sock`` (the same ZMQ socket) for the poller to wait on, made once
+    per socket. Given the plain socket, pyzmq's poller wraps it anew on every poll, setting up and
+    tearing down its event-loop state each time: with a batch a poll, as engine steps send them,
+    that cost the subscriber more than reading and decoding the batch. Reads stay on ``sock``,
+    non-blocking, after a poll said it is readable."""
+    return zmq.asyncio.Socket.from_socket(sock)
 
 
 def _drain(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None]) -> None:

@@ -284,7 +284,11 @@ def bench_paced(n: int, gap_ms: float) -> str:
         ["kvmesh EventSubscriber", f"{ours * 1e6:.0f}", f"{ours / bare:.2f}x"],
     ]
     return table(
-        [f"consumer (one batch every {gap_ms:g} ms, publisher in another process)", "CPU us/batch", "vs baseline"],
+        [
+            f"consumer (one batch every {gap_ms:g} ms, publisher in another process)",
+            "CPU us/batch",
+            "vs baseline",
+        ],
         rows,
     )
 

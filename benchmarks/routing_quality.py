@@ -35,8 +35,8 @@ the front's time in the path (``front ms``, the rest). Of the engines' own, ``en
 is the wait before a step took a request in (``vllm:request_queue_time_seconds``): the rest of the
 step running when it arrived, or memory (a burst's later siblings that reach an engine after the
 first one's step started wait there for that step). ``routing ms`` is the part of the front's time
-a kvmesh front spends from a request's arrival to its decision (parsing, tokenizing, hashing, routing), from
-its ``kvmesh_router_overhead_seconds`` histogram (sglang-router reports none).
+a kvmesh front spends from a request's arrival to its decision (parsing, tokenizing, hashing,
+routing), from its ``kvmesh_router_overhead_seconds`` histogram (sglang-router reports none).
 ``--json`` keeps every summary, ``--requests`` every request (one JSON object a line: its case,
 router, round, session and turn, start, TTFT, prompt and cached tokens, and the worker a kvmesh
 front chose with its index in the fleet), ``--plot`` draws the summaries.

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -203,16 +204,18 @@ def bench_end_to_end(n: int) -> str:
     )
 
 
+# The publisher's process: this file's own end-to-end payload, one batch every gap.
 _PACED_PUBLISHER = """
 import sys, time
+sys.path.insert(0, sys.argv[4])
+from wire import WORKLOADS
 from kvmesh.events.publisher import BatchPublisher
-from kvmesh.events.wire import BlockStored, EventBatch
 n, gap = int(sys.argv[2]), float(sys.argv[3]) / 1000
+batch = WORKLOADS["1 store x 16 blocks"]
 with BatchPublisher(sys.argv[1], bind=True) as pub:
     time.sleep(1.0)  # the subscriber has connected
-    for i in range(n):
-        pub.publish(EventBatch(ts=time.time(), events=[BlockStored(block_hashes=[i], parent_block_hash=None,
-                    token_ids=list(range(16)), block_size=16, lora_id=None)]))
+    for _ in range(n):
+        pub.publish(batch)
         time.sleep(gap)
     time.sleep(0.5)
 """
@@ -226,8 +229,12 @@ def _free_endpoint() -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
-async def _paced(n: int, gap_ms: float, consume: Callable[[str, Callable[[], None]], Any]) -> float:
-    """CPU seconds this process spent per batch, from the 200th batch to the last."""
+Stop = Callable[[], Awaitable[None]]
+
+
+async def _paced(n: int, gap_ms: float, consume: Callable[[str, Callable[[], None]], Stop]) -> float:
+    """CPU seconds this process spent per batch, from the 200th batch to the last. ``consume``
+    starts a consumer that calls its second argument per batch, and returns what stops it."""
     endpoint = _free_endpoint()
     count, since = 0, 0.0
     done = asyncio.Event()
@@ -240,26 +247,26 @@ async def _paced(n: int, gap_ms: float, consume: Callable[[str, Callable[[], Non
         if count == n:
             done.set()
 
-    consumer = consume(endpoint, got)
-    publisher = subprocess.Popen([sys.executable, "-c", _PACED_PUBLISHER, endpoint, str(n), str(gap_ms)])
+    stop = consume(endpoint, got)
+    here = str(Path(__file__).resolve().parent)
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", _PACED_PUBLISHER, endpoint, str(n), str(gap_ms), here]
+    )
     try:
         await asyncio.wait_for(done.wait(), 60 + n * gap_ms / 1000 * 3)
         return (time.process_time() - since) / (n - 200)
     finally:
         publisher.wait()
-        if isinstance(consumer, EventSubscriber):
-            await consumer.stop()
-        else:
-            consumer.cancel()
+        await stop()
 
 
-def _kvmesh_consumer(endpoint: str, got: Callable[[], None]) -> EventSubscriber:
+def _kvmesh_consumer(endpoint: str, got: Callable[[], None]) -> Stop:
     sub = EventSubscriber(endpoint, lambda _seq, _batch: got())
     sub.start()
-    return sub
+    return sub.stop
 
 
-def _bare_consumer(endpoint: str, got: Callable[[], None]) -> asyncio.Task[None]:
+def _bare_consumer(endpoint: str, got: Callable[[], None]) -> Stop:
     async def run() -> None:
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.SUB)
@@ -273,7 +280,14 @@ def _bare_consumer(endpoint: str, got: Callable[[], None]) -> asyncio.Task[None]
         finally:
             sock.close(linger=0)
 
-    return asyncio.get_running_loop().create_task(run())
+    task = asyncio.get_running_loop().create_task(run())
+
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return stop
 
 
 def bench_paced(n: int, gap_ms: float) -> str:

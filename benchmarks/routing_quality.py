@@ -37,6 +37,12 @@ step running when it arrived, or memory (a burst's later siblings that reach an 
 first one's step started wait there for that step). ``routing ms`` is the part of the front's time
 a kvmesh front spends from a request's arrival to its decision (parsing, tokenizing, hashing,
 routing), from its ``kvmesh_router_overhead_seconds`` histogram (sglang-router reports none).
+A case that sends bursts (``siblings``) gets a second table: the TTFT of each burst's first-sent
+request and of its siblings, apart. On the engine holding the context, the first one starts a step
+alone when the engine is idle, and the siblings that reach it after that step started wait for it
+and run one of their own; spreading them over engines that hold copies avoids that second step
+and pays for the copies in prefix hits. The ``floor`` (one session at a time on one idle engine)
+shows what keeping every burst whole costs at best.
 ``--json`` keeps every summary, ``--requests`` every request (one JSON object a line: its case,
 router, round, session and turn, start, TTFT, prompt and cached tokens, and the worker a kvmesh
 front chose with its index in the fleet), ``--plot`` draws the summaries.
@@ -423,6 +429,29 @@ def case_table(results: dict[str, list[dict[str, Any]]]) -> str:
     return table(headers, rows)
 
 
+BURST_METRICS = (
+    ("first TTFT p50 ms", lambda b: _ms(b["first_ttft_s"]["p50"])),
+    ("first TTFT mean ms", lambda b: _ms(b["first_ttft_s"]["mean"])),
+    ("siblings TTFT p50 ms", lambda b: _ms(b["siblings_ttft_s"]["p50"])),
+    ("siblings TTFT mean ms", lambda b: _ms(b["siblings_ttft_s"]["mean"])),
+)
+
+
+def burst_table(results: dict[str, list[dict[str, Any]]]) -> str | None:
+    """For a case that sends bursts, each router's first-sent request of a burst and its siblings
+    apart, beside its prefix hits (see :func:`kvmesh.bench.report._bursts`); None otherwise."""
+    if not any(r.get("bursts") for runs in results.values() for r in runs):
+        return None
+    headers = ["router", *(m[0] for m in BURST_METRICS), "prefix hits"]
+    rows = []
+    for name, runs in results.items():
+        bursts = [r["bursts"] for r in runs if r.get("bursts")]
+        cells = [name, *(_fmt([get(b) for b in bursts], 1) for _, get in BURST_METRICS)]
+        cells.append(_fmt([r["prefix_hit_ratio"] for r in runs], 3))
+        rows.append(cells)
+    return table(headers, rows)
+
+
 def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     """Per case, the default router's ratios against the baselines of the same rounds."""
     headers = [
@@ -603,6 +632,10 @@ async def main_async(args: argparse.Namespace) -> int:
         note = f"the preset is {p.note}" if case.changes else p.note  # the label gives the changes
         print(f"\n### {case.label}: {note} ({size})\n")
         print(case_table(per))
+        bursts = burst_table(per)
+        if bursts:
+            print(f"\n{case.label}, by place in a burst (the first-sent request, then its siblings):\n")
+            print(bursts)
         sys.stdout.flush()
     if args.json_path:  # first: a long run's numbers must survive whatever the report does
         Path(args.json_path).write_text(json.dumps(results, indent=1))

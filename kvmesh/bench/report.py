@@ -57,6 +57,38 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "prefix_hit_ratio": (cached / prompt) if prompt else None,
         "per_worker": dict(sorted(workers.items())),
         "worker_spread": _spread(workers),
+        "bursts": _bursts(ok),
+    }
+
+
+def _bursts(ok: Sequence[Any]) -> dict[str, Any] | None:
+    """Where a workload sends bursts (several requests for one step of a session: best-of-n,
+    parallel tool calls), the first-sent request's TTFT and its siblings', apart; None without
+    bursts.
+
+    They are apart because an engine takes a burst in two ways: siblings that reach it before the
+    step the first one starts share that step (and its prefix), and the later ones wait for it to
+    end and run a step of their own. A router that keeps a burst on the engine holding its context
+    keeps its cache hits but pays that second step; one that spreads the siblings over engines
+    holding copies of the context pays for the copies in hits instead."""
+    steps: dict[tuple[str, int], list[Any]] = {}
+    for r in ok:
+        if r.ttft is not None:
+            steps.setdefault((r.session_id, r.step), []).append(r)
+    firsts: list[float] = []
+    rest: list[float] = []
+    for group in steps.values():
+        if len(group) < 2:
+            continue
+        group.sort(key=lambda r: r.start)
+        firsts.append(group[0].ttft)
+        rest.extend(r.ttft for r in group[1:])
+    if not firsts:
+        return None
+    return {
+        "count": len(firsts),
+        "first_ttft_s": {"p50": percentile(firsts, 50), "mean": _mean(firsts)},
+        "siblings_ttft_s": {"p50": percentile(rest, 50), "mean": _mean(rest)},
     }
 
 
@@ -93,6 +125,7 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
         ("throughput (req/s)", [f"{s['throughput_rps']:.2f}" for s in summaries]),
         ("output tokens/s", [f"{s['output_tokens_per_s']:.1f}" for s in summaries]),
         ("prefix hit ratio", [_pct(s["prefix_hit_ratio"]) for s in summaries]),
+        *_burst_rows(summaries),
         ("duration (s)", [f"{s['duration_s']:.1f}" for s in summaries]),
         ("per-worker requests", [_workers(s["per_worker"]) for s in summaries]),
     ]
@@ -106,6 +139,16 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
             "  ".join([label.ljust(label_width), *(c.rjust(w) for c, w in zip(cells, widths, strict=True))])
         )
     return "\n".join(lines)
+
+
+def _burst_rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    if not any(s.get("bursts") for s in summaries):
+        return []
+    got = [s.get("bursts") or {} for s in summaries]
+    return [
+        ("burst: first TTFT p50 (ms)", [_ms(b["first_ttft_s"]["p50"]) if b else "-" for b in got]),
+        ("burst: siblings TTFT p50 (ms)", [_ms(b["siblings_ttft_s"]["p50"]) if b else "-" for b in got]),
+    ]
 
 
 def _workers(per_worker: dict[str, int]) -> str:

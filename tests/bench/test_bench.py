@@ -65,6 +65,33 @@ def test_percentiles_and_table() -> None:
     assert "TTFT p50 (ms)" in table and "200.0" in table and "25.0%" in table
 
 
+def test_a_burst_is_split_into_its_first_sent_request_and_its_siblings() -> None:
+    def req(
+        session: str, step: int, start: float, ttft: float | None, error: str | None = None
+    ) -> RequestResult:
+        return RequestResult(session, step, "u", start, ttft=ttft, error=error)
+
+    results = [
+        # a burst of three sent out of list order: the first sent is the one at 1.00 s
+        req("a", 1, 1.002, 0.060), req("a", 1, 1.000, 0.030), req("a", 1, 1.001, 0.070),
+        # a burst whose second sibling failed: it counts with the sibling that answered
+        req("b", 1, 2.000, 0.040), req("b", 1, 2.001, 0.090), req("b", 1, 2.002, None, "HTTP 500"),
+        req("a", 2, 3.000, 0.500),  # a step sent alone is no burst
+    ]  # fmt: skip
+    summary = report.summarize(RunResult("x", results, 4.0, 1))
+    bursts = summary["bursts"]
+    assert bursts["count"] == 2
+    assert bursts["first_ttft_s"]["p50"] == pytest.approx(0.035) and bursts["first_ttft_s"][
+        "mean"
+    ] == pytest.approx(0.035)
+    assert bursts["siblings_ttft_s"]["p50"] == pytest.approx(0.070)
+    assert bursts["siblings_ttft_s"]["mean"] == pytest.approx((0.060 + 0.070 + 0.090) / 3)
+    table = report.format_table([summary])
+    assert "burst: first TTFT p50 (ms)" in table and "35.0" in table and "70.0" in table
+    lone = report.summarize(RunResult("y", [req("a", 1, 0.0, 0.1), req("a", 2, 1.0, 0.1)], 2.0, 1))
+    assert lone["bursts"] is None and "burst:" not in report.format_table([lone])
+
+
 async def test_runner_against_a_mock_engine(tmp_path: Path) -> None:
     async with run_mock(block_size=16, num_blocks=2048, speedup=50.0) as mock:
         sessions = build(WorkloadSpec("agentic", sessions=4, turns=3, prefix_words=200, max_tokens=8))

@@ -65,3 +65,31 @@ def test_the_floor_runs_only_when_named_and_an_unknown_contender_is_refused() ->
     assert "--contenders: unknown oracle" in refused.stderr and "floor" in refused.stderr
     empty = _run("--workloads", "chat-fits", "--contenders", ",")
     assert empty.returncode == 2 and "--contenders: unknown empty list" in empty.stderr
+
+
+def test_a_case_of_bursts_reports_each_burst_s_first_request_and_its_siblings_apart(tmp_path: Path) -> None:
+    summaries, out = tmp_path / "summary.json", tmp_path / "requests.jsonl"
+    done = _run(
+        "--workloads", "siblings", "--engines", "2", "--set", "sessions=4", "--set", "turns=2",
+        "--contenders", "round-robin,floor", "--json", str(summaries), "--requests", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    ((label, per),) = json.loads(summaries.read_text()).items()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for name in ("round-robin", "floor"):
+        steps = {(r["session"], r["turn"]) for r in rows if r["router"] == name}
+        assert len(steps) == 2 * 2 and len([r for r in rows if r["router"] == name]) == 4 * len(steps)
+        assert per[name][0]["bursts"]["count"] == len(steps)  # every step of every session is a burst
+    table = done.stdout[done.stdout.index(f"{label}, by place in a burst") :]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0].split("|")[1:-1][0].strip() == "router"
+    floor = next(r for r in rows if r.split("|")[1].strip() == "floor").split("|")[1:-1]
+    first_p50 = per["floor"][0]["bursts"]["first_ttft_s"]["p50"] * 1000
+    assert floor[1].strip() == f"{first_p50:.1f}"
+
+
+def test_a_case_without_bursts_has_no_burst_table(tmp_path: Path) -> None:
+    done = _run("--workloads", "chat-fits", "--engines", "2", "--set", "sessions=2", "--set", "turns=2",
+                "--contenders", "round-robin")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "by place in a burst" not in done.stdout

@@ -45,7 +45,9 @@ and pays for the copies in prefix hits. The ``floor`` (one session at a time on 
 shows what keeping every burst whole costs at best.
 ``--json`` keeps every summary, ``--requests`` every request (one JSON object a line: its case,
 router, round, session and turn, start, TTFT, prompt and cached tokens, and the worker a kvmesh
-front chose with its index in the fleet), ``--plot`` draws the summaries.
+front chose with its index in the fleet), ``--plot`` draws the summaries: per case, the TTFT
+quantiles, the prefix hits, the requests per engine, and each router's p50 against its hits (the
+two baselines sit at different places on that plane, and the targets ask for a corner of it).
 
 ``--set`` and ``--num-blocks`` run the workloads at other sizes and ratios than their presets (the
 suite's presets are what the router was developed on; a router that only wins there has been
@@ -519,11 +521,12 @@ def write_plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) 
     import matplotlib.pyplot as plt
 
     labels = list(results)
-    fig, axes = plt.subplots(len(labels), 3, figsize=(16, 3.2 * len(labels)), squeeze=False)
+    fig, axes = plt.subplots(len(labels), 4, figsize=(21, 3.2 * len(labels)), squeeze=False)
     for row, case in enumerate(labels):
         per = results[case]
         names = list(per)
-        ax_t, ax_h, ax_w = axes[row]
+        ax_t, ax_h, ax_w, ax_x = axes[row]
+        _draw_tradeoff(ax_x, per)
         width = 0.8 / 3
         for j, q in enumerate(("p50", "p90", "p99")):
             vals = [statistics.median(1000 * (r["ttft_s"][q] or 0.0) for r in per[n]) for n in names]
@@ -560,6 +563,31 @@ def write_plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) 
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def tradeoff_points(per: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, float, float, float]]:
+    """Per router: ``(name, hits %, p50 ms, lowest p50, highest p50)`` over its rounds (medians;
+    the p50's range): where it sits between keeping prefixes cached and answering first."""
+    out = []
+    for name, runs in per.items():
+        p50s = [1000.0 * r["ttft_s"]["p50"] for r in runs if r["ttft_s"]["p50"] is not None]
+        hits = [100.0 * r["prefix_hit_ratio"] for r in runs if r["prefix_hit_ratio"] is not None]
+        if p50s and hits:
+            out.append((name, statistics.median(hits), statistics.median(p50s), min(p50s), max(p50s)))
+    return out
+
+
+def _draw_tradeoff(ax: Any, per: dict[str, list[dict[str, Any]]]) -> None:
+    """TTFT p50 against prefix hits, a point per router (a bar for the p50's range over rounds):
+    down and to the right is better on both. Two baselines at different places on it (sglang-router
+    keeping hits, Dynamo's cost answering sooner) make the issue's targets a corner to reach."""
+    for i, (name, hits, p50, low, high) in enumerate(tradeoff_points(per)):
+        ax.errorbar([hits], [p50], yerr=[[p50 - low], [high - p50]], fmt="o", color=f"C{i}", capsize=3)
+        ax.annotate(name, (hits, p50), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    ax.set_xlabel("prefix hits (%)")
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_title("p50 against hits (lower right is better)")
+    ax.grid(alpha=0.3)
 
 
 async def main_async(args: argparse.Namespace) -> int:

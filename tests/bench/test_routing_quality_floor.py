@@ -72,6 +72,7 @@ def test_a_case_of_bursts_reports_each_burst_s_first_request_and_its_siblings_ap
     done = _run(
         "--workloads", "siblings", "--engines", "2", "--set", "sessions=4", "--set", "turns=2",
         "--contenders", "round-robin,floor", "--json", str(summaries), "--requests", str(out),
+        "--plot", str(tmp_path / "plot.png"),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     ((label, per),) = json.loads(summaries.read_text()).items()
@@ -86,6 +87,7 @@ def test_a_case_of_bursts_reports_each_burst_s_first_request_and_its_siblings_ap
     floor = next(r for r in rows if r.split("|")[1].strip() == "floor").split("|")[1:-1]
     first_p50 = per["floor"][0]["bursts"]["first_ttft_s"]["p50"] * 1000
     assert floor[1].strip() == f"{first_p50:.1f}"
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_case_without_bursts_has_no_burst_table(tmp_path: Path) -> None:

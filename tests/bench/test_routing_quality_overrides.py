@@ -141,6 +141,25 @@ def test_verdicts_need_a_baseline_and_compare_round_by_round(rq) -> None:  # typ
     assert "0.50" in only_rr  # p50 against round-robin, with no sglang or Dynamo run
 
 
+def test_the_tradeoff_places_each_router_by_its_hits_and_p50_over_rounds(rq) -> None:  # type: ignore[no-untyped-def]
+    per = {
+        "dynamo": [_summary(0.050, 0.74), _summary(0.048, 0.76), _summary(0.049, 0.75)],
+        "sglang": [_summary(0.054, 0.90)],
+        "failed": [{"ttft_s": {"p50": None}, "prefix_hit_ratio": None}],  # nothing answered
+    }
+    points = {name: rest for name, *rest in rq.tradeoff_points(per)}
+    assert set(points) == {"dynamo", "sglang"}
+    hits, p50, low, high = points["dynamo"]
+    assert hits == pytest.approx(75.0) and p50 == pytest.approx(49.0)
+    assert (low, high) == (pytest.approx(48.0), pytest.approx(50.0))
+    assert points["sglang"] == [
+        pytest.approx(90.0),
+        pytest.approx(54.0),
+        pytest.approx(54.0),
+        pytest.approx(54.0),
+    ]
+
+
 def test_every_router_runs_by_default_and_the_floor_only_when_named(rq) -> None:  # type: ignore[no-untyped-def]
     available = rq.contenders()
     default = [c.name for c in rq.choose_contenders(available, None)]

@@ -46,13 +46,20 @@ class WorkerAnnouncer:
         self.ttl = ttl if ttl is not None else 3 * interval
         self.puts = 0
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def start(self) -> None:
         if self._task is None:
+            self._stopping = False
             self._task = asyncio.get_running_loop().create_task(self._run(), name="kvmesh-announce")
 
     async def stop(self, *, delete: bool = True) -> None:
         """Stop renewing; ``delete`` removes the entry at once (else it expires after ``ttl``)."""
+        # The flag, not only the cancellation, ends the renewal loop, as in WorkerWatcher: a
+        # cancellation that lands as a put's acknowledgement arrives is swallowed by the
+        # ``asyncio.wait_for`` inside nats-py's request (Python 3.11), and the loop went on
+        # renewing, so this await never returned (a test's engine teardown hung for 300 s).
+        self._stopping = True
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -65,7 +72,7 @@ class WorkerAnnouncer:
 
     async def _run(self) -> None:
         kv = None
-        while True:
+        while not self._stopping:
             if await self.link.wait_connected(self.interval):
                 try:
                     if kv is None:

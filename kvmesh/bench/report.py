@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvmesh.bench.runner import RunResult
+from kvmesh.bench.runner import RequestResult, RunResult
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -61,7 +61,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
     }
 
 
-def _bursts(ok: Sequence[Any]) -> dict[str, Any] | None:
+def _bursts(ok: Sequence[RequestResult]) -> dict[str, Any] | None:
     """Where a workload sends bursts (several requests for one step of a session: best-of-n,
     parallel tool calls), the first-sent request's TTFT and its siblings', apart; None without
     bursts.
@@ -71,18 +71,18 @@ def _bursts(ok: Sequence[Any]) -> dict[str, Any] | None:
     end and run a step of their own. A router that keeps a burst on the engine holding its context
     keeps its cache hits but pays that second step; one that spreads the siblings over engines
     holding copies of the context pays for the copies in hits instead."""
-    steps: dict[tuple[str, int], list[Any]] = {}
+    steps: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (start, TTFT) per step
     for r in ok:
         if r.ttft is not None:
-            steps.setdefault((r.session_id, r.step), []).append(r)
+            steps.setdefault((r.session_id, r.step), []).append((r.start, r.ttft))
     firsts: list[float] = []
     rest: list[float] = []
     for group in steps.values():
         if len(group) < 2:
             continue
-        group.sort(key=lambda r: r.start)
-        firsts.append(group[0].ttft)
-        rest.extend(r.ttft for r in group[1:])
+        group.sort()
+        firsts.append(group[0][1])
+        rest.extend(ttft for _, ttft in group[1:])
     if not firsts:
         return None
     return {

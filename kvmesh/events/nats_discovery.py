@@ -58,7 +58,8 @@ class WorkerAnnouncer:
         # The flag, not only the cancellation, ends the renewal loop, as in WorkerWatcher: a
         # cancellation that lands as a put's acknowledgement arrives is swallowed by the
         # ``asyncio.wait_for`` inside nats-py's request (Python 3.11), and the loop went on
-        # renewing, so this await never returned (a test's engine teardown hung for 300 s).
+        # renewing, so this await never returned (most likely what hung a test's engine teardown
+        # for 300 s in a CI run).
         self._stopping = True
         task, self._task = self._task, None
         if task is not None:

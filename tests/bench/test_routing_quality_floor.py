@@ -76,15 +76,16 @@ def test_a_case_of_bursts_reports_each_burst_s_first_request_and_its_siblings_ap
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     ((label, per),) = json.loads(summaries.read_text()).items()
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    requests = [json.loads(line) for line in out.read_text().splitlines()]
     for name in ("round-robin", "floor"):
-        steps = {(r["session"], r["turn"]) for r in rows if r["router"] == name}
-        assert len(steps) == 2 * 2 and len([r for r in rows if r["router"] == name]) == 4 * len(steps)
+        sent = [r for r in requests if r["router"] == name]
+        steps = {(r["session"], r["turn"]) for r in sent}
+        assert len(steps) == 2 * 2 and len(sent) == 4 * len(steps)
         assert per[name][0]["bursts"]["count"] == len(steps)  # every step of every session is a burst
     table = done.stdout[done.stdout.index(f"{label}, by place in a burst") :]
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows[0].split("|")[1:-1][0].strip() == "router"
-    floor = next(r for r in rows if r.split("|")[1].strip() == "floor").split("|")[1:-1]
+    lines = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert lines[0].split("|")[1].strip() == "router"
+    floor = next(line for line in lines if line.split("|")[1].strip() == "floor").split("|")[1:-1]
     first_p50 = per["floor"][0]["bursts"]["first_ttft_s"]["p50"] * 1000
     assert floor[1].strip() == f"{first_p50:.1f}"
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

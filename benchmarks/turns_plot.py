@@ -9,6 +9,12 @@ draws for one case the mean time to first token and the prompt tokens prefilled 
 every turn, one line per label and router, the tokens averaged over rounds. A table of the same
 numbers prints. Where a multi-turn case's tail comes from (late turns that find their history
 gone) shows here and not in the suite's percentiles.
+
+A second table counts, per turn and round, the requests **moved**: served by an engine that served
+none of its session's previous turn (a router that moves a conversation prefills its history again
+there), with the prompt tokens those moved requests prefilled. Where a router's prefix hits went
+shows there. It needs the engine of each request, which the suite records for a kvmesh front
+(``engine``); another router's moves print as ``-``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,46 @@ def load(labelled: list[tuple[str, list[Path]]], case: str, routers: set[str] | 
                 sum(values) / len(values),
                 uncached[(router, turn)] / n_rounds,
             )
+    return out
+
+
+def moves(labelled: list[tuple[str, list[Path]]], case: str, routers: set[str] | None):
+    """``{(label, router): {turn: (requests moved, prompt tokens they prefilled), per round}}``,
+    for the routers whose requests all name their engine; a request is moved when no request of
+    its session's previous turn (same file and round) was served by its engine."""
+    out: dict[tuple[str, str], dict[int, tuple[float, float]]] = {}
+    for label, paths in labelled:
+        served: dict[tuple[int, int, str, str], dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+        rows: list[tuple[int, int, str, str, int, int, int]] = []
+        blind: set[str] = set()
+        for i, path in enumerate(paths):
+            with path.open() as f:
+                for line in f:
+                    row = json.loads(line)
+                    if row["case"] != case or row.get("error") or (routers and row["router"] not in routers):
+                        continue
+                    engine = row.get("engine")
+                    if engine is None:
+                        blind.add(row["router"])
+                        continue
+                    key = (i, row["round"], row["router"], row["session"])
+                    served[key][row["turn"]].add(engine)
+                    prefilled = row["prompt_tokens"] - (row["cached_tokens"] or 0)
+                    rows.append((*key, row["turn"], engine, prefilled))  # type: ignore[arg-type]
+        counts: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        rounds: dict[str, set[tuple[int, int]]] = defaultdict(set)
+        for i, rnd, router, session, turn, engine, prefilled in rows:
+            rounds[router].add((i, rnd))
+            counts[(router, turn)]  # every turn gets a cell, 0 where nothing moved
+            before = served[(i, rnd, router, session)].get(turn - 1)
+            if before and engine not in before:
+                counts[(router, turn)][0] += 1
+                counts[(router, turn)][1] += prefilled
+        for (router, turn), (moved, tokens) in counts.items():
+            if router in blind:
+                continue  # some of its requests do not say where they went: no count is honest
+            n = len(rounds[router])
+            out.setdefault((label, router), {})[turn] = (moved / n, tokens / n)
     return out
 
 
@@ -84,6 +130,20 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{by_turn[t][0]:.0f} / {by_turn[t][1] / 1000:.1f}k" if t in by_turn else "-" for t in turns]
         total = sum(v[1] for v in by_turn.values())
         print(f"| {label} {router} | " + " | ".join(cells) + f" | {total / 1000:.1f}k |")
+    moved = moves(labelled, args.case, routers)
+    print()
+    print(f"{args.case}: requests moved / prompt tokens they prefilled (thousands), per round, at each turn")
+    print("| run | " + " | ".join(f"turn {t}" for t in turns) + " | total moved |")
+    print("|---" * (len(turns) + 2) + "|")
+    for label, router in lines:
+        by_turn = moved.get((label, router))
+        if by_turn is None:
+            print(f"| {label} {router} | " + " | ".join("-" for _ in turns) + " | - |")
+            continue
+        cells = [f"{by_turn[t][0]:g} / {by_turn[t][1] / 1000:.1f}k" if t in by_turn else "-" for t in turns]
+        n = sum(v[0] for v in by_turn.values())
+        tokens = sum(v[1] for v in by_turn.values())
+        print(f"| {label} {router} | " + " | ".join(cells) + f" | {n:g} / {tokens / 1000:.1f}k |")
     if args.out:
         import matplotlib
 

@@ -49,7 +49,8 @@ def test_each_turn_gets_its_mean_ttft_and_the_tokens_prefilled_per_round(tmp_pat
     png = tmp_path / "turns.png"
     done = _run("--case", CASE, f"before={before}", f"after={after}", "--out", str(png))
     assert done.returncode == 0, done.stderr
-    rows = {line.split("|")[1].strip(): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    first_table = done.stdout.split("requests moved", 1)[0]
+    rows = {line.split("|")[1].strip(): line for line in first_table.splitlines() if line.startswith("| ")}
     # turn 1 before: TTFT (100 + 300) / 2; prefilled (5000 + 4000) over 2 rounds; the other case is left out
     assert "| 200 / 4.5k | 60 / 1.5k | 6.0k |" in rows["before kvmesh"]
     assert "| 80 / 3.0k | 40 / 0.0k | 3.0k |" in rows["after kvmesh"]
@@ -86,3 +87,53 @@ def test_a_bad_run_or_a_case_not_in_the_files_is_a_usage_error(tmp_path: Path) -
         done = _run("--case", CASE, *args) if "--case" not in args else _run(*args)
         assert done.returncode == 2, (args, done.stdout)
         assert says in done.stderr
+
+
+def _served(path: Path, router: str, rows: list[tuple[int, str, int, int | None, int, int]]) -> Path:
+    """Rows of one round: (turn, session, request index, engine or None, prompt, cached)."""
+    with path.open("a") as f:
+        for turn, session, _, engine, prompt, cached in rows:
+            row = {
+                "case": CASE, "router": router, "round": 1, "session": session, "turn": turn,
+                "start_s": 0.0, "ttft_ms": 50.0, "prompt_tokens": prompt, "cached_tokens": cached,
+                "worker": None, "engine": engine, "error": None,
+            }  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def _moved_rows(stdout: str) -> dict[str, str]:
+    table = stdout.split("requests moved", 1)[1]
+    return {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+
+
+def test_a_request_served_where_its_session_s_previous_turn_was_not_is_moved(tmp_path: Path) -> None:
+    path = _served(
+        tmp_path / "r.jsonl",
+        "kvmesh",
+        [
+            (2, "a", 0, 1, 6000, 1000),  # moved from engine 0: 5000 tokens prefilled again
+            (1, "a", 0, 0, 5000, 0),  # (out of order in the file, as rounds interleave)
+            (1, "b", 0, 2, 5000, 0),
+            (2, "b", 0, 2, 6000, 5000),  # stayed
+            (2, "b", 1, 3, 6000, 0),  # a sibling of the same step, sent to another engine: moved
+        ],
+    )
+    done = _run("--case", CASE, f"run={path}")
+    assert done.returncode == 0, done.stderr
+    row = _moved_rows(done.stdout)["run kvmesh"]
+    assert "| 0 / 0.0k | 2 / 11.0k | 2 / 11.0k |" in row
+
+
+def test_a_router_that_does_not_name_its_engines_has_no_move_count(tmp_path: Path) -> None:
+    path = _served(
+        tmp_path / "r.jsonl",
+        "sglang",
+        [(1, "a", 0, None, 5000, 0), (2, "a", 0, None, 6000, 5000)],
+    )
+    _served(path, "kvmesh", [(1, "a", 0, 0, 5000, 0), (2, "a", 0, 0, 6000, 5000)])
+    done = _run("--case", CASE, f"run={path}")
+    assert done.returncode == 0, done.stderr
+    rows = _moved_rows(done.stdout)
+    assert "| - | - | - |" in rows["run sglang"]
+    assert "| 0 / 0.0k | 0 / 0.0k | 0 / 0.0k |" in rows["run kvmesh"]

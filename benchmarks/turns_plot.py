@@ -92,6 +92,11 @@ def moves(labelled: list[tuple[str, list[Path]]], case: str, routers: set[str] |
     return out
 
 
+def _count(per_round: float) -> str:
+    """A count per round: whole when it is (one round), else to a tenth."""
+    return f"{per_round:.0f}" if per_round == round(per_round) else f"{per_round:.1f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -140,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         if by_turn is None:
             print(f"| {label} {router} | " + " | ".join("-" for _ in turns) + " | - |")
             continue
-        cells = [f"{by_turn[t][0]:g} / {by_turn[t][1] / 1000:.1f}k" if t in by_turn else "-" for t in turns]
+        cells = [
+            f"{_count(by_turn[t][0])} / {by_turn[t][1] / 1000:.1f}k" if t in by_turn else "-" for t in turns
+        ]
         n = sum(v[0] for v in by_turn.values())
         tokens = sum(v[1] for v in by_turn.values())
-        print(f"| {label} {router} | " + " | ".join(cells) + f" | {n:g} / {tokens / 1000:.1f}k |")
+        print(f"| {label} {router} | " + " | ".join(cells) + f" | {_count(n)} / {tokens / 1000:.1f}k |")
     if args.out:
         import matplotlib
 

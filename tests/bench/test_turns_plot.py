@@ -137,3 +137,13 @@ def test_a_router_that_does_not_name_its_engines_has_no_move_count(tmp_path: Pat
     rows = _moved_rows(done.stdout)
     assert "| - | - | - |" in rows["run sglang"]
     assert "| 0 / 0.0k | 0 / 0.0k | 0 / 0.0k |" in rows["run kvmesh"]
+
+
+def test_moves_over_rounds_are_counted_per_round(tmp_path: Path) -> None:
+    one = _served(tmp_path / "1.jsonl", "kvmesh", [(1, "a", 0, 0, 5000, 0), (2, "a", 0, 1, 6000, 1000)])
+    two = _served(tmp_path / "2.jsonl", "kvmesh", [(1, "a", 0, 0, 5000, 0), (2, "a", 0, 0, 6000, 5000)])
+    three = _served(tmp_path / "3.jsonl", "kvmesh", [(1, "a", 0, 0, 5000, 0), (2, "a", 0, 0, 6000, 5000)])
+    done = _run("--case", CASE, f"run={one},{two},{three}")
+    assert done.returncode == 0, done.stderr
+    # one move of 5000 tokens over three rounds
+    assert "| 0 / 0.0k | 0.3 / 1.7k | 0.3 / 1.7k |" in _moved_rows(done.stdout)["run kvmesh"]

@@ -23,7 +23,20 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+
+def _rows(paths: list[Path], case: str, routers: set[str] | None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(index of the file, request)`` for the answered requests of ``case`` by ``routers``."""
+    for i, path in enumerate(paths):
+        with path.open() as f:
+            for line in f:
+                row = json.loads(line)
+                if row["case"] != case or row.get("error") or (routers and row["router"] not in routers):
+                    continue
+                yield i, row
 
 
 def load(labelled: list[tuple[str, list[Path]]], case: str, routers: set[str] | None):
@@ -33,16 +46,11 @@ def load(labelled: list[tuple[str, list[Path]]], case: str, routers: set[str] | 
         ttft: dict[tuple[str, int], list[float]] = defaultdict(list)
         uncached: dict[tuple[str, int], float] = defaultdict(float)
         rounds: dict[str, set[tuple[int, int]]] = defaultdict(set)
-        for i, path in enumerate(paths):
-            with path.open() as f:
-                for line in f:
-                    row = json.loads(line)
-                    if row["case"] != case or row.get("error") or (routers and row["router"] not in routers):
-                        continue
-                    key = (row["router"], row["turn"])
-                    ttft[key].append(row["ttft_ms"])
-                    uncached[key] += row["prompt_tokens"] - (row["cached_tokens"] or 0)
-                    rounds[row["router"]].add((i, row["round"]))
+        for i, row in _rows(paths, case, routers):
+            key = (row["router"], row["turn"])
+            ttft[key].append(row["ttft_ms"])
+            uncached[key] += row["prompt_tokens"] - (row["cached_tokens"] or 0)
+            rounds[row["router"]].add((i, row["round"]))
         for (router, turn), values in ttft.items():
             n_rounds = len(rounds[router])
             out.setdefault((label, router), {})[turn] = (
@@ -61,20 +69,15 @@ def moves(labelled: list[tuple[str, list[Path]]], case: str, routers: set[str] |
         served: dict[tuple[int, int, str, str], dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
         rows: list[tuple[int, int, str, str, int, int, int]] = []
         blind: set[str] = set()
-        for i, path in enumerate(paths):
-            with path.open() as f:
-                for line in f:
-                    row = json.loads(line)
-                    if row["case"] != case or row.get("error") or (routers and row["router"] not in routers):
-                        continue
-                    engine = row.get("engine")
-                    if engine is None:
-                        blind.add(row["router"])
-                        continue
-                    key = (i, row["round"], row["router"], row["session"])
-                    served[key][row["turn"]].add(engine)
-                    prefilled = row["prompt_tokens"] - (row["cached_tokens"] or 0)
-                    rows.append((*key, row["turn"], engine, prefilled))  # type: ignore[arg-type]
+        for i, row in _rows(paths, case, routers):
+            engine = row.get("engine")
+            if engine is None:
+                blind.add(row["router"])
+                continue
+            key = (i, row["round"], row["router"], row["session"])
+            served[key][row["turn"]].add(engine)
+            prefilled = row["prompt_tokens"] - (row["cached_tokens"] or 0)
+            rows.append((*key, row["turn"], engine, prefilled))
         counts: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
         rounds: dict[str, set[tuple[int, int]]] = defaultdict(set)
         for i, rnd, router, session, turn, engine, prefilled in rows:
@@ -94,7 +97,7 @@ def moves(labelled: list[tuple[str, list[Path]]], case: str, routers: set[str] |
 
 def _count(per_round: float) -> str:
     """A count per round: whole when it is (one round), else to a tenth."""
-    return f"{per_round:.0f}" if per_round == round(per_round) else f"{per_round:.1f}"
+    return f"{per_round:.0f}" if abs(per_round - round(per_round)) < 1e-9 else f"{per_round:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:

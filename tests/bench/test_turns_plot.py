@@ -147,3 +147,15 @@ def test_moves_over_rounds_are_counted_per_round(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     # one move of 5000 tokens over three rounds
     assert "| 0 / 0.0k | 0.3 / 1.7k | 0.3 / 1.7k |" in _moved_rows(done.stdout)["run kvmesh"]
+
+
+def test_moves_that_add_up_to_whole_ones_print_whole(tmp_path: Path) -> None:
+    files = []
+    for n, engines in enumerate(((0, 1, 0, 1, 1), (0, 1, 0, 0, 1), (0, 0, 0, 0, 0))):  # 3, 3, 0 moves
+        rows = [(t, "a", 0, e, 1000 * t, 0) for t, e in enumerate(engines, start=1)]
+        files.append(str(_served(tmp_path / f"{n}.jsonl", "kvmesh", rows)))
+    done = _run("--case", CASE, "run=" + ",".join(files))
+    assert done.returncode == 0, done.stderr
+    row = _moved_rows(done.stdout)["run kvmesh"]
+    # 2/3 + 2/3 + 1/3 + 1/3 moves a round is 2 (and not 2.0, as floats add it up to 1.9999...)
+    assert row.endswith("| 0 / 0.0k | 0.7 / 1.3k | 0.7 / 2.0k | 0.3 / 1.3k | 0.3 / 1.7k | 2 / 6.3k |")

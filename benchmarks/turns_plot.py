@@ -12,9 +12,10 @@ gone) shows here and not in the suite's percentiles.
 
 A second table counts, per turn and round, the requests **moved**: served by an engine that served
 none of its session's previous turn (a router that moves a conversation prefills its history again
-there), with the prompt tokens those moved requests prefilled. Where a router's prefix hits went
-shows there. It needs the engine of each request, which the suite records for a kvmesh front
-(``engine``); another router's moves print as ``-``.
+there), with the prompt tokens those moved requests prefilled (and the plot, a third panel of the
+requests moved). Where a router's prefix hits went shows there. It needs the engine of each
+request, which the suite records for a kvmesh front (``engine``); another router's moves print as
+``-`` and draw no line.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def moves(labelled: list[tuple[str, list[Path]]], case: str, routers: set[str] |
 
 
 def _count(per_round: float) -> str:
-    """A count per round: whole when it is (one round), else to a tenth."""
+    """A count per round: whole when it is whole (as it always is over one round), else to a
+    tenth."""
     return f"{per_round:.0f}" if abs(per_round - round(per_round)) < 1e-9 else f"{per_round:.1f}"
 
 
@@ -160,15 +162,23 @@ def main(argv: list[str] | None = None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+        fig, (left, right, third) = plt.subplots(1, 3, figsize=(17, 4.2))
         for (label, router), by_turn in lines.items():
             xs = sorted(by_turn)
             name = f"{label}: {router}"
-            left.plot(xs, [by_turn[t][0] for t in xs], marker="o", label=name)
-            right.plot(xs, [by_turn[t][1] / 1000 for t in xs], marker="o", label=name)
+            (line,) = left.plot(xs, [by_turn[t][0] for t in xs], marker="o", label=name)
+            color = line.get_color()  # the same run in the same colour on every panel
+            right.plot(xs, [by_turn[t][1] / 1000 for t in xs], marker="o", label=name, color=color)
+            moved_by_turn = moved.get((label, router))
+            if moved_by_turn is not None:  # (a router that does not name its engines has no line)
+                xs = sorted(moved_by_turn)
+                third.plot(xs, [moved_by_turn[t][0] for t in xs], marker="o", label=name, color=color)
         left.set(title=f"{args.case}: mean time to first token", xlabel="turn", ylabel="ms")
         right.set(title="prompt tokens prefilled (not cached), per round", xlabel="turn", ylabel="thousands")
-        for ax in (left, right):
+        third.set(
+            title="requests moved off their session's engine, per round", xlabel="turn", ylabel="requests"
+        )
+        for ax in (left, right, third):
             ax.set_xticks(turns)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)

@@ -1,7 +1,7 @@
 """Routing quality: the same seeded traffic through each router, in front of fresh simulated fleets.
 
-    .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--workloads W,...]
-        [--contenders NAME,...] [--engines N] [--set KNOB=VALUE ...] [--num-blocks N[,N,...]]
+    .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--seed-per-round]
+        [--workloads W,...] [--contenders NAME,...] [--engines N] [--set KNOB=VALUE ...] [--num-blocks N[,N,...]]
         [--engine-speedups S,S,...] [--json PATH] [--requests PATH] [--plot PATH]
 
 For every case (a workload on a fleet of 4 or 8 engines) and every contender, a fresh fleet of
@@ -9,7 +9,11 @@ For every case (a workload on a fleet of 4 or 8 engines) and every contender, a 
 times, so engine time dominates), a router starts in front of it, and the workload's preset traffic
 (``kvmesh bench --workload NAME`` sends the same) runs through the router. Then the next
 contender gets its own fresh fleet. The order of the contenders rotates from round to round, so a
-slow moment of the shared machine does not always hit the same one.
+slow moment of the shared machine does not always hit the same one. Every round sends the same
+traffic (``--seed``), unless ``--seed-per-round`` draws new traffic of the same shape for each
+round (seeds ``SEED``, ``SEED + 1``, ...; every contender of a round gets that round's): then the
+verdicts' ranges cover the draws of the traffic as well as the machine's noise, which on some
+workloads differ far more than the routers do.
 
 Contenders:
 
@@ -309,7 +313,7 @@ def load_for(case: Case, ask_worker_id: bool, seed: int) -> tuple[Any, LoadSpec]
 
 
 def request_rows(
-    case: Case, router: str, rnd: int, run: RunResult, engine_urls: Sequence[str]
+    case: Case, router: str, rnd: int, seed: int, run: RunResult, engine_urls: Sequence[str]
 ) -> list[dict[str, Any]]:
     """One row per request of a run, for ``--requests``: what the summaries average over (which
     turn of which session was slow, how much of its prompt was cached, where a kvmesh front sent
@@ -321,6 +325,7 @@ def request_rows(
             "case": case.label,
             "router": router,
             "round": rnd,
+            "seed": seed,
             "session": r.session_id,
             "turn": r.step,
             "start_s": round(r.start, 6),
@@ -359,8 +364,9 @@ async def run_one(
         stats = await engine_stats(fleet.engine_urls)
         routing_s = await front_routing_seconds(fleet.front_url)
     if rows is not None:
-        rows.extend(request_rows(case, contender.name, rnd, run, fleet.engine_urls))
+        rows.extend(request_rows(case, contender.name, rnd, seed, run, fleet.engine_urls))
     summary = report.summarize(run)
+    summary["seed"] = seed
     summary["front_routing_mean_s"] = routing_s
     summary["per_engine"] = [s.requests for s in stats]
     if case.speedups:  # a mixed fleet: which engine ran at which speed
@@ -628,7 +634,12 @@ async def main_async(args: argparse.Namespace) -> int:
     if len(args.num_blocks) > 1:
         by_engine.append(f"--num-blocks {','.join(str(b) for b in args.num_blocks)}")
     own_flags = f" ({'; '.join(by_engine)} by engine)" if by_engine else ""
-    print(f"engines: kvmesh mock {' '.join(engine_args)}{own_flags}; seed {args.seed}; rounds {args.rounds}")
+    seeds = (
+        f"seeds {args.seed}-{args.seed + args.rounds - 1}, one a round"
+        if args.seed_per_round and args.rounds > 1
+        else f"seed {args.seed}"
+    )
+    print(f"engines: kvmesh mock {' '.join(engine_args)}{own_flags}; {seeds}; rounds {args.rounds}")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     if args.requests_path:
         Path(args.requests_path).write_text("")  # this run's requests only
@@ -638,6 +649,7 @@ async def main_async(args: argparse.Namespace) -> int:
     for case in chosen:
         per: dict[str, list[dict[str, Any]]] = {c.name: [] for c in people}
         for rnd in range(args.rounds):
+            seed = args.seed + rnd if args.seed_per_round else args.seed
             k = rnd % len(people)
             for contender in people[k:] + people[:k]:
                 done += 1
@@ -649,7 +661,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 )
                 rows: list[dict[str, Any]] = []
                 per[contender.name].append(
-                    await run_one(case, contender, args.seed, not args.no_progress, rows, rnd + 1)
+                    await run_one(case, contender, seed, not args.no_progress, rows, rnd + 1)
                 )
                 if args.requests_path:  # as each run ends: a long run's requests survive a crash
                     with open(args.requests_path, "a") as out:
@@ -701,6 +713,12 @@ def main() -> int:
         "(all by default), and floor (each session alone on one engine; only when named)",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    parser.add_argument(
+        "--seed-per-round",
+        action="store_true",
+        help="round r sends the traffic of seed SEED + r - 1 (new traffic of the same shape each round, "
+        "the same for every contender of the round; default: every round sends SEED's)",
+    )
     parser.add_argument(
         "--set",
         dest="changes",

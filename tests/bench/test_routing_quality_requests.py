@@ -36,3 +36,44 @@ def test_every_request_of_every_run_is_written_with_where_it_went(tmp_path: Path
         assert first["cached_tokens"] == 0 < second["cached_tokens"] < second["prompt_tokens"]
         assert first["worker"] == second["worker"] and first["worker"].startswith("http://127.0.0.1:")
         assert first["engine"] == second["engine"] == 0  # its index in the fleet: the only engine
+
+
+def _two_rounds(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], list[dict], dict]:
+    tmp_path.mkdir()
+    out, summaries = tmp_path / "requests.jsonl", tmp_path / "summary.json"
+    done = subprocess.run(
+        [
+            sys.executable, str(SCRIPT), "--workloads", "chat-fits", "--engines", "1",
+            "--set", "sessions=2", "--set", "turns=2", "--contenders", "round-robin,kvmesh",
+            "--rounds", "2", "--seed", "5", *flags,
+            "--plot", "", "--no-progress", "--requests", str(out), "--json", str(summaries),
+        ],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    per = next(iter(json.loads(summaries.read_text()).values())) if summaries.exists() else {}
+    return done, rows, per
+
+
+def _prompts(rows: list[dict], router: str, rnd: int) -> list[int]:
+    return sorted(r["prompt_tokens"] for r in rows if r["router"] == router and r["round"] == rnd)
+
+
+def test_every_round_sends_the_same_traffic_unless_each_round_gets_its_own_seed(tmp_path: Path) -> None:
+    same, rows, per = _two_rounds(tmp_path / "same")
+    assert same.returncode == 0, same.stderr[-2000:]
+    assert "seed 5; rounds 2" in same.stdout
+    assert [run["seed"] for run in per["kvmesh"]] == [5, 5]
+    assert {r["seed"] for r in rows} == {5}
+    assert _prompts(rows, "kvmesh", 1) == _prompts(rows, "kvmesh", 2)
+
+    drawn, rows, per = _two_rounds(tmp_path / "drawn", "--seed-per-round")
+    assert drawn.returncode == 0, drawn.stderr[-2000:]
+    assert "seeds 5-6, one a round; rounds 2" in drawn.stdout
+    for router in ("round-robin", "kvmesh"):
+        assert [run["seed"] for run in per[router]] == [5, 6]
+        assert {r["seed"] for r in rows if r["router"] == router and r["round"] == 2} == {6}
+    # a round's traffic is the same for both contenders, and another round's is new
+    assert _prompts(rows, "kvmesh", 1) == _prompts(rows, "round-robin", 1)
+    assert _prompts(rows, "kvmesh", 2) == _prompts(rows, "round-robin", 2)
+    assert _prompts(rows, "kvmesh", 1) != _prompts(rows, "kvmesh", 2)

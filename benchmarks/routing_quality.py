@@ -760,6 +760,10 @@ def main() -> int:
     parser.add_argument("--plot", default="routing-quality.png", help="PNG plot path ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args()
+    for flag, path in (("--json", args.json_path), ("--requests", args.requests_path), ("--plot", args.plot)):
+        # refused before anything runs: a whole suite's numbers are not lost at its first write
+        if path and not Path(path).resolve().parent.is_dir():
+            parser.error(f"{flag} {path}: directory {Path(path).resolve().parent} does not exist")
     return asyncio.run(main_async(args))
 
 

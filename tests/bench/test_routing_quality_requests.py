@@ -77,3 +77,16 @@ def test_every_round_sends_the_same_traffic_unless_each_round_gets_its_own_seed(
     assert _prompts(rows, "kvmesh", 1) == _prompts(rows, "round-robin", 1)
     assert _prompts(rows, "kvmesh", 2) == _prompts(rows, "round-robin", 2)
     assert _prompts(rows, "kvmesh", 1) != _prompts(rows, "kvmesh", 2)
+
+
+def test_an_output_in_a_directory_that_does_not_exist_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir"
+    for flag, name in (("--json", "s.json"), ("--requests", "r.jsonl"), ("--plot", "p.png")):
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), "--workloads", "chat-fits", flag, str(missing / name)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, (flag, done.stdout[-500:])
+        assert f"{flag} {missing / name}: directory {missing} does not exist" in done.stderr
+        assert "machine:" not in done.stdout  # no fleet was started
+    assert not missing.exists()

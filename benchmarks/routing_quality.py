@@ -1,8 +1,9 @@
 """Routing quality: the same seeded traffic through each router, in front of fresh simulated fleets.
 
     .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--seed-per-round]
-        [--workloads W,...] [--contenders NAME,...] [--engines N] [--set KNOB=VALUE ...] [--num-blocks N[,N,...]]
-        [--engine-speedups S,S,...] [--json PATH] [--requests PATH] [--plot PATH]
+        [--workloads W,...] [--contenders NAME,...] [--engines N] [--set KNOB=VALUE ...]
+        [--num-blocks N[,N,...]] [--engine-speedups S,S,...] [--json PATH] [--requests PATH]
+        [--plot PATH]
 
 For every case (a workload on a fleet of 4 or 8 engines) and every contender, a fresh fleet of
 ``kvmesh mock`` engines starts as real processes on loopback (``--speedup 1``: the fitted GPU step

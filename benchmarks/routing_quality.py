@@ -637,7 +637,7 @@ async def main_async(args: argparse.Namespace) -> int:
     own_flags = f" ({'; '.join(by_engine)} by engine)" if by_engine else ""
     seeds = (
         f"seeds {args.seed}-{args.seed + args.rounds - 1}, one a round"
-        if args.seed_per_round and args.rounds > 1
+        if args.seed_per_round
         else f"seed {args.seed}"
     )
     print(f"engines: kvmesh mock {' '.join(engine_args)}{own_flags}; {seeds}; rounds {args.rounds}")
@@ -718,7 +718,8 @@ def main() -> int:
         "--seed-per-round",
         action="store_true",
         help="round r sends the traffic of seed SEED + r - 1 (new traffic of the same shape each round, "
-        "the same for every contender of the round; default: every round sends SEED's)",
+        "the same for every contender of the round; needs --rounds 2 or more; default: every round sends "
+        "SEED's)",
     )
     parser.add_argument(
         "--set",
@@ -761,10 +762,13 @@ def main() -> int:
     parser.add_argument("--plot", default="routing-quality.png", help="PNG plot path ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args()
+    if args.seed_per_round and args.rounds < 2:  # one round sends --seed's traffic either way
+        parser.error(f"--seed-per-round: needs --rounds 2 or more (got {args.rounds})")
     for flag, path in (("--json", args.json_path), ("--requests", args.requests_path), ("--plot", args.plot)):
         # refused before anything runs: a whole suite's numbers are not lost at its first write
-        if path and not Path(path).resolve().parent.is_dir():
-            parser.error(f"{flag} {path}: directory {Path(path).resolve().parent} does not exist")
+        parent = Path(path).resolve().parent if path else None
+        if parent is not None and not parent.is_dir():
+            parser.error(f"{flag} {path}: directory {parent} does not exist")
     return asyncio.run(main_async(args))
 
 

@@ -90,3 +90,13 @@ def test_an_output_in_a_directory_that_does_not_exist_is_refused_before_anything
         assert f"{flag} {missing / name}: directory {missing} does not exist" in done.stderr
         assert "machine:" not in done.stdout  # no fleet was started
     assert not missing.exists()
+
+
+def test_a_seed_per_round_with_a_single_round_is_refused() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--workloads", "chat-fits", "--seed-per-round"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-500:]
+    assert "--seed-per-round: needs --rounds 2 or more (got 1)" in done.stderr
+    assert "machine:" not in done.stdout

@@ -53,7 +53,9 @@ slows down be followed within a few dozen requests; the covariance never grows p
 data can only make the model surer than its seed), and residuals beyond ``CLIP`` scales count only
 as ``CLIP`` scales, so one stalled request cannot drag the curve. Coefficients stay non-negative.
 The seed is a worker's reported profile (``/kvmesh/info`` ``timing_profile``) or the reference
-mocker's fit; both are only a starting point.
+mocker's fit; both are only a starting point. The router does not feed it requests it sent where
+the blocks in flight were past the worker's KV cache: their TTFTs are mostly a wait for memory,
+which the router predicts apart, from when the requests ahead free their blocks.
 
 A worker the router has barely seen borrows from the fleet: :class:`WorkerTiming` predicts with
 a blend of the worker's own fit and a fleet-wide one, weighted by how many observations the
@@ -415,12 +417,15 @@ class WorkerTiming:
     model. The blended marginal prefill is the blend of the fits' marginal prefills too: the
     coefficients are non-negative, so each fit's marginal cost is."""
 
-    __slots__ = ("_mix", "_mix_fleet", "_mix_own", "fleet", "own", "profiled")
+    __slots__ = ("_mix", "_mix_fleet", "_mix_own", "fleet", "own", "profiled", "waited_for_memory")
 
     def __init__(self, own: TimingModel, fleet: TimingModel, profiled: bool) -> None:
         self.own = own
         self.fleet = fleet
         self.profiled = profiled
+        self.waited_for_memory = 0
+        """Requests the router sent here past the worker's KV cache: their TTFTs were not fitted
+        (the router's caller counts them, see ``KvRouter.finished``)."""
         self._mix: Curve | _Weighed | None = None
         self._mix_own = self._mix_fleet = -1
         """The fits' versions the blend was built from."""
@@ -496,4 +501,8 @@ class WorkerTiming:
         return self.own.observations
 
     def describe(self) -> dict[str, Any]:
-        return {**self.own.describe(), "own_weight": round(self._weight(), 3)}
+        return {
+            **self.own.describe(),
+            "own_weight": round(self._weight(), 3),
+            "not_fitted_memory_wait": self.waited_for_memory,
+        }

@@ -635,3 +635,40 @@ def test_the_blocks_a_request_puts_past_the_limit_delay_arrivals_while_the_worke
     brief = next(s for s in ending.breakdown if s.worker == ("a", 0)).delay_to_others_ms
     long = next(s for s in running.breakdown if s.worker == ("a", 0)).delay_to_others_ms
     assert long > 4 * brief > 0
+
+
+def test_a_request_sent_past_the_kv_cache_does_not_teach_the_prefill_curve() -> None:
+    """Five requests sent to a while its three running requests hold 900 of its 1000 blocks wait
+    for memory and see their first tokens 1.5 s later. That wait is predicted apart (from when the
+    running requests free their blocks), so the curve does not learn from them: the predictions
+    for a new prompt are what they were, and /kvmesh/router counts them as not fitted. The same
+    five sent to b, with room, are fitted, and move its prediction."""
+    r = _held_by_three(39, 0.02)
+    probe = toks(77, 100 * B)
+
+    def predicted() -> dict[str, float]:
+        d = r.route(req("probe", probe), 20.0)
+        assert isinstance(d, Decision)
+        r.cancel("probe", 20.0)
+        return {s.worker[0]: s.predicted_ttft_ms for s in d.breakdown}
+
+    def slow(worker: str) -> dict[str, dict[str, int]]:
+        for i in range(5):
+            rid = f"slow-{worker}{i}"
+            d = r.route(req(rid, toks(300 + i, 200 * B), backend_instance_id=worker), 20.0)
+            assert isinstance(d, Decision)
+            r.first_token(rid, 21.5)
+            r.output_tokens(rid, 1, 21.5)
+            r.finished(rid, 21.6)
+        return {s.worker[0]: s.timing for s in r.worker_snapshot() if s.timing}
+
+    before = predicted()
+    fitted = {s.worker[0]: s.timing["observations"] for s in r.worker_snapshot() if s.timing}
+    snap = slow("a")
+    assert snap["a"]["not_fitted_memory_wait"] == 5
+    assert snap["a"]["observations"] == fitted["a"]
+    assert predicted() == pytest.approx(before, rel=1e-9)
+    snap = slow("b")
+    assert snap["b"]["not_fitted_memory_wait"] == 0
+    assert snap["b"]["observations"] == fitted["b"] + 5
+    assert predicted()["b"] > 1.2 * before["b"]

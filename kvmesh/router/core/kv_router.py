@@ -1421,7 +1421,9 @@ class KvRouter:
         elif obs.memory_wait_ms > 0.0:
             model.waited_for_memory += 1
         else:
-            model.observe_ttft(obs.ahead + uncached, obs.decoding, obs.kv_usage, 1000.0 * obs.ttft, obs.step_wait_ms)
+            model.observe_ttft(
+                obs.ahead + uncached, obs.decoding, obs.kv_usage, 1000.0 * obs.ttft, obs.step_wait_ms
+            )
         return TimingSample(obs.worker, obs.predicted_ms / 1000.0, obs.ttft)
 
     def cancel(self, request_id: str, now: float) -> bool:

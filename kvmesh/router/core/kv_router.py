@@ -1416,11 +1416,9 @@ class KvRouter:
         # of four identical engines ranged from 0.0001 to 0.043 ms a token against the engine's
         # 0.015, with 35-75% error; fitted only on requests that found their blocks, 0.012-0.019
         # with 8-10%.)
-        if obs.joined:
-            pass
-        elif obs.memory_wait_ms > 0.0:
+        if obs.memory_wait_ms > 0.0:
             model.waited_for_memory += 1
-        else:
+        elif not obs.joined:
             model.observe_ttft(
                 obs.ahead + uncached, obs.decoding, obs.kv_usage, 1000.0 * obs.ttft, obs.step_wait_ms
             )

@@ -424,8 +424,8 @@ class WorkerTiming:
         self.fleet = fleet
         self.profiled = profiled
         self.waited_for_memory = 0
-        """Requests the router sent here past the worker's KV cache: their TTFTs were not fitted
-        (the router's caller counts them, see ``KvRouter.finished``)."""
+        """Requests sent here past the worker's KV cache, whose TTFTs were not fitted (counted by
+        ``KvRouter.finished``)."""
         self._mix: Curve | _Weighed | None = None
         self._mix_own = self._mix_fleet = -1
         """The fits' versions the blend was built from."""

@@ -283,7 +283,9 @@ class _Obs:
     decoding: bool
     kv_usage: float
     predicted_ms: float
-    memory_wait_ms: float = 0.0
+    past_cache: bool = False
+    """The blocks in flight there, its own included, were past the worker's KV cache: it waited
+    for memory before its prefill."""
     step_wait_ms: float = 0.0
     """What was left of the prefill step running there at dispatch (the model's own estimate)."""
     anchor: str | None = None
@@ -1127,7 +1129,6 @@ class KvRouter:
         decode_blocks: float,
         total_blocks: int,
         now: float,
-        exclude: str | None = None,
     ) -> float:
         """How long the request waits for KV blocks on ``key`` when the blocks in flight there
         (``decode_blocks``, its own included) exceed the worker's: until enough requests have
@@ -1140,7 +1141,7 @@ class KvRouter:
         if excess <= 0:
             return 0.0
         stay_s = self._decode_s.get(key, self._decode_fleet)
-        return 1000.0 * self._time_to_free_s(key, excess, total_blocks, now, stay_s, 0.0, exclude)
+        return 1000.0 * self._time_to_free_s(key, excess, total_blocks, now, stay_s, 0.0)
 
     def _time_to_free_s(
         self,
@@ -1150,13 +1151,12 @@ class KvRouter:
         now: float,
         stay_s: float,
         inflow: float,
-        exclude: str | None = None,
     ) -> float:
         """Seconds until the requests in flight on ``key`` have freed ``excess`` blocks more than
         arrivals bring meanwhile (``inflow`` blocks a second). Past the last of them: with no
         inflow, a further decode time per ``total_blocks`` still missing; with inflow, never."""
         left = freed = 0.0
-        for left, freed in self._load.releases(key, now, stay_s, self._out_tokens, exclude):
+        for left, freed in self._load.releases(key, now, stay_s, self._out_tokens):
             if freed - inflow * left >= excess:
                 return left
         if inflow > 0:
@@ -1273,13 +1273,22 @@ class KvRouter:
         step_wait_ms, ahead = 1000.0 * view[0], float(view[1])
         # the load after commit: this request's blocks are in
         total = max(self._workers[worker[0]].total_blocks, 1)
-        usage = min(load.decode_blocks(worker) / total, 1.0)
+        blocks = load.decode_blocks(worker)
+        usage = min(blocks / total, 1.0)
         decoding = load.decoding(worker) > 0
         if predicted is None:
             predicted = model.ttft_ms(ahead + uncached, decoding, usage, step_wait_ms)
-        wait = self._memory_wait_ms(worker, load.decode_blocks(worker), total, now, req.request_id)
         obs = self._obs[req.request_id] = _Obs(
-            worker, now, ahead, uncached, req.isl_tokens, decoding, usage, predicted, wait, step_wait_ms
+            worker,
+            now,
+            ahead,
+            uncached,
+            req.isl_tokens,
+            decoding,
+            usage,
+            predicted,
+            blocks > total,
+            step_wait_ms,
         )
         if step_wait_ms > 0.0:
             anchor = load.anchor(worker)  # the step's request (this one joined the queue behind it)
@@ -1416,7 +1425,7 @@ class KvRouter:
         # of four identical engines ranged from 0.0001 to 0.043 ms a token against the engine's
         # 0.015, with 35-75% error; fitted only on requests that found their blocks, 0.012-0.019
         # with 8-10%.)
-        if obs.memory_wait_ms > 0.0:
+        if obs.past_cache:
             model.waited_for_memory += 1
         elif not obs.joined:
             model.observe_ttft(

@@ -390,10 +390,9 @@ class ActiveSequences:
         now: float,
         stay_s: float,
         out_tokens: float,
-        exclude: str | None = None,
     ) -> list[tuple[float, float]]:
         """When the worker gets its blocks back: ``[(seconds from now, blocks free by then)]``,
-        one entry per request in flight there (``exclude`` aside), soonest first, the blocks
+        one entry per request in flight there, soonest first, the blocks
         cumulative. An engine frees a request's blocks when it finishes, not gradually, so a
         request that does not fit waits for whole requests to end.
 
@@ -407,9 +406,7 @@ class ActiveSequences:
         if w is None or not w.active:
             return []
         ends = []
-        for rid, r in w.active.items():
-            if rid == exclude:
-                continue
+        for r in w.active.values():
             if r.first_token_at is not None:
                 expect = r.osl or out_tokens
                 if expect <= 0:

@@ -172,8 +172,6 @@ def test_blocks_come_back_when_whole_requests_finish_soonest_first() -> None:
         pytest.approx((1.4, 12)),
     ]
     assert fast.releases(W, 2.0, stay_s=9.0, out_tokens=20) == [pytest.approx((0.45, 10))]
-    # the request being placed does not finish before itself; the blocks it shares stay held
-    assert load.releases(W, 2.0, stay_s=9.0, out_tokens=20, exclude="r2") == [pytest.approx((0.9, 2))]
 
 
 def test_a_release_uses_the_osl_the_stay_and_the_predicted_prefill_when_it_has_no_pace() -> None:

@@ -228,8 +228,16 @@ class Curve:
         return (steps + 0.5) * d
 
     def ms_per_token(self) -> float:
-        """Marginal linear prefill cost (ms per token), what recomputing an evicted block costs."""
-        return self.theta[1] / KTOK
+        """What recomputing an evicted token costs, in ms: a full step's prefill time over its
+        tokens, the step's constant aside (``a * budget + b``). Recomputed blocks ride in the
+        prefill steps of the turn that comes back for them. Not the linear coefficient alone: over
+        the prompt lengths a fleet sends, the fit can trade its quadratic coefficient against its
+        linear one with little change to any prediction, and on four identical engines the linear
+        coefficient read 0.008-0.017 ms a token against the engine's 0.015, so every price of
+        eviction differed by 2x between them. A full step's time is what the observations pin
+        down (0.018-0.020 there; the engine's is 0.0186)."""
+        a, b = self.theta[0], self.theta[1]
+        return (a * (self.max_batched_tokens / KTOK) + b) / KTOK
 
 
 class TimingModel(Curve):

@@ -104,6 +104,34 @@ def test_the_fit_follows_a_worker_that_slows_down() -> None:
     assert model.ttft_ms(500, False, 0.3) == pytest.approx(_truth(500, False, slow), rel=0.15)
 
 
+def test_the_recompute_price_is_a_full_steps_cost_a_token_not_one_coefficient() -> None:
+    """What recomputing an evicted token costs is read off the fitted curve over a full step
+    (``a * budget + b`` ms a token), not off its linear coefficient alone. Over the prompt lengths a
+    fleet sees, the quadratic and linear coefficients trade against each other: fits of the same
+    engine from different traffic split a step's time between them differently, and the linear
+    coefficient alone then differed by up to 2x between identical workers, and so did every price
+    of eviction. The full step's cost is what the observations pin down."""
+    budget = 8192
+    true = Profile(MOCKER_PRIOR.prefill_ms, MOCKER_PRIOR.decode_ms, 1.0, "mocker")
+    a, b, _ = true.prefill_ms
+    full_step = a * budget + b
+    prices, slopes = [], []
+    for seed in range(12):
+        model = TimingModel(MOCKER_PRIOR, budget)
+        rng = random.Random(seed)
+        for _ in range(60):
+            x = rng.uniform(300, 9000)
+            model.observe_ttft(x, True, 0.3, _truth(x, True, true) * (1 + rng.gauss(0, 0.08)))
+        prices.append(model.ms_per_token())
+        slopes.append(model.describe()["prefill_ms"][1])
+    assert all(0.85 * full_step < p < 1.35 * full_step for p in prices)
+    assert max(prices) / min(prices) < max(slopes) / min(slopes)  # steadier than the coefficient
+    # two curves that agree on a full step price a recomputed token alike, however they split it
+    tilted = Profile((a + 1e-6, b - 1e-6 * budget, 16.5), MOCKER_PRIOR.decode_ms, 1.0, "tilted")
+    assert TimingModel(tilted, budget).ms_per_token() == pytest.approx(full_step, rel=1e-9)
+    assert TimingModel(true, budget).ms_per_token() == pytest.approx(full_step, rel=1e-9)
+
+
 def test_itl_learns_the_decode_pass() -> None:
     model = TimingModel(MOCKER_PRIOR, 8192)
     for _ in range(300):

@@ -233,6 +233,27 @@ async def start_mesh_processes(
                 proc.kill()
 
 
+def _against(other_s: float, kv_s: float) -> str:
+    """``other_s`` over ``kv_s`` as what a reader wants to know: how much faster or slower."""
+    ratio = other_s / kv_s
+    if ratio >= 1.0:
+        return f"{ratio:.2f}x faster"
+    return f"{1.0 / ratio:.2f}x slower"
+
+
+def comparison_line(kv: dict[str, Any], other: dict[str, Any], label: str) -> str | None:
+    """The demo's one-line verdict of KV routing against ``other``'s run (summaries of
+    :func:`kvmesh.bench.report.summarize`), None when either has no TTFT."""
+    ttft, theirs = kv["ttft_s"], other["ttft_s"]
+    if not (ttft["p50"] and theirs["p50"] and ttft["p90"] and theirs["p90"]):
+        return None
+    return (
+        f"KV routing (latency cost) vs {label}: TTFT p50 {_against(theirs['p50'], ttft['p50'])}, "
+        f"p90 {_against(theirs['p90'], ttft['p90'])}, prefix hit ratio "
+        f"{100 * (kv['prefix_hit_ratio'] or 0):.0f}% vs {100 * (other['prefix_hit_ratio'] or 0):.0f}%"
+    )
+
+
 async def _run_demo(args: argparse.Namespace) -> int:
     from kvmesh.bench import report
     from kvmesh.bench.runner import LoadSpec, Progress, RunResult, run_workload
@@ -293,13 +314,9 @@ async def _run_demo(args: argparse.Namespace) -> int:
     print(report.format_table(summaries))
     kv, dyn, rr = summaries
     for other, label in ((rr, "round-robin"), (dyn, "Dynamo's cost")):
-        if kv["ttft_s"]["p50"] and other["ttft_s"]["p50"]:
-            print(
-                f"KV routing (latency cost) vs {label}: TTFT p50 "
-                f"x{other['ttft_s']['p50'] / kv['ttft_s']['p50']:.2f} faster, "
-                f"p90 x{other['ttft_s']['p90'] / kv['ttft_s']['p90']:.2f}, prefix hit ratio "
-                f"{100 * (kv['prefix_hit_ratio'] or 0):.0f}% vs {100 * (other['prefix_hit_ratio'] or 0):.0f}%"
-            )
+        line = comparison_line(kv, other, label)
+        if line:
+            print(line)
     if args.json_path:
         import json
 

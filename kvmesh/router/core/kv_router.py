@@ -369,6 +369,11 @@ class KvRouter:
         self._decode_s: dict[WorkerKey, float] = {}
         """Per worker, an EWMA of a request's time from first token to finish."""
         self._decode_fleet = 0.0
+        self._in_system_s: dict[WorkerKey, float] = {}
+        """Per worker, an EWMA of a request's time from dispatch to finish: its whole stay, the
+        queue and the wait for memory included (what Little's law divides the requests in flight
+        by)."""
+        self._in_system_fleet = 0.0
         self._out_tokens = 0.0
         """Output tokens a request generates, fleet-wide (moving average of finished ones)."""
         self._conversations = Conversations()
@@ -438,6 +443,7 @@ class KvRouter:
     def _forget_rank(self, key: WorkerKey) -> None:
         self._timing.pop(key, None)
         self._decode_s.pop(key, None)
+        self._in_system_s.pop(key, None)
         self._index.remove_worker(key)
         self._load.remove_worker(key)
         self._conversations.remove_worker(key)
@@ -1066,12 +1072,17 @@ class KvRouter:
         while it is there.
 
         How many arrive: by Little's law, the requests in flight there over the time a request
-        stays (``n / W``; ``W`` is the learned first-token-to-finish time there, most of a
-        request's stay), counted from what the router holds now, so a client that waits for each
-        answer before sending the next makes no arrivals during it; or, where more, the turns the
-        conversations living there send it (``returning_per_s``: :meth:`Conversations.turns_per_cycle`
-        over the gap between turns). Its decode lasts ``osl``
-        passes when the client gave ``agent_hints.osl``, else ``W``.
+        stays (``n / W``; ``W`` is the learned time from dispatch to finish there, the queue and the
+        wait for memory included), counted from what the router holds now, so a client that waits
+        for each answer before sending the next makes no arrivals during it; or, where more, the
+        turns the conversations living there send it (``returning_per_s``:
+        :meth:`Conversations.turns_per_cycle` over the gap between turns). (``W`` was the time from
+        first token to finish alone, which is a request's whole stay only where nothing queues: on
+        a worker past its KV cache, whose requests wait up to a second or two for memory before
+        their first token, it counted as many times more arrivals than there were as the stay was
+        longer than the decode, and the busiest worker looked the worst place for the blocks of a
+        turn whose history it held.) Its decode lasts ``osl`` passes when the client
+        gave ``agent_hints.osl``, else the learned first-token-to-finish time.
         Its prefill adds ``S`` ms of engine time: the ``rate * S`` requests arriving meanwhile wait
         half of it on average. Its blocks raise the worker's KV usage for its whole decode, which
         lengthens every decode pass there: each request arriving during that time waits for one and
@@ -1102,7 +1113,12 @@ class KvRouter:
         stay_s = self._decode_s.get(key, self._decode_fleet)
         if stay_s <= 0.0:
             return 0.0
-        rate = max(in_flight / stay_s, returning_per_s)
+        # Little's law divides the requests in flight by their whole time there; the decode time
+        # alone is the whole only where nothing queues
+        in_system_s = self._in_system_s.get(key, self._in_system_fleet)
+        if in_system_s < stay_s:
+            in_system_s = stay_s
+        rate = max(in_flight / in_system_s, returning_per_s)
         if rate <= 0.0:
             return 0.0
         prefill = timing.curve().added_prefill_ms(ahead_tokens, own_tokens)
@@ -1117,7 +1133,7 @@ class KvRouter:
         added = blocks_after - blocks_before
         over_limit = min(added, blocks_after - total)
         if over_limit > 0:
-            inflow = blocks_before / stay_s
+            inflow = blocks_before / in_system_s
             left_s = self._time_to_free_s(key, blocks_after - total, total, now, stay_s, inflow)
             window = min(left_s, decode_s)
             delay += rate * window * 1000.0 * over_limit / total * stay_s
@@ -1416,6 +1432,13 @@ class KvRouter:
             self._decode_fleet = decode_s
         else:
             self._decode_fleet += _REUSE_ALPHA * (decode_s - self._decode_fleet)
+        in_system = max(now - obs.dispatched, 0.0)
+        old = self._in_system_s.get(obs.worker)
+        self._in_system_s[obs.worker] = in_system if old is None else old + _REUSE_ALPHA * (in_system - old)
+        if old is None and self._in_system_fleet == 0.0:
+            self._in_system_fleet = in_system
+        else:
+            self._in_system_fleet += _REUSE_ALPHA * (in_system - self._in_system_fleet)
         # A request that joined the step in progress ran no step of its own: its TTFT was that
         # step's, which the step's own request teaches. A request sent where the blocks in flight
         # were past the worker's KV cache waited for memory first: its TTFT is mostly that wait,

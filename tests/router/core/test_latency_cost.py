@@ -98,6 +98,33 @@ def test_the_delay_to_others_counts_the_requests_arriving_there() -> None:
     assert all(s.delay_to_others_ms == 0 for s in d.breakdown)
 
 
+def test_the_arrivals_are_the_requests_in_flight_over_their_whole_stay() -> None:
+    """a and b each take a request every 20 ms and each request decodes for 220 ms; b's wait
+    500 ms more for their first token, so b holds about three times as many in flight. They
+    arrive no faster there: the delay charged on b may grow with b's longer queue ahead of the
+    request, but not with the requests waiting in it. (Counted over the decode time alone, b's
+    arrivals read 3.4 times a's, and its delay to others ~10 times a's.)"""
+    r = router()
+    events: list[tuple[float, int, str, int]] = []  # (time, 0 route 1 first 2 done, worker, request)
+    for i in range(40):
+        t = i * 0.02
+        events += [(t, 0, "a", i), (t + 0.03, 1, "a", i), (t + 0.25, 2, "a", i)]
+        events += [(t, 0, "b", i), (t + 0.53, 1, "b", i), (t + 0.75, 2, "b", i)]
+    now = 40 * 0.02
+    for t, what, worker, i in sorted(e for e in events if e[0] < now):
+        rid = f"{worker}{i}"
+        if what == 0:
+            seed = 1000 * (worker == "b") + i
+            assert isinstance(r.route(req(rid, toks(seed, 300), backend_instance_id=worker), t), Decision)
+        elif what == 1:
+            r.first_token(rid, t)
+        else:
+            r.finished(rid, t)
+    by = {s.worker[0]: s for s in pick(r, "new", toks(3, 2000), now=now).breakdown}
+    assert by["a"].delay_to_others_ms > 0
+    assert by["b"].delay_to_others_ms < 4 * by["a"].delay_to_others_ms
+
+
 def test_a_hot_prefix_spreads_once_its_worker_takes_traffic_faster_than_the_cache_saves() -> None:
     """The herding test: one hot prefix, requests arriving on its worker ever faster. At a slow
     pace the cache wins; once the requests piling up there cost the arrivals more than recomputing

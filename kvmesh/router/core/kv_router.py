@@ -1426,19 +1426,9 @@ class KvRouter:
         if not obs.timed:
             return None
         decode_s = max(now - obs.dispatched - obs.ttft, 0.0)
-        old = self._decode_s.get(obs.worker)
-        self._decode_s[obs.worker] = decode_s if old is None else old + _REUSE_ALPHA * (decode_s - old)
-        if old is None and self._decode_fleet == 0.0:
-            self._decode_fleet = decode_s
-        else:
-            self._decode_fleet += _REUSE_ALPHA * (decode_s - self._decode_fleet)
-        in_system = max(now - obs.dispatched, 0.0)
-        old = self._in_system_s.get(obs.worker)
-        self._in_system_s[obs.worker] = in_system if old is None else old + _REUSE_ALPHA * (in_system - old)
-        if old is None and self._in_system_fleet == 0.0:
-            self._in_system_fleet = in_system
-        else:
-            self._in_system_fleet += _REUSE_ALPHA * (in_system - self._in_system_fleet)
+        self._decode_fleet = _follow(self._decode_s, self._decode_fleet, obs.worker, decode_s)
+        in_system_s = max(now - obs.dispatched, 0.0)
+        self._in_system_fleet = _follow(self._in_system_s, self._in_system_fleet, obs.worker, in_system_s)
         # A request that joined the step in progress ran no step of its own: its TTFT was that
         # step's, which the step's own request teaches. A request sent where the blocks in flight
         # were past the worker's KV cache waited for memory first: its TTFT is mostly that wait,
@@ -1586,6 +1576,17 @@ class KvRouter:
     def queue_pending(self) -> tuple[int, int]:
         """(requests, prompt tokens) waiting in the admission queue."""
         return len(self._queue), self._queue.pending_tokens
+
+
+def _follow(per_worker: dict[WorkerKey, float], fleet: float, worker: WorkerKey, value: float) -> float:
+    """Move ``worker``'s moving average in ``per_worker`` toward ``value`` (its first value taken
+    whole) and return the fleet's, moved likewise (taken whole while it is still 0 and the worker
+    is new)."""
+    old = per_worker.get(worker)
+    per_worker[worker] = value if old is None else old + _REUSE_ALPHA * (value - old)
+    if old is None and fleet == 0.0:
+        return value
+    return fleet + _REUSE_ALPHA * (value - fleet)
 
 
 def _weigh_prefill(

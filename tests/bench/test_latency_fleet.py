@@ -66,3 +66,6 @@ async def test_the_latency_cost_does_no_more_prefill_work_than_dynamos_and_learn
     assert conversations["live"] > 0  # the last turns, not yet overdue
     live = [rank["live_conversation_blocks"] for w in workers for rank in w["ranks"]]
     assert sum(live) > 0
+    # each worker's learned stay (dispatch to finish) holds its decode (first token to finish)
+    for rank in (rank for w in workers for rank in w["ranks"] if rank["timing_model"]["observations"]):
+        assert rank["stay_seconds"] > rank["decode_seconds"] > 0

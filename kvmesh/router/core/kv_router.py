@@ -210,6 +210,11 @@ class WorkerSnapshot:
     """Blocks of the conversations living there (the latency cost's view; 0 with Dynamo's)."""
     unseen_requests: float = 0.0
     """Requests the engine last reported beyond the router's own (:meth:`KvRouter.engine_load`)."""
+    decode_s: float | None = None
+    """The learned time from a request's first token to its finish there (None: none finished)."""
+    stay_s: float | None = None
+    """The learned time from dispatch to finish there, the queue and the wait for memory
+    included: what the requests in flight are divided by for their arrival rate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1544,6 +1549,8 @@ class KvRouter:
                     self._timing[key].describe() if key in self._timing else None,
                     self._conversations.live_blocks(key),
                     load.unseen_requests(key),
+                    self._decode_s.get(key),
+                    self._in_system_s.get(key),
                 )
             )
         return out

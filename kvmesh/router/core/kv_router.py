@@ -212,7 +212,7 @@ class WorkerSnapshot:
     """Requests the engine last reported beyond the router's own (:meth:`KvRouter.engine_load`)."""
     decode_s: float | None = None
     """The learned time from a request's first token to its finish there (None: none finished)."""
-    stay_s: float | None = None
+    in_system_s: float | None = None
     """The learned time from dispatch to finish there, the queue and the wait for memory
     included: what the requests in flight are divided by for their arrival rate."""
 

@@ -272,7 +272,7 @@ class WorkerRegistry:
                     "live_conversation_blocks": snap.live_blocks,
                     "unseen_requests": round(snap.unseen_requests, 3),
                     "decode_seconds": None if snap.decode_s is None else round(snap.decode_s, 4),
-                    "stay_seconds": None if snap.stay_s is None else round(snap.stay_s, 4),
+                    "stay_seconds": None if snap.in_system_s is None else round(snap.in_system_s, 4),
                 }
             )
         rows = []

@@ -63,21 +63,29 @@ def test_latency_is_the_default_and_dynamo_stays_selectable() -> None:
         assert s.cost == pytest.approx(s.predicted_ttft_ms + s.delay_to_others_ms + s.eviction_ms)
 
 
-def stream_to(r: KvRouter, worker: str, prompt: Callable[[int], list[int]], n: int, gap_s: float) -> float:
+def stream_to(
+    r: KvRouter, worker: str | dict[str, float], prompt: Callable[[int], list[int]], n: int, gap_s: float
+) -> float:
     """``n`` requests pinned to ``worker`` every ``gap_s``, each 30 ms to its first token and done
-    250 ms after it was sent, fed to the router in time order; returns the time after the last."""
-    events: list[tuple[float, int, int]] = []  # (time, what: 0 route 1 first 2 done, request)
+    250 ms after it was sent, fed to the router in time order; returns the time after the last.
+    ``worker`` may map several workers to a queue wait each: every one gets its own ``n``
+    requests (the k-th worker's prompts ``prompt(i + 1000 * k)``), first token and finish that
+    much later."""
+    waits = {worker: 0.0} if isinstance(worker, str) else worker
+    events: list[tuple[float, int, str, int]] = []  # (time, what: 0 route 1 first 2 done, worker, i)
     for i in range(n):
         t = i * gap_s
-        events += [(t, 0, i), (t + 0.03, 1, i), (t + 0.25, 2, i)]
+        for w, wait in waits.items():
+            events += [(t, 0, w, i), (t + 0.03 + wait, 1, w, i), (t + 0.25 + wait, 2, w, i)]
+    offset = {w: 1000 * k for k, w in enumerate(waits)}
     now = n * gap_s
-    for t, what, i in sorted(e for e in events if e[0] < now):
+    for t, what, w, i in sorted(e for e in events if e[0] < now):
         if what == 0:
-            r.route(req(f"{worker}{i}", prompt(i), backend_instance_id=worker), t)
+            r.route(req(f"{w}{i}", prompt(i + offset[w]), backend_instance_id=w), t)
         elif what == 1:
-            r.first_token(f"{worker}{i}", t)
+            r.first_token(f"{w}{i}", t)
         else:
-            r.finished(f"{worker}{i}", t)
+            r.finished(f"{w}{i}", t)
     return now
 
 
@@ -105,21 +113,7 @@ def test_the_arrivals_are_the_requests_in_flight_over_their_whole_stay() -> None
     request, but not with the requests waiting in it. (Counted over the decode time alone, b's
     arrivals read 3.4 times a's, and its delay to others ~10 times a's.)"""
     r = router()
-    events: list[tuple[float, int, str, int]] = []  # (time, 0 route 1 first 2 done, worker, request)
-    for i in range(40):
-        t = i * 0.02
-        events += [(t, 0, "a", i), (t + 0.03, 1, "a", i), (t + 0.25, 2, "a", i)]
-        events += [(t, 0, "b", i), (t + 0.53, 1, "b", i), (t + 0.75, 2, "b", i)]
-    now = 40 * 0.02
-    for t, what, worker, i in sorted(e for e in events if e[0] < now):
-        rid = f"{worker}{i}"
-        if what == 0:
-            seed = 1000 * (worker == "b") + i
-            assert isinstance(r.route(req(rid, toks(seed, 300), backend_instance_id=worker), t), Decision)
-        elif what == 1:
-            r.first_token(rid, t)
-        else:
-            r.finished(rid, t)
+    now = stream_to(r, {"a": 0.0, "b": 0.5}, lambda i: toks(i, 300), 40, 0.02)
     by = {s.worker[0]: s for s in pick(r, "new", toks(3, 2000), now=now).breakdown}
     assert by["a"].delay_to_others_ms > 0
     assert by["b"].delay_to_others_ms < 4 * by["a"].delay_to_others_ms

@@ -50,6 +50,7 @@ from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
 from kvmesh.router.core.sessions import SessionTable
 from kvmesh.router.core.timing import MOCKER_PRIOR, Predictor, Profile, TimingModel, WorkerTiming
+from kvmesh.router.core.wait_spread import WaitSpread
 
 if TYPE_CHECKING:
     import random
@@ -144,6 +145,9 @@ class CandidateScore:
     turns_overlap_ms: float = 0.0
     """The latency cost's price for this conversation's later turns and those of the conversations
     living on this worker finding each other in flight there (see ``_turns_overlap_ms``)."""
+    memory_wait_ms: float = 0.0
+    """The latency cost's wait for KV blocks there (part of ``predicted_ttft_ms``): the blocks in
+    flight there and this request's are past the worker's cache (see ``_memory_wait_ms``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +295,8 @@ class _Obs:
     past_cache: bool = False
     """The blocks in flight there, its own included, were past the worker's KV cache: it waited
     for memory before its prefill."""
+    memory_wait_ms: float = 0.0
+    """The wait for memory its decision predicted (0: none, or no decision scored it)."""
     step_wait_ms: float = 0.0
     """What was left of the prefill step running there at dispatch (the model's own estimate)."""
     anchor: str | None = None
@@ -383,6 +389,7 @@ class KvRouter:
         """Output tokens a request generates, fleet-wide (moving average of finished ones)."""
         self._conversations = Conversations()
         self._joins = Joins()
+        self._wait_spread = WaitSpread()
         self._shared = SharedPrefixes()
         self._copies = 0
         """Requests placed on a worker that did not hold the shared prefix they carry: copies made."""
@@ -769,8 +776,10 @@ class KvRouter:
                     ttft = self._joining_ttft_ms(key, curve, ttft, wait_ms, prefill - active, now)
                 if scale != 1.0:
                     ttft = _weigh_prefill(timing, ttft, prefill, wait_ms, scale)
+                memory_ms = 0.0
                 if decode > total:  # (it returns 0 below the limit; checked here, as the call is not free)
-                    ttft += self._memory_wait_ms(key, decode, total, now)
+                    memory_ms = self._memory_wait_ms(key, decode, total, now)
+                    ttft += memory_ms
                 added = n_blocks - dev
                 # (it returns 0 where the blocks added fit; checked here, as the call is not free)
                 evict = (
@@ -815,6 +824,7 @@ class KvRouter:
                     credit,
                     delay,
                     overlap,
+                    memory_ms,
                 )
             else:
                 c = selector.cost(prefill, decode, bs, scale)
@@ -907,11 +917,28 @@ class KvRouter:
         expected value, wide on a new worker and narrowing as it learns. (It was the spread of
         single TTFTs, which is mostly where in a step a request lands, the same on every
         candidate: it kept siblings queued behind the first one's step on a learned fleet, where
-        another worker holding the context answered ~25 ms sooner.)"""
+        another worker holding the context answered ~25 ms sooner.)
+
+        A candidate whose cost includes a wait for memory is uncertain by that wait's spread as
+        well (:class:`~kvmesh.router.core.wait_spread.WaitSpread`), and so is the best one: a
+        candidate is near when its cost is within the two candidates' uncertainties together
+        (independent errors: the root of the sum of squares). (With only the fit's, a conversation's
+        last turns, whose home was predicted to wait 1-2 s for memory, went to recompute
+        18k-token histories on workers predicted a few hundred ms sooner, and the blocks they took
+        there set off moves after them; those home waits came in at 0.4-0.9 of the prediction.)"""
         lowest = min(costs)
         best = costs.index(lowest)
-        cutoff = lowest + self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
+        fit = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
+        cutoff = lowest + fit
         near = [i for i, c in enumerate(costs) if c <= cutoff]
+        spread = self._wait_spread
+        if any(s.memory_wait_ms > 0.0 for s in scores):
+            base = fit * fit + spread.width_ms(scores[best].memory_wait_ms) ** 2
+            near = [
+                i
+                for i, c in enumerate(costs)
+                if c - lowest <= math.sqrt(base + spread.width_ms(scores[i].memory_wait_ms) ** 2)
+            ]
         if len(near) == 1:
             return best
         # the least own work, then the lowest cost, then the smallest tree (the selector's
@@ -1201,8 +1228,13 @@ class KvRouter:
         self._commit(
             req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, now, req.osl, prompt, turn
         )
-        predicted = breakdown[chosen].predicted_ttft_ms if chosen is not None else None
-        self._start_observation(req, worker, overlap, predicted, now, view)
+        if chosen is not None:
+            score = breakdown[chosen]
+            self._start_observation(
+                req, worker, overlap, score.predicted_ttft_ms, now, view, score.memory_wait_ms
+            )
+        else:
+            self._start_observation(req, worker, overlap, None, now, view)
         if self.observer is not None:
             self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
         if req.session_id is not None and req.session_action in ("open", "bind"):
@@ -1282,10 +1314,11 @@ class KvRouter:
         predicted: float | None,
         now: float,
         view: tuple[float, int],
+        memory_wait_ms: float = 0.0,
     ) -> None:
         """``predicted``: the TTFT the decision predicted there (None: the decision made none,
-        so it is predicted here); ``view``: the worker's ``step_in_progress`` before this request
-        joined it."""
+        so it is predicted here), ``memory_wait_ms`` the part of it that is a wait for memory;
+        ``view``: the worker's ``step_in_progress`` before this request joined it."""
         model = self._timing.get(worker)
         if model is None:
             return
@@ -1309,6 +1342,7 @@ class KvRouter:
             usage,
             predicted,
             blocks > total,
+            memory_wait_ms,
             step_wait_ms,
         )
         if step_wait_ms > 0.0:
@@ -1445,6 +1479,10 @@ class KvRouter:
         # with 8-10%.)
         if obs.past_cache:
             model.waited_for_memory += 1
+            if obs.memory_wait_ms > 0.0 and obs.predicted_ms > 0.0:
+                # what it waited beyond the rest of its prediction, against the wait predicted
+                rest_ms = obs.predicted_ms - obs.memory_wait_ms
+                self._wait_spread.observe(obs.memory_wait_ms, 1000.0 * obs.ttft - rest_ms)
         elif not obs.joined:
             model.observe_ttft(
                 obs.ahead + uncached, obs.decoding, obs.kv_usage, 1000.0 * obs.ttft, obs.step_wait_ms
@@ -1563,6 +1601,11 @@ class KvRouter:
         """How often requests routed right behind the step in progress on a worker joined it, by
         how soon after its request they were routed (None with Dynamo's cost)."""
         return self._joins.describe() if self._latency else None
+
+    def memory_wait_stats(self) -> dict[str, float] | None:
+        """How far the waits for memory came from their predictions: the requests counted and the
+        relative spread the choice between close candidates allows for (None with Dynamo's cost)."""
+        return self._wait_spread.describe() if self._latency else None
 
     def shared_prefix_stats(self) -> dict[str, int] | None:
         """Shared prefixes the latency cost follows, and the copies of them it made: requests placed

@@ -693,3 +693,55 @@ def test_a_request_sent_past_the_kv_cache_does_not_teach_the_prefill_curve() -> 
     assert snap["b"]["not_fitted_memory_wait"] == 0
     assert snap["b"]["observations"] == fitted["b"] + 5
     assert predicted()["b"] > 1.2 * before["b"]
+
+
+def _three_running_on_each_and_waits_seen_on_c(exact_waits: int) -> KvRouter:
+    """Workers a, b and c each run three 300-block requests (900 of their 1000 blocks) at 0.1 s a
+    token, 36, 38 and 37 tokens into their 40-token answers; the router has seen ``exact_waits``
+    requests wait for memory on c, each for just the wait it predicted."""
+    r = router("abc", total_blocks=1000)
+    for i in range(20):  # the fleet's requests answer 40 tokens
+        _answer(r, f"teach{i}", "ab"[i % 2], toks(900 + i, 300), i * 0.5, 40)
+    now = 20.0
+    for worker, generated in (("a", 36), ("b", 38), ("c", 37)):
+        for i in range(3):
+            rid = f"long-{worker}{i}"
+            d = r.route(req(rid, toks(10 + i, 300 * B), backend_instance_id=worker), now - 5.0)
+            assert isinstance(d, Decision)
+            r.first_token(rid, now - 0.1 * (generated - 1))
+            r.output_tokens(rid, 1, now - 0.1 * (generated - 1))
+            r.output_tokens(rid, generated - 1, now)
+    for i in range(exact_waits):
+        rid = f"wait{i}"
+        d = r.route(req(rid, toks(5000 + i, 200 * B), backend_instance_id="c"), now)
+        assert isinstance(d, Decision)
+        (score,) = d.breakdown
+        assert score.memory_wait_ms > 0.0 and score.predicted_ttft_ms is not None
+        answered = now + score.predicted_ttft_ms / 1000.0
+        r.first_token(rid, answered)
+        r.output_tokens(rid, 1, answered)
+        r.output_tokens(rid, 39, answered + 0.4)  # a 40-token answer, as the fleet's
+        r.finished(rid, answered + 0.4)  # its blocks are back: the next one finds c as this one did
+    return r
+
+
+def test_a_history_s_home_keeps_its_turn_while_its_wait_for_memory_is_within_what_waits_come_to() -> None:
+    """a holds the turn's 3k-token history; a and b are both short of KV blocks for it until one
+    of their running requests ends, b's 200 ms sooner (a's predicted wait 400 ms, b's 200). Before
+    the router has seen how waits for memory come out, a wait is as uncertain as itself: the costs
+    are a tie, and the turn stays where it adds the least prefill work, its history's home. Once
+    it has seen predicted waits come true (on c), the same waits are a difference it can tell, and
+    the turn goes where it starts sooner."""
+    prefix = toks(1, 3000)
+    chosen = {}
+    for taught in (0, 200):
+        r = _three_running_on_each_and_waits_seen_on_c(taught)
+        store(r, "a", prefix)
+        d = r.route(req(f"turn{taught}", prefix + toks(2, 200), allowed_workers=frozenset("ab")), 20.0)
+        assert isinstance(d, Decision)
+        by = {s.worker[0]: s for s in d.breakdown}
+        assert by["a"].memory_wait_ms > by["b"].memory_wait_ms > 0.0
+        assert by["b"].cost < by["a"].cost  # the longer wait makes a dearer either way
+        chosen[taught] = d.worker[0]
+    assert chosen == {0: "a", 200: "b"}
+    assert r.memory_wait_stats()["relative_spread"] < 0.3  # type: ignore[index]

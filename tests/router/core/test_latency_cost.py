@@ -728,8 +728,8 @@ def _three_running_on_each_and_waits_seen_on_c(exact_waits: int) -> KvRouter:
 def test_a_history_s_home_keeps_its_turn_while_its_wait_for_memory_is_within_what_waits_come_to() -> None:
     """a holds the turn's 3k-token history; a and b are both short of KV blocks for it until one
     of their running requests ends, b's 200 ms sooner (a's predicted wait 400 ms, b's 200). Before
-    the router has seen how waits for memory come out, a wait is as uncertain as itself: the costs
-    are a tie, and the turn stays where it adds the least prefill work, its history's home. Once
+    the router has seen how waits for memory come out, a wait is taken to be within half of itself
+    (the prior spread): the costs are a tie, and the turn stays where it adds the least prefill work, its history's home. Once
     it has seen predicted waits come true (on c), the same waits are a difference it can tell, and
     the turn goes where it starts sooner."""
     prefix = toks(1, 3000)

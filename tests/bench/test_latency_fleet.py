@@ -14,6 +14,7 @@ from kvmesh.bench import report
 from kvmesh.bench.fleet import kvmesh_router, start_fleet
 from kvmesh.bench.runner import LoadSpec, run_workload
 from kvmesh.bench.workloads import WorkloadSpec, build
+from kvmesh.router.core.wait_spread import PRIOR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -69,3 +70,26 @@ async def test_the_latency_cost_does_no_more_prefill_work_than_dynamos_and_learn
     # each worker's learned stay (dispatch to finish) holds its decode (first token to finish)
     for rank in (rank for w in workers for rank in w["ranks"] if rank["timing_model"]["observations"]):
         assert rank["stay_seconds"] > rank["decode_seconds"] > 0
+
+
+async def test_a_fleet_past_its_caches_teaches_the_router_how_far_its_waits_for_memory_come_out() -> None:
+    """Two engines with room for about three of these requests each, six in flight: requests
+    wait for KV memory, the decisions show the waits predicted, and the router learns from the
+    waits the requests then had how far those predictions are off (``memory_waits`` in
+    ``GET /kvmesh/router``), which is what decides when two candidates' costs are a tie."""
+    front = kvmesh_router()
+    engine = ["--speedup", "4", "--block-size", "16", "--num-blocks", "400"]
+    async with start_fleet(2, engine, front) as fleet:
+        load = LoadSpec(urls=(fleet.front_url,), concurrency=6, think_time=0.0, seed=3)
+        run = await run_workload("latency", build(SPEC), load)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(fleet.front_url + "/kvmesh/router") as r:
+                waits = (await r.json())["memory_waits"]
+            async with http.get(fleet.front_url + "/kvmesh/decisions?limit=64") as r:
+                decisions = (await r.json())["decisions"]
+    assert report.summarize(run)["errors"] == 0
+    predicted = [c["memory_wait_ms"] for d in decisions for c in d["candidates"]]
+    assert max(predicted) > 0.0
+    assert waits["requests"] > 0
+    assert waits["relative_spread"] != PRIOR  # learned from this fleet's waits
+    assert waits["relative_spread"] > 0.0

@@ -536,6 +536,7 @@ def _decision_doc(decision: Decision, age_s: float) -> dict[str, Any]:
                 "delay_to_others_ms": round(c.delay_to_others_ms, 2),
                 "copy_credit_ms": round(c.copy_credit_ms, 2),
                 "turns_overlap_ms": round(c.turns_overlap_ms, 2),
+                "memory_wait_ms": round(c.memory_wait_ms, 2),
             }
             for c in decision.breakdown
         ],

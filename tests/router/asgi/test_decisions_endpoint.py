@@ -63,6 +63,7 @@ async def test_the_last_decisions_explain_where_each_request_went() -> None:
                     )
                     assert abs(terms - c["cost"]) < 0.01
                     assert c["prefill_tokens"] > 0
+                    assert 0.0 <= c["memory_wait_ms"] <= c["predicted_ttft_ms"]
             # the default is 20, and there were 3
             async with http.get(front.url + "/kvmesh/decisions", headers=TOKEN) as r:
                 assert len((await r.json())["decisions"]) == 3

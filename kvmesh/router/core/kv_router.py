@@ -929,16 +929,17 @@ class KvRouter:
         lowest = min(costs)
         best = costs.index(lowest)
         fit = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
-        cutoff = lowest + fit
-        near = [i for i, c in enumerate(costs) if c <= cutoff]
-        spread = self._wait_spread
-        if any(s.memory_wait_ms > 0.0 for s in scores):
-            base = fit * fit + spread.width_ms(scores[best].memory_wait_ms) ** 2
+        if any(score.memory_wait_ms > 0.0 for score in scores):
+            width = self._wait_spread.width_ms
+            base = fit * fit + width(scores[best].memory_wait_ms) ** 2
             near = [
                 i
                 for i, c in enumerate(costs)
-                if c - lowest <= math.sqrt(base + spread.width_ms(scores[i].memory_wait_ms) ** 2)
+                if c - lowest <= math.sqrt(base + width(scores[i].memory_wait_ms) ** 2)
             ]
+        else:
+            cutoff = lowest + fit
+            near = [i for i, c in enumerate(costs) if c <= cutoff]
         if len(near) == 1:
             return best
         # the least own work, then the lowest cost, then the smallest tree (the selector's

@@ -702,6 +702,7 @@ class KvRouter:
         scores: list[CandidateScore] = []
         costs: list[float] = []
         trees: list[int] = []
+        waited = False  # some candidate's cost includes a wait for memory
         own_tokens: list[float] = []
         moved: list[float] = []
         n_blocks = len(req.local_hashes)
@@ -779,6 +780,7 @@ class KvRouter:
                 memory_ms = 0.0
                 if decode > total:  # (it returns 0 below the limit; checked here, as the call is not free)
                     memory_ms = self._memory_wait_ms(key, decode, total, now)
+                    waited = waited or memory_ms > 0.0
                     ttft += memory_ms
                 added = n_blocks - dev
                 # (it returns 0 where the blocks added fit; checked here, as the call is not free)
@@ -836,7 +838,7 @@ class KvRouter:
         if elsewhere and self.config.router_temperature == 0:
             i = self._pick_least_loaded(candidates, moved, costs, trees)
         elif latency and self.config.router_temperature == 0:
-            i = self._pick_saving_work(candidates, own_tokens, costs, trees, scores)
+            i = self._pick_saving_work(candidates, own_tokens, costs, trees, scores, waited)
         else:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
         if copy_to is not None and candidates[i] not in copy_to:
@@ -908,6 +910,7 @@ class KvRouter:
         costs: Sequence[float],
         trees: Sequence[int],
         scores: Sequence[CandidateScore],
+        waited: bool = False,
     ) -> int:
         """The cheapest candidate, except that costs closer than the best one's prediction
         uncertainty are a tie the model cannot resolve: among those, the one where this request
@@ -919,8 +922,8 @@ class KvRouter:
         candidate: it kept siblings queued behind the first one's step on a learned fleet, where
         another worker holding the context answered ~25 ms sooner.)
 
-        A candidate whose cost includes a wait for memory is uncertain by that wait's spread as
-        well (:class:`~kvmesh.router.core.wait_spread.WaitSpread`), and so is the best one: a
+        A candidate whose cost includes a wait for memory (``waited``: some candidate's does) is
+        uncertain by that wait's spread as well (:class:`~kvmesh.router.core.wait_spread.WaitSpread`), and so is the best one: a
         candidate is near when its cost is within the two candidates' uncertainties together
         (independent errors: the root of the sum of squares). (With only the fit's, a conversation's
         last turns, whose home was predicted to wait 1-2 s for memory, went to recompute
@@ -929,7 +932,7 @@ class KvRouter:
         lowest = min(costs)
         best = costs.index(lowest)
         fit = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
-        if any(score.memory_wait_ms > 0.0 for score in scores):
+        if waited:
             width = self._wait_spread.width_ms
             base = fit * fit + width(scores[best].memory_wait_ms) ** 2
             near = [

@@ -36,7 +36,10 @@ hit ratio (``usage.prompt_tokens_details.cached_tokens`` over prompt tokens), re
 (from each engine's own /metrics, so every router is counted the same way) and the engines'
 fidelity (real busy step time over modelled: near 1.0 means the 2-core machine kept up). The mean
 TTFT is split into the engines' own (``engine TTFT mean ms``: where the requests were placed) and
-the front's time in the path (``front ms``, the rest). Of the engines' own, ``engine queue mean ms``
+the front's time in the path (``front ms``, the rest); ``engine TTFT p50 ms`` is the engines' own
+median, from each engine's ``--request-log`` (beside the client's p50 it shows whether a median is
+lost where the requests were placed or in front of the engines; the verdicts hold it against the
+baselines' as ``engine p50 / best``). Of the engines' own, ``engine queue mean ms``
 is the wait before a step took a request in (``vllm:request_queue_time_seconds``): the rest of the
 step running when it arrived, or memory (a burst's later siblings that reach an engine after the
 first one's step started wait there for that step). ``routing ms`` is the part of the front's time
@@ -87,7 +90,9 @@ from _harness import machine, table
 from kvmesh.bench import report
 from kvmesh.bench.fleet import (
     FrontCommand,
+    engine_requests,
     engine_stats,
+    engine_ttft_p50,
     front_routing_seconds,
     kvmesh_router,
     sglang_router,
@@ -357,13 +362,16 @@ async def run_one(
     if contender.name == FLOOR:  # the same sessions, one at a time, on one engine of the fleet's kind
         engines, per_engine_args = 1, per_engine_args[:1]
         load = dataclasses.replace(load, concurrency=1, rate=None, think_time=0.0, ramp=0.0)
-    async with start_fleet(engines, engine_args, contender.front, per_engine_args=per_engine_args) as fleet:
+    async with start_fleet(
+        engines, engine_args, contender.front, per_engine_args=per_engine_args, request_logs=True
+    ) as fleet:
         load = dataclasses.replace(load, urls=(fleet.front_url,))
         total = sum(s.total_requests for s in sessions)
         bar = Progress(total, f"{case.label:>16} {contender.name:>14}", enabled=None if progress else False)
         run = await run_workload(contender.name, sessions, load, progress=bar)
         stats = await engine_stats(fleet.engine_urls)
         routing_s = await front_routing_seconds(fleet.front_url)
+        engine_p50_s = engine_ttft_p50(engine_requests(fleet))
     if rows is not None:
         rows.extend(request_rows(case, contender.name, rnd, seed, run, fleet.engine_urls))
     summary = report.summarize(run)
@@ -378,6 +386,7 @@ async def run_one(
     summary["fidelity"] = sum(s.busy_seconds for s in stats) / modelled if modelled else None
     counted = sum(s.ttft_count for s in stats)
     summary["engine_ttft_mean_s"] = sum(s.ttft_seconds_sum for s in stats) / counted if counted else None
+    summary["engine_ttft_p50_s"] = engine_p50_s
     queued = sum(s.queue_count for s in stats)
     summary["engine_queue_mean_s"] = sum(s.queue_seconds_sum for s in stats) / queued if queued else None
     return summary
@@ -391,6 +400,8 @@ METRICS = (
     ("TTFT mean ms", lambda s: _ms(s["ttft_s"].get("mean"))),
     # the engines' own mean TTFT (placement) and what the front adds on the way in and out
     ("engine TTFT mean ms", lambda s: _ms(s.get("engine_ttft_mean_s"))),
+    # and their median: beside the client's p50, whether a median is lost in placement or in front
+    ("engine TTFT p50 ms", lambda s: _ms(s.get("engine_ttft_p50_s"))),
     # of the engines' own, the wait before a step took the request in: behind the step running
     # when it arrived (a sibling that missed the first one's step) or for memory
     ("engine queue mean ms", lambda s: _ms(s.get("engine_queue_mean_s"))),
@@ -469,6 +480,7 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         "p99 / best(sglang, dynamo)",
         "mean / best(sglang, dynamo)",
         "engine mean / best",
+        "engine p50 / best",
         "hits - best",
         "p50 / round-robin",
         "floor / round-robin",
@@ -488,8 +500,13 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         ) -> str:
             if not others:
                 return "-"
-            # "engine": the engines' own mean TTFT, which placement decides (no front time in it)
-            get = (lambda s: s.get("engine_ttft_mean_s")) if q == "engine" else (lambda s: s["ttft_s"].get(q))
+            # "engine", "engine p50": the engines' own mean and median TTFT, which placement decides
+            # (no front time in them)
+            engine_key = {"engine": "engine_ttft_mean_s", "engine p50": "engine_ttft_p50_s"}.get(q)
+
+            def get(s: dict[str, Any]) -> float | None:
+                return s.get(engine_key) if engine_key else s["ttft_s"].get(q)
+
             vals = []
             for i in range(len(me)):
                 best = min(get(per[n][i]) or float("inf") for n in others)
@@ -513,6 +530,7 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
                 ratio("p99", base),
                 ratio("mean", base),
                 ratio("engine", base),
+                ratio("engine p50", base),
                 _fmt(hits, 3),
                 rr,
                 floor,

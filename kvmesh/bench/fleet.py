@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import socket
@@ -22,8 +23,11 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+
+from kvmesh.bench.report import percentile
 
 FrontCommand = Callable[[Sequence[str], int], list[str]]
 """(engine URLs, port) -> the argv of a router process that serves on 127.0.0.1:port."""
@@ -105,11 +109,14 @@ async def start_fleet(
     startup_timeout: float = 60.0,
     keep_logs: Path | None = None,
     per_engine_args: Sequence[Sequence[str]] = (),
+    request_logs: bool = False,
 ) -> AsyncIterator[Fleet]:
     """``n`` ``kvmesh mock`` engines (KV events on) and a front router; yields when all serve.
 
     Engine ``i`` also gets ``per_engine_args[i % len(per_engine_args)]`` after ``engine_args``
-    (the later of a flag given twice wins): a mixed fleet, such as engines of two speeds."""
+    (the later of a flag given twice wins): a mixed fleet, such as engines of two speeds. With
+    ``request_logs`` every engine writes ``--request-log`` into the fleet's log directory
+    (:func:`engine_requests` reads them back)."""
     ports = free_ports(3 * n + 1)
     engine_urls = [f"http://127.0.0.1:{p}" for p in ports[:n]]
     front_url = f"http://127.0.0.1:{ports[-1]}"
@@ -127,6 +134,8 @@ async def start_fleet(
             ]  # fmt: skip
             if per_engine_args:
                 argv += per_engine_args[i % len(per_engine_args)]
+            if request_logs:
+                argv += ["--request-log", str(request_log_path(logs, i))]
             fleet.procs.append(_spawn(argv, logs / f"engine-{i}.log", env))
         await _wait_until(fleet, [u + "/health" for u in engine_urls], startup_timeout)
         fleet.procs.append(_spawn(front(engine_urls, ports[-1]), logs / "front.log", env))
@@ -243,6 +252,35 @@ async def front_routing_seconds(url: str) -> float | None:
             return routing_mean(await r.text()) if r.status == 200 else None
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return None
+
+
+def request_log_path(logs: Path, index: int) -> Path:
+    """Where engine ``index`` of a fleet started with ``request_logs`` writes its request log."""
+    return logs / f"engine-{index}.requests.jsonl"
+
+
+def engine_requests(fleet: Fleet) -> list[dict[str, Any]]:
+    """The requests every engine of ``fleet`` logged as ended (``kvmesh mock --request-log``),
+    each with its engine's index as ``engine``; [] for a fleet started without the logs. Read
+    after the traffic has ended: an engine writes a request's line when it ends."""
+    out: list[dict[str, Any]] = []
+    for i in range(len(fleet.engine_urls)):
+        path = request_log_path(fleet.logs, i)
+        if not path.exists():
+            continue
+        with path.open(encoding="utf-8") as f:
+            out.extend({**json.loads(line), "engine": i} for line in f if line.strip())
+    return out
+
+
+def engine_ttft_p50(requests: Sequence[dict[str, Any]]) -> float | None:
+    """The median of the engines' own TTFTs (arrival to first token, seconds) over ``requests``
+    from :func:`engine_requests`, as the client's p50 is taken; None when none had a first token.
+    Beside the client's p50 it tells whether a median lost is lost where the requests were placed
+    or in front of the engines."""
+    return percentile(
+        [r["first_token"] - r["arrival"] for r in requests if r.get("first_token") is not None], 50
+    )
 
 
 async def engine_stats(urls: Sequence[str]) -> list[EngineStats]:

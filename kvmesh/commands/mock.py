@@ -85,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "latency model from it (real engines report none) [off]",
     )
     parser.add_argument(
+        "--request-log",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per ended request to PATH: its arrival, the step that took it in, "
+        "its first token and end on the engine's clock, prompt, cached and output tokens (for "
+        "benchmarks: the engine's own time, apart from the time in front of it) [off]",
+    )
+    parser.add_argument(
         "--admin-token",
         default=os.environ.get("KVMESH_ADMIN_TOKEN"),
         help="require this token on the /kvmesh/* worker RPCs [$KVMESH_ADMIN_TOKEN, else none]",
@@ -150,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             pin_budget=args.pin_budget,
             admin_token=args.admin_token or None,
             report_profile=args.report_profile,
+            request_log=args.request_log,
             role=args.role,
             transfer_ms_per_block=args.transfer_ms_per_block,
             transfer_fixed_ms=args.transfer_fixed_ms,
@@ -160,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
             tokenizer = HfTokenizer(args.tokenizer)
         engine = MockEngine(config, tokenizer=tokenizer)
+        engine.open_request_log()
         engine.open_events()  # bind errors surface here, before the HTTP server starts
         app = build_app(engine)
         for spec in args.middleware:

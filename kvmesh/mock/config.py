@@ -29,6 +29,7 @@ class MockConfig:
     pin_budget: float = 0.5  # share of the cache that pins and open sessions may hold
     admin_token: str | None = None
     report_profile: bool = False  # serve the step-time model in /kvmesh/info (real engines have none)
+    request_log: str | None = None  # append one JSON line per ended request here (benchmarks)
     # disaggregated serving (vLLM's kv_transfer_params protocol, simulated transfer)
     role: Literal["aggregated", "prefill", "decode"] = "aggregated"
     transfer_ms_per_block: float = 0.1  # pulling one block's KV from the prefill engine

@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_discovery import WorkerAnnouncer
@@ -75,6 +76,7 @@ class TokenStream:
         "first_token_time",
         "prompt_tokens",
         "request_id",
+        "scheduled_step",
         "scheduled_time",
         "tokens",
     )
@@ -89,6 +91,8 @@ class TokenStream:
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None
         """When a step first took it in (its wait in the queue ends there)."""
+        self.scheduled_step: int | None = None
+        """That step's number (requests taken in by the same step share it)."""
         self._waiter: asyncio.Future[None] | None = None
 
     @property
@@ -185,12 +189,24 @@ class MockEngine:
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._request_log: TextIO | None = None
         # Step time the model asked for vs the wall time steps really took: the loop's overhead.
         self.steps = 0
         self.modelled_seconds = 0.0
         self.busy_seconds = 0.0
 
     # --- lifecycle -----------------------------------------------------------------------------
+
+    def open_request_log(self) -> None:
+        """Open ``--request-log`` for appending (if configured); idempotent. Line-buffered, so
+        every ended request's line is on disk even when the engine is stopped by a signal."""
+        path = self.config.request_log
+        if path is None or self._request_log is not None:
+            return
+        try:
+            self._request_log = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        except OSError as e:
+            raise ConfigError(f"--request-log {path!r} cannot be opened: {e.strerror or e}") from None
 
     def open_events(self) -> None:
         """Bind the KV-event sockets, if configured (raises ConfigError if they cannot be bound)."""
@@ -221,6 +237,7 @@ class MockEngine:
         """Open the event sockets (if configured) and start the step loop; idempotent."""
         if self._task is not None:
             return
+        self.open_request_log()
         self.open_events()
         if self.config.advertise_url is not None:
             await self.announce(self.config.advertise_url)
@@ -235,6 +252,9 @@ class MockEngine:
                 await task
         for request_id in list(self._streams):
             self.abort(request_id)
+        if self._request_log is not None:
+            self._request_log.close()
+            self._request_log = None
         if self._announcer is not None:
             await self._announcer.stop()
             await self._announcer.link.close()
@@ -311,6 +331,7 @@ class MockEngine:
         if stream is not None and not stream.finished:
             stream._finish("abort")
             self.metrics.finished("abort")
+            self._log_request(stream, self.clock())
         if req is not None:
             self._wakeup.set()  # freed blocks may let a waiting request in
         return req is not None
@@ -489,7 +510,33 @@ class MockEngine:
             stream = streams.get(req.request_id)
             if stream is not None and stream.scheduled_time is None:
                 stream.scheduled_time = start
+                stream.scheduled_step = self.steps
                 queue_time.observe(max(start - stream.arrival, 0.0))
+
+    def _log_request(self, stream: TokenStream, now: float) -> None:
+        """One line of ``--request-log`` for a request that ended: what the engine itself saw of
+        it, so a benchmark can tell the engine's time from the time in front of it."""
+        log = self._request_log
+        if log is None:
+            return
+        log.write(
+            json.dumps(
+                {
+                    "request_id": stream.request_id,
+                    "arrival": stream.arrival,
+                    "scheduled": stream.scheduled_time,
+                    "step": stream.scheduled_step,
+                    "first_token": stream.first_token_time,
+                    "finished": now,
+                    "prompt_tokens": stream.prompt_tokens,
+                    "cached_tokens": stream.cached_tokens,
+                    "output_tokens": len(stream.tokens),
+                    "finish_reason": stream.finish_reason,
+                },
+                separators=(",", ":"),
+            )
+            + "\n"
+        )
 
     def _finish_step(self, out: SchedulerOutput, now: float) -> None:
         sched = self.scheduler
@@ -514,6 +561,7 @@ class MockEngine:
             stream._finish(reason)
             m.finished(reason)
             m.e2e.observe(now - stream.arrival)
+            self._log_request(stream, now)
         m.steps.inc()
         if out.admitted:
             m.prefix_cache_queries.inc(out.prefix_queries)

@@ -6,7 +6,9 @@ import aiohttp
 import pytest
 
 from kvmesh.bench.fleet import (
+    engine_requests,
     engine_stats,
+    engine_ttft_p50,
     front_routing_seconds,
     kvmesh_router,
     parse_metrics,
@@ -23,7 +25,9 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile()
     engine_args = ["--speedup", "20", "--block-size", "16", "--num-blocks", "256", "--report-profile"]
     front = kvmesh_router("--router-mode", "round-robin")
     # engine 1 runs at its own speed: the later --speedup wins
-    async with start_fleet(2, engine_args, front, per_engine_args=[(), ("--speedup", "10")]) as fleet:
+    async with start_fleet(
+        2, engine_args, front, per_engine_args=[(), ("--speedup", "10")], request_logs=True
+    ) as fleet:
         async with aiohttp.ClientSession() as http:
             infos = []
             for url in fleet.engine_urls:
@@ -35,6 +39,7 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile()
         stats = await engine_stats(fleet.engine_urls)
         routing = await front_routing_seconds(fleet.front_url)
         engine_routing = await front_routing_seconds(fleet.engine_urls[0])  # an engine routes nothing
+        logged = engine_requests(fleet)
     # the mock's step model divided by --speedup, as data a router can seed a timing model from
     assert infos[0]["timing_profile"] == {
         "prefill_ms": pytest.approx([4.209989e-07 / 20, 1.518344e-02 / 20, 16.50142 / 20]),
@@ -57,6 +62,13 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile()
     # the front's own time to each decision, a part of what it adds to the engines' TTFTs
     assert routing is not None and 0 < routing * 4 < client - sum(s.ttft_seconds_sum for s in stats)
     assert engine_routing is None
+    # each engine's --request-log: a line per request it served, its own TTFT in it
+    assert sorted(r["engine"] for r in logged) == [0, 0, 1, 1]
+    own = sorted(r["first_token"] - r["arrival"] for r in logged)
+    assert sum(own) == pytest.approx(sum(s.ttft_seconds_sum for s in stats))
+    p50 = engine_ttft_p50(logged)
+    assert p50 is not None and own[0] <= p50 <= own[-1]
+    assert engine_ttft_p50([]) is None
 
 
 async def test_an_engine_that_cannot_start_fails_the_fleet_with_its_log() -> None:

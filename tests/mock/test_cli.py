@@ -106,6 +106,10 @@ def test_a_busy_events_port_is_a_clear_error() -> None:
         (["--speedup", "0"], "--speedup must be a positive finite number, got 0.0"),
         (["--speedup", "inf"], "--speedup must be a positive finite number, got inf"),
         (["--speedup", "nan"], "--speedup must be a positive finite number, got nan"),
+        (
+            ["--request-log", "/nonexistent-kvmesh-dir/requests.jsonl"],
+            "--request-log '/nonexistent-kvmesh-dir/requests.jsonl' cannot be opened: No such file or directory",
+        ),
     ],
 )
 def test_bad_flags_name_the_flag(flags: list[str], message: str) -> None:

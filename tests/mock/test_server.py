@@ -311,3 +311,38 @@ async def test_the_queue_time_is_the_wait_for_the_step_running_when_a_request_ca
         assert _metric(text, "vllm:request_queue_time_seconds_count") == 2
         assert _metric(text, "vllm:request_queue_time_seconds_sum") == pytest.approx(sum(waits))
         assert waits[0] < waits[1]
+
+
+async def test_the_request_log_has_a_line_per_ended_request_with_the_engines_own_times(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--request-log``: every request that ends (answered or aborted) leaves one JSON line with
+    the times the engine itself saw; requests one step takes in share its number."""
+    log = tmp_path / "requests.jsonl"
+    async with (
+        run_mock(block_size=16, num_blocks=512, speedup=2, events=False, request_log=str(log)) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        engine = mock.engine
+        answered = await http.post(
+            "/v1/completions", json={"prompt": "count to three " * 40, "max_tokens": 3}
+        )
+        assert answered.status_code == 200
+        # two siblings submitted before the loop runs again: one step takes both in
+        pair = [engine.submit(GenerationParams(list(range(1, 321)), max_tokens=2)) for _ in range(2)]
+        for stream in pair:
+            await stream.wait()
+        # a streaming client that leaves after its first event: the request is aborted
+        body = {"prompt": "tell me a long story " * 20, "max_tokens": 1500, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+        await _wait_idle(engine)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["finish_reason"] for r in rows] == ["length", "length", "length", "abort"]
+    first, sib_a, sib_b, aborted = rows
+    assert first["output_tokens"] == 3 and first["prompt_tokens"] == answered.json()["usage"]["prompt_tokens"]
+    for r in (first, sib_a, sib_b):
+        assert r["arrival"] <= r["scheduled"] <= r["first_token"] <= r["finished"]
+    assert sib_a["step"] == sib_b["step"] > first["step"]
+    assert sib_a["prompt_tokens"] == sib_b["prompt_tokens"] == 320
+    assert aborted["first_token"] is not None and aborted["output_tokens"] < 1500
+    assert len({r["request_id"] for r in rows}) == 4

@@ -519,7 +519,7 @@ class MockEngine:
         log = self._request_log
         if log is None:
             return
-        log.write(
+        line = (
             json.dumps(
                 {
                     "request_id": stream.request_id,
@@ -537,6 +537,13 @@ class MockEngine:
             )
             + "\n"
         )
+        try:
+            log.write(line)
+        except OSError as e:  # a full disk ends the log, not the engine's step loop
+            logger.error("--request-log stopped: %s", e)
+            self._request_log = None
+            with contextlib.suppress(OSError):
+                log.close()
 
     def _finish_step(self, out: SchedulerOutput, now: float) -> None:
         sched = self.scheduler

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import openai
@@ -346,3 +347,15 @@ async def test_the_request_log_has_a_line_per_ended_request_with_the_engines_own
     assert sib_a["prompt_tokens"] == sib_b["prompt_tokens"] == 320
     assert aborted["first_token"] is not None and aborted["output_tokens"] < 1500
     assert len({r["request_id"] for r in rows}) == 4
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+async def test_a_request_log_that_cannot_be_written_stops_the_log_not_the_engine() -> None:
+    async with (
+        run_mock(block_size=16, num_blocks=256, speedup=20, events=False, request_log="/dev/full") as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        for _ in range(2):  # the second request is served by an engine whose log has stopped
+            r = await http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert mock.engine._request_log is None

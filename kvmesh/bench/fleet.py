@@ -135,7 +135,9 @@ async def start_fleet(
             if per_engine_args:
                 argv += per_engine_args[i % len(per_engine_args)]
             if request_logs:
-                argv += ["--request-log", str(request_log_path(logs, i))]
+                path = request_log_path(logs, i)
+                path.unlink(missing_ok=True)  # the engine appends: a kept log dir holds an earlier fleet's
+                argv += ["--request-log", str(path)]
             fleet.procs.append(_spawn(argv, logs / f"engine-{i}.log", env))
         await _wait_until(fleet, [u + "/health" for u in engine_urls], startup_timeout)
         fleet.procs.append(_spawn(front(engine_urls, ports[-1]), logs / "front.log", env))

@@ -21,12 +21,19 @@ from kvmesh.bench.workloads import WorkloadSpec, build
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile() -> None:
+async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile(tmp_path) -> None:  # type: ignore[no-untyped-def]
     engine_args = ["--speedup", "20", "--block-size", "16", "--num-blocks", "256", "--report-profile"]
     front = kvmesh_router("--router-mode", "round-robin")
+    # a kept log directory still holds an earlier fleet's request log: it is not read as this one's
+    (tmp_path / "engine-0.requests.jsonl").write_text('{"arrival": 0.0, "first_token": 9.0}\n')
     # engine 1 runs at its own speed: the later --speedup wins
     async with start_fleet(
-        2, engine_args, front, per_engine_args=[(), ("--speedup", "10")], request_logs=True
+        2,
+        engine_args,
+        front,
+        per_engine_args=[(), ("--speedup", "10")],
+        request_logs=True,
+        keep_logs=tmp_path,
     ) as fleet:
         async with aiohttp.ClientSession() as http:
             infos = []

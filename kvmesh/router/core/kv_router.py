@@ -923,9 +923,10 @@ class KvRouter:
         another worker holding the context answered ~25 ms sooner.)
 
         A candidate whose cost includes a wait for memory (``waited``: some candidate's does) is
-        uncertain by that wait's spread as well (:class:`~kvmesh.router.core.wait_spread.WaitSpread`), and so is the best one: a
-        candidate is near when its cost is within the two candidates' uncertainties together
-        (independent errors: the root of the sum of squares). (With only the fit's, a conversation's
+        uncertain by that wait's spread as well
+        (:class:`~kvmesh.router.core.wait_spread.WaitSpread`), and so is the best one: a candidate
+        is near when its cost is within the two candidates' uncertainties together (independent
+        errors: the root of the sum of squares). (With only the fit's, a conversation's
         last turns, whose home was predicted to wait 1-2 s for memory, went to recompute
         18k-token histories on workers predicted a few hundred ms sooner, and the blocks they took
         there set off moves after them; those home waits came in at 0.4-0.9 of the prediction.)"""

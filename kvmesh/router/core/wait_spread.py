@@ -77,5 +77,6 @@ class WaitSpread:
         return self.relative * predicted_ms if predicted_ms > 0.0 else 0.0
 
     def describe(self) -> dict[str, float]:
-        """For ``GET /kvmesh/router``: the waits counted and the relative spread in use."""
+        """For ``GET /kvmesh/router``: the waits the spread rests on (halved with the sums at
+        ``HALVE_AT``, so a weight, not a running total) and the relative spread in use."""
         return {"requests": round(self._n, 1), "relative_spread": round(self.relative, 3)}

@@ -792,18 +792,15 @@ class KvRouter:
                 returning = overlap = 0.0  # the conversations living there: their turns
                 if turn is not None:
                     per_cycle = conv.turns_per_cycle(key, continues)  # a gap between turns' worth of theirs
-                    if per_cycle > 0.0 and cycle_s > 0.0:
-                        returning = per_cycle / cycle_s  # their turns a second (Little's law)
                     # (it returns 0 unless live conversations there and these blocks overflow the cache)
                     if added > 0 and conv.live_blocks(key) + added > total:
-                        rate = self._arrival_rate(key, requests_there, returning)
-                        evict += self._pushed_out_ms(
-                            key, timing, added, total, continues, to_come, per_cycle, rate
-                        )
-                    if returning > 0.0 and to_come > 0.0 and not turn.sibling:
-                        overlap = self._turns_overlap_ms(
-                            key, timing, usage, to_come, continues, per_cycle, cycle_s, turn_tokens
-                        )
+                        evict += self._pushed_out_ms(key, timing, added, total, continues, to_come, per_cycle)
+                    if per_cycle > 0.0 and cycle_s > 0.0:
+                        returning = per_cycle / cycle_s  # their turns a second (Little's law)
+                        if to_come > 0.0 and not turn.sibling:
+                            overlap = self._turns_overlap_ms(
+                                key, timing, usage, to_come, continues, per_cycle, cycle_s, turn_tokens
+                            )
                 delay = (
                     self._delay_to_arrivals_ms(
                         key, timing, view, prefill - active, decode, osl, now, returning
@@ -1030,11 +1027,9 @@ class KvRouter:
         previous: str | None,
         to_come: float,
         per_cycle: float,
-        arrivals_per_s: float = 0.0,
     ) -> float:
         """The live conversations' blocks this request pushes out of ``key``'s cache, prefilled
-        again at every turn those conversations bring back while the push lasts, and the wait
-        those prefills make for the requests arriving there meanwhile.
+        again at every turn those conversations bring back while the push lasts.
 
         The blocks it adds there (``added_blocks``) beyond what the live conversations' blocks
         (:meth:`Conversations.live_blocks`, its own conversation's left out) leave of the cache
@@ -1049,16 +1044,7 @@ class KvRouter:
         last turns cost little; young ones with most of their turns ahead, a lot.
         (:meth:`_eviction_ms` prices what a request evicts once. With 12 agent sessions on 4
         engines, turns that moved onto an engine whose conversations were between turns pushed
-        their histories out, and they were prefilled again at every later turn there.)
-
-        Each of those prefills is engine time the requests arriving there meanwhile
-        (``arrivals_per_s``, :meth:`_arrival_rate`) wait for, half of it on average, as they
-        wait for this request's own (:meth:`_delay_to_arrivals_ms`); among them the next
-        conversation coming back for its own pushed-out blocks. (Priced at the prefills alone, a
-        12-agent run's 12th turn, whose home held a third of its 1,163 blocks, moved to an engine
-        where two conversations were between turns; they came back within 0.6 s and prefilled
-        308 and 512 blocks one behind the other, and a first turn queued behind both: 5.5 s over
-        four requests, against the 0.9 s the push was priced at.)"""
+        their histories out, and they were prefilled again at every later turn there.)"""
         conv = self._conversations
         pushed = min(added_blocks, conv.live_blocks(key, previous) + added_blocks - total_blocks)
         if pushed <= 0:
@@ -1066,21 +1052,7 @@ class KvRouter:
         returns = min(conv.turns_ahead(key, previous), (1.0 + to_come) * per_cycle)
         if returns <= 0:
             return 0.0
-        recompute_ms = pushed * (self._block_size or 1) * timing.ms_per_token()
-        return returns * recompute_ms * (1.0 + arrivals_per_s * recompute_ms / 2000.0)
-
-    def _arrival_rate(self, key: WorkerKey, in_flight: int, returning_per_s: float) -> float:
-        """Requests a second arriving on ``key``: by Little's law, those in flight there over a
-        request's whole time there (the queue and the wait for memory included; ``W``, at least
-        the time from first token to finish), or, where more, the turns the conversations living
-        there send it."""
-        stay_s = self._decode_s.get(key, self._decode_fleet)
-        if stay_s <= 0.0:
-            return 0.0
-        in_system_s = self._in_system_s.get(key, self._in_system_fleet)
-        if in_system_s < stay_s:
-            in_system_s = stay_s
-        return max(in_flight / in_system_s, returning_per_s)
+        return returns * pushed * (self._block_size or 1) * timing.ms_per_token()
 
     def _turns_overlap_ms(
         self,
@@ -1175,13 +1147,17 @@ class KvRouter:
         and pays little.
         """
         _, ahead_tokens, blocks_before, in_flight, _ = view
-        rate = self._arrival_rate(key, in_flight, returning_per_s)
-        if rate <= 0.0:
-            return 0.0
         stay_s = self._decode_s.get(key, self._decode_fleet)
+        if stay_s <= 0.0:
+            return 0.0
         # Little's law divides the requests in flight by their whole time there; the decode time
         # alone is the whole only where nothing queues
-        in_system_s = max(self._in_system_s.get(key, self._in_system_fleet), stay_s)
+        in_system_s = self._in_system_s.get(key, self._in_system_fleet)
+        if in_system_s < stay_s:
+            in_system_s = stay_s
+        rate = max(in_flight / in_system_s, returning_per_s)
+        if rate <= 0.0:
+            return 0.0
         prefill = timing.curve().added_prefill_ms(ahead_tokens, own_tokens)
         total = max(self._workers[key[0]].total_blocks, 1)
         before = min(blocks_before / total, 1.0)

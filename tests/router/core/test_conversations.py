@@ -540,25 +540,6 @@ def test_a_request_does_not_push_out_histories_that_will_come_back_again_and_aga
         assert by["a"].eviction_ms < 1.0  # (its own conversation's growth, a block a turn)
 
 
-def test_a_longer_push_costs_more_a_block_as_its_recomputes_hold_up_the_arrivals() -> None:
-    """The price of the histories a request pushes out of a's cache grows faster than the blocks
-    pushed: each conversation that comes back prefills what it lost, and the requests arriving on
-    a meanwhile (among them the next conversation coming back) wait for that prefill, longer the
-    longer it is. Three requests that push 100, 200 and 300 blocks out of a's three conversations
-    (at their first turn, with five to come): the second hundred costs more than the first, and the
-    third more than the second. (Priced at the recomputes alone, every hundred cost the same.)"""
-    prices = []
-    for pushed in (100, 200, 300):
-        r, now = conversations_living_on_a(1)  # (a routed request is a conversation living there)
-        live = r._conversations.live_blocks(A)
-        request = toks(9, (1000 - live + pushed) * B)  # fills a's free blocks, then pushes ``pushed``
-        d = r.route(RouteRequest("push", block_hashes(request, B), len(request)), now)
-        assert isinstance(d, Decision)
-        prices.append(next(s for s in d.breakdown if s.worker == A).eviction_ms)
-    assert prices[0] > 0
-    assert prices[1] - prices[0] < prices[2] - prices[1]
-
-
 def conversations_between_turns_on_a(living: int) -> tuple[KvRouter, float, list[int]]:
     """a holds a 960-token system prompt; ``living`` conversations over it live on a, answered and
     between turns. The router has learned 6-turn conversations that spend about two fifths of

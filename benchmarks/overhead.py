@@ -38,6 +38,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, percentile, table
 
+from kvmesh.bench.fleet import process_cpu_seconds
+
 BODY = b'{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"Say hello to the benchmark, briefly please."}]}'
 ANSWER = (
     b'{"id":"cmpl-1","object":"chat.completion","model":"m","choices":[{"index":0,"message":'
@@ -93,16 +95,6 @@ def _free_port() -> int:
 class Endpoint:
     url: str
     pid: int
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process so far (Linux /proc; None elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -178,11 +170,11 @@ async def _measure(target: Endpoint, n: int, concurrency: int) -> Sample:
             for _ in range(per_worker):
                 await one()
 
-        cpu0 = _cpu_seconds(target.pid)
+        cpu0 = process_cpu_seconds(target.pid)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
-        cpu1 = _cpu_seconds(target.pid)
+        cpu1 = process_cpu_seconds(target.pid)
     cpu = (cpu1 - cpu0) / len(latencies) if cpu0 is not None and cpu1 is not None else None
     return Sample(statistics.median(latencies), percentile(latencies, 99), len(latencies) / elapsed, cpu)
 

@@ -45,6 +45,9 @@ step running when it arrived, or memory (a burst's later siblings that reach an 
 first one's step started wait there for that step). ``routing ms`` is the part of the front's time
 a kvmesh front spends from a request's arrival to its decision (parsing, tokenizing, hashing,
 routing), from its ``kvmesh_router_overhead_seconds`` histogram (sglang-router reports none).
+``front CPU ms/req`` is the CPU time (user + system, all threads, from /proc) the front process
+used while the traffic ran, per request: its routing, its proxying of every streamed token both
+ways and its KV-event intake, taken from the two cores it shares with the engines and the client.
 A case that sends bursts (``siblings``) gets a second table: the TTFT of each burst's first-sent
 request and of its siblings, apart. On the engine holding the context, the first one starts a step
 alone when the engine is idle, and the siblings that reach it after that step started wait for it
@@ -93,6 +96,7 @@ from kvmesh.bench.fleet import (
     engine_requests,
     engine_stats,
     engine_ttft_p50,
+    front_cpu_seconds,
     front_routing_seconds,
     kvmesh_router,
     sglang_router,
@@ -368,7 +372,9 @@ async def run_one(
         load = dataclasses.replace(load, urls=(fleet.front_url,))
         total = sum(s.total_requests for s in sessions)
         bar = Progress(total, f"{case.label:>16} {contender.name:>14}", enabled=None if progress else False)
+        cpu0 = front_cpu_seconds(fleet)  # (after start-up: its imports are no cost per request)
         run = await run_workload(contender.name, sessions, load, progress=bar)
+        cpu1 = front_cpu_seconds(fleet)
         stats = await engine_stats(fleet.engine_urls)
         routing_s = await front_routing_seconds(fleet.front_url)
         engine_p50_s = engine_ttft_p50(engine_requests(fleet))
@@ -377,6 +383,10 @@ async def run_one(
     summary = report.summarize(run)
     summary["seed"] = seed
     summary["front_routing_mean_s"] = routing_s
+    answered = len(run.results)
+    summary["front_cpu_s_per_request"] = (
+        (cpu1 - cpu0) / answered if cpu0 is not None and cpu1 is not None and answered else None
+    )
     summary["per_engine"] = [s.requests for s in stats]
     if case.speedups:  # a mixed fleet: which engine ran at which speed
         summary["engine_speedups"] = case.by_engine(case.speedups)
@@ -408,6 +418,8 @@ METRICS = (
     ("front ms", lambda s: _front_ms(s)),
     # of that, a kvmesh front's own work before it forwards (parse, tokenize, hash, route)
     ("routing ms", lambda s: _ms(s.get("front_routing_mean_s"))),
+    # the CPU the front process took per request, on the cores it shares with the engines
+    ("front CPU ms/req", lambda s: _ms(s.get("front_cpu_s_per_request"))),
     ("ITL p50 ms", lambda s: _ms(s["itl_s"]["p50"])),
     ("req/s", lambda s: s["throughput_rps"]),
     ("prefix hits", lambda s: s["prefix_hit_ratio"]),

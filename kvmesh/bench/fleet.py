@@ -256,6 +256,24 @@ async def front_routing_seconds(url: str) -> float | None:
         return None
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process (all its threads) has used so far, from Linux's /proc;
+    None where there is no such process or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # the name in parentheses may hold spaces
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def front_cpu_seconds(fleet: Fleet) -> float | None:
+    """:func:`process_cpu_seconds` of the fleet's front router (the process started last). Read
+    before and after a run, the difference is the CPU the front took from the machine it shares
+    with the engines: a compiled router and a Python one differ there more than in their routing."""
+    return process_cpu_seconds(fleet.procs[-1].pid) if fleet.procs else None
+
+
 def request_log_path(logs: Path, index: int) -> Path:
     """Where engine ``index`` of a fleet started with ``request_logs`` writes its request log."""
     return logs / f"engine-{index}.requests.jsonl"

@@ -9,9 +9,11 @@ from kvmesh.bench.fleet import (
     engine_requests,
     engine_stats,
     engine_ttft_p50,
+    front_cpu_seconds,
     front_routing_seconds,
     kvmesh_router,
     parse_metrics,
+    process_cpu_seconds,
     routing_mean,
     start_fleet,
 )
@@ -42,7 +44,9 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile(t
                     infos.append(await r.json())
         sessions = build(WorkloadSpec("chat-fits", sessions=2, turns=2, prefix_words=10, question_words=10,
                                       max_tokens=4))  # fmt: skip
+        cpu_before = front_cpu_seconds(fleet)
         run = await run_workload("rr", sessions, LoadSpec(urls=(fleet.front_url,), concurrency=2))
+        cpu_after = front_cpu_seconds(fleet)
         stats = await engine_stats(fleet.engine_urls)
         routing = await front_routing_seconds(fleet.front_url)
         engine_routing = await front_routing_seconds(fleet.engine_urls[0])  # an engine routes nothing
@@ -69,6 +73,11 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile(t
     # the front's own time to each decision, a part of what it adds to the engines' TTFTs
     assert routing is not None and 0 < routing * 4 < client - sum(s.ttft_seconds_sum for s in stats)
     assert engine_routing is None
+    # the front's own CPU so far (its start-up imports alone take a good part of a second; /proc
+    # counts in ticks of 10 ms, so four small requests may not move it), and none once it is gone
+    assert cpu_before is not None and cpu_after is not None
+    assert 0.05 < cpu_before <= cpu_after
+    assert process_cpu_seconds(fleet.procs[-1].pid) is None
     # each engine's --request-log: a line per request it served, its own TTFT in it
     assert sorted(r["engine"] for r in logged) == [0, 0, 1, 1]
     own = sorted(r["first_token"] - r["arrival"] for r in logged)

@@ -383,9 +383,9 @@ async def run_one(
     summary = report.summarize(run)
     summary["seed"] = seed
     summary["front_routing_mean_s"] = routing_s
-    answered = len(run.results)
+    sent = len(run.results)  # failed ones too: the front handled them
     summary["front_cpu_s_per_request"] = (
-        (cpu1 - cpu0) / answered if cpu0 is not None and cpu1 is not None and answered else None
+        (cpu1 - cpu0) / sent if cpu0 is not None and cpu1 is not None and sent else None
     )
     summary["per_engine"] = [s.requests for s in stats]
     if case.speedups:  # a mixed fleet: which engine ran at which speed

@@ -21,8 +21,8 @@ from typing import Any
 
 from kvmesh._types import WorkerKey
 from kvmesh.hashing import block_hashes
-from kvmesh.router.core.kv_router import Decision
 from kvmesh.router.core.load import prefill_seconds
+from kvmesh.router.core.route_types import Decision
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.nvext import Nvext
 from kvmesh.router.request.parse import ParsedRequest

@@ -41,7 +41,7 @@ from kvmesh.errors import KvMeshError
 from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.forwarding import session_header
 from kvmesh.router.asgi.peer_auth import hop_headers, strip_internal
-from kvmesh.router.core.kv_router import Decision, RouteRequest, RouteResult
+from kvmesh.router.core.route_types import Decision, RouteRequest, RouteResult
 from kvmesh.router.mesh.registry import Worker
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.worker_rpc import call_app

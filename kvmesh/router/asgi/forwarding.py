@@ -32,7 +32,7 @@ from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.json_io import send_error
 from kvmesh.router.asgi.peer_auth import HOP_HEADER, REQUEST_ID_HEADER, hop_headers, strip_internal
 from kvmesh.router.asgi.tap import ResponseTap
-from kvmesh.router.core.kv_router import Decision
+from kvmesh.router.core.route_types import Decision
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.parse import ParsedRequest
 from kvmesh.router.upstream.forwarder import (

@@ -2,8 +2,12 @@
 
 Pure by rule (tests/test_layering.py): no clock, no sockets, no randomness of its own; time and the
 random generator are arguments. ``kv_router.KvRouter`` ties the prefix index, the load model, the
-selector, the admission queue and session affinity together; ``config.RouterConfig`` holds every
-routing flag. The prefix indexes share ``index.KvIndex``: ``chain_trie`` is the structure under all
+selector, the admission queue and session affinity together, and runs each decision's loop over
+the candidates; ``route_types`` holds what it takes and returns, ``config.RouterConfig`` every
+routing flag. The latency cost's parts: ``timing`` (each worker's fitted curve), ``latency_cost``
+(the prices beyond a candidate's own predicted time to first token, and the tie rule),
+``observations`` (what the fits learn from, request by request), ``stays`` (how long requests stay),
+``conversations``, ``joins``, ``copies`` and ``wait_spread``. The prefix indexes share ``index.KvIndex``: ``chain_trie`` is the structure under all
 of them, ``event_index``, ``approx_index`` and ``predicted_index`` the variants, ``index_factory``
 picks one from the config.
 """

@@ -1,7 +1,7 @@
 """How far the predicted waits for KV memory are from the waits requests then have.
 
 Where the blocks in flight on a worker exceed its cache, the latency cost predicts the wait for
-the requests ahead to free enough of them (``KvRouter._memory_wait_ms``): their expected
+the requests ahead to free enough of them (``LatencyCost.memory_wait_ms``): their expected
 finishing times, their blocks coming back whole at the end. The engine does not keep to that
 picture (it allocates a long prompt's blocks chunk by chunk, preempts the most recently admitted
 request when a running one needs a block, reuses what is freed at once), and the finishing times

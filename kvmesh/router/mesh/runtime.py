@@ -28,7 +28,8 @@ from urllib.parse import urlsplit
 from kvmesh._types import WorkerId, WorkerKey
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsLink
-from kvmesh.router.core.kv_router import Decision, KvRouter, TimingSample
+from kvmesh.router.core.kv_router import KvRouter
+from kvmesh.router.core.route_types import Decision, TimingSample
 from kvmesh.router.mesh.event_plane import NatsDiscovery, SelfAnnouncement
 from kvmesh.router.mesh.metrics import GaugeSource, WorkerRow, get_metrics
 from kvmesh.router.mesh.registry import WorkerRegistry

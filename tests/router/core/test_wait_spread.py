@@ -1,5 +1,5 @@
 """The spread of observed around predicted waits for memory, which widens the band of costs the
-router cannot tell apart (``KvRouter._pick_saving_work``)."""
+router cannot tell apart (``LatencyCost.pick_saving_work``)."""
 
 from __future__ import annotations
 

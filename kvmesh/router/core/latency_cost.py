@@ -1,0 +1,433 @@
+"""The latency cost's prices: what placing a request on a worker costs in milliseconds, beyond
+its own predicted time to first token there.
+
+:meth:`KvRouter._decide <kvmesh.router.core.kv_router.KvRouter._decide>` runs the per-candidate
+loop: the predicted time to first token from the worker's fitted curve (the prefill work there once
+this request is added, behind what is left of the step running there). It asks this object for the
+rest, each term a method below and a field of :class:`~kvmesh.router.core.route_types.CandidateScore`:
+
+* the wait for KV memory (:meth:`memory_wait_ms`) and the chance of joining the step in progress
+  (:meth:`joining_ttft_ms`), both part of the predicted time to first token;
+* the delay to the requests arriving there meanwhile (:meth:`delay_to_arrivals_ms`);
+* cache evicted: once (:meth:`eviction_ms`), by the conversation's growth
+  (:meth:`growth_eviction_ms`), and the live conversations' histories pushed out
+  (:meth:`pushed_out_ms`); a conversation's turns meeting those living there
+  (:meth:`turns_overlap_ms`);
+* the credit for copying a shared prefix (:meth:`copy_credit`);
+
+and the tie rule between candidates the model cannot tell apart (:meth:`pick_saving_work`).
+
+It owns none of the state it reads: the load, the timing models, the conversations, the joins and
+the learned stays are the router's, shared by reference. Pure, as the whole core is: time is an
+argument and randomness the router's generator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvmesh._types import WorkerId, WorkerKey
+from kvmesh.router.core.chain_trie import TierDepths
+from kvmesh.router.core.conversations import Conversations
+from kvmesh.router.core.copies import SharedPrefixes, copy_saving_ms
+from kvmesh.router.core.joins import Joins
+from kvmesh.router.core.load import ActiveSequences, PromptBlocks
+from kvmesh.router.core.route_types import CandidateScore, WorkerLimits
+from kvmesh.router.core.stays import Stays
+from kvmesh.router.core.timing import Predictor, WorkerTiming
+from kvmesh.router.core.wait_spread import WaitSpread
+
+if TYPE_CHECKING:
+    import random
+
+NO_TIERS = TierDepths(0, 0, 0)
+
+
+class LatencyCost:
+    """The prices above, over the router's shared state (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        load: ActiveSequences,
+        timing: dict[WorkerKey, WorkerTiming],
+        workers: dict[WorkerId, WorkerLimits],
+        conversations: Conversations,
+        joins: Joins,
+        wait_spread: WaitSpread,
+        shared: SharedPrefixes,
+        stays: Stays,
+        rng: random.Random,
+    ) -> None:
+        self._load = load
+        self._timing = timing
+        self._workers = workers
+        self._conversations = conversations
+        self._joins = joins
+        self._wait_spread = wait_spread
+        self._shared = shared
+        self._stays = stays
+        self._rng = rng
+        self.block_size = 1
+        """Tokens per KV block: the fleet's, once a worker is registered."""
+
+    def joining_ttft_ms(
+        self, key: WorkerKey, curve: Predictor, ttft: float, wait_ms: float, own: float, now: float
+    ) -> float:
+        """``ttft`` (behind the prefill step in progress on ``key``) with the chance that the
+        request gets to the engine before that step starts (:class:`~kvmesh.router.core.joins.Joins`,
+        by how soon after the step's request it is routed): then its first token comes with that
+        step's, which its tokens make a little longer, and it runs no step of its own."""
+        anchor = self._load.anchor(key)
+        if anchor is None:
+            return ttft
+        p = self._joins.share(key, now - anchor[1])
+        if p <= 0.0:
+            return ttft
+        joined = curve.overhead_ms() + wait_ms + curve.added_prefill_ms(float(anchor[2]), own)
+        return ttft - p * max(ttft - joined, 0.0)
+
+    def copy_credit(
+        self,
+        prompt: PromptBlocks,
+        candidates: Sequence[WorkerKey],
+        overlaps: dict[WorkerKey, TierDepths],
+        isl_tokens: int,
+        now: float,
+    ) -> tuple[set[WorkerKey], float] | None:
+        """``(candidates holding the prompt's deepest cached prefix, what a copy of it on any
+        other is worth)``, or None when nothing is worth copying.
+
+        The prefix is the whole chunks of the deepest one cached on a candidate. A candidate holds
+        it when it is cached there or a request in flight there carries it (cached by the time this
+        one would be prefilled). Its demand is the requests in flight carrying it, over a request's
+        stay; the wait one more copy saves them is :func:`copy_saving_ms` over the time the prefix
+        has been shared so far. A conversation's own history is carried by no other request in
+        flight, so a turn is never credited for leaving it."""
+        deepest = max([d.device for d in overlaps.values()])
+        found = prompt.chunk_prefix(deepest)
+        stay_s = self._stays.decode_fleet
+        if found is None or stay_s <= 0.0:
+            return None
+        identity, depth = found
+        load = self._load
+        carried = 0
+        holders: set[WorkerKey] = set()
+        first: WorkerKey | None = None  # in candidate order: a set's order varies by process
+        for key in candidates:
+            n = load.holding(key, identity)
+            carried += n
+            if n or overlaps.get(key, NO_TIERS).device >= depth:
+                holders.add(key)
+                first = first or key
+        if not carried or first is None:
+            return None
+        age = self._shared.age(identity, now, stay_s)  # every worker may hold it: it still ages
+        if len(holders) == len(candidates):
+            return None
+        suffix = isl_tokens - depth * self.block_size
+        step_ms = self._timing[first].added_prefill_ms(0.0, suffix)
+        return holders, copy_saving_ms(carried / stay_s, step_ms, len(holders), age)
+
+    def pick_saving_work(
+        self,
+        candidates: Sequence[WorkerKey],
+        own_tokens: Sequence[float],
+        costs: Sequence[float],
+        trees: Sequence[int],
+        scores: Sequence[CandidateScore],
+        waited: bool = False,
+    ) -> int:
+        """The cheapest candidate, except that costs closer than the best one's prediction
+        uncertainty are a tie the model cannot resolve: among those, the one where this request
+        adds the least prefill work wins (a sibling joins the prefill of the one sent a moment ago,
+        rather than recomputing it on an idle worker at about the same predicted time), and the
+        capacity saved serves whatever comes next. The uncertainty is the fit's own about its
+        expected value, wide on a new worker and narrowing as it learns. (It was the spread of
+        single TTFTs, which is mostly where in a step a request lands, the same on every
+        candidate: it kept siblings queued behind the first one's step on a learned fleet, where
+        another worker holding the context answered ~25 ms sooner.)
+
+        A candidate whose cost includes a wait for memory (``waited``: some candidate's does) is
+        uncertain by that wait's spread as well
+        (:class:`~kvmesh.router.core.wait_spread.WaitSpread`), and so is the best one: a candidate
+        is near when its cost is within the two candidates' uncertainties together (independent
+        errors: the root of the sum of squares). (With only the fit's, a conversation's
+        last turns, whose home was predicted to wait 1-2 s for memory, went to recompute
+        18k-token histories on workers predicted a few hundred ms sooner, and the blocks they took
+        there set off moves after them; those home waits came in at 0.4-0.9 of the prediction.)"""
+        lowest = min(costs)
+        best = costs.index(lowest)
+        fit = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
+        if waited:
+            width = self._wait_spread.width_ms
+            base = fit * fit + width(scores[best].memory_wait_ms) ** 2
+            near = [
+                i
+                for i, c in enumerate(costs)
+                if c - lowest <= math.sqrt(base + width(scores[i].memory_wait_ms) ** 2)
+            ]
+        else:
+            cutoff = lowest + fit
+            near = [i for i, c in enumerate(costs) if c <= cutoff]
+        if len(near) == 1:
+            return best
+        # the least own work, then the lowest cost, then the smallest tree (the selector's
+        # tie-break); a random one of those still equal
+        keys = [(own_tokens[i], costs[i], trees[i]) for i in near]
+        low = min(keys)
+        tied = [i for i, k in zip(near, keys, strict=True) if k == low]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+    def eviction_ms(self, timing: WorkerTiming, added_blocks: int, free_blocks: int) -> float:
+        """What placing a request there costs later in evicted cache: the blocks it adds
+        (``added_blocks``, those not cached there) beyond the worker's ``free_blocks`` push out
+        least-recently-used cache, which the fleet's reported hit share says will be asked for
+        again at that rate; recomputing it later costs the fitted per-token prefill time. (The rate
+        is the fleet's, not the worker's: a worker's own low hit share would make the worker that
+        thrashes most the cheapest place for new prefixes.)"""
+        evicted = added_blocks - free_blocks
+        if evicted <= 0:
+            return 0.0
+        return self._stays.reuse_fleet * evicted * self.block_size * timing.ms_per_token()
+
+    def growth_eviction_ms(
+        self, key: WorkerKey, growth_blocks: float, added_blocks: float, previous: str | None
+    ) -> float:
+        """What the cache its conversation grows into there evicts from the other conversations
+        living there, in their recompute time when they come back.
+
+        A turn's later turns follow it to the worker holding its history, each adding the blocks a
+        turn typically adds: ``growth_blocks`` (its turns to come x blocks a turn) more cache
+        there. Where the live conversations' blocks (:class:`Conversations`) and this request's
+        leave room for that, nothing; beyond it, the excess pushes out blocks that live
+        conversations come back for (at the share of turns continued), to be prefilled again at
+        the worker's fitted per-token time. Without this the cost saw only the request in hand: a
+        new session's first turn, which adds little beyond a cached system prompt, went where that
+        prompt was, until a few workers held twelve growing agent sessions each (more than their
+        caches), two of eight held none, and turns there waited for memory or recomputed 10k-token
+        histories.
+
+        The room is what is left once the conversations already there have grown as well
+        (:meth:`Conversations.growth_ahead_blocks`; ``previous``, the tip this turn continues, is
+        its own growth): the cache a worker's conversations will need is theirs and this one's
+        together, and of that total this conversation's growth is the part beyond what theirs
+        leaves. (Counted from their blocks now, a worker whose sessions were all at their first
+        turn looked nearly empty to a new session, however far those sessions had yet to grow.)
+        """
+        conv = self._conversations
+        ahead = conv.growth_ahead_blocks(key, previous)
+        room = self._workers[key[0]].total_blocks - conv.live_blocks(key) - ahead - added_blocks
+        evicted = growth_blocks - max(room, 0.0)
+        if evicted <= 0:
+            return 0.0
+        return conv.continued_share() * evicted * self.block_size * self._timing[key].ms_per_token()
+
+    def pushed_out_ms(
+        self,
+        key: WorkerKey,
+        timing: WorkerTiming,
+        added_blocks: int,
+        total_blocks: int,
+        previous: str | None,
+        to_come: float,
+        per_cycle: float,
+    ) -> float:
+        """The live conversations' blocks this request pushes out of ``key``'s cache, prefilled
+        again at every turn those conversations bring back while the push lasts.
+
+        The blocks it adds there (``added_blocks``) beyond what the live conversations' blocks
+        (:meth:`Conversations.live_blocks`, its own conversation's left out) leave of the cache
+        push theirs out. The engine evicts the least recently used first, which is a conversation
+        between turns: the next one back finds the pushed blocks gone, prefills them again, and so
+        pushes as many out of the next one's history, turn after turn, for as long as this
+        request's blocks stay live there (its conversation's ``to_come`` turns and the gap after
+        its last). So they cost the worker's fitted per-token time once for every turn the
+        conversations there bring back meanwhile: a gap's worth of them (``per_cycle``,
+        :meth:`Conversations.turns_per_cycle`) per turn this one has to come and one more, and
+        no more than they have left (:meth:`Conversations.turns_ahead`). Conversations at their
+        last turns cost little; young ones with most of their turns ahead, a lot.
+        (:meth:`eviction_ms` prices what a request evicts once. With 12 agent sessions on 4
+        engines, turns that moved onto an engine whose conversations were between turns pushed
+        their histories out, and they were prefilled again at every later turn there.)"""
+        conv = self._conversations
+        pushed = min(added_blocks, conv.live_blocks(key, previous) + added_blocks - total_blocks)
+        if pushed <= 0:
+            return 0.0
+        returns = min(conv.turns_ahead(key, previous), (1.0 + to_come) * per_cycle)
+        if returns <= 0:
+            return 0.0
+        return returns * pushed * self.block_size * timing.ms_per_token()
+
+    def turns_overlap_ms(
+        self,
+        key: WorkerKey,
+        timing: WorkerTiming,
+        usage: float,
+        to_come: float,
+        previous: str | None,
+        per_cycle: float,
+        cycle_s: float,
+        turn_tokens: float,
+    ) -> float:
+        """What this conversation's later turns and those of the conversations living on ``key``
+        take from each other's time to first token there.
+
+        A turn that finds the worker decoding waits for the rest of the pass in progress, and each
+        of its prefill steps carries a decode pass for the others: ``steps + 0.5`` passes against
+        the one pass that emits its first token on an idle worker (:meth:`Curve.ttft_ms`), where
+        ``steps`` is what a turn's added blocks take. Each conversation has a request in flight
+        there for a share ``f`` of the gap between its turns (a request's stay over ``cycle_s``);
+        the ``per_cycle`` conversations living there (:meth:`Conversations.turns_per_cycle`) have
+        ``f * per_cycle`` in flight at a random moment, so a turn finds the worker decoding with
+        the chance ``1 - exp(-f * per_cycle)``. Each of this conversation's ``to_come`` turns meets
+        that; each of theirs that comes back while it lives there (no more than they have left,
+        :meth:`Conversations.turns_ahead`) finds it in flight as well ``exp(-f * per_cycle) * (1 -
+        exp(-f))`` more often. (Without it a new conversation's first turn went where a 208-token
+        system prompt was cached: seven of sixteen chats started on one of four engines, and
+        their later turns moved away one by one when they met there, recomputing their
+        histories; prefix hits 0.80-0.81 against 0.84 for a router that never moves a turn.)"""
+        stay_s = self._stays.decode_of(key)
+        f = stay_s / cycle_s
+        if f <= 0.0:
+            return 0.0
+        if f > 1.0:
+            f = 1.0
+        idle = math.exp(-f * per_cycle)
+        theirs = min(self._conversations.turns_ahead(key, previous), to_come * per_cycle)
+        met = to_come * (1.0 - idle) + theirs * idle * (1.0 - math.exp(-f))
+        steps = math.ceil(turn_tokens / timing.own.max_batched_tokens) if turn_tokens > 0 else 1
+        return met * (steps - 0.5) * timing.decode_ms(usage)
+
+    def delay_to_arrivals_ms(
+        self,
+        key: WorkerKey,
+        timing: WorkerTiming,
+        view: tuple[float, int, float, int, int],
+        own_tokens: float,
+        blocks_after: float,
+        osl: int | None,
+        now: float,
+        returning_per_s: float = 0.0,
+    ) -> float:
+        """The time to first token this request takes from the requests that will arrive on ``key``
+        while it is there.
+
+        How many arrive: by Little's law, the requests in flight there over the time a request
+        stays (``n / W``; ``W`` is the learned time from dispatch to finish there, the queue and the
+        wait for memory included), counted from what the router holds now, so a client that waits
+        for each answer before sending the next makes no arrivals during it; or, where more, the
+        turns the conversations living there send it (``returning_per_s``:
+        :meth:`Conversations.turns_per_cycle` over the gap between turns). (``W`` was the time from
+        first token to finish alone, which is a request's whole stay only where nothing queues: on
+        a worker past its KV cache, whose requests wait up to a second or two for memory before
+        their first token, it counted as many times more arrivals than there were as the stay was
+        longer than the decode, and the busiest worker looked the worst place for the blocks of a
+        turn whose history it held.) Its decode lasts ``osl`` passes when the client
+        gave ``agent_hints.osl``, else the learned first-token-to-finish time.
+        Its prefill adds ``S`` ms of engine time: the ``rate * S`` requests arriving meanwhile wait
+        half of it on average. Its blocks raise the worker's KV usage for its whole decode, which
+        lengthens every decode pass there: each request arriving during that time waits for one and
+        a half passes longer (the rest of the step in progress and the step emitting its token).
+        Beyond the worker's KV blocks, the arrivals wait for memory as well (:meth:`memory_wait_ms`),
+        and the blocks this request adds past the limit are blocks they wait to see freed: each
+        waits that share of the cache's turnover time (the worker frees a cache's worth of blocks
+        per stay) longer. That lasts while the worker stays over its limit: until the requests
+        finishing there have freed the excess and what arrivals bring meanwhile (the blocks in
+        flight there over their stay, Little's law again), or for its whole decode when they
+        cannot. (Without it the cost saw only the request's own wait for memory, which hinges on
+        when the next request there ends: it put turns on a worker already 240 blocks over its
+        cache because one request there was about to finish, and the turns behind them waited
+        300-500 ms, where spreading the excess over the fleet keeps every wait short.)
+        The histories of the conversations living there between turns are cached, not in flight:
+        the engine evicts them for the blocks it needs, and no one waits for them. What evicting
+        them costs is their recompute when they come back (:meth:`pushed_out_ms`). (Priced here as
+        well, as memory every arrival would wait for, they made every block a request adds to a
+        worker under cache pressure a wait for everyone arriving there: conversations moved off
+        busy engines, and 48 chats outgrowing four engines' caches had 0.68-0.73 of their prompts
+        cached instead of 0.76-0.77.)
+        An idle worker charges nothing, so a request that would pile onto a worker already taking
+        most of the traffic pays for the queue it makes there; a request that shares blocks already
+        in use there (a sibling, a conversation's next turn) adds few blocks and little prefill,
+        and pays little.
+        """
+        _, ahead_tokens, blocks_before, in_flight, _ = view
+        stay_s = self._stays.decode_of(key)
+        if stay_s <= 0.0:
+            return 0.0
+        # Little's law divides the requests in flight by their whole time there; the decode time
+        # alone is the whole only where nothing queues
+        in_system_s = self._stays.in_system_s.get(key, self._stays.in_system_fleet)
+        if in_system_s < stay_s:
+            in_system_s = stay_s
+        rate = max(in_flight / in_system_s, returning_per_s)
+        if rate <= 0.0:
+            return 0.0
+        prefill = timing.curve().added_prefill_ms(ahead_tokens, own_tokens)
+        total = max(self._workers[key[0]].total_blocks, 1)
+        before = min(blocks_before / total, 1.0)
+        after = min(blocks_after / total, 1.0)
+        own = timing.own  # a decode pass as this worker's streamed gaps have shown it
+        pass_after = own.decode_ms(after)
+        longer_pass = max(pass_after - own.decode_ms(before), 0.0)
+        decode_s = osl * pass_after / 1000.0 if osl is not None and osl > 0 else stay_s
+        delay = rate * (prefill / 1000.0) * prefill / 2.0 + rate * decode_s * 1.5 * longer_pass
+        added = blocks_after - blocks_before
+        over_limit = min(added, blocks_after - total)
+        if over_limit > 0:
+            inflow = blocks_before / in_system_s
+            left_s = self.time_to_free_s(key, blocks_after - total, total, now, stay_s, inflow)
+            window = min(left_s, decode_s)
+            delay += rate * window * 1000.0 * over_limit / total * stay_s
+        return delay
+
+    def memory_wait_ms(
+        self,
+        key: WorkerKey,
+        decode_blocks: float,
+        total_blocks: int,
+        now: float,
+    ) -> float:
+        """How long the request waits for KV blocks on ``key`` when the blocks in flight there
+        (``decode_blocks``, its own included) exceed the worker's: until enough requests have
+        finished to free the excess, in the order they are expected to finish (their blocks come
+        back whole, at the end). (Taking the excess as that share of one request's decode time
+        put a 10k-token turn behind six long requests that would all run for another half second
+        at 250 ms; it waited 550.) Beyond what every request in flight frees, the rest waits a
+        further decode time per cache's worth."""
+        excess = decode_blocks - total_blocks
+        if excess <= 0:
+            return 0.0
+        stay_s = self._stays.decode_of(key)
+        return 1000.0 * self.time_to_free_s(key, excess, total_blocks, now, stay_s, 0.0)
+
+    def time_to_free_s(
+        self,
+        key: WorkerKey,
+        excess: float,
+        total_blocks: int,
+        now: float,
+        stay_s: float,
+        inflow: float,
+    ) -> float:
+        """Seconds until the requests in flight on ``key`` have freed ``excess`` blocks more than
+        arrivals bring meanwhile (``inflow`` blocks a second). Past the last of them: with no
+        inflow, a further decode time per ``total_blocks`` still missing; with inflow, never."""
+        left = freed = 0.0
+        for left, freed in self._load.releases(key, now, stay_s, self._stays.out_tokens):
+            if freed - inflow * left >= excess:
+                return left
+        if inflow > 0:
+            return math.inf
+        return left + (excess - freed) / total_blocks * stay_s
+
+
+def weigh_prefill(
+    timing: WorkerTiming, ttft_ms: float, prefill_tokens: float, wait_ms: float, weight: float
+) -> float:
+    """``--router-prefill-load-scale`` on the latency cost: the prefill part of a predicted TTFT
+    (the step waited for and the prefill work) weighed against its decode passes."""
+    prefill_part = wait_ms + timing.prefill_ms(prefill_tokens)
+    return weight * prefill_part + ttft_ms - prefill_part

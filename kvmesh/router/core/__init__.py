@@ -6,8 +6,9 @@ selector, the admission queue and session affinity together, and runs each decis
 the candidates; ``route_types`` holds what it takes and returns, ``config.RouterConfig`` every
 routing flag. The latency cost's parts: ``timing`` (each worker's fitted curve), ``latency_cost``
 (the prices beyond a candidate's own predicted time to first token, and the tie rule),
-``observations`` (what the fits learn from, request by request), ``stays`` (how long requests stay),
-``conversations``, ``joins``, ``copies`` and ``wait_spread``. The prefix indexes share ``index.KvIndex``: ``chain_trie`` is the structure under all
-of them, ``event_index``, ``approx_index`` and ``predicted_index`` the variants, ``index_factory``
-picks one from the config.
+``observations`` (what the fits learn from, request by request), ``stays`` (how long requests
+stay), ``router_state`` (the pieces those parts share), ``conversations``, ``joins``, ``copies``
+and ``wait_spread``. The prefix indexes share ``index.KvIndex``: ``chain_trie`` is the structure
+under all of them, ``event_index``, ``approx_index`` and ``predicted_index`` the variants,
+``index_factory`` picks one from the config.
 """

@@ -73,6 +73,7 @@ from kvmesh.router.core.route_types import (
     WorkerLimits,
     WorkerSnapshot,
 )
+from kvmesh.router.core.router_state import RouterState
 from kvmesh.router.core.sessions import SessionTable
 from kvmesh.router.core.stays import Stays
 from kvmesh.router.core.timing import MOCKER_PRIOR, Profile, TimingModel, WorkerTiming
@@ -168,25 +169,18 @@ class KvRouter:
         self._joins = Joins()
         self._wait_spread = WaitSpread()
         self._shared = SharedPrefixes()
-        self._cost = LatencyCost(
-            load=self._load,
-            timing=self._timing,
-            workers=self._workers,
-            conversations=self._conversations,
-            joins=self._joins,
-            wait_spread=self._wait_spread,
-            shared=self._shared,
-            stays=self._stays,
-            rng=rng,
+        state = RouterState(
+            self._load,
+            self._timing,
+            self._workers,
+            self._conversations,
+            self._joins,
+            self._wait_spread,
+            self._shared,
+            self._stays,
         )
-        self._observations = Observations(
-            load=self._load,
-            timing=self._timing,
-            workers=self._workers,
-            joins=self._joins,
-            wait_spread=self._wait_spread,
-            stays=self._stays,
-        )
+        self._cost = LatencyCost(state, rng)
+        self._observations = Observations(state)
         self._copies = 0
         """Requests placed on a worker that did not hold the shared prefix they carry: copies made."""
         self._latency = config.router_cost_model == "latency"

@@ -28,16 +28,13 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvmesh._types import WorkerId, WorkerKey
+from kvmesh._types import WorkerKey
 from kvmesh.router.core.chain_trie import TierDepths
-from kvmesh.router.core.conversations import Conversations
-from kvmesh.router.core.copies import SharedPrefixes, copy_saving_ms
-from kvmesh.router.core.joins import Joins
-from kvmesh.router.core.load import ActiveSequences, PromptBlocks
-from kvmesh.router.core.route_types import CandidateScore, WorkerLimits
-from kvmesh.router.core.stays import Stays
+from kvmesh.router.core.copies import copy_saving_ms
+from kvmesh.router.core.load import PromptBlocks
+from kvmesh.router.core.route_types import CandidateScore
+from kvmesh.router.core.router_state import ReadsState, RouterState
 from kvmesh.router.core.timing import Predictor, WorkerTiming
-from kvmesh.router.core.wait_spread import WaitSpread
 
 if TYPE_CHECKING:
     import random
@@ -45,33 +42,12 @@ if TYPE_CHECKING:
 NO_TIERS = TierDepths(0, 0, 0)
 
 
-class LatencyCost:
+class LatencyCost(ReadsState):
     """The prices above, over the router's shared state (see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        load: ActiveSequences,
-        timing: dict[WorkerKey, WorkerTiming],
-        workers: dict[WorkerId, WorkerLimits],
-        conversations: Conversations,
-        joins: Joins,
-        wait_spread: WaitSpread,
-        shared: SharedPrefixes,
-        stays: Stays,
-        rng: random.Random,
-    ) -> None:
-        self._load = load
-        self._timing = timing
-        self._workers = workers
-        self._conversations = conversations
-        self._joins = joins
-        self._wait_spread = wait_spread
-        self._shared = shared
-        self._stays = stays
+    def __init__(self, state: RouterState, rng: random.Random) -> None:
+        super().__init__(state)
         self._rng = rng
-        self.block_size = 1
-        """Tokens per KV block: the fleet's, once a worker is registered."""
 
     def joining_ttft_ms(
         self, key: WorkerKey, curve: Predictor, ttft: float, wait_ms: float, own: float, now: float

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh._types import WorkerId, WorkerKey
-from kvmesh.router.core.joins import Joins
-from kvmesh.router.core.load import ActiveSequences
-from kvmesh.router.core.route_types import RouteRequest, TimingSample, WorkerLimits
-from kvmesh.router.core.stays import Stays
-from kvmesh.router.core.timing import WorkerTiming
-from kvmesh.router.core.wait_spread import WaitSpread
+from kvmesh._types import WorkerKey
+from kvmesh.router.core.route_types import RouteRequest, TimingSample
+from kvmesh.router.core.router_state import ReadsState, RouterState
 
 
 @dataclass(slots=True)
@@ -62,28 +58,12 @@ class Observation:
     "first token" time is the whole request, which must teach neither TTFT nor decode timing."""
 
 
-class Observations:
+class Observations(ReadsState):
     """The requests in flight being observed, by request id, and what each teaches at its end."""
 
-    def __init__(
-        self,
-        *,
-        load: ActiveSequences,
-        timing: dict[WorkerKey, WorkerTiming],
-        workers: dict[WorkerId, WorkerLimits],
-        joins: Joins,
-        wait_spread: WaitSpread,
-        stays: Stays,
-    ) -> None:
-        self._load = load
-        self._timing = timing
-        self._workers = workers
-        self._joins = joins
-        self._wait_spread = wait_spread
-        self._stays = stays
+    def __init__(self, state: RouterState) -> None:
+        super().__init__(state)
         self._obs: dict[str, Observation] = {}
-        self.block_size = 1
-        """Tokens per KV block: the fleet's, once a worker is registered."""
 
     def start(
         self,

@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.hashing import block_hashes
+from kvmesh.router.core.conversations import Conversations
+from kvmesh.router.core.copies import SharedPrefixes
 from kvmesh.router.core.joins import Joins
 from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.observations import Observations
 from kvmesh.router.core.route_types import RouteRequest, TimingSample, WorkerLimits
+from kvmesh.router.core.router_state import RouterState
 from kvmesh.router.core.stays import Stays
 from kvmesh.router.core.timing import MOCKER_PRIOR, TimingModel, WorkerTiming
 from kvmesh.router.core.wait_spread import WaitSpread
@@ -30,14 +33,18 @@ class Fleet:
         self.joins = Joins()
         self.stays = Stays()
         self.spread = WaitSpread()
-        self.obs = Observations(
-            load=self.load,
-            timing=self.timing,
-            workers={"w": WorkerLimits(1, total_blocks, 8192, BS)},
-            joins=self.joins,
-            wait_spread=self.spread,
-            stays=self.stays,
+        workers = {"w": WorkerLimits(1, total_blocks, 8192, BS)}
+        state = RouterState(
+            self.load,
+            self.timing,
+            workers,
+            Conversations(),
+            self.joins,
+            self.spread,
+            SharedPrefixes(),
+            self.stays,
         )
+        self.obs = Observations(state)
         self.obs.block_size = BS
 
     def send(self, rid: str, tokens: int, now: float, *, expected_prefill: float = 0.05) -> None:

@@ -70,10 +70,9 @@ from kvmesh.router.core.route_types import (
     RoutingObserver,
     SessionAction,
     TimingSample,
-    WorkerLimits,
     WorkerSnapshot,
 )
-from kvmesh.router.core.router_state import RouterState
+from kvmesh.router.core.router_state import RouterState, WorkerLimits
 from kvmesh.router.core.sessions import SessionTable
 from kvmesh.router.core.stays import Stays
 from kvmesh.router.core.timing import MOCKER_PRIOR, Profile, TimingModel, WorkerTiming
@@ -208,7 +207,6 @@ class KvRouter:
         if self._block_size is None:
             self._block_size = block_size
             self._load.block_size = block_size
-            self._cost.block_size = self._observations.block_size = block_size
         elif block_size != self._block_size:
             raise WorkerError(
                 f"worker {worker_id} uses block size {block_size}, the fleet uses {self._block_size}; "

@@ -221,13 +221,3 @@ class RoutingObserver(Protocol):
         """A session was bound or used (``worker``, sliding its expiry by ``timeout``) or closed
         (``worker`` None), so every replica honours one affinity."""
         ...
-
-
-@dataclass(slots=True)
-class WorkerLimits:
-    """A registered worker: its data-parallel ranks and the limits every rank shares."""
-
-    dp_size: int
-    total_blocks: int
-    max_num_batched_tokens: int
-    block_size: int

@@ -15,10 +15,19 @@ from kvmesh.router.core.conversations import Conversations
 from kvmesh.router.core.copies import SharedPrefixes
 from kvmesh.router.core.joins import Joins
 from kvmesh.router.core.load import ActiveSequences
-from kvmesh.router.core.route_types import WorkerLimits
 from kvmesh.router.core.stays import Stays
 from kvmesh.router.core.timing import WorkerTiming
 from kvmesh.router.core.wait_spread import WaitSpread
+
+
+@dataclass(slots=True)
+class WorkerLimits:
+    """A registered worker: its data-parallel ranks and the limits every rank shares."""
+
+    dp_size: int
+    total_blocks: int
+    max_num_batched_tokens: int
+    block_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +47,7 @@ class RouterState:
 
 class ReadsState:
     """A part of the router that reads the state: its pieces held as attributes of its own (read
-    for every candidate of every decision, an attribute lookup less each time), and the fleet's
-    block size, which the router sets once the first worker is registered."""
+    for every candidate of every decision, an attribute lookup less each time)."""
 
     def __init__(self, state: RouterState) -> None:
         self._load = state.load
@@ -50,5 +58,9 @@ class ReadsState:
         self._wait_spread = state.wait_spread
         self._shared = state.shared
         self._stays = state.stays
-        self.block_size = 1
-        """Tokens per KV block: the fleet's, once a worker is registered."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: the fleet's, which the load model takes at the first worker
+        registered (only registered workers are priced or observed)."""
+        return self._load.block_size

@@ -11,8 +11,8 @@ from kvmesh.router.core.copies import SharedPrefixes
 from kvmesh.router.core.joins import Joins
 from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.observations import Observations
-from kvmesh.router.core.route_types import RouteRequest, TimingSample, WorkerLimits
-from kvmesh.router.core.router_state import RouterState
+from kvmesh.router.core.route_types import RouteRequest, TimingSample
+from kvmesh.router.core.router_state import RouterState, WorkerLimits
 from kvmesh.router.core.stays import Stays
 from kvmesh.router.core.timing import MOCKER_PRIOR, TimingModel, WorkerTiming
 from kvmesh.router.core.wait_spread import WaitSpread
@@ -45,7 +45,6 @@ class Fleet:
             self.stays,
         )
         self.obs = Observations(state)
-        self.obs.block_size = BS
 
     def send(self, rid: str, tokens: int, now: float, *, expected_prefill: float = 0.05) -> None:
         """Route ``rid`` (``tokens`` uncached) here at ``now``, as ``KvRouter._finish`` does."""
@@ -64,24 +63,23 @@ class Fleet:
         return self.obs.finish(rid, now)
 
 
-def test_a_request_routed_behind_a_step_that_shows_its_first_token_with_it_joined_the_step() -> None:
+@pytest.mark.parametrize(
+    ("tokens", "first_token_at", "joined"),
+    [
+        pytest.param(64, 0.0605, 1.0, id="first-token-with-the-step-s-request-joined-it"),
+        pytest.param(2048, 0.160, 0.0, id="first-token-a-step-later-waited-it-out"),
+    ],
+)
+def test_a_request_routed_behind_a_step_in_progress_is_learned_to_have_joined_it_or_not(
+    tokens: int, first_token_at: float, joined: float
+) -> None:
     f = Fleet()
     f.send("a", 2048, 0.0)
-    f.send("b", 64, 0.002)  # 2 ms later, while a's step is predicted to run
+    f.send("b", tokens, 0.002)  # 2 ms later, while a's step is predicted to run
     f.first_token("a", 0.060)
-    f.first_token("b", 0.0605)
+    f.first_token("b", first_token_at)
     share = f.joins.describe()
-    assert sum(share["seen"]) == 1 and max(share["joined_share"]) == 1.0
-
-
-def test_one_whose_first_token_came_a_step_later_waited_the_step_out() -> None:
-    f = Fleet()
-    f.send("a", 2048, 0.0)
-    f.send("b", 2048, 0.002)
-    f.first_token("a", 0.060)
-    f.first_token("b", 0.160)
-    share = f.joins.describe()
-    assert sum(share["seen"]) == 1 and max(share["joined_share"]) == 0.0
+    assert sum(share["seen"]) == 1 and max(share["joined_share"]) == joined
 
 
 def test_a_finished_request_teaches_its_worker_s_fit_and_stay_and_reports_the_prediction() -> None:

@@ -104,6 +104,10 @@ class Conversations:
         is computed from (:meth:`growth_ahead_blocks`)."""
         self._to_come: list[float] | None = None
         """``turns_to_come(n)`` for every ``n`` reached, rebuilt after the counts change."""
+        self._to_hold: list[float] | None = None
+        """``turns_to_hold(n)`` for every ``n`` reached, rebuilt after the counts change."""
+        self._go_on_held: list[float] | None = None
+        """:meth:`held_turns_per_cycle`'s shares, rebuilt after the counts change."""
         self._go_on: list[float] | None = None
         """``[n - 1]``: the share of the conversations that reached turn ``n`` that went on to
         ``n + 1``, for every ``n`` but the deepest reached; rebuilt after the counts change."""
@@ -150,12 +154,54 @@ class Conversations:
         n = min(number, MAX_TURN)
         return to_come[n - 1] if n <= len(to_come) else 0.0
 
-    def _build_to_come(self) -> list[float]:
+    def turns_to_hold(self, number: int = 1) -> float:
+        """The turns a conversation at turn ``number`` is to keep its cache for: :meth:`turns_to_come`,
+        but while every conversation at the deepest turn reached is still between turns, one there
+        is expected to go on for as many turns again as it has had (nothing else is known of it
+        yet, the estimate :mod:`copies` makes of a shared prefix's future).
+
+        Only what a worker's cache must hold is priced with it (the growth ahead, the histories a
+        newcomer pushes out), not the turns' overlap: counting on no turn past the deepest one
+        seen keeps a worker's first conversations together where a cache fits them. But while a
+        fleet is starting up every conversation is at the deepest turn, read as its last, so
+        their growth and the histories pushed out of them cost nothing: with eight engines and
+        128-token answers, six growing agent sessions shared each of four engines until their
+        fifth turns, which then recomputed 10k-token histories elsewhere."""
+        to_hold = self._to_hold
+        if to_hold is None:
+            to_hold = self._to_hold = self._build_to_come(hold=True)
+        n = min(number, MAX_TURN)
+        return to_hold[n - 1] if n <= len(to_hold) else 0.0
+
+    def _build_to_come(self, hold: bool = False) -> list[float]:
         go_on = self._shares_going_on()
         to_come = [0.0] * (len(go_on) + 1)
+        if hold and self._deepest_all_waiting():
+            deepest = len(go_on)  # (its index)
+            to_come[deepest] = min(float(deepest + 1), MAX_TURNS_TO_COME)
         for k in range(len(go_on) - 1, -1, -1):  # from the deepest turn back
             to_come[k] = min(go_on[k] * (1.0 + to_come[k + 1]), MAX_TURNS_TO_COME)
         return to_come
+
+    def _deepest_all_waiting(self) -> bool:
+        """Whether every conversation at the deepest turn reached is still between turns, once some
+        conversation has gone on at all (before that, nothing says the requests are turns of
+        conversations: single questions look like conversations at their first turn)."""
+        reached = self._reached
+        return len(reached) > 1 and self._waiting[-1] >= reached[-1] > 0.0
+
+    def held_turns_per_cycle(self, worker: WorkerKey, exclude: str | None = None) -> float:
+        """:meth:`turns_per_cycle` as :meth:`turns_to_hold` counts the future: a conversation at
+        the deepest turn reached, while all there are between turns, goes on with the chance that
+        brings as many turns again as it has had (``n / (n + 1)`` a turn, at turn ``n``)."""
+        held = self._go_on_held
+        if held is None:
+            held = list(self._shares_going_on())
+            if self._deepest_all_waiting():
+                deepest = len(held) + 1
+                held.append(deepest / (deepest + 1.0))
+            self._go_on_held = held
+        return self._over_tips(worker, held, exclude)
 
     def _shares_going_on(self) -> list[float]:
         """``[n - 1]``: of the conversations that reached turn ``n`` and are no longer waiting at it,
@@ -171,11 +217,19 @@ class Conversations:
 
     def growth_ahead_blocks(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """The blocks the conversations living on ``worker`` will still add there: each tip at
-        turn ``n`` comes back :meth:`turns_to_come` more times, ``growth_blocks`` each. ``exclude``:
+        turn ``n`` comes back :meth:`turns_to_hold` more times, ``growth_blocks`` each. ``exclude``:
         a tip left out (the one the request being priced continues, whose growth is its own)."""
         if self.growth_blocks <= 0:
             return 0.0
-        return self.turns_ahead(worker, exclude) * self.growth_blocks
+        return self.turns_held_ahead(worker, exclude) * self.growth_blocks
+
+    def turns_held_ahead(self, worker: WorkerKey, exclude: str | None = None) -> float:
+        """:meth:`turns_ahead` counted with :meth:`turns_to_hold`: the turns the conversations
+        living on ``worker`` are to keep their cache there for."""
+        to_hold = self._to_hold
+        if to_hold is None:
+            to_hold = self._to_hold = self._build_to_come(hold=True)
+        return self._over_tips(worker, to_hold, exclude)
 
     def turns_ahead(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """The turns the conversations living on ``worker`` will still send it: each tip at turn
@@ -358,7 +412,7 @@ class Conversations:
             self._waiting = [w / 2.0 for w in self._waiting]
             for tip in self._tips.values():  # (once per ~1,000 conversations)
                 tip.counted /= 2.0
-        self._to_come = self._go_on = None
+        self._to_come = self._to_hold = self._go_on = self._go_on_held = None
 
     def _wait(self, number: int, weight: float) -> None:
         """``weight`` more (or less) of turn ``number``'s count waits for its next turn."""
@@ -366,7 +420,7 @@ class Conversations:
         waiting = self._waiting
         if n < len(waiting):
             waiting[n] = max(waiting[n] + weight, 0.0)
-            self._to_come = self._go_on = None
+            self._to_come = self._to_hold = self._go_on = self._go_on_held = None
 
     def _hold(self, tip: _Tip, start: int) -> None:
         """Count ``tip``'s identities from ``start`` on as live on its worker."""

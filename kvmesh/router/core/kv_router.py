@@ -499,12 +499,13 @@ class KvRouter:
         latency = self._latency
         conv = self._conversations
         turn = None
-        to_come = growth = 0.0
+        to_come = to_hold = growth = 0.0
         continues = None  # the tip this turn continues: its growth is the turn's own
         if latency and prompt is not None and prompt.ids:
             turn = conv.lookup(prompt, req.local_hashes, now)
             to_come = conv.turns_to_come(turn.number)
-            growth = to_come * conv.growth_blocks
+            to_hold = conv.turns_to_hold(turn.number)  # (the cache's terms: growth, pushed out)
+            growth = to_hold * conv.growth_blocks
             continues = turn.previous
         cycle_s = conv.cycle_s
         turn_tokens = conv.growth_blocks * bs  # what a later turn adds, to be prefilled
@@ -583,7 +584,8 @@ class KvRouter:
                     per_cycle = conv.turns_per_cycle(key, continues)  # a gap between turns' worth of theirs
                     # (it returns 0 unless live conversations there and these blocks overflow the cache)
                     if added > 0 and conv.live_blocks(key) + added > total:
-                        evict += cost.pushed_out_ms(key, timing, added, total, continues, to_come, per_cycle)
+                        held_cycle = conv.held_turns_per_cycle(key, continues)
+                        evict += cost.pushed_out_ms(key, timing, added, total, continues, to_hold, held_cycle)
                     if per_cycle > 0.0 and cycle_s > 0.0:
                         returning = per_cycle / cycle_s  # their turns a second (Little's law)
                         if to_come > 0.0 and not turn.sibling:

@@ -176,7 +176,8 @@ class LatencyCost(ReadsState):
         living there, in their recompute time when they come back.
 
         A turn's later turns follow it to the worker holding its history, each adding the blocks a
-        turn typically adds: ``growth_blocks`` (its turns to come x blocks a turn) more cache
+        turn typically adds: ``growth_blocks`` (the turns its cache is held for,
+        :meth:`Conversations.turns_to_hold`, x blocks a turn) more cache
         there. Where the live conversations' blocks (:class:`Conversations`) and this request's
         leave room for that, nothing; beyond it, the excess pushes out blocks that live
         conversations come back for (at the share of turns continued), to be prefilled again at
@@ -222,8 +223,9 @@ class LatencyCost(ReadsState):
         request's blocks stay live there (its conversation's ``to_come`` turns and the gap after
         its last). So they cost the worker's fitted per-token time once for every turn the
         conversations there bring back meanwhile: a gap's worth of them (``per_cycle``,
-        :meth:`Conversations.turns_per_cycle`) per turn this one has to come and one more, and
-        no more than they have left (:meth:`Conversations.turns_ahead`). Conversations at their
+        :meth:`Conversations.held_turns_per_cycle`) per turn this one has to come and one more,
+        and no more than they have left (:meth:`Conversations.turns_held_ahead`). Both count the
+        future as the cache is held for it (:meth:`Conversations.turns_to_hold`). Conversations at their
         last turns cost little; young ones with most of their turns ahead, a lot.
         (:meth:`eviction_ms` prices what a request evicts once. With 12 agent sessions on 4
         engines, turns that moved onto an engine whose conversations were between turns pushed
@@ -232,7 +234,7 @@ class LatencyCost(ReadsState):
         pushed = min(added_blocks, conv.live_blocks(key, previous) + added_blocks - total_blocks)
         if pushed <= 0:
             return 0.0
-        returns = min(conv.turns_ahead(key, previous), (1.0 + to_come) * per_cycle)
+        returns = min(conv.turns_held_ahead(key, previous), (1.0 + to_come) * per_cycle)
         if returns <= 0:
             return 0.0
         return returns * pushed * self.block_size * timing.ms_per_token()

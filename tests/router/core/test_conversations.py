@@ -162,6 +162,27 @@ def test_conversations_still_going_count_only_the_turns_they_reached() -> None:
     assert conv.turns_to_come(3) == 0
 
 
+def test_a_cache_is_held_for_as_many_turns_again_while_none_at_the_deepest_turn_ended() -> None:
+    """Thirty conversations live at their third turn, none seen to end: the turns to come count on
+    no fourth turn, but the cache is held for as many turns again as they have had (three at the
+    deepest turn, and from turn 1 the two seen plus those three). Once the third turns are
+    overdue, they ended there, and the cache is held for the turns seen, no more."""
+    conv = Conversations()
+    prompts = {s: toks(100 + s, 8 * B) for s in range(30)}
+    for t in range(3):
+        for s in range(30):
+            route(conv, f"{s}-{t}", A, prompts[s], float(t))
+            prompts[s] = prompts[s] + toks(1000 * s + t, 4 * B)
+    assert conv.turns_to_come(3) == 0
+    assert conv.turns_to_hold(3) == pytest.approx(3)
+    assert conv.turns_to_hold(1) == pytest.approx(2 + 3)
+    assert conv.turns_held_ahead(A) == pytest.approx(30 * 3)
+    assert conv.growth_ahead_blocks(A) == pytest.approx(30 * 3 * 4)  # 4 blocks a turn
+    conv.expire(2.0 + 10 * EXPIRE_CYCLES)
+    assert conv.turns_to_hold(1) == conv.turns_to_come(1) == pytest.approx(2)
+    assert conv.turns_to_hold(3) == 0
+
+
 def test_conversations_still_starting_up_are_not_read_as_short_ones() -> None:
     """Six-turn sessions starting one every 0.1 s, a turn a second: 1.5 s in, the first five are
     at their second turn and ten more wait at their first. Counted as having ended there, those ten
@@ -301,6 +322,39 @@ def test_a_new_conversation_leaves_a_worker_whose_young_conversations_will_fill_
     assert by["a"].eviction_ms > by["b"].predicted_ttft_ms - by["a"].predicted_ttft_ms
 
 
+def test_a_new_session_does_not_push_out_the_histories_of_a_fleet_still_starting_up() -> None:
+    """Six sessions on a, each turn adding 2k tokens, all at their second turn and none seen to
+    end. A new session's 5k tokens would push part of their histories out of a's cache. Read as
+    ending at the deepest turn seen, they were to bring no turn back and the push cost nothing:
+    the new session went where its system prompt was cached. Held for as many turns again, every
+    turn they bring back recomputes what it pushed, and it starts on b."""
+    r = KvRouter(RouterConfig(), random.Random(0))
+    for w in "ab":
+        r.add_worker(w, total_blocks=1200, max_num_batched_tokens=8192, block_size=B)
+    system = toks(7, 2000)
+    n = len(system) // B
+    r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(n)), None, system[: n * B], B)], 0))
+    prompts = {s: system + toks(100 + s, 200) for s in range(6)}
+    now = 0.0
+    for turn in range(2):
+        for s in range(6):
+            answered(r, f"{s}-{turn}", "a", prompts[s], now)
+            prompts[s] = prompts[s] + toks(1000 + 10 * turn + s, 2000)
+            now += 0.1
+        now += 0.4
+    conv = r._conversations
+    assert conv.turns_to_come(2) == 0 and conv.turns_to_hold(2) == 2  # none went past turn 2 yet
+    assert (
+        conv.turns_per_cycle(("a", 0)) == 0 < conv.held_turns_per_cycle(("a", 0)) == pytest.approx(6 * 2 / 3)
+    )
+    new = system + toks(9, 5000)
+    d = r.route(RouteRequest("new", block_hashes(new, B), len(new)), now)
+    assert isinstance(d, Decision)
+    assert d.worker == ("b", 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms  # a answers this turn sooner
+
+
 def test_the_router_follows_at_most_max_tips_conversations(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvmesh.router.core.conversations as module
 
@@ -374,8 +428,10 @@ def test_live_blocks_and_turn_counts_stay_consistent(
         for w in (A, W):
             to_come = sum(conv.turns_to_come(t.number) for t in conv._tips.values() if t.worker == w)
             assert conv.turns_ahead(w) == pytest.approx(to_come)
-            assert conv.growth_ahead_blocks(w) == pytest.approx(to_come * conv.growth_blocks)
-        assert 0.0 <= conv.turns_to_come() <= MAX_TURNS_TO_COME
+            to_hold = sum(conv.turns_to_hold(t.number) for t in conv._tips.values() if t.worker == w)
+            assert conv.turns_held_ahead(w) == pytest.approx(to_hold)
+            assert conv.growth_ahead_blocks(w) == pytest.approx(to_hold * conv.growth_blocks)
+        assert 0.0 <= conv.turns_to_come() <= conv.turns_to_hold() <= MAX_TURNS_TO_COME
         assert 0.0 <= conv.continued_share() < 1.0
     conv.expire(now + 1e6)  # every conversation over: nothing may stay held
     assert conv.live_blocks(A) == conv.live_blocks(W) == 0

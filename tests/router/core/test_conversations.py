@@ -148,16 +148,23 @@ def test_the_turns_conversations_reached_give_the_turns_to_come() -> None:
     assert conv.growth_blocks == pytest.approx(4)
 
 
-def test_conversations_still_going_count_only_the_turns_they_reached() -> None:
-    """One wave of conversations, all live at their third turn: nothing says they go on, so no
-    more than two turns to come are priced (the share of turns continued, learned from the tips'
-    fates, read 19 here: continuations are seen at once, endings only after expiry)."""
+def one_wave_at_turn_3() -> Conversations:
+    """Thirty conversations side by side on ``A``, a turn a second, each turn adding 4 blocks; all
+    live at their third turn."""
     conv = Conversations()
     prompts = {s: toks(100 + s, 8 * B) for s in range(30)}
     for t in range(3):
         for s in range(30):
             route(conv, f"{s}-{t}", A, prompts[s], float(t))
             prompts[s] = prompts[s] + toks(1000 * s + t, 4 * B)
+    return conv
+
+
+def test_conversations_still_going_count_only_the_turns_they_reached() -> None:
+    """One wave of conversations, all live at their third turn: nothing says they go on, so no
+    more than two turns to come are priced (the share of turns continued, learned from the tips'
+    fates, read 19 here: continuations are seen at once, endings only after expiry)."""
+    conv = one_wave_at_turn_3()
     assert conv.turns_to_come(1) == pytest.approx(2)
     assert conv.turns_to_come(3) == 0
 
@@ -167,12 +174,7 @@ def test_a_cache_is_held_for_as_many_turns_again_while_none_at_the_deepest_turn_
     no fourth turn, but the cache is held for as many turns again as they have had (three at the
     deepest turn, and from turn 1 the two seen plus those three). Once the third turns are
     overdue, they ended there, and the cache is held for the turns seen, no more."""
-    conv = Conversations()
-    prompts = {s: toks(100 + s, 8 * B) for s in range(30)}
-    for t in range(3):
-        for s in range(30):
-            route(conv, f"{s}-{t}", A, prompts[s], float(t))
-            prompts[s] = prompts[s] + toks(1000 * s + t, 4 * B)
+    conv = one_wave_at_turn_3()
     assert conv.turns_to_come(3) == 0
     assert conv.turns_to_hold(3) == pytest.approx(3)
     assert conv.turns_to_hold(1) == pytest.approx(2 + 3)

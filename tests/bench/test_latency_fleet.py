@@ -63,6 +63,8 @@ async def test_the_latency_cost_does_no_more_prefill_work_than_dynamos_and_learn
     assert conversations["continued_share"] == 0.75
     assert conversations["turns_to_come"] == 3.0  # after a first turn, counted from the turns reached
     assert conversations["deepest_turn"] == 4
+    # the cache is held for the turns seen, and for as many again while no fourth turn is overdue
+    assert conversations["turns_to_hold"] in (3.0, 3.0 + 4.0)
     assert conversations["blocks_per_turn"] > 300 // 16  # a turn adds its ~700-token tool output
     assert conversations["live"] > 0  # the last turns, not yet overdue
     live = [rank["live_conversation_blocks"] for w in workers for rank in w["ranks"]]

@@ -277,6 +277,7 @@ class Conversations:
         return {
             "continued_share": round(self.continued_share(), 4),
             "turns_to_come": round(self.turns_to_come(), 3),
+            "turns_to_hold": round(self.turns_to_hold(), 3),
             "deepest_turn": len(self._reached),
             "blocks_per_turn": round(self.growth_blocks, 2),
             "seconds_between_turns": round(self.cycle_s, 4),

@@ -167,11 +167,15 @@ class Conversations:
         their growth and the histories pushed out of them cost nothing: with eight engines and
         128-token answers, six growing agent sessions shared each of four engines until their
         fifth turns, which then recomputed 10k-token histories elsewhere."""
+        to_hold = self._to_hold_table()
+        n = min(number, MAX_TURN)
+        return to_hold[n - 1] if n <= len(to_hold) else 0.0
+
+    def _to_hold_table(self) -> list[float]:
         to_hold = self._to_hold
         if to_hold is None:
             to_hold = self._to_hold = self._build_to_come(hold=True)
-        n = min(number, MAX_TURN)
-        return to_hold[n - 1] if n <= len(to_hold) else 0.0
+        return to_hold
 
     def _build_to_come(self, hold: bool = False) -> list[float]:
         go_on = self._shares_going_on()
@@ -226,10 +230,7 @@ class Conversations:
     def turns_held_ahead(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """:meth:`turns_ahead` counted with :meth:`turns_to_hold`: the turns the conversations
         living on ``worker`` are to keep their cache there for."""
-        to_hold = self._to_hold
-        if to_hold is None:
-            to_hold = self._to_hold = self._build_to_come(hold=True)
-        return self._over_tips(worker, to_hold, exclude)
+        return self._over_tips(worker, self._to_hold_table(), exclude)
 
     def turns_ahead(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """The turns the conversations living on ``worker`` will still send it: each tip at turn
@@ -413,6 +414,10 @@ class Conversations:
             self._waiting = [w / 2.0 for w in self._waiting]
             for tip in self._tips.values():  # (once per ~1,000 conversations)
                 tip.counted /= 2.0
+        self._forget_future()
+
+    def _forget_future(self) -> None:
+        """Drop the tables built from the counts, after the counts change."""
         self._to_come = self._to_hold = self._go_on = self._go_on_held = None
 
     def _wait(self, number: int, weight: float) -> None:
@@ -421,7 +426,7 @@ class Conversations:
         waiting = self._waiting
         if n < len(waiting):
             waiting[n] = max(waiting[n] + weight, 0.0)
-            self._to_come = self._to_hold = self._go_on = self._go_on_held = None
+            self._forget_future()
 
     def _hold(self, tip: _Tip, start: int) -> None:
         """Count ``tip``'s identities from ``start`` on as live on its worker."""

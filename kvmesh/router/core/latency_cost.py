@@ -209,7 +209,7 @@ class LatencyCost(ReadsState):
         added_blocks: int,
         total_blocks: int,
         previous: str | None,
-        to_come: float,
+        to_hold: float,
         per_cycle: float,
     ) -> float:
         """The live conversations' blocks this request pushes out of ``key``'s cache, prefilled
@@ -220,13 +220,14 @@ class LatencyCost(ReadsState):
         push theirs out. The engine evicts the least recently used first, which is a conversation
         between turns: the next one back finds the pushed blocks gone, prefills them again, and so
         pushes as many out of the next one's history, turn after turn, for as long as this
-        request's blocks stay live there (its conversation's ``to_come`` turns and the gap after
-        its last). So they cost the worker's fitted per-token time once for every turn the
-        conversations there bring back meanwhile: a gap's worth of them (``per_cycle``,
+        request's blocks stay live there (the ``to_hold`` turns its conversation's cache is held
+        for, :meth:`Conversations.turns_to_hold`, and the gap after its last). So they cost the
+        worker's fitted per-token time once for every turn the conversations there bring back
+        meanwhile: a gap's worth of them (``per_cycle``,
         :meth:`Conversations.held_turns_per_cycle`) per turn this one has to come and one more,
-        and no more than they have left (:meth:`Conversations.turns_held_ahead`). Both count the
-        future as the cache is held for it (:meth:`Conversations.turns_to_hold`). Conversations at their
-        last turns cost little; young ones with most of their turns ahead, a lot.
+        and no more than they have left (:meth:`Conversations.turns_held_ahead`), the future
+        counted as the cache is held for it. Conversations at their last turns cost little; young
+        ones with most of their turns ahead, a lot.
         (:meth:`eviction_ms` prices what a request evicts once. With 12 agent sessions on 4
         engines, turns that moved onto an engine whose conversations were between turns pushed
         their histories out, and they were prefilled again at every later turn there.)"""
@@ -234,7 +235,7 @@ class LatencyCost(ReadsState):
         pushed = min(added_blocks, conv.live_blocks(key, previous) + added_blocks - total_blocks)
         if pushed <= 0:
             return 0.0
-        returns = min(conv.turns_held_ahead(key, previous), (1.0 + to_come) * per_cycle)
+        returns = min(conv.turns_held_ahead(key, previous), (1.0 + to_hold) * per_cycle)
         if returns <= 0:
             return 0.0
         return returns * pushed * self.block_size * timing.ms_per_token()

@@ -745,3 +745,30 @@ def test_a_history_s_home_keeps_its_turn_while_its_wait_for_memory_is_within_wha
         chosen[taught] = d.worker[0]
     assert chosen == {0: "a", 200: "b"}
     assert r.memory_wait_stats()["relative_spread"] < 0.3  # type: ignore[index]
+
+
+def test_a_new_prefix_within_the_fit_s_uncertainty_goes_where_least_is_cached() -> None:
+    """a and b have each answered a few uncached requests, a a little faster than b; c has seen
+    none (its curve is the fleet's, between the two). A new prefix costs the same prefill on all
+    three, and their predictions differ by less than the fits are sure of: a tie the model cannot
+    resolve. c, which holds no cache, takes it rather than a, which looks a millisecond faster
+    and holds the prefixes it answered. (Ranked by those costs, a worker whose curve came out a
+    little fast took every new prefix: the cold prefixes of a hot-prefix fleet went two and three
+    to an engine.)"""
+    r = router("abc")
+    n = 0
+    for _ in range(6):
+        for worker, ttft_s in (("a", 0.042), ("b", 0.048)):
+            n += 1
+            prompt = toks(500 + n, 2000)
+            d = r.route(req(f"seen{n}", prompt, backend_instance_id=worker), float(n))
+            assert isinstance(d, Decision)
+            r.first_token(d.request_id, n + ttft_s)
+            r.reported_cached(d.request_id, 0)
+            assert r.finished(d.request_id, n + 0.3) is not None
+            store(r, worker, prompt)
+    d = pick(r, "new", toks(999, 2000), now=100.0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].cost < by["c"].cost < by["b"].cost  # the fits do differ...
+    assert by["b"].cost - by["a"].cost < r._timing[("a", 0)].uncertainty_ms(2000)  # ...by less than they know
+    assert d.worker == ("c", 0)

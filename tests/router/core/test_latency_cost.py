@@ -599,15 +599,17 @@ def pick_stage(r: KvRouter, rid: str, tokens: list[int]) -> Decision:
     return d
 
 
-def _answer(r: KvRouter, rid: str, worker: str, tokens: list[int], start: float, n_out: int) -> None:
-    """A pinned request answered in full: first token 30 ms after it was sent, then ``n_out``
+def _answer(
+    r: KvRouter, rid: str, worker: str, tokens: list[int], start: float, n_out: int, ttft_s: float = 0.03
+) -> None:
+    """A pinned request answered in full: first token ``ttft_s`` after it was sent, then ``n_out``
     tokens 10 ms apart."""
     d = r.route(req(rid, tokens, backend_instance_id=worker), start)
     assert isinstance(d, Decision)
-    r.first_token(rid, start + 0.03)
-    r.output_tokens(rid, 1, start + 0.03)
-    r.output_tokens(rid, n_out - 1, start + 0.03 + 0.01 * n_out)
-    r.finished(rid, start + 0.03 + 0.01 * n_out)
+    r.first_token(rid, start + ttft_s)
+    r.output_tokens(rid, 1, start + ttft_s)
+    r.output_tokens(rid, n_out - 1, start + ttft_s + 0.01 * n_out)
+    r.finished(rid, start + ttft_s + 0.01 * n_out)
 
 
 def _held_by_three(generated: int, pace: float) -> KvRouter:
@@ -761,11 +763,7 @@ def test_a_new_prefix_within_the_fit_s_uncertainty_goes_where_least_is_cached() 
         for worker, ttft_s in (("a", 0.042), ("b", 0.048)):
             n += 1
             prompt = toks(500 + n, 2000)
-            d = r.route(req(f"seen{n}", prompt, backend_instance_id=worker), float(n))
-            assert isinstance(d, Decision)
-            r.first_token(d.request_id, n + ttft_s)
-            r.reported_cached(d.request_id, 0)
-            assert r.finished(d.request_id, n + 0.3) is not None
+            _answer(r, f"seen{n}", worker, prompt, float(n), 20, ttft_s)
             store(r, worker, prompt)
     d = pick(r, "new", toks(999, 2000), now=100.0)
     by = {s.worker[0]: s for s in d.breakdown}

@@ -250,6 +250,31 @@ class Conversations:
         tip left out (the one the request being priced continues: it is that turn)."""
         return self._over_tips(worker, self._shares_going_on(), exclude)
 
+    def outlook(self, worker: WorkerKey, exclude: str | None = None) -> tuple[int, float, float]:
+        """``(live_blocks(worker), turns_held_ahead(worker, exclude), turns_per_cycle(worker,
+        exclude))`` in one pass over the worker's tips: what the latency cost reads of every
+        candidate of every decision."""
+        live = self._live.get(worker, 0)
+        numbers = self._numbers.get(worker)
+        if not numbers:
+            return live, 0.0, 0.0
+        held, going = self._to_hold_table(), self._shares_going_on()
+        n_held, n_going = len(held), len(going)
+        ahead = per_cycle = 0.0
+        for number, count in numbers.items():  # (the sums _over_tips makes, in its order)
+            if number <= n_held:
+                ahead += count * held[number - 1]
+            if number <= n_going:
+                per_cycle += count * going[number - 1]
+        if exclude is not None:
+            tip = self._tips.get(exclude)
+            if tip is not None and tip.worker == worker:
+                if tip.number <= n_held:
+                    ahead -= held[tip.number - 1]
+                if tip.number <= n_going:
+                    per_cycle -= going[tip.number - 1]
+        return live, max(ahead, 0.0), max(per_cycle, 0.0)
+
     def _over_tips(self, worker: WorkerKey, per_number: list[float], exclude: str | None) -> float:
         """``per_number[n - 1]`` summed over the tips on ``worker`` at turn ``n`` (0 past the
         table), ``exclude``'s left out."""

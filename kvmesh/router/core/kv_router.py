@@ -577,13 +577,14 @@ class KvRouter:
                 evict = (
                     cost.eviction_ms(timing, added, total - tree) if reuse and added > total - tree else 0.0
                 )
-                if growth > 0:
-                    evict += cost.growth_eviction_ms(key, growth, added, continues)
                 returning = overlap = 0.0  # the conversations living there: their turns
                 if turn is not None:
-                    per_cycle = conv.turns_per_cycle(key, continues)  # a gap between turns' worth of theirs
+                    # per_cycle: a gap between turns' worth of theirs
+                    live, held_ahead, per_cycle = conv.outlook(key, continues)
+                    if growth > 0:
+                        evict += cost.growth_eviction_ms(key, growth, added, live, held_ahead)
                     # (it returns 0 unless live conversations there and these blocks overflow the cache)
-                    if added > 0 and conv.live_blocks(key) + added > total:
+                    if added > 0 and live + added > total:
                         held_cycle = conv.held_turns_per_cycle(key, continues)
                         evict += cost.pushed_out_ms(key, timing, added, total, continues, to_hold, held_cycle)
                     if per_cycle > 0.0 and cycle_s > 0.0:

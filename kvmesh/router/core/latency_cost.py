@@ -175,7 +175,7 @@ class LatencyCost(ReadsState):
         return self._stays.reuse_fleet * evicted * self.block_size * timing.ms_per_token()
 
     def growth_eviction_ms(
-        self, key: WorkerKey, growth_blocks: float, added_blocks: float, previous: str | None
+        self, key: WorkerKey, growth_blocks: float, added_blocks: float, live_blocks: int, held_ahead: float
     ) -> float:
         """What the cache its conversation grows into there evicts from the other conversations
         living there, in their recompute time when they come back.
@@ -193,15 +193,17 @@ class LatencyCost(ReadsState):
         histories.
 
         The room is what is left once the conversations already there have grown as well
-        (:meth:`Conversations.growth_ahead_blocks`; ``previous``, the tip this turn continues, is
-        its own growth): the cache a worker's conversations will need is theirs and this one's
-        together, and of that total this conversation's growth is the part beyond what theirs
-        leaves. (Counted from their blocks now, a worker whose sessions were all at their first
-        turn looked nearly empty to a new session, however far those sessions had yet to grow.)
+        (:meth:`Conversations.growth_ahead_blocks`; the tip this turn continues is left out of
+        ``held_ahead``, the turns they are held for, as its growth is this turn's own): the cache a
+        worker's conversations will need is theirs and this one's together, and of that total this
+        conversation's growth is the part beyond what theirs leaves. (Counted from their blocks
+        now, a worker whose sessions were all at their first turn looked nearly empty to a new
+        session, however far those sessions had yet to grow.) ``live_blocks`` and ``held_ahead``
+        are :meth:`Conversations.outlook`'s, read once per candidate.
         """
         conv = self._conversations
-        ahead = conv.growth_ahead_blocks(key, previous)
-        room = self._workers[key[0]].total_blocks - conv.live_blocks(key) - ahead - added_blocks
+        ahead = held_ahead * conv.growth_blocks
+        room = self._workers[key[0]].total_blocks - live_blocks - ahead - added_blocks
         evicted = growth_blocks - max(room, 0.0)
         if evicted <= 0:
             return 0.0

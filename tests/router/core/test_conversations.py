@@ -301,6 +301,28 @@ def test_the_growth_ahead_of_a_workers_conversations_counts_each_at_its_turn() -
     assert conv.growth_ahead_blocks(A) == 0
 
 
+def test_the_outlook_of_a_worker_is_its_three_readings_in_one() -> None:
+    """What the latency cost reads of each candidate in one pass: live blocks, the turns held
+    ahead and the turns a gap brings, each as its own method gives it, the excluded tip left out
+    of the two counts and only where it lives."""
+    conv = Conversations()
+    now = six_turn_conversations(conv, W)
+    route(conv, "young", A, toks(7, 8 * B), now)
+    route(conv, "older-1", A, toks(8, 8 * B), now)
+    route(conv, "older-2", A, toks(8, 8 * B) + toks(9, 4 * B), now)
+    for worker in (A, W, ("idle", 0)):
+        for exclude in (None, "young", "older-2", "nobody"):
+            live, ahead, per_cycle = conv.outlook(worker, exclude)
+            assert live == conv.live_blocks(worker)
+            assert ahead == conv.turns_held_ahead(worker, exclude)
+            assert per_cycle == conv.turns_per_cycle(worker, exclude)
+    live, ahead, per_cycle = conv.outlook(A)
+    assert live > 0 and ahead > 0 and per_cycle > 0
+    assert conv.outlook(A, "young")[1] < ahead  # young is a tip on a: left out
+    assert conv.outlook(W, "young")[1] == conv.outlook(W)[1]  # not a tip there
+    assert conv.outlook(("idle", 0)) == (0, 0.0, 0.0)
+
+
 def test_a_new_conversation_leaves_a_worker_whose_young_conversations_will_fill_it() -> None:
     """Three sessions at their first turn hold little of a's cache now, but each will grow by as
     much as the ended ones did: with theirs, a fourth session's growth has no room there, so it

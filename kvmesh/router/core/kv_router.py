@@ -492,6 +492,7 @@ class KvRouter:
         trees: list[int] = []
         waited = False  # some candidate's cost includes a wait for memory
         own_tokens: list[float] = []
+        effect_variances: list[float] = []  # (latency cost only)
         moved: list[float] = []
         n_blocks = len(req.local_hashes)
         isl = req.isl_tokens
@@ -602,6 +603,17 @@ class KvRouter:
                 )
                 credit = copy_ms if copy_to is not None and key not in copy_to else 0.0
                 c = ttft + delay + evict + overlap - credit
+                if delay > 0.0 or overlap > 0.0:  # (how sure the effect on others is; 0 without one)
+                    effect_variances.append(
+                        cost.effect_variance(
+                            delay,
+                            curve.added_prefill_ms(active, prefill - active) if delay > 0.0 else 0.0,
+                            overlap,
+                            timing.decode_ms(usage),
+                        )
+                    )
+                else:
+                    effect_variances.append(0.0)
                 score = CandidateScore(
                     key,
                     dev,
@@ -630,7 +642,7 @@ class KvRouter:
         if elsewhere and self.config.router_temperature == 0:
             i = self._pick_least_loaded(candidates, moved, costs, trees)
         elif latency and self.config.router_temperature == 0:
-            i = cost.pick_saving_work(candidates, own_tokens, costs, trees, scores, waited)
+            i = cost.pick_saving_work(candidates, own_tokens, costs, trees, scores, effect_variances, waited)
         else:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
         if copy_to is not None and candidates[i] not in copy_to:

@@ -114,6 +114,7 @@ class LatencyCost(ReadsState):
         costs: Sequence[float],
         trees: Sequence[int],
         scores: Sequence[CandidateScore],
+        effect_variances: Sequence[float],
         waited: bool = False,
     ) -> int:
         """The cheapest candidate, except that costs closer than the best one's prediction
@@ -138,21 +139,28 @@ class LatencyCost(ReadsState):
         errors: the root of the sum of squares). (With only the fit's, a conversation's
         last turns, whose home was predicted to wait 1-2 s for memory, went to recompute
         18k-token histories on workers predicted a few hundred ms sooner, and the blocks they took
-        there set off moves after them; those home waits came in at 0.4-0.9 of the prediction.)"""
+        there set off moves after them; those home waits came in at 0.4-0.9 of the prediction.)
+
+        So is what a candidate's cost counts of its effect on others, the requests to arrive there
+        and the turns to come back (``effect_variances``, :meth:`effect_variance`): those are
+        expectations over requests that may or may not come while it is there. (Taken as sure, a
+        few milliseconds of them moved turns off the worker holding their history to one
+        predicted to answer them no sooner, recomputing the history: under cache pressure those
+        moves cost 0.02-0.04 of the fleet's prefix hits.)"""
         lowest = min(costs)
         best = costs.index(lowest)
         fit = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
+        base = fit * fit + effect_variances[best]
         if waited:
             width = self._wait_spread.width_ms
-            base = fit * fit + width(scores[best].memory_wait_ms) ** 2
+            base += width(scores[best].memory_wait_ms) ** 2
             near = [
                 i
                 for i, c in enumerate(costs)
-                if c - lowest <= math.sqrt(base + width(scores[i].memory_wait_ms) ** 2)
+                if c - lowest <= math.sqrt(base + effect_variances[i] + width(scores[i].memory_wait_ms) ** 2)
             ]
         else:
-            cutoff = lowest + fit
-            near = [i for i, c in enumerate(costs) if c <= cutoff]
+            near = [i for i, c in enumerate(costs) if c - lowest <= math.sqrt(base + effect_variances[i])]
         if len(near) == 1:
             return best
         # the least own work, then the smallest tree (the selector's tie-break), then the lowest
@@ -161,6 +169,24 @@ class LatencyCost(ReadsState):
         low = min(keys)
         tied = [i for i, k in zip(near, keys, strict=True) if k == low]
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+    @staticmethod
+    def effect_variance(delay_ms: float, added_prefill_ms: float, overlap_ms: float, pass_ms: float) -> float:
+        """The variance (ms squared) of a candidate's predicted effect on others: ``delay_ms``, its
+        delay to the requests arriving there (:meth:`delay_to_arrivals_ms`), and ``overlap_ms``, the
+        turns' overlap (:meth:`turns_overlap_ms`). Each is a count of events that may or may not
+        happen times what each costs: arrivals during its prefill (``added_prefill_ms`` of engine
+        time) each wait up to all of it, half on average, and a meeting of turns costs about a
+        decode pass (``pass_ms``). For a Poisson count the variance of such a sum is the expected
+        count times the mean square cost: ``delay x (2/3) x prefill`` and ``overlap x pass``. (The
+        delay's other parts, a longer decode pass and the memory the arrivals wait for, are taken
+        at the same ratio.) Where few events are expected, the spread exceeds the term itself."""
+        variance = 0.0
+        if delay_ms > 0.0:
+            variance += delay_ms * (2.0 / 3.0) * added_prefill_ms
+        if overlap_ms > 0.0:
+            variance += overlap_ms * pass_ms
+        return variance
 
     def eviction_ms(self, timing: WorkerTiming, added_blocks: int, free_blocks: int) -> float:
         """What placing a request there costs later in evicted cache: the blocks it adds

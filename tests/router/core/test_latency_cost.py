@@ -13,6 +13,7 @@ from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.hashing import block_hashes
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.kv_router import Decision, KvRouter, RouteRequest
+from kvmesh.router.core.latency_cost import LatencyCost
 from kvmesh.router.core.timing import MOCKER_PRIOR, Profile
 
 B = 16
@@ -770,3 +771,32 @@ def test_a_new_prefix_within_the_fit_s_uncertainty_goes_where_least_is_cached() 
     assert by["a"].cost < by["c"].cost < by["b"].cost  # the fits do differ...
     assert by["b"].cost - by["a"].cost < r._timing[("a", 0)].uncertainty_ms(2000)  # ...by less than they know
     assert d.worker == ("c", 0)
+
+
+@pytest.mark.parametrize("expected_arrivals", [0.3, 2.0, 12.0])
+def test_the_spread_of_the_delay_to_arrivals_is_that_of_a_poisson_count_of_waits(
+    expected_arrivals: float,
+) -> None:
+    """The delay a request's prefill causes its arrivals is a Poisson count of requests, each
+    waiting a uniform share of the prefill (half of it on average): the variance the tie rule
+    gives it matches such sums drawn at random, and with few arrivals expected the spread is
+    wider than the delay itself."""
+    prefill_ms = 40.0
+    delay = expected_arrivals * prefill_ms / 2.0
+    variance = LatencyCost.effect_variance(delay, prefill_ms, 0.0, 9.0)
+    rng = random.Random(7)
+    sums = []
+    for _ in range(40_000):
+        n, t = 0, rng.expovariate(expected_arrivals)  # Poisson count: arrivals in one unit of time
+        while t < 1.0:
+            n += 1
+            t += rng.expovariate(expected_arrivals)
+        sums.append(sum(rng.uniform(0.0, prefill_ms) for _ in range(n)))
+    mean = sum(sums) / len(sums)
+    drawn = sum((x - mean) ** 2 for x in sums) / len(sums)
+    assert mean == pytest.approx(delay, rel=0.05)
+    assert variance == pytest.approx(drawn, rel=0.05)
+    assert (variance**0.5 > delay) is (expected_arrivals < 4 / 3)
+    # the turns' overlap: meetings of about a decode pass each; nothing to be unsure of without either
+    assert LatencyCost.effect_variance(0.0, prefill_ms, 12.0, 9.0) == pytest.approx(12.0 * 9.0)
+    assert LatencyCost.effect_variance(0.0, prefill_ms, 0.0, 9.0) == 0.0

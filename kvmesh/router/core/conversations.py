@@ -205,7 +205,7 @@ class Conversations:
                 deepest = len(held) + 1
                 held.append(deepest / (deepest + 1.0))
             self._go_on_held = held
-        return self._over_tips(worker, held, exclude)
+        return self._over_tips(worker, exclude, held)[0]
 
     def _shares_going_on(self) -> list[float]:
         """``[n - 1]``: of the conversations that reached turn ``n`` and are no longer waiting at it,
@@ -230,7 +230,7 @@ class Conversations:
     def turns_held_ahead(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """:meth:`turns_ahead` counted with :meth:`turns_to_hold`: the turns the conversations
         living on ``worker`` are to keep their cache there for."""
-        return self._over_tips(worker, self._to_hold_table(), exclude)
+        return self._over_tips(worker, exclude, self._to_hold_table())[0]
 
     def turns_ahead(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """The turns the conversations living on ``worker`` will still send it: each tip at turn
@@ -238,7 +238,7 @@ class Conversations:
         to_come = self._to_come
         if to_come is None:
             to_come = self._to_come = self._build_to_come()
-        return self._over_tips(worker, to_come, exclude)
+        return self._over_tips(worker, exclude, to_come)[0]
 
     def turns_per_cycle(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """The turns the conversations living on ``worker`` send it over one gap between turns:
@@ -248,49 +248,35 @@ class Conversations:
         unlike the requests in flight there, this does not fall to 0 while a worker's
         conversations are all between turns, just before their next turns arrive. ``exclude``: a
         tip left out (the one the request being priced continues: it is that turn)."""
-        return self._over_tips(worker, self._shares_going_on(), exclude)
+        return self._over_tips(worker, exclude, self._shares_going_on())[0]
 
     def outlook(self, worker: WorkerKey, exclude: str | None = None) -> tuple[int, float, float]:
         """``(live_blocks(worker), turns_held_ahead(worker, exclude), turns_per_cycle(worker,
-        exclude))`` in one pass over the worker's tips: what the latency cost reads of every
-        candidate of every decision."""
-        live = self._live.get(worker, 0)
-        numbers = self._numbers.get(worker)
-        if not numbers:
-            return live, 0.0, 0.0
-        held, going = self._to_hold_table(), self._shares_going_on()
-        n_held, n_going = len(held), len(going)
-        ahead = per_cycle = 0.0
-        for number, count in numbers.items():  # (the sums _over_tips makes, in its order)
-            if number <= n_held:
-                ahead += count * held[number - 1]
-            if number <= n_going:
-                per_cycle += count * going[number - 1]
-        if exclude is not None:
-            tip = self._tips.get(exclude)
-            if tip is not None and tip.worker == worker:
-                if tip.number <= n_held:
-                    ahead -= held[tip.number - 1]
-                if tip.number <= n_going:
-                    per_cycle -= going[tip.number - 1]
-        return live, max(ahead, 0.0), max(per_cycle, 0.0)
+        exclude))`` in one call: what the latency cost reads of every candidate of every
+        decision."""
+        ahead, per_cycle = self._over_tips(worker, exclude, self._to_hold_table(), self._shares_going_on())
+        return self._live.get(worker, 0), ahead, per_cycle
 
-    def _over_tips(self, worker: WorkerKey, per_number: list[float], exclude: str | None) -> float:
-        """``per_number[n - 1]`` summed over the tips on ``worker`` at turn ``n`` (0 past the
-        table), ``exclude``'s left out."""
+    def _over_tips(self, worker: WorkerKey, exclude: str | None, *per_number: list[float]) -> list[float]:
+        """For each table of ``per_number``: ``table[n - 1]`` summed over the tips on ``worker`` at
+        turn ``n`` (0 past the table), ``exclude``'s left out."""
         numbers = self._numbers.get(worker)
         if not numbers:
-            return 0.0
-        last = len(per_number)
-        total = 0.0
-        for number, count in numbers.items():
-            if number <= last:
-                total += count * per_number[number - 1]
-        if exclude is not None:
-            tip = self._tips.get(exclude)
-            if tip is not None and tip.worker == worker and tip.number <= last:
-                total -= per_number[tip.number - 1]
-        return max(total, 0.0)
+            return [0.0] * len(per_number)
+        tip = self._tips.get(exclude) if exclude is not None else None
+        if tip is not None and tip.worker != worker:
+            tip = None
+        sums = []
+        for table in per_number:
+            last = len(table)
+            total = 0.0
+            for number, count in numbers.items():
+                if number <= last:
+                    total += count * table[number - 1]
+            if tip is not None and tip.number <= last:
+                total -= table[tip.number - 1]
+            sums.append(max(total, 0.0))
+        return sums
 
     def continued_share(self) -> float:
         """The share of turns that a later turn continued: the chance that a live conversation

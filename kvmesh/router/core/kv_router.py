@@ -603,17 +603,16 @@ class KvRouter:
                 )
                 credit = copy_ms if copy_to is not None and key not in copy_to else 0.0
                 c = ttft + delay + evict + overlap - credit
-                if delay > 0.0 or overlap > 0.0:  # (how sure the effect on others is; 0 without one)
-                    effect_variances.append(
-                        cost.effect_variance(
-                            delay,
-                            curve.added_prefill_ms(active, prefill - active) if delay > 0.0 else 0.0,
-                            overlap,
-                            timing.decode_ms(usage),
-                        )
+                effect_variances.append(  # how sure the effect on others is (none without one)
+                    cost.effect_variance(
+                        delay,
+                        curve.added_prefill_ms(active, prefill - active) if delay > 0.0 else 0.0,
+                        overlap,
+                        timing.decode_ms(usage),
                     )
-                else:
-                    effect_variances.append(0.0)
+                    if delay > 0.0 or overlap > 0.0
+                    else 0.0
+                )
                 score = CandidateScore(
                     key,
                     dev,

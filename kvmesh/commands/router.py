@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    app = build_router_app(settings)
+    app = build_router_app(settings, freeze_heap=True)
     print(
         f"kvmesh router on http://{args.host}:{args.port} -> {len(settings.workers)} worker(s), "
         f"mode {settings.router.router_mode}",

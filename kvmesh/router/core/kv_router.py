@@ -608,7 +608,7 @@ class KvRouter:
                         delay,
                         curve.added_prefill_ms(active, prefill - active) if delay > 0.0 else 0.0,
                         overlap,
-                        timing.decode_ms(usage),
+                        timing.decode_ms(usage) if overlap > 0.0 else 0.0,
                     )
                     if delay > 0.0 or overlap > 0.0
                     else 0.0

@@ -55,10 +55,15 @@ def block_hashes(tokens: Sequence[int], block_size: int, lora_name: str | None =
     if n_blocks == 0:
         return []
     buf = array.array("I")
-    # the common case (a list of whole blocks) converts in place, without a copy of the list first
-    if len(tokens) == n_blocks * block_size and isinstance(tokens, list):
-        buf.fromlist(tokens)
-    else:
+    if isinstance(tokens, list):
+        # Converted whole, without a copy first: the partial last block's bytes are never sliced
+        # below. (Cut off first, a chat prompt, which almost never ends on a block boundary, was
+        # copied twice: a quarter of the hashing time.)
+        try:
+            buf.fromlist(tokens)
+        except OverflowError:  # an id out of range, perhaps only past the last whole block
+            buf = array.array("I")
+    if not buf:
         buf.fromlist(list(tokens[: n_blocks * block_size]))
     if sys.byteorder != "little":  # pragma: no cover
         buf.byteswap()

@@ -44,6 +44,17 @@ def test_accepts_any_sequence_type() -> None:
     assert block_hashes(tuple(tokens), 16) == block_hashes(tokens, 16) == block_hashes(range(64), 16)
 
 
+def test_the_partial_last_block_never_changes_the_hashes() -> None:
+    """The tokens past the last whole block are left out, whatever they are: a list is converted
+    whole and those bytes never hashed, and an id out of range among them is no error (it would
+    be in a whole block)."""
+    whole = [7 * i + 256 for i in range(48)]
+    expected = block_hashes(whole, 16)
+    for tail in ([1], list(range(15)), [2**32], [-1, 5]):
+        assert block_hashes(whole + tail, 16) == expected
+        assert block_hashes(tuple(whole + tail), 16) == expected
+
+
 def test_rejects_bad_block_size_and_token_range() -> None:
     with pytest.raises(ValueError, match="block_size must be positive, got 0"):
         block_hashes([1, 2], 0)

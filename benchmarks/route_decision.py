@@ -2,12 +2,12 @@
 
     PYTHONPATH=<a tree> .venv/bin/python benchmarks/route_decision.py --model latency [--samples 200]
 
-``benchmarks/router_core.py --baseline REV`` runs this once per round against another revision's
-code and once against the working tree's, so a target stated against an older ``route()`` is
-measured against that code in the same run, not against today's code standing in for it. It
+``benchmarks/router_core.py --baseline REV`` builds its routers with :func:`routers` from here, once
+for another revision's kvmesh and once for the working tree's, in one process, and times them call
+by call in turn; run on its own, this script times whichever kvmesh is first on the path. It
 therefore imports only the router API every revision since the router's layer folders has had
 (``KvRouter``, ``RouteRequest``, ``RouterConfig``, ``EventBatch``, ``BlockStored``,
-``block_hashes``).
+``block_hashes``), and imports it inside the functions, from whichever kvmesh is loaded then.
 
 The set-up, the same in both scripts: ``--sequences`` prompts of ``--blocks`` blocks over 8
 workers (every prompt starts with one of 100 shared 32-block prefixes, every prefix on every

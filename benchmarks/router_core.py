@@ -13,9 +13,9 @@ Measured (GC disabled while timing, like every script here; medians over interle
   decoded BlockStored structs; Dynamo: ``compute_block_hash_for_seq`` + ``RadixTree.apply_event`` on
   KvCacheEvent JSON, shown with and without building that JSON);
 * one full ``KvRouter.route`` decision for a 2,048-block request over 8 workers, with both cost
-  models; with ``--baseline REV`` also that revision's ``route()`` beside this tree's, each timed by
-  ``route_decision.py`` in a process of its own (a target stated against older code is measured
-  against that code, in the same run);
+  models; with ``--baseline REV`` also that revision's ``route()`` beside this tree's: both
+  revisions are imported into this process and their decisions timed call by call in turn, so a
+  target stated against older code is measured against that code at the same moments;
 * memory of the index per (block, worker) entry (tracemalloc) and what the default budget bounds.
 
 Dynamo's binding comes from the ``bench`` extra; without it only kvmesh's numbers print.
@@ -27,7 +27,6 @@ import argparse
 import gc
 import io
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -104,59 +103,105 @@ def revision_tree(commit: str, into: str) -> None:
         tar.extractall(into, **safe)
 
 
-def routes_in(tree: str, model: str, args: argparse.Namespace) -> list[float]:
-    """route() samples of ``tree``'s kvmesh, timed by ``route_decision.py`` in a process of its own."""
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve().parent / "route_decision.py"),
-        f"--model={model}",
-        "--samples=200",
-        f"--sequences={args.sequences}",
-        f"--blocks={args.blocks}",
-        f"--block-size={args.block_size}",
-        f"--query-blocks={args.query_blocks}",
-    ]
-    env = {**os.environ, "PYTHONPATH": tree}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"route_decision.py --model {model} on {tree} failed:\n{done.stderr}")
-    out = json.loads(done.stdout)
-    if not out["kvmesh"].startswith(tree):  # the installed package would otherwise be timed twice
-        raise RuntimeError(f"timed {out['kvmesh']}, not the kvmesh under {tree}")
-    return out["samples_s"]
+def _kvmesh_modules() -> dict[str, object]:
+    return {k: m for k, m in sys.modules.items() if k == "kvmesh" or k.startswith("kvmesh.")}
+
+
+def _load_contender(tree: str, model: str, args: argparse.Namespace):
+    """``(router, request, modules)``: ``tree``'s kvmesh imported afresh (whatever kvmesh this
+    process had is set aside first), a router of ``model`` built on the shared set-up, and the
+    kvmesh modules it runs on, to be put back in ``sys.modules`` before each of its calls (an import
+    made inside ``route()`` then resolves to its own revision)."""
+    for name in _kvmesh_modules():
+        del sys.modules[name]
+    sys.path.insert(0, tree)
+    try:
+        import kvmesh
+
+        if not str(Path(kvmesh.__file__).resolve()).startswith(str(Path(tree).resolve())):
+            raise RuntimeError(f"imported {kvmesh.__file__}, not the kvmesh under {tree}")
+        made, req = routers(
+            [None if model == "default" else model],
+            args.sequences,
+            args.blocks,
+            args.block_size,
+            args.query_blocks,
+        )
+    finally:
+        sys.path.remove(tree)
+    return made[None if model == "default" else model], req, _kvmesh_modules()
+
+
+def interleaved_routes(contenders, rounds: int, samples: int) -> list[list[list[float]]]:
+    """``[contender][round]`` route() samples in seconds, the contenders taking turns call by call
+    (in an order rotated every call), so a slow moment of the shared machine falls on all of them
+    rather than on whichever ran then. Each decision's request is finished after it, untimed."""
+    out: list[list[list[float]]] = [[[] for _ in range(rounds)] for _ in contenders]
+    n = len(contenders)
+    for rnd in range(rounds):
+        for i in range(samples):
+            for j in range(n):
+                k = (i + j) % n
+                router, req, modules = contenders[k]
+                sys.modules.update(modules)
+                gc.disable()
+                t0 = time.perf_counter()
+                router.route(req, 0.0)
+                t1 = time.perf_counter()
+                gc.enable()
+                router.finished(req.request_id, 0.0)
+                out[k][rnd].append(t1 - t0)
+    return out
 
 
 def baseline_table(rev: str, args: argparse.Namespace) -> str:
-    """route() of revision ``rev`` (its default configuration) beside this tree's two cost models:
-    each in a process of its own, one per round and contender, in an order rotated every round."""
+    """route() of revision ``rev`` (its default configuration) beside this tree's two cost models,
+    all three in this process and timed call by call in turn (:func:`interleaved_routes`): the
+    ratio is the median of each call's time over the baseline call made next to it. (Timed one
+    process after another, the baseline's own median ranged 126-262 us over rounds on this shared
+    machine and the ratio 0.83-2.70; interleaved, the ratio repeats within a few percent.)"""
     commit = resolve_commit(rev)
+    own = _kvmesh_modules()
     with tempfile.TemporaryDirectory(prefix="kvmesh-baseline-") as tree:
         revision_tree(commit, tree)
-        contenders = [
-            (f"{rev} ({commit[:9]}), its default", tree, "default"),
-            ("this tree, --router-cost-model dynamo", str(REPO), "dynamo"),
-            ("this tree, --router-cost-model latency", str(REPO), "latency"),
+        names = [
+            f"{rev} ({commit[:9]}), its default",
+            "this tree, --router-cost-model dynamo",
+            "this tree, --router-cost-model latency",
         ]
-        medians: dict[str, list[float]] = {name: [] for name, _, _ in contenders}
-        for rnd in range(args.rounds):
-            turn = contenders[rnd % 3 :] + contenders[: rnd % 3]
-            for name, where, model in turn:
-                print(f"route() vs {rev}: round {rnd + 1}/{args.rounds}, {name}", file=sys.stderr, flush=True)
-                medians[name].append(median(routes_in(where, model, args)))
-    base = medians[contenders[0][0]]
+        built = []
+        try:
+            for where, model in ((tree, "default"), (str(REPO), "dynamo"), (str(REPO), "latency")):
+                print(f"route() vs {rev}: building {where} ({model})", file=sys.stderr, flush=True)
+                built.append(_load_contender(where, model, args))
+            print(f"route() vs {rev}: {args.rounds} rounds, interleaved", file=sys.stderr, flush=True)
+            samples = interleaved_routes(built, args.rounds, 400)
+        finally:
+            for name in _kvmesh_modules():
+                del sys.modules[name]
+            sys.modules.update(own)
+    base = samples[0]
     rows = []
-    for name, meds in medians.items():
-        # each round timed every contender once, so a round's ratio shares that round's machine
-        per_round = sorted(m / b for m, b in zip(meds, base, strict=True))
+    for name, rounds in zip(names, samples, strict=True):
+        meds = [median(r) for r in rounds]
+        # each call against the baseline call made next to it: the two share that moment's machine
+        per_round = sorted(
+            median([t / b for t, b in zip(r, br, strict=True)]) for r, br in zip(rounds, base, strict=True)
+        )
+        everything = median(
+            [t / b for r, br in zip(rounds, base, strict=True) for t, b in zip(r, br, strict=True)]
+        )
         rows.append(
             [
                 name,
                 f"{median(meds) * 1e6:.1f} ({min(meds) * 1e6:.1f}-{max(meds) * 1e6:.1f})",
-                f"{median(per_round):.2f}x ({per_round[0]:.2f}-{per_round[-1]:.2f})",
+                f"{everything:.2f}x ({per_round[0]:.2f}-{per_round[-1]:.2f})",
             ]
         )
-    head = f"route(), {args.query_blocks} blocks, 8 workers, one process each, {args.rounds} rounds"
-    return table([head, "median us (per-round range)", f"time vs {rev}, per round"], rows)
+    head = f"route(), {args.query_blocks} blocks, 8 workers, interleaved in one process, {args.rounds} rounds"
+    return table(
+        [head, "median us (per-round range)", f"time vs {rev}, call by call (per-round range)"], rows
+    )
 
 
 def main() -> int:
@@ -170,7 +215,7 @@ def main() -> int:
         "--baseline",
         metavar="REV",
         help="also time route() of this git revision's code (its default configuration) beside this "
-        "tree's, each in a process of its own, alternating; e.g. the code a target was stated against",
+        "tree's, call by call in turn in this process; e.g. the code a target was stated against",
     )
     args = ap.parse_args()
     if args.rounds < 1:

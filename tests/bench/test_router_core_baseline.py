@@ -33,7 +33,7 @@ def test_an_unknown_revision_is_refused_before_anything_runs() -> None:
     assert done.stdout == ""
 
 
-def test_the_baseline_table_times_each_tree_in_every_round() -> None:
+def test_the_baseline_table_times_each_tree_call_by_call() -> None:
     done = subprocess.run(
         [sys.executable, str(BENCH / "router_core.py"), "--baseline", "HEAD", "--rounds", "2", *SMALL],
         capture_output=True, text=True, timeout=300, check=False,
@@ -49,9 +49,50 @@ def test_the_baseline_table_times_each_tree_in_every_round() -> None:
         "this tree, --router-cost-model latency",
     ]
     assert rows[0].split("|")[3].strip() == "1.00x (1.00-1.00)"  # the baseline against itself
-    # every contender ran once per round, each in a process of its own
+    # the revision's tree and this one were each built once, then timed together
     progress = [line for line in done.stderr.splitlines() if line.startswith("route() vs HEAD")]
-    assert len(progress) == 6 and {p.split(", ", 1)[1] for p in progress} == set(names)
+    built = [p for p in progress if ": building " in p]
+    assert len(built) == 3 and "kvmesh-baseline-" in built[0] and built[1].endswith(f"{REPO} (dynamo)")
+    assert progress[-1] == "route() vs HEAD: 2 rounds, interleaved"
+
+
+_CONTENDERS = """
+import argparse, importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("router_core", sys.argv[1])
+rc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rc)
+import kvmesh
+before = kvmesh.__file__
+args = argparse.Namespace(sequences=400, blocks=64, block_size=16, query_blocks=128)
+theirs = rc._load_contender(sys.argv[2], "default", args)
+ours = rc._load_contender(sys.argv[3], "latency", args)
+samples = rc.interleaved_routes([theirs, ours], 2, 3)
+print(json.dumps({
+    "theirs": type(theirs[0]).route.__globals__["__file__"],
+    "theirs_modules": theirs[2]["kvmesh"].__file__,
+    "ours": type(ours[0]).route.__globals__["__file__"],
+    "shape": [[len(r) for r in c] for c in samples],
+    "before": before,
+}))
+"""
+
+
+def test_each_contender_runs_on_its_own_revision(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("router_core", BENCH / "router_core.py")
+    assert spec is not None and spec.loader is not None
+    router_core = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(router_core)
+    router_core.revision_tree(router_core.resolve_commit("HEAD"), str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", _CONTENDERS, str(BENCH / "router_core.py"), str(tmp_path), str(REPO)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    # the revision's router runs on the revision's modules, this tree's on this tree's
+    assert out["theirs"].startswith(str(tmp_path)) and out["theirs_modules"].startswith(str(tmp_path))
+    assert out["ours"].startswith(str(REPO / "kvmesh")) and not out["ours"].startswith(str(tmp_path))
+    assert out["shape"] == [[3, 3], [3, 3]]  # every contender, every round, every call
 
 
 def test_route_decision_times_the_kvmesh_it_is_given(tmp_path: Path) -> None:

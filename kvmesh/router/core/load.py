@@ -75,16 +75,18 @@ class PromptBlocks:
     def __init__(self, local_hashes: Sequence[int]) -> None:
         n = len(local_hashes)
         ids: list[int] = []
+        append = ids.append
         prev = 0
         full = n - n % CHUNK
-        hashes = tuple(local_hashes)
         # zip over one iterator CHUNK times: each whole chunk as a tuple, built in C
-        for chunk in zip(*[iter(hashes)] * CHUNK, strict=False):
+        for chunk in zip(*[iter(local_hashes)] * CHUNK, strict=False):
             prev = hash((prev, chunk))
-            ids.append(prev)
+            append(prev)
         self.n_anchors = len(ids)
-        for end in range(full + 1, n + 1):
-            ids.append(hash((prev, hashes[full:end])))
+        if full < n:
+            tail = tuple(local_hashes[full:])
+            for end in range(1, n - full + 1):
+                append(hash((prev, tail[:end])))
         self.ids = ids
         self.n_blocks = n
 

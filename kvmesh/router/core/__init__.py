@@ -7,8 +7,9 @@ the candidates; ``route_types`` holds what it takes and returns, ``config.Router
 routing flag. The latency cost's parts: ``timing`` (each worker's fitted curve), ``latency_cost``
 (the prices beyond a candidate's own predicted time to first token, and the tie rule),
 ``observations`` (what the fits learn from, request by request), ``stays`` (how long requests
-stay), ``router_state`` (the pieces those parts share), ``conversations``, ``joins``, ``copies``
-and ``wait_spread``. The prefix indexes share ``index.KvIndex``: ``chain_trie`` is the structure
+stay), ``router_state`` (the pieces those parts share), ``conversations``, ``joins``, ``copies``,
+``wait_spread`` and ``tail`` (the fleet's observed times to first token, whose 99th percentile
+bounds where a request may be sent). The prefix indexes share ``index.KvIndex``: ``chain_trie`` is the structure
 under all of them, ``event_index``, ``approx_index`` and ``predicted_index`` the variants,
 ``index_factory`` picks one from the config.
 """

@@ -75,6 +75,7 @@ from kvmesh.router.core.route_types import (
 from kvmesh.router.core.router_state import RouterState, WorkerLimits
 from kvmesh.router.core.sessions import SessionTable
 from kvmesh.router.core.stays import Stays
+from kvmesh.router.core.tail import TtftTail
 from kvmesh.router.core.timing import MOCKER_PRIOR, Profile, TimingModel, WorkerTiming
 from kvmesh.router.core.wait_spread import WaitSpread
 
@@ -168,6 +169,7 @@ class KvRouter:
         self._joins = Joins()
         self._wait_spread = WaitSpread()
         self._shared = SharedPrefixes()
+        self._tail = TtftTail()
         state = RouterState(
             self._load,
             self._timing,
@@ -177,6 +179,7 @@ class KvRouter:
             self._wait_spread,
             self._shared,
             self._stays,
+            self._tail,
         )
         self._cost = LatencyCost(state, rng)
         self._observations = Observations(state)
@@ -927,6 +930,11 @@ class KvRouter:
         """How far the waits for memory came from their predictions: the requests counted and the
         relative spread the choice between close candidates allows for (None with Dynamo's cost)."""
         return self._wait_spread.describe() if self._latency else None
+
+    def ttft_tail_stats(self) -> dict[str, float | int | None] | None:
+        """The times to first token seen and their 99th percentile, beyond which the latency cost
+        sends no request another candidate keeps within it (None with Dynamo's cost)."""
+        return self._tail.describe() if self._latency else None
 
     def shared_prefix_stats(self) -> dict[str, int] | None:
         """Shared prefixes the latency cost follows, and the copies of them it made: requests placed

@@ -122,6 +122,8 @@ class Observations(ReadsState):
             obs.ttft = now - obs.dispatched
             obs.last_token = now
             obs.timed = timed
+            if timed:
+                self._tail.observe(1000.0 * obs.ttft)
             if obs.followers is not None:  # the requests routed behind its step compare with it
                 for follower in obs.followers:
                     if timed:

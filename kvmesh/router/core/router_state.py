@@ -16,6 +16,7 @@ from kvmesh.router.core.copies import SharedPrefixes
 from kvmesh.router.core.joins import Joins
 from kvmesh.router.core.load import ActiveSequences
 from kvmesh.router.core.stays import Stays
+from kvmesh.router.core.tail import TtftTail
 from kvmesh.router.core.timing import WorkerTiming
 from kvmesh.router.core.wait_spread import WaitSpread
 
@@ -43,6 +44,8 @@ class RouterState:
     wait_spread: WaitSpread
     shared: SharedPrefixes
     stays: Stays
+    tail: TtftTail
+    """The fleet's observed times to first token: their 99th percentile."""
 
 
 class ReadsState:
@@ -58,6 +61,7 @@ class ReadsState:
         self._wait_spread = state.wait_spread
         self._shared = state.shared
         self._stays = state.stays
+        self._tail = state.tail
 
     @property
     def block_size(self) -> int:

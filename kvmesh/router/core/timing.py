@@ -488,6 +488,12 @@ class WorkerTiming:
             return own
         return w * own + (1.0 - w) * self.fleet.uncertainty_ms(x_tokens)
 
+    def noise_ms(self) -> float:
+        """The spread (one standard deviation) of single times to first token around the
+        prediction: where in a step a request happens to land, which the fit cannot explain."""
+        w = self._weight()
+        return MAD_TO_SD * (w * self.own.scale_ms + (1.0 - w) * self.fleet.scale_ms)
+
     def ms_per_token(self) -> float:
         w = self._weight()
         return w * self.own.ms_per_token() + (1.0 - w) * self.fleet.ms_per_token()

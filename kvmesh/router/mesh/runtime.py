@@ -252,6 +252,7 @@ class Mesh:
             "shared_prefixes": self.router.shared_prefix_stats(),
             "steps_joined": self.router.join_stats(),
             "memory_waits": self.router.memory_wait_stats(),
+            "ttft_tail": self.router.ttft_tail_stats(),
             "replica_sync": sync is not None,
             "router_sync_endpoint": sync.endpoint if sync is not None else None,
             **({"sync": sync.describe()} if sync is not None else {}),

@@ -14,6 +14,7 @@ from kvmesh.router.core.observations import Observations
 from kvmesh.router.core.route_types import RouteRequest, TimingSample
 from kvmesh.router.core.router_state import RouterState, WorkerLimits
 from kvmesh.router.core.stays import Stays
+from kvmesh.router.core.tail import TtftTail
 from kvmesh.router.core.timing import MOCKER_PRIOR, TimingModel, WorkerTiming
 from kvmesh.router.core.wait_spread import WaitSpread
 
@@ -43,6 +44,7 @@ class Fleet:
             self.spread,
             SharedPrefixes(),
             self.stays,
+            TtftTail(),
         )
         self.obs = Observations(state)
 

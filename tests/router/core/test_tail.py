@@ -1,0 +1,132 @@
+"""The tail of the fleet's times to first token, and the latency cost's choice it bounds: no
+request is sent surely beyond it while another candidate keeps it within."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.hashing import block_hashes
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.core.kv_router import Decision, KvRouter, RouteRequest
+from kvmesh.router.core.route_types import CandidateScore
+from kvmesh.router.core.tail import MIN_SEEN, WINDOW, TtftTail
+
+
+def test_there_is_no_bound_until_enough_requests_were_seen() -> None:
+    tail = TtftTail()
+    for i in range(MIN_SEEN - 1):
+        tail.observe(float(i))
+    assert tail.bound_ms is None
+    tail.observe(5000.0)
+    assert tail.bound_ms is not None
+    assert tail.describe() == {"requests": MIN_SEEN, "p99_ms": tail.bound_ms}
+
+
+def test_the_bound_is_the_99th_percentile_of_the_latest_window() -> None:
+    tail = TtftTail()
+    for i in range(WINDOW):
+        tail.observe(float(i + 1))  # 1..1000 ms
+    assert tail.bound_ms == pytest.approx(990.0, abs=2.0)
+    for _ in range(WINDOW):  # the traffic got faster: the old times leave the window
+        tail.observe(50.0)
+    assert tail.bound_ms == 50.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0])
+def test_a_time_that_is_no_time_is_not_counted(bad: float) -> None:
+    tail = TtftTail()
+    tail.observe(bad)
+    assert tail.describe() == {"requests": 0, "p99_ms": None}
+
+
+B = 16
+
+
+def _router() -> KvRouter:
+    r = KvRouter(RouterConfig(), random.Random(0))
+    for w in "ab":
+        r.add_worker(w, total_blocks=4096, max_num_batched_tokens=8192, block_size=B)
+    return r
+
+
+def _score(worker: str, cost: float, predicted: float, memory_wait: float = 0.0) -> CandidateScore:
+    return CandidateScore(
+        (worker, 0),
+        0,
+        0,
+        0,
+        300.0,
+        300.0 / B,
+        0.0,
+        cost,
+        predicted_ttft_ms=predicted,
+        memory_wait_ms=memory_wait,
+    )
+
+
+def _choose(r: KvRouter, a: CandidateScore, b: CandidateScore) -> str:
+    """What the latency cost's choice makes of two candidates scored so."""
+    i = r._cost.pick_saving_work(  # the rule alone, on scores set by hand
+        [a.worker, b.worker], [300.0, 300.0], [a.cost, b.cost], [0, 0], [a, b], [0.0, 0.0], waited=True
+    )
+    return "ab"[i]
+
+
+def _seen(r: KvRouter, n: int = 400) -> float:
+    """``n`` times to first token of 40-120 ms observed; returns the bound they set."""
+    rng = random.Random(1)
+    for _ in range(n):
+        r._tail.observe(rng.uniform(40.0, 120.0))
+    bound = r.ttft_tail_stats()["p99_ms"]  # type: ignore[index]
+    assert bound is not None and 115.0 < bound <= 120.0
+    return bound
+
+
+def test_a_request_is_not_sent_surely_past_the_tail_when_another_worker_keeps_it_within() -> None:
+    """a is cheaper overall (b's placement is priced with evictions a second and a half dearer)
+    but would have the request wait 380 ms for memory there: 450 ms to its first token against
+    b's 100. Before the router has seen a tail, the cheaper a takes it; once the fleet's times to
+    first token have shown a p99 near 120 ms, a is surely beyond it (even a wait that comes in at
+    half its prediction) and b takes it."""
+    a = _score("a", cost=500.0, predicted=450.0, memory_wait=380.0)
+    b = _score("b", cost=2000.0, predicted=100.0)
+    r = _router()
+    assert _choose(r, a, b) == "a"
+    _seen(r)
+    assert _choose(r, a, b) == "b"
+
+
+def test_a_wait_whose_spread_reaches_within_the_tail_keeps_its_worker() -> None:
+    """A history's home predicted 150 ms, 100 of them a wait for memory: waits come in at half
+    their prediction as often as not, so it is not surely past a 120 ms tail, and its lower cost
+    keeps the turn there."""
+    r = _router()
+    _seen(r)
+    a = _score("a", cost=500.0, predicted=150.0, memory_wait=100.0)
+    b = _score("b", cost=2000.0, predicted=100.0)
+    assert _choose(r, a, b) == "a"
+
+
+def test_when_no_worker_keeps_the_request_within_the_tail_the_cost_decides() -> None:
+    r = _router()
+    bound = _seen(r)
+    a = _score("a", cost=500.0, predicted=450.0, memory_wait=380.0)
+    b = _score("b", cost=2000.0, predicted=bound + 10.0)
+    assert _choose(r, a, b) == "a"
+
+
+def test_the_router_learns_the_tail_from_the_first_tokens_it_times() -> None:
+    """Streamed first tokens count; an answer that came whole carries no time to first token."""
+    r = _router()
+    for i in range(MIN_SEEN):
+        rid = f"r{i}"
+        tokens = random.Random(i).choices(range(50_000), k=200)
+        d = r.route(RouteRequest(rid, block_hashes(tokens, B), len(tokens)), float(i))
+        assert isinstance(d, Decision)
+        r.first_token(rid, i + 0.05, timed=i % 2 == 0)
+        r.finished(rid, i + 0.1)
+    stats = r.ttft_tail_stats()
+    assert stats == {"requests": MIN_SEEN // 2, "p99_ms": None}
+    assert KvRouter(RouterConfig(router_cost_model="dynamo"), random.Random(0)).ttft_tail_stats() is None

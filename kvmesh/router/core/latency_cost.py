@@ -182,8 +182,8 @@ class LatencyCost(ReadsState):
         are expectations over many later requests, each touched a little; this request's own time
         falls on it alone. Without the bound, ten-turn chats past four engines' caches sent turns
         to wait 400-970 ms for memory, to spare evictions priced a second or two lower, where
-        100-130 ms was on offer: their p99 was 536-611 ms, and 168-205 with it, the mean 78 to 70-72
-        ms, hits and 12-turn agents as before.)"""
+        100-130 ms was on offer: their p99 read 252-611 ms over three runs, 180 and 237 with the
+        bound, the mean 71-79 and 71 ms; hits and 12-turn agents as before.)"""
         bound = self._tail.bound_ms
         if bound is None:
             return None

@@ -13,7 +13,7 @@ So :meth:`LatencyCost.pick_saving_work` does not send a request beyond the tail 
 showing when another candidate keeps it within: the bound is the 99th percentile of the last
 :data:`WINDOW` times to first token observed (the same measure the predictions are of: from
 dispatch to the first token), the quantile the routing targets are stated in. A candidate counts
-as beyond it only when its prediction less its uncertainty is (see the method); until
+as beyond it only when its prediction less its spread is (see the method); until
 :data:`MIN_SEEN` requests have been seen there is no bound.
 
 Pure: no clock, no I/O.

@@ -56,6 +56,15 @@ def test_the_baseline_table_times_each_tree_call_by_call() -> None:
     assert progress[-1] == "route() vs HEAD: 2 rounds, interleaved"
 
 
+def _head_tree(into: Path) -> None:
+    """HEAD's kvmesh package extracted into ``into``, by the script's own helpers."""
+    spec = importlib.util.spec_from_file_location("router_core", BENCH / "router_core.py")
+    assert spec is not None and spec.loader is not None
+    router_core = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(router_core)
+    router_core.revision_tree(router_core.resolve_commit("HEAD"), str(into))
+
+
 _CONTENDERS = """
 import argparse, importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("router_core", sys.argv[1])
@@ -78,11 +87,7 @@ print(json.dumps({
 
 
 def test_each_contender_runs_on_its_own_revision(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("router_core", BENCH / "router_core.py")
-    assert spec is not None and spec.loader is not None
-    router_core = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(router_core)
-    router_core.revision_tree(router_core.resolve_commit("HEAD"), str(tmp_path))
+    _head_tree(tmp_path)
     done = subprocess.run(
         [sys.executable, "-c", _CONTENDERS, str(BENCH / "router_core.py"), str(tmp_path), str(REPO)],
         capture_output=True, text=True, timeout=120, check=False,
@@ -96,11 +101,7 @@ def test_each_contender_runs_on_its_own_revision(tmp_path: Path) -> None:
 
 
 def test_route_decision_times_the_kvmesh_it_is_given(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("router_core", BENCH / "router_core.py")
-    assert spec is not None and spec.loader is not None
-    router_core = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(router_core)
-    router_core.revision_tree(router_core.resolve_commit("HEAD"), str(tmp_path))
+    _head_tree(tmp_path)
     done = subprocess.run(
         [sys.executable, str(BENCH / "route_decision.py"), "--model", "dynamo", "--samples", "5", *SMALL],
         capture_output=True, text=True, timeout=120, check=False,

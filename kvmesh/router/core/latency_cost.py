@@ -153,19 +153,35 @@ class LatencyCost(ReadsState):
         Before any of that, a candidate surely beyond the tail of the times to first token the
         fleet is showing is left out when another is predicted within it (:meth:`_within_tail`)."""
         keep = self._within_tail(candidates, scores)
-        if keep is not None:
-            pick = [i for i, k in enumerate(keep) if k]
-            sub = self._pick_near(
-                [candidates[i] for i in pick],
-                [own_tokens[i] for i in pick],
-                [costs[i] for i in pick],
-                [trees[i] for i in pick],
-                [scores[i] for i in pick],
-                [effect_variances[i] for i in pick],
-                waited,
-            )
-            return pick[sub]
-        return self._pick_near(candidates, own_tokens, costs, trees, scores, effect_variances, waited)
+        if keep is None:  # (the usual case, kept to C-level min and index: this runs every decision)
+            among: Sequence[int] = range(len(costs))
+            lowest = min(costs)
+            best = costs.index(lowest)
+        else:
+            among = [i for i, k in enumerate(keep) if k]
+            lowest = min(costs[i] for i in among)
+            best = next(i for i in among if costs[i] == lowest)
+        fit = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
+        base = fit * fit + effect_variances[best]
+        if waited:
+            width = self._wait_spread.width_ms
+            base += width(scores[best].memory_wait_ms) ** 2
+            near = [
+                i
+                for i in among
+                if costs[i] - lowest
+                <= math.sqrt(base + effect_variances[i] + width(scores[i].memory_wait_ms) ** 2)
+            ]
+        else:
+            near = [i for i in among if costs[i] - lowest <= math.sqrt(base + effect_variances[i])]
+        if len(near) == 1:
+            return best
+        # the least own work, then the smallest tree (the selector's tie-break), then the lowest
+        # cost; a random one of those still equal
+        keys = [(own_tokens[i], trees[i], costs[i]) for i in near]
+        low = min(keys)
+        tied = [i for i, k in zip(near, keys, strict=True) if k == low]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
     def _within_tail(
         self, candidates: Sequence[WorkerKey], scores: Sequence[CandidateScore]
@@ -200,41 +216,6 @@ class LatencyCost(ReadsState):
             spread = math.hypot(timing[key].noise_ms(), width(s.memory_wait_ms))
             keep.append(predicted - spread <= bound)
         return None if all(keep) else keep
-
-    def _pick_near(
-        self,
-        candidates: Sequence[WorkerKey],
-        own_tokens: Sequence[float],
-        costs: Sequence[float],
-        trees: Sequence[int],
-        scores: Sequence[CandidateScore],
-        effect_variances: Sequence[float],
-        waited: bool,
-    ) -> int:
-        """The cheapest of ``candidates`` or, among those within the uncertainty of it, the one
-        that adds the least work (see :meth:`pick_saving_work`)."""
-        lowest = min(costs)
-        best = costs.index(lowest)
-        fit = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
-        base = fit * fit + effect_variances[best]
-        if waited:
-            width = self._wait_spread.width_ms
-            base += width(scores[best].memory_wait_ms) ** 2
-            near = [
-                i
-                for i, c in enumerate(costs)
-                if c - lowest <= math.sqrt(base + effect_variances[i] + width(scores[i].memory_wait_ms) ** 2)
-            ]
-        else:
-            near = [i for i, c in enumerate(costs) if c - lowest <= math.sqrt(base + effect_variances[i])]
-        if len(near) == 1:
-            return best
-        # the least own work, then the smallest tree (the selector's tie-break), then the lowest
-        # cost; a random one of those still equal
-        keys = [(own_tokens[i], trees[i], costs[i]) for i in near]
-        low = min(keys)
-        tied = [i for i, k in zip(near, keys, strict=True) if k == low]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
     @staticmethod
     def effect_variance(delay_ms: float, added_prefill_ms: float, overlap_ms: float, pass_ms: float) -> float:

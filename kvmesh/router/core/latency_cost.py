@@ -198,8 +198,9 @@ class LatencyCost(ReadsState):
         are expectations over many later requests, each touched a little; this request's own time
         falls on it alone. Without the bound, ten-turn chats past four engines' caches sent turns
         to wait 400-970 ms for memory, to spare evictions priced a second or two lower, where
-        100-130 ms was on offer: their p99 read 252-611 ms over three runs, 180 and 237 with the
-        bound, the mean 71-79 and 71 ms; hits and 12-turn agents as before.)"""
+        100-130 ms was on offer: their p99 read 417 ms over five runs (252-611), 208 over six with
+        the bound (177-478), the mean 75.5 and 71.6 (medians); hits and 12-turn agents as
+        before.)"""
         bound = self._tail.bound_ms
         if bound is None:
             return None

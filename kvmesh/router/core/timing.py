@@ -296,6 +296,12 @@ class TimingModel(Curve):
         )
         return math.sqrt(max(var, 0.0))
 
+    def noise_ms(self) -> float:
+        """The spread (one standard deviation) of single TTFTs around the prediction: where in a
+        step a request happens to land, which the fit cannot explain (the noise it weighs
+        observations with)."""
+        return MAD_TO_SD * self.scale_ms
+
     # ------------------------------------------------------------------ learning
     def observe_ttft(
         self, x_tokens: float, decoding: bool, kv_usage: float, ttft_ms: float, wait_ms: float = 0.0
@@ -321,7 +327,7 @@ class TimingModel(Curve):
                 residual = side * limit
         else:
             self._run = 0
-        noise = (MAD_TO_SD * self.scale_ms) ** 2
+        noise = self.noise_ms() ** 2
         self.scale_ms += SCALE_ALPHA * (min(abs(residual), limit) - self.scale_ms)
         self.scale_ms = max(self.scale_ms, 0.5)
         self._rls(phi, residual, noise)
@@ -379,7 +385,7 @@ class TimingModel(Curve):
             "observations": self.observations,
             "outliers_clipped": self.outliers,
             "changes_detected": self.changes,
-            "noise_ms": round(MAD_TO_SD * self.scale_ms, 3),
+            "noise_ms": round(self.noise_ms(), 3),
             "ttft_abs_error_ms": round(self.abs_error_ms, 3),
             "ttft_rel_error": round(self.rel_error, 4),
         }
@@ -489,10 +495,10 @@ class WorkerTiming:
         return w * own + (1.0 - w) * self.fleet.uncertainty_ms(x_tokens)
 
     def noise_ms(self) -> float:
-        """The spread (one standard deviation) of single times to first token around the
-        prediction: where in a step a request happens to land, which the fit cannot explain."""
+        """The spread of single TTFTs around the prediction (see :meth:`TimingModel.noise_ms`),
+        blended as the prediction is."""
         w = self._weight()
-        return MAD_TO_SD * (w * self.own.scale_ms + (1.0 - w) * self.fleet.scale_ms)
+        return w * self.own.noise_ms() + (1.0 - w) * self.fleet.noise_ms()
 
     def ms_per_token(self) -> float:
         w = self._weight()

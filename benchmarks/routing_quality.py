@@ -54,6 +54,13 @@ alone when the engine is idle, and the siblings that reach it after that step st
 and run one of their own; spreading them over engines that hold copies avoids that second step
 and pays for the copies in prefix hits. The ``floor`` (one session at a time on one idle engine)
 shows what keeping every burst whole costs at best.
+After the verdicts (each round's ratio of the default router to the better baseline, and their
+median over the rounds), a second table says how sure they are: the same ratios over all rounds'
+requests pooled, each with a 90% interval from a paired bootstrap over sessions (every router of a
+round ran the same sessions, so each draw resamples the sessions once for all of them;
+:mod:`kvmesh.bench.paired`). An interval that holds 1.00 is a difference the traffic cannot tell
+from an even run; one wholly above it is a loss however the sessions had fallen. It does not
+cover a slow minute of the machine during one router's run: the rotation over rounds does.
 ``--json`` keeps every summary, ``--requests`` every request (one JSON object a line: its case,
 router, round, session and turn, start, TTFT, prompt and cached tokens, and the worker a kvmesh
 front chose with its index in the fleet), ``--plot`` draws the summaries: per case, the TTFT
@@ -102,6 +109,7 @@ from kvmesh.bench.fleet import (
     sglang_router,
     start_fleet,
 )
+from kvmesh.bench.paired import PairedRequest, paired_verdicts
 from kvmesh.bench.runner import LoadSpec, Progress, RunResult, run_workload
 from kvmesh.bench.workloads import Preset, build, ignored_load_knobs, knob_matters, preset
 from kvmesh.commands.argtypes import positive_float, positive_int
@@ -551,6 +559,52 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     return table(headers, rows) if rows else ""
 
 
+def sureness(requests: dict[str, dict[str, list[dict[str, Any]]]], draws: int = 1000) -> str:
+    """Per case, the default router's verdicts pooled over the rounds' requests, each with its 90%
+    interval from a paired bootstrap over sessions (:mod:`kvmesh.bench.paired`): a ratio whose
+    interval holds 1.00 (or a hits difference whose interval reaches above -0.02) is not a loss the
+    traffic tells apart from an even run. (The verdicts above take each round on its own and print
+    the median of the rounds; pooled, a round weighs by its requests.)"""
+    headers = [
+        "case",
+        "p50 / best(sglang, dynamo)",
+        "p99 / best(sglang, dynamo)",
+        "mean / best(sglang, dynamo)",
+        "hits - best(sglang, dynamo)",
+        "sessions",
+    ]
+    rows = []
+    for case, per in requests.items():
+        base = {n: per[n] for n in ("sglang", "dynamo") if per.get(n)}
+        if not per.get("kvmesh") or not base:
+            continue
+        got = paired_verdicts(_paired(per["kvmesh"]), {n: _paired(v) for n, v in base.items()}, draws=draws)
+        hits = got["hits"]
+        rows.append(
+            [
+                case,
+                *(str(got[q]) if got[q] is not None else "-" for q in ("p50", "p99", "mean")),
+                f"{hits.value:+.3f} ({hits.low:+.3f} to {hits.high:+.3f})" if hits is not None else "-",
+                str(len({(r["round"], r["session"]) for r in per["kvmesh"]})),
+            ]
+        )
+    return table(headers, rows) if rows else ""
+
+
+def _paired(rows: list[dict[str, Any]]) -> list[PairedRequest]:
+    """``--requests`` rows as the bootstrap reads them (a failed request has no TTFT)."""
+    return [
+        PairedRequest(
+            r["round"],
+            r["session"],
+            None if r["error"] else r["ttft_ms"],
+            r["prompt_tokens"],
+            r["cached_tokens"],
+        )
+        for r in rows
+    ]
+
+
 def write_plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> Path:
     import matplotlib
 
@@ -672,6 +726,7 @@ async def main_async(args: argparse.Namespace) -> int:
     )
     print(f"engines: kvmesh mock {' '.join(engine_args)}{own_flags}; {seeds}; rounds {args.rounds}")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    requests: dict[str, dict[str, list[dict[str, Any]]]] = {}  # case -> router -> every request
     if args.requests_path:
         Path(args.requests_path).write_text("")  # this run's requests only
     started = time.monotonic()
@@ -679,6 +734,7 @@ async def main_async(args: argparse.Namespace) -> int:
     done = 0
     for case in chosen:
         per: dict[str, list[dict[str, Any]]] = {c.name: [] for c in people}
+        kept = requests[case.label] = {c.name: [] for c in people}
         for rnd in range(args.rounds):
             seed = args.seed + rnd if args.seed_per_round else args.seed
             k = rnd % len(people)
@@ -694,6 +750,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 per[contender.name].append(
                     await run_one(case, contender, seed, not args.no_progress, rows, rnd + 1)
                 )
+                kept[contender.name].extend(rows)
                 if args.requests_path:  # as each run ends: a long run's requests survive a crash
                     with open(args.requests_path, "a") as out:
                         out.writelines(json.dumps(row) + "\n" for row in rows)
@@ -714,6 +771,13 @@ async def main_async(args: argparse.Namespace) -> int:
     if summary:
         print("\n### the default router against the baselines (same rounds)\n")
         print(summary)
+        sure = sureness(requests)
+        if sure:
+            print(
+                "\n### how sure: the verdicts over all rounds' requests, with 90% intervals "
+                "(paired bootstrap over sessions)\n"
+            )
+            print(sure)
     print(f"\ntotal {time.monotonic() - started:.0f}s")
     if args.json_path:
         print(f"wrote {args.json_path}")

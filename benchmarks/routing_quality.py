@@ -60,7 +60,8 @@ requests pooled, each with a 90% interval from a paired bootstrap over sessions 
 round ran the same sessions, so each draw resamples the sessions once for all of them;
 :mod:`kvmesh.bench.paired`). An interval that holds 1.00 is a difference the traffic cannot tell
 from an even run; one wholly above it is a loss however the sessions had fallen. It does not
-cover a slow minute of the machine during one router's run: the rotation over rounds does.
+cover a slow minute of the machine during one router's run: the rotation over rounds does. The
+plot draws the same intervals in a row of their own below the cases.
 ``--json`` keeps every summary, ``--requests`` every request (one JSON object a line: its case,
 router, round, session and turn, start, TTFT, prompt and cached tokens, and the worker a kvmesh
 front chose with its index in the fleet), ``--plot`` draws the summaries: per case, the TTFT
@@ -109,7 +110,7 @@ from kvmesh.bench.fleet import (
     sglang_router,
     start_fleet,
 )
-from kvmesh.bench.paired import PairedRequest, paired_verdicts
+from kvmesh.bench.paired import Interval, PairedRequest, paired_verdicts
 from kvmesh.bench.runner import LoadSpec, Progress, RunResult, run_workload
 from kvmesh.bench.workloads import Preset, build, ignored_load_knobs, knob_matters, preset
 from kvmesh.commands.argtypes import positive_float, positive_int
@@ -559,12 +560,32 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     return table(headers, rows) if rows else ""
 
 
-def sureness(requests: dict[str, dict[str, list[dict[str, Any]]]], draws: int = 1000) -> str:
+@dataclass(frozen=True)
+class HowSure:
+    """One case's verdicts pooled over its rounds, with their intervals (:func:`how_sure`)."""
+
+    verdicts: dict[str, Interval | None]
+    sessions: int
+
+
+def how_sure(requests: dict[str, dict[str, list[dict[str, Any]]]], draws: int = 1000) -> dict[str, HowSure]:
     """Per case, the default router's verdicts pooled over the rounds' requests, each with its 90%
     interval from a paired bootstrap over sessions (:mod:`kvmesh.bench.paired`): a ratio whose
     interval holds 1.00 (or a hits difference whose interval reaches above -0.02) is not a loss the
-    traffic tells apart from an even run. (The verdicts above take each round on its own and print
-    the median of the rounds; pooled, a round weighs by its requests.)"""
+    traffic tells apart from an even run. (The verdicts table takes each round on its own and prints
+    the median of the rounds; pooled, a round weighs by its requests.) Cases without the default
+    router or a baseline are left out."""
+    out = {}
+    for case, per in requests.items():
+        base = {n: per[n] for n in ("sglang", "dynamo") if per.get(n)}
+        if not per.get("kvmesh") or not base:
+            continue
+        got = paired_verdicts(_paired(per["kvmesh"]), {n: _paired(v) for n, v in base.items()}, draws=draws)
+        out[case] = HowSure(got, len({(r["round"], r["session"]) for r in per["kvmesh"]}))
+    return out
+
+
+def sureness_table(sure: dict[str, HowSure]) -> str:
     headers = [
         "case",
         "p50 / best(sglang, dynamo)",
@@ -574,18 +595,15 @@ def sureness(requests: dict[str, dict[str, list[dict[str, Any]]]], draws: int = 
         "sessions",
     ]
     rows = []
-    for case, per in requests.items():
-        base = {n: per[n] for n in ("sglang", "dynamo") if per.get(n)}
-        if not per.get("kvmesh") or not base:
-            continue
-        got = paired_verdicts(_paired(per["kvmesh"]), {n: _paired(v) for n, v in base.items()}, draws=draws)
+    for case, h in sure.items():
+        got = h.verdicts
         hits = got["hits"]
         rows.append(
             [
                 case,
                 *(str(got[q]) if got[q] is not None else "-" for q in ("p50", "p99", "mean")),
                 f"{hits.value:+.3f} ({hits.low:+.3f} to {hits.high:+.3f})" if hits is not None else "-",
-                str(len({(r["round"], r["session"]) for r in per["kvmesh"]})),
+                str(h.sessions),
             ]
         )
     return table(headers, rows) if rows else ""
@@ -605,14 +623,24 @@ def _paired(rows: list[dict[str, Any]]) -> list[PairedRequest]:
     ]
 
 
-def write_plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> Path:
+def write_plot(
+    results: dict[str, dict[str, list[dict[str, Any]]]], path: Path, sure: dict[str, HowSure] | None = None
+) -> Path:
+    """Per case a row of panels (TTFT quantiles, prefix hits, requests per engine, p50 against
+    hits); below them, when ``sure`` has any case, the verdicts with their intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = list(results)
-    fig, axes = plt.subplots(len(labels), 4, figsize=(21, 3.2 * len(labels)), squeeze=False)
+    extra = 1 if sure else 0
+    height = [3.2] * len(labels) + ([0.5 + 0.45 * len(sure)] if sure else [])
+    fig = plt.figure(figsize=(21, sum(height)))
+    grid = fig.add_gridspec(len(labels) + extra, 4, height_ratios=height)
+    axes = [[fig.add_subplot(grid[row, col]) for col in range(4)] for row in range(len(labels))]
+    if sure:
+        _draw_how_sure(fig.add_subplot(grid[len(labels), :]), sure)
     for row, case in enumerate(labels):
         per = results[case]
         names = list(per)
@@ -654,6 +682,33 @@ def write_plot(results: dict[str, dict[str, list[dict[str, Any]]]], path: Path) 
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _draw_how_sure(ax: Any, sure: dict[str, HowSure]) -> None:
+    """A forest plot: per case, the default router's p50, p99 and mean TTFT over the better
+    baseline's, each a point with its 90% interval; right of the line at 1.00 is slower."""
+    cases = list(sure)
+    marks = (("p50", "o"), ("p99", "s"), ("mean", "^"))
+    for j, (q, marker) in enumerate(marks):
+        for i, case in enumerate(cases):
+            iv = sure[case].verdicts.get(q)
+            if iv is None:
+                continue
+            y = i + (j - 1) * 0.22
+            ax.errorbar(
+                [iv.value], [y], xerr=[[iv.value - iv.low], [iv.high - iv.value]], fmt=marker,
+                color=f"C{j}", capsize=2, label=q if i == 0 else None,
+            )  # fmt: skip
+    ax.axvline(1.0, color="0.4", linewidth=1)
+    ax.set_yticks(range(len(cases)))
+    ax.set_yticklabels(cases, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(
+        "kvmesh / best of sglang-router and Dynamo's cost (90% interval, paired bootstrap over sessions)"
+    )
+    ax.set_title("the verdicts, how sure (left of 1.00: faster)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
 
 
 def tradeoff_points(per: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, float, float, float]]:
@@ -768,23 +823,23 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.json_path:  # first: a long run's numbers must survive whatever the report does
         Path(args.json_path).write_text(json.dumps(results, indent=1))
     summary = verdicts(results)
+    sure = how_sure(requests)
     if summary:
         print("\n### the default router against the baselines (same rounds)\n")
         print(summary)
-        sure = sureness(requests)
         if sure:
             print(
                 "\n### how sure: the verdicts over all rounds' requests, with 90% intervals "
                 "(paired bootstrap over sessions)\n"
             )
-            print(sure)
+            print(sureness_table(sure))
     print(f"\ntotal {time.monotonic() - started:.0f}s")
     if args.json_path:
         print(f"wrote {args.json_path}")
     if args.requests_path:
         print(f"wrote {args.requests_path}")
     if args.plot:
-        print(f"wrote {write_plot(results, Path(args.plot))}")
+        print(f"wrote {write_plot(results, Path(args.plot), sure)}")
     errors = sum(r["errors"] for per in results.values() for runs in per.values() for r in runs)
     return 0 if errors == 0 else 1
 

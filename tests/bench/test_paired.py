@@ -139,13 +139,13 @@ def test_refuses_what_it_cannot_answer() -> None:
         paired_verdicts(_traffic(7), {"sglang": _traffic(7)}, level=1.0)
 
 
-def test_the_suite_prints_how_sure_each_verdict_is(tmp_path: Path) -> None:
-    requests = tmp_path / "requests.jsonl"
+def test_the_suite_prints_and_plots_how_sure_each_verdict_is(tmp_path: Path) -> None:
+    requests, plot = tmp_path / "requests.jsonl", tmp_path / "plot.png"
     done = subprocess.run(
         [
             sys.executable, str(SCRIPT), "--workloads", "chat-fits", "--engines", "1",
             "--set", "sessions=12", "--set", "turns=2", "--contenders", "dynamo,kvmesh",
-            "--plot", "", "--no-progress", "--requests", str(requests),
+            "--plot", str(plot), "--no-progress", "--requests", str(requests),
         ],
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
@@ -161,3 +161,43 @@ def test_the_suite_prints_how_sure_each_verdict_is(tmp_path: Path) -> None:
         value, interval = cell.split(" ")
         low, high = (float(x) for x in interval.strip("()").split("-"))
         assert low <= float(value) <= high
+    # and the plot gains a row: the verdicts with their intervals
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_draws_the_intervals_below_the_cases(tmp_path: Path) -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import routing_quality as rq
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from matplotlib import image
+
+    def summary(p50: float) -> dict[str, object]:
+        return {
+            "ttft_s": {"p50": p50, "p90": 2 * p50, "p99": 3 * p50},
+            "prefix_hit_ratio": 0.8,
+            "per_engine": [3, 5],
+        }
+
+    results = {"chat-fits x4": {"sglang": [summary(0.05)], "kvmesh": [summary(0.04)]}}
+    sure = rq.how_sure(
+        {
+            "chat-fits x4": {
+                router: [
+                    {"round": 1, "session": f"s{i}", "error": None, "ttft_ms": ms * (1 + i % 3),
+                     "prompt_tokens": 100, "cached_tokens": 80}
+                    for i in range(12)
+                ]
+                for router, ms in (("sglang", 50.0), ("kvmesh", 40.0))
+            }
+        },
+        draws=50,
+    )  # fmt: skip
+    assert sure["chat-fits x4"].sessions == 12
+    p50 = sure["chat-fits x4"].verdicts["p50"]
+    assert p50 is not None and p50.value == pytest.approx(0.8)
+    plain = image.imread(rq.write_plot(results, tmp_path / "plain.png"))
+    with_sure = image.imread(rq.write_plot(results, tmp_path / "sure.png", sure))
+    assert with_sure.shape[0] > plain.shape[0]  # a row more: the forest of intervals
+    assert with_sure.shape[1] == plain.shape[1]

@@ -136,6 +136,8 @@ def paired_verdicts(
         raise ValueError("at least one baseline is needed")
     if not 0.0 < level < 1.0:
         raise ValueError(f"level must be within (0, 1), got {level}")
+    if draws < 1:
+        raise ValueError(f"draws must be at least 1, got {draws}")
     everyone = [mine, *baselines.values()]
     keys = sorted({(r.round, r.session) for reqs in everyone for r in reqs})
     unit_of = {k: i for i, k in enumerate(keys)}

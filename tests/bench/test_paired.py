@@ -137,6 +137,8 @@ def test_refuses_what_it_cannot_answer() -> None:
         paired_verdicts(_traffic(7), {})
     with pytest.raises(ValueError, match="level"):
         paired_verdicts(_traffic(7), {"sglang": _traffic(7)}, level=1.0)
+    with pytest.raises(ValueError, match="draws"):
+        paired_verdicts(_traffic(7), {"sglang": _traffic(7)}, draws=0)
 
 
 def test_the_suite_prints_and_plots_how_sure_each_verdict_is(tmp_path: Path) -> None:

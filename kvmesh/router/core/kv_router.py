@@ -517,6 +517,7 @@ class KvRouter:
         copy_to: set[WorkerKey] | None = None  # the holders: a copy on any other is credited
         copy_ms = 0.0
         cost = self._cost
+        cost.begin_decision()
         if latency and prompt is not None and overlaps and weights.overlap_score_credit > 0 and not elsewhere:
             copy = cost.copy_credit(prompt, candidates, overlaps, isl, now)
             if copy is not None:

@@ -800,3 +800,31 @@ def test_the_spread_of_the_delay_to_arrivals_is_that_of_a_poisson_count_of_waits
     # the turns' overlap: meetings of about a decode pass each; nothing to be unsure of without either
     assert LatencyCost.effect_variance(0.0, prefill_ms, 12.0, 9.0) == pytest.approx(12.0 * 9.0)
     assert LatencyCost.effect_variance(0.0, prefill_ms, 0.0, 9.0) == 0.0
+
+
+def test_a_worker_past_its_cache_has_its_releases_worked_out_once_a_decision() -> None:
+    """A worker past its cache prices the request's own wait for memory and the arrivals' from the
+    same releases (when each request there ends and what it frees): worked out once per candidate
+    and decision, and afresh at the next decision, even at the same instant (the load has moved in
+    between: the first turn is in flight now)."""
+    r = _three_running_on_each_and_waits_seen_on_c(0)
+    load = r._load
+    calls: list[str] = []
+    releases = load.releases
+
+    def counted(worker: tuple[str, int], *args: float) -> list[tuple[float, float]]:
+        calls.append(worker[0])
+        return releases(worker, *args)
+
+    load.releases = counted  # type: ignore[method-assign]
+    prefix = toks(1, 3000)
+    first = r.route(req("turn-1", prefix + toks(2, 200), allowed_workers=frozenset("ab")), 20.0)
+    assert isinstance(first, Decision)
+    by = {s.worker[0]: s for s in first.breakdown}
+    assert by["a"].memory_wait_ms > 0.0 and by["b"].memory_wait_ms > 0.0
+    assert sorted(calls) == ["a", "b"]  # each asked twice (its own wait, the arrivals'), worked out once
+    last = calls[-1]
+    calls.clear()
+    second = r.route(req("turn-2", prefix + toks(3, 200), allowed_workers=frozenset(last)), 20.0)
+    assert isinstance(second, Decision)
+    assert calls == [last]

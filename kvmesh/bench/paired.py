@@ -15,7 +15,7 @@ rounds is what covers that.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Interval", "PairedRequest", "paired_verdicts"]
@@ -53,25 +53,26 @@ class _Router:
     """One router's requests indexed for weighted statistics: every request of a session takes
     that session's count in the draw as its weight."""
 
-    def __init__(self, requests: Iterable[PairedRequest], unit_of: Mapping[tuple[int, str], int]) -> None:
-        timed = sorted((r.ttft, unit_of[(r.round, r.session)]) for r in requests if r.ttft is not None)
-        self.values = [v for v, _ in timed]
-        self.units = [u for _, u in timed]
+    def __init__(self, requests: Sequence[PairedRequest], unit_of: Mapping[tuple[int, str], int]) -> None:
         n = len(unit_of)
         self.ttft_sum = [0.0] * n
         self.ttft_count = [0] * n
         self.prompt = [0] * n
         self.cached = [0] * n
-        for v, u in timed:
-            self.ttft_sum[u] += v
-            self.ttft_count[u] += 1
-
-    def add_tokens(self, requests: Iterable[PairedRequest], unit_of: Mapping[tuple[int, str], int]) -> None:
+        timed = []
         for r in requests:
-            if r.ttft is not None and r.prompt_tokens is not None and r.cached_tokens is not None:
-                u = unit_of[(r.round, r.session)]
+            if r.ttft is None:
+                continue
+            u = unit_of[(r.round, r.session)]
+            timed.append((r.ttft, u))
+            self.ttft_sum[u] += r.ttft
+            self.ttft_count[u] += 1
+            if r.prompt_tokens is not None and r.cached_tokens is not None:
                 self.prompt[u] += r.prompt_tokens
                 self.cached[u] += r.cached_tokens
+        timed.sort()
+        self.values = [v for v, _ in timed]
+        self.units = [u for _, u in timed]
 
     def stat(self, name: str, weights: Sequence[int]) -> float | None:
         if name == "mean":
@@ -144,11 +145,7 @@ def paired_verdicts(
     strata: dict[int, list[int]] = {}
     for (rnd, _), i in unit_of.items():
         strata.setdefault(rnd, []).append(i)
-    routers = []
-    for reqs in everyone:
-        router = _Router(reqs, unit_of)
-        router.add_tokens(reqs, unit_of)
-        routers.append(router)
+    routers = [_Router(reqs, unit_of) for reqs in everyone]
 
     def verdict(name: str, weights: Sequence[int]) -> float | None:
         own = routers[0].stat(name, weights)

@@ -210,18 +210,15 @@ class LatencyCost(ReadsState):
         bound = self._tail.bound_ms
         if bound is None:
             return None
-        if min(s.predicted_ttft_ms or 0.0 for s in scores) > bound:
-            return None  # nothing within: every candidate is as far out
+        predicted = [s.predicted_ttft_ms or 0.0 for s in scores]
+        if max(predicted) <= bound or min(predicted) > bound:
+            return None  # every candidate within, or nothing within: every one is as far out
         width = self._wait_spread.width_ms
         timing = self._timing
-        keep = []
-        for key, s in zip(candidates, scores, strict=True):
-            predicted = s.predicted_ttft_ms or 0.0
-            if predicted <= bound:
-                keep.append(True)
-                continue
-            spread = math.hypot(timing[key].noise_ms(), width(s.memory_wait_ms))
-            keep.append(predicted - spread <= bound)
+        keep = [
+            p <= bound or p - math.hypot(timing[key].noise_ms(), width(s.memory_wait_ms)) <= bound
+            for key, s, p in zip(candidates, scores, predicted, strict=True)
+        ]
         return None if all(keep) else keep
 
     @staticmethod

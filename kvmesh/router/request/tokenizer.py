@@ -76,6 +76,11 @@ _LEN_OFFSET = (0, _CHUNK_BASE, _CHUNK_BASE + (1 << _LEN_SHIFT), _CHUNK_BASE + (2
 # run of letters, of up to three digits or of punctuation; runs of whitespace on their own. The
 # alternatives cover every character, so the pieces concatenate back to the text.
 _PIECE = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+")
+_WS = r"\t-\r\x1c-\x20"
+_ASCII_PIECE = re.compile(rf" ?[A-Za-z]+| ?[0-9]{{1,3}}| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+")
+"""The same pieces as ``_PIECE`` for ASCII text, its classes spelt out (whitespace is what
+``str.isspace`` says of ASCII: 9-13 and 28-32): the Unicode class lookups were a third of the
+pattern's time (120 against 195 us for a 9.5k-character tool output), and most prompts are ASCII."""
 _PIECE_CACHE_LIMIT = 1 << 16
 _TURN_CACHE_TOKENS = 1 << 20
 """Tokens of rendered turns kept (8 MB of tuple slots, plus their texts; the ids themselves are
@@ -114,7 +119,7 @@ class BuiltinTokenizer:
         out: list[int] = []
         extend = out.extend
         cache = self._piece_cache
-        for piece in _PIECE.findall(text):
+        for piece in (_ASCII_PIECE if text.isascii() else _PIECE).findall(text):
             ids = cache.get(piece)
             if ids is None:
                 ids = _encode_piece(piece)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kvmesh.router.request.tokenizer as tokenizer_module
 from kvmesh.errors import RequestError
 from kvmesh.router.request.tokenizer import (
     BuiltinTokenizer,
@@ -25,6 +26,19 @@ def test_decode_inverts_encode_for_any_text(text: str) -> None:
     ids = TOK.encode(text)
     assert TOK.decode(ids) == text
     assert all(256 <= i < 2**31 for i in ids)
+
+
+@given(st.text(alphabet=st.characters(max_codepoint=127)))
+def test_ascii_text_is_cut_into_the_same_pieces_as_by_the_unicode_pattern(text: str) -> None:
+    # ASCII text takes the pattern with spelt-out classes; every control character, whitespace
+    # (including the separators 28-31, which str.isspace counts) and punctuation mark must fall
+    # where the Unicode pattern puts it, or the mock engines and the routers disagree on ids.
+    assert tokenizer_module._ASCII_PIECE.findall(text) == tokenizer_module._PIECE.findall(text)
+
+
+def test_ascii_and_unicode_runs_of_whitespace_and_separators_cut_alike() -> None:
+    text = "a \x1c\x1fb  \n\t c_d__e 123456 7.5!!  \x0b\x0c\r\n\x7fz\x00 "
+    assert tokenizer_module._ASCII_PIECE.findall(text) == tokenizer_module._PIECE.findall(text)
 
 
 def test_density_is_close_to_a_real_vocabulary() -> None:
@@ -172,8 +186,6 @@ def test_hf_tokenizer_names_the_extra_when_transformers_is_missing(monkeypatch: 
 def test_a_conversation_encodes_the_same_when_its_earlier_turns_come_from_the_turn_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kvmesh.router.request.tokenizer as tokenizer_module
-
     monkeypatch.setattr(tokenizer_module, "_TURN_CACHE_TOKENS", 4000)  # small: evictions happen
     long_turn = "a tool returned these rows: " + " ".join(f"row{i}=é{i * 7}" for i in range(300))
     messages: list[dict[str, str]] = [{"role": "system", "content": "You are terse. " * 30}]

@@ -129,6 +129,16 @@ class Conversations:
         self.cycle_s = 0.0
 
     # ------------------------------------------------------------------ views
+    def home(self, tip_id: str) -> tuple[WorkerKey, int, int] | None:
+        """``(worker, own blocks, prompt blocks)`` of the live tip ``tip_id``: the worker it was
+        placed on, its blocks there that no other tip there shares (:meth:`live_blocks` with and
+        without it) and its prompt's full blocks. None: no such live tip."""
+        tip = self._tips.get(tip_id)
+        if tip is None:
+            return None
+        worker = tip.worker
+        return worker, self.live_blocks(worker) - self.live_blocks(worker, tip_id), tip.n_blocks
+
     def live_blocks(self, worker: WorkerKey, exclude: str | None = None) -> int:
         """Blocks of the conversations placed on ``worker`` and not over. ``exclude``: a tip whose
         own blocks (those no other tip there shares) are left out: the conversation of the request

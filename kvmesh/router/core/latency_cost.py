@@ -11,7 +11,8 @@ rest, each term a method below and a field of :class:`~kvmesh.router.core.route_
 * the delay to the requests arriving there meanwhile (:meth:`delay_to_arrivals_ms`);
 * cache evicted: once (:meth:`eviction_ms`), by the conversation's growth
   (:meth:`growth_eviction_ms`), and the live conversations' histories pushed out
-  (:meth:`pushed_out_ms`); a conversation's turns meeting those living there
+  (:meth:`pushed_out_ms`), or, on the worker a conversation would leave, pushed out by its
+  staying (:meth:`held_overflow_ms`); a conversation's turns meeting those living there
   (:meth:`turns_overlap_ms`);
 * the credit for copying a shared prefix (:meth:`copy_credit`);
 
@@ -323,6 +324,47 @@ class LatencyCost(ReadsState):
         if returns <= 0:
             return 0.0
         return returns * pushed * self.block_size * timing.ms_per_token()
+
+    def held_overflow_ms(
+        self,
+        key: WorkerKey,
+        timing: WorkerTiming,
+        total_blocks: int,
+        own_blocks: int,
+        now_blocks: int,
+        previous: str | None,
+        to_hold: float,
+        held_ahead: float,
+    ) -> float:
+        """What a conversation costs the conversations living with it on ``key``, the worker
+        holding its history, by staying there: the other side of a move, whose landing side
+        :meth:`pushed_out_ms` and :meth:`growth_eviction_ms` price.
+
+        ``own_blocks``: its blocks there that no other conversation shares (its history and this
+        turn's). ``now_blocks``: every live conversation's blocks there, this turn's included.
+        With the growth they are held for (``held_ahead`` turns of theirs and ``to_hold`` of its
+        own, ``growth_blocks`` a turn), the blocks needed exceed the worker's ``total_blocks``
+        ``t0`` gaps between turns from now (the room left over what a gap adds, theirs and its
+        own); from then until its cache is let go, each of their turns that comes back (a gap's
+        worth a gap, :meth:`Conversations.held_turns_per_cycle`, no more than they have left) finds
+        up to ``own_blocks`` of its history evicted and prefills it again at the worker's fitted
+        per-token time. The router counts it only where another worker has room for this
+        conversation's future and the fleet for all of theirs (:meth:`KvRouter._decide`).
+        (Without it, six young agent sessions sharing an engine of eight stayed until their
+        histories no longer fitted, and four recomputed 10k tokens each at their fifth turn.)"""
+        conv = self._conversations
+        g = conv.growth_blocks
+        if own_blocks <= 0 or to_hold <= 0.0 or g <= 0.0 or held_ahead <= 0.0:
+            return 0.0
+        overflow = now_blocks + (held_ahead + to_hold) * g - total_blocks
+        if overflow <= 0.0:
+            return 0.0
+        per_cycle = conv.held_turns_per_cycle(key, previous)
+        t0 = max(total_blocks - now_blocks, 0) / ((per_cycle + 1.0) * g)
+        returns = min(per_cycle * max(to_hold - t0, 0.0), held_ahead)
+        if returns <= 0.0:
+            return 0.0
+        return returns * min(own_blocks, overflow) * self.block_size * timing.ms_per_token()
 
     def turns_overlap_ms(
         self,

@@ -567,6 +567,9 @@ def test_a_turn_stays_with_its_history_where_the_conversations_outgrow_the_cache
     for s in range(4):
         answered(r, f"living-{s}", "a", prompts[s], now)
         now += 0.1
+    for s in range(3):  # b's own: the fleet cannot hold every history, a move only shifts the overflow
+        answered(r, f"elsewhere-{s}", "b", toks(400 + s, 300 * B), now)
+        now += 0.1
     r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(300)), None, prompts[0], B)], 0))
     request = prompts[0] + toks(9, 20 * B)
     d = r.route(RouteRequest("next", block_hashes(request, B), len(request)), now + 0.2)
@@ -681,3 +684,74 @@ def test_the_overlap_grows_with_the_conversations_living_there_and_spares_a_conv
         assert priced(living, system + toks(200 + living - 1, 30 * B)) == 0  # a live turn again
         alone = priced(living, system + toks(200, 30 * B) + toks(300, 5 * B))  # living-0's next turn
         assert (alone == 0) is (living == 1)
+
+
+def _six_young_sessions_on_a(
+    turn_tokens: int, total_blocks: int
+) -> tuple[KvRouter, dict[int, list[int]], float]:
+    """Six sessions sharing a 2k-token system prompt, all on a, each through two turns of
+    ``turn_tokens`` more, none seen to end (a fleet starting up); b holds nothing."""
+    r = KvRouter(RouterConfig(), random.Random(0))
+    for w in "ab":
+        r.add_worker(w, total_blocks=total_blocks, max_num_batched_tokens=8192, block_size=B)
+    system = toks(7, 2000)
+    n = len(system) // B
+    r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(n)), None, system[: n * B], B)], 0))
+    prompts = {s: system + toks(100 + s, 200) for s in range(6)}
+    now = 0.0
+    for turn in range(2):
+        for s in range(6):
+            answered(r, f"{s}-{turn}", "a", prompts[s], now)
+            prompts[s] = prompts[s] + toks(1000 + 10 * turn + s, turn_tokens)
+            now += 0.1
+        now += 0.4
+    answered(r, "5-2", "a", prompts[5], now)  # one has reached its third turn: held as long again
+    prompts[5] = prompts[5] + toks(1020 + 5, turn_tokens)
+    return r, prompts, now + 0.1
+
+
+def test_turns_leave_a_worker_their_neighbours_will_outgrow_while_their_histories_are_short() -> None:
+    """Six young sessions on a fit its cache now, but held for as many turns again they will not.
+    Staying, a third turn's history takes room their growth needs, and each of their turns that
+    comes back once a overflows prefills what it lost again. Priced on a (where its history is)
+    as well as on b (where it would land), the first third turns move while their histories are
+    1.2k tokens, not when they no longer fit; each move relieves a, and once a's sessions fit
+    there the rest stay."""
+    r, prompts, now = _six_young_sessions_on_a(1000, total_blocks=1200)
+    conv = r._conversations
+    assert conv.live_blocks(A) < 1200 < conv.live_blocks(A) + conv.growth_ahead_blocks(A)
+    went = []
+    for s in range(5):
+        d = r.route(RouteRequest(f"{s}-2", block_hashes(prompts[s], B), len(prompts[s])), now)
+        assert isinstance(d, Decision)
+        if s == 0:
+            by = {c.worker[0]: c for c in d.breakdown}
+            assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms  # a answers this turn sooner
+        went.append(d.worker[0])
+        r.first_token(f"{s}-2", now + 0.1, timed=False)
+        r.finished(f"{s}-2", now + 0.3)
+        now += 0.4
+    assert went[0] == "b"
+    assert went[-1] == "a"
+    assert 1 <= went.count("b") <= 3
+
+
+def test_where_the_fleet_cannot_hold_its_conversations_staying_home_costs_nothing_more() -> None:
+    """The same six sessions on a, and six like them on b: both will overflow, and the fleet
+    cannot hold what its conversations will grow into. Leaving a would only move the overflow to
+    b, so staying is not priced for it (alone, a's price ran to ~400 ms here)."""
+    r, prompts, now = _six_young_sessions_on_a(1000, total_blocks=1200)
+    system = toks(7, 2000)
+    n = len(system) // B
+    r.apply_events("b", EventBatch(now, [BlockStored(list(range(n)), None, system[: n * B], B)], 0))
+    others = {s: system + toks(300 + s, 200) for s in range(6)}
+    for turn in range(2):
+        for s in range(6):
+            answered(r, f"b{s}-{turn}", "b", others[s], now)
+            others[s] = others[s] + toks(3000 + 10 * turn + s, 1000)
+            now += 0.1
+        now += 0.4
+    d = r.route(RouteRequest("0-2", block_hashes(prompts[0], B), len(prompts[0])), now)
+    assert isinstance(d, Decision)
+    by = {c.worker[0]: c for c in d.breakdown}
+    assert by["a"].eviction_ms <= by["b"].eviction_ms

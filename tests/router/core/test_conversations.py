@@ -346,16 +346,19 @@ def test_a_new_conversation_leaves_a_worker_whose_young_conversations_will_fill_
     assert by["a"].eviction_ms > by["b"].predicted_ttft_ms - by["a"].predicted_ttft_ms
 
 
-def test_a_new_session_does_not_push_out_the_histories_of_a_fleet_still_starting_up() -> None:
-    """Six sessions on a, each turn adding 2k tokens, all at their second turn and none seen to
-    end. A new session's 5k tokens would push part of their histories out of a's cache. Read as
-    ending at the deepest turn seen, they were to bring no turn back and the push cost nothing:
-    the new session went where its system prompt was cached. Held for as many turns again, every
-    turn they bring back recomputes what it pushed, and it starts on b."""
+SYSTEM_2K = toks(7, 2000)
+
+
+def _six_young_sessions_on_a(
+    turn_tokens: int, *, one_at_turn_three: bool
+) -> tuple[KvRouter, dict[int, list[int]], float]:
+    """Six sessions sharing a 2k-token system prompt (``SYSTEM_2K``), all on a (of 1,200 blocks,
+    as b), each through two turns of ``turn_tokens`` more, none seen to end (a fleet starting
+    up); b holds nothing. ``one_at_turn_three``: the last session has had a third turn as well."""
     r = KvRouter(RouterConfig(), random.Random(0))
     for w in "ab":
         r.add_worker(w, total_blocks=1200, max_num_batched_tokens=8192, block_size=B)
-    system = toks(7, 2000)
+    system = SYSTEM_2K
     n = len(system) // B
     r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(n)), None, system[: n * B], B)], 0))
     prompts = {s: system + toks(100 + s, 200) for s in range(6)}
@@ -363,9 +366,24 @@ def test_a_new_session_does_not_push_out_the_histories_of_a_fleet_still_starting
     for turn in range(2):
         for s in range(6):
             answered(r, f"{s}-{turn}", "a", prompts[s], now)
-            prompts[s] = prompts[s] + toks(1000 + 10 * turn + s, 2000)
+            prompts[s] = prompts[s] + toks(1000 + 10 * turn + s, turn_tokens)
             now += 0.1
         now += 0.4
+    if one_at_turn_three:  # held as long again from then on
+        answered(r, "5-2", "a", prompts[5], now)
+        prompts[5] = prompts[5] + toks(1020 + 5, turn_tokens)
+        now += 0.1
+    return r, prompts, now
+
+
+def test_a_new_session_does_not_push_out_the_histories_of_a_fleet_still_starting_up() -> None:
+    """Six sessions on a, each turn adding 2k tokens, all at their second turn and none seen to
+    end. A new session's 5k tokens would push part of their histories out of a's cache. Read as
+    ending at the deepest turn seen, they were to bring no turn back and the push cost nothing:
+    the new session went where its system prompt was cached. Held for as many turns again, every
+    turn they bring back recomputes what it pushed, and it starts on b."""
+    r, _, now = _six_young_sessions_on_a(2000, one_at_turn_three=False)
+    system = SYSTEM_2K
     conv = r._conversations
     assert conv.turns_to_come(2) == 0 and conv.turns_to_hold(2) == 2  # none went past turn 2 yet
     assert (
@@ -686,30 +704,6 @@ def test_the_overlap_grows_with_the_conversations_living_there_and_spares_a_conv
         assert (alone == 0) is (living == 1)
 
 
-def _six_young_sessions_on_a(
-    turn_tokens: int, total_blocks: int
-) -> tuple[KvRouter, dict[int, list[int]], float]:
-    """Six sessions sharing a 2k-token system prompt, all on a, each through two turns of
-    ``turn_tokens`` more, none seen to end (a fleet starting up); b holds nothing."""
-    r = KvRouter(RouterConfig(), random.Random(0))
-    for w in "ab":
-        r.add_worker(w, total_blocks=total_blocks, max_num_batched_tokens=8192, block_size=B)
-    system = toks(7, 2000)
-    n = len(system) // B
-    r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(n)), None, system[: n * B], B)], 0))
-    prompts = {s: system + toks(100 + s, 200) for s in range(6)}
-    now = 0.0
-    for turn in range(2):
-        for s in range(6):
-            answered(r, f"{s}-{turn}", "a", prompts[s], now)
-            prompts[s] = prompts[s] + toks(1000 + 10 * turn + s, turn_tokens)
-            now += 0.1
-        now += 0.4
-    answered(r, "5-2", "a", prompts[5], now)  # one has reached its third turn: held as long again
-    prompts[5] = prompts[5] + toks(1020 + 5, turn_tokens)
-    return r, prompts, now + 0.1
-
-
 def test_turns_leave_a_worker_their_neighbours_will_outgrow_while_their_histories_are_short() -> None:
     """Six young sessions on a fit its cache now, but held for as many turns again they will not.
     Staying, a third turn's history takes room their growth needs, and each of their turns that
@@ -717,7 +711,7 @@ def test_turns_leave_a_worker_their_neighbours_will_outgrow_while_their_historie
     as well as on b (where it would land), the first third turns move while their histories are
     1.2k tokens, not when they no longer fit; each move relieves a, and once a's sessions fit
     there the rest stay."""
-    r, prompts, now = _six_young_sessions_on_a(1000, total_blocks=1200)
+    r, prompts, now = _six_young_sessions_on_a(1000, one_at_turn_three=True)
     conv = r._conversations
     assert conv.live_blocks(A) < 1200 < conv.live_blocks(A) + conv.growth_ahead_blocks(A)
     went = []
@@ -740,8 +734,8 @@ def test_where_the_fleet_cannot_hold_its_conversations_staying_home_costs_nothin
     """The same six sessions on a, and six like them on b: both will overflow, and the fleet
     cannot hold what its conversations will grow into. Leaving a would only move the overflow to
     b, so staying is not priced for it (alone, a's price ran to ~400 ms here)."""
-    r, prompts, now = _six_young_sessions_on_a(1000, total_blocks=1200)
-    system = toks(7, 2000)
+    r, prompts, now = _six_young_sessions_on_a(1000, one_at_turn_three=True)
+    system = SYSTEM_2K
     n = len(system) // B
     r.apply_events("b", EventBatch(now, [BlockStored(list(range(n)), None, system[: n * B], B)], 0))
     others = {s: system + toks(300 + s, 200) for s in range(6)}

@@ -749,3 +749,4 @@ def test_where_the_fleet_cannot_hold_its_conversations_staying_home_costs_nothin
     assert isinstance(d, Decision)
     by = {c.worker[0]: c for c in d.breakdown}
     assert by["a"].eviction_ms <= by["b"].eviction_ms
+    assert by["a"].eviction_ms < by["a"].predicted_ttft_ms  # no staying price: ~400 ms where counted

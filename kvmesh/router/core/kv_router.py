@@ -508,7 +508,8 @@ class KvRouter:
         # the worker holding the history this turn continues, its own blocks there and this turn's
         home: WorkerKey | None = None
         home_own = home_new = 0
-        home_held = 0.0  # what staying costs the conversations living there (held_overflow_ms)
+        # what the home's staying price reads of it (worked out after the loop, where it counts)
+        home_outlook: tuple[WorkerTiming, int, int, float] | None = None
         room_elsewhere = False  # another candidate has room for its future and its conversations'
         fleet_need = fleet_total = 0.0  # the candidates' live blocks and growth ahead; their caches
         if latency and prompt is not None and prompt.ids:
@@ -523,7 +524,8 @@ class KvRouter:
                     home, home_own, tip_blocks = held_home
                     home_new = max(n_blocks - tip_blocks, 0)
         cycle_s = conv.cycle_s
-        turn_tokens = conv.growth_blocks * bs  # what a later turn adds, to be prefilled
+        growth_per_turn = conv.growth_blocks
+        turn_tokens = growth_per_turn * bs  # what a later turn adds, to be prefilled
         elsewhere = req.prefilled_elsewhere
         copy_to: set[WorkerKey] | None = None  # the holders: a copy on any other is credited
         copy_ms = 0.0
@@ -538,7 +540,9 @@ class KvRouter:
         scale = weights.prefill_load_scale
         timing_of, workers, reuse, osl = self._timing, self._workers, self._stays.reuse_fleet, req.osl
         joins = self._joins
-        for key in candidates:
+        # the conversations living on each candidate: (live blocks, turns held ahead, turns a gap)
+        outlooks = conv.outlooks(candidates, continues) if turn is not None else ()
+        for c_i, key in enumerate(candidates):
             depths = overlaps.get(key, NO_TIERS)
             dev = depths.device
             host = depths.host - dev
@@ -574,7 +578,8 @@ class KvRouter:
             if latency:
                 # the predicted time to first token there; the other terms are LatencyCost's
                 timing = timing_of[key]
-                total = max(workers[key[0]].total_blocks, 1)
+                total_blocks = workers[key[0]].total_blocks
+                total = max(total_blocks, 1)
                 wait_ms = 1000.0 * step_left_s
                 usage = held / total if held < total else 1.0
                 curve = timing.curve()
@@ -596,28 +601,21 @@ class KvRouter:
                 returning = overlap = 0.0  # the conversations living there: their turns
                 if turn is not None:
                     # per_cycle: a gap between turns' worth of theirs
-                    live, held_ahead, per_cycle = conv.outlook(key, continues)
-                    if growth > 0:
+                    live, held_ahead, per_cycle = outlooks[c_i]
+                    ahead_blocks = held_ahead * growth_per_turn
+                    # (it returns 0 where the growth fits the room theirs leave; checked here, as
+                    # the call is not free)
+                    if growth > 0 and growth > total_blocks - live - ahead_blocks - added:
                         evict += cost.growth_eviction_ms(key, growth, added, live, held_ahead)
                     # (it returns 0 unless live conversations there and these blocks overflow the cache)
                     if added > 0 and live + added > total:
                         held_cycle = conv.held_turns_per_cycle(key, continues)
                         evict += cost.pushed_out_ms(key, timing, added, total, continues, to_hold, held_cycle)
                     if home is not None:
-                        ahead_blocks = held_ahead * conv.growth_blocks
                         fleet_need += live + ahead_blocks
                         fleet_total += total
                         if key == home:  # (its history is counted live there, cached or not)
-                            home_held = cost.held_overflow_ms(
-                                key,
-                                timing,
-                                total,
-                                home_own + home_new,
-                                live + home_new,
-                                continues,
-                                to_hold,
-                                held_ahead,
-                            )
+                            home_outlook = (timing, total, live, held_ahead)
                         elif live + added + ahead_blocks + growth <= total:
                             room_elsewhere = True
                     if per_cycle > 0.0 and cycle_s > 0.0:
@@ -670,17 +668,22 @@ class KvRouter:
             costs.append(c)
             trees.append(tree)
             own_tokens.append(prefill - active)
-        if home_held > 0.0 and room_elsewhere and fleet_need + home_new + growth <= fleet_total:
+        if home_outlook is not None and room_elsewhere and fleet_need + home_new + growth <= fleet_total:
             # Staying costs the conversations living there what leaving would spare them, where
             # another worker has room for its future and the fleet for all of theirs. (Where every
             # worker will overflow, a move only shifts the overflow; priced there as well, the
             # differences between workers' prices outweighed a short history's recompute, and
             # chats under cache pressure left their histories: hits 0.78 to 0.52.)
             assert home is not None
-            i = candidates.index(home)
-            costs[i] += home_held
-            scores[i].cost += home_held
-            scores[i].eviction_ms += home_held
+            timing, total, live, held_ahead = home_outlook
+            home_held = cost.held_overflow_ms(
+                home, timing, total, home_own + home_new, live + home_new, continues, to_hold, held_ahead
+            )
+            if home_held > 0.0:
+                i = candidates.index(home)
+                costs[i] += home_held
+                scores[i].cost += home_held
+                scores[i].eviction_ms += home_held
         if elsewhere and self.config.router_temperature == 0:
             i = self._pick_least_loaded(candidates, moved, costs, trees)
         elif latency and self.config.router_temperature == 0:

@@ -304,7 +304,7 @@ def test_the_growth_ahead_of_a_workers_conversations_counts_each_at_its_turn() -
 def test_the_outlook_of_a_worker_is_its_three_readings_in_one() -> None:
     """What the latency cost reads of each candidate in one pass: live blocks, the turns held
     ahead and the turns a gap brings, each as its own method gives it, the excluded tip left out
-    of the two counts and only where it lives."""
+    of the two counts and only where it lives; a decision's candidates all in one call."""
     conv = Conversations()
     now = six_turn_conversations(conv, W)
     route(conv, "young", A, toks(7, 8 * B), now)
@@ -321,6 +321,10 @@ def test_the_outlook_of_a_worker_is_its_three_readings_in_one() -> None:
     assert conv.outlook(A, "young")[1] < ahead  # young is a tip on a: left out
     assert conv.outlook(W, "young")[1] == conv.outlook(W)[1]  # not a tip there
     assert conv.outlook(("idle", 0)) == (0, 0.0, 0.0)
+    # every candidate of a decision in one call: each as if asked alone
+    fleet = [W, ("idle", 0), A]
+    for exclude in (None, "young", "older-2"):
+        assert conv.outlooks(fleet, exclude) == [conv.outlook(w, exclude) for w in fleet]
 
 
 def test_a_new_conversation_leaves_a_worker_whose_young_conversations_will_fill_it() -> None:

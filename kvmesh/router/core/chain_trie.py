@@ -114,6 +114,10 @@ class ChainIndex:
         self._dups: dict[tuple[int, int, int], int] = {}
         self._level_bits = [0, 0, 0]  # bits of registered slots per level
         self._all_bits = 0
+        # Some block was stored off the device (host, disk) at some point. Until then every level's
+        # depth is the device's, and a tiered query follows a third of the bits. (Never reset: a
+        # flag that stays set only costs that query its shortcut.)
+        self._off_device = False
 
     # ------------------------------------------------------------------ slots
     def _slot(self, worker: WorkerKey) -> int:
@@ -184,6 +188,8 @@ class ChainIndex:
         run = list(locals_)  # the index keeps (slices of) it: never the caller's list
         if not run:
             return run
+        if tier and slot is not None:
+            self._off_device = True
         first = run[0]
         if parent == ROOT:
             if first not in self._roots:
@@ -455,6 +461,13 @@ class ChainIndex:
 
     def find_matches_tiered(self, local_hashes: Sequence[int]) -> dict[WorkerKey, TierDepths]:
         """Device, device-or-host and any-tier prefix depths per worker (any level > 0 only)."""
+        if not self._off_device:  # every block is on a device: the three depths are one
+            worker_of = self._worker_of
+            return {
+                worker_of[bit // 3]: TierDepths(depth, depth, depth)  # type: ignore[misc]
+                for bit, depth in self._match_bits(local_hashes, self._level_bits[0]).items()
+                if depth
+            }
         bits = self._match_bits(local_hashes, self._all_bits)
         per_slot: dict[int, list[int]] = {}
         for bit, depth in bits.items():

@@ -147,6 +147,50 @@ def test_find_matches_equals_brute_force(ops: list, seed: int) -> None:
         assert index.find_matches_tiered(query) == {w: t for w, t in tiered.items() if t.disk}
 
 
+# a fleet without offloading: every block on a device, which the tiered query takes a shortcut for
+device_stored_op = st.tuples(
+    st.just("store"),
+    st.sampled_from(WORKERS),
+    st.just(Tier.DEVICE),
+    st.integers(0, 20),
+    st.lists(st.integers(0, 11), min_size=1, max_size=4),
+    st.lists(st.integers(0, 2), min_size=B, max_size=4 * B),
+)
+device_removed_op = st.tuples(
+    st.just("remove"),
+    st.sampled_from(WORKERS),
+    st.just(Tier.DEVICE),
+    st.lists(st.integers(0, 11), min_size=1, max_size=3),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(device_stored_op, device_stored_op, device_removed_op, cleared_op, again_op), max_size=40
+    ),
+    st.integers(0, 9),
+)
+def test_without_offloading_every_tier_matches_as_deep_as_the_device(ops: list, seed: int) -> None:
+    index, model = run_ops(ops)
+    for query in queries(model, random.Random(seed)):
+        expected = {w: model.depth(w, 0, query) for w in WORKERS}
+        assert index.find_matches_tiered(query) == {w: TierDepths(d, d, d) for w, d in expected.items() if d}
+
+
+def test_a_block_stored_off_the_device_makes_the_tiers_differ() -> None:
+    """The tiered query's shortcut for a fleet without offloading ends with the first block stored
+    in host memory: its worker's host level reaches further than its device level from then on."""
+    index = PrefixIndex(block_size=B)
+    a = WORKERS[0]
+    toks = list(range(3 * B))
+    index.apply(a, [BlockStored([1, 2], None, toks[: 2 * B], B)])
+    query = block_hashes(toks, B)
+    assert index.find_matches_tiered(query) == {a: TierDepths(2, 2, 2)}
+    index.apply(a, [BlockStored([3], 2, toks[2 * B :], B, medium="CPU_PINNED")])
+    assert index.find_matches_tiered(query) == {a: TierDepths(2, 3, 3)}
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.one_of(stored_op, removed_op, cleared_op, again_op), max_size=30))
 def test_dump_then_load_rebuilds_an_identical_index(ops: list) -> None:

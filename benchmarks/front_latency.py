@@ -36,22 +36,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp
 from _harness import machine, percentile, table
+from routing_quality import ENGINE_ARGS, MODEL  # the suite's engines: 2,048 blocks, 8k-token steps
 
 from kvmesh._http import SseLines, sse_data
 from kvmesh.bench.fleet import free_ports, parse_metrics
 from kvmesh.bench.session import words
 
-ENGINE_ARGS = (
-    "--speedup",
-    "1",
-    "--block-size",
-    "16",
-    "--num-blocks",
-    "2048",
-    "--max-num-batched-tokens",
-    "8192",
-)
-MODEL = "kvmesh-mock"
 PHASES = ("tokenize", "hashing", "scheduling", "total")
 
 

@@ -28,6 +28,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -79,20 +80,23 @@ async def ttft_ms(http: aiohttp.ClientSession, url: str, prompt: str) -> float:
     return (first - sent) * 1000.0
 
 
-def _spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """``argv`` started with its output in ``log`` (a pipe nobody reads could fill up and stall
+    it), which :func:`_ready` shows if it dies."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with log.open("wb") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 async def _ready(
-    http: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], timeout: float = 60
+    http: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60
 ) -> None:
     """Until ``url`` lists the model (a kvmesh router only once it also knows its worker)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}: {err[-2000:]}")
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{tail}")
         with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             async with http.get(url + "/kvmesh/workers") as r:
                 if r.status == 200 and any(w.get("state") == "up" for w in (await r.json())["workers"]):
@@ -100,7 +104,7 @@ async def _ready(
                 if r.status == 404:
                     async with http.get(url + "/v1/models") as m:
                         if m.status == 200:
-                            await asyncio.sleep(1.0)  # sglang-router: its worker check settles
+                            await asyncio.sleep(1.0)  # (sglang-router: its worker check settles)
                             return
         await asyncio.sleep(0.1)
     raise TimeoutError(f"{url} was not ready within {timeout:.0f}s")
@@ -119,44 +123,41 @@ async def fronts(http: aiohttp.ClientSession, sglang: bool) -> AsyncIterator[lis
     """The engine and every front before it, ready; yields the paths (the engine alone first)."""
     engine_port, events, replay, rr, kv, sgl = free_ports(6)
     engine = f"http://127.0.0.1:{engine_port}"
-    procs = []
-    try:
-        procs.append(
-            _spawn(
-                [sys.executable, "-m", "kvmesh", "mock", "--port", str(engine_port), "--log-level", "error",
-                 "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
-                 "--kv-replay-endpoint", f"tcp://127.0.0.1:{replay}", *ENGINE_ARGS]
-            )
+    router = [sys.executable, "-m", "kvmesh", "router", "--workers", engine, "--log-level", "error",
+              "--tokenizer", "builtin", "--health-interval", "0.25"]  # fmt: skip
+    commands = [
+        ("engine alone", engine_port,
+         [sys.executable, "-m", "kvmesh", "mock", "--port", str(engine_port), "--log-level", "error",
+          "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
+          "--kv-replay-endpoint", f"tcp://127.0.0.1:{replay}", *ENGINE_ARGS]),
+        ("kvmesh round-robin", rr, [*router, "--port", str(rr), "--router-mode", "round-robin"]),
+        ("kvmesh kv (default)", kv, [*router, "--port", str(kv)]),
+    ]  # fmt: skip
+    if sglang:
+        commands.append(
+            ("sglang-router cache_aware", sgl,
+             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(sgl),
+              "--worker-urls", engine, "--policy", "cache_aware", "--log-level", "warn"])
         )  # fmt: skip
-        await _ready(http, engine, procs[0])
-        paths = [Front("engine alone", engine)]
-        router = [sys.executable, "-m", "kvmesh", "router", "--workers", engine, "--log-level", "error",
-                  "--tokenizer", "builtin", "--health-interval", "0.25"]  # fmt: skip
-        for name, port, extra in (
-            ("kvmesh round-robin", rr, ["--router-mode", "round-robin"]),
-            ("kvmesh kv (default)", kv, []),
-        ):
-            procs.append(_spawn([*router, "--port", str(port), *extra]))
-            paths.append(Front(name, f"http://127.0.0.1:{port}"))
-        if sglang:
-            procs.append(
-                _spawn(
-                    [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                     "--port", str(sgl), "--worker-urls", engine, "--policy", "cache_aware", "--log-level", "warn"]
-                )
-            )  # fmt: skip
-            paths.append(Front("sglang-router cache_aware", f"http://127.0.0.1:{sgl}"))
-        for path, proc in zip(paths[1:], procs[1:], strict=True):
-            await _ready(http, path.url, proc)
-        yield paths
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="kvmesh-front-latency-") as logs:
+        try:
+            paths = []
+            for i, (name, port, argv) in enumerate(commands):
+                log = Path(logs) / f"{i}.log"
+                procs.append(_spawn(argv, log))
+                paths.append(Front(name, f"http://127.0.0.1:{port}"))
+                await _ready(http, paths[-1].url, procs[-1], log)  # the engine before its fronts
+            yield paths
+        finally:
+            for proc in reversed(procs):
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 async def run_round(

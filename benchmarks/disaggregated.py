@@ -31,6 +31,7 @@ from pathlib import Path
 import aiohttp
 
 from kvmesh.bench import report
+from kvmesh.bench.fleet import stop_processes
 from kvmesh.bench.runner import LoadSpec, Progress, run_workload
 from kvmesh.bench.workloads import WorkloadSpec, build
 
@@ -102,13 +103,7 @@ async def fleet(roles: list[str], mock_args: list[str]) -> AsyncIterator[str]:
         await asyncio.sleep(1.0)  # every worker discovered and its event stream followed
         yield router_url
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs, 5)
 
 
 async def main(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ from _harness import machine, percentile, table
 from routing_quality import ENGINE_ARGS, MODEL  # the suite's engines: 2,048 blocks, 8k-token steps
 
 from kvmesh._http import SseLines, sse_data
-from kvmesh.bench.fleet import free_ports, parse_metrics
+from kvmesh.bench.fleet import free_ports, parse_metrics, stop_processes
 from kvmesh.bench.session import words
 
 PHASES = ("tokenize", "hashing", "scheduling", "total")
@@ -150,14 +150,7 @@ async def fronts(http: aiohttp.ClientSession, sglang: bool) -> AsyncIterator[lis
                 await _ready(http, paths[-1].url, procs[-1], log)  # the engine before its fronts
             yield paths
         finally:
-            for proc in reversed(procs):
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_processes(procs)
 
 
 async def run_round(

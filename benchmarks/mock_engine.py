@@ -37,6 +37,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
 
+from kvmesh.bench.fleet import stop_processes
 from kvmesh.mock.block_pool import BlockPool
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import GenerationParams, MockEngine
@@ -200,12 +201,7 @@ def mock_process(cfg: MockConfig):  # type: ignore[no-untyped-def]
                 time.sleep(0.05)
         yield proc, f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc], 5)
 
 
 async def run_http(

@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, percentile, table
 
-from kvmesh.bench.fleet import process_cpu_seconds
+from kvmesh.bench.fleet import process_cpu_seconds, stop_processes
 
 BODY = b'{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"Say hello to the benchmark, briefly please."}]}'
 ANSWER = (
@@ -113,11 +113,7 @@ def _process(args: list[str], port: int) -> Iterator[Endpoint]:
             time.sleep(0.05)
         yield Endpoint(f"http://127.0.0.1:{port}", proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_processes([proc], 5)
 
 
 def _server(kind: str) -> contextlib.AbstractContextManager[Endpoint]:

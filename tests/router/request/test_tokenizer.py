@@ -36,6 +36,13 @@ def test_ascii_text_is_cut_into_the_same_pieces_as_by_the_unicode_pattern(text: 
     assert tokenizer_module._ASCII_PIECE.findall(text) == tokenizer_module._PIECE.findall(text)
 
 
+@given(st.text(min_size=1, max_size=14))
+def test_a_short_piece_gets_the_ids_of_its_chunks(text: str) -> None:
+    """Pieces of up to three chunks are spelt out (a piece-cache miss's cost): the same ids as
+    chunking the bytes in a loop, for every length and for characters of 1-4 UTF-8 bytes."""
+    assert tokenizer_module._encode_piece(text) == tokenizer_module._encode_chunks(text.encode("utf-8"))
+
+
 def test_ascii_and_unicode_runs_of_whitespace_and_separators_cut_alike() -> None:
     text = "a \x1c\x1fb  \n\t c_d__e 123456 7.5!!  \x0b\x0c\r\n\x7fz\x00 "
     assert tokenizer_module._ASCII_PIECE.findall(text) == tokenizer_module._PIECE.findall(text)

@@ -271,28 +271,11 @@ class Conversations:
         """:meth:`outlook` of each of ``workers``: what the latency cost reads of every candidate
         of every decision, in one call (the tables are looked up once, not once a candidate)."""
         hold, going_on = self._to_hold_table(), self._shares_going_on()
-        n_hold, n_going = len(hold), len(going_on)
-        tip = self._tips.get(exclude) if exclude is not None else None
-        live, numbers_of = self._live, self._numbers
+        live = self._live
         out = []
         for worker in workers:
-            numbers = numbers_of.get(worker)
-            if not numbers:
-                out.append((live.get(worker, 0), 0.0, 0.0))
-                continue
-            # the sums of _over_tips over both tables, in one pass and in the same order
-            ahead = per_cycle = 0.0
-            for number, count in numbers.items():
-                if number <= n_hold:
-                    ahead += count * hold[number - 1]
-                if number <= n_going:
-                    per_cycle += count * going_on[number - 1]
-            if tip is not None and tip.worker == worker:
-                if tip.number <= n_hold:
-                    ahead -= hold[tip.number - 1]
-                if tip.number <= n_going:
-                    per_cycle -= going_on[tip.number - 1]
-            out.append((live.get(worker, 0), max(ahead, 0.0), max(per_cycle, 0.0)))
+            ahead, per_cycle = self._over_tips(worker, exclude, hold, going_on)
+            out.append((live.get(worker, 0), ahead, per_cycle))
         return out
 
     def _over_tips(self, worker: WorkerKey, exclude: str | None, *per_number: list[float]) -> list[float]:

@@ -603,10 +603,11 @@ class KvRouter:
                     # per_cycle: a gap between turns' worth of theirs
                     live, held_ahead, per_cycle = outlooks[c_i]
                     ahead_blocks = held_ahead * growth_per_turn
-                    # (it returns 0 where the growth fits the room theirs leave; checked here, as
-                    # the call is not free)
-                    if growth > 0 and growth > total_blocks - live - ahead_blocks - added:
-                        evict += cost.growth_eviction_ms(key, growth, added, live, held_ahead)
+                    # the room their growth and this request's blocks leave its own growth (the
+                    # price is 0 where it fits: checked here, as the call is not free)
+                    room = total_blocks - live - ahead_blocks - added
+                    if growth > 0 and growth > room:
+                        evict += cost.growth_eviction_ms(key, growth, room)
                     # (it returns 0 unless live conversations there and these blocks overflow the cache)
                     if added > 0 and live + added > total:
                         held_cycle = conv.held_turns_per_cycle(key, continues)

@@ -252,9 +252,7 @@ class LatencyCost(ReadsState):
             return 0.0
         return self._stays.reuse_fleet * evicted * self.block_size * timing.ms_per_token()
 
-    def growth_eviction_ms(
-        self, key: WorkerKey, growth_blocks: float, added_blocks: float, live_blocks: int, held_ahead: float
-    ) -> float:
+    def growth_eviction_ms(self, key: WorkerKey, growth_blocks: float, room_blocks: float) -> float:
         """What the cache its conversation grows into there evicts from the other conversations
         living there, in their recompute time when they come back.
 
@@ -276,15 +274,15 @@ class LatencyCost(ReadsState):
         worker's conversations will need is theirs and this one's together, and of that total this
         conversation's growth is the part beyond what theirs leaves. (Counted from their blocks
         now, a worker whose sessions were all at their first turn looked nearly empty to a new
-        session, however far those sessions had yet to grow.) ``live_blocks`` and ``held_ahead``
-        are :meth:`Conversations.outlook`'s, read once per candidate.
+        session, however far those sessions had yet to grow.) ``room_blocks`` is that room: the
+        worker's blocks less the live conversations' (:meth:`Conversations.outlooks`), their
+        growth ahead and the blocks this request adds; the caller works it out, as it calls this
+        only where the growth exceeds it.
         """
-        conv = self._conversations
-        ahead = held_ahead * conv.growth_blocks
-        room = self._workers[key[0]].total_blocks - live_blocks - ahead - added_blocks
-        evicted = growth_blocks - max(room, 0.0)
+        evicted = growth_blocks - max(room_blocks, 0.0)
         if evicted <= 0:
             return 0.0
+        conv = self._conversations
         return conv.continued_share() * evicted * self.block_size * self._timing[key].ms_per_token()
 
     def pushed_out_ms(

@@ -23,12 +23,9 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -40,7 +37,7 @@ from _harness import machine, percentile, table
 from routing_quality import ENGINE_ARGS, MODEL  # the suite's engines: 2,048 blocks, 8k-token steps
 
 from kvmesh._http import SseLines, sse_data
-from kvmesh.bench.fleet import free_ports, parse_metrics, stop_processes
+from kvmesh.bench.fleet import add_front, kvmesh_router, parse_metrics, sglang_router, start_fleet
 from kvmesh.bench.session import words
 
 PHASES = ("tokenize", "hashing", "scheduling", "total")
@@ -80,36 +77,6 @@ async def ttft_ms(http: aiohttp.ClientSession, url: str, prompt: str) -> float:
     return (first - sent) * 1000.0
 
 
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """``argv`` started with its output in ``log`` (a pipe nobody reads could fill up and stall
-    it), which :func:`_ready` shows if it dies."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log.open("wb") as out:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-
-async def _ready(
-    http: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60
-) -> None:
-    """Until ``url`` lists the model (a kvmesh router only once it also knows its worker)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{tail}")
-        with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
-            async with http.get(url + "/kvmesh/workers") as r:
-                if r.status == 200 and any(w.get("state") == "up" for w in (await r.json())["workers"]):
-                    return
-                if r.status == 404:
-                    async with http.get(url + "/v1/models") as m:
-                        if m.status == 200:
-                            await asyncio.sleep(1.0)  # (sglang-router: its worker check settles)
-                            return
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"{url} was not ready within {timeout:.0f}s")
-
-
 def has_sglang_router() -> bool:
     try:
         import sglang_router  # noqa: F401
@@ -119,38 +86,14 @@ def has_sglang_router() -> bool:
 
 
 @contextlib.asynccontextmanager
-async def fronts(http: aiohttp.ClientSession, sglang: bool) -> AsyncIterator[list[Front]]:
+async def fronts(sglang: bool) -> AsyncIterator[list[Front]]:
     """The engine and every front before it, ready; yields the paths (the engine alone first)."""
-    engine_port, events, replay, rr, kv, sgl = free_ports(6)
-    engine = f"http://127.0.0.1:{engine_port}"
-    router = [sys.executable, "-m", "kvmesh", "router", "--workers", engine, "--log-level", "error",
-              "--tokenizer", "builtin", "--health-interval", "0.25"]  # fmt: skip
-    commands = [
-        ("engine alone", engine_port,
-         [sys.executable, "-m", "kvmesh", "mock", "--port", str(engine_port), "--log-level", "error",
-          "--kv-events-endpoint", f"tcp://127.0.0.1:{events}",
-          "--kv-replay-endpoint", f"tcp://127.0.0.1:{replay}", *ENGINE_ARGS]),
-        ("kvmesh round-robin", rr, [*router, "--port", str(rr), "--router-mode", "round-robin"]),
-        ("kvmesh kv (default)", kv, [*router, "--port", str(kv)]),
-    ]  # fmt: skip
-    if sglang:
-        commands.append(
-            ("sglang-router cache_aware", sgl,
-             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(sgl),
-              "--worker-urls", engine, "--policy", "cache_aware", "--log-level", "warn"])
-        )  # fmt: skip
-    procs: list[subprocess.Popen[bytes]] = []
-    with tempfile.TemporaryDirectory(prefix="kvmesh-front-latency-") as logs:
-        try:
-            paths = []
-            for i, (name, port, argv) in enumerate(commands):
-                log = Path(logs) / f"{i}.log"
-                procs.append(_spawn(argv, log))
-                paths.append(Front(name, f"http://127.0.0.1:{port}"))
-                await _ready(http, paths[-1].url, procs[-1], log)  # the engine before its fronts
-            yield paths
-        finally:
-            stop_processes(procs)
+    async with start_fleet(1, ENGINE_ARGS, kvmesh_router("--router-mode", "round-robin")) as fleet:
+        paths = [Front("engine alone", fleet.engine_urls[0]), Front("kvmesh round-robin", fleet.front_url)]
+        paths.append(Front("kvmesh kv (default)", await add_front(fleet, kvmesh_router())))
+        if sglang:
+            paths.append(Front("sglang-router cache_aware", await add_front(fleet, sglang_router())))
+        yield paths
 
 
 async def run_round(
@@ -200,7 +143,7 @@ async def main_async(args: argparse.Namespace) -> int:
     if not sglang and not args.no_sglang:
         print("sglang-router is not installed (the bench extra): kvmesh's fronts only", file=sys.stderr)
     timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(timeout=timeout) as http, fronts(http, sglang) as paths:
+    async with aiohttp.ClientSession(timeout=timeout) as http, fronts(sglang) as paths:
         # a warm-up turn: connections, the tokenizer's piece cache, every front's first request
         await run_round(http, paths, 3, args.prompt_words, 10_000, progress=False)
         rounds = [

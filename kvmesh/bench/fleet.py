@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +147,19 @@ async def start_fleet(
         stop_processes(fleet.procs)
         if tmp is not None:
             tmp.cleanup()
+
+
+async def add_front(fleet: Fleet, front: FrontCommand, *, startup_timeout: float = 60.0) -> str:
+    """Another front router before a running fleet's engines, for fronts compared on the same
+    engines in one run: started, waited for as :func:`start_fleet` waits for its own, and stopped
+    with the fleet. Returns its URL."""
+    (port,) = free_ports(1)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log = fleet.logs / f"front-{len(fleet.procs)}.log"
+    fleet.procs.append(_spawn(front(fleet.engine_urls, port), log, env))
+    url = f"http://127.0.0.1:{port}"
+    await _wait_front(replace(fleet, front_url=url), startup_timeout)
+    return url
 
 
 def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout: float = 10.0) -> None:

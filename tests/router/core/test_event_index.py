@@ -26,20 +26,29 @@ WORKERS = [("a", 0), ("a", 1), ("b", 0)]
 MEDIUMS = {Tier.DEVICE: "GPU", Tier.HOST: "CPU_PINNED", Tier.DISK: "DISK"}
 LEVEL_TIERS = [(Tier.DEVICE,), (Tier.DEVICE, Tier.HOST), (Tier.DEVICE, Tier.HOST, Tier.DISK)]
 
-stored_op = st.tuples(
-    st.just("store"),
-    st.sampled_from(WORKERS),
-    st.sampled_from(list(MEDIUMS)),
-    st.integers(0, 20),  # parent pick (index into the worker's known engine hashes, or root)
-    st.lists(st.integers(0, 11), min_size=1, max_size=4),  # engine hashes (small: collisions)
-    st.lists(st.integers(0, 2), min_size=B, max_size=4 * B),  # tokens from a tiny vocabulary
-)
-removed_op = st.tuples(
-    st.just("remove"),
-    st.sampled_from(WORKERS),
-    st.sampled_from(list(MEDIUMS)),
-    st.lists(st.integers(0, 11), min_size=1, max_size=3),
-)
+
+def _stored(tiers: list[Tier]) -> st.SearchStrategy[tuple]:
+    return st.tuples(
+        st.just("store"),
+        st.sampled_from(WORKERS),
+        st.sampled_from(tiers),
+        st.integers(0, 20),  # parent pick (index into the worker's known engine hashes, or root)
+        st.lists(st.integers(0, 11), min_size=1, max_size=4),  # engine hashes (small: collisions)
+        st.lists(st.integers(0, 2), min_size=B, max_size=4 * B),  # tokens from a tiny vocabulary
+    )
+
+
+def _removed(tiers: list[Tier]) -> st.SearchStrategy[tuple]:
+    return st.tuples(
+        st.just("remove"),
+        st.sampled_from(WORKERS),
+        st.sampled_from(tiers),
+        st.lists(st.integers(0, 11), min_size=1, max_size=3),
+    )
+
+
+stored_op = _stored(list(MEDIUMS))
+removed_op = _removed(list(MEDIUMS))
 cleared_op = st.tuples(st.just("clear"), st.sampled_from(WORKERS))
 again_op = st.tuples(st.just("again"), st.integers(0, 40))  # repeat an earlier store exactly
 
@@ -148,20 +157,8 @@ def test_find_matches_equals_brute_force(ops: list, seed: int) -> None:
 
 
 # a fleet without offloading: every block on a device, which the tiered query takes a shortcut for
-device_stored_op = st.tuples(
-    st.just("store"),
-    st.sampled_from(WORKERS),
-    st.just(Tier.DEVICE),
-    st.integers(0, 20),
-    st.lists(st.integers(0, 11), min_size=1, max_size=4),
-    st.lists(st.integers(0, 2), min_size=B, max_size=4 * B),
-)
-device_removed_op = st.tuples(
-    st.just("remove"),
-    st.sampled_from(WORKERS),
-    st.just(Tier.DEVICE),
-    st.lists(st.integers(0, 11), min_size=1, max_size=3),
-)
+device_stored_op = _stored([Tier.DEVICE])
+device_removed_op = _removed([Tier.DEVICE])
 
 
 @settings(max_examples=200, deadline=None)

@@ -16,9 +16,9 @@ rest, each term a method below and a field of :class:`~kvmesh.router.core.route_
   (:meth:`turns_overlap_ms`);
 * the credit for copying a shared prefix (:meth:`copy_credit`);
 
-and the choice (:meth:`pick_saving_work`): no request sent beyond the tail of the fleet's times to
-first token where another candidate keeps it within (:mod:`~kvmesh.router.core.tail`), and the
-tie rule between candidates the model cannot tell apart.
+and the choice (:meth:`pick_saving_work`): no request sent beyond the tail of the best times to
+first token on offer where another candidate keeps it within (:mod:`~kvmesh.router.core.tail`),
+and the tie rule between candidates the model cannot tell apart.
 
 It owns none of the state it reads: the load, the timing models, the conversations, the joins and
 the learned stays are the router's, shared by reference. Pure, as the whole core is: time is an
@@ -157,17 +157,21 @@ class LatencyCost(ReadsState):
         predicted to answer them no sooner, recomputing the history: under cache pressure those
         moves cost 0.02-0.04 of the fleet's prefix hits.)
 
-        Before any of that, a candidate surely beyond the tail of the times to first token the
-        fleet is showing is left out when another is predicted within it (:meth:`_within_tail`)."""
-        keep = self._within_tail(candidates, scores)
-        if keep is None:  # (the usual case, kept to C-level min and index: this runs every decision)
-            among: Sequence[int] = range(len(costs))
-            lowest = min(costs)
-            best = costs.index(lowest)
-        else:
-            among = [i for i, k in enumerate(keep) if k]
+        Before any of that, a candidate surely beyond the tail of the best times to first token
+        the fleet has been offering is left out when another is predicted within it, and one
+        surely slower than the best when none is (:meth:`_tail_limit`)."""
+        limit = self._tail_limit(candidates, scores)
+        among: Sequence[int] = range(len(costs))
+        lowest = min(costs)  # (C-level min and index: this runs every decision)
+        best = costs.index(lowest)
+        if limit is not None and not self._within(limit, candidates[best], scores[best]):
+            within = self._within
+            among = [
+                i for i, (key, s) in enumerate(zip(candidates, scores, strict=True)) if within(limit, key, s)
+            ]
             lowest = min(costs[i] for i in among)
             best = next(i for i in among if costs[i] == lowest)
+            limit = None  # (every one left is within)
         fit = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
         base = fit * fit + effect_variances[best]
         if waited:
@@ -184,43 +188,66 @@ class LatencyCost(ReadsState):
         if len(near) == 1:
             return best
         # the least own work, then the smallest tree (the selector's tie-break), then the lowest
-        # cost; a random one of those still equal
+        # cost; a random one of those still equal. The cheapest is within the tail's limit, so
+        # the near ones beyond it are left out as they come up (usually none is asked about)
         keys = [(own_tokens[i], trees[i], costs[i]) for i in near]
-        low = min(keys)
-        tied = [i for i, k in zip(near, keys, strict=True) if k == low]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        while True:
+            low = min(keys)
+            tied = [i for i, k in zip(near, keys, strict=True) if k == low]
+            if limit is not None:
+                tied = [i for i in tied if self._within(limit, candidates[i], scores[i])]
+                if not tied:
+                    rest = [(i, k) for i, k in zip(near, keys, strict=True) if k != low]
+                    near, keys = [i for i, _ in rest], [k for _, k in rest]
+                    continue
+            return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
-    def _within_tail(
-        self, candidates: Sequence[WorkerKey], scores: Sequence[CandidateScore]
-    ) -> list[bool] | None:
-        """Which candidates may take the request, as the tail goes (None: all of them).
+    def _tail_limit(self, candidates: Sequence[WorkerKey], scores: Sequence[CandidateScore]) -> float | None:
+        """The predicted time to first token no candidate may be surely beyond (:meth:`_within`),
+        as the tail goes (None: no candidate is left out).
 
-        The bound is the 99th percentile of the times to first token observed lately
-        (:class:`~kvmesh.router.core.tail.TtftTail`). A candidate is surely beyond it when its
-        predicted time to first token is more than its spread above the bound: the spread of single
-        times to first token around the worker's fit (:meth:`WorkerTiming.noise_ms`) and, for a
-        wait for memory, that wait's learned spread (waits came in at 0.4-0.9 of the prediction),
-        independent errors taken together. Such candidates are left out when another one is
-        predicted within the bound. (The cost's other terms, what the placement does to others,
-        are expectations over many later requests, each touched a little; this request's own time
-        falls on it alone. Without the bound, ten-turn chats past four engines' caches sent turns
-        to wait 400-970 ms for memory, to spare evictions priced a second or two lower, where
-        100-130 ms was on offer: their p99 read 417 ms over five runs (252-611), 208 over six with
-        the bound (177-478), the mean 75.5 and 71.6 (medians); hits and 12-turn agents as
-        before.)"""
-        bound = self._tail.bound_ms
-        if bound is None:
-            return None
+        The bound is the 99th percentile of the best times to first token recently on offer
+        (:class:`~kvmesh.router.core.tail.TtftTail`; this decision's best is added to them). A
+        candidate is surely beyond it when its predicted time to first token is more than its
+        spread above the bound (:meth:`_spread`). Such candidates are left out. (The cost's other
+        terms, what the placement does to others, are expectations over many later requests, each
+        touched a little; this request's own time falls on it alone. Without the bound, ten-turn
+        chats past four engines' caches sent turns to wait 400-970 ms for memory, to spare
+        evictions priced a second or two lower, where 100-130 ms was on offer: their p99 read 417 ms
+        over five runs (252-611).)
+
+        Where even the best offer is beyond the bound (a crowded moment of the fleet's), the limit
+        is that best one's reach, its prediction and spread: the candidates left out are those
+        surely slower than it. (Letting the cost decide there sent turns of H1 to a 700-900 ms wait
+        for memory where 140-160 ms was predicted elsewhere.)"""
         predicted = [s.predicted_ttft_ms or 0.0 for s in scores]
-        if max(predicted) <= bound or min(predicted) > bound:
-            return None  # every candidate within, or nothing within: every one is as far out
-        width = self._wait_spread.width_ms
-        timing = self._timing
-        keep = [
-            p <= bound or p - math.hypot(timing[key].noise_ms(), width(s.memory_wait_ms)) <= bound
-            for key, s, p in zip(candidates, scores, predicted, strict=True)
-        ]
-        return None if all(keep) else keep
+        best = min(predicted)
+        tail = self._tail
+        tail.offer(best)
+        bound = tail.bound_ms
+        if bound is None or max(predicted) <= bound:
+            return None
+        if best <= bound:
+            return bound
+        return min(p + self._spread(key, s) for key, s, p in zip(candidates, scores, predicted, strict=True))
+
+    def _within(self, limit: float, key: WorkerKey, score: CandidateScore) -> bool:
+        """Whether ``key``'s predicted time to first token, less its spread, is within ``limit``."""
+        predicted = score.predicted_ttft_ms or 0.0
+        if predicted <= limit:
+            return True
+        noise = self._timing[key].noise_ms()
+        if predicted - noise <= limit:  # (the spread is the noise at the least)
+            return True
+        wait = score.memory_wait_ms
+        return wait > 0.0 and predicted - math.hypot(noise, self._wait_spread.width_ms(wait)) <= limit
+
+    def _spread(self, key: WorkerKey, score: CandidateScore) -> float:
+        """How far a candidate's time to first token may come out below its prediction, in one
+        standard deviation: the spread of single times to first token around the worker's fit
+        (:meth:`WorkerTiming.noise_ms`) and, for a wait for memory, that wait's learned spread
+        (waits came in at 0.4-0.9 of the prediction), independent errors taken together."""
+        return math.hypot(self._timing[key].noise_ms(), self._wait_spread.width_ms(score.memory_wait_ms))
 
     @staticmethod
     def effect_variance(delay_ms: float, added_prefill_ms: float, overlap_ms: float, pass_ms: float) -> float:

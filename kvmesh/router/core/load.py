@@ -74,15 +74,13 @@ class PromptBlocks:
 
     def __init__(self, local_hashes: Sequence[int]) -> None:
         n = len(local_hashes)
-        ids: list[int] = []
-        append = ids.append
         prev = 0
         full = n - n % CHUNK
-        # zip over one iterator CHUNK times: each whole chunk as a tuple, built in C
-        for chunk in zip(*[iter(local_hashes)] * CHUNK, strict=False):
-            prev = hash((prev, chunk))
-            append(prev)
+        # zip over one iterator CHUNK times: each whole chunk as a tuple, built in C; each identity
+        # chains the one before (the comprehension leaves the last in ``prev``)
+        ids = [prev := hash((prev, chunk)) for chunk in zip(*[iter(local_hashes)] * CHUNK, strict=False)]
         self.n_anchors = len(ids)
+        append = ids.append
         if full < n:
             tail = tuple(local_hashes[full:])
             for end in range(1, n - full + 1):

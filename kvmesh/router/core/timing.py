@@ -149,9 +149,19 @@ MOCKER_PRIOR = Profile(
 """NVIDIA Dynamo's mocker fit to a real vLLM deployment: the prior for a worker with no profile."""
 
 
+_last_features: tuple[float, int, tuple[float, float, float]] = (0.0, 1, (0.0, 0.0, 1.0))
+"""The features :func:`features` worked out last, with their arguments: a decision asks for the same
+ones over and over (every candidate that holds none of the prompt has the same prefill to do: 11 of
+a 2,048-block decision's 13 calls on eight such workers)."""
+
+
 def features(x_tokens: float, budget: int) -> tuple[float, float, float]:
     """``(sum of squared chunk sizes, tokens, steps)`` of ``x_tokens`` split into ``budget`` chunks,
     in thousands of tokens."""
+    global _last_features
+    last = _last_features
+    if last[0] == x_tokens and last[1] == budget:
+        return last[2]
     if x_tokens <= 0:
         return 0.0, 0.0, 1.0
     if budget < 1:
@@ -160,7 +170,9 @@ def features(x_tokens: float, budget: int) -> tuple[float, float, float]:
     steps = full + (1 if rest > 0 else 0)
     bk = budget / KTOK
     rk = rest / KTOK
-    return full * bk * bk + rk * rk, x_tokens / KTOK, float(steps)
+    out = (full * bk * bk + rk * rk, x_tokens / KTOK, float(steps))
+    _last_features = (x_tokens, budget, out)
+    return out
 
 
 class Curve:
@@ -497,8 +509,12 @@ class WorkerTiming:
     def noise_ms(self) -> float:
         """The spread of single TTFTs around the prediction (see :meth:`TimingModel.noise_ms`),
         blended as the prediction is."""
-        w = self._weight()
-        return w * self.own.noise_ms() + (1.0 - w) * self.fleet.noise_ms()
+        own = self.own
+        if self.profiled:
+            return MAD_TO_SD * own.scale_ms
+        n = own.observations
+        w = n / (n + SHRINK)  # (_weight and the fits' noise_ms inlined: the tail rule asks per candidate)
+        return MAD_TO_SD * (w * own.scale_ms + (1.0 - w) * self.fleet.scale_ms)
 
     def ms_per_token(self) -> float:
         w = self._weight()

@@ -1,5 +1,6 @@
-"""The tail of the fleet's times to first token, and the latency cost's choice it bounds: no
-request is sent surely beyond it while another candidate keeps it within."""
+"""The tail of the best times to first token on offer, and the latency cost's choice it bounds:
+no request is sent surely beyond it while another candidate keeps it within, nor surely slower than
+the best candidate when none does."""
 
 from __future__ import annotations
 
@@ -14,31 +15,46 @@ from kvmesh.router.core.route_types import CandidateScore
 from kvmesh.router.core.tail import MIN_SEEN, WINDOW, TtftTail
 
 
-def test_there_is_no_bound_until_enough_requests_were_seen() -> None:
+def test_there_is_no_bound_until_enough_decisions_were_made() -> None:
     tail = TtftTail()
     for i in range(MIN_SEEN - 1):
-        tail.observe(float(i))
+        tail.offer(float(i))
     assert tail.bound_ms is None
-    tail.observe(5000.0)
+    tail.offer(5000.0)
     assert tail.bound_ms is not None
-    assert tail.describe() == {"requests": MIN_SEEN, "p99_ms": tail.bound_ms}
+    assert tail.describe() == {
+        "decisions": MIN_SEEN,
+        "offered_p99_ms": round(tail.bound_ms, 1),
+        "requests": 0,
+        "p99_ms": None,
+    }
 
 
-def test_the_bound_is_the_99th_percentile_of_the_latest_window() -> None:
+def test_the_bound_is_the_99th_percentile_of_the_latest_best_offers() -> None:
     tail = TtftTail()
     for i in range(WINDOW):
-        tail.observe(float(i + 1))  # 1..1000 ms
+        tail.offer(float(i + 1))  # 1..1000 ms
     assert tail.bound_ms == pytest.approx(990.0, abs=2.0)
-    for _ in range(WINDOW):  # the traffic got faster: the old times leave the window
-        tail.observe(50.0)
+    for _ in range(WINDOW):  # the fleet got faster: the old offers leave the window
+        tail.offer(50.0)
     assert tail.bound_ms == 50.0
+
+
+def test_the_times_observed_are_shown_and_bound_nothing() -> None:
+    """The observed tail is the outcome of the router's own choices: a tail it made must not
+    loosen the bound, nor may a short one stand in for it before decisions were seen."""
+    tail = TtftTail()
+    for i in range(WINDOW):
+        tail.observe(float(i + 1))
+    assert tail.bound_ms is None
+    assert tail.describe()["p99_ms"] == pytest.approx(990.0, abs=2.0)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -1.0])
 def test_a_time_that_is_no_time_is_not_counted(bad: float) -> None:
     tail = TtftTail()
     tail.observe(bad)
-    assert tail.describe() == {"requests": 0, "p99_ms": None}
+    assert tail.describe()["requests"] == 0
 
 
 B = 16
@@ -74,12 +90,12 @@ def _choose(r: KvRouter, a: CandidateScore, b: CandidateScore) -> str:
     return "ab"[i]
 
 
-def _seen(r: KvRouter, n: int = 400) -> float:
-    """``n`` times to first token of 40-120 ms observed; returns the bound they set."""
+def _offered(r: KvRouter, n: int = 400) -> float:
+    """``n`` decisions whose best offers were 40-120 ms; returns the bound they set."""
     rng = random.Random(1)
     for _ in range(n):
-        r._tail.observe(rng.uniform(40.0, 120.0))
-    bound = r.ttft_tail_stats()["p99_ms"]  # type: ignore[index]
+        r._tail.offer(rng.uniform(40.0, 120.0))
+    bound = r._tail.bound_ms
     assert bound is not None and 115.0 < bound <= 120.0
     return bound
 
@@ -87,14 +103,27 @@ def _seen(r: KvRouter, n: int = 400) -> float:
 def test_a_request_is_not_sent_surely_past_the_tail_when_another_worker_keeps_it_within() -> None:
     """a is cheaper overall (b's placement is priced with evictions a second and a half dearer)
     but would have the request wait 380 ms for memory there: 450 ms to its first token against
-    b's 100. Before the router has seen a tail, the cheaper a takes it; once the fleet's times to
-    first token have shown a p99 near 120 ms, a is surely beyond it (even a wait that comes in at
+    b's 100. Before the router has a tail, the cheaper a takes it; once the best offers of its
+    decisions have shown a p99 near 120 ms, a is surely beyond it (even a wait that comes in at
     half its prediction) and b takes it."""
     a = _score("a", cost=500.0, predicted=450.0, memory_wait=380.0)
     b = _score("b", cost=2000.0, predicted=100.0)
     r = _router()
     assert _choose(r, a, b) == "a"
-    _seen(r)
+    _offered(r)
+    assert _choose(r, a, b) == "b"
+
+
+def test_a_tail_the_router_made_itself_does_not_loosen_the_bound() -> None:
+    """Times to first token observed far out (turns it had sent to wait for memory) leave the
+    bound where the offers put it."""
+    a = _score("a", cost=500.0, predicted=450.0, memory_wait=380.0)
+    b = _score("b", cost=2000.0, predicted=100.0)
+    r = _router()
+    _offered(r)
+    for _ in range(WINDOW):
+        r._tail.observe(900.0)
+    assert r.ttft_tail_stats()["p99_ms"] == 900.0  # type: ignore[index]
     assert _choose(r, a, b) == "b"
 
 
@@ -103,17 +132,28 @@ def test_a_wait_whose_spread_reaches_within_the_tail_keeps_its_worker() -> None:
     their prediction as often as not, so it is not surely past a 120 ms tail, and its lower cost
     keeps the turn there."""
     r = _router()
-    _seen(r)
+    _offered(r)
     a = _score("a", cost=500.0, predicted=150.0, memory_wait=100.0)
     b = _score("b", cost=2000.0, predicted=100.0)
     assert _choose(r, a, b) == "a"
 
 
-def test_when_no_worker_keeps_the_request_within_the_tail_the_cost_decides() -> None:
+def test_when_every_worker_is_past_the_tail_none_surely_slower_than_the_best_takes_it() -> None:
+    """A crowded moment: b's 200 ms is past the 120 ms tail as well. a's 900, 800 of them a wait
+    for memory, is surely slower than b even if the wait comes in at half, so b takes it."""
     r = _router()
-    bound = _seen(r)
+    _offered(r)
+    a = _score("a", cost=500.0, predicted=900.0, memory_wait=800.0)
+    b = _score("b", cost=2000.0, predicted=200.0)
+    assert _choose(r, a, b) == "b"
+
+
+def test_when_every_worker_is_past_the_tail_and_none_surely_slower_the_cost_decides() -> None:
+    """a's 450 ms, 380 of them a wait that may come in at half, may well be as quick as b's 300."""
+    r = _router()
+    _offered(r)
     a = _score("a", cost=500.0, predicted=450.0, memory_wait=380.0)
-    b = _score("b", cost=2000.0, predicted=bound + 10.0)
+    b = _score("b", cost=2000.0, predicted=300.0)
     assert _choose(r, a, b) == "a"
 
 
@@ -128,5 +168,8 @@ def test_the_router_learns_the_tail_from_the_first_tokens_it_times() -> None:
         r.first_token(rid, i + 0.05, timed=i % 2 == 0)
         r.finished(rid, i + 0.1)
     stats = r.ttft_tail_stats()
-    assert stats == {"requests": MIN_SEEN // 2, "p99_ms": None}
+    assert stats is not None
+    assert stats["requests"] == MIN_SEEN // 2 and stats["p99_ms"] is None  # too few timed
+    # every decision offered its best: enough of them for a bound
+    assert stats["decisions"] == MIN_SEEN and stats["offered_p99_ms"] is not None
     assert KvRouter(RouterConfig(router_cost_model="dynamo"), random.Random(0)).ttft_tail_stats() is None

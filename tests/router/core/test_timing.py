@@ -47,6 +47,16 @@ def test_features_split_work_into_step_sized_chunks() -> None:
     assert features(0, 8192) == (0.0, 0.0, 1.0)
 
 
+def test_features_asked_again_are_those_of_the_arguments_asked() -> None:
+    """The last answer is kept for the next call with the same arguments, and only for it."""
+    asks = [(10000, 8192), (10000, 8192), (10000, 4096), (10000.0, 4096), (9999, 4096), (0, 4096), (9999, 0)]
+    first = [features(x, b) for x, b in asks]
+    for (x, b), expected in zip(reversed(asks), reversed(first), strict=True):
+        assert features(x, b) == expected
+    assert first[2] == pytest.approx((2 * 4.096**2 + 1.808**2, 10.0, 3.0))
+    assert first[6] == features(9999, 1)  # a budget below one step is one token a step
+
+
 def test_the_fit_recovers_known_coefficients_from_the_mocker_prior() -> None:
     model = TimingModel(MOCKER_PRIOR, 8192)
     _feed(model, random.Random(1), 400)

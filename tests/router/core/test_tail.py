@@ -127,34 +127,31 @@ def test_a_tail_the_router_made_itself_does_not_loosen_the_bound() -> None:
     assert _choose(r, a, b) == "b"
 
 
-def test_a_wait_whose_spread_reaches_within_the_tail_keeps_its_worker() -> None:
-    """A history's home predicted 150 ms, 100 of them a wait for memory: waits come in at half
-    their prediction as often as not, so it is not surely past a 120 ms tail, and its lower cost
-    keeps the turn there."""
+@pytest.mark.parametrize(
+    ("a_predicted", "a_wait", "b_predicted", "chosen"),
+    [
+        # a history's home predicted 150 ms, 100 of them a wait for memory: waits come in at half
+        # their prediction as often as not, so it is not surely past a 120 ms tail, and its lower
+        # cost keeps the turn there
+        (150.0, 100.0, 100.0, "a"),
+        # a crowded moment: b's 200 ms is past the tail as well; a's 900, 800 of them a wait, is
+        # surely slower than b even if the wait comes in at half, so b takes it
+        (900.0, 800.0, 200.0, "b"),
+        # past the tail too, but a's 450 ms (380 of them a wait) may well be as quick as b's 300:
+        # the cost decides
+        (450.0, 380.0, 300.0, "a"),
+    ],
+    ids=["spread-reaches-within", "every-one-past-and-a-surely-slower", "every-one-past-none-surely-slower"],
+)
+def test_a_candidate_is_left_out_only_when_surely_slower_than_the_tail_allows(
+    a_predicted: float, a_wait: float, b_predicted: float, chosen: str
+) -> None:
+    """a is the cheaper (b's placement is priced with evictions a second and a half dearer)."""
     r = _router()
     _offered(r)
-    a = _score("a", cost=500.0, predicted=150.0, memory_wait=100.0)
-    b = _score("b", cost=2000.0, predicted=100.0)
-    assert _choose(r, a, b) == "a"
-
-
-def test_when_every_worker_is_past_the_tail_none_surely_slower_than_the_best_takes_it() -> None:
-    """A crowded moment: b's 200 ms is past the 120 ms tail as well. a's 900, 800 of them a wait
-    for memory, is surely slower than b even if the wait comes in at half, so b takes it."""
-    r = _router()
-    _offered(r)
-    a = _score("a", cost=500.0, predicted=900.0, memory_wait=800.0)
-    b = _score("b", cost=2000.0, predicted=200.0)
-    assert _choose(r, a, b) == "b"
-
-
-def test_when_every_worker_is_past_the_tail_and_none_surely_slower_the_cost_decides() -> None:
-    """a's 450 ms, 380 of them a wait that may come in at half, may well be as quick as b's 300."""
-    r = _router()
-    _offered(r)
-    a = _score("a", cost=500.0, predicted=450.0, memory_wait=380.0)
-    b = _score("b", cost=2000.0, predicted=300.0)
-    assert _choose(r, a, b) == "a"
+    a = _score("a", cost=500.0, predicted=a_predicted, memory_wait=a_wait)
+    b = _score("b", cost=2000.0, predicted=b_predicted)
+    assert _choose(r, a, b) == chosen
 
 
 def test_the_router_learns_the_tail_from_the_first_tokens_it_times() -> None:

@@ -73,9 +73,9 @@ def test_scheduler_hooks_are_applied_by_sglangs_registry(loaded: dict[str, Any])
 
 def test_factory_creates_kvmesh_publisher_per_rank(loaded: dict[str, Any]) -> None:
     from kvmesh.adapters.sglang.publisher import KvMeshPublisher
-    from tests.events.eventkit import free_tcp_port
+    from tests.events.eventkit import free_tcp_port_runs
 
-    base, replay = free_tcp_port(), free_tcp_port()
+    base, replay = free_tcp_port_runs(2, length=2)  # rank 1 binds each base port + 1
     config = json.dumps(
         {
             "publisher": "kvmesh",

@@ -25,6 +25,33 @@ def free_tcp_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_tcp_port_runs(runs: int, length: int) -> list[int]:
+    """The first ports of ``runs`` runs of ``length`` consecutive loopback ports, all free when
+    asked and none shared between runs: a data-parallel engine's rank ``r`` publishes on its base
+    port plus ``r``, which a port free on its own says nothing about (a CI run failed binding one)."""
+    held: list[socket.socket] = []
+    starts: list[int] = []
+    try:
+        while len(starts) < runs:
+            start = free_tcp_port()
+            run: list[socket.socket] = []
+            try:
+                for port in range(start, start + length):
+                    s = socket.socket()
+                    run.append(s)
+                    s.bind(("127.0.0.1", port))
+            except (OSError, OverflowError):  # taken, or past the last port: try another start
+                for s in run:
+                    s.close()
+                continue
+            held.extend(run)  # (held until every run is found: the next one cannot overlap it)
+            starts.append(start)
+        return starts
+    finally:
+        for s in held:
+            s.close()
+
+
 def ipc_endpoint(directory: Path, name: str) -> str:
     path = directory / f"{name}.sock"
     assert len(str(path)) < 100, "ipc paths are limited to ~107 bytes"

@@ -124,7 +124,6 @@ async def start_fleet(
     logs = keep_logs if keep_logs is not None else Path(tmp.name)  # type: ignore[union-attr]
     logs.mkdir(parents=True, exist_ok=True)
     fleet = Fleet(front_url, engine_urls, logs)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         for i in range(n):
             argv = [
@@ -138,9 +137,9 @@ async def start_fleet(
                 path = request_log_path(logs, i)
                 path.unlink(missing_ok=True)  # the engine appends: a kept log dir holds an earlier fleet's
                 argv += ["--request-log", str(path)]
-            fleet.procs.append(_spawn(argv, logs / f"engine-{i}.log", env))
+            fleet.procs.append(_spawn(argv, logs / f"engine-{i}.log"))
         await _wait_until(fleet, [u + "/health" for u in engine_urls], startup_timeout)
-        fleet.procs.append(_spawn(front(engine_urls, ports[-1]), logs / "front.log", env))
+        fleet.procs.append(_spawn(front(engine_urls, ports[-1]), logs / "front.log"))
         await _wait_front(fleet, startup_timeout)
         yield fleet
     finally:
@@ -154,9 +153,8 @@ async def add_front(fleet: Fleet, front: FrontCommand, *, startup_timeout: float
     engines in one run: started, waited for as :func:`start_fleet` waits for its own, and stopped
     with the fleet. Returns its URL."""
     (port,) = free_ports(1)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = fleet.logs / f"front-{len(fleet.procs)}.log"
-    fleet.procs.append(_spawn(front(fleet.engine_urls, port), log, env))
+    fleet.procs.append(_spawn(front(fleet.engine_urls, port), log))
     url = f"http://127.0.0.1:{port}"
     await _wait_front(replace(fleet, front_url=url), startup_timeout)
     return url
@@ -175,7 +173,8 @@ def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout: float = 10.0
             proc.wait()
 
 
-def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

@@ -51,6 +51,8 @@ class RunningQuantile:
         self.value: float | None = None
 
     def add(self, x: float) -> None:
+        if x != x:  # NaN: it has no place in an order, and sorted with it the window has none
+            return
         self._recent.append(x)
         self.seen += 1
         if self.seen >= MIN_SEEN and (self.value is None or self.seen % EVERY == 0):
@@ -82,7 +84,7 @@ class TtftTail:
 
     def observe(self, ttft_ms: float) -> None:
         """One request's time to first token, from its dispatch."""
-        if ttft_ms >= 0.0:  # (not NaN)
+        if ttft_ms >= 0.0:  # (a negative time is no time)
             self._observed.add(ttft_ms)
 
     def describe(self) -> dict[str, float | int | None]:

@@ -509,12 +509,8 @@ class WorkerTiming:
     def noise_ms(self) -> float:
         """The spread of single TTFTs around the prediction (see :meth:`TimingModel.noise_ms`),
         blended as the prediction is."""
-        own = self.own
-        if self.profiled:
-            return MAD_TO_SD * own.scale_ms
-        n = own.observations
-        w = n / (n + SHRINK)  # (_weight and the fits' noise_ms inlined: the tail rule asks per candidate)
-        return MAD_TO_SD * (w * own.scale_ms + (1.0 - w) * self.fleet.scale_ms)
+        w = self._weight()  # (the fits' noise_ms inlined: the tail rule asks for it per candidate)
+        return MAD_TO_SD * (w * self.own.scale_ms + (1.0 - w) * self.fleet.scale_ms)
 
     def ms_per_token(self) -> float:
         w = self._weight()

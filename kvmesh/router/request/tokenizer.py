@@ -197,7 +197,7 @@ def _encode_piece(piece: str) -> tuple[int, ...]:
     data = piece.encode("utf-8")
     n = len(data)
     if n <= 3:
-        return (_LEN_OFFSET[n] + int.from_bytes(data, "big"),)
+        return (_LEN_OFFSET[n] + int.from_bytes(data, "big"),) if n else ()
     whole = _LEN_OFFSET[3]
     if n <= 6:
         return (whole + int.from_bytes(data[:3], "big"), _LEN_OFFSET[n - 3] + int.from_bytes(data[3:], "big"))

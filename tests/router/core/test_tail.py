@@ -57,6 +57,16 @@ def test_a_time_that_is_no_time_is_not_counted(bad: float) -> None:
     assert tail.describe()["requests"] == 0
 
 
+def test_an_offer_that_is_no_number_is_not_counted() -> None:
+    """A NaN sorted into the window would leave its order, and the bound, undefined."""
+    tail = TtftTail()
+    for i in range(MIN_SEEN):
+        tail.offer(float(i))
+        tail.offer(float("nan"))
+    assert tail.describe()["decisions"] == MIN_SEEN
+    assert tail.bound_ms == float(int(0.99 * (MIN_SEEN - 1)))
+
+
 B = 16
 
 

@@ -202,11 +202,9 @@ class LatencyCost(ReadsState):
                     continue
             return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
-    def _tail_limit(
-        self, candidates: Sequence[WorkerKey], scores: Sequence[CandidateScore]
-    ) -> tuple[float, float] | None:
-        """The predicted time to first token no candidate may be surely beyond, and that limit's
-        own spread (:meth:`_within`), as the tail goes (None: no candidate is left out).
+    def _tail_limit(self, candidates: Sequence[WorkerKey], scores: Sequence[CandidateScore]) -> float | None:
+        """The predicted time to first token no candidate may be surely beyond (:meth:`_within`),
+        as the tail goes (None: no candidate is left out).
 
         The bound is the 99th percentile of the best times to first token recently on offer
         (:class:`~kvmesh.router.core.tail.TtftTail`; this decision's best is added to them). A
@@ -219,14 +217,9 @@ class LatencyCost(ReadsState):
         over five runs (252-611).)
 
         Where even the best offer is beyond the bound (a crowded moment of the fleet's), the limit
-        is that best candidate's prediction, with its spread: the candidates left out are those
-        surely slower than it, their prediction above the best's by more than the two spreads
-        together. The two errors are taken as independent, the root of the sum of their squares,
-        as the tie rule of :meth:`pick_saving_work` takes them. (Letting the cost decide there
-        sent turns of H1 to a 700-900 ms wait for memory where 140-160 ms was predicted
-        elsewhere. With the two spreads simply added, a turn predicted to wait 790 ms for memory,
-        925 ms to its first token, still counted as possibly as quick as another worker's 470 ms,
-        and waited 730 ms.)"""
+        is that best one's reach, its prediction and spread: the candidates left out are those
+        surely slower than it. (Letting the cost decide there sent turns of H1 to a 700-900 ms wait
+        for memory where 140-160 ms was predicted elsewhere.)"""
         predicted = [s.predicted_ttft_ms or 0.0 for s in scores]
         best = min(predicted)
         tail = self._tail
@@ -235,24 +228,19 @@ class LatencyCost(ReadsState):
         if bound is None or max(predicted) <= bound:
             return None
         if best <= bound:
-            return bound, 0.0
-        i = predicted.index(best)
-        return best, self._spread(candidates[i], scores[i])
+            return bound
+        return min(p + self._spread(key, s) for key, s, p in zip(candidates, scores, predicted, strict=True))
 
-    def _within(self, limit: tuple[float, float], key: WorkerKey, score: CandidateScore) -> bool:
-        """Whether ``key``'s predicted time to first token is above ``limit`` (a prediction and
-        its spread) by no more than their spreads together."""
+    def _within(self, limit: float, key: WorkerKey, score: CandidateScore) -> bool:
+        """Whether ``key``'s predicted time to first token, less its spread, is within ``limit``."""
         predicted = score.predicted_ttft_ms or 0.0
-        at, at_spread = limit
-        over = predicted - at
-        if over <= 0.0:
+        if predicted <= limit:
             return True
         noise = self._timing[key].noise_ms()
-        if over <= noise or over <= at_spread:  # (the spreads together are at least either)
+        if predicted - noise <= limit:  # (the spread is the noise at the least)
             return True
         wait = score.memory_wait_ms
-        own = math.hypot(noise, self._wait_spread.width_ms(wait)) if wait > 0.0 else noise
-        return over <= math.hypot(own, at_spread)
+        return wait > 0.0 and predicted - math.hypot(noise, self._wait_spread.width_ms(wait)) <= limit
 
     def _spread(self, key: WorkerKey, score: CandidateScore) -> float:
         """How far a candidate's time to first token may come out below its prediction, in one

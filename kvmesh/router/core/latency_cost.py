@@ -160,16 +160,14 @@ class LatencyCost(ReadsState):
         Before any of that, a candidate surely beyond the tail of the best times to first token
         the fleet has been offering is left out when another is predicted within it, and one
         surely slower than the best when none is (:meth:`_tail_limit`)."""
-        limit = self._tail_limit(candidates, own_tokens, scores)
+        limit = self._tail_limit(candidates, scores)
         among: Sequence[int] = range(len(costs))
         lowest = min(costs)  # (C-level min and index: this runs every decision)
         best = costs.index(lowest)
-        if limit is not None and not self._within(limit, candidates[best], scores[best], own_tokens[best]):
+        if limit is not None and not self._within(limit, candidates[best], scores[best]):
             within = self._within
             among = [
-                i
-                for i, (key, s, work) in enumerate(zip(candidates, scores, own_tokens, strict=True))
-                if within(limit, key, s, work)
+                i for i, (key, s) in enumerate(zip(candidates, scores, strict=True)) if within(limit, key, s)
             ]
             lowest = min(costs[i] for i in among)
             best = next(i for i in among if costs[i] == lowest)
@@ -197,18 +195,16 @@ class LatencyCost(ReadsState):
             low = min(keys)
             tied = [i for i, k in zip(near, keys, strict=True) if k == low]
             if limit is not None:
-                tied = [i for i in tied if self._within(limit, candidates[i], scores[i], own_tokens[i])]
+                tied = [i for i in tied if self._within(limit, candidates[i], scores[i])]
                 if not tied:
                     rest = [(i, k) for i, k in zip(near, keys, strict=True) if k != low]
                     near, keys = [i for i, _ in rest], [k for _, k in rest]
                     continue
             return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
-    def _tail_limit(
-        self, candidates: Sequence[WorkerKey], own_tokens: Sequence[float], scores: Sequence[CandidateScore]
-    ) -> tuple[float, float, float] | None:
-        """The predicted time to first token no candidate may be surely beyond, and that limit's
-        own spread (:meth:`_within`), as the tail goes (None: no candidate is left out).
+    def _tail_limit(self, candidates: Sequence[WorkerKey], scores: Sequence[CandidateScore]) -> float | None:
+        """The predicted time to first token no candidate may be surely beyond (:meth:`_within`),
+        as the tail goes (None: no candidate is left out).
 
         The bound is the 99th percentile of the best times to first token recently on offer
         (:class:`~kvmesh.router.core.tail.TtftTail`; this decision's best is added to them). A
@@ -221,17 +217,9 @@ class LatencyCost(ReadsState):
         over five runs (252-611).)
 
         Where even the best offer is beyond the bound (a crowded moment of the fleet's), the limit
-        is that best candidate's prediction, with its spread: the candidates left out are those
-        surely slower than it, their prediction above the best's by more than the two spreads
-        together. The two errors are taken as independent, the root of the sum of their squares,
-        as the tie rule of :meth:`pick_saving_work` takes them, except where the best one adds
-        more prefill work than the candidate (it would recompute a history the candidate holds):
-        then the spreads are added, the wider test (:meth:`_within`). (Letting the cost decide
-        there sent turns of H1 to a 700-900 ms wait for memory where 140-160 ms was predicted
-        elsewhere. With the two spreads always added, a turn predicted to wait 790 ms for memory,
-        925 ms to its first token, still counted as possibly as quick as another worker's 470 ms,
-        and waited 730 ms. With the root sum of squares everywhere, H1's tail on 4 engines came
-        down by 8% but on 8 engines it rose by 6%.)"""
+        is that best one's reach, its prediction and spread: the candidates left out are those
+        surely slower than it. (Letting the cost decide there sent turns of H1 to a 700-900 ms wait
+        for memory where 140-160 ms was predicted elsewhere.)"""
         predicted = [s.predicted_ttft_ms or 0.0 for s in scores]
         best = min(predicted)
         tail = self._tail
@@ -240,29 +228,19 @@ class LatencyCost(ReadsState):
         if bound is None or max(predicted) <= bound:
             return None
         if best <= bound:
-            return bound, 0.0, 0.0
-        i = predicted.index(best)
-        return best, self._spread(candidates[i], scores[i]), own_tokens[i]
+            return bound
+        return min(p + self._spread(key, s) for key, s, p in zip(candidates, scores, predicted, strict=True))
 
-    def _within(
-        self, limit: tuple[float, float, float], key: WorkerKey, score: CandidateScore, work: float
-    ) -> bool:
-        """Whether ``key``'s predicted time to first token is above ``limit`` (a prediction, its
-        spread, and the prefill work the request adds there) by no more than their spreads
-        together. Where the limit's candidate adds more prefill work than ``key`` (``work``), the
-        spreads are added instead: in a crowd, work added lengthens the waits of every request
-        queued for memory after it, which neither prediction counts."""
+    def _within(self, limit: float, key: WorkerKey, score: CandidateScore) -> bool:
+        """Whether ``key``'s predicted time to first token, less its spread, is within ``limit``."""
         predicted = score.predicted_ttft_ms or 0.0
-        at, at_spread, at_work = limit
-        over = predicted - at
-        if over <= 0.0:
+        if predicted <= limit:
             return True
         noise = self._timing[key].noise_ms()
-        if over <= noise or over <= at_spread:  # (the spreads together are at least either)
+        if predicted - noise <= limit:  # (the spread is the noise at the least)
             return True
         wait = score.memory_wait_ms
-        own = math.hypot(noise, self._wait_spread.width_ms(wait)) if wait > 0.0 else noise
-        return over <= (math.hypot(own, at_spread) if at_work <= work else own + at_spread)
+        return wait > 0.0 and predicted - math.hypot(noise, self._wait_spread.width_ms(wait)) <= limit
 
     def _spread(self, key: WorkerKey, score: CandidateScore) -> float:
         """How far a candidate's time to first token may come out below its prediction, in one

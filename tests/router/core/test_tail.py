@@ -92,13 +92,10 @@ def _score(worker: str, cost: float, predicted: float, memory_wait: float = 0.0)
     )
 
 
-def _choose(
-    r: KvRouter, a: CandidateScore, b: CandidateScore, work: tuple[float, float] = (300.0, 300.0)
-) -> str:
-    """What the latency cost's choice makes of two candidates scored so (``work``: the prefill
-    tokens the request adds on each)."""
+def _choose(r: KvRouter, a: CandidateScore, b: CandidateScore) -> str:
+    """What the latency cost's choice makes of two candidates scored so."""
     i = r._cost.pick_saving_work(  # the rule alone, on scores set by hand
-        [a.worker, b.worker], list(work), [a.cost, b.cost], [0, 0], [a, b], [0.0, 0.0], waited=True
+        [a.worker, b.worker], [300.0, 300.0], [a.cost, b.cost], [0, 0], [a, b], [0.0, 0.0], waited=True
     )
     return "ab"[i]
 
@@ -165,31 +162,6 @@ def test_a_candidate_is_left_out_only_when_surely_slower_than_the_tail_allows(
     a = _score("a", cost=500.0, predicted=a_predicted, memory_wait=a_wait)
     b = _score("b", cost=2000.0, predicted=b_predicted)
     assert _choose(r, a, b) == chosen
-
-
-@pytest.mark.parametrize(
-    ("work", "chosen"),
-    [
-        # the same prefill on both (the history evicted everywhere): a's 650 ms is further above
-        # b's 300 than the two waits' spreads together, as independent errors (the root of the
-        # sum of their squares), though within their plain sum: b takes it
-        ((3300.0, 3300.0), "b"),
-        # b would recompute the 3,000-token history a holds: that work lengthens the crowd's
-        # waits after it, so the spreads are added, a is not surely slower, and the cost decides
-        ((300.0, 3300.0), "a"),
-    ],
-    ids=["same-work", "the-quicker-one-recomputes"],
-)
-def test_in_a_crowd_the_spreads_are_taken_together_unless_the_quicker_one_adds_work(
-    work: tuple[float, float], chosen: str
-) -> None:
-    """Both candidates past the tail and waiting for memory: a 650 ms (560 of them a wait), b
-    300 ms (200); a is the cheaper."""
-    r = _router()
-    _offered(r)
-    a = _score("a", cost=500.0, predicted=650.0, memory_wait=560.0)
-    b = _score("b", cost=2000.0, predicted=300.0, memory_wait=200.0)
-    assert _choose(r, a, b, work) == chosen
 
 
 def test_the_router_learns_the_tail_from_the_first_tokens_it_times() -> None:

@@ -18,7 +18,8 @@ was first the 99th percentile of the times to first token observed. Those are th
 router's own choices: when it had sent turns to wait for memory, the tail they made raised the
 bound to 394 ms and nothing was left out any more (p99 401 ms on that draw of H1, 178 with the
 bound drawn from the offers); and on a fleet that kept its tail short, a bound of 101-119 ms was
-below every candidate of a crowded moment, so the rule stood aside there.) Until :data:`MIN_SEEN` decisions have been made there is no bound.
+below every candidate of a crowded moment, so the rule stood aside there.) Until
+:data:`MIN_SEEN` decisions have been made there is no bound.
 
 The observed times are kept beside it, to be shown: a tail observed far past the one on offer
 says the predictions miss where the time goes.

@@ -569,28 +569,17 @@ class KvRouter:
                 if in_flight > dev:
                     host = max(host - (in_flight - dev), 0)
                     dev = in_flight
-            decode = held + new
-            memory_ms = 0.0
-            if latency:
-                total_blocks = workers[key[0]].total_blocks
-                total = max(total_blocks, 1)
-                if decode > total:  # (it returns 0 below the limit; checked here, as the call is not free)
-                    memory_ms = cost.memory_wait_ms(key, decode, total, now)
-                if memory_ms > 0.0 and held > total and prompt is not None and dev > own_blocks - new:
-                    # While it waits for memory the request holds none of its history there but
-                    # what requests in flight hold: the rest is free cache, last used a turn ago.
-                    # The requests routed there before it that do not fit yet (``held`` past the
-                    # cache) take their blocks, as memory frees, from the least recently used
-                    # free cache first. Count as gone as much of the history as they will take.
-                    dev -= int(min(dev - max(own_blocks - new, 0), held - total))
             prefill = selector.projected_prefill_tokens(active, isl, dev, host, disk, bs, weights)
             if elsewhere:
                 moved.append(prefill - active)
                 prefill = active
+            decode = held + new
             tree = index.block_count(key)
             if latency:
                 # the predicted time to first token there; the other terms are LatencyCost's
                 timing = timing_of[key]
+                total_blocks = workers[key[0]].total_blocks
+                total = max(total_blocks, 1)
                 wait_ms = 1000.0 * step_left_s
                 usage = held / total if held < total else 1.0
                 curve = timing.curve()
@@ -599,8 +588,10 @@ class KvRouter:
                     ttft = cost.joining_ttft_ms(key, curve, ttft, wait_ms, prefill - active, now)
                 if scale != 1.0:
                     ttft = weigh_prefill(timing, ttft, prefill, wait_ms, scale)
-                if memory_ms > 0.0:
-                    waited = True
+                memory_ms = 0.0
+                if decode > total:  # (it returns 0 below the limit; checked here, as the call is not free)
+                    memory_ms = cost.memory_wait_ms(key, decode, total, now)
+                    waited = waited or memory_ms > 0.0
                     ttft += memory_ms
                 added = n_blocks - dev
                 # (it returns 0 where the blocks added fit; checked here, as the call is not free)

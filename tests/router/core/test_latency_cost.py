@@ -649,32 +649,6 @@ def test_a_request_short_of_kv_blocks_waits_for_whole_requests_to_finish(
     assert wait_ms > 0 if worker == "b" else wait_ms < 0
 
 
-@pytest.mark.parametrize("queued_tokens", [0, 8000])
-def test_a_history_the_request_would_wait_for_memory_with_is_taken_by_the_requests_queued_ahead(
-    queued_tokens: int,
-) -> None:
-    """a holds the request's 6k-token prefix as free cache, and the request would wait there for
-    memory. With nothing routed there before it that does not fit yet, the prefix is still there
-    when it is admitted, and a wins (a token from the running answers' end). Behind an 8k-token
-    request that does not fit either (500 blocks past a's cache), that request takes its blocks
-    from the least recently used free cache first, the prefix: it counts as gone there."""
-    r = _held_by_three(39, 0.02)
-    prefix = toks(1, 6000)
-    store(r, "a", prefix)
-    if queued_tokens:
-        queued = r.route(req("queued", toks(77, queued_tokens), backend_instance_id="a"), 20.0)
-        assert isinstance(queued, Decision)
-    d = pick(r, "new", prefix + toks(2, 200), 20.0)
-    a = next(s for s in d.breakdown if s.worker == ("a", 0))
-    assert a.memory_wait_ms > 0
-    if queued_tokens:
-        assert a.overlap_blocks == 0
-        assert d.worker == ("b", 0)
-    else:
-        assert a.overlap_blocks == len(prefix) // B
-        assert d.worker == ("a", 0)
-
-
 def test_the_blocks_a_request_puts_past_the_limit_delay_arrivals_while_the_worker_stays_over() -> None:
     """A 200-block request would put a 100 blocks past its limit either way. When the three
     requests there end within a token, the worker is back under its limit before arrivals notice;

@@ -191,10 +191,10 @@ def parse_request(
 ) -> ParsedRequest:
     """Decode, validate ``nvext``, and (when ``tokenizer`` is given: KV mode) tokenize and hash.
 
-    ``head_tokens``: a chat request whose tokenizer can count a prompt before encoding it (the
-    built-in one), whose prompt is at least :data:`LAZY_MIN_FACTOR` times this long, and which asks
-    for nothing that reads the whole prompt before it is sent (:func:`_may_wait`) is tokenized and
-    hashed only this far; the rest waits for :meth:`ParsedRequest.complete`."""
+    ``head_tokens``: a plain chat request (no ``nvext``, no override header) whose tokenizer can
+    count a prompt before encoding it (the built-in one) and whose prompt is longer than
+    :data:`LAZY_MIN_FACTOR` times this is tokenized and hashed only this far; the rest waits for
+    :meth:`ParsedRequest.complete`."""
     body = decode_body(raw)
     overrides = override_headers(headers)
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
@@ -209,7 +209,11 @@ def parse_request(
     if tokenizer is not None:
         t0 = clock()
         namespace = lora if keyed is None else cache_namespace(body, keyed, lora)
-        lazy = lazy_prompt(tokenizer, body, endpoint) if head_tokens > 0 and _may_wait(nv) else None
+        lazy = (
+            lazy_prompt(tokenizer, body, endpoint)
+            if head_tokens > 0 and nv is EMPTY and overrides is None
+            else None
+        )
         if lazy is not None and lazy.count >= LAZY_MIN_FACTOR * head_tokens:
             tokens = lazy.head(head_tokens)
             rest = PromptRest(lazy, lazy.count, block_size, namespace)
@@ -227,18 +231,6 @@ def parse_request(
         tokenize_secs, hash_secs = t1 - t0, clock() - t1
     return ParsedRequest(
         endpoint, raw, body, nv, overrides, tokens, hashes, lora, tokenize_secs, hash_secs, keyed, rest
-    )
-
-
-def _may_wait(nv: Nvext) -> bool:
-    """Whether nothing this request asks for reads its whole prompt before it is sent: a pin or a
-    session (decided apart), a pre-tokenized prompt, annotations of its tokens or a cache pin do."""
-    return nv is EMPTY or (
-        nv.pinned_worker is None
-        and nv.session is None
-        and nv.token_data is None
-        and not nv.annotations
-        and nv.cache_ttl is None
     )
 
 

@@ -41,7 +41,6 @@ async def test_a_fresh_long_prompt_is_sent_before_it_is_hashed_whole_and_its_sib
                 "model": m0.config.model,
                 "messages": [{"role": "user", "content": "a report nobody has read yet " * 250}],
                 "max_tokens": 2,
-                "nvext": {"extra_fields": ["worker_id"]},  # an echo needs nothing of the prompt
             }
 
             async def post() -> tuple[str, int]:

@@ -82,17 +82,7 @@ def test_a_long_plain_chat_parsed_with_a_head_is_whole_once_completed() -> None:
     assert lazy.hashes == whole.hashes[:16]
     assert lazy.complete() == whole.hashes
     assert lazy.tokens == whole.tokens and lazy.isl == whole.isl and not lazy.complete_pending
-    # too short to be worth it: hashed whole at once
+    # too short to be worth it, or not plain (nvext): hashed whole at once
     assert not parse(whole.isl).complete_pending
-    # asking for what needs the whole prompt before it is sent (a pin, a session, annotations, a
-    # cache pin): hashed whole at once; hints and echoes need nothing of it
-    for nvext, lazy_ok in (
-        ({"agent_hints": {"priority": 1}, "extra_fields": ["worker_id"]}, True),
-        ({"backend_instance_id": "w1"}, False),
-        ({"session_control": {"session_id": "s", "action": "open"}}, False),
-        ({"annotations": ["token_ids"]}, False),
-        ({"cache_control": {"type": "ephemeral"}}, False),
-    ):
-        extra = {"stream": True} if "annotations" in nvext else {}
-        raw = json.dumps({**body, **extra, "nvext": nvext}).encode()
-        assert parse(256).complete_pending is lazy_ok, nvext
+    raw = json.dumps({**body, "nvext": {"agent_hints": {"priority": 1}}}).encode()
+    assert not parse(256).complete_pending

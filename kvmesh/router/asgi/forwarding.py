@@ -127,7 +127,6 @@ class Dispatch:
                 raise
             account.dispatched(decision, self.parsed.isl)
             if registry.is_local(worker_id):
-                mesh.router.flush()  # (the engine beside us needs this thread to start on it)
                 await self.serve_local(worker_id, body)
                 return
             worker = registry.get(worker_id)
@@ -251,10 +250,7 @@ class Dispatch:
         path = self.parsed.endpoint
         if self.scope.get("query_string"):
             path += "?" + self.scope["query_string"].decode("latin-1")
-        # A prompt routed on its head (see KvRouter.flush) is hashed whole once the worker has it.
-        upstream = await self.mesh.forwarder.open(
-            url, "POST", path, headers, body, sent=self.mesh.router.flush
-        )
+        upstream = await self.mesh.forwarder.open(url, "POST", path, headers, body)
         try:
             first = await upstream.chunks().__anext__()
         except StopAsyncIteration:

@@ -22,7 +22,6 @@ from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.disagg import TwoStage
 from kvmesh.router.asgi.forwarding import Dispatch, replace_body, session_header
 from kvmesh.router.asgi.json_io import read_body, send_error
-from kvmesh.router.core.load import CHUNK
 from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
@@ -87,11 +86,8 @@ class RoutedRequest:
             parsed = self._parse(raw)
             if mesh.local_app is not None and not mesh.registry.routable:
                 # Peers not known yet (or all gone): this engine can always serve its own requests.
-                parsed.complete()
                 await self._serve_local_untracked(parsed)
                 return
-            if parsed.complete_pending and (mesh.warming or mesh.registry.prefill_routable):
-                parsed.complete()  # a warm-up it extends, or two stages: both read the whole prompt
             mesh.cancel_warmups(parsed.hashes)  # the next turn is here: its warm-up is moot
             account = RoutedAccount(mesh, mesh.next_request_id(), parsed, self.t0, self.wall0)
             request = self._route_request(parsed, account.request_id)
@@ -121,8 +117,6 @@ class RoutedRequest:
             lora_of=registry.lora_of,
             clock=time.perf_counter,
             limits=mesh.nvext_limits,
-            # a long prompt is placed on its first chunk when no one holds that (KvRouter.flush)
-            head_tokens=CHUNK * (registry.block_size or 16) if mesh.kv_mode else 0,
         )
         nv = parsed.nvext
         if nv.pinned_worker is not None:
@@ -172,7 +166,6 @@ class RoutedRequest:
             allowed_workers=registry.routable if parsed.lora is None else registry.adapters[parsed.lora],
             lora_name=parsed.lora,
             client=_client(self.scope),
-            complete=parsed.complete if parsed.complete_pending else None,
         )
 
     async def dispatch(

@@ -333,17 +333,6 @@ class Conversations:
             return Turn(None, self._tips[next(iter(twins))].number, sibling=True, key=key)
         return Turn(None, 1, key=key)
 
-    def holds_start(self, first_chunk: int, local_hashes: Sequence[int]) -> bool:
-        """A live conversation's tip starts with the chunk named ``first_chunk`` or, shorter than a
-        chunk, with some of ``local_hashes`` (the first blocks of a prompt at least a chunk long):
-        a prompt starting so might continue it or be its sibling."""
-        if any(first_chunk in refs for refs in self._refs.values()):
-            return True
-        short = self._tails.get(0)
-        if not short:
-            return False
-        return any((0, tuple(local_hashes[:length])) in self._by_prompt for length in short)
-
     def routed(
         self,
         request_id: str,

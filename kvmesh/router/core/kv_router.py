@@ -52,7 +52,7 @@ from kvmesh.router.core.copies import SharedPrefixes
 from kvmesh.router.core.index_factory import index_for
 from kvmesh.router.core.joins import Joins
 from kvmesh.router.core.latency_cost import NO_TIERS, LatencyCost, weigh_prefill
-from kvmesh.router.core.load import CHUNK, ActiveSequences, PromptBlocks
+from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.observations import Observations
 from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
 from kvmesh.router.core.route_types import (
@@ -189,11 +189,6 @@ class KvRouter:
         self._aic = config.router_prefill_load_model == "aic"
         self._recent: deque[tuple[float, Decision]] = deque(maxlen=DECISION_HISTORY)
         """The last decisions, oldest first, with the time each was made."""
-        self._deferred: (
-            tuple[RouteRequest, WorkerKey, int, float, tuple[float, int], CandidateScore | None] | None
-        ) = None
-        """A decision whose prompt's hashes are still to come (:attr:`RouteRequest.complete`):
-        committed by :meth:`flush`, which every other call makes first."""
 
     # ---------------------------------------------------------------- fleet
     def add_worker(
@@ -210,8 +205,6 @@ class KvRouter:
 
         ``profile`` (a worker's reported step-time curve) seeds its timing model; without one the
         reference mocker's fit does. A model that already learned is kept across re-adds."""
-        if self._deferred is not None:
-            self.flush()
         if dp_size < 1 or block_size < 1:
             raise WorkerError(f"worker {worker_id}: dp_size and block_size must be >= 1")
         if self._block_size is None:
@@ -244,8 +237,6 @@ class KvRouter:
 
     def remove_worker(self, worker_id: WorkerId) -> list[ExpiredSession]:
         """Forget a worker: its index state, load and in-flight requests; returns its sessions."""
-        if self._deferred is not None:
-            self.flush()
         info = self._workers.pop(worker_id, None)
         if info is not None:
             for rank in range(info.dp_size):
@@ -272,20 +263,14 @@ class KvRouter:
     # ---------------------------------------------------------------- KV state
     def apply_events(self, worker_id: WorkerId, batch: EventBatch) -> None:
         """Apply one engine batch (dp rank from ``batch.data_parallel_rank``, None -> 0)."""
-        if self._deferred is not None:
-            self.flush()
         self._index.apply((worker_id, batch.data_parallel_rank or 0), batch.events)
 
     def load_state(self, worker_id: WorkerId, dp_rank: DpRank, events: Sequence[BlockStored]) -> None:
         """Cold start: replace the rank's index state with these stored events (parents first)."""
-        if self._deferred is not None:
-            self.flush()
         self._index.load_stored((worker_id, dp_rank), events)
 
     def clear_worker_index(self, worker_id: WorkerId, dp_rank: DpRank | None = None) -> None:
         """Drop index state (subscriber reset: the stream could not be recovered)."""
-        if self._deferred is not None:
-            self.flush()
         info = self._workers.get(worker_id)
         ranks = [dp_rank] if dp_rank is not None else range(info.dp_size if info else 1)
         for rank in ranks:
@@ -293,12 +278,7 @@ class KvRouter:
 
     # ---------------------------------------------------------------- routing
     def route(self, req: RouteRequest, now: float) -> RouteResult:
-        """Decide, queue or refuse. A Decision is counted as load immediately (with a prompt still
-        to be hashed, at the next :meth:`flush`)."""
-        if self._deferred is not None:
-            self.flush()
-        if req.complete is not None:
-            self._lazy_or_whole(req, now)
+        """Decide, queue or refuse. A Decision is counted as load immediately."""
         self.last_find_matches = None
         if not self._keys:
             return Rejected(req.request_id, "no_workers", "no workers are registered")
@@ -345,52 +325,6 @@ class KvRouter:
             return self._keys
         return [k for k in self._keys if k[0] in req.allowed_workers]
 
-    def _lazy_or_whole(self, req: RouteRequest, now: float) -> None:
-        """Decide a lazily hashed prompt on its first chunk where nothing can match past it (no
-        worker caches its first block, no request in flight or live conversation holds its first
-        chunk: then the index matches nothing anywhere, and every later chunk's identity, chained
-        to the first, is unknown too), standing in for the blocks after it with ones no one
-        holds; anywhere else (a session, a pin, a request the queue takes, a known start) hash
-        it whole now."""
-        head = req.local_hashes
-        complete = req.complete
-        assert complete is not None
-        if (
-            len(head) >= CHUNK
-            and req.session_id is None
-            and req.backend_instance_id is None
-            and self.config.router_mode == "kv"
-            and not (
-                self.config.router_queue_threshold is not None and (len(self._queue) or self._saturated(now))
-            )
-            and not self._anyone_holds(head)
-        ):
-            n_blocks = req.isl_tokens // (self._block_size or 1)
-            req.local_hashes = [*head, *_unheld_blocks(head[-1], n_blocks - len(head))]
-        else:
-            req.local_hashes = complete()
-            req.complete = None
-
-    def _anyone_holds(self, head: Sequence[int]) -> bool:
-        if any(d.disk > 0 for d in self._index.find_matches_tiered(head[:1]).values()):
-            return True
-        first = PromptBlocks(head[:CHUNK]).ids[0]
-        return self._load.held_anywhere(first) or self._conversations.holds_start(first, head)
-
-    def flush(self) -> None:
-        """Commit the decision waiting for its prompt's hashes (see :attr:`RouteRequest.complete`):
-        call it once that request is on its way to its worker."""
-        deferred = self._deferred
-        if deferred is None:
-            return
-        self._deferred = None
-        req, worker, overlap, now, view, score = deferred
-        complete = req.complete
-        assert complete is not None
-        req.complete = None
-        req.local_hashes = complete()
-        self._count_in(req, worker, overlap, now, view, score, None, None)
-
     def _prefill_load(self, key: WorkerKey, now: float | None) -> float:
         """Active prefill tokens as the load model sees them (decayed with ``aic``)."""
         if self._aic and now is not None:
@@ -426,8 +360,6 @@ class KvRouter:
 
     def release(self, now: float) -> list[Decision]:
         """Queued requests that may go now (call after feedback frees capacity, or on a timer)."""
-        if self._deferred is not None:
-            self.flush()
         out: list[Decision] = []
         queue = self._queue
         while len(queue) and self._keys and not self._saturated(now):
@@ -472,8 +404,6 @@ class KvRouter:
         osl: int | None = None,
     ) -> None:
         """Count a request routed elsewhere (a peer replica's decision) as load on ``worker``."""
-        if self._deferred is not None:
-            self.flush()
         self._commit(request_id, worker, local_hashes, isl_tokens, overlap_blocks, now, osl, None)
 
     # ---------------------------------------------------------------- decision
@@ -794,11 +724,18 @@ class KvRouter:
         """Commit the decision for ``worker`` (``breakdown[chosen]`` when it was scored)."""
         # the queue as this request finds it, before it joins: what it waits for, what it batches with
         view = self._load.step_in_progress(worker, now)
-        score = breakdown[chosen] if chosen is not None else None
-        if req.complete is not None:  # counted in with the real hashes by flush(), before any other call
-            self._deferred = (req, worker, overlap, now, view, score)
+        self._commit(
+            req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, now, req.osl, prompt, turn
+        )
+        if chosen is not None:
+            score = breakdown[chosen]
+            self._observations.start(
+                req, worker, overlap, score.predicted_ttft_ms, now, view, score.memory_wait_ms
+            )
         else:
-            self._count_in(req, worker, overlap, now, view, score, prompt, turn)
+            self._observations.start(req, worker, overlap, None, now, view)
+        if self.observer is not None:
+            self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
         if req.session_id is not None and req.session_action in ("open", "bind"):
             self._sessions.bind(req.session_id, worker, now, req.session_timeout, req.client)
             self._tell_session(req.session_id, worker)
@@ -813,30 +750,6 @@ class KvRouter:
         )
         self._recent.append((now, decision))
         return decision
-
-    def _count_in(
-        self,
-        req: RouteRequest,
-        worker: WorkerKey,
-        overlap: int,
-        now: float,
-        view: tuple[float, int],
-        score: CandidateScore | None,
-        prompt: PromptBlocks | None,
-        turn: Turn | None,
-    ) -> None:
-        """The request is load on ``worker`` from ``now``: its blocks, its observation, its peers'."""
-        self._commit(
-            req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, now, req.osl, prompt, turn
-        )
-        if score is not None:
-            self._observations.start(
-                req, worker, overlap, score.predicted_ttft_ms, now, view, score.memory_wait_ms
-            )
-        else:
-            self._observations.start(req, worker, overlap, None, now, view)
-        if self.observer is not None:
-            self.observer.routed(req.request_id, worker, req.local_hashes, req.isl_tokens, overlap, req.osl)
 
     def recent_decisions(self, limit: int = DECISION_HISTORY) -> list[tuple[float, Decision]]:
         """Up to ``limit`` of the last decisions, newest first, each with the time it was made
@@ -920,8 +833,6 @@ class KvRouter:
     def first_token(self, request_id: str, now: float, *, timed: bool = True) -> None:
         """Prefill is done: its prompt tokens stop counting as prefill load. ``timed=False``: the
         caller only learned it at the end (a non-streamed answer), so ``now`` is no TTFT."""
-        if self._deferred is not None:
-            self.flush()
         self._observations.first_token(request_id, now, timed)
         self._load.prefill_done(request_id, now)
         if self.observer is not None:
@@ -929,22 +840,16 @@ class KvRouter:
 
     def output_tokens(self, request_id: str, n: int, now: float) -> None:
         """``n`` more tokens were generated (output-block tracking, liveness, decode timing)."""
-        if self._deferred is not None:
-            self.flush()
         self._load.generated(request_id, n, now)
         self._observations.output_tokens(request_id, n, now)
 
     def reported_cached(self, request_id: str, cached_tokens: int) -> None:
         """The engine's ``usage.prompt_tokens_details.cached_tokens`` for one of our requests."""
-        if self._deferred is not None:
-            self.flush()
         self._observations.reported_cached(request_id, cached_tokens)
 
     def finished(self, request_id: str, now: float) -> TimingSample | None:
         """The stream ended: free the request's load (unknown ids are ignored) and teach the
         worker's timing model; returns the prediction made at dispatch beside what happened."""
-        if self._deferred is not None:
-            self.flush()
         generated = self._load.generated_tokens(request_id)
         if generated > 0:
             self._stays.generated(generated)
@@ -954,8 +859,6 @@ class KvRouter:
 
     def cancel(self, request_id: str, now: float) -> bool:
         """Client gone: drop a queued request or free an in-flight one. True if it was known."""
-        if self._deferred is not None:
-            self.flush()
         if self._queue.cancel(request_id) is not None:
             return True
         freed = self._load.free(request_id, now)
@@ -966,8 +869,6 @@ class KvRouter:
 
     def tracking(self, request_id: str) -> bool:
         """True while ``request_id`` counts as load somewhere."""
-        if self._deferred is not None:
-            self.flush()
         return request_id in self._load
 
     def knows(self, worker: WorkerKey) -> bool:
@@ -978,8 +879,6 @@ class KvRouter:
     def expire(self, now: float) -> list[ExpiredSession]:
         """Housekeeping: expire idle sessions (returned, so engine sessions can be closed),
         in-flight requests whose finish never came, and approximate-index blocks past their TTL."""
-        if self._deferred is not None:
-            self.flush()
         gone = self._load.expire(now, self.config.router_request_timeout_secs)
         for rid in gone:
             self._observations.drop(rid)
@@ -1026,8 +925,6 @@ class KvRouter:
         the same per DP rank, when the engine labels them; each rank then has its own (a rank
         missing there reports none). Without them, or naming a rank the worker does not have, the
         totals are spread evenly over its ranks."""
-        if self._deferred is not None:
-            self.flush()
         info = self._workers.get(worker_id)
         if info is None:
             return
@@ -1040,8 +937,6 @@ class KvRouter:
             load.set_unseen([(worker_id, r) for r in range(info.dp_size)], running, waiting, now)
 
     def worker_snapshot(self) -> list[WorkerSnapshot]:
-        if self._deferred is not None:
-            self.flush()
         busy = self._busy_flags(self._keys)
         load = self._load
         out = []
@@ -1068,8 +963,6 @@ class KvRouter:
 
     def conversation_stats(self) -> dict[str, float | int] | None:
         """The conversations the latency cost has learned about (None with Dynamo's cost)."""
-        if self._deferred is not None:
-            self.flush()
         return self._conversations.describe() if self._latency else None
 
     def join_stats(self) -> dict[str, list[float]] | None:
@@ -1095,8 +988,6 @@ class KvRouter:
 
     @property
     def stats(self) -> RouterStats:
-        if self._deferred is not None:
-            self.flush()
         s = self._stats
         c = self._index.counters()
         s.events_applied = c.events_applied
@@ -1108,16 +999,6 @@ class KvRouter:
     def queue_pending(self) -> tuple[int, int]:
         """(requests, prompt tokens) waiting in the admission queue."""
         return len(self._queue), self._queue.pending_tokens
-
-
-def _unheld_blocks(last: int, n: int) -> list[int]:
-    """``n`` stand-in block hashes for a prompt's blocks past its hashed head: distinct, and (64-bit
-    values spread from the last real one) no prompt's real blocks."""
-    return [(last + (i + 1) * _SPREAD) & _MASK64 for i in range(n)]
-
-
-_SPREAD = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: consecutive multiples are far apart
-_MASK64 = (1 << 64) - 1
 
 
 def _bare_prompt(local_hashes: Sequence[int]) -> PromptBlocks:

@@ -268,10 +268,6 @@ class ActiveSequences:
         w = self._workers.get(worker)
         return w.refs.get(identity, 0) if w is not None else 0
 
-    def held_anywhere(self, identity: int) -> bool:
-        """A request in flight on some worker has the prefix named ``identity``."""
-        return any(identity in w.refs for w in self._workers.values())
-
     def decoding(self, worker: WorkerKey) -> int:
         """Requests past their first token (generating) on ``worker``."""
         w = self._workers.get(worker)

@@ -10,7 +10,7 @@ A :class:`RouteRequest` goes in; a :class:`Decision` (with every candidate's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -57,12 +57,6 @@ class RouteRequest:
     """The decode stage of a disaggregated request: another worker computes its prompt and the KV
     arrives by transfer, so a candidate adds no prefill work for it; its load decides, and among
     equally loaded candidates the one holding most of the prompt (the least KV to move)."""
-    complete: Callable[[], Sequence[int]] | None = None
-    """A prompt hashed only as far as its first blocks: ``local_hashes`` holds those, ``isl_tokens``
-    is the whole length, and this returns every full block's hashes. Where no worker, request in
-    flight or conversation holds its first chunk, the router places it on that alone (nothing
-    could match further) and takes the rest when :meth:`KvRouter.flush` is called: once the
-    request is on its way. Elsewhere it is called at once."""
 
 
 @dataclass(slots=True)  # not frozen: a frozen one sets each field through object.__setattr__, ~8x slower

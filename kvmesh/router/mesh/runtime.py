@@ -499,11 +499,6 @@ class Mesh:
             self.metrics.speculative_prefills.labels(outcome).inc()
             self.pump(now)
 
-    @property
-    def warming(self) -> bool:
-        """A warm-up of some conversation's next turn is in flight."""
-        return bool(self._warmups)
-
     def cancel_warmups(self, hashes: list[int]) -> None:
         """The next turn is here: a warm-up of a prefix it extends is of no use any more."""
         if not self._warmups or not hashes:

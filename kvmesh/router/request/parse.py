@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
@@ -26,7 +26,7 @@ from kvmesh.router.request.nvext import (
     NvextLimits,
     parse_nvext,
 )
-from kvmesh.router.request.tokenizer import LazyPrompt, Tokenizer, chat_arguments, prompt_token_ids
+from kvmesh.router.request.tokenizer import Tokenizer, prompt_token_ids
 
 _WORKER_HEADER_B = WORKER_HEADER.encode()
 _PREFILL_HEADER_B = PREFILL_HEADER.encode()
@@ -58,28 +58,10 @@ class ParsedRequest:
     """Why the engine keys this prompt's cache by more than its tokens, or None. Then ``hashes``
     live in a namespace of their own (:func:`cache_namespace`): they match only requests with the
     same salt, media or template arguments, never the plain prefix with equal tokens."""
-    rest: PromptRest | None = None
-    """A prompt parsed with ``head_tokens``: ``tokens`` and ``hashes`` hold its first tokens only
-    until :meth:`complete` encodes the rest (``isl`` is the whole length from the start)."""
 
     @property
     def isl(self) -> int:
-        rest = self.rest
-        return len(self.tokens) if rest is None or rest.done else rest.isl
-
-    @property
-    def complete_pending(self) -> bool:
-        return self.rest is not None and not self.rest.done
-
-    def complete(self) -> list[int]:
-        """Encode and hash the rest of a prompt parsed with ``head_tokens`` (no-op otherwise):
-        ``tokens`` and ``hashes`` become the whole prompt's, in place. Returns ``hashes``."""
-        rest = self.rest
-        if rest is not None and not rest.done:
-            rest.done = True
-            self.tokens[:] = rest.prompt.full()
-            self.hashes[:] = block_hashes(self.tokens, rest.block_size, rest.namespace)
-        return self.hashes
+        return len(self.tokens)
 
     @property
     def stream(self) -> bool:
@@ -187,14 +169,8 @@ def parse_request(
     lora_of: Callable[[Any], str | None],
     clock: Callable[[], float],
     limits: NvextLimits = DEFAULT_LIMITS,
-    head_tokens: int = 0,
 ) -> ParsedRequest:
-    """Decode, validate ``nvext``, and (when ``tokenizer`` is given: KV mode) tokenize and hash.
-
-    ``head_tokens``: a plain chat request (no ``nvext``, no override header) whose tokenizer can
-    count a prompt before encoding it (the built-in one) and whose prompt is longer than
-    :data:`LAZY_MIN_FACTOR` times this is tokenized and hashed only this far; the rest waits for
-    :meth:`ParsedRequest.complete`."""
+    """Decode, validate ``nvext``, and (when ``tokenizer`` is given: KV mode) tokenize and hash."""
     body = decode_body(raw)
     overrides = override_headers(headers)
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
@@ -205,66 +181,19 @@ def parse_request(
     hashes: list[int] = []
     tokenize_secs = hash_secs = 0.0
     keyed = cache_keyed(body)
-    rest = None
     if tokenizer is not None:
         t0 = clock()
-        namespace = lora if keyed is None else cache_namespace(body, keyed, lora)
-        lazy = (
-            lazy_prompt(tokenizer, body, endpoint)
-            if head_tokens > 0 and nv is EMPTY and overrides is None
-            else None
+        # A pre-tokenized prompt is hashed as given: the router never tokenizes it again.
+        tokens = (
+            list(nv.token_data) if nv.token_data is not None else prompt_tokens(tokenizer, body, endpoint)
         )
-        if lazy is not None and lazy.count >= LAZY_MIN_FACTOR * head_tokens:
-            tokens = lazy.head(head_tokens)
-            rest = PromptRest(lazy, lazy.count, block_size, namespace)
-        else:
-            # A pre-tokenized prompt is hashed as given: the router never tokenizes it again.
-            tokens = (
-                list(nv.token_data)
-                if nv.token_data is not None
-                else lazy.full()
-                if lazy is not None
-                else prompt_tokens(tokenizer, body, endpoint)
-            )
         t1 = clock()
+        namespace = lora if keyed is None else cache_namespace(body, keyed, lora)
         hashes = block_hashes(tokens, block_size, namespace)
         tokenize_secs, hash_secs = t1 - t0, clock() - t1
     return ParsedRequest(
-        endpoint, raw, body, nv, overrides, tokens, hashes, lora, tokenize_secs, hash_secs, keyed, rest
+        endpoint, raw, body, nv, overrides, tokens, hashes, lora, tokenize_secs, hash_secs, keyed
     )
-
-
-LAZY_MIN_FACTOR = 4
-"""A prompt is parsed lazily only when it is at least this many heads long: below that, what waits
-for :meth:`ParsedRequest.complete` is too little to be worth a second pass."""
-
-
-@dataclass(slots=True)
-class PromptRest:
-    """What :meth:`ParsedRequest.complete` needs to finish a prompt parsed with a head only."""
-
-    prompt: LazyPrompt
-    isl: int
-    block_size: int
-    namespace: str | None
-    done: bool = False
-
-
-def lazy_prompt(tokenizer: Tokenizer, body: dict[str, Any], endpoint: str) -> LazyPrompt | None:
-    """The chat prompt, counted but not encoded, when the tokenizer can do that (the built-in one);
-    None otherwise. Validates the body as :func:`prompt_tokens` does."""
-    lazy_chat = getattr(tokenizer, "lazy_chat", None)
-    if lazy_chat is None or not endpoint.endswith("chat/completions"):
-        return None
-    try:
-        messages, tools, add_generation_prompt = chat_arguments(body)
-        return cast(
-            "LazyPrompt", lazy_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-        )
-    except (RequestError, ConfigError):
-        raise
-    except Exception as e:
-        raise RequestError(f"the prompt could not be tokenized: {e!r}", field="messages") from None
 
 
 # Non-text content parts: the engine's cache keys their blocks by the media's hash as well.

@@ -28,7 +28,6 @@ from kvmesh.errors import RequestError
 __all__ = [
     "BuiltinTokenizer",
     "HfTokenizer",
-    "LazyPrompt",
     "Tokenizer",
     "prompt_token_ids",
 ]
@@ -117,7 +116,17 @@ class BuiltinTokenizer:
         self._turn_tokens = 0
 
     def encode(self, text: str) -> list[int]:
-        return self._encode_pieces((_ASCII_PIECE if text.isascii() else _PIECE).findall(text))
+        out: list[int] = []
+        extend = out.extend
+        cache = self._piece_cache
+        for piece in (_ASCII_PIECE if text.isascii() else _PIECE).findall(text):
+            ids = cache.get(piece)
+            if ids is None:
+                ids = _encode_piece(piece)
+                if len(cache) < _PIECE_CACHE_LIMIT:
+                    cache[piece] = ids
+            extend(ids)
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         buf = bytearray()
@@ -161,69 +170,6 @@ class BuiltinTokenizer:
         out.append(IM_END)
         out += self.encode("\n")
 
-    def lazy_chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> LazyPrompt:
-        """What :meth:`apply_chat_template` returns, cut into pieces but not yet encoded: its length
-        and its first tokens are cheap, the rest is encoded when asked for. A router can place a
-        prompt nobody has cached on its length and first block, and encode the rest after the
-        request is on its way (most of encoding a text seen for the first time is the pieces it
-        has never met)."""
-        parts: list[Sequence[int] | _Text] = []
-        tools_text = _render_tools(tools) if tools else ""
-        start = 0
-        if tools_text:
-            system = messages[0] if messages and messages[0].get("role") == "system" else None
-            body = _render_content(system) if system is not None else ""
-            self._lazy_turn(parts, "system", f"{body}\n\n{tools_text}" if body else tools_text)
-            start = 1 if system is not None else 0
-        for message in messages[start:]:
-            self._lazy_turn(parts, str(message.get("role")), _render_content(message))
-        if add_generation_prompt:
-            parts.append((IM_START, *self.encode("assistant\n")))
-        return LazyPrompt(self, parts)
-
-    def _lazy_turn(self, parts: list[Sequence[int] | _Text], role: str, text: str) -> None:
-        text = f"{role}\n{text}"
-        parts.append((IM_START,))
-        cached = self._turns.get(text) if len(text) >= _TURN_CACHE_MIN_CHARS else None
-        if cached is not None:
-            self._turns.move_to_end(text)
-            parts.append(cached)
-        else:
-            parts.append(_Text(text, (_ASCII_PIECE if text.isascii() else _PIECE).findall(text)))
-        parts.append((IM_END, *self.encode("\n")))
-
-    def _encode_pieces(self, pieces: Sequence[str]) -> list[int]:
-        out: list[int] = []
-        extend = out.extend
-        cache = self._piece_cache
-        for piece in pieces:
-            ids = cache.get(piece)
-            if ids is None:
-                ids = _encode_piece(piece)
-                if len(cache) < _PIECE_CACHE_LIMIT:
-                    cache[piece] = ids
-            extend(ids)
-        return out
-
-    def _keep_turn(self, text: str, ids: tuple[int, ...]) -> None:
-        """Remember a rendered turn's ids (the turn cache :meth:`_encode_turn` reads)."""
-        if len(text) < _TURN_CACHE_MIN_CHARS or len(ids) > _TURN_CACHE_TOKENS // 4:
-            return
-        turns = self._turns
-        if text in turns:
-            return
-        turns[text] = ids
-        self._turn_tokens += len(ids)
-        while self._turn_tokens > _TURN_CACHE_TOKENS:
-            _, old = turns.popitem(last=False)
-            self._turn_tokens -= len(old)
-
     def _encode_turn(self, text: str) -> Sequence[int]:
         if len(text) < _TURN_CACHE_MIN_CHARS:
             return self.encode(text)
@@ -233,70 +179,14 @@ class BuiltinTokenizer:
             turns.move_to_end(text)
             return ids
         ids = tuple(self.encode(text))
-        self._keep_turn(text, ids)  # (not one huge turn: it would flush everything else)
+        if len(ids) > _TURN_CACHE_TOKENS // 4:  # one huge turn would flush everything else
+            return ids
+        turns[text] = ids
+        self._turn_tokens += len(ids)
+        while self._turn_tokens > _TURN_CACHE_TOKENS:
+            _, old = turns.popitem(last=False)
+            self._turn_tokens -= len(old)
         return ids
-
-
-class _Text:
-    """A turn's text cut into the pieces it encodes from, in order (encoding them one by one gives
-    its ids). The pieces are what a length costs: one regex pass, no encoding."""
-
-    __slots__ = ("pieces", "text")
-
-    def __init__(self, text: str, pieces: list[str]) -> None:
-        self.text = text
-        self.pieces = pieces
-
-    def count(self) -> int:
-        """How many ids the pieces encode to: a piece's UTF-8 bytes in chunks of ``_CHUNK_BYTES``."""
-        n = _CHUNK_BYTES
-        if self.text.isascii():
-            return sum([(len(p) + n - 1) // n for p in self.pieces])
-        return sum([(len(p.encode("utf-8")) + n - 1) // n for p in self.pieces])
-
-
-class LazyPrompt:
-    """A chat prompt of the built-in tokenizer whose ids are encoded on demand: :attr:`count` (its
-    length) is known at once, :meth:`head` encodes as few pieces as a prefix needs, :meth:`full`
-    encodes the rest. Every method returns what :meth:`BuiltinTokenizer.apply_chat_template` would,
-    or a prefix of it."""
-
-    __slots__ = ("_parts", "_tok", "count")
-
-    def __init__(self, tok: BuiltinTokenizer, parts: list[Sequence[int] | _Text]) -> None:
-        self._tok = tok
-        self._parts = parts
-        self.count = sum(p.count() if isinstance(p, _Text) else len(p) for p in parts)
-
-    def head(self, n: int) -> list[int]:
-        """The first ``n`` ids (all of them when the prompt is shorter)."""
-        out: list[int] = []
-        for part in self._parts:
-            if len(out) >= n:
-                break
-            if not isinstance(part, _Text):
-                out += part
-                continue
-            # encode a few pieces at a time: a piece is one to a few ids
-            pieces, i = part.pieces, 0
-            while len(out) < n and i < len(pieces):
-                step = max(n - len(out), 8)
-                out += self._tok._encode_pieces(pieces[i : i + step])
-                i += step
-        return out[:n]
-
-    def full(self) -> list[int]:
-        """Every id, the turns it encoded remembered as :meth:`BuiltinTokenizer.apply_chat_template` would."""
-        out: list[int] = []
-        tok = self._tok
-        for part in self._parts:
-            if isinstance(part, _Text):
-                ids = tuple(tok._encode_pieces(part.pieces))
-                tok._keep_turn(part.text, ids)
-                out += ids
-            else:
-                out += part
-        return out
 
 
 def _encode_piece(piece: str) -> tuple[int, ...]:
@@ -408,29 +298,20 @@ def prompt_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any], endpoint: st
     name (``chat``, ``completions``). Raises :class:`RequestError` naming the offending field.
     """
     if endpoint.endswith("chat/completions") or endpoint == "chat":
-        messages, tools, add_generation_prompt = chat_arguments(body)
+        messages = body.get("messages")
+        _check_messages(messages)
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise RequestError("'tools' must be a list of objects", field="tools")
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(add_generation_prompt, bool):
+            raise RequestError("'add_generation_prompt' must be a boolean", field="add_generation_prompt")
         return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt
+            cast("list[dict[str, Any]]", messages), tools=tools, add_generation_prompt=add_generation_prompt
         )
     if endpoint.endswith("completions") or endpoint == "completions":
         return _completion_prompt(tokenizer, body.get("prompt"))
     raise ValueError(f"not an OpenAI generation endpoint: {endpoint!r}")
-
-
-def chat_arguments(
-    body: Mapping[str, Any],
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
-    """A chat body's ``messages``, ``tools`` and ``add_generation_prompt``, validated (a 400
-    naming the field otherwise)."""
-    messages = body.get("messages")
-    _check_messages(messages)
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise RequestError("'tools' must be a list of objects", field="tools")
-    add_generation_prompt = body.get("add_generation_prompt", True)
-    if not isinstance(add_generation_prompt, bool):
-        raise RequestError("'add_generation_prompt' must be a boolean", field="add_generation_prompt")
-    return cast("list[dict[str, Any]]", messages), tools, add_generation_prompt
 
 
 def _completion_prompt(tokenizer: Tokenizer, prompt: Any) -> list[int]:

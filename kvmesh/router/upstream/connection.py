@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -91,11 +90,8 @@ class Http1Connection(asyncio.Protocol):
             and not self.transport.is_closing()
         )
 
-    async def request(
-        self, data: bytes, *, head_request: bool = False, sent: Callable[[], None] | None = None
-    ) -> None:
-        """Write a whole request and wait for its response head (``status``, ``headers``);
-        ``sent`` is called once the request is written, before the wait."""
+    async def request(self, data: bytes, *, head_request: bool = False) -> None:
+        """Write a whole request and wait for its response head (``status``, ``headers``)."""
         transport = self.transport
         if self._error is not None or transport is None or transport.is_closing():
             raise NotSent(f"connection already closed: {self._error!r}")
@@ -107,8 +103,6 @@ class Http1Connection(asyncio.Protocol):
         self._buffered = 0
         head = self._head = asyncio.get_running_loop().create_future()
         transport.write(data)
-        if sent is not None:
-            sent()
         try:
             await head
         finally:

@@ -23,7 +23,6 @@ idempotent and keep the transparent retry on a fresh connection.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -180,39 +179,26 @@ class Forwarder:
         path: str,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
-        *,
-        sent: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
         """Send the request and wait for the response head (not the body).
 
         ``headers`` are lower-case (name, value) pairs without hop-by-hop ones (see HOP_BY_HOP).
-        ``sent`` is called each time the request is written (before the wait for the head): work
-        that can wait until the worker has the request.
         """
         origin, prefix = self._target(worker_url)
         try:
             data = encode_request(method.encode(), prefix + path.encode(), origin.host_header, headers, body)
         except ValueError as e:
             raise UpstreamError(worker_url, str(e)) from None
-        return await self._send(
-            worker_url, origin, data, method == "HEAD", idempotent=method in _IDEMPOTENT, sent=sent
-        )
+        return await self._send(worker_url, origin, data, method == "HEAD", idempotent=method in _IDEMPOTENT)
 
     async def _send(
-        self,
-        url: str,
-        origin: Origin,
-        data: bytes,
-        head_request: bool,
-        *,
-        idempotent: bool,
-        sent: Callable[[], None] | None = None,
+        self, url: str, origin: Origin, data: bytes, head_request: bool, *, idempotent: bool
     ) -> UpstreamResponse:
         pool = self._pool
         conn = pool.take_idle(origin)
         if conn is not None:
             try:
-                await conn.request(data, head_request=head_request, sent=sent)
+                await conn.request(data, head_request=head_request)
                 return UpstreamResponse(url, conn, pool, origin)
             except NotSent:
                 conn.close()  # closed before a byte was written: a fresh connection is safe
@@ -234,7 +220,7 @@ class Forwarder:
         except _FAILURES as e:
             raise ConnectFailed(url, f"no response: {e!r}") from None
         try:
-            await conn.request(data, head_request=head_request, sent=sent)
+            await conn.request(data, head_request=head_request)
         except _FAILURES as e:
             conn.close()
             if isinstance(e, NotSent) or idempotent:

@@ -34,7 +34,7 @@ class _SwallowsOneCancel:
     def __init__(self) -> None:
         self.upstream = _Upstream()
 
-    async def open(self, *args: Any, sent: Any = None) -> _Upstream:
+    async def open(self, *args: Any) -> _Upstream:
         try:
             await asyncio.sleep(0.05)
         except asyncio.CancelledError:
@@ -48,7 +48,6 @@ def _dispatch(forwarder: Any, receive: Any) -> Dispatch:
         settings=SimpleNamespace(mesh_secret=None),
         replica="r1",
         registry=SimpleNamespace(get=lambda worker_id: None),
-        router=SimpleNamespace(flush=lambda: None),
     )
     parsed = SimpleNamespace(endpoint="/v1/chat/completions", engine_body=lambda *_: b"{}", nvext=EMPTY)
     return Dispatch(
@@ -90,7 +89,7 @@ class _Records:
         self.order = order
         self.upstream = _Upstream()
 
-    async def open(self, *args: Any, sent: Any = None) -> _Upstream:
+    async def open(self, *args: Any) -> _Upstream:
         self.order.append("written")
         return self.upstream
 
@@ -117,7 +116,7 @@ async def test_an_open_that_fails_after_the_client_left_is_not_failed_over() -> 
     from kvmesh.router.upstream.forwarder import ConnectFailed
 
     class _FailsAfterLosingTheCancel:
-        async def open(self, *args: Any, sent: Any = None) -> Any:
+        async def open(self, *args: Any) -> Any:
             try:
                 await asyncio.sleep(0.05)
             except asyncio.CancelledError:

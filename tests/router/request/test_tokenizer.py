@@ -206,31 +206,3 @@ def test_a_conversation_encodes_the_same_when_its_earlier_turns_come_from_the_tu
         assert cached == BuiltinTokenizer().apply_chat_template(messages)
         assert type(cached) is list
     assert 0 < tok._turn_tokens <= 4000  # bounded: the oldest turns were dropped
-
-
-_TEXT = st.text(alphabet=st.sampled_from(list("ab Z9 07,.!?_\n\t  éü漢😀-")), max_size=1500)
-
-
-@given(
-    contents=st.lists(_TEXT, min_size=1, max_size=4),
-    with_tools=st.booleans(),
-    head=st.integers(min_value=0, max_value=600),
-    generation=st.booleans(),
-)
-def test_a_lazy_chat_prompt_counts_heads_and_ends_as_the_template_renders_it(
-    contents: list[str], with_tools: bool, head: int, generation: bool
-) -> None:
-    roles = ["system", "user", "assistant", "user"]
-    messages = [{"role": roles[i], "content": c} for i, c in enumerate(contents)]
-    tools = (
-        [{"type": "function", "function": {"name": "f", "description": contents[0][:80]}}]
-        if with_tools
-        else None
-    )
-    eager, lazy_tok = BuiltinTokenizer(), BuiltinTokenizer()
-    for _ in range(2):  # the second time, long turns come from the turn cache
-        want = eager.apply_chat_template(messages, tools=tools, add_generation_prompt=generation)
-        lazy = lazy_tok.lazy_chat(messages, tools=tools, add_generation_prompt=generation)
-        assert lazy.count == len(want)
-        assert lazy.head(head) == want[:head]
-        assert lazy.full() == want

@@ -29,7 +29,7 @@ from kvmesh.router.upstream.forwarder import (
 )
 from tests.router.engines import EngineState, engine_app
 from tests.router.fleet import chat
-from tests.router.servers import serve, wait_until
+from tests.router.servers import serve
 
 Handler = Callable[["Peer"], Awaitable[None]]
 
@@ -429,39 +429,3 @@ async def test_router_does_not_send_a_generation_twice_when_a_live_worker_drops_
         assert len(posts) == 1  # the dropped request reached a worker once, and only once
         assert len(other.received) == 1
         assert await _load(http, front) == 0
-
-
-async def test_sent_is_called_once_the_request_is_written_before_the_answer(forwarder: Forwarder) -> None:
-    """The hook a router uses to finish work the worker need not wait for (hashing a long prompt
-    routed on its head): it runs after the write and before the response head is awaited, on a
-    new connection and on a reused one."""
-    answer = asyncio.Event()
-
-    async def held(peer: Peer) -> None:
-        while (request := await peer.request()) is not None:
-            await answer.wait()
-            answer.clear()
-            await peer.send(ok(request[2], b"connection: keep-alive", b"keep-alive: timeout=5"))
-
-    async with raw_server(held) as raw:
-        for body in (b"first", b"second"):
-            calls: list[int] = []
-            before = len(raw.requests)
-            opening = asyncio.ensure_future(
-                forwarder.open(
-                    raw.url,
-                    "POST",
-                    "/v1/chat/completions",
-                    [],
-                    body,
-                    sent=lambda: calls.append(1),  # noqa: B023
-                )
-            )
-            await wait_until(lambda: len(raw.requests) == before + 1)  # noqa: B023
-            assert calls == [1]  # the worker has the request and has not answered
-            answer.set()
-            response = await opening
-            assert await response.read() == body
-            response.release()
-            assert calls == [1]
-        assert raw.connections == 1

@@ -40,6 +40,7 @@ async def test_the_latency_cost_does_no_more_prefill_work_than_dynamos_and_learn
     dynamo, _, described = await _run("dynamo")
     assert described["conversations"] is None  # Dynamo's cost prices no conversations
     assert described["ttft_tail"] is None  # nor bounds any tail
+    assert described["decode_pass_lag"] is None  # nor waits out decode passes
     latency, workers, described = await _run("latency")
     assert dynamo["errors"] == 0 and latency["errors"] == 0
     assert latency["requests"] == dynamo["requests"] == 32
@@ -71,6 +72,10 @@ async def test_the_latency_cost_does_no_more_prefill_work_than_dynamos_and_learn
     # every streamed first token was timed, every decision offered its best; 32 are too few for a
     # 99th percentile to bound anything
     assert described["ttft_tail"] == {"decisions": 32, "offered_p99_ms": None, "requests": 32, "p99_ms": None}
+    # the decode passes' lag is learned from requests that found a worker decoding; 32 requests
+    # are too few for it to be used
+    lag = described["decode_pass_lag"]
+    assert isinstance(lag, dict) and lag["lag_ms"] == 0.0 and 0 <= lag["requests"] < 32
     live = [rank["live_conversation_blocks"] for w in workers for rank in w["ranks"]]
     assert sum(live) > 0
     # each worker's learned stay (dispatch to finish) holds its decode (first token to finish)

@@ -54,6 +54,7 @@ from kvmesh.router.core.joins import Joins
 from kvmesh.router.core.latency_cost import NO_TIERS, LatencyCost, weigh_prefill
 from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.observations import Observations
+from kvmesh.router.core.pass_lag import PassLag
 from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
 from kvmesh.router.core.route_types import (
     BusyThresholds,
@@ -170,6 +171,7 @@ class KvRouter:
         self._wait_spread = WaitSpread()
         self._shared = SharedPrefixes()
         self._tail = TtftTail()
+        self._pass_lag = PassLag()
         state = RouterState(
             self._load,
             self._timing,
@@ -180,6 +182,7 @@ class KvRouter:
             self._shared,
             self._stays,
             self._tail,
+            self._pass_lag,
         )
         self._cost = LatencyCost(state, rng)
         self._observations = Observations(state)
@@ -539,7 +542,7 @@ class KvRouter:
         in_flight_cached = latency and prompt is not None and weights.overlap_score_credit > 0
         scale = weights.prefill_load_scale
         timing_of, workers, reuse, osl = self._timing, self._workers, self._stays.reuse_fleet, req.osl
-        joins = self._joins
+        joins, pass_lag = self._joins, self._pass_lag
         # the conversations living on each candidate: (live blocks, turns held ahead, turns a gap)
         outlooks = conv.outlooks(candidates, continues) if turn is not None else ()
         for c_i, key in enumerate(candidates):
@@ -583,7 +586,14 @@ class KvRouter:
                 wait_ms = 1000.0 * step_left_s
                 usage = held / total if held < total else 1.0
                 curve = timing.curve()
-                ttft = curve.ttft_ms(prefill, generating > 0, usage, wait_ms)
+                if generating and not wait_ms:  # the rest of the decode pass running there
+                    d = curve.decode_ms(usage)
+                    rest = pass_lag.rest(load.since_streamed_ms(key, now), d)
+                    ttft = curve.ttft_ms(prefill, True, usage, 0.0, rest)
+                    start_ms = rest * d
+                else:
+                    ttft = curve.ttft_ms(prefill, generating > 0, usage, wait_ms)
+                    start_ms = wait_ms
                 if wait_ms > 0.0 and joins.joined:  # (a call per candidate only once a join was seen)
                     ttft = cost.joining_ttft_ms(key, curve, ttft, wait_ms, prefill - active, now)
                 if scale != 1.0:
@@ -656,7 +666,7 @@ class KvRouter:
                     False,
                     ttft,
                     evict,
-                    wait_ms,
+                    start_ms,
                     credit,
                     delay,
                     overlap,
@@ -969,6 +979,11 @@ class KvRouter:
         """How often requests routed right behind the step in progress on a worker joined it, by
         how soon after its request they were routed (None with Dynamo's cost)."""
         return self._joins.describe() if self._latency else None
+
+    def pass_lag_stats(self) -> dict[str, float | int] | None:
+        """How much further into its decode pass an engine is, when a request routed now reaches
+        it, than its last tokens say (None with Dynamo's cost)."""
+        return self._pass_lag.describe() if self._latency else None
 
     def memory_wait_stats(self) -> dict[str, float] | None:
         """How far the waits for memory came from their predictions: the requests counted and the

@@ -143,6 +143,7 @@ class _WorkerLoad:
         "prefill_tokens",
         "refs",
         "requests",
+        "streamed_at",
         "unseen",
         "unseen_blocks",
         "unseen_queued",
@@ -161,6 +162,8 @@ class _WorkerLoad:
         self.active: dict[str, _Active] = {}
         """Every request in flight here."""
         self.anchor_since = 0.0
+        self.streamed_at = -math.inf
+        """When tokens last came from a request here: the end of the engine's last step."""
         self.unseen = 0.0
         """Requests the engine reports beyond this router's (:meth:`ActiveSequences.set_unseen`):
         the two below together, kept so the load view tests one attribute per candidate."""
@@ -329,6 +332,11 @@ class ActiveSequences:
                 w.requests - len(w.in_prefill) + math.ceil(w.unseen_running),
             )
         return left, queued, w.blocks + w.output, w.requests, w.requests - len(w.in_prefill)
+
+    def since_streamed_ms(self, worker: WorkerKey, now: float) -> float:
+        """Milliseconds since tokens last came from a request on ``worker`` (inf: none yet)."""
+        w = self._workers.get(worker)
+        return 1000.0 * (now - w.streamed_at) if w is not None else math.inf
 
     def set_unseen(self, workers: Sequence[WorkerKey], running: float, waiting: float, now: float) -> None:
         """The engine behind ``workers`` (one worker's ranks) reports ``running`` requests in its
@@ -508,6 +516,8 @@ class ActiveSequences:
         if r.first_token_at is None:
             r.first_token_at = now
         w = self._workers[r.worker]
+        if now > w.streamed_at:
+            w.streamed_at = now
         if r.prefill:
             w.prefill_tokens -= r.prefill
             r.prefill = 0
@@ -527,6 +537,9 @@ class ActiveSequences:
             return
         r.last_seen = now
         r.generated += n
+        w = self._workers[r.worker]
+        if now > w.streamed_at:
+            w.streamed_at = now
         if r.osl and self.track_active_blocks:
             value = output_blocks(r.osl, r.generated, self.block_size)
         elif self.track_output_blocks:

@@ -12,11 +12,13 @@ waits came from their predictions (:class:`~kvmesh.router.core.wait_spread.WaitS
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvmesh._types import WorkerKey
 from kvmesh.router.core.route_types import RouteRequest, TimingSample
 from kvmesh.router.core.router_state import ReadsState, RouterState
+from kvmesh.router.core.timing import HALF_PASS
 
 
 @dataclass(slots=True)
@@ -40,6 +42,12 @@ class Observation:
     """The wait for memory its decision predicted (0: none, or no decision scored it)."""
     step_wait_ms: float = 0.0
     """What was left of the prefill step running there at dispatch (the model's own estimate)."""
+    since_ms: float = math.inf
+    """Since the worker last streamed tokens, at dispatch (where in its decode pass it was)."""
+    pass_ms: float = 0.0
+    """A decode pass there at dispatch, as the worker's gaps between tokens had shown it."""
+    rest: float = HALF_PASS
+    """The share of that pass the request was predicted to wait for (:mod:`~kvmesh.router.core.pass_lag`)."""
     anchor: str | None = None
     """The request taken to be in that step (None: no step was running)."""
     gap_s: float = 0.0
@@ -90,8 +98,12 @@ class Observations(ReadsState):
         blocks = load.decode_blocks(worker)
         usage = min(blocks / total, 1.0)
         decoding = load.decoding(worker) > 0
+        since_ms, pass_ms, rest = math.inf, 0.0, HALF_PASS
+        if decoding and not step_wait_ms:  # the rest of the decode pass running there, as decided
+            since_ms, pass_ms = load.since_streamed_ms(worker, now), model.curve().decode_ms(usage)
+            rest = self._pass_lag.rest(since_ms, pass_ms)
         if predicted is None:
-            predicted = model.ttft_ms(ahead + uncached, decoding, usage, step_wait_ms)
+            predicted = model.ttft_ms(ahead + uncached, decoding, usage, step_wait_ms, rest)
         obs = self._obs[req.request_id] = Observation(
             worker,
             now,
@@ -104,6 +116,9 @@ class Observations(ReadsState):
             blocks > total,
             memory_wait_ms,
             step_wait_ms,
+            since_ms=since_ms,
+            pass_ms=pass_ms,
+            rest=rest,
         )
         if step_wait_ms > 0.0:
             anchor = load.anchor(worker)  # the step's request (this one joined the queue behind it)
@@ -210,7 +225,11 @@ class Observations(ReadsState):
                 rest_ms = obs.predicted_ms - obs.memory_wait_ms
                 self._wait_spread.observe(obs.memory_wait_ms, 1000.0 * obs.ttft - rest_ms)
         elif not obs.joined:
+            x_tokens = obs.ahead + uncached
+            if obs.pass_ms > 0.0:  # what the curve leaves unexplained, the pass aside, teaches the lag
+                bare = model.ttft_ms(x_tokens, True, obs.kv_usage, 0.0, 0.0)
+                self._pass_lag.observe(obs.since_ms, obs.pass_ms, 1000.0 * obs.ttft - bare)
             model.observe_ttft(
-                obs.ahead + uncached, obs.decoding, obs.kv_usage, 1000.0 * obs.ttft, obs.step_wait_ms
+                x_tokens, obs.decoding, obs.kv_usage, 1000.0 * obs.ttft, obs.step_wait_ms, obs.rest
             )
         return TimingSample(obs.worker, obs.predicted_ms / 1000.0, obs.ttft)

@@ -84,7 +84,9 @@ class CandidateScore:
     eviction_ms: float = 0.0
     """The latency cost's price for live cache this request would evict there."""
     step_wait_ms: float = 0.0
-    """The latency cost's wait for the prefill step running there (see ``ActiveSequences.step_in_progress``)."""
+    """The latency cost's wait for the step running there before this request's can start: the rest
+    of a prefill step (see ``ActiveSequences.step_in_progress``), or of the decode pass in progress
+    (see :mod:`~kvmesh.router.core.pass_lag`); 0 on an idle worker."""
     copy_credit_ms: float = 0.0
     """The latency cost's credit for copying a shared prefix here: the wait the copy saves the
     requests that will share it (:mod:`kvmesh.router.core.copies`), taken off the cost."""

@@ -15,6 +15,7 @@ from kvmesh.router.core.conversations import Conversations
 from kvmesh.router.core.copies import SharedPrefixes
 from kvmesh.router.core.joins import Joins
 from kvmesh.router.core.load import ActiveSequences
+from kvmesh.router.core.pass_lag import PassLag
 from kvmesh.router.core.stays import Stays
 from kvmesh.router.core.tail import TtftTail
 from kvmesh.router.core.timing import WorkerTiming
@@ -46,6 +47,8 @@ class RouterState:
     stays: Stays
     tail: TtftTail
     """The fleet's observed times to first token: their 99th percentile."""
+    pass_lag: PassLag
+    """How much further into its decode pass an engine is than its last tokens say."""
 
 
 class ReadsState:
@@ -62,6 +65,7 @@ class ReadsState:
         self._shared = state.shared
         self._stays = state.stays
         self._tail = state.tail
+        self._pass_lag = state.pass_lag
 
     @property
     def block_size(self) -> int:

@@ -31,10 +31,15 @@ step (``k > 1``); until such prompts come, their sum is what the data fixes and 
 Every step that also advances requests already generating runs a decode pass of ``d(p)`` ms (``p``
 the share of KV blocks in use): ``n_decode = k`` when some request decodes there, else 1 (the step
 that emits this request's first token). On a worker that is decoding, a request also arrives in the
-middle of a step and starts at the next one: half a decode pass on average (``r = d(p) / 2`` when
-decoding, else 0), since engines admit work only at step boundaries. Without it, joining a busy
-worker looked as cheap as an idle one (only ``d(p)`` grows, ~1.6 ms per conversation's blocks) and
-a 184-token shared system prompt was enough to pile a whole chat fleet onto one engine. Behind a
+middle of a step and starts at the next one, since engines admit work only at step boundaries:
+``r = rest * d(p)``, the share of the pass in progress still to run when it gets there, which the
+caller reads off when that worker last streamed tokens (:mod:`~kvmesh.router.core.pass_lag`), and
+half a pass, the average, where it cannot tell (0 on a worker that is not decoding). Without the
+term, joining a busy worker looked as cheap as an idle one (only ``d(p)`` grows, ~1.6 ms per
+conversation's blocks) and a 184-token shared system prompt was enough to pile a whole chat fleet
+onto one engine. With the average alone, the fit saw the spread of that wait, up to a whole pass,
+as noise, and a request went to whichever worker held the smallest tree where another was a few
+milliseconds from ending its pass. Behind a
 running prefill step (``w > 0``) the rest of that step is a whole pass (it ends with the pass that
 emits its request's first token), and every step after it has one (that request decodes by then):
 ``r = d(p)``, ``n_decode = k``. ``d(p)`` is the prior's decode curve scaled by a factor learned
@@ -97,6 +102,8 @@ Beyond ``CLIP`` scales a residual has well under a 1% chance under the measured 
 a row on one side (< 1e-6) do not happen to a worker that stayed the same."""
 SHRINK = 20.0
 """Observations after which a worker's own fit and the fleet's weigh the same."""
+HALF_PASS = 0.5
+"""The share of a decode pass in progress a request waits for, on average."""
 N = 4
 """Coefficients: (a, b, c, o), see the module docstring."""
 
@@ -217,19 +224,30 @@ class Curve:
         """The fitted constant of a prefill step: what a step costs beyond its tokens."""
         return self.theta[2]
 
-    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
+    def ttft_ms(
+        self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0, rest: float = HALF_PASS
+    ) -> float:
         """Predicted ms to first token with ``x_tokens`` of prefill work queued, its own included,
-        behind ``wait_ms`` left of a prefill step already running."""
+        behind ``wait_ms`` left of a prefill step already running; ``rest`` the share of the decode
+        pass in progress it waits for on a worker that is decoding (half on average;
+        :mod:`~kvmesh.router.core.pass_lag` reads it off the worker's last tokens)."""
         s2, s1, k = features(x_tokens, self.max_batched_tokens)
         a, b, c, o = self.theta
         # _decode_passes_ms, inlined: this runs for every candidate of every decision
         d = self.decode_scale * self.prior.decode(kv_usage)
-        passes = (k + 1.0) * d if wait_ms > 0 else ((k + 0.5) * d if decoding else d)
+        if wait_ms > 0:
+            passes = (k + 1.0) * d
+        elif decoding:
+            passes = (k + rest) * d
+        else:
+            passes = d
         return o + wait_ms + a * s2 + b * s1 + c * k + passes
 
-    def _decode_passes_ms(self, steps: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
-        """The decode passes before the first token: the rest of the step in progress (half a pass
-        on average) and one per prefill step on a worker that is decoding; else the one pass that
+    def _decode_passes_ms(
+        self, steps: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0, rest: float = HALF_PASS
+    ) -> float:
+        """The decode passes before the first token: the rest of the step in progress (``rest`` of a
+        pass) and one per prefill step on a worker that is decoding; else the one pass that
         emits the first token. Behind a running prefill step, that step's own pass (it emits its
         request's first token) and one per step after it: the request that ran it decodes by then."""
         d = self.decode_ms(kv_usage)
@@ -237,7 +255,7 @@ class Curve:
             return (steps + 1.0) * d
         if not decoding:
             return d
-        return (steps + 0.5) * d
+        return (steps + rest) * d
 
     def ms_per_token(self) -> float:
         """What recomputing an evicted token costs, in ms: a full step's prefill time over its
@@ -316,15 +334,21 @@ class TimingModel(Curve):
 
     # ------------------------------------------------------------------ learning
     def observe_ttft(
-        self, x_tokens: float, decoding: bool, kv_usage: float, ttft_ms: float, wait_ms: float = 0.0
+        self,
+        x_tokens: float,
+        decoding: bool,
+        kv_usage: float,
+        ttft_ms: float,
+        wait_ms: float = 0.0,
+        rest: float = HALF_PASS,
     ) -> float:
         """Learn from one request; returns the prediction it made (before the update)."""
-        predicted = self.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
+        predicted = self.ttft_ms(x_tokens, decoding, kv_usage, wait_ms, rest)
         if not (ttft_ms > 0 and math.isfinite(ttft_ms)):
             return predicted
         s2, s1, k = features(x_tokens, self.max_batched_tokens)
         phi = (s2, s1, k, 1.0)
-        y = ttft_ms - wait_ms - self._decode_passes_ms(k, decoding, kv_usage, wait_ms)
+        y = ttft_ms - wait_ms - self._decode_passes_ms(k, decoding, kv_usage, wait_ms, rest)
         residual = y - sum(p * t for p, t in zip(phi, self.theta, strict=True))
         limit = CLIP * self.scale_ms
         if abs(residual) > limit:
@@ -412,9 +436,12 @@ class _Weighed:
     def __init__(self, own: TimingModel, fleet: TimingModel, w: float) -> None:
         self.own, self.fleet, self.w = own, fleet, w
 
-    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
-        own = self.own.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
-        return self.w * own + (1.0 - self.w) * self.fleet.ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
+    def ttft_ms(
+        self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0, rest: float = HALF_PASS
+    ) -> float:
+        own = self.own.ttft_ms(x_tokens, decoding, kv_usage, wait_ms, rest)
+        fleet = self.fleet.ttft_ms(x_tokens, decoding, kv_usage, wait_ms, rest)
+        return self.w * own + (1.0 - self.w) * fleet
 
     def prefill_ms(self, x_tokens: float) -> float:
         return self.w * self.own.prefill_ms(x_tokens) + (1.0 - self.w) * self.fleet.prefill_ms(x_tokens)
@@ -425,6 +452,9 @@ class _Weighed:
 
     def overhead_ms(self) -> float:
         return self.w * self.own.overhead_ms() + (1.0 - self.w) * self.fleet.overhead_ms()
+
+    def decode_ms(self, kv_usage: float) -> float:
+        return self.w * self.own.decode_ms(kv_usage) + (1.0 - self.w) * self.fleet.decode_ms(kv_usage)
 
     def step_ms(self) -> float:
         return self.w * self.own.step_ms() + (1.0 - self.w) * self.fleet.step_ms()
@@ -482,8 +512,10 @@ class WorkerTiming:
         self._mix = mix
         return mix
 
-    def ttft_ms(self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0) -> float:
-        return self.curve().ttft_ms(x_tokens, decoding, kv_usage, wait_ms)
+    def ttft_ms(
+        self, x_tokens: float, decoding: bool, kv_usage: float, wait_ms: float = 0.0, rest: float = HALF_PASS
+    ) -> float:
+        return self.curve().ttft_ms(x_tokens, decoding, kv_usage, wait_ms, rest)
 
     def prefill_ms(self, x_tokens: float) -> float:
         return self.curve().prefill_ms(x_tokens)
@@ -517,11 +549,17 @@ class WorkerTiming:
         return w * self.own.ms_per_token() + (1.0 - w) * self.fleet.ms_per_token()
 
     def observe_ttft(
-        self, x_tokens: float, decoding: bool, kv_usage: float, ttft_ms: float, wait_ms: float = 0.0
+        self,
+        x_tokens: float,
+        decoding: bool,
+        kv_usage: float,
+        ttft_ms: float,
+        wait_ms: float = 0.0,
+        rest: float = HALF_PASS,
     ) -> None:
-        self.own.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms, wait_ms)
+        self.own.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms, wait_ms, rest)
         if not self.profiled:
-            self.fleet.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms, wait_ms)
+            self.fleet.observe_ttft(x_tokens, decoding, kv_usage, ttft_ms, wait_ms, rest)
 
     def observe_itl(self, gap_ms: float, kv_usage: float) -> None:
         self.own.observe_itl(gap_ms, kv_usage)

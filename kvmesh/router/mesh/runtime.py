@@ -251,6 +251,7 @@ class Mesh:
             "conversations": self.router.conversation_stats(),
             "shared_prefixes": self.router.shared_prefix_stats(),
             "steps_joined": self.router.join_stats(),
+            "decode_pass_lag": self.router.pass_lag_stats(),
             "memory_waits": self.router.memory_wait_stats(),
             "ttft_tail": self.router.ttft_tail_stats(),
             "replica_sync": sync is not None,

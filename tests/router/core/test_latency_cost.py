@@ -828,3 +828,35 @@ def test_a_worker_past_its_cache_has_its_releases_worked_out_once_a_decision() -
     second = r.route(req("turn-2", prefix + toks(3, 200), allowed_workers=frozenset(last)), 20.0)
     assert isinstance(second, Decision)
     assert calls == [last]
+
+
+@pytest.mark.parametrize(
+    ("a_streamed_ms_ago", "b_streamed_ms_ago", "expected"), [(0.5, 4.5, "b"), (4.5, 0.5, "a")]
+)
+def test_a_request_tied_between_cached_workers_goes_where_the_decode_pass_ends_first(
+    a_streamed_ms_ago: float, b_streamed_ms_ago: float, expected: str
+) -> None:
+    """a and b hold the same prefix and each decodes one request of the same size. Engines take a
+    request in only between steps, so it waits for the rest of the decode pass running there,
+    which the router reads off when that worker last streamed tokens: the worker that streamed
+    0.5 ms ago has most of a pass to go, the one that streamed 4.5 ms ago (of a ~6 ms pass) little.
+    Their costs are otherwise the same, a tie the fit cannot resolve: the request goes where it
+    starts soonest, whichever worker holds the smaller tree, and each candidate shows that wait."""
+    r = router()
+    prefix = toks(40, 1600)
+    store(r, "a", prefix)
+    store(r, "b", prefix)
+    store(r, "a", toks(41, 320))  # a holds the larger tree: the old tie-break would pick b
+    now = 10.0
+    for worker, ago_ms in (("a", a_streamed_ms_ago), ("b", b_streamed_ms_ago)):
+        rid = f"decoding-{worker}"
+        d = r.route(req(rid, toks(50 + ord(worker), 64), backend_instance_id=worker), now - 0.2)
+        assert isinstance(d, Decision)
+        r.first_token(rid, now - ago_ms / 1000.0)
+        r.output_tokens(rid, 1, now - ago_ms / 1000.0)
+    d = pick(r, "question", prefix + toks(42, 60), now)
+    assert d.worker == (expected, 0)
+    by = {s.worker[0]: s for s in d.breakdown}
+    # the same pass on both: the waits differ by how much longer ago one of them streamed
+    assert by["a"].step_wait_ms - by["b"].step_wait_ms == pytest.approx(b_streamed_ms_ago - a_streamed_ms_ago)
+    assert min(by["a"].step_wait_ms, by["b"].step_wait_ms) > 0.0

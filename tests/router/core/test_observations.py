@@ -11,6 +11,7 @@ from kvmesh.router.core.copies import SharedPrefixes
 from kvmesh.router.core.joins import Joins
 from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.observations import Observations
+from kvmesh.router.core.pass_lag import PassLag
 from kvmesh.router.core.route_types import RouteRequest, TimingSample
 from kvmesh.router.core.router_state import RouterState, WorkerLimits
 from kvmesh.router.core.stays import Stays
@@ -45,6 +46,7 @@ class Fleet:
             SharedPrefixes(),
             self.stays,
             TtftTail(),
+            PassLag(),
         )
         self.obs = Observations(state)
 

@@ -238,3 +238,29 @@ def test_a_blended_worker_predicts_as_the_weighted_mean_of_its_fit_and_the_fleet
     check()
     fleet.set_step_budget(2048)
     check()
+
+
+def test_a_decoding_worker_s_wait_for_the_pass_in_progress_is_taken_out_before_fitting() -> None:
+    """On a decoding worker a request waits for the rest of the decode pass in progress: all of it
+    just after the worker streamed its tokens, none just before the next. Told that share, the fit
+    takes the wait out and predicts it; one not told sees half a pass on average and the rest as
+    noise, so it predicts worse."""
+    told, untold = TimingModel(MOCKER_PRIOR, 8192), TimingModel(MOCKER_PRIOR, 8192)
+    rng = random.Random(11)
+    d = TRUE.decode(0.3)
+    for _ in range(400):
+        x = rng.uniform(50, 4000)
+        rest = rng.random()
+        y = (_truth(x, True) + rest * d) * (1 + rng.gauss(0, 0.01))
+        for model in (told, untold):
+            model.observe_itl(d, 0.3)
+        told.observe_ttft(x, True, 0.3, y, 0.0, rest)
+        untold.observe_ttft(x, True, 0.3, y)
+    assert told.describe()["ttft_rel_error"] < 0.7 * untold.describe()["ttft_rel_error"]
+    learned = told.decode_ms(0.3)
+    assert told.ttft_ms(3000, True, 0.3, 0.0, 1.0) - told.ttft_ms(
+        3000, True, 0.3, 0.0, 0.25
+    ) == pytest.approx(0.75 * learned)
+    assert told.ttft_ms(3000, True, 0.3) == pytest.approx(told.ttft_ms(3000, True, 0.3, 0.0, 0.5))
+    # not decoding: no pass in progress to wait for
+    assert told.ttft_ms(3000, False, 0.3, 0.0, 1.0) == told.ttft_ms(3000, False, 0.3)

@@ -10,9 +10,10 @@ It does not: its bytes reach the engine some time after the decision (the forwar
 taking the request in), and the tokens reached the router some time after the pass ended. Both
 put the engine further into its pass than ``since`` says, by a lag of a millisecond or two on
 loopback. A request that looks to arrive just before the pass ends in fact arrives just after the
-next one began, and waits a whole pass. (Measured on ``hot-prefix x4``: the wait left to run fell
-from 0.7 of a pass to 0.1 as ``since`` went from 0 to 0.8 of a pass, then jumped back to 0.8-0.9
-of a pass; the router's tokens were about 0.17 of a pass, ~2 ms, behind the engine's requests.)
+next one began, and waits a whole pass. (Measured on ``hot-prefix x4`` and ``chat-fits x4``: the
+wait left fell from 0.7 of a pass to 0.1 as ``since`` went from 0 to 0.8 of a pass, then jumped
+back to 0.8-0.9 of a pass; the router's tokens were about 0.17 of a pass, ~2 ms, behind the
+engine's requests.)
 
 The lag depends on the path (the machine, the engine's intake, a replica's distance), so it is
 learned: for each request that found a worker decoding with no prefill step running, the part of
@@ -28,14 +29,14 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+from kvmesh.router.core.timing import HALF_PASS
+
 LAGS_MS = tuple(0.25 * i for i in range(33))
 """The lags tried (0 to 8 ms)."""
 ALPHA = 0.02
 """EWMA weight of each observation in the lags' statistics: they follow the last ~50 requests."""
 MIN_SEEN = 50
 """Requests observed before the learned lag is used (until then: no lag)."""
-HALF = 0.5
-"""The share of a pass left on average, where the router cannot tell where the worker is."""
 
 
 def _rest(since_ms: float, pass_ms: float, lag_ms: float) -> float:
@@ -60,7 +61,7 @@ class PassLag:
         """The share of a decode pass a request routed now waits for on a worker whose last tokens
         came ``since_ms`` ago, its passes ``pass_ms`` long."""
         if not since_ms < pass_ms:  # (inf and nan as well: no tokens seen, or no pass known)
-            return HALF
+            return HALF_PASS
         return _rest(since_ms, pass_ms, self.lag_ms)
 
     def observe(self, since_ms: float, pass_ms: float, unexplained_ms: float) -> None:

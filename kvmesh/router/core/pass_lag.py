@@ -29,6 +29,8 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import math
+
 from kvmesh.router.core.timing import HALF_PASS
 
 LAGS_MS = tuple(0.25 * i for i in range(33))
@@ -67,7 +69,7 @@ class PassLag:
     def observe(self, since_ms: float, pass_ms: float, unexplained_ms: float) -> None:
         """A request routed ``since_ms`` after its worker's last tokens (within a pass) showed
         ``unexplained_ms`` more to its first token than the curve predicts with no pass left."""
-        if not (0.0 <= since_ms < pass_ms) or unexplained_ms != unexplained_ms:
+        if not (0.0 <= since_ms < pass_ms and math.isfinite(unexplained_ms)):
             return
         mean, spread = self._mean, self._spread
         first = self.seen == 0

@@ -85,7 +85,19 @@ def annotation_events(parsed: ParsedRequest, formatted: Callable[[list[int]], st
 class Dispatch:
     """Serve one routed request on its decided worker, with failover (one instance per request)."""
 
-    __slots__ = ("account", "app", "count", "error", "mesh", "parsed", "receive", "reroute", "scope", "send")
+    __slots__ = (
+        "account",
+        "app",
+        "count",
+        "error",
+        "mesh",
+        "parsed",
+        "receive",
+        "reroute",
+        "scope",
+        "send",
+        "sent",
+    )
 
     def __init__(
         self,
@@ -111,6 +123,8 @@ class Dispatch:
         self.reroute = reroute
         self.error = error
         self.count = count
+        self.sent: Callable[[], object] | None = None
+        """Runs as soon as the request is on its way to the worker (see ``RoutedRequest._sent``)."""
 
     async def run(self, decision: Decision, pinned: bool) -> None:
         mesh = self.mesh
@@ -186,6 +200,8 @@ class Dispatch:
         if tag is not None:
             scope = {**scope, "headers": [*scope["headers"], tag]}
         tap = self._tap(worker_id)
+        if self.sent is not None:
+            self.sent()
         try:
             await self.app(scope, replay_body(body, self.receive), tap)
         finally:
@@ -250,7 +266,7 @@ class Dispatch:
         path = self.parsed.endpoint
         if self.scope.get("query_string"):
             path += "?" + self.scope["query_string"].decode("latin-1")
-        upstream = await self.mesh.forwarder.open(url, "POST", path, headers, body)
+        upstream = await self.mesh.forwarder.open(url, "POST", path, headers, body, on_sent=self.sent)
         try:
             first = await upstream.chunks().__anext__()
         except StopAsyncIteration:

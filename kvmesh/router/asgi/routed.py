@@ -13,6 +13,7 @@ warm-ups follow the finished answer (see :mod:`~.accounting`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
@@ -86,6 +87,7 @@ class RoutedRequest:
             parsed = self._parse(raw)
             if mesh.local_app is not None and not mesh.registry.routable:
                 # Peers not known yet (or all gone): this engine can always serve its own requests.
+                parsed.complete()
                 await self._serve_local_untracked(parsed)
                 return
             mesh.cancel_warmups(parsed.hashes)  # the next turn is here: its warm-up is moot
@@ -117,6 +119,15 @@ class RoutedRequest:
             lora_of=registry.lora_of,
             clock=time.perf_counter,
             limits=mesh.nvext_limits,
+            # a prompt no worker holds is routed on its first block (replicas tell each other a
+            # decision's blocks as it is made, and a two-stage request routes twice: not those)
+            held=mesh.router.holds_any
+            if mesh.kv_mode
+            and mesh.config.router_cost_model == "latency"  # (Dynamo's cost counts as Dynamo does)
+            and mesh.sync is None
+            and not registry.prefill_routable
+            else None,
+            tokens_per_byte=mesh.tokens_per_byte,
         )
         nv = parsed.nvext
         if nv.pinned_worker is not None:
@@ -137,12 +148,30 @@ class RoutedRequest:
                 "nvext.agent_hints.speculative_prefill needs --router-mode kv",
                 field="nvext.agent_hints.speculative_prefill",
             )
-        if mesh.kv_mode:
+        if mesh.kv_mode and parsed.deferred is None:
             metrics = mesh.metrics
             metrics.phase["tokenize"].observe(parsed.tokenize_secs)
             metrics.phase["hashing"].observe(parsed.hash_secs)
             metrics.isl.observe(parsed.isl)
+            mesh.learn_tokens_per_byte(parsed.isl, len(raw))
         return parsed
+
+    def _sent(self, parsed: ParsedRequest, request: RouteRequest, request_id: str) -> None:
+        """The request is on its way to its worker: work out a deferred prompt's tokens now, and
+        count them where it went (``KvRouter.amend``)."""
+        if not parsed.complete():
+            return
+        mesh = self.mesh
+        deferred = parsed.deferred
+        assert deferred is not None
+        request.isl_tokens = parsed.isl  # a failover routes it again, on its whole prompt
+        mesh.deferred_prompts += 1
+        mesh.router.amend(request_id, parsed.hashes, parsed.isl, time.monotonic(), request.osl)
+        metrics = mesh.metrics
+        metrics.phase["tokenize"].observe(deferred.tokenize_secs)
+        metrics.phase["hashing"].observe(deferred.hash_secs)
+        metrics.isl.observe(parsed.isl)
+        mesh.learn_tokens_per_byte(parsed.isl, len(parsed.raw_body))
 
     def _route_request(self, parsed: ParsedRequest, request_id: str) -> RouteRequest:
         registry = self.mesh.registry
@@ -166,6 +195,7 @@ class RoutedRequest:
             allowed_workers=registry.routable if parsed.lora is None else registry.adapters[parsed.lora],
             lora_name=parsed.lora,
             client=_client(self.scope),
+            estimated_blocks=parsed.isl // (registry.block_size or 16) if parsed.deferred is not None else 0,
         )
 
     async def dispatch(
@@ -201,6 +231,8 @@ class RoutedRequest:
             error=self._error_reply,
             count=self._count,
         )
+        if parsed.deferred is not None:
+            dispatch.sent = functools.partial(self._sent, parsed, request, account.request_id)
         await dispatch.run(decision, pinned=request.backend_instance_id is not None)
 
     def route(self, request: RouteRequest, account: RoutedAccount) -> RouteResult:

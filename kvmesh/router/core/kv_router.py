@@ -476,7 +476,11 @@ class KvRouter:
         if overlaps is None:
             overlaps = self._overlaps(req)
         prompt = (
-            PromptBlocks(req.local_hashes)
+            (
+                PromptBlocks(req.local_hashes)
+                if req.local_hashes or not req.estimated_blocks
+                else PromptBlocks.unknown(req.estimated_blocks, hash(req.request_id))
+            )
             if self.config.router_track_active_blocks and self.config.router_assume_kv_reuse
             else None
         )
@@ -833,11 +837,46 @@ class KvRouter:
         uncached = max(isl_tokens - overlap * (self._block_size or 1), 0)
         expected = model.prefill_ms(uncached) / 1000.0 if model is not None and uncached else 0.0
         self._load.add(
-            request_id, worker, prompt, isl_tokens, overlap, now, osl=osl, expected_prefill=expected
+            request_id,
+            worker,
+            prompt,
+            isl_tokens,
+            overlap,
+            now,
+            osl=osl,
+            expected_prefill=expected,
+            first_block=local_hashes[0] if local_hashes else None,
         )
         self._index.record(worker, local_hashes, now)
-        if self._latency and prompt.ids:
+        if self._latency and prompt.ids and local_hashes:  # (none yet: amend() brings them)
             self._conversations.routed(request_id, worker, prompt, local_hashes, now, turn)
+
+    def holds_any(self, block_hash: int) -> bool:
+        """Some worker holds this block, in any tier, cached or predicted, or a request in flight
+        has a prompt that begins with it (cached by the time another would be prefilled)."""
+        return self._load.carries_first(block_hash) or bool(self._index.find_matches_tiered((block_hash,)))
+
+    def amend(
+        self,
+        request_id: str,
+        local_hashes: Sequence[int],
+        isl_tokens: int,
+        now: float,
+        osl: int | None = None,
+    ) -> bool:
+        """Count the whole prompt of a request routed while only its first block was known, which
+        no worker held (``ParsedRequest.deferred``): its blocks as predicted on its worker, its
+        prefill tokens, its conversation. No-op once its first token is in (too late to matter)
+        or it is gone. Returns whether it was counted."""
+        load = self._load
+        worker = load.worker_of(request_id)
+        if worker is None or not load.prefilling(request_id):
+            return False
+        depth = self._index.find_matches_tiered(local_hashes).get(worker)
+        overlap = depth.device if depth is not None else 0
+        self._commit(request_id, worker, local_hashes, isl_tokens, overlap, now, osl, None)
+        self._observations.amend(request_id, isl_tokens, overlap)
+        return True
 
     # ---------------------------------------------------------------- feedback
     def first_token(self, request_id: str, now: float, *, timed: bool = True) -> None:

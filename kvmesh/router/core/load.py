@@ -88,6 +88,18 @@ class PromptBlocks:
         self.ids = ids
         self.n_blocks = n
 
+    @classmethod
+    def unknown(cls, n_blocks: int, salt: int) -> PromptBlocks:
+        """``n_blocks`` blocks whose hashes are not known yet (a prompt routed on an estimate,
+        which no worker held): identities of their own (``salt`` tells one request's from
+        another's), so they count as new blocks wherever they go and match nothing."""
+        p = cls.__new__(cls)
+        anchors = n_blocks // CHUNK
+        p.ids = [hash((salt, i)) for i in range(anchors + n_blocks % CHUNK)]
+        p.n_anchors = anchors
+        p.n_blocks = n_blocks
+        return p
+
     def weight(self, i: int) -> int:
         return CHUNK if i < self.n_anchors else 1
 
@@ -181,6 +193,7 @@ class _Active:
     __slots__ = (
         "anchors",
         "expected",
+        "first_block",
         "first_token_at",
         "generated",
         "ids",
@@ -215,6 +228,7 @@ class _Active:
         self.expected = 0.0
         self.routed_at = now
         self.first_token_at: float | None = None
+        self.first_block: int | None = None
 
 
 def _step(w: _WorkerLoad, now: float) -> tuple[float, int]:
@@ -246,6 +260,8 @@ class ActiveSequences:
         self.track_output_blocks = track_output_blocks
         self._workers: dict[WorkerKey, _WorkerLoad] = {}
         self._requests: dict[str, _Active] = {}
+        self._first_blocks: Counter[int] = Counter()
+        """The first block hash of each request in flight (``carries_first``)."""
         self._sizes = (0.0, 0.0)
         """What an unseen request is taken to hold (KV blocks) and queue (uncached prompt tokens)."""
         self._sizes_at: float | None = None
@@ -454,6 +470,15 @@ class ActiveSequences:
         r = self._requests.get(request_id)
         return r.worker if r is not None else None
 
+    def carries_first(self, block_hash: int) -> bool:
+        """Some request in flight has a prompt that begins with this block."""
+        return block_hash in self._first_blocks
+
+    def prefilling(self, request_id: str) -> bool:
+        """The request is counted and has shown no first token yet."""
+        r = self._requests.get(request_id)
+        return r is not None and r.first_token_at is None
+
     def new_blocks(self, worker: WorkerKey, prompt: PromptBlocks, isl_tokens: int) -> int:
         """Blocks this request would add to ``worker``'s decode load (0 when not tracking)."""
         if not self.track_active_blocks:
@@ -476,9 +501,11 @@ class ActiveSequences:
         *,
         osl: int | None = None,
         expected_prefill: float = 0.0,
+        first_block: int | None = None,
     ) -> None:
         """Count a routed request on ``worker`` (replaces an earlier entry with the same id).
-        ``expected_prefill``: its predicted prefill seconds (the ``aic`` decay; 0 = unknown)."""
+        ``expected_prefill``: its predicted prefill seconds (the ``aic`` decay; 0 = unknown);
+        ``first_block``: its prompt's first block hash (None: shorter than a block)."""
         if request_id in self._requests:
             self.free(request_id, now)
         w = self._workers.get(worker)
@@ -499,6 +526,9 @@ class ActiveSequences:
         w.requests += 1
         r = _Active(worker, ids, prompt.n_anchors, unique, prefill, osl, now)
         r.expected = expected_prefill
+        if first_block is not None:
+            r.first_block = first_block
+            self._first_blocks[first_block] += 1
         if not w.in_prefill:
             w.anchor_since = now
         w.in_prefill[request_id] = r
@@ -554,6 +584,12 @@ class ActiveSequences:
         r = self._requests.pop(request_id, None)
         if r is None:
             return False
+        if r.first_block is not None:
+            firsts = self._first_blocks
+            if firsts[r.first_block] <= 1:
+                del firsts[r.first_block]
+            else:
+                firsts[r.first_block] -= 1
         w = self._workers[r.worker]
         self._leave_prefill(w, request_id, r.last_seen if now is None else now)
         del w.active[request_id]

@@ -181,6 +181,13 @@ class Observations(ReadsState):
                 model.observe_itl(1000.0 * (now - obs.last_token) / n, usage)
             obs.last_token = now
 
+    def amend(self, request_id: str, isl: int, overlap: int) -> None:
+        """Its prompt, routed on an estimate of its length, is known now (``KvRouter.amend``)."""
+        obs = self._obs.get(request_id)
+        if obs is not None:
+            obs.isl = isl
+            obs.uncached = max(isl - overlap * self.block_size, 0)
+
     def reported_cached(self, request_id: str, cached_tokens: int) -> None:
         """The engine's ``usage.prompt_tokens_details.cached_tokens`` for one of our requests."""
         obs = self._obs.get(request_id)

@@ -53,6 +53,10 @@ class RouteRequest:
     """Restrict candidates (e.g. healthy workers only); None means every registered worker."""
     client: str | None = None
     """Who sent it (the client address): the owner of a session it opens, for the per-client limit."""
+    estimated_blocks: int = 0
+    """Blocks of a prompt routed before its hashes are known (``local_hashes`` empty: no worker
+    held its first block, and the front tokenizes it once it is sent, then calls
+    ``KvRouter.amend``): the load counts that many new blocks until then. Latency cost only."""
     prefilled_elsewhere: bool = False
     """The decode stage of a disaggregated request: another worker computes its prompt and the KV
     arrives by transfer, so a candidate adds no prefill work for it; its load decides, and among

@@ -52,6 +52,13 @@ DECISIONS_PATH = "/kvmesh/decisions"
 _PEER_RETRY_SECS = 30.0
 
 
+TOKENS_PER_BYTE = 0.3
+"""Prompt tokens per byte of an OpenAI body before any has been tokenized (English text runs at
+3-4 characters a token; a body adds its JSON around it)."""
+TOKENS_PER_BYTE_WEIGHT = 0.05
+"""Weight of each tokenized prompt in ``Mesh.tokens_per_byte`` (the last few dozen bodies)."""
+
+
 def load_tokenizer(name: str, engine_tokenizer: Tokenizer | None) -> Tokenizer:
     """``builtin`` | ``engine`` (the embedding engine's own) | a local Hugging Face path."""
     if engine_tokenizer is not None and name in ("engine", "builtin"):
@@ -118,6 +125,11 @@ class Mesh:
         self.epoch = int.from_bytes(os.urandom(4), "big")
         self._id_prefix = f"{self.replica}-{self.epoch:08x}-"
         self.kv_mode = self.config.router_mode == "kv"
+        self.tokens_per_byte = TOKENS_PER_BYTE
+        self.deferred_prompts = 0
+        """Prompts routed on their first block alone (no worker held it) and tokenized once sent."""
+        """Prompt tokens per byte of request body, learned from the prompts tokenized: the length
+        of a prompt routed before its tokens are known (``DeferredPrompt``)."""
         self.nvext_limits = NvextLimits(
             session_id_max_len=self.config.router_session_id_max_len,
             session_timeout_max=self.config.router_session_timeout_max_secs,
@@ -194,6 +206,11 @@ class Mesh:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ready.wait(), self.settings.connect_timeout + 2.0)
 
+    def learn_tokens_per_byte(self, tokens: int, body_bytes: int) -> None:
+        """A prompt of ``tokens`` came in a body of ``body_bytes``."""
+        if tokens > 0 and body_bytes > 0:
+            self.tokens_per_byte += TOKENS_PER_BYTE_WEIGHT * (tokens / body_bytes - self.tokens_per_byte)
+
     async def stop(self) -> None:
         for task in (self._housekeeping, self._discovery):
             if task is not None:
@@ -252,6 +269,10 @@ class Mesh:
             "shared_prefixes": self.router.shared_prefix_stats(),
             "steps_joined": self.router.join_stats(),
             "decode_pass_lag": self.router.pass_lag_stats(),
+            "routed_on_first_block": {
+                "prompts": self.deferred_prompts,
+                "tokens_per_byte": round(self.tokens_per_byte, 4),
+            },
             "memory_waits": self.router.memory_wait_stats(),
             "ttft_tail": self.router.ttft_tail_stats(),
             "replica_sync": sync is not None,

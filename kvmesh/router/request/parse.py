@@ -26,7 +26,7 @@ from kvmesh.router.request.nvext import (
     NvextLimits,
     parse_nvext,
 )
-from kvmesh.router.request.tokenizer import Tokenizer, prompt_token_ids
+from kvmesh.router.request.tokenizer import Tokenizer, prompt_prefix_ids, prompt_token_ids
 
 _WORKER_HEADER_B = WORKER_HEADER.encode()
 _PREFILL_HEADER_B = PREFILL_HEADER.encode()
@@ -37,6 +37,21 @@ Polarity = str
 """A worker's priority polarity: ``lower_first`` | ``higher_first`` | ``none``."""
 # Backends whose OpenAI server takes a reasoning budget, and the parameter's name there.
 _THINKING_BUDGET = {"vllm": "thinking_token_budget", "mock": "thinking_token_budget"}
+
+
+@dataclass(slots=True)
+class DeferredPrompt:
+    """A prompt routed on its first block alone, because no worker held that block: its tokens
+    cannot change where it goes, only what the router counts there, so they are worked out after
+    the request has been sent (:meth:`ParsedRequest.complete`)."""
+
+    tokenize: Callable[[], tuple[list[int], list[int], float, float]]
+    """The prompt's tokens and block hashes, and the seconds each took."""
+    estimated_isl: int
+    """Its length until then, from the body's size (see ``Mesh.tokens_per_byte``)."""
+    done: bool = False
+    tokenize_secs: float = 0.0
+    hash_secs: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +73,31 @@ class ParsedRequest:
     """Why the engine keys this prompt's cache by more than its tokens, or None. Then ``hashes``
     live in a namespace of their own (:func:`cache_namespace`): they match only requests with the
     same salt, media or template arguments, never the plain prefix with equal tokens."""
+    deferred: DeferredPrompt | None = None
+    """Set when the prompt was routed on its first block alone: ``tokens`` and ``hashes`` stay
+    empty until :meth:`complete`."""
 
     @property
     def isl(self) -> int:
+        deferred = self.deferred
+        if deferred is not None and not deferred.done:
+            return deferred.estimated_isl
         return len(self.tokens)
+
+    def complete(self) -> bool:
+        """Work out a deferred prompt's tokens and hashes (in place); True the first time. A body
+        the tokenizer then refuses leaves them empty: the engine has the request and answers it."""
+        deferred = self.deferred
+        if deferred is None or deferred.done:
+            return False
+        deferred.done = True
+        try:
+            tokens, hashes, deferred.tokenize_secs, deferred.hash_secs = deferred.tokenize()
+        except RequestError:
+            return False
+        self.tokens.extend(tokens)
+        self.hashes.extend(hashes)
+        return True
 
     @property
     def stream(self) -> bool:
@@ -169,8 +205,16 @@ def parse_request(
     lora_of: Callable[[Any], str | None],
     clock: Callable[[], float],
     limits: NvextLimits = DEFAULT_LIMITS,
+    held: Callable[[int], bool] | None = None,
+    tokens_per_byte: float = 0.0,
 ) -> ParsedRequest:
-    """Decode, validate ``nvext``, and (when ``tokenizer`` is given: KV mode) tokenize and hash."""
+    """Decode, validate ``nvext``, and (when ``tokenizer`` is given: KV mode) tokenize and hash.
+
+    ``held`` tells whether any worker holds a block hash (asked for a text prompt keyed by its
+    tokens alone, without ``nvext.annotations``, which stream the prompt's tokens). Where none holds the prompt's first block,
+    none holds any of it (block hashes chain), and the prompt is returned :class:`DeferredPrompt`,
+    its length estimated at ``tokens_per_byte`` of the body: tokenizing a long prompt no one holds
+    (a new document, a cold prefix) would only delay the request by the time it takes."""
     body = decode_body(raw)
     overrides = override_headers(headers)
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
@@ -181,6 +225,28 @@ def parse_request(
     hashes: list[int] = []
     tokenize_secs = hash_secs = 0.0
     keyed = cache_keyed(body)
+    if (
+        tokenizer is not None
+        and held is not None
+        and keyed is None
+        and nv.token_data is None
+        and not nv.annotations  # SSE events that carry the prompt's tokens
+        and tokens_per_byte > 0
+    ):
+        t0 = clock()
+        first = prompt_prefix_ids(tokenizer, body, endpoint, block_size)
+        if first is not None and not held(block_hashes(first, block_size, lora)[0]):
+
+            def tokenize() -> tuple[list[int], list[int], float, float]:
+                t1 = clock()
+                ids = prompt_tokens(tokenizer, body, endpoint)
+                t2 = clock()
+                return ids, block_hashes(ids, block_size, lora), t2 - t1, clock() - t2
+
+            deferred = DeferredPrompt(tokenize, max(1, round(tokens_per_byte * len(raw))))
+            return ParsedRequest(
+                endpoint, raw, body, nv, overrides, [], [], lora, clock() - t0, 0.0, keyed, deferred
+            )
     if tokenizer is not None:
         t0 = clock()
         # A pre-tokenized prompt is hashed as given: the router never tokenizes it again.

@@ -29,6 +29,7 @@ __all__ = [
     "BuiltinTokenizer",
     "HfTokenizer",
     "Tokenizer",
+    "prompt_prefix_ids",
     "prompt_token_ids",
 ]
 
@@ -89,6 +90,9 @@ once, not once per turn. Tuples rather than int arrays, because a request's ids 
 the cache into a list, and copying an array boxes every id again (about 30 ns a token)."""
 _TURN_CACHE_MIN_CHARS = 256
 """Shorter turns are encoded directly: cheaper than keeping them."""
+_PREFIX_CHARS = (96, 512)
+"""Characters a prompt's first block is read from, the second only where the first was too few
+(a block of 16 tokens is about 50 characters of text)."""
 
 
 class BuiltinTokenizer:
@@ -127,6 +131,39 @@ class BuiltinTokenizer:
                     cache[piece] = ids
             extend(ids)
         return out
+
+    def encode_prefix(self, text: str, max_chars: int) -> list[int]:
+        """The ids that begin ``encode(text)``, from at most its first ``max_chars`` characters:
+        the pieces wholly inside them, the last one (which the cut may have split) left out."""
+        head = text[:max_chars]
+        pieces = (_ASCII_PIECE if head.isascii() else _PIECE).findall(head)
+        if len(text) > max_chars and pieces:
+            pieces.pop()
+        return self.encode("".join(pieces))
+
+    def chat_prefix(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, n: int
+    ) -> list[int] | None:
+        """The first ``n`` ids of ``apply_chat_template(messages, tools=tools)``, read from the
+        beginning of its first turn (each turn encodes on its own); None where that turn holds
+        fewer, or where it is in the turn cache: then the whole prompt tokenizes in a few
+        microseconds (a conversation's earlier turns are cached), less than this would take."""
+        if tools:
+            system = messages[0] if messages and messages[0].get("role") == "system" else None
+            body = _render_content(system) if system is not None else ""
+            role, text = "system", (f"{body}\n\n{_render_tools(tools)}" if body else _render_tools(tools))
+        else:
+            role, text = str(messages[0].get("role")), _render_content(messages[0])
+        turn = f"{role}\n{text}"
+        if turn in self._turns:
+            return None
+        for chars in _PREFIX_CHARS:
+            ids = self.encode_prefix(turn, chars)
+            if len(ids) + 1 >= n:
+                return [IM_START, *ids][:n]
+            if len(turn) <= chars:
+                break
+        return None
 
     def decode(self, ids: Sequence[int]) -> str:
         buf = bytearray()
@@ -312,6 +349,39 @@ def prompt_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any], endpoint: st
     if endpoint.endswith("completions") or endpoint == "completions":
         return _completion_prompt(tokenizer, body.get("prompt"))
     raise ValueError(f"not an OpenAI generation endpoint: {endpoint!r}")
+
+
+def prompt_prefix_ids(
+    tokenizer: Tokenizer, body: Mapping[str, Any], endpoint: str, n: int
+) -> list[int] | None:
+    """The first ``n`` prompt token ids of an OpenAI request body, exactly as
+    :func:`prompt_token_ids` would begin, read from its beginning alone; None where this tokenizer
+    cannot tell them without the whole prompt (only the built-in one can: an engine's own or a Hugging
+    Face tokenizer encodes the rendered prompt as a whole), or the beginning holds fewer than ``n``.
+    Validates the body as :func:`prompt_token_ids` does."""
+    if not isinstance(tokenizer, BuiltinTokenizer):
+        return None
+    if endpoint.endswith("chat/completions") or endpoint == "chat":
+        messages = body.get("messages")
+        _check_messages(messages)
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise RequestError("'tools' must be a list of objects", field="tools")
+        if not isinstance(body.get("add_generation_prompt", True), bool):
+            raise RequestError("'add_generation_prompt' must be a boolean", field="add_generation_prompt")
+        return tokenizer.chat_prefix(cast("list[dict[str, Any]]", messages), tools, n)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        return None  # token ids, batches and mistakes take the whole path
+    for chars in _PREFIX_CHARS:
+        ids = tokenizer.encode_prefix(prompt, chars)
+        if len(ids) >= n:
+            return ids[:n]
+        if len(prompt) <= chars:
+            break
+    return None
 
 
 def _completion_prompt(tokenizer: Tokenizer, prompt: Any) -> list[int]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -90,8 +91,11 @@ class Http1Connection(asyncio.Protocol):
             and not self.transport.is_closing()
         )
 
-    async def request(self, data: bytes, *, head_request: bool = False) -> None:
-        """Write a whole request and wait for its response head (``status``, ``headers``)."""
+    async def request(
+        self, data: bytes, *, head_request: bool = False, on_sent: Callable[[], object] | None = None
+    ) -> None:
+        """Write a whole request and wait for its response head (``status``, ``headers``).
+        ``on_sent`` runs once the request is handed to the transport, before anything else can."""
         transport = self.transport
         if self._error is not None or transport is None or transport.is_closing():
             raise NotSent(f"connection already closed: {self._error!r}")
@@ -103,6 +107,8 @@ class Http1Connection(asyncio.Protocol):
         self._buffered = 0
         head = self._head = asyncio.get_running_loop().create_future()
         transport.write(data)
+        if on_sent is not None:
+            on_sent()
         try:
             await head
         finally:

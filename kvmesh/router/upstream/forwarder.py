@@ -23,6 +23,7 @@ idempotent and keep the transparent retry on a fresh connection.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -179,26 +180,37 @@ class Forwarder:
         path: str,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
+        on_sent: Callable[[], object] | None = None,
     ) -> UpstreamResponse:
         """Send the request and wait for the response head (not the body).
 
         ``headers`` are lower-case (name, value) pairs without hop-by-hop ones (see HOP_BY_HOP).
+        ``on_sent`` runs as soon as the request is written (see ``Http1Connection.request``).
         """
         origin, prefix = self._target(worker_url)
         try:
             data = encode_request(method.encode(), prefix + path.encode(), origin.host_header, headers, body)
         except ValueError as e:
             raise UpstreamError(worker_url, str(e)) from None
-        return await self._send(worker_url, origin, data, method == "HEAD", idempotent=method in _IDEMPOTENT)
+        return await self._send(
+            worker_url, origin, data, method == "HEAD", idempotent=method in _IDEMPOTENT, on_sent=on_sent
+        )
 
     async def _send(
-        self, url: str, origin: Origin, data: bytes, head_request: bool, *, idempotent: bool
+        self,
+        url: str,
+        origin: Origin,
+        data: bytes,
+        head_request: bool,
+        *,
+        idempotent: bool,
+        on_sent: Callable[[], object] | None = None,
     ) -> UpstreamResponse:
         pool = self._pool
         conn = pool.take_idle(origin)
         if conn is not None:
             try:
-                await conn.request(data, head_request=head_request)
+                await conn.request(data, head_request=head_request, on_sent=on_sent)
                 return UpstreamResponse(url, conn, pool, origin)
             except NotSent:
                 conn.close()  # closed before a byte was written: a fresh connection is safe
@@ -220,7 +232,7 @@ class Forwarder:
         except _FAILURES as e:
             raise ConnectFailed(url, f"no response: {e!r}") from None
         try:
-            await conn.request(data, head_request=head_request)
+            await conn.request(data, head_request=head_request, on_sent=on_sent)
         except _FAILURES as e:
             conn.close()
             if isinstance(e, NotSent) or idempotent:

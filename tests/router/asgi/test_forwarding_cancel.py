@@ -34,7 +34,7 @@ class _SwallowsOneCancel:
     def __init__(self) -> None:
         self.upstream = _Upstream()
 
-    async def open(self, *args: Any) -> _Upstream:
+    async def open(self, *args: Any, **kwargs: Any) -> _Upstream:
         try:
             await asyncio.sleep(0.05)
         except asyncio.CancelledError:
@@ -89,7 +89,7 @@ class _Records:
         self.order = order
         self.upstream = _Upstream()
 
-    async def open(self, *args: Any) -> _Upstream:
+    async def open(self, *args: Any, **kwargs: Any) -> _Upstream:
         self.order.append("written")
         return self.upstream
 
@@ -116,7 +116,7 @@ async def test_an_open_that_fails_after_the_client_left_is_not_failed_over() -> 
     from kvmesh.router.upstream.forwarder import ConnectFailed
 
     class _FailsAfterLosingTheCancel:
-        async def open(self, *args: Any) -> Any:
+        async def open(self, *args: Any, **kwargs: Any) -> Any:
             try:
                 await asyncio.sleep(0.05)
             except asyncio.CancelledError:

@@ -299,3 +299,32 @@ def test_prediction_prunes_are_counted_once_however_often_stats_are_read() -> No
     assert r.stats.approx_pruned_blocks == 12
     assert r.stats.approx_pruned_blocks == 12
     assert r.stats.index_pruned_blocks == 0
+
+
+@pytest.mark.parametrize("model", ["dynamo", "latency"])
+def test_a_prompt_routed_on_an_estimate_is_counted_whole_once_amended(model: str) -> None:
+    # a prompt no worker held, routed before its tokens were known (the front sends it and then
+    # tokenizes it: ParsedRequest.deferred), on an estimated length and no blocks
+    r = router("ab", router_cost_model=model)
+    t = toks(5, 12)
+    assert not r.holds_any(block_hashes(t, B)[0])
+    d = r.route(RouteRequest("cold", [], 40, estimated_blocks=10), now=0.0)
+    assert isinstance(d, Decision)
+    other = ("b", 0) if d.worker == ("a", 0) else ("a", 0)
+    # until then its estimated blocks count there as new ones
+    before = {s.worker: s for s in r.worker_snapshot()}
+    assert before[d.worker].active_prefill_tokens == 40
+    assert before[d.worker].active_decode_blocks >= (10 if model == "latency" else 1)
+    assert not r.holds_any(block_hashes(t, B)[0])
+    assert r.amend("cold", block_hashes(t, B), len(t), 0.002)
+    # now a request in flight carries its first block, and its whole prompt is that worker's load
+    assert r.holds_any(block_hashes(t, B)[0])
+    snapshot = {s.worker: s for s in r.worker_snapshot()}
+    assert snapshot[d.worker].active_prefill_tokens == len(t)
+    assert snapshot[other].active_prefill_tokens == 0
+    # too late once its first token is in (the load already moved on); unknown ids are ignored
+    r.first_token("cold", 0.01)
+    assert not r.amend("cold", block_hashes(t, B), len(t), 0.011)
+    assert not r.amend("nobody", block_hashes(t, B), len(t), 0.011)
+    r.finished("cold", 0.02)
+    assert not r.holds_any(block_hashes(t, B)[0])  # gone with it (nothing cached it: no events)

@@ -1,0 +1,62 @@
+"""A long prompt no worker holds is sent on its first block alone and tokenized once it is on its
+way: over HTTP, through the standalone router to two simulated engines. The router still counts
+its whole prompt where it went (the next request with that prefix follows it there), and a prompt
+whose beginning some worker holds is tokenized before routing, as always."""
+
+from __future__ import annotations
+
+import random
+
+import aiohttp
+
+from kvmesh.bench.session import words
+from kvmesh.mock.testing import run_mock
+from kvmesh.router.asgi.standalone import build_router_app
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.servers import serve
+
+
+async def _chat(http: aiohttp.ClientSession, url: str, model: str, system: str, question: str) -> dict:
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": 2,
+        "nvext": {"extra_fields": ["worker_id"]},
+    }
+    async with http.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def _state(http: aiohttp.ClientSession, url: str) -> dict:
+    async with http.get(url + "/kvmesh/router") as r:
+        return (await r.json())["routed_on_first_block"]
+
+
+async def test_a_cold_prompt_is_routed_on_its_first_block_and_counted_whole_once_sent(
+    http: aiohttp.ClientSession,
+) -> None:
+    rng = random.Random(3)
+    async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
+        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")))
+        async with serve(build_router_app(settings)) as front:
+            documents = [f"Document {d}: " + words(rng, 1500) for d in range(3)]
+            served = {}
+            for d, document in enumerate(documents):
+                answer = await _chat(http, front.url, a.config.model, document, "Summarise it.")
+                served[d] = answer["nvext"]["worker_id"]
+                assert answer["usage"]["prompt_tokens"] > 3000  # about 3.5k tokens, nothing cached
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            state = await _state(http, front.url)
+            # three new documents: three prompts sent before they were tokenized, and the router
+            # learned the bodies' tokens per byte from them
+            assert state["prompts"] == 3
+            assert 0.2 < state["tokens_per_byte"] < 0.4
+            for d, document in enumerate(documents):
+                # a second question on each document goes where its prefix is (the router counted
+                # its blocks there after the first one was sent, and the engine has them now)
+                answer = await _chat(http, front.url, a.config.model, document, "And in one line?")
+                assert answer["nvext"]["worker_id"] == served[d]
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 3000
+            # those prompts' beginnings were held: tokenized before routing, as ever
+            assert (await _state(http, front.url))["prompts"] == 3

@@ -126,10 +126,10 @@ class Mesh:
         self._id_prefix = f"{self.replica}-{self.epoch:08x}-"
         self.kv_mode = self.config.router_mode == "kv"
         self.tokens_per_byte = TOKENS_PER_BYTE
-        self.deferred_prompts = 0
-        """Prompts routed on their first block alone (no worker held it) and tokenized once sent."""
         """Prompt tokens per byte of request body, learned from the prompts tokenized: the length
         of a prompt routed before its tokens are known (``DeferredPrompt``)."""
+        self.deferred_prompts = 0
+        """Prompts routed on their first block alone (no worker held it) and tokenized once sent."""
         self.nvext_limits = NvextLimits(
             session_id_max_len=self.config.router_session_id_max_len,
             session_timeout_max=self.config.router_session_timeout_max_secs,

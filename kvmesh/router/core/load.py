@@ -260,7 +260,7 @@ class ActiveSequences:
         self.track_output_blocks = track_output_blocks
         self._workers: dict[WorkerKey, _WorkerLoad] = {}
         self._requests: dict[str, _Active] = {}
-        self._first_blocks: Counter[int] = Counter()
+        self._first_blocks: dict[int, int] = {}
         """The first block hash of each request in flight (``carries_first``)."""
         self._sizes = (0.0, 0.0)
         """What an unseen request is taken to hold (KV blocks) and queue (uncached prompt tokens)."""
@@ -528,7 +528,8 @@ class ActiveSequences:
         r.expected = expected_prefill
         if first_block is not None:
             r.first_block = first_block
-            self._first_blocks[first_block] += 1
+            firsts = self._first_blocks
+            firsts[first_block] = firsts.get(first_block, 0) + 1
         if not w.in_prefill:
             w.anchor_since = now
         w.in_prefill[request_id] = r
@@ -584,12 +585,12 @@ class ActiveSequences:
         r = self._requests.pop(request_id, None)
         if r is None:
             return False
-        if r.first_block is not None:
+        first = r.first_block
+        if first is not None:
             firsts = self._first_blocks
-            if firsts[r.first_block] <= 1:
-                del firsts[r.first_block]
-            else:
-                firsts[r.first_block] -= 1
+            n = firsts.pop(first)
+            if n > 1:
+                firsts[first] = n - 1
         w = self._workers[r.worker]
         self._leave_prefill(w, request_id, r.last_seen if now is None else now)
         del w.active[request_id]

@@ -356,16 +356,9 @@ def prompt_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any], endpoint: st
     name (``chat``, ``completions``). Raises :class:`RequestError` naming the offending field.
     """
     if endpoint.endswith("chat/completions") or endpoint == "chat":
-        messages = body.get("messages")
-        _check_messages(messages)
-        tools = body.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise RequestError("'tools' must be a list of objects", field="tools")
-        add_generation_prompt = body.get("add_generation_prompt", True)
-        if not isinstance(add_generation_prompt, bool):
-            raise RequestError("'add_generation_prompt' must be a boolean", field="add_generation_prompt")
+        messages, tools, add_generation_prompt = _chat_fields(body)
         return tokenizer.apply_chat_template(
-            cast("list[dict[str, Any]]", messages), tools=tools, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, add_generation_prompt=add_generation_prompt
         )
     if endpoint.endswith("completions") or endpoint == "completions":
         return _completion_prompt(tokenizer, body.get("prompt"))
@@ -383,14 +376,8 @@ def prompt_prefix_ids(
     if not isinstance(tokenizer, BuiltinTokenizer):
         return None
     if endpoint.endswith("chat/completions") or endpoint == "chat":
-        messages = body.get("messages")
-        _check_messages(messages)
-        tools = body.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise RequestError("'tools' must be a list of objects", field="tools")
-        if not isinstance(body.get("add_generation_prompt", True), bool):
-            raise RequestError("'add_generation_prompt' must be a boolean", field="add_generation_prompt")
-        return tokenizer.chat_prefix(cast("list[dict[str, Any]]", messages), tools, n)
+        messages, tools, _ = _chat_fields(body)
+        return tokenizer.chat_prefix(messages, tools, n)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -403,6 +390,22 @@ def prompt_prefix_ids(
         if len(prompt) <= chars:
             break
     return None
+
+
+def _chat_fields(
+    body: Mapping[str, Any],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
+    """A chat body's ``messages``, ``tools`` and ``add_generation_prompt``, checked (a 400 naming
+    the field otherwise)."""
+    messages = body.get("messages")
+    _check_messages(messages)
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise RequestError("'tools' must be a list of objects", field="tools")
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise RequestError("'add_generation_prompt' must be a boolean", field="add_generation_prompt")
+    return cast("list[dict[str, Any]]", messages), tools, add_generation_prompt
 
 
 def _completion_prompt(tokenizer: Tokenizer, prompt: Any) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -30,6 +30,7 @@ from kvmesh.router.request.tokenizer import Tokenizer, prompt_prefix_ids, prompt
 
 _WORKER_HEADER_B = WORKER_HEADER.encode()
 _PREFILL_HEADER_B = PREFILL_HEADER.encode()
+_T = TypeVar("_T")
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
@@ -234,7 +235,7 @@ def parse_request(
         and tokens_per_byte > 0
     ):
         t0 = clock()
-        first = prompt_prefix_ids(tokenizer, body, endpoint, block_size)
+        first = _guarded(prompt_prefix_ids, tokenizer, body, endpoint, block_size)
         if first is not None and not held(block_hashes(first, block_size, lora)[0]):
 
             def tokenize() -> tuple[list[int], list[int], float, float]:
@@ -325,8 +326,16 @@ def prompt_tokens(tokenizer: Tokenizer, body: dict[str, Any], endpoint: str) -> 
     """The prompt's token ids. A body the tokenizer or its chat template cannot render (a template
     that raises on role order, a tool call of the wrong shape) is the client's 400, as the engine
     would answer it; a tokenizer that is not ready (ConfigError) stays a server error."""
+    return _guarded(prompt_token_ids, tokenizer, body, endpoint)
+
+
+def _guarded(
+    tokenize: Callable[..., _T], tokenizer: Tokenizer, body: dict[str, Any], endpoint: str, *args: Any
+) -> _T:
+    """``tokenize(tokenizer, body, endpoint, *args)``, with what it raises made the client's 400
+    (see :func:`prompt_tokens`)."""
     try:
-        return prompt_token_ids(tokenizer, body, endpoint)
+        return tokenize(tokenizer, body, endpoint, *args)
     except (RequestError, ConfigError):
         raise
     except Exception as e:

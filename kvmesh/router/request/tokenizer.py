@@ -435,7 +435,7 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(message, dict):
             raise RequestError(f"'messages[{i}]' must be an object", field=f"messages[{i}]")
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise RequestError(
                 f"'messages[{i}].role' must be one of {sorted(_ROLES)}, got {role!r}",
                 field=f"messages[{i}].role",

@@ -15,6 +15,7 @@ from kvmesh.router.request.tokenizer import (
     BuiltinTokenizer,
     HfTokenizer,
     Tokenizer,
+    prompt_prefix_ids,
     prompt_token_ids,
 )
 
@@ -206,3 +207,43 @@ def test_a_conversation_encodes_the_same_when_its_earlier_turns_come_from_the_tu
         assert cached == BuiltinTokenizer().apply_chat_template(messages)
         assert type(cached) is list
     assert 0 < tok._turn_tokens <= 4000  # bounded: the oldest turns were dropped
+
+
+TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"q": "string"}}}]
+
+
+@given(st.text(min_size=1), st.text(), st.booleans())
+def test_a_prompt_s_first_block_read_from_its_beginning_is_the_whole_prompt_s(
+    first: str, second: str, with_tools: bool
+) -> None:
+    # what the router routes a prompt no worker holds on, before tokenizing the rest of it
+    chat = {"messages": [{"role": "system", "content": first}, {"role": "user", "content": second}]}
+    if with_tools:
+        chat["tools"] = TOOLS
+    for body, endpoint in ((chat, "/v1/chat/completions"), ({"prompt": first}, "/v1/completions")):
+        head = prompt_prefix_ids(BuiltinTokenizer(), body, endpoint, 16)
+        whole = prompt_token_ids(BuiltinTokenizer(), body, endpoint)
+        if head is not None:
+            assert head == whole[:16]
+        elif endpoint == "/v1/completions" and len(whole) >= 16 and len(first) <= 96:
+            raise AssertionError("a short prompt of 16 tokens or more was not read")
+
+
+def test_the_first_block_is_not_read_for_a_turn_the_tokenizer_has_cached_or_by_another_tokenizer() -> None:
+    tok = BuiltinTokenizer()
+    body = {"messages": [{"role": "user", "content": "a long document " * 40}]}
+    assert prompt_prefix_ids(tok, body, "/v1/chat/completions", 16) is not None
+    prompt_token_ids(tok, body, "/v1/chat/completions")  # now the turn is cached: tokenizing is cheap
+    assert prompt_prefix_ids(tok, body, "/v1/chat/completions", 16) is None
+    # a Hugging Face tokenizer encodes the rendered prompt as a whole: no exact first block
+    assert prompt_prefix_ids(HfTokenizer.__new__(HfTokenizer), body, "/v1/chat/completions", 16) is None
+
+
+@pytest.mark.parametrize("role", [[], {}, 3])
+def test_a_role_of_the_wrong_type_is_the_client_s_400_naming_it(role: object) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": role, "content": "x" * 400}]}
+    for read in (prompt_prefix_ids, prompt_token_ids):
+        args = (16,) if read is prompt_prefix_ids else ()
+        with pytest.raises(RequestError) as e:
+            read(BuiltinTokenizer(), body, "/v1/chat/completions", *args)  # type: ignore[operator]
+        assert e.value.field == "messages[1].role"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from typing import Any
 
@@ -28,6 +29,8 @@ from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
 from kvmesh.router.request.parse import ParsedRequest, parse_request
 from kvmesh.router.upstream.forwarder import ConnectFailed
+
+logger = logging.getLogger("kvmesh.router")
 
 ASGIApp = Any
 Scope = dict[str, Any]
@@ -158,7 +161,14 @@ class RoutedRequest:
 
     def _sent(self, parsed: ParsedRequest, request: RouteRequest, request_id: str) -> None:
         """The request is on its way to its worker: work out a deferred prompt's tokens now, and
-        count them where it went (``KvRouter.amend``)."""
+        count them where it went (``KvRouter.amend``). The worker has the request: a failure
+        here is logged, not raised into the forward, which would drop a request being served."""
+        try:
+            self._count_deferred(parsed, request, request_id)
+        except Exception:
+            logger.exception("kvmesh: counting a prompt routed on its first block failed")
+
+    def _count_deferred(self, parsed: ParsedRequest, request: RouteRequest, request_id: str) -> None:
         if not parsed.complete():
             return
         mesh = self.mesh

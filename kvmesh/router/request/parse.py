@@ -212,10 +212,11 @@ def parse_request(
     """Decode, validate ``nvext``, and (when ``tokenizer`` is given: KV mode) tokenize and hash.
 
     ``held`` tells whether any worker holds a block hash (asked for a text prompt keyed by its
-    tokens alone, without ``nvext.annotations``, which stream the prompt's tokens). Where none holds the prompt's first block,
-    none holds any of it (block hashes chain), and the prompt is returned :class:`DeferredPrompt`,
-    its length estimated at ``tokens_per_byte`` of the body: tokenizing a long prompt no one holds
-    (a new document, a cold prefix) would only delay the request by the time it takes."""
+    tokens alone, without ``nvext.annotations``, which stream the prompt's tokens). Where none
+    holds the prompt's first block, none holds any of it (block hashes chain), and the prompt is
+    returned :class:`DeferredPrompt`, its length estimated at ``tokens_per_byte`` of the body:
+    tokenizing a long prompt no one holds (a new document, a cold prefix) would only delay the
+    request by the time it takes."""
     body = decode_body(raw)
     overrides = override_headers(headers)
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY

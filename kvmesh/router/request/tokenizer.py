@@ -151,9 +151,7 @@ class BuiltinTokenizer:
         fewer, or where it is in the turn cache: then the whole prompt tokenizes in a few
         microseconds (a conversation's earlier turns are cached), less than this would take."""
         if tools:
-            system = messages[0] if messages and messages[0].get("role") == "system" else None
-            body = _render_content(system) if system is not None else ""
-            role, text = "system", (f"{body}\n\n{_render_tools(tools)}" if body else _render_tools(tools))
+            role, text, _ = _tools_turn(messages, tools)
         else:
             role, text = str(messages[0].get("role")), _render_content(messages[0])
         turn = f"{role}\n{text}"
@@ -188,14 +186,10 @@ class BuiltinTokenizer:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         out: list[int] = []
-        tools_text = _render_tools(tools) if tools else ""
         start = 0
-        if tools_text:
-            # Tools join the leading system turn (or open one), after the system prompt.
-            system = messages[0] if messages and messages[0].get("role") == "system" else None
-            body = _render_content(system) if system is not None else ""
-            self._turn(out, "system", f"{body}\n\n{tools_text}" if body else tools_text)
-            start = 1 if system is not None else 0
+        if tools:
+            role, text, start = _tools_turn(messages, tools)
+            self._turn(out, role, text)
         for message in messages[start:]:
             self._turn(out, str(message.get("role")), _render_content(message))
         if add_generation_prompt:
@@ -255,6 +249,15 @@ def _encode_chunks(data: bytes) -> tuple[int, ...]:
         chunk = data[i : i + _CHUNK_BYTES]
         ids.append(_LEN_OFFSET[len(chunk)] + int.from_bytes(chunk, "big"))
     return tuple(ids)
+
+
+def _tools_turn(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[str, str, int]:
+    """The first turn where there are tools: they join the leading system turn (or open one),
+    after the system prompt. Returns its role, its text and how many messages it took in."""
+    system = messages[0] if messages and messages[0].get("role") == "system" else None
+    body = _render_content(system) if system is not None else ""
+    tools_text = _render_tools(tools)
+    return "system", f"{body}\n\n{tools_text}" if body else tools_text, 1 if system is not None else 0
 
 
 _RENDERED_TOOLS: OrderedDict[bytes, str] = OrderedDict()

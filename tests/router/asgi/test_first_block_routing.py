@@ -8,10 +8,12 @@ from __future__ import annotations
 import random
 
 import aiohttp
+import pytest
 
 from kvmesh.bench.session import words
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
+from kvmesh.router.core.kv_router import KvRouter
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.servers import serve
 
@@ -60,3 +62,19 @@ async def test_a_cold_prompt_is_routed_on_its_first_block_and_counted_whole_once
                 assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 3000
             # those prompts' beginnings were held: tokenized before routing, as ever
             assert (await _state(http, front.url))["prompts"] == 3
+
+
+async def test_a_failure_counting_a_prompt_already_sent_does_not_drop_its_answer(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: object, **kwargs: object) -> bool:
+        raise RuntimeError("a bug in the bookkeeping")
+
+    monkeypatch.setattr(KvRouter, "amend", broken)
+    rng = random.Random(4)
+    async with run_mock(block_size=16, speedup=1000.0) as a:
+        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"),))
+        async with serve(build_router_app(settings)) as front:
+            answer = await _chat(http, front.url, a.config.model, "Notes: " + words(rng, 900), "Go on.")
+    assert answer["choices"][0]["message"]["content"]
+    assert "counting a prompt routed on its first block failed" in caplog.text

@@ -56,6 +56,7 @@ bench: venv
 	$(PY) benchmarks/mock_engine.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/front_latency.py
+	$(PY) benchmarks/burst_joins.py --trials 6
 	$(PY) benchmarks/routing_quality.py --short
 
 clean:

@@ -1,12 +1,13 @@
 """Whether a burst's requests share one engine step: sent straight to an idle engine, and through a front.
 
     .venv/bin/python benchmarks/burst_joins.py [--burst 4] [--trials 12] [--staggers 0,0.5,1,2]
-        [--fronts engine,kvmesh,sglang] [--context-words 1200] [--tail-words 100]
+        [--fronts engine,kvmesh,sglang] [--context-words 700] [--tail-words 60]
 
 The ``siblings`` workload of ``routing_quality.py`` (best-of-n samples, parallel tool calls) loses its
 median where a burst's first request reaches an idle engine and starts a step alone: the others
 arrive while that step runs and wait for it. This measures how often that happens before any
-routing choice is involved. One ``kvmesh mock`` engine (``--speedup 1``: the fitted GPU step
+routing choice is involved. The prompts are the suite's kind of text (``siblings``' sizes by
+default). One ``kvmesh mock`` engine (``--speedup 1``: the fitted GPU step
 times), idle between bursts; ``--burst`` identical chat requests sent together by this process, each
 ``--staggers`` milliseconds after the one before, ``--trials`` times per setting:
 
@@ -41,12 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
 
 from kvmesh.bench.fleet import FrontCommand, engine_requests, kvmesh_router, sglang_router, start_fleet
+from kvmesh.bench.session import words
 
 MODEL = "kvmesh-mock"
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randrange(10**6)}" for _ in range(n))
 
 
 async def first_token_ms(http: Any, url: str, content: str) -> float:
@@ -148,8 +146,12 @@ def main() -> int:
         default="engine,kvmesh,sglang",
         help="paths to measure: engine (direct), kvmesh, sglang (default all three)",
     )
-    ap.add_argument("--context-words", type=int, default=1200, help="words of the context (default 1200)")
-    ap.add_argument("--tail-words", type=int, default=100, help="words a warm burst adds (default 100)")
+    ap.add_argument(
+        "--context-words", type=int, default=700, help="words of the context (default 700, as `siblings`)"
+    )
+    ap.add_argument(
+        "--tail-words", type=int, default=60, help="words a warm burst adds (default 60, as `siblings`)"
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' words (default 0)")
     args = ap.parse_args()
     if args.burst < 2:

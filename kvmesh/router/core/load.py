@@ -80,11 +80,8 @@ class PromptBlocks:
         # chains the one before (the comprehension leaves the last in ``prev``)
         ids = [prev := hash((prev, chunk)) for chunk in zip(*[iter(local_hashes)] * CHUNK, strict=False)]
         self.n_anchors = len(ids)
-        append = ids.append
-        if full < n:
-            tail = tuple(local_hashes[full:])
-            for end in range(1, n - full + 1):
-                append(hash((prev, tail[:end])))
+        if full < n:  # each block of the last, partial chunk: chained to the identity before it
+            ids += [prev := hash((prev, h)) for h in local_hashes[full:]]
         self.ids = ids
         self.n_blocks = n
 

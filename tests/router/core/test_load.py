@@ -56,6 +56,20 @@ def test_dedup_across_full_chunks() -> None:
     assert load.new_blocks(("b", 0), p2, 40 * B) == 40
 
 
+def test_prompts_parting_after_the_last_whole_chunk_share_every_block_before_it() -> None:
+    """After the last whole chunk each block is an identity of its own, chained to the one before:
+    two prompts that part there share exactly the blocks they have in common, whichever block
+    they part at, and nothing after it."""
+    base, toks = prompt(1, 16 + 10)  # one whole chunk, then a partial one of 10 blocks
+    for shared in range(16, 26):
+        load = ActiveSequences(block_size=B)
+        load.add("r1", W, base, 26 * B, 0, 0.0)
+        other, _ = prompt(100 + shared, 26 - shared, prefix=toks[: shared * B])
+        assert load.new_blocks(W, other, 26 * B) == 26 - shared
+    again = PromptBlocks(block_hashes(toks, B))
+    assert again.ids == base.ids  # the same prompt, the same identities
+
+
 def test_without_kv_reuse_every_request_counts_all_its_blocks() -> None:
     load = ActiveSequences(block_size=B, assume_kv_reuse=False)
     p, _ = prompt(1, 10)

@@ -6,10 +6,10 @@
 The ``siblings`` workload of ``routing_quality.py`` (best-of-n samples, parallel tool calls) loses its
 median where a burst's first request reaches an idle engine and starts a step alone: the others
 arrive while that step runs and wait for it. This measures how often that happens before any
-routing choice is involved. The prompts are the suite's kind of text (``siblings``' sizes by
-default). One ``kvmesh mock`` engine (``--speedup 1``: the fitted GPU step
-times), idle between bursts; ``--burst`` identical chat requests sent together by this process, each
-``--staggers`` milliseconds after the one before, ``--trials`` times per setting:
+routing choice is involved. One ``kvmesh mock`` engine (``--speedup 1``: the fitted GPU step
+times), idle between bursts; ``--burst`` identical chat requests of the suite's kind of text
+(``siblings``' sizes by default) sent together by this process, each ``--staggers`` milliseconds
+after the one before, ``--trials`` times per setting:
 
 * ``cold``: a context no one has sent before (``--context-words`` words);
 * ``warm``: the context sent once first, then the burst adds ``--tail-words`` words to it (a later
@@ -82,10 +82,8 @@ async def run_front(name: str, front: FrontCommand, args: argparse.Namespace) ->
     async with start_fleet(1, engine_args, front, request_logs=True) as fleet:
         url = fleet.engine_urls[0] if name == "engine" else fleet.front_url
         rng = random.Random(args.seed)
-        seen = 0
         async with aiohttp.ClientSession() as http:
             await first_token_ms(http, url, words(rng, 50))  # connections and code paths warm
-            seen = len(engine_requests(fleet))
             for stagger_ms in args.staggers:
                 for kind in ("cold", "warm"):
                     steps: Counter[int] = Counter()
@@ -97,7 +95,7 @@ async def run_front(name: str, front: FrontCommand, args: argparse.Namespace) ->
                             await first_token_ms(http, url, context)
                             prompt = f"{context} {words(rng, args.tail_words)}"
                         await asyncio.sleep(0.2)  # the engine idle again
-                        seen = len(engine_requests(fleet))
+                        seen = len(engine_requests(fleet))  # (the warm-up's and the context's)
 
                         async def send(i: int, prompt: str = prompt, stagger_ms: float = stagger_ms) -> float:
                             if i and stagger_ms:
@@ -108,7 +106,6 @@ async def run_front(name: str, front: FrontCommand, args: argparse.Namespace) ->
                         await asyncio.sleep(0.1)  # (the engine logs a request when it ends)
                         logged = engine_requests(fleet)
                         burst = logged[seen:]
-                        seen = len(logged)
                         if len(burst) != args.burst:
                             raise RuntimeError(f"{name}: the engine logged {len(burst)} of a burst")
                         steps[len({r["step"] for r in burst})] += 1

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.hashing import block_hashes
-from kvmesh.router.core.load import ActiveSequences, PromptBlocks, output_blocks
+from kvmesh.router.core.load import CHUNK, ActiveSequences, PromptBlocks, output_blocks
 
 B = 4
 W = ("a", 0)
@@ -68,6 +68,29 @@ def test_prompts_parting_after_the_last_whole_chunk_share_every_block_before_it(
         assert load.new_blocks(W, other, 26 * B) == 26 - shared
     again = PromptBlocks(block_hashes(toks, B))
     assert again.ids == base.ids  # the same prompt, the same identities
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    hashes=st.lists(st.integers(0, 2**64 - 1), max_size=3 * CHUNK + CHUNK - 1),
+    changed=st.integers(0, 4 * CHUNK),
+)
+def test_each_identity_names_its_whole_prefix_and_nothing_after_it(hashes: list[int], changed: int) -> None:
+    """One identity per whole chunk, then one per block of the partial chunk; a prompt cut at a
+    chunk boundary has the first identities of the whole one, and changing one block changes
+    the identity that covers it and every one after it, never one before."""
+    p = PromptBlocks(hashes)
+    n = len(hashes)
+    assert (p.n_blocks, p.n_anchors, len(p.ids)) == (n, n // CHUNK, n // CHUNK + n % CHUNK)
+    assert len(set(p.ids)) == len(p.ids)
+    for cut in range(0, n + 1, CHUNK):
+        assert PromptBlocks(hashes[:cut]).ids[: cut // CHUNK] == p.ids[: cut // CHUNK]
+    if changed < n:
+        other = PromptBlocks([*hashes[:changed], hashes[changed] ^ 1, *hashes[changed + 1 :]])
+        # the identity covering block ``changed``: its chunk's, or its own after the whole chunks
+        first = changed // CHUNK if changed < p.n_anchors * CHUNK else p.n_anchors + changed % CHUNK
+        assert other.ids[:first] == p.ids[:first]
+        assert all(a != b for a, b in zip(other.ids[first:], p.ids[first:], strict=True))
 
 
 def test_without_kv_reuse_every_request_counts_all_its_blocks() -> None:

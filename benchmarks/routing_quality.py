@@ -52,8 +52,10 @@ A case that sends bursts (``siblings``) gets a second table: the TTFT of each bu
 request and of its siblings, apart. On the engine holding the context, the first one starts a step
 alone when the engine is idle, and the siblings that reach it after that step started wait for it
 and run one of their own; spreading them over engines that hold copies avoids that second step
-and pays for the copies in prefix hits. The ``floor`` (one session at a time on one idle engine)
-shows what keeping every burst whole costs at best.
+and pays for the copies in prefix hits. The table shows that price too: the share of siblings
+that found under half their prompt cached where they ran, read from the engines' usage (so for
+every router, whether or not its front names the engine), and their TTFT p50. The ``floor`` (one
+session at a time on one idle engine) shows what keeping every burst whole costs at best.
 After the verdicts (each round's ratio of the default router to the better baseline, and their
 median over the rounds), a second table says how sure they are: the same ratios over all rounds'
 requests pooled, each with a 90% interval from a paired bootstrap over sessions (every router of a
@@ -475,7 +477,15 @@ BURST_METRICS = (
     ("first TTFT mean ms", lambda b: _ms(b["first_ttft_s"]["mean"])),
     ("siblings TTFT p50 ms", lambda b: _ms(b["siblings_ttft_s"]["p50"])),
     ("siblings TTFT mean ms", lambda b: _ms(b["siblings_ttft_s"]["mean"])),
+    # siblings that found under half their prompt cached (their context computed again, or their
+    # step shared with the first one's): what a burst spread over engines pays in prefix hits
+    ("siblings under half cached", lambda b: _share(b.get("siblings_uncached", {}).get("share"))),
+    ("their TTFT p50 ms", lambda b: _ms(b.get("siblings_uncached", {}).get("ttft_p50_s"))),
 )
+
+
+def _share(x: float | None) -> float | None:
+    return None if x is None else 100 * x
 
 
 def burst_table(results: dict[str, list[dict[str, Any]]]) -> str | None:

@@ -70,25 +70,47 @@ def _bursts(ok: Sequence[RequestResult]) -> dict[str, Any] | None:
     step the first one starts share that step (and its prefix), and the later ones wait for it to
     end and run a step of their own. A router that keeps a burst on the engine holding its context
     keeps its cache hits but pays that second step; one that spreads the siblings over engines
-    holding copies of the context pays for the copies in hits instead."""
-    steps: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (start, TTFT) per step
+    holding copies of the context pays for the copies in hits instead.
+
+    ``siblings_uncached``: of the siblings whose usage reported their cached tokens, the share
+    that found under half their prompt cached where they ran (they computed their context again,
+    or shared a step with the first one before it was cached), and their TTFT p50. It is read from
+    the engines' usage, so it is the same for every router, whether or not its front says where a
+    request went."""
+    steps: dict[tuple[str, int], list[tuple[float, float, bool | None]]] = {}  # per step
     for r in ok:
         if r.ttft is not None:
-            steps.setdefault((r.session_id, r.step), []).append((r.start, r.ttft))
+            cold = (
+                None
+                if r.prompt_tokens is None or r.cached_tokens is None
+                else 2 * r.cached_tokens < r.prompt_tokens
+            )
+            steps.setdefault((r.session_id, r.step), []).append((r.start, r.ttft, cold))
     firsts: list[float] = []
     rest: list[float] = []
+    told = 0  # siblings whose cached tokens are known
+    uncached: list[float] = []  # ... the TTFTs of those with under half their prompt cached
     for group in steps.values():
         if len(group) < 2:
             continue
-        group.sort()
+        group.sort(key=lambda g: g[:2])  # by start (then TTFT), never by the None-or-bool
         firsts.append(group[0][1])
-        rest.extend(ttft for _, ttft in group[1:])
+        for _, ttft, cold in group[1:]:
+            rest.append(ttft)
+            if cold is not None:
+                told += 1
+                if cold:
+                    uncached.append(ttft)
     if not firsts:
         return None
     return {
         "count": len(firsts),
         "first_ttft_s": {"p50": percentile(firsts, 50), "mean": _mean(firsts)},
         "siblings_ttft_s": {"p50": percentile(rest, 50), "mean": _mean(rest)},
+        "siblings_uncached": {
+            "share": len(uncached) / told if told else None,
+            "ttft_p50_s": percentile(uncached, 50) if uncached else None,
+        },
     }
 
 
@@ -148,6 +170,10 @@ def _burst_rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, list[str
     return [
         ("burst: first TTFT p50 (ms)", [_ms(b["first_ttft_s"]["p50"]) if b else "-" for b in got]),
         ("burst: siblings TTFT p50 (ms)", [_ms(b["siblings_ttft_s"]["p50"]) if b else "-" for b in got]),
+        (
+            "burst: siblings under half cached",
+            [_pct(b["siblings_uncached"]["share"]) if b else "-" for b in got],
+        ),
     ]
 
 

@@ -67,15 +67,25 @@ def test_percentiles_and_table() -> None:
 
 def test_a_burst_is_split_into_its_first_sent_request_and_its_siblings() -> None:
     def req(
-        session: str, step: int, start: float, ttft: float | None, error: str | None = None
+        session: str,
+        step: int,
+        start: float,
+        ttft: float | None,
+        error: str | None = None,
+        cached: int | None = 90,
     ) -> RequestResult:
-        return RequestResult(session, step, "u", start, ttft=ttft, error=error)
+        prompt = None if cached is None else 100
+        return RequestResult(
+            session, step, "u", start, ttft=ttft, prompt_tokens=prompt, cached_tokens=cached, error=error
+        )
 
     results = [
-        # a burst of three sent out of list order: the first sent is the one at 1.00 s
-        req("a", 1, 1.002, 0.060), req("a", 1, 1.000, 0.030), req("a", 1, 1.001, 0.070),
-        # a burst whose second sibling failed: it counts with the sibling that answered
-        req("b", 1, 2.000, 0.040), req("b", 1, 2.001, 0.090), req("b", 1, 2.002, None, "HTTP 500"),
+        # a burst of three sent out of list order: the first sent is the one at 1.00 s; of its
+        # siblings, the one at 1.001 s found under half its prompt cached
+        req("a", 1, 1.002, 0.060), req("a", 1, 1.000, 0.030, cached=0), req("a", 1, 1.001, 0.070, cached=49),
+        # a burst whose second sibling failed: it counts with the sibling that answered, whose
+        # usage did not say what was cached
+        req("b", 1, 2.000, 0.040), req("b", 1, 2.001, 0.090, cached=None), req("b", 1, 2.002, None, "HTTP 500"),
         req("a", 2, 3.000, 0.500),  # a step sent alone is no burst
     ]  # fmt: skip
     summary = report.summarize(RunResult("x", results, 4.0, 1))
@@ -85,8 +95,11 @@ def test_a_burst_is_split_into_its_first_sent_request_and_its_siblings() -> None
     assert bursts["first_ttft_s"]["mean"] == pytest.approx(0.035)
     assert bursts["siblings_ttft_s"]["p50"] == pytest.approx(0.070)
     assert bursts["siblings_ttft_s"]["mean"] == pytest.approx((0.060 + 0.070 + 0.090) / 3)
+    assert bursts["siblings_uncached"]["share"] == pytest.approx(1 / 2)  # of the two that said
+    assert bursts["siblings_uncached"]["ttft_p50_s"] == pytest.approx(0.070)
     table = report.format_table([summary])
     assert "burst: first TTFT p50 (ms)" in table and "35.0" in table and "70.0" in table
+    assert "burst: siblings under half cached" in table and "50.0%" in table
     lone = report.summarize(RunResult("y", [req("a", 1, 0.0, 0.1), req("a", 2, 1.0, 0.1)], 2.0, 1))
     assert lone["bursts"] is None and "burst:" not in report.format_table([lone])
 

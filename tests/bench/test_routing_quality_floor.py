@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_quality.py"
 
 
@@ -88,6 +90,19 @@ def test_a_case_of_bursts_reports_each_burst_s_first_request_and_its_siblings_ap
     floor = next(line for line in lines if line.split("|")[1].strip() == "floor").split("|")[1:-1]
     first_p50 = per["floor"][0]["bursts"]["first_ttft_s"]["p50"] * 1000
     assert floor[1].strip() == f"{first_p50:.1f}"
+    # the siblings that found under half their prompt cached, as each request's usage reported it
+    header = [cell.strip() for cell in lines[0].split("|")[1:-1]]
+    column = header.index("siblings under half cached")
+    for name in ("round-robin", "floor"):
+        bursts: dict[tuple[str, int], list[dict]] = {}
+        for r in requests:
+            if r["router"] == name:
+                bursts.setdefault((r["session"], r["turn"]), []).append(r)
+        siblings = [r for b in bursts.values() for r in sorted(b, key=lambda r: r["start_s"])[1:]]
+        share = sum(2 * r["cached_tokens"] < r["prompt_tokens"] for r in siblings) / len(siblings)
+        assert per[name][0]["bursts"]["siblings_uncached"]["share"] == pytest.approx(share)
+        row = next(line for line in lines if line.split("|")[1].strip() == name).split("|")[1:-1]
+        assert row[column].strip() == f"{100 * share:.1f}"
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

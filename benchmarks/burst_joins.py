@@ -29,51 +29,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import random
 import statistics
 import sys
-import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
+from front_latency import ttft_ms  # (max_tokens=2 here: a burst's steps are its prefills)
 
 from kvmesh.bench.fleet import FrontCommand, engine_requests, kvmesh_router, sglang_router, start_fleet
 from kvmesh.bench.session import words
 
-MODEL = "kvmesh-mock"
 
-
-async def first_token_ms(http: Any, url: str, content: str) -> float:
-    """Send one streamed chat request; milliseconds to its first generated text."""
-    import aiohttp
-
-    body = {
-        "model": MODEL,
-        "max_tokens": 2,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": content}],
-    }
-    t0 = time.perf_counter()
-    first = None
-    async with http.post(url + "/v1/chat/completions", json=body) as r:
-        if r.status != 200:
-            raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=await r.text())
-        async for line in r.content:
-            if first is None and line.startswith(b"data: {"):
-                choices = json.loads(line[6:]).get("choices") or []
-                if choices and (choices[0].get("delta") or {}).get("content"):
-                    first = (time.perf_counter() - t0) * 1000.0
-    if first is None:
-        raise RuntimeError("the stream ended without a generated token")
-    return first
-
-
-async def run_front(name: str, front: FrontCommand, args: argparse.Namespace) -> list[list[str]]:
+async def run_front(name: str, front: FrontCommand | None, args: argparse.Namespace) -> list[list[str]]:
     """Every stagger and prompt kind through one path; one table row each."""
     import aiohttp
 
@@ -83,7 +53,7 @@ async def run_front(name: str, front: FrontCommand, args: argparse.Namespace) ->
         url = fleet.engine_urls[0] if name == "engine" else fleet.front_url
         rng = random.Random(args.seed)
         async with aiohttp.ClientSession() as http:
-            await first_token_ms(http, url, words(rng, 50))  # connections and code paths warm
+            await ttft_ms(http, url, words(rng, 50), 2)  # connections and code paths warm
             for stagger_ms in args.staggers:
                 for kind in ("cold", "warm"):
                     steps: Counter[int] = Counter()
@@ -92,7 +62,7 @@ async def run_front(name: str, front: FrontCommand, args: argparse.Namespace) ->
                         context = words(rng, args.context_words)
                         prompt = context
                         if kind == "warm":
-                            await first_token_ms(http, url, context)
+                            await ttft_ms(http, url, context, 2)
                             prompt = f"{context} {words(rng, args.tail_words)}"
                         await asyncio.sleep(0.2)  # the engine idle again
                         seen = len(engine_requests(fleet))  # (the warm-up's and the context's)
@@ -100,7 +70,7 @@ async def run_front(name: str, front: FrontCommand, args: argparse.Namespace) ->
                         async def send(i: int, prompt: str = prompt, stagger_ms: float = stagger_ms) -> float:
                             if i and stagger_ms:
                                 await asyncio.sleep(i * stagger_ms / 1000.0)
-                            return await first_token_ms(http, url, prompt)
+                            return await ttft_ms(http, url, prompt, 2)
 
                         ttfts = await asyncio.gather(*(send(i) for i in range(args.burst)))
                         await asyncio.sleep(0.1)  # (the engine logs a request when it ends)
@@ -162,7 +132,7 @@ def main() -> int:
     if not args.staggers or any(s < 0 for s in args.staggers):
         ap.error("--staggers must name at least one stagger, none negative")
     fronts = [f.strip() for f in args.fronts.split(",") if f.strip()]
-    known = {"engine": kvmesh_router(), "kvmesh": kvmesh_router(), "sglang": sglang_router()}
+    known = {"engine": None, "kvmesh": kvmesh_router(), "sglang": sglang_router()}  # engine: no front
     unknown = [f for f in fronts if f not in known]
     if unknown or not fronts:
         ap.error(

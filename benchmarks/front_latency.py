@@ -49,12 +49,12 @@ class Front:
     url: str
 
 
-async def ttft_ms(http: aiohttp.ClientSession, url: str, prompt: str) -> float:
+async def ttft_ms(http: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 4) -> float:
     """Milliseconds from sending a streamed chat request to its first generated text."""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": 4,
+        "max_tokens": max_tokens,
         "stream": True,
     }
     lines = SseLines()

@@ -104,7 +104,7 @@ def sglang_router(policy: str = "cache_aware", *flags: str) -> FrontCommand:
 async def start_fleet(
     n: int,
     engine_args: Sequence[str],
-    front: FrontCommand,
+    front: FrontCommand | None,
     *,
     startup_timeout: float = 60.0,
     keep_logs: Path | None = None,
@@ -112,6 +112,8 @@ async def start_fleet(
     request_logs: bool = False,
 ) -> AsyncIterator[Fleet]:
     """``n`` ``kvmesh mock`` engines (KV events on) and a front router; yields when all serve.
+    ``front`` None: the engines alone, nothing in front of them to take CPU from them
+    (``front_url`` then names no server; :func:`add_front` can still add one).
 
     Engine ``i`` also gets ``per_engine_args[i % len(per_engine_args)]`` after ``engine_args``
     (the later of a flag given twice wins): a mixed fleet, such as engines of two speeds. With
@@ -139,8 +141,9 @@ async def start_fleet(
                 argv += ["--request-log", str(path)]
             fleet.procs.append(_spawn(argv, logs / f"engine-{i}.log"))
         await _wait_until(fleet, [u + "/health" for u in engine_urls], startup_timeout)
-        fleet.procs.append(_spawn(front(engine_urls, ports[-1]), logs / "front.log"))
-        await _wait_front(fleet, startup_timeout)
+        if front is not None:
+            fleet.procs.append(_spawn(front(engine_urls, ports[-1]), logs / "front.log"))
+            await _wait_front(fleet, startup_timeout)
         yield fleet
     finally:
         stop_processes(fleet.procs)

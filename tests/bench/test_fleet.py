@@ -115,3 +115,14 @@ def test_routing_mean_reads_the_total_phase_only() -> None:
     assert routing_mean(text) == pytest.approx(0.0005)
     assert routing_mean('kvmesh_router_overhead_seconds_count{phase="total"} 0.0\n') is None
     assert routing_mean("vllm:num_requests_running 1.0\n") is None
+
+
+async def test_a_fleet_without_a_front_is_its_engines_alone() -> None:
+    async with start_fleet(1, ["--speedup", "20", "--num-blocks", "64"], None) as fleet:
+        assert len(fleet.procs) == 1  # the engine, and no router process beside it
+        async with aiohttp.ClientSession() as http:
+            async with http.get(fleet.engine_urls[0] + "/health") as r:
+                assert r.status == 200
+            with pytest.raises(aiohttp.ClientConnectionError):
+                async with http.get(fleet.front_url + "/health"):
+                    pass

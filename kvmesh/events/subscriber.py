@@ -16,21 +16,22 @@ sequence number is readable still advances the stream, so the next good batch ap
 Socket errors close everything and reconnect after an exponential back-off.
 
 Everything runs in one task on one event loop; ``resume_from`` and ``stop`` are called from that
-loop's thread.
+loop's thread. The loop watches each socket's ZMQ descriptor itself (``add_reader``) and reads
+without blocking: pyzmq's asyncio poller set up and tore down futures and reader callbacks on every
+poll, which cost more CPU than decoding the batch (a batch an engine step, hundreds a second).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import zmq
-import zmq.asyncio
 
 from kvmesh.errors import ConfigError, MalformedEventError
 from kvmesh.events.wire import REPLAY_END_SEQ, EventBatch, decode_batch, pack_seq, unpack_frames, unpack_seq
@@ -38,7 +39,6 @@ from kvmesh.events.wire import REPLAY_END_SEQ, EventBatch, decode_batch, pack_se
 logger = logging.getLogger("kvmesh.events")
 
 _DRAIN_LIMIT = 512  # messages read per wake-up before checking the other sockets again
-_wake_ids = itertools.count()
 
 
 @dataclass
@@ -140,12 +140,11 @@ class EventSubscriber:
         self._task: asyncio.Task[None] | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sub: zmq.Socket[bytes] | None = None
-        self._wake_rx: zmq.Socket[bytes] | None = None
-        self._wake_tx: zmq.Socket[bytes] | None = None
-        # what the poller waits on: asyncio shadows of _sub and _wake_rx (see _waiter)
-        self._sub_waiter: zmq.asyncio.Socket | None = None
-        self._wake_waiter: zmq.asyncio.Socket | None = None
-        self._poller: zmq.asyncio.Poller | None = None
+        # Set by the event loop when a socket's descriptor signals, and by _wake(); the pump
+        # waits on it and then asks each socket whether a message is there.
+        self._ready: asyncio.Event | None = None
+        # socket -> the loop watching its descriptor, and the descriptor
+        self._watched: dict[zmq.Socket[bytes], tuple[asyncio.AbstractEventLoop, int]] = {}
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -194,8 +193,10 @@ class EventSubscriber:
         sockets fails (a bad endpoint); later failures are retried with back-off."""
         self._stopping = False
         # Plain sockets of the process-wide context (so inproc:// reaches a publisher in this
-        # process); only the waiting is asynchronous, and reads never block: they follow a poll.
+        # process); only the waiting is asynchronous, and reads never block: they follow the
+        # socket's word that a message is there.
         self._ctx = zmq.Context.instance()
+        self._ready = asyncio.Event()
         backoff = self._backoff_initial
         opened_once = False
         try:
@@ -240,19 +241,7 @@ class EventSubscriber:
             sub.bind(self.endpoint)
         else:
             sub.connect(self.endpoint)
-        # A PAIR over inproc lets resume_from()/stop() interrupt a poll at once.
-        address = f"inproc://kvmesh-subscriber-wake-{next(_wake_ids)}"
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.setsockopt(zmq.LINGER, 0)
-        self._wake_rx.bind(address)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.connect(address)
-        self._sub_waiter = _waiter(sub)
-        self._wake_waiter = _waiter(self._wake_rx)
-        self._poller = zmq.asyncio.Poller()
-        self._poller.register(self._sub_waiter, zmq.POLLIN)
-        self._poller.register(self._wake_waiter, zmq.POLLIN)
+        self._watch(sub)
         # After resume_from() or a reconnect, catch up at once instead of waiting for the next
         # live batch to reveal the gap (an idle engine may not publish for a long time).
         if self._expected is not None:
@@ -264,14 +253,10 @@ class EventSubscriber:
             # Frees the address at once (closing alone releases it later, in ZMQ's I/O thread).
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.unbind(self._sub.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint)
-        # A shadow's close closes its socket and takes its file descriptor off the event loop.
-        # (Only here, once the pump has stopped: closed under a waiting poll it would cancel it.)
-        for sock in (self._sub_waiter, self._wake_waiter, self._sub, self._wake_rx, self._wake_tx):
-            if sock is not None:
-                sock.close(linger=0)
-        self._sub = self._wake_rx = self._wake_tx = None
-        self._sub_waiter = self._wake_waiter = None
-        self._poller = None
+        if self._sub is not None:
+            self._unwatch(self._sub)
+            self._sub.close(linger=0)
+        self._sub = None
 
     async def _back_off(self, delay: float, error: BaseException) -> None:
         self.stats.reconnects += 1
@@ -279,35 +264,55 @@ class EventSubscriber:
         await asyncio.sleep(delay)
 
     def _wake(self) -> None:
-        if self._wake_tx is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._wake_tx.send(b"", zmq.NOBLOCK)
+        if self._ready is not None:
+            self._ready.set()
+
+    def _watch(self, sock: zmq.Socket[bytes]) -> None:
+        """Wake the pump when ``sock``'s descriptor signals. ZMQ signals an edge (messages may
+        have come), not a level: the pump asks the socket (:func:`_readable`) after every wake and
+        reads until it is empty, or the next message could go unnoticed."""
+        assert self._ready is not None
+        loop = asyncio.get_running_loop()
+        fd = cast(int, sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._ready.set)
+        self._watched[sock] = (loop, fd)
+
+    def _unwatch(self, sock: zmq.Socket[bytes]) -> None:
+        """Take ``sock`` off the event loop (before closing it: its descriptor goes with it)."""
+        watched = self._watched.pop(sock, None)
+        if watched is not None and not watched[0].is_closed():
+            watched[0].remove_reader(watched[1])
 
     # --- the loop -----------------------------------------------------------------------------
 
     async def _pump(self) -> None:
-        """Poll the sockets and dispatch until stopped (or a socket error escapes)."""
+        """Read the sockets and dispatch until stopped (or a socket error escapes)."""
         loop = asyncio.get_running_loop()
+        ready = self._ready
+        assert ready is not None
         while not self._stopping:
             if self._kick:
                 self._kick = False
                 self._catch_up()
-            assert self._poller is not None and self._sub is not None and self._wake_rx is not None
-            assert self._sub_waiter is not None and self._wake_waiter is not None
-            timeout_ms = None
-            if self._replay is not None:
-                timeout_ms = max(0, int((self._replay.deadline - loop.time()) * 1000))
-            ready = dict(await self._poller.poll(timeout_ms))
-            if self._wake_waiter in ready:
-                _drain(self._wake_rx, lambda _frames: None)
-            if self._replay is not None and self._replay.sock in ready:
-                self._drain_replay(self._replay)
-            got_live = self._sub_waiter in ready
-            if got_live:
-                _drain(self._sub, self._on_live_message)
+            assert self._sub is not None
+            ready.clear()  # before asking the sockets: a message after the question sets it again
+            more = False  # a socket may hold more than was read: ask again after a turn of the loop
+            replay = self._replay
+            if replay is not None and _readable(replay.sock):
+                more = self._drain_replay(replay)
+            if _readable(self._sub):
+                more = _drain(self._sub, self._on_live_message) or more
                 self._healthy = True
             if self._replay is not None and loop.time() >= self._replay.deadline:
                 self._replay_timed_out()
+            if more or self._kick or self._stopping:
+                await asyncio.sleep(0)
+                continue
+            if self._replay is None:
+                await ready.wait()
+            else:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ready.wait(), max(0.0, self._replay.deadline - loop.time()))
 
     # --- live stream --------------------------------------------------------------------------
 
@@ -429,7 +434,7 @@ class EventSubscriber:
     # --- replay -------------------------------------------------------------------------------
 
     def _start_replay(self, start: int, *, attempt: int) -> None:
-        assert self._ctx is not None and self._poller is not None and self.replay_endpoint is not None
+        assert self._ctx is not None and self.replay_endpoint is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)  # a whole replay buffer may come back at once
@@ -438,31 +443,25 @@ class EventSubscriber:
         sock.send_multipart([b"", pack_seq(start)], zmq.NOBLOCK)
         deadline = asyncio.get_running_loop().time() + self._replay_timeout
         self._replay = _Replay(sock, start, attempt, deadline)
-        # Registered as it is (pyzmq wraps it for each poll): a replay is rare and short, and a
-        # shadow made for it could not be closed while a poll waits on it (closing it cancels the
-        # poll's future, shared by every socket, and with it the pump; resume_from() does that).
-        self._poller.register(sock, zmq.POLLIN)
+        self._watch(sock)
+        self._wake()  # (sending may have consumed the descriptor's signal: ask the socket)
         logger.info("%s: requesting replay from seq %d (attempt %d)", self.name, start, attempt)
 
     def _drop_replay(self) -> None:
         replay, self._replay = self._replay, None
         if replay is None:
             return
-        if self._poller is not None:
-            with contextlib.suppress(KeyError):
-                self._poller.unregister(replay.sock)
+        self._unwatch(replay.sock)
         replay.sock.close(linger=0)
 
-    def _drain_replay(self, replay: _Replay) -> None:
+    def _drain_replay(self, replay: _Replay) -> bool:
+        """Read the replay's answers (see :func:`_drain`); True when it stopped at the limit."""
         # Handling one answer may end this replay (end marker, reset) and close its socket.
         for _ in range(_DRAIN_LIMIT):
-            if self._replay is not replay:
-                return
-            try:
-                frames = replay.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._on_replay_message(replay, frames)
+            if self._replay is not replay or not _readable(replay.sock):
+                return False
+            self._on_replay_message(replay, replay.sock.recv_multipart(zmq.NOBLOCK))
+        return True
 
     def _on_replay_message(self, replay: _Replay, frames: list[bytes]) -> None:
         replay.deadline = asyncio.get_running_loop().time() + self._replay_timeout
@@ -543,20 +542,17 @@ class EventSubscriber:
         logger.warning("%s: dropping malformed KV-event batch (%s): %s", self.name, where, error)
 
 
-def _waiter(sock: zmq.Socket[bytes]) -> zmq.asyncio.Socket:
-    """An asyncio shadow of ``sock`` (the same ZMQ socket) for the poller to wait on, made once
-    per socket. Given the plain socket, pyzmq's poller wraps it anew on every poll, setting up and
-    tearing down its event-loop state each time: with a batch a poll, as engine steps send them,
-    that cost the subscriber more than reading and decoding the batch. Reads stay on ``sock``,
-    non-blocking, after a poll said it is readable."""
-    return zmq.asyncio.Socket.from_socket(sock)
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    """A message is waiting on ``sock`` (asking also re-arms its descriptor's signal)."""
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
-def _drain(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None]) -> None:
-    """Read what is queued, without waiting: the poller said it is there."""
+def _drain(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None]) -> bool:
+    """Read what is queued, without waiting; True when it stopped at ``_DRAIN_LIMIT`` messages
+    with more there. Each read follows the socket's word that a whole message is waiting, which
+    is cheaper than the exception a read of an empty socket raises."""
     for _ in range(_DRAIN_LIMIT):
-        try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        handle(frames)
+        if not _readable(sock):
+            return False
+        handle(sock.recv_multipart(zmq.NOBLOCK))
+    return True

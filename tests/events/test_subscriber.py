@@ -12,9 +12,9 @@ from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 import zmq
-import zmq.asyncio
 
 from kvmesh.errors import ConfigError
+from kvmesh.events import subscriber as subscriber_module
 from kvmesh.events.publisher import BatchPublisher
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import encode_batch, pack_seq
@@ -439,15 +439,15 @@ async def test_socket_error_reconnects_with_back_off(
     endpoint_factory: Endpoints, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     got = Collector()
-    real_poll = zmq.asyncio.Poller.poll
-    failures = iter([False] * 3 + [True, True])  # fail the 4th and 5th polls, then behave
+    real_readable = subscriber_module._readable
+    failures = iter([False] * 3 + [True, True])  # fail the 4th and 5th questions, then behave
 
-    def flaky_poll(self: zmq.asyncio.Poller, timeout: int | None = None) -> object:
+    def flaky_readable(sock: zmq.Socket[bytes]) -> bool:
         if next(failures, False):
             raise zmq.ZMQError(errno.EIO, "injected failure")
-        return real_poll(self, timeout)
+        return real_readable(sock)
 
-    monkeypatch.setattr(zmq.asyncio.Poller, "poll", flaky_poll)
+    monkeypatch.setattr(subscriber_module, "_readable", flaky_readable)
     with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
         sub = EventSubscriber(
             pub.endpoint,

@@ -16,9 +16,8 @@ sequence number is readable still advances the stream, so the next good batch ap
 Socket errors close everything and reconnect after an exponential back-off.
 
 Everything runs in one task on one event loop; ``resume_from`` and ``stop`` are called from that
-loop's thread. The loop watches each socket's ZMQ descriptor itself (``add_reader``) and reads
-without blocking: pyzmq's asyncio poller set up and tore down futures and reader callbacks on every
-poll, which cost more CPU than decoding the batch (a batch an engine step, hundreds a second).
+loop's thread. The loop watches the sockets' ZMQ descriptors itself (:mod:`kvmesh.events.readiness`)
+and the reads never block.
 """
 
 from __future__ import annotations
@@ -29,11 +28,11 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
 
 import zmq
 
 from kvmesh.errors import ConfigError, MalformedEventError
+from kvmesh.events.readiness import SocketWatch, drain, readable, recv_frames
 from kvmesh.events.wire import REPLAY_END_SEQ, EventBatch, decode_batch, pack_seq, unpack_frames, unpack_seq
 
 logger = logging.getLogger("kvmesh.events")
@@ -140,11 +139,8 @@ class EventSubscriber:
         self._task: asyncio.Task[None] | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sub: zmq.Socket[bytes] | None = None
-        # Set by the event loop when a socket's descriptor signals, and by _wake(); the pump
-        # waits on it and then asks each socket whether a message is there.
-        self._ready: asyncio.Event | None = None
-        # socket -> the loop watching its descriptor, and the descriptor
-        self._watched: dict[zmq.Socket[bytes], tuple[asyncio.AbstractEventLoop, int]] = {}
+        # what the pump waits on: the sockets' descriptors, and _wake()
+        self._watch: SocketWatch | None = None
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -196,7 +192,7 @@ class EventSubscriber:
         # process); only the waiting is asynchronous, and reads never block: they follow the
         # socket's word that a message is there.
         self._ctx = zmq.Context.instance()
-        self._ready = asyncio.Event()
+        self._watch = SocketWatch()
         backoff = self._backoff_initial
         opened_once = False
         try:
@@ -241,7 +237,8 @@ class EventSubscriber:
             sub.bind(self.endpoint)
         else:
             sub.connect(self.endpoint)
-        self._watch(sub)
+        assert self._watch is not None
+        self._watch.watch(sub)
         # After resume_from() or a reconnect, catch up at once instead of waiting for the next
         # live batch to reveal the gap (an idle engine may not publish for a long time).
         if self._expected is not None:
@@ -254,7 +251,8 @@ class EventSubscriber:
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.unbind(self._sub.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint)
         if self._sub is not None:
-            self._unwatch(self._sub)
+            if self._watch is not None:
+                self._watch.unwatch(self._sub)
             self._sub.close(linger=0)
         self._sub = None
 
@@ -264,55 +262,35 @@ class EventSubscriber:
         await asyncio.sleep(delay)
 
     def _wake(self) -> None:
-        if self._ready is not None:
-            self._ready.set()
-
-    def _watch(self, sock: zmq.Socket[bytes]) -> None:
-        """Wake the pump when ``sock``'s descriptor signals. ZMQ signals an edge (messages may
-        have come), not a level: the pump asks the socket (:func:`_readable`) after every wake and
-        reads until it is empty, or the next message could go unnoticed."""
-        assert self._ready is not None
-        loop = asyncio.get_running_loop()
-        fd = cast(int, sock.getsockopt(zmq.FD))
-        loop.add_reader(fd, self._ready.set)
-        self._watched[sock] = (loop, fd)
-
-    def _unwatch(self, sock: zmq.Socket[bytes]) -> None:
-        """Take ``sock`` off the event loop (before closing it: its descriptor goes with it)."""
-        watched = self._watched.pop(sock, None)
-        if watched is not None and not watched[0].is_closed():
-            watched[0].remove_reader(watched[1])
+        if self._watch is not None:
+            self._watch.wake()
 
     # --- the loop -----------------------------------------------------------------------------
 
     async def _pump(self) -> None:
         """Read the sockets and dispatch until stopped (or a socket error escapes)."""
         loop = asyncio.get_running_loop()
-        ready = self._ready
-        assert ready is not None
+        watch = self._watch
+        assert watch is not None
         while not self._stopping:
             if self._kick:
                 self._kick = False
                 self._catch_up()
             assert self._sub is not None
-            ready.clear()  # before asking the sockets: a message after the question sets it again
+            watch.clear()  # before asking the sockets (see kvmesh.events.readiness)
             more = False  # a socket may hold more than was read: ask again after a turn of the loop
             replay = self._replay
-            if replay is not None and _readable(replay.sock):
+            if replay is not None and readable(replay.sock):
                 more = self._drain_replay(replay)
-            if _readable(self._sub):
-                more = _drain(self._sub, self._on_live_message) or more
+            if readable(self._sub):
+                more = drain(self._sub, recv_frames, self._on_live_message, _DRAIN_LIMIT) or more
                 self._healthy = True
             if self._replay is not None and loop.time() >= self._replay.deadline:
                 self._replay_timed_out()
             if more or self._kick or self._stopping:
                 await asyncio.sleep(0)
                 continue
-            if self._replay is None:
-                await ready.wait()
-            else:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(ready.wait(), max(0.0, self._replay.deadline - loop.time()))
+            await watch.wait(None if self._replay is None else self._replay.deadline - loop.time())
 
     # --- live stream --------------------------------------------------------------------------
 
@@ -443,24 +421,26 @@ class EventSubscriber:
         sock.send_multipart([b"", pack_seq(start)], zmq.NOBLOCK)
         deadline = asyncio.get_running_loop().time() + self._replay_timeout
         self._replay = _Replay(sock, start, attempt, deadline)
-        self._watch(sock)
-        self._wake()  # (sending may have consumed the descriptor's signal: ask the socket)
+        assert self._watch is not None
+        self._watch.watch(sock)
         logger.info("%s: requesting replay from seq %d (attempt %d)", self.name, start, attempt)
 
     def _drop_replay(self) -> None:
         replay, self._replay = self._replay, None
         if replay is None:
             return
-        self._unwatch(replay.sock)
+        if self._watch is not None:
+            self._watch.unwatch(replay.sock)
         replay.sock.close(linger=0)
 
     def _drain_replay(self, replay: _Replay) -> bool:
-        """Read the replay's answers (see :func:`_drain`); True when it stopped at the limit."""
+        """Read the replay's answers (as :func:`~kvmesh.events.readiness.drain`); True when it
+        stopped at the limit with more there."""
         # Handling one answer may end this replay (end marker, reset) and close its socket.
         for _ in range(_DRAIN_LIMIT):
-            if self._replay is not replay or not _readable(replay.sock):
+            if self._replay is not replay or not readable(replay.sock):
                 return False
-            self._on_replay_message(replay, replay.sock.recv_multipart(zmq.NOBLOCK))
+            self._on_replay_message(replay, recv_frames(replay.sock))
         return True
 
     def _on_replay_message(self, replay: _Replay, frames: list[bytes]) -> None:
@@ -540,19 +520,3 @@ class EventSubscriber:
         self.stats.malformed += 1
         where = f"seq {seq}" if seq is not None else "unreadable seq"
         logger.warning("%s: dropping malformed KV-event batch (%s): %s", self.name, where, error)
-
-
-def _readable(sock: zmq.Socket[bytes]) -> bool:
-    """A message is waiting on ``sock`` (asking also re-arms its descriptor's signal)."""
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
-def _drain(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None]) -> bool:
-    """Read what is queued, without waiting; True when it stopped at ``_DRAIN_LIMIT`` messages
-    with more there. Each read follows the socket's word that a whole message is waiting, which
-    is cheaper than the exception a read of an empty socket raises."""
-    for _ in range(_DRAIN_LIMIT):
-        if not _readable(sock):
-            return False
-        handle(sock.recv_multipart(zmq.NOBLOCK))
-    return True

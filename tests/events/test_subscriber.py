@@ -439,7 +439,7 @@ async def test_socket_error_reconnects_with_back_off(
     endpoint_factory: Endpoints, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     got = Collector()
-    real_readable = subscriber_module._readable
+    real_readable = subscriber_module.readable
     failures = iter([False] * 3 + [True, True])  # fail the 4th and 5th questions, then behave
 
     def flaky_readable(sock: zmq.Socket[bytes]) -> bool:
@@ -447,7 +447,7 @@ async def test_socket_error_reconnects_with_back_off(
             raise zmq.ZMQError(errno.EIO, "injected failure")
         return real_readable(sock)
 
-    monkeypatch.setattr(subscriber_module, "_readable", flaky_readable)
+    monkeypatch.setattr(subscriber_module, "readable", flaky_readable)
     with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
         sub = EventSubscriber(
             pub.endpoint,

@@ -46,11 +46,11 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from kvmesh._types import WorkerKey
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsLink
+from kvmesh.events.readiness import SocketWatch, drain
 from kvmesh.router.core.kv_router import KvRouter
 
 logger = logging.getLogger("kvmesh.router")
@@ -394,16 +394,20 @@ class ReplicaSync:
 
     # ---------------------------------------------------------------- receiving
     async def _listen(self, sub: zmq.Socket[bytes]) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        while True:
-            await poller.poll()
-            for _ in range(_DRAIN_LIMIT):
-                try:
-                    frame = sub.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self.apply(frame, time.monotonic())
+        watch = SocketWatch()  # (one message per peer decision: see kvmesh.events.readiness)
+        watch.watch(sub)
+        try:
+            while True:
+                watch.clear()
+                if drain(sub, _recv_now, self._apply_now, _DRAIN_LIMIT):
+                    await asyncio.sleep(0)  # more there: let the rest of the loop run first
+                else:
+                    await watch.wait()
+        finally:
+            watch.unwatch(sub)  # (stop() closes the socket once this task has ended)
+
+    def _apply_now(self, frame: bytes) -> None:
+        self.apply(frame, time.monotonic())
 
     def apply(self, frame: bytes, now: float) -> None:
         """Apply one peer message (bad input is counted and logged, never raised)."""
@@ -461,3 +465,8 @@ class ReplicaSync:
                 router.finished(rid, now)
             for rid in peer.requests:
                 router.output_tokens(rid, 0, now)  # still alive: keeps the request from timing out
+
+
+def _recv_now(sock: zmq.Socket[bytes]) -> bytes:
+    """One frame, without blocking (a peer's message is one frame)."""
+    return sock.recv(zmq.NOBLOCK)

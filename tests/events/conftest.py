@@ -3,7 +3,8 @@ check."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,20 @@ def no_leaked_sockets() -> Iterator[None]:
     """Fail a test that leaves a ZMQ socket open (publisher threads close theirs on close())."""
     with no_sockets_left_open():
         yield
+
+
+BOTH_LOOPS = frozenset({"test_subscriber", "test_readiness"})
+"""Test modules whose async tests run on both event loops: the subscriber's waiting is the event
+loop's own (kvmesh.events.readiness), and the router runs under uvicorn, which takes uvloop where
+it is installed (the dev extra installs it)."""
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    module = getattr(item, "module", None)
+    if module is not None and module.__name__.rpartition(".")[2] in BOTH_LOOPS:
+        import uvloop
+
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}

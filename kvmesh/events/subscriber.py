@@ -52,6 +52,9 @@ class SubscriberStats:
     """Times a live batch arrived with a sequence above the expected one."""
     replayed: int = 0
     """Batches delivered from the replay socket."""
+    replays: int = 0
+    """Replays answered to their end marker (a router's probe of a quiet stream that finds nothing
+    missed is one)."""
     unrecoverable: int = 0
     """Ranges that could not be replayed; each was reported through ``on_reset``."""
     reconnects: int = 0
@@ -131,6 +134,11 @@ class EventSubscriber:
         # snapshot older than the stream) hands them out again without asking the publisher.
         self._history: deque[tuple[int, EventBatch | None]] = deque(maxlen=history_batches)
         self._replay: _Replay | None = None
+        # The replay socket of the last replay that ended cleanly (its end marker read, so nothing
+        # of it is still on the way): the next replay asks through it. A router probes each quiet
+        # stream at every health check with a replay that answers nothing (mesh/event_feed.py):
+        # a new connection each time cost both ends more than the question.
+        self._parked: zmq.Socket[bytes] | None = None
         # Set by resume_from() and reconnects: catch up (apply held batches or replay) before the
         # next poll, without waiting for a live batch to reveal the gap.
         self._kick = False
@@ -246,6 +254,9 @@ class EventSubscriber:
 
     def _close(self) -> None:
         self._drop_replay()
+        if self._parked is not None:
+            self._parked.close(linger=0)
+            self._parked = None
         if self._sub is not None and self.bind:
             # Frees the address at once (closing alone releases it later, in ZMQ's I/O thread).
             with contextlib.suppress(zmq.ZMQError):
@@ -413,10 +424,12 @@ class EventSubscriber:
 
     def _start_replay(self, start: int, *, attempt: int) -> None:
         assert self._ctx is not None and self.replay_endpoint is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)  # a whole replay buffer may come back at once
-        sock.connect(self.replay_endpoint)
+        sock, self._parked = self._parked, None
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)  # a whole replay buffer may come back at once
+            sock.connect(self.replay_endpoint)
         # A connected DEALER queues the request until the connection is up; it does not block.
         sock.send_multipart([b"", pack_seq(start)], zmq.NOBLOCK)
         deadline = asyncio.get_running_loop().time() + self._replay_timeout
@@ -425,13 +438,19 @@ class EventSubscriber:
         self._watch.watch(sock)
         logger.info("%s: requesting replay from seq %d (attempt %d)", self.name, start, attempt)
 
-    def _drop_replay(self) -> None:
+    def _drop_replay(self, *, ended: bool = False) -> None:
+        """Stop following the replay in progress. Its socket is kept for the next one when the
+        replay ``ended`` (its end marker read); dropped midway, answers may still be on their
+        way to it, so it is closed with them."""
         replay, self._replay = self._replay, None
         if replay is None:
             return
         if self._watch is not None:
             self._watch.unwatch(replay.sock)
-        replay.sock.close(linger=0)
+        if ended and self._parked is None:
+            self._parked = replay.sock
+        else:
+            replay.sock.close(linger=0)
 
     def _drain_replay(self, replay: _Replay) -> bool:
         """Read the replay's answers (as :func:`~kvmesh.events.readiness.drain`); True when it
@@ -475,7 +494,8 @@ class EventSubscriber:
         self._deliver(seq, batch)
 
     def _finish_replay(self) -> None:
-        self._drop_replay()
+        self.stats.replays += 1
+        self._drop_replay(ended=True)
         if self._held and self._expected is not None:
             first = next(iter(self._held))
             if first > self._expected:

@@ -283,6 +283,41 @@ async def test_resume_from_catches_up_at_once_even_when_idle(endpoint_factory: E
     assert got.batches == expected(range(10, 21)) and got.resets == []
 
 
+async def test_quiet_stream_probes_ask_through_one_replay_connection(
+    endpoint_factory: Endpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A router probes each quiet stream at every health check: a replay from the next sequence,
+    # which the publisher answers with its end marker alone when nothing was missed.
+    dealers = 0
+    real_socket = zmq.Context.socket
+
+    def counting_socket(self: zmq.Context[zmq.Socket[bytes]], kind: int, **kw: object) -> object:
+        nonlocal dealers
+        dealers += kind == zmq.DEALER
+        return real_socket(self, kind, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zmq.Context, "socket", counting_socket)
+    got = Collector()
+    with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
+        sub = EventSubscriber(pub.endpoint, got.on_batch, replay_endpoint=pub.replay_endpoint)
+        async with running(sub):
+            await asyncio.sleep(0.1)
+            for i in range(3):
+                pub.publish(make_batch(i))
+            await got.wait_for(3)
+            for probe in range(1, 6):
+                assert sub.expected_seq is not None
+                sub.resume_from(sub.expected_seq - 1)  # what the health check's probe does
+                deadline = time.monotonic() + 5
+                while sub.stats.replays < probe:
+                    assert time.monotonic() < deadline, "the probe's replay never ended"
+                    await asyncio.sleep(0.005)
+            pub.publish(make_batch(3))  # and the stream goes on
+            await got.wait_for(4)
+    assert dealers == 1
+    assert got.batches == expected(range(4)) and sub.stats.replayed == 0
+
+
 async def test_resume_from_an_older_snapshot_redelivers_from_history_without_a_replay_endpoint(
     endpoint_factory: Endpoints,
 ) -> None:

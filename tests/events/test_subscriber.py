@@ -43,6 +43,14 @@ def publisher(endpoint: str, replay: str | None = None, **kwargs: object) -> Ite
         pub.close()
 
 
+async def _publish_from_zero(pub: BatchPublisher, got: Collector, n: int) -> None:
+    """Batches 0..n-1, once the subscriber is connected, and wait until it has them."""
+    await asyncio.sleep(0.1)
+    for i in range(n):
+        pub.publish(make_batch(i))
+    await got.wait_for(n)
+
+
 @contextmanager
 def restarted_publisher(endpoint: str, replay: str) -> Iterator[BatchPublisher]:
     """A new publisher on the addresses of one just closed. ZMQ releases a closed socket's
@@ -301,10 +309,7 @@ async def test_quiet_stream_probes_ask_through_one_replay_connection(
     with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
         sub = EventSubscriber(pub.endpoint, got.on_batch, replay_endpoint=pub.replay_endpoint)
         async with running(sub):
-            await asyncio.sleep(0.1)
-            for i in range(3):
-                pub.publish(make_batch(i))
-            await got.wait_for(3)
+            await _publish_from_zero(pub, got, 3)
             for probe in range(1, 6):
                 assert sub.expected_seq is not None
                 sub.resume_from(sub.expected_seq - 1)  # what the health check's probe does
@@ -329,10 +334,7 @@ async def test_resume_from_an_older_snapshot_redelivers_from_history_without_a_r
     with publisher(endpoint_factory("pub")) as pub:
         sub = EventSubscriber(pub.endpoint, got.on_batch, on_reset=got.on_reset)
         async with running(sub):
-            await asyncio.sleep(0.1)
-            for i in range(6):
-                pub.publish(make_batch(i))
-            await got.wait_for(6)
+            await _publish_from_zero(pub, got, 6)
             sub.resume_from(2)
             await got.wait_for(9)
             pub.publish(make_batch(6))

@@ -479,8 +479,8 @@ BURST_METRICS = (
     ("siblings TTFT mean ms", lambda b: _ms(b["siblings_ttft_s"]["mean"])),
     # siblings that found under half their prompt cached (their context computed again, or their
     # step shared with the first one's): what a burst spread over engines pays in prefix hits
-    ("siblings under half cached", lambda b: _share(b.get("siblings_uncached", {}).get("share"))),
-    ("their TTFT p50 ms", lambda b: _ms(b.get("siblings_uncached", {}).get("ttft_p50_s"))),
+    ("siblings under half cached", lambda b: _share(b["siblings_uncached"]["share"])),
+    ("their TTFT p50 ms", lambda b: _ms(b["siblings_uncached"]["ttft_p50_s"])),
 )
 
 

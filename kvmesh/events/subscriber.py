@@ -290,11 +290,11 @@ class EventSubscriber:
             assert self._sub is not None
             watch.clear()  # before asking the sockets (see kvmesh.events.readiness)
             more = False  # a socket may hold more than was read: ask again after a turn of the loop
-            replay = self._replay
-            if replay is not None and readable(replay.sock):
-                more = self._drain_replay(replay)
-            if readable(self._sub):
-                more = drain(self._sub, recv_frames, self._on_live_message, _DRAIN_LIMIT) or more
+            if self._replay is not None:
+                more = self._drain_replay(self._replay)
+            received = self.stats.received
+            more = drain(self._sub, recv_frames, self._on_live_message, _DRAIN_LIMIT) or more
+            if self.stats.received != received:
                 self._healthy = True
             if self._replay is not None and loop.time() >= self._replay.deadline:
                 self._replay_timed_out()

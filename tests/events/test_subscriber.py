@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from kvmesh.errors import ConfigError
-from kvmesh.events import subscriber as subscriber_module
+from kvmesh.events import readiness
 from kvmesh.events.publisher import BatchPublisher
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import encode_batch, pack_seq
@@ -476,7 +476,7 @@ async def test_socket_error_reconnects_with_back_off(
     endpoint_factory: Endpoints, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     got = Collector()
-    real_readable = subscriber_module.readable
+    real_readable = readiness.readable
     failures = iter([False] * 3 + [True, True])  # fail the 4th and 5th questions, then behave
 
     def flaky_readable(sock: zmq.Socket[bytes]) -> bool:
@@ -484,7 +484,7 @@ async def test_socket_error_reconnects_with_back_off(
             raise zmq.ZMQError(errno.EIO, "injected failure")
         return real_readable(sock)
 
-    monkeypatch.setattr(subscriber_module, "readable", flaky_readable)
+    monkeypatch.setattr(readiness, "readable", flaky_readable)  # where the pump asks the SUB socket
     with publisher(endpoint_factory("pub"), endpoint_factory("replay")) as pub:
         sub = EventSubscriber(
             pub.endpoint,

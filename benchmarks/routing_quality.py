@@ -107,7 +107,7 @@ from kvmesh.bench.fleet import (
     engine_stats,
     engine_ttft_p50,
     front_cpu_seconds,
-    front_routing_seconds,
+    front_routing_phases,
     kvmesh_router,
     sglang_router,
     start_fleet,
@@ -387,13 +387,14 @@ async def run_one(
         run = await run_workload(contender.name, sessions, load, progress=bar)
         cpu1 = front_cpu_seconds(fleet)
         stats = await engine_stats(fleet.engine_urls)
-        routing_s = await front_routing_seconds(fleet.front_url)
+        phases = await front_routing_phases(fleet.front_url)
         engine_p50_s = engine_ttft_p50(engine_requests(fleet))
     if rows is not None:
         rows.extend(request_rows(case, contender.name, rnd, seed, run, fleet.engine_urls))
     summary = report.summarize(run)
     summary["seed"] = seed
-    summary["front_routing_mean_s"] = routing_s
+    summary["front_routing_mean_s"] = phases.get("total")
+    summary["front_routing_phases_s"] = phases
     sent = len(run.results)  # failed ones too: the front handled them
     summary["front_cpu_s_per_request"] = (
         (cpu1 - cpu0) / sent if cpu0 is not None and cpu1 is not None and sent else None
@@ -501,6 +502,28 @@ def burst_table(results: dict[str, list[dict[str, Any]]]) -> str | None:
         cells.append(_fmt([r["prefix_hit_ratio"] for r in runs], 3))
         rows.append(cells)
     return table(headers, rows)
+
+
+PHASE_COLUMNS = (
+    ("tokenize ms", "tokenize"),
+    ("hash ms", "hashing"),
+    ("find matches ms", "find_matches"),
+    ("decide ms", "scheduling"),
+    ("arrival to decision ms", "total"),
+)
+
+
+def phase_table(results: dict[str, list[dict[str, Any]]]) -> str | None:
+    """For the fronts that report their routing phases (kvmesh's), a request's mean time in each
+    (see :data:`kvmesh.bench.fleet.ROUTING_PHASES`), median over rounds; None where none does."""
+    rows = []
+    for name, runs in results.items():
+        phases = [r.get("front_routing_phases_s") or {} for r in runs]
+        if any(phases):
+            rows.append([name, *(_fmt([_ms(p.get(key)) for p in phases], 2) for _, key in PHASE_COLUMNS)])
+    if not rows:
+        return None
+    return table(["router", *(label for label, _ in PHASE_COLUMNS)], rows)
 
 
 def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
@@ -829,6 +852,14 @@ async def main_async(args: argparse.Namespace) -> int:
         if bursts:
             print(f"\n{case.label}, by place in a burst (the first-sent request, then its siblings):\n")
             print(bursts)
+        phases = phase_table(per)
+        if phases:
+            print(
+                f"\n{case.label}, where a kvmesh front's time to its decision goes (a prompt routed on "
+                "its first block is tokenized and hashed after it was sent: in those two columns, not "
+                "in the last):\n"
+            )
+            print(phases)
         sys.stdout.flush()
     if args.json_path:  # first: a long run's numbers must survive whatever the report does
         Path(args.json_path).write_text(json.dumps(results, indent=1))

@@ -240,6 +240,7 @@ async def _wait_front(fleet: Fleet, timeout: float) -> None:
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
+_PHASE = re.compile(r'phase="([^"]*)"')
 
 
 def parse_metrics(text: str, label: str | None = None) -> dict[str, float]:
@@ -255,26 +256,44 @@ def parse_metrics(text: str, label: str | None = None) -> dict[str, float]:
     return out
 
 
-def routing_mean(text: str) -> float | None:
-    """Mean seconds from a request's arrival to its routing decision (reading, parsing,
-    tokenizing, hashing, routing) in a kvmesh router's Prometheus exposition (the ``total`` phase
-    of ``kvmesh_router_overhead_seconds``); None when it has none."""
-    m = parse_metrics(text, 'phase="total"')
-    total, count = m.get("kvmesh_router_overhead_seconds_sum"), m.get("kvmesh_router_overhead_seconds_count")
-    return total / count if total is not None and count else None
+ROUTING_PHASES = ("tokenize", "hashing", "find_matches", "scheduling", "total")
+"""The phases of ``kvmesh_router_overhead_seconds``: ``total`` runs from a request's arrival to its
+decision; the others are parts of it, except that a prompt routed on its first block
+(``ParsedRequest.deferred``) is tokenized and hashed after it was sent, and counts in those two only."""
 
 
-async def front_routing_seconds(url: str) -> float | None:
-    """:func:`routing_mean` of the front at ``url``; None for a front that does not report it
-    (sglang-router has no such histogram)."""
+def routing_phases(text: str) -> dict[str, float]:
+    """Mean seconds a request of each phase of ``kvmesh_router_overhead_seconds`` in a kvmesh
+    router's Prometheus exposition (:data:`ROUTING_PHASES`), the phases no request went through
+    left out: empty for a front that reports none."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or not m.group(1).startswith("kvmesh_router_overhead_seconds_"):
+            continue
+        phase = _PHASE.search(m.group(2) or "")
+        if phase is None:
+            continue
+        kind, name = m.group(1).rpartition("_")[2], phase.group(1)
+        if kind == "sum":
+            sums[name] = sums.get(name, 0.0) + float(m.group(3))
+        elif kind == "count":
+            counts[name] = counts.get(name, 0.0) + float(m.group(3))
+    return {p: sums[p] / counts[p] for p in ROUTING_PHASES if counts.get(p) and p in sums}
+
+
+async def front_routing_phases(url: str) -> dict[str, float]:
+    """:func:`routing_phases` of the front at ``url``; empty for a front that does not report them
+    (sglang-router has no such histogram) or does not answer."""
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http,
             http.get(url + "/metrics") as r,
         ):
-            return routing_mean(await r.text()) if r.status == 200 else None
+            return routing_phases(await r.text()) if r.status == 200 else {}
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return None
+        return {}
 
 
 def process_cpu_seconds(pid: int) -> float | None:

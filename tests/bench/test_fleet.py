@@ -10,11 +10,11 @@ from kvmesh.bench.fleet import (
     engine_stats,
     engine_ttft_p50,
     front_cpu_seconds,
-    front_routing_seconds,
+    front_routing_phases,
     kvmesh_router,
     parse_metrics,
     process_cpu_seconds,
-    routing_mean,
+    routing_phases,
     start_fleet,
 )
 from kvmesh.bench.runner import LoadSpec, run_workload
@@ -48,8 +48,8 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile(t
         run = await run_workload("rr", sessions, LoadSpec(urls=(fleet.front_url,), concurrency=2))
         cpu_after = front_cpu_seconds(fleet)
         stats = await engine_stats(fleet.engine_urls)
-        routing = await front_routing_seconds(fleet.front_url)
-        engine_routing = await front_routing_seconds(fleet.engine_urls[0])  # an engine routes nothing
+        routing = (await front_routing_phases(fleet.front_url)).get("total")
+        engine_routing = await front_routing_phases(fleet.engine_urls[0])  # an engine routes nothing
         logged = engine_requests(fleet)
     # the mock's step model divided by --speedup, as data a router can seed a timing model from
     assert infos[0]["timing_profile"] == {
@@ -72,7 +72,7 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile(t
     assert all(0 <= s.queue_seconds_sum < s.ttft_seconds_sum for s in stats)
     # the front's own time to each decision, a part of what it adds to the engines' TTFTs
     assert routing is not None and 0 < routing * 4 < client - sum(s.ttft_seconds_sum for s in stats)
-    assert engine_routing is None
+    assert engine_routing == {}
     # the front's own CPU so far (its start-up imports alone take a good part of a second; /proc
     # counts in ticks of 10 ms, so four small requests may not move it), and none once it is gone
     assert cpu_before is not None and cpu_after is not None
@@ -103,18 +103,24 @@ def test_parse_metrics_sums_labelled_samples() -> None:
     assert parse_metrics(text) == {"vllm:request_success_total": 5.0, "kvmesh_mock_busy_step_seconds": 1.5}
 
 
-def test_routing_mean_reads_the_total_phase_only() -> None:
+def test_routing_phases_reads_each_phase_s_mean_and_leaves_out_the_phases_nothing_went_through() -> None:
     text = (
-        "# HELP kvmesh_router_overhead_seconds Routing overhead per phase\n"
-        'kvmesh_router_overhead_seconds_bucket{phase="total",le="0.001"} 3.0\n'
+        'kvmesh_router_overhead_seconds_bucket{phase="tokenize",le="0.001"} 2.0\n'
+        'kvmesh_router_overhead_seconds_count{phase="tokenize"} 2.0\n'
+        'kvmesh_router_overhead_seconds_sum{phase="tokenize"} 0.003\n'
+        'kvmesh_router_overhead_seconds_created{phase="tokenize"} 1.7e9\n'
+        'kvmesh_router_overhead_seconds_count{phase="find_matches"} 0.0\n'
+        'kvmesh_router_overhead_seconds_sum{phase="find_matches"} 0.0\n'
+        'kvmesh_router_overhead_seconds_count{phase="scheduling"} 4.0\n'
+        'kvmesh_router_overhead_seconds_sum{phase="scheduling"} 0.001\n'
         'kvmesh_router_overhead_seconds_count{phase="total"} 4.0\n'
-        'kvmesh_router_overhead_seconds_sum{phase="total"} 0.002\n'
-        'kvmesh_router_overhead_seconds_count{phase="tokenize"} 4.0\n'
-        'kvmesh_router_overhead_seconds_sum{phase="tokenize"} 0.5\n'
+        'kvmesh_router_overhead_seconds_sum{phase="total"} 0.008\n'
+        'kvmesh_kv_hit_rate_sum{phase="total"} 9.0\n'  # another histogram: not a phase of this one
     )
-    assert routing_mean(text) == pytest.approx(0.0005)
-    assert routing_mean('kvmesh_router_overhead_seconds_count{phase="total"} 0.0\n') is None
-    assert routing_mean("vllm:num_requests_running 1.0\n") is None
+    assert routing_phases(text) == pytest.approx({"tokenize": 0.0015, "scheduling": 0.00025, "total": 0.002})
+    assert list(routing_phases(text)) == ["tokenize", "scheduling", "total"]  # in the phases' order
+    assert routing_phases("vllm:num_requests_running 1.0\n") == {}
+    assert routing_phases('kvmesh_router_overhead_seconds_count{phase="total"} 0.0\n') == {}
 
 
 async def test_a_fleet_without_a_front_is_its_engines_alone() -> None:

@@ -59,6 +59,17 @@ def test_the_floor_runs_the_same_sessions_one_at_a_time_on_one_engine(tmp_path: 
     assert cells["floor / round-robin"] == f"{floor_p50:.2f}"
     best_router_hits = max(per[n][0]["prefix_hit_ratio"] for n in ("round-robin", "kvmesh"))
     assert cells["hits - best"] == f"{per['kvmesh'][0]['prefix_hit_ratio'] - best_router_hits:.3f}"
+    # where a kvmesh front's time to its decision went: every phase of the latency cost's front,
+    # the same total as the case table's routing column; a round-robin front decides, no more
+    phases = per["kvmesh"][0]["front_routing_phases_s"]
+    assert set(phases) == {"tokenize", "hashing", "find_matches", "scheduling", "total"}
+    assert phases["total"] == per["kvmesh"][0]["front_routing_mean_s"]
+    assert phases["scheduling"] + phases["find_matches"] < phases["total"]
+    assert set(per["round-robin"][0]["front_routing_phases_s"]) == {"scheduling", "total"}
+    lines = done.stdout[done.stdout.index("where a kvmesh front's time to its decision goes") :].splitlines()
+    rows = {r.split("|")[1].strip(): r for r in lines if r.startswith("| ") and "---" not in r}
+    assert f"| {1000 * phases['tokenize']:.2f} " in rows["kvmesh"]
+    assert rows["round-robin"].split("|")[2].strip() == "-"  # it tokenizes nothing
 
 
 def test_the_floor_runs_only_when_named_and_an_unknown_contender_is_refused() -> None:

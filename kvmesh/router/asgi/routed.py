@@ -113,6 +113,12 @@ class RoutedRequest:
     def _parse(self, raw: bytes) -> ParsedRequest:
         mesh = self.mesh
         registry = mesh.registry
+        early = (
+            mesh.kv_mode
+            and mesh.config.router_cost_model == "latency"  # (Dynamo's cost counts as Dynamo does)
+            and mesh.sync is None
+            and not registry.prefill_routable
+        )
         parsed = parse_request(
             raw,
             self.scope["headers"],
@@ -122,15 +128,12 @@ class RoutedRequest:
             lora_of=registry.lora_of,
             clock=time.perf_counter,
             limits=mesh.nvext_limits,
-            # a prompt no worker holds is routed on its first block (replicas tell each other a
-            # decision's blocks as it is made, and a two-stage request routes twice: not those)
-            held=mesh.router.holds_any
-            if mesh.kv_mode
-            and mesh.config.router_cost_model == "latency"  # (Dynamo's cost counts as Dynamo does)
-            and mesh.sync is None
-            and not registry.prefill_routable
-            else None,
+            # a prompt no worker holds is routed on its first block, a conversation's later turn on
+            # its earlier turn's blocks (replicas tell each other a decision's blocks as it is made,
+            # and a two-stage request routes twice: not those)
+            held=mesh.router.holds_any if early else None,
             tokens_per_byte=mesh.tokens_per_byte,
+            memo=mesh.turn_memo if early else None,
         )
         nv = parsed.nvext
         if nv.pinned_worker is not None:
@@ -157,6 +160,8 @@ class RoutedRequest:
             metrics.phase["hashing"].observe(parsed.hash_secs)
             metrics.isl.observe(parsed.isl)
             mesh.learn_tokens_per_byte(parsed.isl, len(raw))
+            if parsed.turn_key is not None:
+                mesh.turn_memo.remember(parsed.turn_key, parsed.hashes, parsed.isl, len(raw))
         return parsed
 
     def _sent(self, parsed: ParsedRequest, request: RouteRequest, request_id: str) -> None:
@@ -175,7 +180,18 @@ class RoutedRequest:
         deferred = parsed.deferred
         assert deferred is not None
         request.isl_tokens = parsed.isl  # a failover routes it again, on its whole prompt
-        mesh.deferred_prompts += 1
+        request.estimated_blocks = 0
+        if not deferred.earlier_turn:
+            mesh.deferred_prompts += 1
+        elif not deferred.matched:
+            mesh.turn_memo.stop(f"request {request_id}'s prompt did not begin with its earlier turn's blocks")
+            logger.warning(
+                "kvmesh: a chat prompt did not begin with its earlier turn's blocks (the chat "
+                "template does not render conversations turn by turn): later turns are tokenized "
+                "before they are routed from now on"
+            )
+        if parsed.turn_key is not None:
+            mesh.turn_memo.remember(parsed.turn_key, parsed.hashes, parsed.isl, len(parsed.raw_body))
         mesh.router.amend(request_id, parsed.hashes, parsed.isl, time.monotonic(), request.osl)
         metrics = mesh.metrics
         metrics.phase["tokenize"].observe(deferred.tokenize_secs)

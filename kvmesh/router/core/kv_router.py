@@ -477,9 +477,9 @@ class KvRouter:
             overlaps = self._overlaps(req)
         prompt = (
             (
-                PromptBlocks(req.local_hashes)
-                if req.local_hashes or not req.estimated_blocks
-                else PromptBlocks.unknown(req.estimated_blocks, hash(req.request_id))
+                PromptBlocks.estimated(req.local_hashes, req.estimated_blocks, hash(req.request_id))
+                if req.estimated_blocks > len(req.local_hashes)
+                else PromptBlocks(req.local_hashes)
             )
             if self.config.router_track_active_blocks and self.config.router_assume_kv_reuse
             else None
@@ -505,6 +505,8 @@ class KvRouter:
         effect_variances: list[float] = []  # (latency cost only)
         moved: list[float] = []
         n_blocks = len(req.local_hashes)
+        if n_blocks and prompt is not None:  # a later turn routed on its earlier turn's blocks
+            n_blocks = prompt.n_blocks  # (its estimate; a prompt no worker held counts none, as before)
         isl = req.isl_tokens
         own_blocks = n_blocks + (1 if isl > n_blocks * bs else 0)  # a partial last block is one more
         latency = self._latency

@@ -86,13 +86,16 @@ class PromptBlocks:
         self.n_blocks = n
 
     @classmethod
-    def unknown(cls, n_blocks: int, salt: int) -> PromptBlocks:
-        """``n_blocks`` blocks whose hashes are not known yet (a prompt routed on an estimate,
-        which no worker held): identities of their own (``salt`` tells one request's from
-        another's), so they count as new blocks wherever they go and match nothing."""
+    def estimated(cls, known: Sequence[int], n_blocks: int, salt: int) -> PromptBlocks:
+        """A prompt of about ``n_blocks`` blocks routed before all its hashes are known: the whole
+        chunks of its ``known`` first blocks (a later turn's earlier turn; none for a prompt no
+        worker held) as they are, every block after them an identity of its own (``salt`` tells
+        one request's from another's), which counts as new wherever it goes and matches nothing."""
         p = cls.__new__(cls)
         anchors = n_blocks // CHUNK
-        p.ids = [hash((salt, i)) for i in range(anchors + n_blocks % CHUNK)]
+        held = min(len(known) // CHUNK, anchors)
+        ids = cls(known[: held * CHUNK]).ids if held else []
+        p.ids = ids + [hash((salt, i)) for i in range(held, anchors + n_blocks % CHUNK)]
         p.n_anchors = anchors
         p.n_blocks = n_blocks
         return p

@@ -54,9 +54,11 @@ class RouteRequest:
     client: str | None = None
     """Who sent it (the client address): the owner of a session it opens, for the per-client limit."""
     estimated_blocks: int = 0
-    """Blocks of a prompt routed before its hashes are known (``local_hashes`` empty: no worker
-    held its first block, and the front tokenizes it once it is sent, then calls
-    ``KvRouter.amend``): the load counts that many new blocks until then. Latency cost only."""
+    """Blocks of a prompt routed before all its hashes are known, when more than ``local_hashes``
+    holds: ``local_hashes`` empty where no worker held its first block, or the blocks of the
+    conversation's earlier turn it begins with. The front tokenizes it once it is sent, then calls
+    ``KvRouter.amend``; until then the load counts the blocks beyond the known ones as new.
+    Latency cost only."""
     prefilled_elsewhere: bool = False
     """The decode stage of a disaggregated request: another worker computes its prompt and the KV
     arrives by transfer, so a candidate adds no prefill work for it; its load decides, and among

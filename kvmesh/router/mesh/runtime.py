@@ -36,6 +36,7 @@ from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.replica_sync import ReplicaSync
 from kvmesh.router.mesh.settings import MeshSettings
 from kvmesh.router.mesh.worker_rpc import ADMIN_TOKEN_HEADER, WorkerRpc
+from kvmesh.router.request.continuation import TurnMemo
 from kvmesh.router.request.nvext import NvextLimits
 from kvmesh.router.request.tokenizer import BuiltinTokenizer, HfTokenizer, Tokenizer
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
@@ -130,6 +131,8 @@ class Mesh:
         of a prompt routed before its tokens are known (``DeferredPrompt``)."""
         self.deferred_prompts = 0
         """Prompts routed on their first block alone (no worker held it) and tokenized once sent."""
+        self.turn_memo = TurnMemo()
+        """Recent chat prompts' blocks: a conversation's later turn is routed on its earlier one's."""
         self.nvext_limits = NvextLimits(
             session_id_max_len=self.config.router_session_id_max_len,
             session_timeout_max=self.config.router_session_timeout_max_secs,
@@ -273,6 +276,7 @@ class Mesh:
                 "prompts": self.deferred_prompts,
                 "tokens_per_byte": round(self.tokens_per_byte, 4),
             },
+            "routed_on_earlier_turn": self.turn_memo.describe(),
             "memory_waits": self.router.memory_wait_stats(),
             "ttft_tail": self.router.ttft_tail_stats(),
             "replica_sync": sync is not None,

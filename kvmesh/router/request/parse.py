@@ -17,6 +17,7 @@ import msgspec
 
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.hashing import block_hashes
+from kvmesh.router.request.continuation import TurnMemo
 from kvmesh.router.request.nvext import (
     DEFAULT_LIMITS,
     EMPTY,
@@ -26,7 +27,7 @@ from kvmesh.router.request.nvext import (
     NvextLimits,
     parse_nvext,
 )
-from kvmesh.router.request.tokenizer import Tokenizer, prompt_prefix_ids, prompt_token_ids
+from kvmesh.router.request.tokenizer import Tokenizer, chat_fields, prompt_prefix_ids, prompt_token_ids
 
 _WORKER_HEADER_B = WORKER_HEADER.encode()
 _PREFILL_HEADER_B = PREFILL_HEADER.encode()
@@ -42,9 +43,10 @@ _THINKING_BUDGET = {"vllm": "thinking_token_budget", "mock": "thinking_token_bud
 
 @dataclass(slots=True)
 class DeferredPrompt:
-    """A prompt routed on its first block alone, because no worker held that block: its tokens
-    cannot change where it goes, only what the router counts there, so they are worked out after
-    the request has been sent (:meth:`ParsedRequest.complete`)."""
+    """A prompt routed before it was tokenized, its tokens worked out after the request has been
+    sent (:meth:`ParsedRequest.complete`): on its first block alone, because no worker held that
+    block (its tokens cannot change where it goes, only what the router counts there), or on the
+    blocks of the conversation's earlier turn it begins with (:mod:`.continuation`)."""
 
     tokenize: Callable[[], tuple[list[int], list[int], float, float]]
     """The prompt's tokens and block hashes, and the seconds each took."""
@@ -53,6 +55,10 @@ class DeferredPrompt:
     done: bool = False
     tokenize_secs: float = 0.0
     hash_secs: float = 0.0
+    earlier_turn: bool = False
+    """Routed on its earlier turn's blocks (``ParsedRequest.hashes`` held them until complete)."""
+    matched: bool = True
+    """Once complete: whether the prompt began with the blocks it was routed on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +81,11 @@ class ParsedRequest:
     live in a namespace of their own (:func:`cache_namespace`): they match only requests with the
     same salt, media or template arguments, never the plain prefix with equal tokens."""
     deferred: DeferredPrompt | None = None
-    """Set when the prompt was routed on its first block alone: ``tokens`` and ``hashes`` stay
-    empty until :meth:`complete`."""
+    """Set when the prompt was routed before it was tokenized: ``tokens`` stay empty until
+    :meth:`complete`, and ``hashes`` too, or hold the earlier turn's blocks it was routed on."""
+    turn_key: int | None = None
+    """The fingerprint of the chat messages it was rendered from, with its generation prompt: the
+    key a later turn finds its blocks by (:class:`~.continuation.TurnMemo`); None otherwise."""
 
     @property
     def isl(self) -> int:
@@ -97,7 +106,9 @@ class ParsedRequest:
         except RequestError:
             return False
         self.tokens.extend(tokens)
-        self.hashes.extend(hashes)
+        routed_on = self.hashes
+        deferred.matched = hashes[: len(routed_on)] == routed_on
+        routed_on[:] = hashes  # (in place: the route request holds this list)
         return True
 
     @property
@@ -208,6 +219,7 @@ def parse_request(
     limits: NvextLimits = DEFAULT_LIMITS,
     held: Callable[[int], bool] | None = None,
     tokens_per_byte: float = 0.0,
+    memo: TurnMemo | None = None,
 ) -> ParsedRequest:
     """Decode, validate ``nvext``, and (when ``tokenizer`` is given: KV mode) tokenize and hash.
 
@@ -216,7 +228,9 @@ def parse_request(
     holds the prompt's first block, none holds any of it (block hashes chain), and the prompt is
     returned :class:`DeferredPrompt`, its length estimated at ``tokens_per_byte`` of the body:
     tokenizing a long prompt no one holds (a new document, a cold prefix) would only delay the
-    request by the time it takes."""
+    request by the time it takes. So is a chat prompt whose messages continue a conversation's
+    earlier turn that ``memo`` keeps (asked under the same conditions): it is routed on that
+    turn's blocks, its new messages estimated from the body's growth."""
     body = decode_body(raw)
     overrides = override_headers(headers)
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
@@ -236,19 +250,37 @@ def parse_request(
         and tokens_per_byte > 0
     ):
         t0 = clock()
+
+        def tokenize() -> tuple[list[int], list[int], float, float]:
+            t1 = clock()
+            ids = prompt_tokens(tokenizer, body, endpoint)
+            t2 = clock()
+            return ids, block_hashes(ids, block_size, lora), t2 - t1, clock() - t2
+
+        turn_key = None
+        if memo is not None and _is_chat(endpoint):
+            messages, tools, generation_prompt = _guarded(_checked_chat, tokenizer, body, endpoint)
+            keys = memo.fingerprints(messages, tools, lora)
+            if keys is not None:
+                turn_key = keys[-1] if generation_prompt else None
+                earlier = memo.find(keys, messages)
+                if earlier is not None:
+                    grown = max(len(raw) - earlier.body_bytes, 0)
+                    deferred = DeferredPrompt(
+                        tokenize, earlier.isl + round(tokens_per_byte * grown), earlier_turn=True
+                    )
+                    return ParsedRequest(
+                        endpoint, raw, body, nv, overrides, [], list(earlier.hashes), lora,
+                        clock() - t0, 0.0, keyed, deferred, turn_key,
+                    )  # fmt: skip
         first = _guarded(prompt_prefix_ids, tokenizer, body, endpoint, block_size)
         if first is not None and not held(block_hashes(first, block_size, lora)[0]):
-
-            def tokenize() -> tuple[list[int], list[int], float, float]:
-                t1 = clock()
-                ids = prompt_tokens(tokenizer, body, endpoint)
-                t2 = clock()
-                return ids, block_hashes(ids, block_size, lora), t2 - t1, clock() - t2
-
             deferred = DeferredPrompt(tokenize, max(1, round(tokens_per_byte * len(raw))))
             return ParsedRequest(
-                endpoint, raw, body, nv, overrides, [], [], lora, clock() - t0, 0.0, keyed, deferred
+                endpoint, raw, body, nv, overrides, [], [], lora, clock() - t0, 0.0, keyed, deferred, turn_key
             )
+    else:
+        turn_key = None
     if tokenizer is not None:
         t0 = clock()
         # A pre-tokenized prompt is hashed as given: the router never tokenizes it again.
@@ -260,8 +292,31 @@ def parse_request(
         hashes = block_hashes(tokens, block_size, namespace)
         tokenize_secs, hash_secs = t1 - t0, clock() - t1
     return ParsedRequest(
-        endpoint, raw, body, nv, overrides, tokens, hashes, lora, tokenize_secs, hash_secs, keyed
+        endpoint,
+        raw,
+        body,
+        nv,
+        overrides,
+        tokens,
+        hashes,
+        lora,
+        tokenize_secs,
+        hash_secs,
+        keyed,
+        None,
+        turn_key,
     )
+
+
+def _is_chat(endpoint: str) -> bool:
+    return endpoint.endswith("chat/completions") or endpoint == "chat"
+
+
+def _checked_chat(
+    tokenizer: Tokenizer, body: dict[str, Any], endpoint: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
+    """:func:`chat_fields`, in the shape :func:`_guarded` calls."""
+    return chat_fields(body)
 
 
 # Non-text content parts: the engine's cache keys their blocks by the media's hash as well.

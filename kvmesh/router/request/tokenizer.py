@@ -359,7 +359,7 @@ def prompt_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any], endpoint: st
     name (``chat``, ``completions``). Raises :class:`RequestError` naming the offending field.
     """
     if endpoint.endswith("chat/completions") or endpoint == "chat":
-        messages, tools, add_generation_prompt = _chat_fields(body)
+        messages, tools, add_generation_prompt = chat_fields(body)
         return tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt
         )
@@ -379,7 +379,7 @@ def prompt_prefix_ids(
     if not isinstance(tokenizer, BuiltinTokenizer):
         return None
     if endpoint.endswith("chat/completions") or endpoint == "chat":
-        messages, tools, _ = _chat_fields(body)
+        messages, tools, _ = chat_fields(body)
         return tokenizer.chat_prefix(messages, tools, n)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -395,7 +395,7 @@ def prompt_prefix_ids(
     return None
 
 
-def _chat_fields(
+def chat_fields(
     body: Mapping[str, Any],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
     """A chat body's ``messages``, ``tools`` and ``add_generation_prompt``, checked (a 400 naming

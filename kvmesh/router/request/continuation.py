@@ -1,0 +1,116 @@
+"""A conversation's later turn, recognised by its messages before it is tokenized.
+
+A chat request's messages begin with the messages of the conversation's request before, followed
+by the answer to it (an ``assistant`` message) and what came after. Where the chat template renders
+a conversation turn by turn, the earlier prompt, generation prompt included, is where the later one
+begins, so the earlier prompt's full blocks are the later prompt's first blocks. :class:`TurnMemo`
+keeps the block hashes of recent chat prompts by a fingerprint of what they were rendered from, so
+that the router can route a later turn on them and tokenize it once it has been sent (tokenizing a
+long conversation is most of the front's time before a decision). The front checks the blocks
+against the prompt's own once it has them. A template that renders a conversation otherwise (one
+that rewrites earlier turns, or whose generation prompt tokenizes differently once answered) shows
+on the first check, and the memo stops there: every later request is tokenized before it is routed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+_encode = msgspec.json.encode
+
+MEMO_BLOCKS = 1 << 18
+"""Block hashes the memo keeps in all (about 10 MB): the latest turns of a few hundred long
+conversations, or of thousands of short ones. The oldest prompts go first."""
+
+
+@dataclass(frozen=True, slots=True)
+class EarlierTurn:
+    """A prompt the memo keeps: its full blocks' hashes, its length and its body's."""
+
+    hashes: tuple[int, ...]
+    isl: int
+    body_bytes: int
+
+
+class TurnMemo:
+    """Recent chat prompts' block hashes by the fingerprint of their messages (see the module)."""
+
+    def __init__(self, max_blocks: int = MEMO_BLOCKS) -> None:
+        self.max_blocks = max_blocks
+        self._turns: OrderedDict[int, EarlierTurn] = OrderedDict()
+        self._blocks = 0
+        self.stopped: str | None = None
+        """Why the memo stopped (a prompt that did not begin with its earlier turn's blocks)."""
+        self.found = 0
+        """Later turns routed on their earlier turn's blocks."""
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    @staticmethod
+    def fingerprints(
+        messages: Sequence[Any], tools: Sequence[Any] | None, namespace: str | None
+    ) -> list[int] | None:
+        """The fingerprint of each prefix of ``messages`` (``[i]``: of the first ``i + 1``), with
+        the tools and the cache namespace (the LoRA adapter) they are rendered for; None for
+        messages that do not encode as JSON."""
+        try:
+            fp = hash((namespace, _encode(tools) if tools else b""))
+            out = []
+            for message in messages:
+                fp = hash((fp, _encode(message)))
+                out.append(fp)
+        except (TypeError, msgspec.EncodeError):
+            return None
+        return out
+
+    def find(self, fingerprints: Sequence[int], messages: Sequence[Any]) -> EarlierTurn | None:
+        """The longest earlier prompt these messages continue: rendered from their first ``k``
+        messages, the ``k + 1``-th an answer to it (``assistant``). None: none kept, or stopped."""
+        if self.stopped is not None:
+            return None
+        turns = self._turns
+        for k in range(len(fingerprints) - 1, 0, -1):
+            answer = messages[k]
+            if not isinstance(answer, dict) or answer.get("role") != "assistant":
+                continue
+            earlier = turns.get(fingerprints[k - 1])
+            if earlier is not None:
+                turns.move_to_end(fingerprints[k - 1])
+                self.found += 1
+                return earlier
+        return None
+
+    def remember(self, fingerprint: int, hashes: Sequence[int], isl: int, body_bytes: int) -> None:
+        """Keep a prompt rendered with its generation prompt (a later turn may begin with it)."""
+        if self.stopped is not None or not hashes or len(hashes) > self.max_blocks:
+            return
+        turns = self._turns
+        old = turns.pop(fingerprint, None)
+        if old is not None:
+            self._blocks -= len(old.hashes)
+        turns[fingerprint] = EarlierTurn(tuple(hashes), isl, body_bytes)
+        self._blocks += len(hashes)
+        while self._blocks > self.max_blocks:
+            _, gone = turns.popitem(last=False)
+            self._blocks -= len(gone.hashes)
+
+    def stop(self, reason: str) -> None:
+        """Keep nothing more, and find nothing: the template does not render turn by turn."""
+        self.stopped = reason
+        self._turns.clear()
+        self._blocks = 0
+
+    def describe(self) -> dict[str, Any]:
+        """For ``GET /kvmesh/router``."""
+        return {
+            "found": self.found,
+            "kept": len(self._turns),
+            "blocks": self._blocks,
+            "stopped": self.stopped,
+        }

@@ -855,9 +855,9 @@ async def main_async(args: argparse.Namespace) -> int:
         phases = phase_table(per)
         if phases:
             print(
-                f"\n{case.label}, where a kvmesh front's time to its decision goes (a prompt routed on "
-                "its first block is tokenized and hashed after it was sent: in those two columns, not "
-                "in the last):\n"
+                f"\n{case.label}, where a kvmesh front's time to its decision goes (a prompt routed before "
+                "it was tokenized, on its first block or on its conversation's earlier turn, is "
+                "tokenized and hashed after it was sent: in those two columns, not in the last):\n"
             )
             print(phases)
         sys.stdout.flush()

@@ -258,8 +258,9 @@ def parse_metrics(text: str, label: str | None = None) -> dict[str, float]:
 
 ROUTING_PHASES = ("tokenize", "hashing", "find_matches", "scheduling", "total")
 """The phases of ``kvmesh_router_overhead_seconds``: ``total`` runs from a request's arrival to its
-decision; the others are parts of it, except that a prompt routed on its first block
-(``ParsedRequest.deferred``) is tokenized and hashed after it was sent, and counts in those two only."""
+decision; the others are parts of it, except that a prompt routed before it was tokenized
+(``ParsedRequest.deferred``: on its first block, or on its conversation's earlier turn) is tokenized
+and hashed after it was sent, and counts in those two only."""
 
 
 def routing_phases(text: str) -> dict[str, float]:

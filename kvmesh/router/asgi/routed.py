@@ -171,7 +171,7 @@ class RoutedRequest:
         try:
             self._count_deferred(parsed, request, request_id)
         except Exception:
-            logger.exception("kvmesh: counting a prompt routed on its first block failed")
+            logger.exception("kvmesh: counting a prompt routed before it was tokenized failed")
 
     def _count_deferred(self, parsed: ParsedRequest, request: RouteRequest, request_id: str) -> None:
         if not parsed.complete():

@@ -47,7 +47,7 @@ class TurnMemo:
         self.stopped: str | None = None
         """Why the memo stopped (a prompt that did not begin with its earlier turn's blocks)."""
         self.found = 0
-        """Later turns routed on their earlier turn's blocks."""
+        """Prompts routed on a kept prompt's blocks: later turns, and the same messages again."""
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -69,12 +69,19 @@ class TurnMemo:
             return None
         return out
 
-    def find(self, fingerprints: Sequence[int], messages: Sequence[Any]) -> EarlierTurn | None:
-        """The longest earlier prompt these messages continue: rendered from their first ``k``
-        messages, the ``k + 1``-th an answer to it (``assistant``). None: none kept, or stopped."""
-        if self.stopped is not None:
+    def find(self, fingerprints: Sequence[int], messages: Sequence[Any]) -> tuple[EarlierTurn, bool] | None:
+        """``(prompt, whole)``: the prompt rendered from these same messages (``whole``: a best-of-n
+        sibling of one routed a moment ago, a retry; its blocks are all of this one's), else the
+        longest earlier prompt they continue, rendered from their first ``k`` messages, the
+        ``k + 1``-th an answer to it (``assistant``). None: none kept, or stopped."""
+        if self.stopped is not None or not fingerprints:
             return None
         turns = self._turns
+        same = turns.get(fingerprints[-1])
+        if same is not None:
+            turns.move_to_end(fingerprints[-1])
+            self.found += 1
+            return same, True
         for k in range(len(fingerprints) - 1, 0, -1):
             answer = messages[k]
             if not isinstance(answer, dict) or answer.get("role") != "assistant":
@@ -83,7 +90,7 @@ class TurnMemo:
             if earlier is not None:
                 turns.move_to_end(fingerprints[k - 1])
                 self.found += 1
-                return earlier
+                return earlier, False
         return None
 
     def remember(self, fingerprint: int, hashes: Sequence[int], isl: int, body_bytes: int) -> None:

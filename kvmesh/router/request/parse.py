@@ -263,9 +263,10 @@ def parse_request(
             keys = memo.fingerprints(messages, tools, lora)
             if keys is not None:
                 turn_key = keys[-1] if generation_prompt else None
-                earlier = memo.find(keys, messages)
-                if earlier is not None:
-                    grown = max(len(raw) - earlier.body_bytes, 0)
+                found = memo.find(keys, messages)
+                if found is not None:
+                    earlier, whole = found
+                    grown = 0 if whole else max(len(raw) - earlier.body_bytes, 0)
                     deferred = DeferredPrompt(
                         tokenize, earlier.isl + round(tokens_per_byte * grown), earlier_turn=True
                     )

@@ -77,4 +77,4 @@ async def test_a_failure_counting_a_prompt_already_sent_does_not_drop_its_answer
         async with serve(build_router_app(settings)) as front:
             answer = await _chat(http, front.url, a.config.model, "Notes: " + words(rng, 900), "Go on.")
     assert answer["choices"][0]["message"]["content"]
-    assert "counting a prompt routed on its first block failed" in caplog.text
+    assert "counting a prompt routed before it was tokenized failed" in caplog.text

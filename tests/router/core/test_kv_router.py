@@ -328,3 +328,32 @@ def test_a_prompt_routed_on_an_estimate_is_counted_whole_once_amended(model: str
     assert not r.amend("nobody", block_hashes(t, B), len(t), 0.011)
     r.finished("cold", 0.02)
     assert not r.holds_any(block_hashes(t, B)[0])  # gone with it (nothing cached it: no events)
+
+
+def test_a_later_turn_routed_on_its_earlier_turn_s_blocks_goes_home_and_counts_its_estimate() -> None:
+    # the front routes a conversation's later turn on the blocks of the turn before it (known by
+    # its messages) and an estimated length, and tokenizes it once sent (ParsedRequest.deferred)
+    r = router("ab", router_cost_model="latency")
+    first = toks(7, 40)  # 40 blocks: two whole chunks and eight more
+    store(r, "a", first)
+    d1 = r.route(req("t1", first), now=0.0)
+    assert isinstance(d1, Decision) and d1.worker == ("a", 0)
+    r.first_token("t1", 0.01)
+    r.finished("t1", 0.02)
+    later = first + toks(8, 30)
+    d2 = r.route(
+        RouteRequest("t2", block_hashes(first, B), len(later), estimated_blocks=len(later) // B), now=1.0
+    )
+    assert isinstance(d2, Decision) and d2.worker == ("a", 0)  # where its history is cached
+    assert d2.overlap_blocks == 40
+    # the blocks beyond the earlier turn's count as new there until then: all 70, not 40
+    load = {s.worker: s for s in r.worker_snapshot()}[("a", 0)]
+    assert load.active_decode_blocks >= 70
+    assert load.active_prefill_tokens == (70 - 40) * B
+    # a later turn of its conversation, as the conversations know it (the turn before replaced)
+    assert r.conversation_stats()["deepest_turn"] == 2
+    assert r.amend("t2", block_hashes(later, B), len(later), 1.001)
+    after = {s.worker: s for s in r.worker_snapshot()}[("a", 0)]
+    assert after.active_prefill_tokens == (70 - 40) * B
+    stats = r.conversation_stats()
+    assert stats["deepest_turn"] == 2 and stats["live"] == 1  # still one conversation, at turn 2

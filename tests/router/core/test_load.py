@@ -281,3 +281,21 @@ def test_unseen_load_spreads_over_the_ranks_of_one_engine() -> None:
     load.set_unseen(ranks, running=4, waiting=0, now=0.2)  # summed over the ranks, as the gauges are
     assert [load.unseen_requests(k) for k in ranks] == [1.5, 1.5]
     assert load.candidate_view(ranks[1], 0.2)[2:] == (pytest.approx(1.5 * 8), 2, 2)  # rounded up
+
+
+def test_an_estimated_prompt_keeps_its_known_chunks_and_counts_the_rest_as_its_own() -> None:
+    whole, toks = prompt(21, 3 * CHUNK + 5)
+    known = block_hashes(toks, B)[: 2 * CHUNK + 3]  # its earlier turn: two whole chunks and three
+    est = PromptBlocks.estimated(known, 4 * CHUNK + 2, salt=1)
+    assert (est.n_blocks, est.n_anchors) == (4 * CHUNK + 2, 4)
+    assert len(est.ids) == 4 + 2
+    assert est.ids[:2] == whole.ids[:2]  # the known whole chunks are the prompt's own
+    assert not set(est.ids[2:]) & set(whole.ids)  # the rest matches nothing
+    assert not set(est.ids[2:]) & set(PromptBlocks.estimated(known, 4 * CHUNK + 2, salt=2).ids[2:])
+    # held where the whole prompt is in flight: its known chunks count as active, the rest new
+    load = ActiveSequences(block_size=B)
+    load.add("whole", W, whole, len(toks), 0, 0.0)
+    assert load.new_blocks(W, est, est.n_blocks * B) == est.n_blocks - 2 * CHUNK
+    # with nothing known it is the prompt no worker held: every identity its own
+    cold = PromptBlocks.estimated([], 2 * CHUNK + 1, salt=3)
+    assert (cold.n_anchors, len(cold.ids)) == (2, 3) and not set(cold.ids) & set(whole.ids)

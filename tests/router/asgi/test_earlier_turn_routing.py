@@ -5,7 +5,7 @@ that does not render a conversation turn by turn stops it, and later turns are t
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import random
 from typing import Any
 
@@ -19,6 +19,11 @@ from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from kvmesh.router.request.tokenizer import BuiltinTokenizer
 from tests.router.servers import serve
 
+TOKEN = {"x-kvmesh-admin-token": "s3cret"}
+THINK = 0.05
+"""Seconds between an answer and the next turn: a client's think time, steady, so that the router's
+learned gap between turns (and the conversations it expires by it) is this one."""
+
 
 async def _chat(http: aiohttp.ClientSession, url: str, model: str, messages: list[dict[str, Any]]) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": 8, "nvext": {"extra_fields": ["worker_id"]}}
@@ -28,8 +33,22 @@ async def _chat(http: aiohttp.ClientSession, url: str, model: str, messages: lis
 
 
 async def _router(http: aiohttp.ClientSession, url: str) -> dict:
-    async with http.get(url + "/kvmesh/router") as r:
+    async with http.get(url + "/kvmesh/router", headers=TOKEN) as r:
         return await r.json()
+
+
+async def _indexed(http: aiohttp.ClientSession, url: str, answer: dict[str, Any]) -> None:
+    """Wait until the engine's KV events for ``answer``'s prompt reach the router's index (they do
+    within a think time; these engines answer in a millisecond)."""
+    worker = answer["nvext"]["worker_id"]["decode_worker_id"]
+    blocks = answer["usage"]["prompt_tokens"] // 16
+    for _ in range(250):
+        async with http.get(url + "/kvmesh/workers", headers=TOKEN) as r:
+            rows = {row["worker_id"]: row for row in (await r.json())["workers"]}
+        if rows[worker]["indexed_blocks"] >= blocks:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{worker} never indexed {blocks} blocks")
 
 
 async def _converse(
@@ -45,27 +64,36 @@ async def _converse(
     for _ in range(turns):
         answer = await _chat(http, url, model, messages)
         answers.append(answer)
+        await asyncio.sleep(THINK)
+        await _indexed(http, url, answer)
         messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
         messages.append({"role": "user", "content": "Tool result: " + words(rng, 300)})
     return answers
 
 
-async def test_later_turns_are_routed_on_their_earlier_turn_s_blocks_and_go_home(
+async def test_later_turns_are_routed_on_their_earlier_turn_s_blocks_and_counted_whole(
     http: aiohttp.ClientSession,
 ) -> None:
     async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
-        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")))
+        settings = MeshSettings(
+            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
+        )
         async with serve(build_router_app(settings)) as front:
             answers = await _converse(http, front.url, a.config.model, 4, seed=5)
             state = await _router(http, front.url)
+            async with http.get(front.url + "/kvmesh/decisions?limit=4", headers=TOKEN) as r:
+                decisions = (await r.json())["decisions"][::-1]  # oldest first
     # every later turn was found by its messages, and none of them began otherwise
     assert state["routed_on_earlier_turn"]["found"] == 3
     assert state["routed_on_earlier_turn"]["stopped"] is None
-    # each went where its history was: the engine served it from its cache
-    assert len({answer["nvext"]["worker_id"]["decode_worker_id"] for answer in answers}) == 1
-    for before, answer in itertools.pairwise(answers):
-        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= before["usage"]["prompt_tokens"] // 16 * 16 - 16
+    # each later turn was decided with the turn before it whole where that turn went: its full
+    # blocks cached there, and the new messages' tokens estimated (no prompt was known yet)
+    for before, answer, decision in zip(answers[:-1], answers[1:], decisions[1:], strict=True):
+        went = before["nvext"]["worker_id"]["decode_worker_id"]
+        home = next(c for c in decision["candidates"] if c["worker_id"] == went)
+        assert home["overlap_blocks"] >= before["usage"]["prompt_tokens"] // 16
+        assert home["prefill_tokens"] > 0
+        assert answer["usage"]["prompt_tokens"] > before["usage"]["prompt_tokens"]
     # counted whole once sent: the conversation stands at its fourth turn, as one conversation
     conversations = state["conversations"]
     assert conversations["deepest_turn"] == 4 and conversations["live"] == 1
@@ -84,7 +112,9 @@ async def test_a_template_that_does_not_render_turn_by_turn_stops_it(
 
     monkeypatch.setattr(BuiltinTokenizer, "apply_chat_template", counting)
     async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
-        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")))
+        settings = MeshSettings(
+            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
+        )
         async with serve(build_router_app(settings)) as front:
             answers = await _converse(http, front.url, a.config.model, 4, seed=6)
             state = await _router(http, front.url)

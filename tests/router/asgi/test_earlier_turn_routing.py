@@ -71,18 +71,25 @@ async def _converse(
     return answers
 
 
-async def test_later_turns_are_routed_on_their_earlier_turn_s_blocks_and_counted_whole(
-    http: aiohttp.ClientSession,
-) -> None:
+async def _four_turns(http: aiohttp.ClientSession, seed: int) -> tuple[list[dict], dict, list[dict]]:
+    """A conversation of four turns through a front of two engines: the answers, the front's
+    ``/kvmesh/router`` and its decisions, oldest first."""
     async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
         settings = MeshSettings(
             workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
         )
         async with serve(build_router_app(settings)) as front:
-            answers = await _converse(http, front.url, a.config.model, 4, seed=5)
+            answers = await _converse(http, front.url, a.config.model, 4, seed=seed)
             state = await _router(http, front.url)
             async with http.get(front.url + "/kvmesh/decisions?limit=4", headers=TOKEN) as r:
-                decisions = (await r.json())["decisions"][::-1]  # oldest first
+                decisions = (await r.json())["decisions"][::-1]
+    return answers, state, decisions
+
+
+async def test_later_turns_are_routed_on_their_earlier_turn_s_blocks_and_counted_whole(
+    http: aiohttp.ClientSession,
+) -> None:
+    answers, state, decisions = await _four_turns(http, seed=5)
     # every later turn was found by its messages, and none of them began otherwise
     assert state["routed_on_earlier_turn"]["found"] == 3
     assert state["routed_on_earlier_turn"]["stopped"] is None
@@ -111,13 +118,7 @@ async def test_a_template_that_does_not_render_turn_by_turn_stops_it(
         return [ids[0]] * len(messages) + ids
 
     monkeypatch.setattr(BuiltinTokenizer, "apply_chat_template", counting)
-    async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
-        settings = MeshSettings(
-            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
-        )
-        async with serve(build_router_app(settings)) as front:
-            answers = await _converse(http, front.url, a.config.model, 4, seed=6)
-            state = await _router(http, front.url)
+    answers, state, _ = await _four_turns(http, seed=6)
     assert all(answer["choices"][0]["message"]["content"] for answer in answers)  # all answered
     memo = state["routed_on_earlier_turn"]
     # the second turn was routed on the first's blocks and did not begin with them: the memo

@@ -27,7 +27,13 @@ from kvmesh.router.request.nvext import (
     NvextLimits,
     parse_nvext,
 )
-from kvmesh.router.request.tokenizer import Tokenizer, chat_fields, prompt_prefix_ids, prompt_token_ids
+from kvmesh.router.request.tokenizer import (
+    Tokenizer,
+    chat_fields,
+    is_chat,
+    prompt_prefix_ids,
+    prompt_token_ids,
+)
 
 _WORKER_HEADER_B = WORKER_HEADER.encode()
 _PREFILL_HEADER_B = PREFILL_HEADER.encode()
@@ -258,7 +264,7 @@ def parse_request(
             return ids, block_hashes(ids, block_size, lora), t2 - t1, clock() - t2
 
         turn_key = None
-        if memo is not None and _is_chat(endpoint):
+        if memo is not None and is_chat(endpoint):
             messages, tools, generation_prompt = _guarded(_checked_chat, tokenizer, body, endpoint)
             keys = memo.fingerprints(messages, tools, lora)
             if keys is not None:
@@ -307,10 +313,6 @@ def parse_request(
         None,
         turn_key,
     )
-
-
-def _is_chat(endpoint: str) -> bool:
-    return endpoint.endswith("chat/completions") or endpoint == "chat"
 
 
 def _checked_chat(

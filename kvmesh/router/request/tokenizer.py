@@ -352,13 +352,18 @@ class HfTokenizer:
 _ROLES = frozenset(("system", "developer", "user", "assistant", "tool", "function"))
 
 
+def is_chat(endpoint: str) -> bool:
+    """Whether ``endpoint`` (a request path or its short name) takes chat messages."""
+    return endpoint.endswith("chat/completions") or endpoint == "chat"
+
+
 def prompt_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any], endpoint: str) -> list[int]:
     """The prompt token ids an engine computes for an OpenAI request body.
 
     ``endpoint`` is the request path (``/v1/chat/completions``, ``/v1/completions``) or its short
     name (``chat``, ``completions``). Raises :class:`RequestError` naming the offending field.
     """
-    if endpoint.endswith("chat/completions") or endpoint == "chat":
+    if is_chat(endpoint):
         messages, tools, add_generation_prompt = chat_fields(body)
         return tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt
@@ -378,7 +383,7 @@ def prompt_prefix_ids(
     Validates the body as :func:`prompt_token_ids` does."""
     if not isinstance(tokenizer, BuiltinTokenizer):
         return None
-    if endpoint.endswith("chat/completions") or endpoint == "chat":
+    if is_chat(endpoint):
         messages, tools, _ = chat_fields(body)
         return tokenizer.chat_prefix(messages, tools, n)
     prompt = body.get("prompt")

@@ -69,15 +69,18 @@ class TurnMemo:
             return None
         return out
 
-    def find(self, fingerprints: Sequence[int], messages: Sequence[Any]) -> tuple[EarlierTurn, bool] | None:
-        """``(prompt, whole)``: the prompt rendered from these same messages (``whole``: a best-of-n
-        sibling of one routed a moment ago, a retry; its blocks are all of this one's), else the
+    def find(
+        self, fingerprints: Sequence[int], messages: Sequence[Any], generation_prompt: bool = True
+    ) -> tuple[EarlierTurn, bool] | None:
+        """``(prompt, whole)``: the prompt rendered from these same messages with its generation
+        prompt (``whole``: a best-of-n sibling of one routed a moment ago, a retry; its blocks are
+        all of this one's; only where this one asks for the generation prompt too), else the
         longest earlier prompt they continue, rendered from their first ``k`` messages, the
         ``k + 1``-th an answer to it (``assistant``). None: none kept, or stopped."""
         if self.stopped is not None or not fingerprints:
             return None
         turns = self._turns
-        same = turns.get(fingerprints[-1])
+        same = turns.get(fingerprints[-1]) if generation_prompt else None
         if same is not None:
             turns.move_to_end(fingerprints[-1])
             self.found += 1

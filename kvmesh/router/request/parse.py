@@ -269,7 +269,7 @@ def parse_request(
             keys = memo.fingerprints(messages, tools, lora)
             if keys is not None:
                 turn_key = keys[-1] if generation_prompt else None
-                found = memo.find(keys, messages)
+                found = memo.find(keys, messages, generation_prompt)
                 if found is not None:
                     earlier, whole = found
                     grown = 0 if whole else max(len(raw) - earlier.body_bytes, 0)

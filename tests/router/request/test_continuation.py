@@ -72,6 +72,8 @@ def test_the_same_messages_again_find_their_own_prompt_whole() -> None:
     assert again is not None
     assert (again[0].hashes, again[0].isl, again[1]) == ((1, 2, 3), 52, True)
     assert memo.found == 1
+    # the same messages without the generation prompt are another prompt: it ends before it
+    assert memo.find(first, [SYSTEM, ASK], generation_prompt=False) is None
 
 
 def test_the_memo_keeps_its_budget_of_blocks_oldest_first() -> None:

@@ -247,6 +247,7 @@ def parse_request(
     hashes: list[int] = []
     tokenize_secs = hash_secs = 0.0
     keyed = cache_keyed(body)
+    turn_key = None
     if (
         tokenizer is not None
         and held is not None
@@ -263,9 +264,8 @@ def parse_request(
             t2 = clock()
             return ids, block_hashes(ids, block_size, lora), t2 - t1, clock() - t2
 
-        turn_key = None
         if memo is not None and is_chat(endpoint):
-            messages, tools, generation_prompt = _guarded(_checked_chat, tokenizer, body, endpoint)
+            messages, tools, generation_prompt = chat_fields(body)  # (a RequestError names the field)
             keys = memo.fingerprints(messages, tools, lora)
             if keys is not None:
                 turn_key = keys[-1] if generation_prompt else None
@@ -286,8 +286,6 @@ def parse_request(
             return ParsedRequest(
                 endpoint, raw, body, nv, overrides, [], [], lora, clock() - t0, 0.0, keyed, deferred, turn_key
             )
-    else:
-        turn_key = None
     if tokenizer is not None:
         t0 = clock()
         # A pre-tokenized prompt is hashed as given: the router never tokenizes it again.
@@ -313,13 +311,6 @@ def parse_request(
         None,
         turn_key,
     )
-
-
-def _checked_chat(
-    tokenizer: Tokenizer, body: dict[str, Any], endpoint: str
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
-    """:func:`chat_fields`, in the shape :func:`_guarded` calls."""
-    return chat_fields(body)
 
 
 # Non-text content parts: the engine's cache keys their blocks by the media's hash as well.

@@ -449,6 +449,57 @@ class ChainIndex:
             sid = nxt
             start = 0
 
+    def _handle_of(self, hashes: list[int]) -> int | None:
+        """Handle of the query's last block, if the trie holds the whole query as a prefix."""
+        n = len(hashes)
+        sid = self._roots.get(hashes[0]) if n else None
+        segs = self._segs
+        d = start = 0
+        while sid is not None:
+            seg = segs[sid]
+            avail = min(len(seg.locals) - start, n - d)
+            m = _common(seg.locals[start : start + avail], hashes[d : d + avail])
+            d += m
+            if d == n:
+                return (sid << SHIFT) | (start + m - 1)
+            if m < avail:
+                return None
+            kids = seg.branches.get(len(seg.locals) - 1) if seg.branches is not None else None
+            sid = kids.get(hashes[d]) if kids is not None else None
+            start = 0
+        return None
+
+    def continuation(self, local_hashes: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` local hashes of the blocks that follow the whole query in the trie, as long
+        as they follow it one way only (a fork, or the query missing, ends them; none here: ``[]``).
+
+        A conversation's earlier prompt is followed by the blocks its answer's decode stored; a
+        later turn known only by that earlier prompt begins with them too."""
+        out: list[int] = []
+        h = self._handle_of(local_hashes if isinstance(local_hashes, list) else list(local_hashes))
+        if h is None:
+            return out
+        segs = self._segs
+        seg, i = segs[h >> SHIFT], h & LOW
+        while len(out) < limit:
+            branches = seg.branches
+            kids = branches.get(i) if branches is not None else None
+            if kids is not None:  # block i has a child off its run: one way on only at the run's end
+                if i + 1 < len(seg.locals) or len(kids) != 1:
+                    return out
+                seg = segs[next(iter(kids.values()))]
+                out.append(seg.locals[0])
+                i = 0
+                continue
+            if i + 1 == len(seg.locals):
+                return out  # nothing follows
+            stop = min(len(seg.locals) - 1, i + limit - len(out))  # along the run: to a fork at most
+            if branches:
+                stop = min([stop, *(j for j in branches if i < j < stop)])
+            out += seg.locals[i + 1 : stop + 1]
+            i = stop
+        return out
+
     def find_matches(self, local_hashes: Sequence[int]) -> dict[WorkerKey, int]:
         """Each worker's longest consecutive device-tier prefix of the query (workers with >0 only)."""
         bits = self._match_bits(local_hashes, self._level_bits[0])

@@ -42,6 +42,10 @@ class KvIndex(Protocol):
         """Device, device-or-host and any-tier prefix depths per worker (any level > 0 only)."""
         ...
 
+    def continuation(self, local_hashes: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` hashes of the blocks that follow the whole query one way only."""
+        ...
+
     def block_count(self, worker: WorkerKey) -> int:
         """Blocks indexed for a worker (the selector's tie-break, and snapshots)."""
         ...

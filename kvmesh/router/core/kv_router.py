@@ -415,7 +415,13 @@ class KvRouter:
             return {}
         clock = self._clock
         started = clock() if clock is not None else 0.0
-        overlaps = self._index.find_matches_tiered(req.local_hashes)
+        index = self._index
+        hashes = req.local_hashes
+        if req.estimated_blocks > len(hashes) > 0:
+            # a later turn known by its earlier turn's blocks: the answer to that turn follows them
+            # where it was decoded, and the later prompt goes on with the same tokens
+            hashes = [*hashes, *index.continuation(hashes, req.estimated_blocks - len(hashes))]
+        overlaps = index.find_matches_tiered(hashes)
         if clock is not None:
             self.last_find_matches = (self.last_find_matches or 0.0) + clock() - started
         return overlaps

@@ -48,6 +48,10 @@ class PredictedIndex:
                 out[key] = TierDepths(depth, max(depth, have.host), max(depth, have.disk))
         return out
 
+    def continuation(self, local_hashes: Sequence[int], limit: int) -> list[int]:
+        """What the engines reported (the blocks a decision predicts are its prompt's own)."""
+        return self.events.continuation(local_hashes, limit)
+
     def block_count(self, worker: WorkerKey) -> int:
         return self.events.block_count(worker)
 

@@ -117,6 +117,44 @@ class TestIndexContract:
             assert v.find(query[:depth]) == {("a", 0): depth}
 
 
+# ---------------------------------------------------------------------- what follows a prefix
+def test_the_blocks_that_follow_a_prefix_one_way_only() -> None:
+    # a prompt stored as a prefill, its answer stored block by block under it as a decode goes on
+    index = PrefixIndex(block_size=B)
+    a, b = ("a", 0), ("b", 0)
+    prompt, answer = tokens(1, 10), tokens(2, 4)
+    index.apply(a, [BlockStored(list(range(10)), None, prompt, B)])
+    for i in range(4):
+        index.apply(a, [BlockStored([10 + i], 9 + i, answer[i * B : (i + 1) * B], B)])
+    p = block_hashes(prompt, B)
+    follow = block_hashes(prompt + answer, B)[10:]
+    assert index.continuation(p, 10) == follow
+    assert index.continuation(p, 2) == follow[:2]
+    assert index.continuation(p[:4], 3) == p[4:7]
+    assert index.continuation(p[:4], 0) == []
+    # a query the trie does not hold whole is followed by nothing
+    assert index.continuation(p[:4] + block_hashes(tokens(9, 1), B), 5) == []
+    assert index.continuation(block_hashes(tokens(9, 2), B), 5) == []
+    assert index.continuation([], 5) == []
+    # a second answer to the same prompt (elsewhere): a fork, which the blocks stop at
+    index.apply(b, [BlockStored(list(range(20, 30)), None, prompt, B)])
+    index.apply(b, [BlockStored([30, 31], 29, tokens(3, 2), B)])
+    assert index.continuation(p, 10) == []
+    assert index.continuation(p[:4], 20) == p[4:]
+    # past a fork on one way: the blocks of that way go on
+    assert index.continuation(p + follow[:1], 10) == follow[1:]
+
+
+def test_what_follows_a_prefix_is_what_the_engines_reported() -> None:
+    index = PredictedIndex(PrefixIndex(block_size=B), ApproxIndex(ttl=5.0))
+    toks = tokens(4, 6)
+    hashes = block_hashes(toks, B)
+    index.record(("a", 0), hashes, now=0.0)  # a decision's prediction is its own prompt, no more
+    assert index.continuation(hashes[:2], 4) == []
+    index.apply(("b", 0), [BlockStored([1, 2, 3, 4, 5, 6], None, toks, B)])
+    assert index.continuation(hashes[:2], 4) == hashes[2:]
+
+
 # ---------------------------------------------------------------------- predict-on-route
 def test_a_prediction_longer_than_the_event_prefix_counts_as_device_at_every_level() -> None:
     index = PredictedIndex(PrefixIndex(block_size=B), ApproxIndex(ttl=5.0))

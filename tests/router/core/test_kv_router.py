@@ -330,6 +330,27 @@ def test_a_prompt_routed_on_an_estimate_is_counted_whole_once_amended(model: str
     assert not r.holds_any(block_hashes(t, B)[0])  # gone with it (nothing cached it: no events)
 
 
+@pytest.mark.parametrize("model", ["dynamo", "latency"])
+def test_a_later_turn_known_by_its_earlier_turn_counts_the_answer_decoded_after_it(model: str) -> None:
+    # both hold the earlier prompt; only a decoded its answer, whose blocks follow the prompt's there
+    # (the later prompt repeats the answer after the earlier prompt, then adds its own message)
+    r = router("ab", router_cost_model=model)
+    first, answer = toks(7, 40), toks(9, 6)
+    store(r, "a", first)
+    store(r, "b", first)
+    r.apply_events("a", EventBatch(0.0, [BlockStored(list(range(40, 46)), 39, answer, B)], 0))
+    later = first + answer + toks(8, 10)
+    known = block_hashes(first, B)
+    d = r.route(RouteRequest("t2", known, len(later), estimated_blocks=len(later) // B), now=1.0)
+    assert isinstance(d, Decision) and d.worker == ("a", 0) and d.overlap_blocks == 46
+    # no more than the estimate says the later turn adds
+    d = r.route(RouteRequest("t3", known, 43 * B, estimated_blocks=43), now=1.0)
+    assert isinstance(d, Decision) and d.overlap_blocks == (43 if d.worker == ("a", 0) else 40)
+    # a prompt known whole is matched as it is (what follows it is another request's)
+    d = r.route(RouteRequest("t4", known, len(first)), now=1.0)
+    assert isinstance(d, Decision) and d.overlap_blocks == 40
+
+
 def test_a_later_turn_routed_on_its_earlier_turn_s_blocks_goes_home_and_counts_its_estimate() -> None:
     # the front routes a conversation's later turn on the blocks of the turn before it (known by
     # its messages) and an estimated length, and tokenizes it once sent (ParsedRequest.deferred)

@@ -308,6 +308,23 @@ def test_a_full_cache_of_reused_blocks_loses_a_new_prefix_to_a_worker_with_room(
     assert by["a"].cost > by["b"].cost  # ...but what it evicts costs more later
 
 
+def test_a_later_turn_known_by_its_earlier_turn_prices_the_blocks_its_estimate_adds() -> None:
+    # routed before it is tokenized, on the blocks of the turn it continues and a length estimated
+    # from its body (ParsedRequest.deferred): what it adds is the estimate beyond what is cached
+    r = router(total_blocks=1000)
+    earlier = toks(6, 100 * B)
+    store(r, "a", toks(100, 900 * B))
+    store(r, "a", earlier)  # a's cache is full, the earlier turn in it...
+    _teach_reuse(r, "a", 200)  # ...of blocks that keep being hit
+    isl = 475 * B  # the later turn brings 375 blocks of its own
+    d = r.route(RouteRequest("t2", block_hashes(earlier, B), isl, estimated_blocks=isl // B), 100.0)
+    assert isinstance(d, Decision)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].overlap_blocks == 100 and by["b"].overlap_blocks == 0
+    assert by["a"].eviction_ms > 0 and by["b"].eviction_ms == 0
+    assert by["a"].prefill_tokens == isl - 100 * B
+
+
 def test_a_full_cache_still_wins_when_the_request_hits_it() -> None:
     r = router(total_blocks=1000)
     held = toks(100, 1000 * B)

@@ -26,7 +26,7 @@ learned gap between turns (and the conversations it expires by it) is this one."
 
 
 async def _chat(http: aiohttp.ClientSession, url: str, model: str, messages: list[dict[str, Any]]) -> dict:
-    body = {"model": model, "messages": messages, "max_tokens": 8, "nvext": {"extra_fields": ["worker_id"]}}
+    body = {"model": model, "messages": messages, "max_tokens": 40, "nvext": {"extra_fields": ["worker_id"]}}
     async with http.post(url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
         return await r.json()
@@ -38,10 +38,12 @@ async def _router(http: aiohttp.ClientSession, url: str) -> dict:
 
 
 async def _indexed(http: aiohttp.ClientSession, url: str, answer: dict[str, Any]) -> None:
-    """Wait until the engine's KV events for ``answer``'s prompt reach the router's index (they do
-    within a think time; these engines answer in a millisecond)."""
+    """Wait until the engine's KV events for ``answer``'s prompt and the answer itself (its last
+    token is never computed) reach the router's index (they do within a think time; these engines
+    answer in a millisecond)."""
     worker = answer["nvext"]["worker_id"]["decode_worker_id"]
-    blocks = answer["usage"]["prompt_tokens"] // 16
+    usage = answer["usage"]
+    blocks = (usage["prompt_tokens"] + usage["completion_tokens"] - 1) // 16
     for _ in range(250):
         async with http.get(url + "/kvmesh/workers", headers=TOKEN) as r:
             rows = {row["worker_id"]: row for row in (await r.json())["workers"]}
@@ -94,11 +96,13 @@ async def test_later_turns_are_routed_on_their_earlier_turn_s_blocks_and_counted
     assert state["routed_on_earlier_turn"]["found"] == 3
     assert state["routed_on_earlier_turn"]["stopped"] is None
     # each later turn was decided with the turn before it whole where that turn went: its full
-    # blocks cached there, and the new messages' tokens estimated (no prompt was known yet)
+    # blocks cached there, then the blocks its answer was decoded into (the later prompt repeats
+    # the answer), and the new messages' tokens estimated (no prompt was known yet)
     for before, answer, decision in zip(answers[:-1], answers[1:], decisions[1:], strict=True):
         went = before["nvext"]["worker_id"]["decode_worker_id"]
         home = next(c for c in decision["candidates"] if c["worker_id"] == went)
-        assert home["overlap_blocks"] >= before["usage"]["prompt_tokens"] // 16
+        assert home["overlap_blocks"] > before["usage"]["prompt_tokens"] // 16
+        assert home["overlap_blocks"] <= answer["usage"]["prompt_tokens"] // 16
         assert home["prefill_tokens"] > 0
         assert answer["usage"]["prompt_tokens"] > before["usage"]["prompt_tokens"]
     # counted whole once sent: the conversation stands at its fourth turn, as one conversation

@@ -882,7 +882,14 @@ class KvRouter:
             return False
         depth = self._index.find_matches_tiered(local_hashes).get(worker)
         overlap = depth.device if depth is not None else 0
-        self._commit(request_id, worker, local_hashes, isl_tokens, overlap, now, osl, None)
+        prompt = PromptBlocks(local_hashes) if load.assume_kv_reuse else _bare_prompt(local_hashes)
+        if self._latency and self._weights.overlap_score_credit > 0:
+            # blocks a request in flight there carries (a sibling sent a moment before, its blocks
+            # not yet reported) count as cached, as the decision counted them
+            carried = min(load.carried_by_others(request_id, prompt, isl_tokens), len(local_hashes))
+            if carried > overlap:
+                overlap = carried
+        self._commit(request_id, worker, local_hashes, isl_tokens, overlap, now, osl, prompt)
         self._observations.amend(request_id, isl_tokens, overlap)
         return True
 

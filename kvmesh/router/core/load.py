@@ -489,6 +489,23 @@ class ActiveSequences:
             return total
         return total - _active_weight(w.refs, prompt)
 
+    def carried_by_others(self, request_id: str, prompt: PromptBlocks, isl_tokens: int) -> int:
+        """Blocks of ``prompt`` that the other requests in flight on ``request_id``'s worker carry:
+        cached there by the time it is prefilled, as a decision counts them (0 when not tracking
+        them, or the request is gone)."""
+        r = self._requests.get(request_id)
+        if r is None or not self.track_active_blocks or not self.assume_kv_reuse:
+            return 0
+        refs = self._workers[r.worker].refs
+        if r.ids is not None:
+            release_prefix(refs, r.ids, r.anchors)  # (its own identities are not another's)
+        try:
+            new = self.new_blocks(r.worker, prompt, isl_tokens)
+        finally:
+            if r.ids is not None:
+                hold_prefix(refs, r.ids, r.anchors)
+        return prompt.n_blocks + (1 if isl_tokens > prompt.n_blocks * self.block_size else 0) - new
+
     # ------------------------------------------------------------------ lifecycle
     def add(
         self,
@@ -506,7 +523,12 @@ class ActiveSequences:
         """Count a routed request on ``worker`` (replaces an earlier entry with the same id).
         ``expected_prefill``: its predicted prefill seconds (the ``aic`` decay; 0 = unknown);
         ``first_block``: its prompt's first block hash (None: shorter than a block)."""
-        if request_id in self._requests:
+        place: tuple[int, float] | None = None  # a replaced request's place in its worker's queue
+        old = self._requests.get(request_id)
+        if old is not None:
+            queue = self._workers[old.worker].in_prefill
+            if old.worker == worker and request_id in queue:
+                place = (list(queue).index(request_id), self._workers[worker].anchor_since)
             self.free(request_id, now)
         w = self._workers.get(worker)
         if w is None:
@@ -533,6 +555,16 @@ class ActiveSequences:
         if not w.in_prefill:
             w.anchor_since = now
         w.in_prefill[request_id] = r
+        if place is not None:
+            # A replacement (``KvRouter.amend``) keeps its place in the queue: the engine has had
+            # the request since it was routed, and the step it started (the anchor's) goes on.
+            at, since = place
+            if at < len(w.in_prefill) - 1:
+                items = list(w.in_prefill.items())
+                items.insert(at, items.pop())
+                w.in_prefill = dict(items)
+            if at == 0:
+                w.anchor_since = since
         w.active[request_id] = r
         self._requests[request_id] = r
         if osl and self.track_active_blocks:

@@ -325,6 +325,22 @@ def test_a_later_turn_known_by_its_earlier_turn_prices_the_blocks_its_estimate_a
     assert by["a"].prefill_tokens == isl - 100 * B
 
 
+def test_a_sibling_counted_whole_keeps_the_blocks_its_twin_in_flight_carries() -> None:
+    # best-of-n: the twin is routed and in prefill, its blocks not reported yet; the sibling is
+    # routed on the twin's prompt (the same messages) and counted whole once sent (amend)
+    r = router()
+    t = toks(3, 3000)
+    d1 = pick(r, "twin", t)
+    d2 = r.route(RouteRequest("sibling", block_hashes(t, B), len(t), estimated_blocks=len(t) // B), 0.001)
+    assert isinstance(d2, Decision) and d2.worker == d1.worker and d2.overlap_blocks == len(t) // B
+    routed = {s.worker: s for s in r.worker_snapshot()}[d1.worker]
+    assert r.amend("sibling", block_hashes(t, B), len(t), 0.002)
+    amended = {s.worker: s for s in r.worker_snapshot()}[d1.worker]
+    # its blocks stay the twin's, and its prefill the few tokens past them: not the prompt again
+    assert amended.active_prefill_tokens == routed.active_prefill_tokens < 2 * len(t)
+    assert amended.active_decode_blocks == routed.active_decode_blocks
+
+
 def test_a_full_cache_still_wins_when_the_request_hits_it() -> None:
     r = router(total_blocks=1000)
     held = toks(100, 1000 * B)

@@ -299,3 +299,40 @@ def test_an_estimated_prompt_keeps_its_known_chunks_and_counts_the_rest_as_its_o
     # with nothing known it is the prompt no worker held: every identity its own
     cold = PromptBlocks.estimated([], 2 * CHUNK + 1, salt=3)
     assert (cold.n_anchors, len(cold.ids)) == (2, 3) and not set(cold.ids) & set(whole.ids)
+
+
+def test_a_replaced_request_keeps_its_place_in_the_queue_and_the_step_it_started() -> None:
+    # KvRouter.amend replaces a request routed on an estimate with its whole prompt: the engine has
+    # had it since it was routed, so the step it started goes on and its place behind others holds
+    load = ActiveSequences(block_size=B)
+    p1, _ = prompt(31, 10)
+    p2, _ = prompt(32, 10)
+    load.add("first", W, p1, 40, 0, now=0.0, expected_prefill=0.1)
+    load.add("second", W, p2, 40, 0, now=0.01, expected_prefill=0.1)
+    assert load.anchor(W) == ("first", 0.0, 40)
+    load.add("first", W, PromptBlocks.estimated([], 12, salt=1), 48, 0, now=0.02, expected_prefill=0.12)
+    assert load.anchor(W) == ("first", 0.0, 48)  # still the step running, since 0.0
+    assert load.step_in_progress(W, 0.05) == pytest.approx((0.12 - 0.05, 40))
+    load.add("second", W, p2, 44, 0, now=0.03, expected_prefill=0.1)
+    assert load.anchor(W) == ("first", 0.0, 48) and load.prefill_tokens(W) == 48 + 44
+    # alone on its worker, replaced: its step is not restarted
+    alone = ("b", 0)
+    load.add("solo", alone, p1, 40, 0, now=1.0, expected_prefill=0.1)
+    load.add("solo", alone, p1, 40, 0, now=1.002, expected_prefill=0.1)
+    assert load.anchor(alone) == ("solo", 1.0, 40)
+    # moved to another worker, it is new there (and gone from the first)
+    load.add("second", alone, p2, 44, 0, now=1.01)
+    assert load.anchor(alone) == ("solo", 1.0, 40) and load.prefill_tokens(W) == 48
+
+
+def test_the_blocks_other_requests_carry_leave_a_request_s_own_out() -> None:
+    load = ActiveSequences(block_size=B)
+    twin, toks = prompt(41, 3 * CHUNK + 5)
+    load.add("sibling", W, twin, len(toks), 0, now=0.0)
+    load.add("twin", W, twin, len(toks), 0, now=0.0)
+    # the twin carries every block of the sibling's prompt; its own count does not
+    assert load.carried_by_others("sibling", twin, len(toks)) == twin.n_blocks
+    load.free("twin")
+    assert load.carried_by_others("sibling", twin, len(toks)) == 0
+    assert load.new_blocks(W, twin, len(toks)) == 0  # (its own identities are still held)
+    assert load.carried_by_others("gone", twin, len(toks)) == 0

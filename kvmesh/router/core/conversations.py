@@ -97,6 +97,10 @@ class Conversations:
         self._tails: dict[int, dict[int, int]] = {}
         """Per last-chunk identity, how many tips have each number of full blocks after it: the
         few lengths a prompt's lookup tries at that chunk (never a scan over the tips)."""
+        self._depths: dict[int, int] = {}
+        """Per depth in whole chunks, how many identities of ``_tails`` end there. An identity
+        names its whole prefix, so a prompt holds one of depth ``d`` only as its own ``d``-th:
+        a lookup probes one identity per depth present, not every chunk of a long prompt."""
         self._refs: dict[WorkerKey, Counter[int]] = {}
         self._live: dict[WorkerKey, int] = {}
         self._numbers: dict[WorkerKey, dict[int, int]] = {}
@@ -271,11 +275,27 @@ class Conversations:
         """:meth:`outlook` of each of ``workers``: what the latency cost reads of every candidate
         of every decision, in one call (the tables are looked up once, not once a candidate)."""
         hold, going_on = self._to_hold_table(), self._shares_going_on()
-        live = self._live
+        n_hold, n_on = len(hold), len(going_on)
+        live, per_worker = self._live, self._numbers
+        tip = self._tips.get(exclude) if exclude is not None else None
         out = []
-        for worker in workers:
-            ahead, per_cycle = self._over_tips(worker, exclude, hold, going_on)
-            out.append((live.get(worker, 0), ahead, per_cycle))
+        for worker in workers:  # (_over_tips of both tables in one pass over the tips' turns)
+            numbers = per_worker.get(worker)
+            if not numbers:
+                out.append((live.get(worker, 0), 0.0, 0.0))
+                continue
+            ahead = per_cycle = 0.0
+            for number, count in numbers.items():
+                if number <= n_hold:
+                    ahead += count * hold[number - 1]
+                if number <= n_on:
+                    per_cycle += count * going_on[number - 1]
+            if tip is not None and tip.worker == worker:
+                if tip.number <= n_hold:
+                    ahead -= hold[tip.number - 1]
+                if tip.number <= n_on:
+                    per_cycle -= going_on[tip.number - 1]
+            out.append((live.get(worker, 0), max(ahead, 0.0), max(per_cycle, 0.0)))
         return out
 
     def _over_tips(self, worker: WorkerKey, exclude: str | None, *per_number: list[float]) -> list[float]:
@@ -376,7 +396,10 @@ class Conversations:
         numbers = self._numbers.setdefault(worker, {})
         numbers[number] = numbers.get(number, 0) + 1
         self._by_prompt.setdefault(turn.key, {})[request_id] = None
-        tails = self._tails.setdefault(anchor, {})
+        tails = self._tails.get(anchor)
+        if tails is None:
+            tails = self._tails[anchor] = {}
+            self._depths[tip.anchors] = self._depths.get(tip.anchors, 0) + 1
         tails[len(tip.trailing)] = tails.get(len(tip.trailing), 0) + 1
         # A turn that stays on its worker moves only what changed: the history's whole chunks
         # are held by both (a conversation's every turn would otherwise walk its whole history)
@@ -410,17 +433,15 @@ class Conversations:
     # ------------------------------------------------------------------ internals
     def _continued(self, prompt: PromptBlocks, local_hashes: Sequence[int]) -> str | None:
         """A tip whose full blocks this prompt starts with, adding more (the longest); None if
-        none. The prompt's whole chunks that tips end after are found in one set operation; at
+        none. The prompt's whole chunks that tips end after are found with one probe per depth
+        that tips end at (``_depths``: a 2,048-block prompt was 128 probes, one per chunk); at
         each, one probe per tip length present there (never a scan over the tips)."""
         tails = self._tails
         if not tails:
             return None
         ids = prompt.ids
         n_anchors = prompt.n_anchors
-        anchors = ids if n_anchors == len(ids) else ids[:n_anchors]
-        levels = [ids.index(a, 0, n_anchors) + 1 for a in tails.keys() & anchors]
-        if 0 in tails:
-            levels.append(0)
+        levels = [d for d in self._depths if d <= n_anchors and (d == 0 or ids[d - 1] in tails)]
         n = prompt.n_blocks
         for k in sorted(levels, reverse=True):  # longest prefix first
             anchor = ids[k - 1] if k else 0
@@ -496,6 +517,11 @@ class Conversations:
             del tails[length]
             if not tails:
                 del self._tails[anchor]
+                depths = self._depths
+                if depths[tip.anchors] == 1:
+                    del depths[tip.anchors]
+                else:
+                    depths[tip.anchors] -= 1
         else:
             tails[length] -= 1
         return tip

@@ -101,8 +101,7 @@ class LatencyCost(ReadsState):
         carried = 0
         holders: set[WorkerKey] = set()
         first: WorkerKey | None = None  # in candidate order: a set's order varies by process
-        for key in candidates:
-            n = load.holding(key, identity)
+        for key, n in zip(candidates, load.holding(candidates, identity), strict=True):
             carried += n
             if n or overlaps.get(key, NO_TIERS).device >= depth:
                 holders.add(key)

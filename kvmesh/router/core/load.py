@@ -282,10 +282,15 @@ class ActiveSequences:
         w = self._workers.get(worker)
         return w.requests if w is not None else 0
 
-    def holding(self, worker: WorkerKey, identity: int) -> int:
-        """Requests in flight on ``worker`` whose prompt has the prefix named ``identity``."""
-        w = self._workers.get(worker)
-        return w.refs.get(identity, 0) if w is not None else 0
+    def holding(self, workers: Sequence[WorkerKey], identity: int) -> list[int]:
+        """For each of ``workers``, the requests in flight there whose prompt has the prefix named
+        ``identity`` (one call for a decision's candidates)."""
+        out = []
+        every = self._workers
+        for worker in workers:
+            w = every.get(worker)
+            out.append(w.refs.get(identity, 0) if w is not None else 0)
+        return out
 
     def decoding(self, worker: WorkerKey) -> int:
         """Requests past their first token (generating) on ``worker``."""

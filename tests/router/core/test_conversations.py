@@ -466,6 +466,12 @@ def test_live_blocks_and_turn_counts_stay_consistent(
                     held.update((ident, CHUNK if i < tip.anchors else 1) for i, ident in enumerate(tip.ids))
             assert conv.live_blocks(w) == sum(held.values())
         assert all(tip.number >= 1 for tip in conv._tips.values())
+        # the depths a lookup probes: one per last-chunk identity the tips end on
+        ends = {(tip.ids[tip.anchors - 1] if tip.anchors else 0, tip.anchors) for tip in conv._tips.values()}
+        depths: dict[int, int] = {}
+        for _, depth in ends:
+            depths[depth] = depths.get(depth, 0) + 1
+        assert conv._depths == depths
         # the turns still waiting for their next are the live tips counted at them, no more
         waiting = [0.0] * len(conv._waiting)
         for tip in conv._tips.values():
@@ -483,6 +489,7 @@ def test_live_blocks_and_turn_counts_stay_consistent(
     assert conv.live_blocks(A) == conv.live_blocks(W) == 0
     assert conv.growth_ahead_blocks(A) == conv.growth_ahead_blocks(W) == 0
     assert not any(conv._waiting)  # and every turn's fate is known
+    assert not conv._depths
 
 
 def test_the_turns_conversations_send_a_worker_come_from_those_living_there() -> None:

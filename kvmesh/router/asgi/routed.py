@@ -192,7 +192,14 @@ class RoutedRequest:
             )
         if parsed.turn_key is not None:
             mesh.turn_memo.remember(parsed.turn_key, parsed.hashes, parsed.isl, len(parsed.raw_body))
-        mesh.router.amend(request_id, parsed.hashes, parsed.isl, time.monotonic(), request.osl)
+        mesh.router.amend(
+            request_id,
+            parsed.hashes,
+            parsed.isl,
+            time.monotonic(),
+            request.osl,
+            overlap_score_credit=request.overlap_score_credit,
+        )
         metrics = mesh.metrics
         metrics.phase["tokenize"].observe(deferred.tokenize_secs)
         metrics.phase["hashing"].observe(deferred.hash_secs)

@@ -871,11 +871,13 @@ class KvRouter:
         isl_tokens: int,
         now: float,
         osl: int | None = None,
+        overlap_score_credit: float | None = None,
     ) -> bool:
         """Count the whole prompt of a request routed while only its first block was known, which
         no worker held (``ParsedRequest.deferred``): its blocks as predicted on its worker, its
         prefill tokens, its conversation. No-op once its first token is in (too late to matter)
-        or it is gone. Returns whether it was counted."""
+        or it is gone. Returns whether it was counted. ``overlap_score_credit``: the request's own
+        override (``RouteRequest.overlap_score_credit``), as its decision weighed it."""
         load = self._load
         worker = load.worker_of(request_id)
         if worker is None or not load.prefilling(request_id):
@@ -883,7 +885,8 @@ class KvRouter:
         depth = self._index.find_matches_tiered(local_hashes).get(worker)
         overlap = depth.device if depth is not None else 0
         prompt = PromptBlocks(local_hashes) if load.assume_kv_reuse else _bare_prompt(local_hashes)
-        if self._latency and self._weights.overlap_score_credit > 0:
+        credit = self._weights.overlap_score_credit if overlap_score_credit is None else overlap_score_credit
+        if self._latency and credit > 0:
             # blocks a request in flight there carries (a sibling sent a moment before, its blocks
             # not yet reported) count as cached, as the decision counted them
             carried = min(load.carried_by_others(request_id, prompt, isl_tokens), len(local_hashes))

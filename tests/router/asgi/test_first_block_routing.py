@@ -78,3 +78,32 @@ async def test_a_failure_counting_a_prompt_already_sent_does_not_drop_its_answer
             answer = await _chat(http, front.url, a.config.model, "Notes: " + words(rng, 900), "Go on.")
     assert answer["choices"][0]["message"]["content"]
     assert "counting a prompt routed before it was tokenized failed" in caplog.text
+
+
+async def test_a_prompt_counted_once_sent_keeps_its_own_cache_credit(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nvext.agent_hints.kv_overlap_score_credit weighed the request's decision; counting its whole prompt
+    # afterwards must weigh it the same, not by the router's default
+    seen: list[object] = []
+    amend = KvRouter.amend
+
+    def spied(self: KvRouter, *args: object, **kwargs: object) -> bool:
+        seen.append(kwargs.get("overlap_score_credit"))
+        return amend(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(KvRouter, "amend", spied)
+    rng = random.Random(5)
+    async with run_mock(block_size=16, speedup=1000.0) as a:
+        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"),))
+        async with serve(build_router_app(settings)) as front:
+            for credit in (0.0, 0.5, None):
+                body = {
+                    "model": a.config.model,
+                    "messages": [{"role": "user", "content": f"Notes {credit}: " + words(rng, 900)}],
+                    "max_tokens": 2,
+                    "nvext": {} if credit is None else {"agent_hints": {"kv_overlap_score_credit": credit}},
+                }
+                async with http.post(front.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+    assert seen == [0.0, 0.5, None]

@@ -893,3 +893,21 @@ def test_a_request_tied_between_cached_workers_goes_where_the_decode_pass_ends_f
     # the same pass on both: the waits differ by how much longer ago one of them streamed
     assert by["a"].step_wait_ms - by["b"].step_wait_ms == pytest.approx(b_streamed_ms_ago - a_streamed_ms_ago)
     assert min(by["a"].step_wait_ms, by["b"].step_wait_ms) > 0.0
+
+
+def test_a_sibling_that_turns_the_cache_credit_off_is_amended_as_it_was_decided() -> None:
+    # the request's own kv_overlap_score_credit of 0 counted none of its twin's blocks as cached
+    # when it was routed; counted whole, it must not be credited them by the router's default
+    r = router(workers="a")  # one worker: the sibling shares its twin's
+    t = toks(3, 3000)
+    pick(r, "twin", t)
+    sibling = RouteRequest(
+        "sibling", block_hashes(t, B), len(t), estimated_blocks=len(t) // B, overlap_score_credit=0.0
+    )
+    d = r.route(sibling, 0.001)
+    assert isinstance(d, Decision) and d.overlap_blocks == 0
+    routed = r.worker_snapshot()[0]
+    assert routed.active_prefill_tokens >= 2 * len(t)  # the twin's prompt and its own, whole
+    assert r.amend("sibling", block_hashes(t, B), len(t), 0.002, overlap_score_credit=0.0)
+    amended = r.worker_snapshot()[0]
+    assert amended.active_prefill_tokens == routed.active_prefill_tokens

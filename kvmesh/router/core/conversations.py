@@ -434,14 +434,22 @@ class Conversations:
     def _continued(self, prompt: PromptBlocks, local_hashes: Sequence[int]) -> str | None:
         """A tip whose full blocks this prompt starts with, adding more (the longest); None if
         none. The prompt's whole chunks that tips end after are found with one probe per depth
-        that tips end at (``_depths``: a 2,048-block prompt was 128 probes, one per chunk); at
-        each, one probe per tip length present there (never a scan over the tips)."""
+        that tips end at (``_depths``) or one per chunk of the prompt, whichever is fewer (a
+        2,048-block prompt has 128 chunks; tips of a few lengths end at a few depths); at each,
+        one probe per tip length present there (never a scan over the tips)."""
         tails = self._tails
         if not tails:
             return None
         ids = prompt.ids
         n_anchors = prompt.n_anchors
-        levels = [d for d in self._depths if d <= n_anchors and (d == 0 or ids[d - 1] in tails)]
+        depths = self._depths
+        if len(depths) <= n_anchors:  # a long prompt: one probe per depth tips end at
+            levels = [d for d in depths if d <= n_anchors and (d == 0 or ids[d - 1] in tails)]
+        else:  # a short one among tips of many lengths: one probe per chunk of it, in C
+            anchors = ids if n_anchors == len(ids) else ids[:n_anchors]
+            levels = [ids.index(a, 0, n_anchors) + 1 for a in tails.keys() & anchors]
+            if 0 in tails:
+                levels.append(0)
         n = prompt.n_blocks
         for k in sorted(levels, reverse=True):  # longest prefix first
             anchor = ids[k - 1] if k else 0

@@ -265,6 +265,7 @@ class RoutedAccount(LoadAccount):
         ids = self.answer_ids
         if ids is None:
             ids = self.mesh.tokenizer.encode("".join(self.answer))
+        self.parsed.complete()  # (a prompt sent as another's twin is tokenized only now)
         return self.parsed.tokens + ids
 
     def _warm_next_turn(self) -> None:

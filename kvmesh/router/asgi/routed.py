@@ -174,11 +174,14 @@ class RoutedRequest:
             logger.exception("kvmesh: counting a prompt routed before it was tokenized failed")
 
     def _count_deferred(self, parsed: ParsedRequest, request: RouteRequest, request_id: str) -> None:
+        deferred = parsed.deferred
+        assert deferred is not None
+        if deferred.exact:  # routed on all of its blocks and its length already: nothing to amend
+            request.estimated_blocks = 0
+            return
         if not parsed.complete():
             return
         mesh = self.mesh
-        deferred = parsed.deferred
-        assert deferred is not None
         request.isl_tokens = parsed.isl  # a failover routes it again, on its whole prompt
         request.estimated_blocks = 0
         if not deferred.earlier_turn:

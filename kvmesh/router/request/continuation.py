@@ -48,6 +48,8 @@ class TurnMemo:
         """Why the memo stopped (a prompt that did not begin with its earlier turn's blocks)."""
         self.found = 0
         """Prompts routed on a kept prompt's blocks: later turns, and the same messages again."""
+        self.same = 0
+        """Of those, the same messages again (counted and tokenized no more once sent)."""
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -84,6 +86,7 @@ class TurnMemo:
         if same is not None:
             turns.move_to_end(fingerprints[-1])
             self.found += 1
+            self.same += 1
             return same, True
         for k in range(len(fingerprints) - 1, 0, -1):
             answer = messages[k]
@@ -120,6 +123,7 @@ class TurnMemo:
         """For ``GET /kvmesh/router``."""
         return {
             "found": self.found,
+            "same": self.same,
             "kept": len(self._turns),
             "blocks": self._blocks,
             "stopped": self.stopped,

@@ -63,6 +63,11 @@ class DeferredPrompt:
     hash_secs: float = 0.0
     earlier_turn: bool = False
     """Routed on its earlier turn's blocks (``ParsedRequest.hashes`` held them until complete)."""
+    exact: bool = False
+    """Its messages, tools and adapter are those of a prompt routed a moment before (a best-of-n
+    sibling, a retry), which rendered to the blocks and length it was routed on: they are all of
+    its own, so it is neither tokenized nor counted again once sent; its tokens are worked out only
+    if something asks for them (:meth:`ParsedRequest.complete`: a pin of the answer, a warm-up)."""
     matched: bool = True
     """Once complete: whether the prompt began with the blocks it was routed on."""
 
@@ -274,7 +279,7 @@ def parse_request(
                     earlier, whole = found
                     grown = 0 if whole else max(len(raw) - earlier.body_bytes, 0)
                     deferred = DeferredPrompt(
-                        tokenize, earlier.isl + round(tokens_per_byte * grown), earlier_turn=True
+                        tokenize, earlier.isl + round(tokens_per_byte * grown), earlier_turn=True, exact=whole
                     )
                     return ParsedRequest(
                         endpoint, raw, body, nv, overrides, [], list(earlier.hashes), lora,

@@ -91,6 +91,26 @@ async def test_a_pin_after_the_response_holds_prompt_and_answer(http: aiohttp.Cl
         assert mock.engine.retention.num_retained == want
 
 
+async def test_a_pinned_repeat_of_a_prompt_pins_its_own_prompt_and_answer(
+    http: aiohttp.ClientSession,
+) -> None:
+    # the same messages again are sent without being tokenized (the first one's blocks are theirs):
+    # their tokens are worked out when the pin after the answer needs them
+    async with mock_fleet(router=RouterConfig(enable_cache_control=True)) as (front, mocks, app):
+        mock = mocks[0]
+        messages = [{"role": "user", "content": "the same question, asked twice " * 6}]
+        prompt = BuiltinTokenizer().apply_chat_template(messages)
+        status, doc = await post(http, front.url, turn(mock, messages, max_tokens=16))
+        assert status == 200, doc
+        pin = {"cache_control": {"type": "ephemeral", "ttl": "5m"}}
+        status, doc = await post(http, front.url, turn(mock, messages, max_tokens=64, nvext=pin))
+        assert status == 200, doc
+        assert app.mesh.turn_memo.same == 1  # the second was sent as the first one's twin
+        want = (len(prompt) + 64 - 1) // BS
+        await until(lambda: mock.engine.retention.num_retained >= want)
+        assert mock.engine.retention.num_retained == want
+
+
 async def test_a_pin_the_worker_refuses_shows_in_workers_and_metrics(http: aiohttp.ClientSession) -> None:
     config = RouterConfig(enable_cache_control=True)
     async with mock_fleet(router=config, num_blocks=64, pin_budget=0.01) as (front, mocks, _):

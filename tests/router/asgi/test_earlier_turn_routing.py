@@ -130,3 +130,47 @@ async def test_a_template_that_does_not_render_turn_by_turn_stops_it(
     assert memo["found"] == 1
     assert memo["stopped"] is not None and memo["kept"] == 0
     assert "does not render conversations turn by turn" in caplog.text
+
+
+async def test_the_same_messages_again_are_not_tokenized_or_counted_again_once_sent(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # best-of-n sent one after another (a retry reads the same): the first is tokenized once it is
+    # on its way; the others have its blocks and length as their own and are never tokenized
+    from kvmesh.router.request import parse
+
+    rendered: list[int] = []
+    plain = parse.prompt_tokens
+
+    def counting(*args: Any, **kw: Any) -> list[int]:
+        ids = plain(*args, **kw)
+        rendered.append(len(ids))
+        return ids
+
+    monkeypatch.setattr(parse, "prompt_tokens", counting)
+    rng = random.Random(7)
+    messages = [
+        {"role": "system", "content": "You are agent 2. " + words(rng, 300)},
+        {"role": "user", "content": "Task: " + words(rng, 20)},
+    ]
+    async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
+        settings = MeshSettings(
+            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
+        )
+        async with serve(build_router_app(settings)) as front:
+            answers = [await _chat(http, front.url, a.config.model, messages)]
+            await _indexed(http, front.url, answers[0])
+            answers += [await _chat(http, front.url, a.config.model, messages) for _ in range(2)]
+            state = await _router(http, front.url)
+            async with http.get(front.url + "/kvmesh/decisions?limit=3", headers=TOKEN) as r:
+                decisions = (await r.json())["decisions"][::-1]
+    prompt = answers[0]["usage"]["prompt_tokens"]
+    assert all(answer["usage"]["prompt_tokens"] == prompt for answer in answers)
+    assert rendered == [prompt]  # the first one's, once it was sent; none for the other two
+    memo = state["routed_on_earlier_turn"]
+    assert memo["same"] == 2 and memo["found"] == 2 and memo["stopped"] is None
+    # each repeat was decided on all of its full blocks: where the first went, all are cached
+    went = answers[0]["nvext"]["worker_id"]["decode_worker_id"]
+    for decision in decisions[1:]:
+        home = next(c for c in decision["candidates"] if c["worker_id"] == went)
+        assert home["overlap_blocks"] == prompt // 16

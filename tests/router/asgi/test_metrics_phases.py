@@ -42,13 +42,14 @@ async def _route_some(mode: RouterMode, n: int) -> dict[str, tuple[float, float]
         config = RouterConfig(router_mode=mode)
         settings = MeshSettings(workers=(WorkerSpec(mock.base_url, "m"),), router=config)
         async with serve(build_router_app(settings)) as front:
-            body = {
-                "model": mock.config.model,
-                "messages": [{"role": "user", "content": "measure the routing phases " * 20}],
-                "max_tokens": 1,
-            }
             before = await _phases(http, front.url)
-            for _ in range(n):
+            for i in range(n):
+                # each a prompt of its own: the same messages again are not tokenized again
+                body = {
+                    "model": mock.config.model,
+                    "messages": [{"role": "user", "content": f"measure the routing phases {i} " * 20}],
+                    "max_tokens": 1,
+                }
                 async with http.post(front.url + "/v1/chat/completions", json=body) as r:
                     assert r.status == 200
             after = await _phases(http, front.url)

@@ -46,7 +46,7 @@ def test_a_later_turn_finds_the_longest_earlier_prompt_it_answers() -> None:
     assert third_keys is not None
     again = memo.find(third_keys, third)
     assert again is not None and again[0].isl == 90 and not again[1]
-    assert memo.found == 2 and memo.describe()["kept"] == 2
+    assert memo.found == 2 and memo.same == 0 and memo.describe()["kept"] == 2
 
 
 def test_only_an_answer_continues_a_prompt() -> None:
@@ -71,7 +71,7 @@ def test_the_same_messages_again_find_their_own_prompt_whole() -> None:
     again = memo.find(first, [SYSTEM, ASK])
     assert again is not None
     assert (again[0].hashes, again[0].isl, again[1]) == ((1, 2, 3), 52, True)
-    assert memo.found == 1
+    assert memo.found == 1 and memo.same == 1
     # the same messages without the generation prompt are another prompt: it ends before it
     assert memo.find(first, [SYSTEM, ASK], generation_prompt=False) is None
 
@@ -81,7 +81,7 @@ def test_the_memo_keeps_its_budget_of_blocks_oldest_first() -> None:
     memo.remember(1, [0] * 4, 64, 100)
     memo.remember(2, [0] * 4, 64, 100)
     memo.remember(3, [0] * 4, 64, 100)  # 12 > 10: the oldest goes
-    assert memo.describe() == {"found": 0, "kept": 2, "blocks": 8, "stopped": None}
+    assert memo.describe() == {"found": 0, "same": 0, "kept": 2, "blocks": 8, "stopped": None}
     memo.remember(3, [0] * 6, 96, 150)  # the same prompt again: replaced, not kept twice
     assert memo.describe()["blocks"] == 10
     memo.remember(4, [0] * 11, 176, 300)  # longer than the whole budget: not kept
@@ -100,6 +100,7 @@ def test_a_stopped_memo_keeps_and_finds_nothing() -> None:
     memo.remember(keys[-1], [1, 2, 3], 60, 500)
     assert memo.describe() == {
         "found": 0,
+        "same": 0,
         "kept": 0,
         "blocks": 0,
         "stopped": "a prompt did not begin with its earlier turn's blocks",

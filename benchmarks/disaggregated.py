@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import socket
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from kvmesh.bench import report
-from kvmesh.bench.fleet import stop_processes
+from kvmesh.bench.fleet import child_env, stop_processes
 from kvmesh.bench.runner import LoadSpec, Progress, run_workload
 from kvmesh.bench.workloads import WorkloadSpec, build
 
@@ -80,7 +79,9 @@ async def fleet(roles: list[str], mock_args: list[str]) -> AsyncIterator[str]:
                 "--kv-events-endpoint", f"tcp://127.0.0.1:{ports[n + i]}",
                 "--kv-replay-endpoint", f"tcp://127.0.0.1:{ports[2 * n + i]}", *mock_args,
             ]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
         await _wait_up(urls, procs)
         decode = [u for u, r in zip(urls, roles, strict=True) if r != "prefill"]
         prefill = [u for u, r in zip(urls, roles, strict=True) if r == "prefill"]
@@ -97,7 +98,7 @@ async def fleet(roles: list[str], mock_args: list[str]) -> AsyncIterator[str]:
         ]
         if prefill:
             cmd += ["--prefill-workers", ",".join(prefill)]
-        env = {**os.environ, "KVMESH_TOKENIZER": "builtin"}
+        env = child_env({"KVMESH_TOKENIZER": "builtin"})
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         await _wait_up([router_url], procs)
         await asyncio.sleep(1.0)  # every worker discovered and its event stream followed

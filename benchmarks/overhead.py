@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import socket
 import statistics
 import subprocess
@@ -38,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, percentile, table
 
-from kvmesh.bench.fleet import process_cpu_seconds, stop_processes
+from kvmesh.bench.fleet import child_env, process_cpu_seconds, stop_processes
 
 BODY = b'{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"Say hello to the benchmark, briefly please."}]}'
 ANSWER = (
@@ -99,7 +98,7 @@ class Endpoint:
 
 @contextlib.contextmanager
 def _process(args: list[str], port: int) -> Iterator[Endpoint]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = child_env({"PYTHONUNBUFFERED": "1"})
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
         deadline = time.monotonic() + 20

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,25 @@ from typing import Any
 import aiohttp
 
 from kvmesh.bench.report import percentile
+
+SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+"""The directory this kvmesh is imported from (a checkout, or the site-packages it is installed in)."""
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a ``python -m kvmesh ...`` child process (plus ``extra``): it imports the
+    kvmesh this process runs. ``-m`` puts the working directory first on ``sys.path``, so a second
+    checkout's benchmark started from the first checkout's directory ran the first one's engines
+    and routers, and an A/B of the two compared a tree with itself. (Python 3.10 does not know
+    ``PYTHONSAFEPATH``: there, start a checkout's benchmarks from its own directory.)"""
+    path = os.environ.get("PYTHONPATH")
+    return {
+        **os.environ,
+        "PYTHONSAFEPATH": "1",
+        "PYTHONPATH": SOURCE_ROOT + (os.pathsep + path if path else ""),
+        **(extra or {}),
+    }
+
 
 FrontCommand = Callable[[Sequence[str], int], list[str]]
 """(engine URLs, port) -> the argv of a router process that serves on 127.0.0.1:port."""
@@ -177,7 +196,7 @@ def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout: float = 10.0
 
 
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = child_env({"PYTHONUNBUFFERED": "1"})
     with log.open("wb") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

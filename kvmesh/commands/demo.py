@@ -188,10 +188,9 @@ async def start_mesh_processes(
 ) -> AsyncIterator[list[str]]:
     """``n`` ``kvmesh mock`` processes, each with ``--middleware kvmesh.router.KvMeshMiddleware``
     and configured only through KVMESH_* variables: exactly how ``vllm serve`` embeds it."""
-    import os
     import subprocess
 
-    from kvmesh.bench.fleet import stop_processes
+    from kvmesh.bench.fleet import child_env, stop_processes
 
     ports = _free_ports(3 * n)  # HTTP, events and replay for each engine
     urls = [f"http://127.0.0.1:{p}" for p in ports[:n]]
@@ -199,16 +198,17 @@ async def start_mesh_processes(
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i, url in enumerate(urls):
-            env = {
-                **os.environ,
-                "KVMESH_WORKERS": ",".join(urls),
-                "KVMESH_SELF_URL": url,
-                "KVMESH_TOKENIZER": "builtin",
-                "KVMESH_ROUTER_MODE": router_mode,
-                "KVMESH_HEALTH_INTERVAL": "0.25",
-                "KVMESH_MESH_SECRET": secret,
-                **(extra_env or {}),
-            }
+            env = child_env(
+                {
+                    "KVMESH_WORKERS": ",".join(urls),
+                    "KVMESH_SELF_URL": url,
+                    "KVMESH_TOKENIZER": "builtin",
+                    "KVMESH_ROUTER_MODE": router_mode,
+                    "KVMESH_HEALTH_INTERVAL": "0.25",
+                    "KVMESH_MESH_SECRET": secret,
+                    **(extra_env or {}),
+                }
+            )
             cmd = [
                 sys.executable, "-m", "kvmesh", "mock", "--port", str(ports[i]), "--log-level", "error",
                 "--kv-events-endpoint", f"tcp://127.0.0.1:{ports[n + i]}",

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import aiohttp
 import pytest
 
 from kvmesh.bench.fleet import (
+    SOURCE_ROOT,
+    child_env,
     engine_requests,
     engine_stats,
     engine_ttft_p50,
@@ -132,3 +138,23 @@ async def test_a_fleet_without_a_front_is_its_engines_alone() -> None:
             with pytest.raises(aiohttp.ClientConnectionError):
                 async with http.get(fleet.front_url + "/health"):
                     pass
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
+async def test_the_fleet_runs_the_kvmesh_its_caller_imports_whatever_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # another checkout's directory (here, a kvmesh that only says where it is) as the working
+    # directory: ``python -m kvmesh`` would put it first on sys.path, and the fleet's engines and
+    # router would run it instead of the kvmesh this benchmark imports
+    other = tmp_path / "kvmesh"
+    other.mkdir()
+    (other / "__init__.py").write_text("")
+    (other / "__main__.py").write_text("raise SystemExit('the kvmesh of the working directory')\n")
+    monkeypatch.chdir(tmp_path)
+    fleet_of_one = start_fleet(1, ["--speedup", "20", "--num-blocks", "64"], kvmesh_router())
+    async with fleet_of_one as fleet, aiohttp.ClientSession() as http:
+        async with http.get(fleet.front_url + "/kvmesh/router") as r:
+            assert r.status == 200
+    assert child_env({"X": "1"})["PYTHONPATH"].split(os.pathsep)[0] == SOURCE_ROOT
+    assert Path(SOURCE_ROOT, "kvmesh", "bench", "fleet.py").is_file()

@@ -154,7 +154,8 @@ async def test_the_fleet_runs_the_kvmesh_its_caller_imports_whatever_the_working
     monkeypatch.chdir(tmp_path)
     fleet_of_one = start_fleet(1, ["--speedup", "20", "--num-blocks", "64"], kvmesh_router())
     async with fleet_of_one as fleet, aiohttp.ClientSession() as http:
-        async with http.get(fleet.front_url + "/kvmesh/router") as r:
-            assert r.status == 200
+        r = await http.get(fleet.front_url + "/kvmesh/router")
+        assert r.status == 200  # the router came up, as did its engine
+        r.release()
     assert child_env({"X": "1"})["PYTHONPATH"].split(os.pathsep)[0] == SOURCE_ROOT
     assert Path(SOURCE_ROOT, "kvmesh", "bench", "fleet.py").is_file()

@@ -178,6 +178,7 @@ class RoutedRequest:
         assert deferred is not None
         if deferred.exact:  # routed on all of its blocks and its length already: nothing to amend
             request.estimated_blocks = 0
+            self.mesh.metrics.isl.observe(parsed.isl)  # (a request like any other in the lengths seen)
             return
         if not parsed.complete():
             return

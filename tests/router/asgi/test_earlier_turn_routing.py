@@ -37,6 +37,18 @@ async def _router(http: aiohttp.ClientSession, url: str) -> dict:
         return await r.json()
 
 
+async def _lengths(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """(count, sum) of the prompt lengths the router has observed (``/metrics``)."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(("kvmesh_input_sequence_tokens_count", "kvmesh_input_sequence_tokens_sum")):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    return values["kvmesh_input_sequence_tokens_count"], values["kvmesh_input_sequence_tokens_sum"]
+
+
 async def _indexed(http: aiohttp.ClientSession, url: str, answer: dict[str, Any]) -> None:
     """Wait until the engine's KV events for ``answer``'s prompt and the answer itself (its last
     token is never computed) reach the router's index (they do within a think time; these engines
@@ -158,15 +170,19 @@ async def test_the_same_messages_again_are_not_tokenized_or_counted_again_once_s
             workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
         )
         async with serve(build_router_app(settings)) as front:
+            before = await _lengths(http, front.url)
             answers = [await _chat(http, front.url, a.config.model, messages)]
             await _indexed(http, front.url, answers[0])
             answers += [await _chat(http, front.url, a.config.model, messages) for _ in range(2)]
             state = await _router(http, front.url)
+            after = await _lengths(http, front.url)
             async with http.get(front.url + "/kvmesh/decisions?limit=3", headers=TOKEN) as r:
                 decisions = (await r.json())["decisions"][::-1]
     prompt = answers[0]["usage"]["prompt_tokens"]
     assert all(answer["usage"]["prompt_tokens"] == prompt for answer in answers)
     assert rendered == [prompt]  # the first one's, once it was sent; none for the other two
+    # each is still a request of its length in the lengths the router has seen
+    assert (after[0] - before[0], after[1] - before[1]) == (3, 3 * prompt)
     memo = state["routed_on_earlier_turn"]
     assert memo["same"] == 2 and memo["found"] == 2 and memo["stopped"] is None
     # each repeat was decided on all of its full blocks: where the first went, all are cached

@@ -146,8 +146,8 @@ async def main(args: argparse.Namespace) -> int:
         a, d = agg[key[0]][key[1]], dis[key[0]][key[1]]
         if a and d:
             print(f"{label}: disaggregated / aggregated = {d / a:.2f}")
-    if args.plot:
-        print(f"plot written to {report.write_plot(runs, summaries, args.plot)}")
+    if args.plot:  # ('' is none, as in routing_quality.py)
+        print(f"plot written to {report.write_plot(runs, summaries, Path(args.plot))}")
     return 0 if all(s["errors"] == 0 for s in summaries) else 1
 
 
@@ -164,5 +164,5 @@ if __name__ == "__main__":
     ap.add_argument("--speedup", type=float, default=1.0, help="engine time divisor [%(default)s]")
     ap.add_argument("--transfer-ms-per-block", type=float, default=0.1, help="[%(default)s]")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plot", type=Path, default=None, help="write a PNG of the comparison")
+    ap.add_argument("--plot", default=None, help="write a PNG of the comparison here ('' or unset: none)")
     raise SystemExit(asyncio.run(main(ap.parse_args())))

@@ -219,7 +219,7 @@ class Conversations:
                 deepest = len(held) + 1
                 held.append(deepest / (deepest + 1.0))
             self._go_on_held = held
-        return self._over_tips(worker, exclude, held)[0]
+        return self._over_tips(worker, exclude, held)
 
     def _shares_going_on(self) -> list[float]:
         """``[n - 1]``: of the conversations that reached turn ``n`` and are no longer waiting at it,
@@ -244,7 +244,7 @@ class Conversations:
     def turns_held_ahead(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """:meth:`turns_ahead` counted with :meth:`turns_to_hold`: the turns the conversations
         living on ``worker`` are to keep their cache there for."""
-        return self._over_tips(worker, exclude, self._to_hold_table())[0]
+        return self._over_tips(worker, exclude, self._to_hold_table())
 
     def turns_ahead(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """The turns the conversations living on ``worker`` will still send it: each tip at turn
@@ -252,7 +252,7 @@ class Conversations:
         to_come = self._to_come
         if to_come is None:
             to_come = self._to_come = self._build_to_come()
-        return self._over_tips(worker, exclude, to_come)[0]
+        return self._over_tips(worker, exclude, to_come)
 
     def turns_per_cycle(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """The turns the conversations living on ``worker`` send it over one gap between turns:
@@ -262,7 +262,7 @@ class Conversations:
         unlike the requests in flight there, this does not fall to 0 while a worker's
         conversations are all between turns, just before their next turns arrive. ``exclude``: a
         tip left out (the one the request being priced continues: it is that turn)."""
-        return self._over_tips(worker, exclude, self._shares_going_on())[0]
+        return self._over_tips(worker, exclude, self._shares_going_on())
 
     def outlook(self, worker: WorkerKey, exclude: str | None = None) -> tuple[int, float, float]:
         """``(live_blocks(worker), turns_held_ahead(worker, exclude), turns_per_cycle(worker,
@@ -298,26 +298,21 @@ class Conversations:
             out.append((live.get(worker, 0), max(ahead, 0.0), max(per_cycle, 0.0)))
         return out
 
-    def _over_tips(self, worker: WorkerKey, exclude: str | None, *per_number: list[float]) -> list[float]:
-        """For each table of ``per_number``: ``table[n - 1]`` summed over the tips on ``worker`` at
-        turn ``n`` (0 past the table), ``exclude``'s left out."""
+    def _over_tips(self, worker: WorkerKey, exclude: str | None, table: list[float]) -> float:
+        """``table[n - 1]`` summed over the tips on ``worker`` at turn ``n`` (0 past the table),
+        ``exclude``'s left out. (:meth:`outlooks` sums two tables so, in one pass.)"""
         numbers = self._numbers.get(worker)
         if not numbers:
-            return [0.0] * len(per_number)
+            return 0.0
+        last = len(table)
+        total = 0.0
+        for number, count in numbers.items():
+            if number <= last:
+                total += count * table[number - 1]
         tip = self._tips.get(exclude) if exclude is not None else None
-        if tip is not None and tip.worker != worker:
-            tip = None
-        sums = []
-        for table in per_number:
-            last = len(table)
-            total = 0.0
-            for number, count in numbers.items():
-                if number <= last:
-                    total += count * table[number - 1]
-            if tip is not None and tip.number <= last:
-                total -= table[tip.number - 1]
-            sums.append(max(total, 0.0))
-        return sums
+        if tip is not None and tip.worker == worker and tip.number <= last:
+            total -= table[tip.number - 1]
+        return max(total, 0.0)
 
     def continued_share(self) -> float:
         """The share of turns that a later turn continued: the chance that a live conversation

@@ -6,6 +6,7 @@ that does not render a conversation turn by turn stops it, and later turns are t
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from typing import Any
 
@@ -190,3 +191,85 @@ async def test_the_same_messages_again_are_not_tokenized_or_counted_again_once_s
     for decision in decisions[1:]:
         home = next(c for c in decision["candidates"] if c["worker_id"] == went)
         assert home["overlap_blocks"] == prompt // 16
+
+
+async def _raw_post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict[str, Any]:
+    """The JSON answer to the request already written on this connection (read to its end)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = head.split(b" ", 2)[1]
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    body = await reader.readexactly(length)
+    writer.close()
+    assert status == b"200", body
+    return json.loads(body)
+
+
+async def test_a_burst_of_later_turns_is_routed_before_any_of_them_is_tokenized(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # parallel tool calls: one conversation's next turn three times, each with its own tool result,
+    # reaching the front together. Each is routed on the earlier turn's blocks; the front routes
+    # and sends all three before it works out their tokens, so none of them waits for another's
+    # tokenizing. (Counting each one right after sending it made the second wait for the first's
+    # tokens, the third for both.)
+    from kvmesh.router.core.kv_router import KvRouter
+    from kvmesh.router.request import parse
+
+    events: list[str] = []
+    route, render = KvRouter.route, parse.prompt_tokens
+
+    def routing(self: KvRouter, *args: Any, **kw: Any) -> Any:
+        events.append("route")
+        return route(self, *args, **kw)
+
+    def rendering(tokenizer: Any, body: dict[str, Any], endpoint: str) -> list[int]:
+        events.append("tokenize " + body["messages"][-1]["content"][:13])
+        return render(tokenizer, body, endpoint)
+
+    rng = random.Random(8)
+    messages = [
+        {"role": "system", "content": "You are agent 3. " + words(rng, 400)},
+        {"role": "user", "content": "Task: " + words(rng, 20)},
+    ]
+    async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
+        settings = MeshSettings(
+            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
+        )
+        async with serve(build_router_app(settings)) as front:
+            first = await _chat(http, front.url, a.config.model, messages)
+            await _indexed(http, front.url, first)
+            history = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+            port = int(front.url.rsplit(":", 1)[1])
+            connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+            await asyncio.sleep(
+                0.05
+            )  # (accepted by the front, so the three arrive in one read of its sockets)
+            monkeypatch.setattr(KvRouter, "route", routing)
+            monkeypatch.setattr(parse, "prompt_tokens", rendering)
+            for i, (_, writer) in enumerate(connections):
+                call = {"role": "user", "content": f"Tool result {i}: " + words(rng, 200)}
+                body = json.dumps(
+                    {"model": a.config.model, "messages": [*history, call], "max_tokens": 8}
+                ).encode()
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvmesh\r\ncontent-type: application/json\r\n"
+                    + f"content-length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+            answers = await asyncio.gather(*(_raw_post(reader, writer) for reader, writer in connections))
+            state = await _router(http, front.url)
+    assert all(answer["choices"][0]["message"]["content"] for answer in answers)
+    assert state["routed_on_earlier_turn"]["found"] == 3  # all three on the earlier turn's blocks
+    assert state["routed_on_earlier_turn"]["stopped"] is None  # each began with them, once tokenized
+    assert events[:3] == ["route"] * 3, events
+    assert sorted(events[3:]) == [
+        "tokenize Tool result 0",
+        "tokenize Tool result 1",
+        "tokenize Tool result 2",
+    ]
+    # and each was counted whole where it went, as one conversation's turn: the later turns' tips
+    assert state["conversations"]["deepest_turn"] == 2

@@ -6,8 +6,10 @@ that does not render a conversation turn by turn stops it, and later turns are t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -66,15 +68,31 @@ async def _indexed(http: aiohttp.ClientSession, url: str, answer: dict[str, Any]
     raise AssertionError(f"{worker} never indexed {blocks} blocks")
 
 
+@contextlib.asynccontextmanager
+async def _fleet() -> AsyncIterator[tuple[str, str]]:
+    """A standalone front over two fast simulated engines: its URL, and their model's name."""
+    async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
+        settings = MeshSettings(
+            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
+        )
+        async with serve(build_router_app(settings)) as front:
+            yield front.url, a.config.model
+
+
+def _opening(rng: random.Random, agent: int, system_words: int) -> list[dict[str, Any]]:
+    """An agent's first request: a long system prompt and a short task."""
+    return [
+        {"role": "system", "content": f"You are agent {agent}. " + words(rng, system_words)},
+        {"role": "user", "content": "Task: " + words(rng, 20)},
+    ]
+
+
 async def _converse(
     http: aiohttp.ClientSession, url: str, model: str, turns: int, seed: int
 ) -> list[dict[str, Any]]:
     """One conversation of ``turns`` turns, each answer sent back with a long tool output."""
     rng = random.Random(seed)
-    messages = [
-        {"role": "system", "content": "You are agent 1. " + words(rng, 400)},
-        {"role": "user", "content": "Task: " + words(rng, 20)},
-    ]
+    messages = _opening(rng, 1, 400)
     answers = []
     for _ in range(turns):
         answer = await _chat(http, url, model, messages)
@@ -89,15 +107,11 @@ async def _converse(
 async def _four_turns(http: aiohttp.ClientSession, seed: int) -> tuple[list[dict], dict, list[dict]]:
     """A conversation of four turns through a front of two engines: the answers, the front's
     ``/kvmesh/router`` and its decisions, oldest first."""
-    async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
-        settings = MeshSettings(
-            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
-        )
-        async with serve(build_router_app(settings)) as front:
-            answers = await _converse(http, front.url, a.config.model, 4, seed=seed)
-            state = await _router(http, front.url)
-            async with http.get(front.url + "/kvmesh/decisions?limit=4", headers=TOKEN) as r:
-                decisions = (await r.json())["decisions"][::-1]
+    async with _fleet() as (url, model):
+        answers = await _converse(http, url, model, 4, seed=seed)
+        state = await _router(http, url)
+        async with http.get(url + "/kvmesh/decisions?limit=4", headers=TOKEN) as r:
+            decisions = (await r.json())["decisions"][::-1]
     return answers, state, decisions
 
 
@@ -161,24 +175,16 @@ async def test_the_same_messages_again_are_not_tokenized_or_counted_again_once_s
         return ids
 
     monkeypatch.setattr(parse, "prompt_tokens", counting)
-    rng = random.Random(7)
-    messages = [
-        {"role": "system", "content": "You are agent 2. " + words(rng, 300)},
-        {"role": "user", "content": "Task: " + words(rng, 20)},
-    ]
-    async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
-        settings = MeshSettings(
-            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
-        )
-        async with serve(build_router_app(settings)) as front:
-            before = await _lengths(http, front.url)
-            answers = [await _chat(http, front.url, a.config.model, messages)]
-            await _indexed(http, front.url, answers[0])
-            answers += [await _chat(http, front.url, a.config.model, messages) for _ in range(2)]
-            state = await _router(http, front.url)
-            after = await _lengths(http, front.url)
-            async with http.get(front.url + "/kvmesh/decisions?limit=3", headers=TOKEN) as r:
-                decisions = (await r.json())["decisions"][::-1]
+    messages = _opening(random.Random(7), 2, 300)
+    async with _fleet() as (url, model):
+        before = await _lengths(http, url)
+        answers = [await _chat(http, url, model, messages)]
+        await _indexed(http, url, answers[0])
+        answers += [await _chat(http, url, model, messages) for _ in range(2)]
+        state = await _router(http, url)
+        after = await _lengths(http, url)
+        async with http.get(url + "/kvmesh/decisions?limit=3", headers=TOKEN) as r:
+            decisions = (await r.json())["decisions"][::-1]
     prompt = answers[0]["usage"]["prompt_tokens"]
     assert all(answer["usage"]["prompt_tokens"] == prompt for answer in answers)
     assert rendered == [prompt]  # the first one's, once it was sent; none for the other two
@@ -231,37 +237,26 @@ async def test_a_burst_of_later_turns_is_routed_before_any_of_them_is_tokenized(
         return render(tokenizer, body, endpoint)
 
     rng = random.Random(8)
-    messages = [
-        {"role": "system", "content": "You are agent 3. " + words(rng, 400)},
-        {"role": "user", "content": "Task: " + words(rng, 20)},
-    ]
-    async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
-        settings = MeshSettings(
-            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
-        )
-        async with serve(build_router_app(settings)) as front:
-            first = await _chat(http, front.url, a.config.model, messages)
-            await _indexed(http, front.url, first)
-            history = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
-            port = int(front.url.rsplit(":", 1)[1])
-            connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
-            await asyncio.sleep(
-                0.05
-            )  # (accepted by the front, so the three arrive in one read of its sockets)
-            monkeypatch.setattr(KvRouter, "route", routing)
-            monkeypatch.setattr(parse, "prompt_tokens", rendering)
-            for i, (_, writer) in enumerate(connections):
-                call = {"role": "user", "content": f"Tool result {i}: " + words(rng, 200)}
-                body = json.dumps(
-                    {"model": a.config.model, "messages": [*history, call], "max_tokens": 8}
-                ).encode()
-                writer.write(
-                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvmesh\r\ncontent-type: application/json\r\n"
-                    + f"content-length: {len(body)}\r\n\r\n".encode()
-                    + body
-                )
-            answers = await asyncio.gather(*(_raw_post(reader, writer) for reader, writer in connections))
-            state = await _router(http, front.url)
+    messages = _opening(rng, 3, 400)
+    async with _fleet() as (url, model):
+        first = await _chat(http, url, model, messages)
+        await _indexed(http, url, first)
+        history = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+        port = int(url.rsplit(":", 1)[1])
+        connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        await asyncio.sleep(0.05)  # (accepted by the front, so the three arrive in one read of its sockets)
+        monkeypatch.setattr(KvRouter, "route", routing)
+        monkeypatch.setattr(parse, "prompt_tokens", rendering)
+        for i, (_, writer) in enumerate(connections):
+            call = {"role": "user", "content": f"Tool result {i}: " + words(rng, 200)}
+            body = json.dumps({"model": model, "messages": [*history, call], "max_tokens": 8}).encode()
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvmesh\r\ncontent-type: application/json\r\n"
+                + f"content-length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+        answers = await asyncio.gather(*(_raw_post(reader, writer) for reader, writer in connections))
+        state = await _router(http, url)
     assert all(answer["choices"][0]["message"]["content"] for answer in answers)
     assert state["routed_on_earlier_turn"]["found"] == 3  # all three on the earlier turn's blocks
     assert state["routed_on_earlier_turn"]["stopped"] is None  # each began with them, once tokenized

@@ -175,12 +175,21 @@ class RoutedRequest:
         tokenizing and amend (0.5 ms of CPU a request on the suite's ``siblings``, 1.5 ms on
         ``agent-long``'s 5,000-token prompts, with the built-in tokenizer). A prompt routed on its
         first block alone is counted at once: until then it counts none of its blocks, and its
-        siblings, seeing none held, went to recompute their shared context on idle workers."""
+        siblings, seeing none held, went to recompute their shared context on idle workers. A
+        request with the same messages as one waiting to be counted counts it first (the turn
+        memo's :meth:`~.TurnMemo.defer`), and is routed on all of its blocks."""
         deferred = parsed.deferred
-        if deferred is not None and deferred.earlier_turn and not deferred.exact:
-            asyncio.get_running_loop().call_soon(self._count_sent, parsed, request, request_id)
-        else:
+        if deferred is None or not deferred.earlier_turn or deferred.exact:
             self._count_sent(parsed, request, request_id)
+            return
+        loop = asyncio.get_running_loop()
+        key = parsed.turn_key
+        if key is None:  # (no generation prompt: nothing sends its messages again as a prompt)
+            loop.call_soon(self._count_sent, parsed, request, request_id)
+            return
+        memo = self.mesh.turn_memo
+        memo.defer(key, functools.partial(self._count_sent, parsed, request, request_id))
+        loop.call_soon(memo.settle, key)
 
     def _count_sent(self, parsed: ParsedRequest, request: RouteRequest, request_id: str) -> None:
         # The worker has the request: a failure here is logged, not raised into the forward,

@@ -15,7 +15,7 @@ on the first check, and the memo stops there: every later request is tokenized b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,8 @@ class TurnMemo:
         """Prompts routed on a kept prompt's blocks: later turns, and the same messages again."""
         self.same = 0
         """Of those, the same messages again (counted and tokenized no more once sent)."""
+        self._pending: dict[int, Callable[[], None]] = {}
+        """Prompts sent and not yet counted (:meth:`defer`), by fingerprint: how to count each."""
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -81,6 +83,8 @@ class TurnMemo:
         ``k + 1``-th an answer to it (``assistant``). None: none kept, or stopped."""
         if self.stopped is not None or not fingerprints:
             return None
+        if generation_prompt and self._pending:
+            self.settle(fingerprints[-1])  # the same messages, sent a moment ago: counted now
         turns = self._turns
         same = turns.get(fingerprints[-1]) if generation_prompt else None
         if same is not None:
@@ -112,6 +116,21 @@ class TurnMemo:
         while self._blocks > self.max_blocks:
             _, gone = turns.popitem(last=False)
             self._blocks -= len(gone.hashes)
+
+    def defer(self, fingerprint: int, count: Callable[[], None]) -> None:
+        """Keep ``count`` (it tokenizes a prompt just sent, counts it and keeps it with
+        :meth:`remember`) until the caller runs it with :meth:`settle`, once the requests already
+        waiting are on their way.
+        A request with the same messages runs it first, from :meth:`find`: it is then routed on
+        all of that prompt's blocks, as a best-of-n sibling is."""
+        self.settle(fingerprint)
+        self._pending[fingerprint] = count
+
+    def settle(self, fingerprint: int) -> None:
+        """Run the deferred count of the prompt with this fingerprint, if it has not run yet."""
+        count = self._pending.pop(fingerprint, None)
+        if count is not None:
+            count()
 
     def stop(self, reason: str) -> None:
         """Keep nothing more, and find nothing: the template does not render turn by turn."""

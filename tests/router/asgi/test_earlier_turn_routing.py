@@ -214,6 +214,22 @@ async def _raw_post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) 
     return json.loads(body)
 
 
+async def _together(url: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The answers to chat requests that reach the front in one read of its sockets: written on
+    connections it has already accepted, one after another without a pause between them."""
+    port = int(url.rsplit(":", 1)[1])
+    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in bodies]
+    await asyncio.sleep(0.05)  # (accepted by the front)
+    for (_, writer), body in zip(connections, bodies, strict=True):
+        data = json.dumps(body).encode()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvmesh\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+    return list(await asyncio.gather(*(_raw_post(reader, writer) for reader, writer in connections)))
+
+
 async def test_a_burst_of_later_turns_is_routed_before_any_of_them_is_tokenized(
     http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -242,20 +258,12 @@ async def test_a_burst_of_later_turns_is_routed_before_any_of_them_is_tokenized(
         first = await _chat(http, url, model, messages)
         await _indexed(http, url, first)
         history = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
-        port = int(url.rsplit(":", 1)[1])
-        connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
-        await asyncio.sleep(0.05)  # (accepted by the front, so the three arrive in one read of its sockets)
+        calls = [{"role": "user", "content": f"Tool result {i}: " + words(rng, 200)} for i in range(3)]
         monkeypatch.setattr(KvRouter, "route", routing)
         monkeypatch.setattr(parse, "prompt_tokens", rendering)
-        for i, (_, writer) in enumerate(connections):
-            call = {"role": "user", "content": f"Tool result {i}: " + words(rng, 200)}
-            body = json.dumps({"model": model, "messages": [*history, call], "max_tokens": 8}).encode()
-            writer.write(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvmesh\r\ncontent-type: application/json\r\n"
-                + f"content-length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-        answers = await asyncio.gather(*(_raw_post(reader, writer) for reader, writer in connections))
+        answers = await _together(
+            url, [{"model": model, "messages": [*history, call], "max_tokens": 8} for call in calls]
+        )
         state = await _router(http, url)
     assert all(answer["choices"][0]["message"]["content"] for answer in answers)
     assert state["routed_on_earlier_turn"]["found"] == 3  # all three on the earlier turn's blocks
@@ -268,3 +276,40 @@ async def test_a_burst_of_later_turns_is_routed_before_any_of_them_is_tokenized(
     ]
     # and each was counted whole where it went, as one conversation's turn: the later turns' tips
     assert state["conversations"]["deepest_turn"] == 2
+
+
+async def test_the_same_later_turn_sent_together_is_counted_once_and_routed_whole(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # best-of-n at a conversation's next turn: three copies of one request reach the front together.
+    # The first is routed on the earlier turn's blocks and counted after the requests waiting; its
+    # copies, which have its messages, count it first and are routed on all of its blocks as their
+    # own, never tokenized themselves.
+    from kvmesh.router.request import parse
+
+    rendered: list[int] = []
+    render = parse.prompt_tokens
+
+    def rendering(tokenizer: Any, body: dict[str, Any], endpoint: str) -> list[int]:
+        ids = render(tokenizer, body, endpoint)
+        rendered.append(len(ids))
+        return ids
+
+    rng = random.Random(9)
+    messages = _opening(rng, 4, 400)
+    async with _fleet() as (url, model):
+        first = await _chat(http, url, model, messages)
+        await _indexed(http, url, first)
+        history = [
+            *messages,
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Tool result: " + words(rng, 200)},
+        ]
+        monkeypatch.setattr(parse, "prompt_tokens", rendering)
+        answers = await _together(url, [{"model": model, "messages": history, "max_tokens": 8}] * 3)
+        state = await _router(http, url)
+    prompt = answers[0]["usage"]["prompt_tokens"]
+    assert all(answer["usage"]["prompt_tokens"] == prompt for answer in answers)
+    assert rendered == [prompt]  # the first one's alone
+    memo = state["routed_on_earlier_turn"]
+    assert memo["found"] == 3 and memo["same"] == 2 and memo["stopped"] is None

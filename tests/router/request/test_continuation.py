@@ -105,3 +105,30 @@ def test_a_stopped_memo_keeps_and_finds_nothing() -> None:
         "blocks": 0,
         "stopped": "a prompt did not begin with its earlier turn's blocks",
     }
+
+
+def test_a_deferred_count_runs_once_and_first_for_the_same_messages_again() -> None:
+    memo = TurnMemo()
+    keys = TurnMemo.fingerprints([SYSTEM, ASK], None, None)
+    assert keys is not None
+    runs: list[str] = []
+
+    def count() -> None:  # what the front defers: tokenize the prompt sent, then keep it
+        runs.append("counted")
+        memo.remember(keys[-1], [11, 12], 40, 300)
+
+    memo.defer(keys[-1], count)
+    # the same messages again: the count runs before the lookup, which finds the prompt whole
+    found = memo.find(keys, [SYSTEM, ASK])
+    assert runs == ["counted"] and found is not None and found[1] is True
+    memo.settle(keys[-1])  # the front's own callback, later: nothing left to run
+    assert runs == ["counted"]
+    # other messages leave it waiting; deferring a second count for one prompt runs the first
+    memo.defer(keys[-1], count)
+    other = TurnMemo.fingerprints([SYSTEM, MORE], None, None)
+    assert other is not None and memo.find(other, [SYSTEM, MORE]) is None
+    assert runs == ["counted"]
+    memo.defer(keys[-1], lambda: runs.append("second"))
+    assert runs == ["counted", "counted"]
+    memo.settle(keys[-1])
+    assert runs == ["counted", "counted", "second"]

@@ -538,6 +538,9 @@ class KvRouter:
                 if held_home is not None:
                     home, home_own, tip_blocks = held_home
                     home_new = max(n_blocks - tip_blocks, 0)
+        # A new conversation's first turn keeps no history anywhere and joins no twin: its ties are
+        # the fits' uncertainty alone, not the spread of its effect on others (pick_saving_work)
+        effects_widen_ties = turn is None or continues is not None or turn.sibling
         cycle_s = conv.cycle_s
         growth_per_turn = conv.growth_blocks
         turn_tokens = growth_per_turn * bs  # what a later turn adds, to be prefilled
@@ -663,7 +666,7 @@ class KvRouter:
                         overlap,
                         timing.decode_ms(usage) if overlap > 0.0 else 0.0,
                     )
-                    if delay > 0.0 or overlap > 0.0
+                    if effects_widen_ties and (delay > 0.0 or overlap > 0.0)
                     else 0.0
                 )
                 score = CandidateScore(

@@ -163,7 +163,7 @@ class LatencyCost(ReadsState):
         (a conversation's later turn) or a twin to join (a sibling), though: a new conversation's
         first turn keeps nothing on any worker, and ``KvRouter`` gives it no such spread, so only
         the fits' uncertainty makes its ties. (With the spread, 8-12 of `chat-fits`' 16 new chats
-        started on the engine holding their 208-token system prompt, predicted 5-12 ms slower
+        started on the engine holding their 208-token system prompt, predicted 1.5-15 ms slower
         there than on an idle engine, and their later turns moved away when they met there,
         recomputing their histories: prefix hits 0.007 lower over six seeds.)
 

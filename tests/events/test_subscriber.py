@@ -7,6 +7,7 @@ import asyncio
 import errno
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
@@ -531,11 +532,12 @@ async def test_topic_filter(endpoint_factory: Endpoints) -> None:
 
 async def test_inproc_between_publisher_thread_and_subscriber_loop() -> None:
     got = Collector()
-    with publisher("inproc://kvmesh-sub-test", "inproc://kvmesh-sub-test-replay") as pub:
+    # A name of its own each run: the test runs on two event loops in one process, and an inproc
+    # name the run before bound can still be held while its sockets close (a CI run failed so).
+    name = f"inproc://kvmesh-sub-test-{uuid.uuid4().hex}"
+    with publisher(name, f"{name}-replay") as pub:
         pub.publish(make_batch(0))
-        sub = EventSubscriber(
-            "inproc://kvmesh-sub-test", got.on_batch, replay_endpoint="inproc://kvmesh-sub-test-replay"
-        )
+        sub = EventSubscriber(name, got.on_batch, replay_endpoint=f"{name}-replay")
         async with running(sub):
             await asyncio.sleep(0.05)
             pub.publish(make_batch(1))

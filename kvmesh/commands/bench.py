@@ -182,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     summary = report.summarize(result)
     print(report.format_table([summary]))
+    for kind, n in summary["error_kinds"].items():  # what failed, not only how many
+        print(f"kvmesh bench: {n} request(s) failed: {kind}", file=sys.stderr)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report.to_json([result], [summary]), indent=1))
         print(f"wrote {args.json_path}")

@@ -132,6 +132,20 @@ async def test_bench_command_end_to_end(tmp_path: Path) -> None:
     assert doc["runs"][0]["summary"]["ok"] == 6
 
 
+async def test_bench_says_why_its_requests_failed() -> None:
+    async with run_mock(block_size=16, speedup=50.0) as mock:
+        proc = await __import__("asyncio").create_subprocess_exec(
+            sys.executable, "-m", "kvmesh", "bench", "--url", mock.base_url, "--workload", "siblings",
+            "--model", "not-served-here", "--sessions", "1", "--burst", "2", "--turns", "1", "--no-progress",
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        stdout, stderr = await proc.communicate()
+    assert proc.returncode == 1
+    assert "0/2" in stdout.decode()
+    # the reason, not only the count: the engine's 404 for a model it does not serve
+    assert "kvmesh bench: 2 request(s) failed: HTTP 404" in stderr.decode(), stderr.decode()
+
+
 def test_a_knob_matters_where_the_builder_reads_it() -> None:
     assert knob_matters("siblings", "burst") and knob_matters("best-of-n", "burst")
     assert not knob_matters("agent-long", "burst")

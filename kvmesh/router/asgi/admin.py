@@ -86,7 +86,9 @@ async def _json_body(request: Request) -> Any:
         chunks.append(chunk)
     try:
         return msgspec.json.decode(b"".join(chunks))
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+    except msgspec.DecodeError as e:  # (its message says where: "Number out of range at byte 36")
+        raise _BadBody(f"body must be a JSON object: {e}") from None
+    except (UnicodeDecodeError, RecursionError):
         raise _BadBody("body must be a JSON object") from None
 
 
@@ -216,6 +218,8 @@ def _parse_thresholds(doc: Any, *, allow_empty: bool = False) -> dict[str, Any]:
         ):
             raise _BadBody(f"{key} must be a non-negative number or null", key)
         if key == "active_prefill_tokens_threshold" and value is not None:
+            if isinstance(value, float) and not value.is_integer():  # (as the flag refuses it)
+                raise _BadBody(f"{key} must be an integer or null", key)
             value = int(value)
         changes[key] = value
     try:  # the flags' own ranges, with messages naming the flag

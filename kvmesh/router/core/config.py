@@ -40,6 +40,11 @@ QUEUE_POLICIES: tuple[str, ...] = ("fcfs", "lcfs", "wspt")
 COST_MODELS: tuple[str, ...] = ("latency", "dynamo")
 PREFILL_LOAD_MODELS: tuple[str, ...] = ("none", "aic")
 ENV_PREFIX = "KVMESH_ROUTER_"
+MAX_PREFILL_LOAD_SCALE = 1e6
+"""The largest prefill weight taken (``--router-prefill-load-scale``, the deprecated overlap score
+weight, a request's ``kv_overlap_score_weight``). A million already makes any prefill outweigh
+every other term of either cost; far beyond it the latency cost's terms overflow to infinity and
+no worker can be told from another (a weight of 1e308 made every request a 500)."""
 
 
 @dataclass(frozen=True)
@@ -171,9 +176,24 @@ class RouterConfig:
         weight = raw.pop("overlap_score_weight", None)
         for field, value in raw.items():
             spec = _SPEC_BY_FIELD[field]
-            values[field] = spec.parse(value, spec.flag or field)
+            values[field] = spec.coerce(value, _spelled(spec, source))
         if weight is not None:
-            w = _WEIGHT.coerce(weight, _WEIGHT.name)
+            w = _WEIGHT.coerce(weight, _spelled(_WEIGHT, source))
+            # The deprecated weight sets the scale (and a weight of 0 the credit): given beside
+            # either in one source, one of the two would be dropped without a word.
+            scale = raw.get("prefill_load_scale")
+            if scale is not None and values["prefill_load_scale"] != w:
+                raise ConfigError(
+                    f"{_spelled(_WEIGHT, source)} {w:g} sets {_spelled(_SPEC_BY_FIELD['prefill_load_scale'], source)}, "
+                    f"given as {values['prefill_load_scale']:g}: give one of them"
+                )
+            credit = raw.get("overlap_score_credit")
+            if w == 0 and credit is not None and values["overlap_score_credit"] != 0:
+                raise ConfigError(
+                    f"{_spelled(_WEIGHT, source)} 0 means no overlap credit; it contradicts "
+                    f"{_spelled(_SPEC_BY_FIELD['overlap_score_credit'], source)} "
+                    f"{values['overlap_score_credit']:g}"
+                )
             values["prefill_load_scale"] = w
             if w == 0:
                 values["overlap_score_credit"] = 0.0
@@ -207,7 +227,25 @@ def _flag(
 
 
 # Deprecated: not a field of its own, it sets others (see the module docstring).
-_WEIGHT = Setting("overlap_score_weight", "--router-kv-overlap-score-weight", None, None, float, "", 0.0)
+_WEIGHT = Setting(
+    "overlap_score_weight",
+    "--router-kv-overlap-score-weight",
+    ENV_PREFIX + "KV_OVERLAP_SCORE_WEIGHT",
+    "kv_overlap_score_weight",
+    float,
+    "",
+    0.0,
+    MAX_PREFILL_LOAD_SCALE,
+)
+
+
+def _spelled(spec: Setting, source: str) -> str:
+    """How a setting is named in an error about a value from ``source``: the spelling it was given in."""
+    if source == "env" and spec.env is not None:
+        return spec.env
+    if source == "mapping" and spec.key is not None:
+        return f"[router] {spec.key}"
+    return spec.name
 
 
 def _dashed(value: str, name: str) -> str:
@@ -238,7 +276,9 @@ _FLAGS: tuple[Setting, ...] = (
         "--router-prefill-load-model",
         str,
         "none: a request's prefill tokens count in full until its first token; aic: the oldest "
-        "active prefill on each worker decays over its predicted prefill duration (Dynamo's meaning)",
+        "active prefill on each worker decays over its predicted prefill duration (Dynamo's meaning). "
+        "It sets the prefill tokens Dynamo's cost, the prefill busy thresholds and the queue see; "
+        "the latency cost always predicts the rest of the prefill step running on each worker",
         choices=PREFILL_LOAD_MODELS,
         metavar="MODEL",
     ),
@@ -257,6 +297,7 @@ _FLAGS: tuple[Setting, ...] = (
         "weight of prefill (blocks after credits; with the latency cost, predicted prefill time) "
         "against decode in the cost",
         0.0,
+        MAX_PREFILL_LOAD_SCALE,
     ),
     _flag(
         "host_cache_hit_weight",
@@ -339,7 +380,8 @@ _FLAGS: tuple[Setting, ...] = (
         "router_track_output_blocks",
         "--router-track-output-blocks",
         bool,
-        "add generated-token blocks to decode load, decayed by progress toward osl",
+        "add generated-token blocks to decode load for requests without agent_hints.osl (a request "
+        "with an osl counts its answer's blocks from dispatch either way, decayed by progress toward it)",
         aliases=("--track-output-blocks",),
     ),
     _flag(

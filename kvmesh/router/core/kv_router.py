@@ -611,13 +611,15 @@ class KvRouter:
                     start_ms = wait_ms
                 if wait_ms > 0.0 and joins.joined:  # (a call per candidate only once a join was seen)
                     ttft = cost.joining_ttft_ms(key, curve, ttft, wait_ms, prefill - active, now)
-                if scale != 1.0:
-                    ttft = weigh_prefill(timing, ttft, prefill, wait_ms, scale)
+                # the weight tilts the cost, not the prediction: the prediction is checked against
+                # the TTFT observed (metrics, the fit's error, the tail bound shared by every request)
+                weighted = weigh_prefill(timing, ttft, prefill, wait_ms, scale) if scale != 1.0 else ttft
                 memory_ms = 0.0
                 if decode > total:  # (it returns 0 below the limit; checked here, as the call is not free)
                     memory_ms = cost.memory_wait_ms(key, decode, total, now)
                     waited = waited or memory_ms > 0.0
                     ttft += memory_ms
+                    weighted += memory_ms
                 added = n_blocks - dev
                 # (it returns 0 where the blocks added fit; checked here, as the call is not free)
                 evict = (
@@ -658,7 +660,7 @@ class KvRouter:
                     else 0.0  # nothing in flight there and no conversation to come back: no arrivals
                 )
                 credit = copy_ms if copy_to is not None and key not in copy_to else 0.0
-                c = ttft + delay + evict + overlap - credit
+                c = weighted + delay + evict + overlap - credit
                 effect_variances.append(  # how sure the effect on others is (none without one)
                     cost.effect_variance(
                         delay,

@@ -29,11 +29,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+# Observed over predicted: 1 is right, and an under-prediction (above 1) counts as much as an over.
+_PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 # Routing overhead per phase: tens of microseconds is normal, milliseconds is a problem.
 _OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
-_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+_HIT_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 WorkerRow = tuple[str, int, float, float]
 """(worker id, dp rank, active decode blocks, active prefill tokens)"""
@@ -159,7 +160,7 @@ class Metrics:
         self.kv_hit_rate = Histogram(
             "kvmesh_kv_hit_rate",
             "Predicted fraction of the prompt's blocks already cached on the chosen worker",
-            buckets=_RATIO_BUCKETS,
+            buckets=_HIT_RATE_BUCKETS,
             registry=registry,
         )
         self.overhead = Histogram(
@@ -205,7 +206,7 @@ class Metrics:
             "kvmesh_ttft_prediction_ratio",
             "Observed over predicted time to first token per request (1 = the model is right)",
             ["worker"],
-            buckets=_RATIO_BUCKETS,
+            buckets=_PREDICTION_RATIO_BUCKETS,
             registry=registry,
         )
         self.failovers = Counter(

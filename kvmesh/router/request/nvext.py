@@ -6,7 +6,7 @@
      "extra_fields": ["worker_id", "timing"],
      "agent_hints": {"priority": int, "latency_sensitivity": float, "osl": int,
                      "speculative_prefill": bool, "kv_overlap_score_credit": float in [0, 1],
-                     "kv_overlap_score_weight": float >= 0 (older name, mapped as the reference maps it)},
+                     "kv_overlap_score_weight": float in [0, 1e6] (older name, mapped as the reference maps it)},
      "session_control": {"session_id": str, "action": "open" | "close" | "bind", "timeout": float},
      "cache_control": {"type": "ephemeral", "ttl": "600" | "5m" | "1h"},
      "greed_sampling": bool, "use_raw_prompt": bool, "annotations": ["token_ids" | "formatted_prompt"],
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvmesh.errors import NvextError
+from kvmesh.router.core.config import MAX_PREFILL_LOAD_SCALE
 
 WORKER_HEADER = "x-worker-instance-id"
 PREFILL_HEADER = "x-prefill-instance-id"
@@ -316,7 +317,11 @@ def _agent_hints(value: Any) -> AgentHints:
     if not isinstance(speculative, bool):
         raise NvextError(f"{f}speculative_prefill must be a boolean", field=f + "speculative_prefill")
     weight = value.get("kv_overlap_score_weight")
-    scale = None if weight is None else _number(weight, f + "kv_overlap_score_weight", lo=0.0)
+    scale = (
+        None
+        if weight is None
+        else _number(weight, f + "kv_overlap_score_weight", lo=0.0, hi=MAX_PREFILL_LOAD_SCALE)
+    )
     if scale == 0.0:
         if credit not in (None, 0, 0.0):
             raise NvextError(

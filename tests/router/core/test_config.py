@@ -53,6 +53,45 @@ def test_deprecated_overlap_score_weight_maps_to_prefill_load_scale() -> None:
     assert c.overlap_score_credit == 0.0
 
 
+def test_the_deprecated_weight_beside_what_it_sets_must_agree() -> None:
+    # given with the flag it sets, one of the two would be dropped without a word
+    with pytest.raises(
+        ConfigError, match="--router-kv-overlap-score-weight 2 sets --router-prefill-load-scale"
+    ):
+        parse("--router-kv-overlap-score-weight", "2", "--router-prefill-load-scale", "3")
+    with pytest.raises(ConfigError, match="contradicts --router-kv-overlap-score-credit 1"):
+        parse("--router-kv-overlap-score-weight", "0", "--router-kv-overlap-score-credit", "1")
+    assert (
+        parse("--router-kv-overlap-score-weight", "2", "--router-prefill-load-scale", "2").prefill_load_scale
+        == 2
+    )
+    with pytest.raises(
+        ConfigError, match="KVMESH_ROUTER_KV_OVERLAP_SCORE_WEIGHT 2 sets KVMESH_ROUTER_PREFILL_LOAD_SCALE"
+    ):
+        RouterConfig.from_env(
+            {"KVMESH_ROUTER_KV_OVERLAP_SCORE_WEIGHT": "2", "KVMESH_ROUTER_PREFILL_LOAD_SCALE": "3"}
+        )
+
+
+@pytest.mark.parametrize("flag", ["--router-prefill-load-scale", "--router-kv-overlap-score-weight"])
+def test_a_prefill_weight_past_what_the_cost_can_price_is_refused(flag: str) -> None:
+    # 1e308 made every latency-cost term infinite, and every request a 500
+    with pytest.raises(ConfigError, match=f"{flag} must be in \\[0, 1000000\\]"):
+        parse(flag, "1e308")
+    assert parse(flag, "1e6").prefill_load_scale == 1e6
+
+
+def test_a_bad_value_is_named_as_it_was_given() -> None:
+    with pytest.raises(ConfigError, match=r"^KVMESH_ROUTER_COST_MODEL must be one of"):
+        RouterConfig.from_env({"KVMESH_ROUTER_COST_MODEL": "foo"})
+    with pytest.raises(ConfigError, match=r"^KVMESH_ROUTER_TEMPERATURE must be >= 0"):
+        RouterConfig.from_env({"KVMESH_ROUTER_TEMPERATURE": "-1"})
+    with pytest.raises(ConfigError, match=r"^\[router\] router_temperature must be >= 0"):
+        RouterConfig.from_mapping({"temperature": -1})
+    with pytest.raises(ConfigError, match=r"^--router-temperature must be >= 0"):
+        parse("--router-temperature", "-1")
+
+
 def test_env_vars() -> None:
     c = RouterConfig.from_env(
         {
@@ -91,10 +130,10 @@ def test_validation_names_the_flag_and_range(kwargs: dict, message: str) -> None
         RouterConfig(**kwargs)
 
 
-def test_unparseable_values_name_the_flag() -> None:
-    with pytest.raises(ConfigError, match="--router-temperature must be a number, got 'hot'"):
+def test_unparseable_values_name_the_variable_they_came_from() -> None:
+    with pytest.raises(ConfigError, match="KVMESH_ROUTER_TEMPERATURE must be a number, got 'hot'"):
         RouterConfig.from_env({"KVMESH_ROUTER_TEMPERATURE": "hot"})
-    with pytest.raises(ConfigError, match="--router-kv-events must be true or false"):
+    with pytest.raises(ConfigError, match="KVMESH_ROUTER_KV_EVENTS must be true or false"):
         RouterConfig.from_env({"KVMESH_ROUTER_KV_EVENTS": "maybe"})
 
 

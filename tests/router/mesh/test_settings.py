@@ -125,7 +125,7 @@ priority_polarity = "lower_first"
         ),
         ("[[workers]]\nurl = 'http://h:1'\ncolour = 'red'", "unknown key 'colour'"),
         ("bogus = 1", "unknown setting 'bogus'"),
-        ("[router]\nrouter_temperature = -1", "--router-temperature"),
+        ("[router]\nrouter_temperature = -1", r"\[router\] router_temperature must be >= 0"),
         ("not toml [", "not valid TOML"),
     ],
 )

@@ -91,6 +91,7 @@ import importlib.util
 import json
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -460,7 +461,7 @@ def _fmt(values: Sequence[float | None], digits: int) -> str:
 
 
 def case_table(results: dict[str, list[dict[str, Any]]]) -> str:
-    headers = ["router", *(m[0] for m in METRICS), "requests per engine", "errors", "fidelity"]
+    headers = ["router", *(m[0] for m in METRICS), "requests per engine (last round)", "errors", "fidelity"]
     rows = []
     for name, runs in results.items():
         cells = [name]
@@ -480,7 +481,7 @@ BURST_METRICS = (
     ("siblings TTFT mean ms", lambda b: _ms(b["siblings_ttft_s"]["mean"])),
     # siblings that found under half their prompt cached (their context computed again, or their
     # step shared with the first one's): what a burst spread over engines pays in prefix hits
-    ("siblings under half cached", lambda b: _share(b["siblings_uncached"]["share"])),
+    ("siblings under half cached %", lambda b: _share(b["siblings_uncached"]["share"])),
     ("their TTFT p50 ms", lambda b: _ms(b["siblings_uncached"]["ttft_p50_s"])),
 )
 
@@ -535,7 +536,7 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
         "mean / best(sglang, dynamo)",
         "engine mean / best",
         "engine p50 / best",
-        "hits - best",
+        "hits - best(sglang, dynamo)",
         "p50 / round-robin",
         "floor / round-robin",
     ]
@@ -568,11 +569,16 @@ def verdicts(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
                 vals.append(mine / best if mine is not None and best != float("inf") else None)
             return _fmt(vals, 2)
 
-        routers = [n for n in per if n != FLOOR]  # the floor holds every history: no router's hits
-        hits = []
+        # against the baselines, as every other column (and the pooled table) is: held against a
+        # best that counted kvmesh itself, the column could never read above 0. (The floor holds
+        # every history, and is no router: no router's hits are held to it.)
+        hits: list[float | None] = []
         for i in range(rounds):
-            best = max(per[n][i]["prefix_hit_ratio"] or 0.0 for n in routers)
-            hits.append((me[i]["prefix_hit_ratio"] or 0.0) - best)
+            if not base:
+                hits.append(None)
+                continue
+            best_hits = max(per[n][i]["prefix_hit_ratio"] or 0.0 for n in base)
+            hits.append((me[i]["prefix_hit_ratio"] or 0.0) - best_hits)
         rr = ratio("p50", ["round-robin"]) if "round-robin" in per else "-"
         floor = "-"
         if FLOOR in per and "round-robin" in per:
@@ -686,7 +692,8 @@ def write_plot(
         ax_t.set_xticks([i + width for i in range(len(names))])
         ax_t.set_xticklabels(names, fontsize=8)
         ax_t.set_ylabel("ms")
-        ax_t.set_title(f"{case}: time to first token")
+        # a case named with its --set changes runs long: wrapped, it stays over its own panel
+        ax_t.set_title(textwrap.fill(f"{case}: time to first token", 60), fontsize=9)
         ax_t.legend(fontsize=7)
         hits = [statistics.median((r["prefix_hit_ratio"] or 0) * 100 for r in per[n]) for n in names]
         ax_h.bar(names, hits, color=[f"C{i}" for i in range(len(names))])
@@ -735,13 +742,14 @@ def _draw_how_sure(ax: Any, sure: dict[str, HowSure]) -> None:
     ax.axvline(1.0, color="0.4", linewidth=1)
     ax.set_yticks(range(len(cases)))
     ax.set_yticklabels(cases, fontsize=8)
+    ax.set_ylim(-0.5, len(cases) - 0.5)  # each case's three marks sit inside its own band, none on a spine
     ax.invert_yaxis()
     ax.set_xlabel(
         "kvmesh / best of sglang-router and Dynamo's cost (90% interval, paired bootstrap over sessions)"
     )
     ax.set_title("the verdicts, how sure (left of 1.00: faster)")
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the marks, not on them
 
 
 def tradeoff_points(per: dict[str, list[dict[str, Any]]]) -> list[tuple[str, float, float, float, float]]:
@@ -766,19 +774,16 @@ def _draw_tradeoff(ax: Any, per: dict[str, list[dict[str, Any]]]) -> None:
     ax.set_xlabel("prefix hits (%)")
     ax.set_ylabel("TTFT p50 (ms)")
     ax.set_title("p50 against hits (lower right is better)")
+    ax.margins(0.15)  # the points and their names off the axes' edges
     ax.grid(alpha=0.3)
 
 
 async def main_async(args: argparse.Namespace) -> int:
     chosen = cases(args.short)
-    if args.only:
+    if args.only:  # (names checked in main)
         wanted = set(args.only.split(","))
-        unknown = wanted - set(WORKLOADS)
-        if unknown:
-            print(f"unknown workload(s): {', '.join(sorted(unknown))}", file=sys.stderr)
-            return 2
         chosen = [c for c in chosen if c.workload in wanted]
-    if args.engines:
+    if args.engines is not None:
         chosen = [dataclasses.replace(c, engines=args.engines) for c in chosen]
         chosen = list(dict.fromkeys(chosen))
     if args.speedups:
@@ -844,7 +849,8 @@ async def main_async(args: argparse.Namespace) -> int:
                         out.writelines(json.dumps(row) + "\n" for row in rows)
         results[case.label] = per
         p = preset(case.workload)
-        size = "short: half the turns, one wave, half the cache" if case.short else f"x{case.engines / 4:g}"
+        cache = "" if case.num_blocks else ", half the cache"  # (--num-blocks sets the cache)
+        size = f"short: half the turns, one wave{cache}" if case.short else f"x{case.engines / 4:g}"
         note = f"the preset is {p.note}" if case.changes else p.note  # the label gives the changes
         print(f"\n### {case.label}: {note} ({size})\n")
         print(case_table(per))
@@ -949,15 +955,37 @@ def main() -> int:
         "session, turn, start, TTFT, prompt and cached tokens, the worker a kvmesh front chose and "
         "its index in the fleet)",
     )
-    parser.add_argument("--plot", default="routing-quality.png", help="PNG plot path ('' for none)")
+    parser.add_argument(
+        "--plot", default="routing-quality.png", help="PNG plot path ('' for none) [%(default)s]"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1 (got {args.rounds})")
+    if args.engines is not None and args.engines < 1:
+        parser.error(f"--engines must be at least 1 (got {args.engines})")
     if args.seed_per_round and args.rounds < 2:  # one round sends --seed's traffic either way
         parser.error(f"--seed-per-round: needs --rounds 2 or more (got {args.rounds})")
+    if args.only is not None:
+        names = [w.strip() for w in args.only.split(",")]
+        if not all(names):
+            parser.error(f"--workloads: an empty name in {args.only!r}; choose from {', '.join(WORKLOADS)}")
+        unknown = [w for w in names if w not in WORKLOADS]
+        if unknown:
+            parser.error(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+        args.only = ",".join(names)
+    knobs = dict(args.changes)
+    if "rate" in knobs and "concurrency" in knobs:  # (the load is a closed loop or an open one)
+        parser.error("--set rate and --set concurrency: a case's load is one or the other, not both")
     for flag, path in (("--json", args.json_path), ("--requests", args.requests_path), ("--plot", args.plot)):
         # refused before anything runs: a whole suite's numbers are not lost at its first write
-        parent = Path(path).resolve().parent if path else None
-        if parent is not None and not parent.is_dir():
+        if not path:
+            continue
+        target = Path(path)
+        if target.is_dir():
+            parser.error(f"{flag} {path}: is a directory; give a file path")
+        parent = target.resolve().parent
+        if not parent.is_dir():
             parser.error(f"{flag} {path}: directory {parent} does not exist")
     return asyncio.run(main_async(args))
 

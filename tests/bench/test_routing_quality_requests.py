@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_quality.py"
 
 
@@ -100,3 +102,38 @@ def test_a_seed_per_round_with_a_single_round_is_refused() -> None:
     assert done.returncode == 2, done.stdout[-500:]
     assert "--seed-per-round: needs --rounds 2 or more (got 1)" in done.stderr
     assert "machine:" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--rounds", "0"], "--rounds must be at least 1 (got 0)"),
+        (["--rounds", "-2"], "--rounds must be at least 1 (got -2)"),
+        (["--engines", "0"], "--engines must be at least 1 (got 0)"),
+        (["--engines", "-1"], "--engines must be at least 1 (got -1)"),
+        (["--workloads", "bogus"], "--workloads: unknown bogus; choose from agent-long"),
+        (["--workloads", "siblings,"], "--workloads: an empty name in 'siblings,'"),
+        (["--workloads", ""], "--workloads: an empty name in ''"),
+        (["--set", "rate=5", "--set", "concurrency=4"], "--set rate and --set concurrency"),
+    ],
+)
+def test_a_value_the_suite_cannot_run_is_refused_before_anything_runs(args: list[str], message: str) -> None:
+    # (each of these ran something else, silently, or failed with a traceback after the runs)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--plot", "", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-500:]
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-800:]
+    assert "machine:" not in done.stdout
+
+
+def test_an_output_path_that_is_a_directory_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    for flag in ("--json", "--requests", "--plot"):
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), "--workloads", "chat-fits", flag, str(tmp_path)],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, (flag, done.stdout[-500:])
+        assert f"{flag} {tmp_path}: is a directory" in done.stderr
+        assert "machine:" not in done.stdout

@@ -33,6 +33,7 @@ from kvmesh.bench import report
 from kvmesh.bench.fleet import child_env, stop_processes
 from kvmesh.bench.runner import LoadSpec, Progress, run_workload
 from kvmesh.bench.workloads import WorkloadSpec, build
+from kvmesh.commands.argtypes import non_negative_float, output_path, positive_float, positive_int
 
 
 def _free_ports(n: int) -> list[int]:
@@ -153,16 +154,25 @@ async def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", type=int, default=16, help="conversations [%(default)s]")
-    ap.add_argument("--turns", type=int, default=4, help="turns per conversation [%(default)s]")
-    ap.add_argument("--concurrency", type=int, default=12, help="requests in flight [%(default)s]")
+    ap.add_argument("--sessions", type=positive_int, default=16, help="conversations [%(default)s]")
+    ap.add_argument("--turns", type=positive_int, default=4, help="turns per conversation [%(default)s]")
+    ap.add_argument("--concurrency", type=positive_int, default=12, help="requests in flight [%(default)s]")
     ap.add_argument(
-        "--prefix-words", type=int, default=1500, help="shared system prompt, words [%(default)s]"
+        "--prefix-words", type=positive_int, default=1500, help="shared system prompt, words [%(default)s]"
     )
-    ap.add_argument("--max-tokens", type=int, default=96, help="output tokens per turn [%(default)s]")
-    ap.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per engine [%(default)s]")
-    ap.add_argument("--speedup", type=float, default=1.0, help="engine time divisor [%(default)s]")
-    ap.add_argument("--transfer-ms-per-block", type=float, default=0.1, help="[%(default)s]")
+    ap.add_argument(
+        "--max-tokens", type=positive_int, default=96, help="output tokens per turn [%(default)s]"
+    )
+    ap.add_argument(
+        "--num-blocks", type=positive_int, default=4096, help="KV blocks per engine [%(default)s]"
+    )
+    ap.add_argument("--speedup", type=positive_float, default=1.0, help="engine time divisor [%(default)s]")
+    ap.add_argument("--transfer-ms-per-block", type=non_negative_float, default=0.1, help="[%(default)s]")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plot", default=None, help="write a PNG of the comparison here ('' or unset: none)")
+    ap.add_argument(
+        "--plot",
+        type=output_path,
+        default=None,
+        help="write a PNG of the comparison here ('' or unset: none)",
+    )
     raise SystemExit(asyncio.run(main(ap.parse_args())))

@@ -59,6 +59,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, percentile, table
 
+from kvmesh.commands.argtypes import output_path, positive_float, positive_int, positive_ints
+
 BLOCK = 16
 PREFIX_BLOCKS = 64
 ROUTE_EXTRA_BLOCKS = 448
@@ -413,20 +415,28 @@ def _cpu_of(pid: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--short", action="store_true", help="4..256 engines, 2 s windows (~1-2 minutes)")
-    p.add_argument("--sizes", default="4,16,64,256,1000")
-    p.add_argument("--planes", default="zmq,nats")
-    p.add_argument("--window", type=float, default=4.0, help="seconds measured per run")
-    p.add_argument("--batches-per-s", type=float, default=40.0, help="per engine [40]")
-    p.add_argument("--blocks-per-batch", type=int, default=25, help="stored (and, when full, removed) [25]")
-    p.add_argument("--cache-blocks", type=int, default=2000, help="blocks an engine holds in the runs [2000]")
-    p.add_argument("--real-cache-blocks", type=int, default=30_000, help="for the memory extrapolation")
-    p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--plot", type=Path, help="write a PNG here (matplotlib)")
+    p.add_argument("--sizes", type=positive_ints, default="4,16,64,256,1000", help="engines per run")
+    p.add_argument("--planes", default="zmq,nats", help="event planes measured: zmq, nats or both")
+    p.add_argument("--window", type=positive_float, default=4.0, help="seconds measured per run")
+    p.add_argument("--batches-per-s", type=positive_float, default=40.0, help="per engine [40]")
+    p.add_argument(
+        "--blocks-per-batch", type=positive_int, default=25, help="stored (and, when full, removed) [25]"
+    )
+    p.add_argument(
+        "--cache-blocks", type=positive_int, default=2000, help="blocks an engine holds in the runs [2000]"
+    )
+    p.add_argument(
+        "--real-cache-blocks", type=positive_int, default=30_000, help="for the memory extrapolation"
+    )
+    p.add_argument("--json", type=output_path, help="write the results here")
+    p.add_argument("--plot", type=output_path, help="write a PNG here (matplotlib)")
     args = p.parse_args()
+    planes = [x.strip() for x in args.planes.split(",")]
+    if not set(planes) <= {"zmq", "nats"}:
+        p.error(f"--planes must be zmq, nats or both, comma-separated, got {args.planes!r}")
     if args.short:
-        args.sizes, args.window = "4,16,64,256", 2.0
-    sizes = [int(x) for x in args.sizes.split(",")]
-    planes = args.planes.split(",")
+        args.sizes, args.window = [4, 16, 64, 256], 2.0
+    sizes = args.sizes
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     import zmq
@@ -499,9 +509,9 @@ def main() -> None:
         "nats_server_cores": nats_cpu,
     }
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
-        plot(runs, args.plot, args.batches_per_s)
+        plot(runs, Path(args.plot), args.batches_per_s)
 
 
 def plot(runs: list[Run], path: Path, rate: float) -> None:

@@ -182,6 +182,12 @@ async def main_async(args: argparse.Namespace) -> int:
                 [["arrival to decision", *(f"{phases.get(p, float('nan')):.0f}" for p in PHASES)]],
             )
         )
+        # why total can be below tokenize (kvmesh.router.request.parse's DeferredPrompt)
+        print(
+            "(a prompt no engine holds is routed on its first block, before it is tokenized, and is "
+            "tokenized and hashed after it is sent: the tokenize and hashing columns count that "
+            "time, total, arrival to decision, does not, so it can be the smaller)"
+        )
     return 0
 
 

@@ -15,17 +15,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, median, percentile, table, time_calls
 
+from kvmesh.commands.argtypes import positive_int
 from kvmesh.hashing import block_hashes, sequence_hashes
+
+ROUNDS = 10
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=32768, help="prompt length in tokens")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--repeat", type=int, default=2000, help="timed calls per implementation")
+    parser.add_argument("--tokens", type=positive_int, default=32768, help="prompt length in tokens")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    parser.add_argument("--repeat", type=positive_int, default=2000, help="timed calls per implementation")
     args = parser.parse_args()
+    if args.tokens < args.block_size:  # no full block: nothing would be hashed
+        parser.error(f"--tokens must be at least --block-size ({args.block_size}), got {args.tokens}")
+    if args.repeat < ROUNDS:
+        parser.error(
+            f"--repeat must be at least {ROUNDS} (one call in each of {ROUNDS} rounds), got {args.repeat}"
+        )
 
     tokens = [(7 * i + 11) % 151_000 for i in range(args.tokens)]
     candidates = {"kvmesh block_hashes": lambda: block_hashes(tokens, args.block_size)}
@@ -45,10 +54,9 @@ def main() -> int:
 
     # Interleave the implementations in rounds so that machine noise hits both alike.
     results: dict[str, list[float]] = {name: [] for name in candidates}
-    rounds = 10
-    for _ in range(rounds):
+    for _ in range(ROUNDS):
         for name, fn in candidates.items():
-            results[name] += time_calls(fn, repeat=args.repeat // rounds, warmup=5)
+            results[name] += time_calls(fn, repeat=args.repeat // ROUNDS, warmup=5)
 
     baseline = median(results.get("dynamo compute_block_hash_for_seq", [float("nan")]))
     rows = []

@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
 
 from kvmesh.bench.fleet import stop_processes
+from kvmesh.commands.argtypes import non_negative_int, positive_int, positive_ints
+from kvmesh.errors import ConfigError
 from kvmesh.mock.block_pool import BlockPool
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import GenerationParams, MockEngine
@@ -258,15 +260,23 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--speedup", type=float, default=10.0)
-    parser.add_argument("--concurrency", default="16,64", help="comma-separated client counts")
-    parser.add_argument("--osl", type=int, default=32, help="output tokens per request")
     parser.add_argument(
-        "--requests", type=int, default=0, help="requests per run [8 x concurrency, at least 200]"
+        "--concurrency", type=positive_ints, default="16,64", help="comma-separated client counts"
+    )
+    parser.add_argument("--osl", type=positive_int, default=32, help="output tokens per request")
+    parser.add_argument(
+        "--requests",
+        type=non_negative_int,
+        default=0,
+        help="requests per run [0: 8 x concurrency, at least 200]",
     )
     parser.add_argument("--skip-http", action="store_true", help="only the in-process rows")
     args = parser.parse_args()
 
-    cfg = MockConfig(speedup=args.speedup).validate()
+    try:
+        cfg = MockConfig(speedup=args.speedup).validate()
+    except ConfigError as exc:  # it names the flag (--speedup)
+        parser.error(str(exc))
     tok = BuiltinTokenizer()
     print(f"machine: {machine()}")
     print(
@@ -285,7 +295,7 @@ def main() -> int:
         "notes",
     ]
     rows = []
-    for conc in (int(c) for c in args.concurrency.split(",")):
+    for conc in args.concurrency:
         n = args.requests or max(200, 8 * conc)
         conversations = workload(n)
         prompts = [tok.apply_chat_template(c) for c in conversations]

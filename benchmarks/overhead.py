@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, percentile, table
 
 from kvmesh.bench.fleet import child_env, process_cpu_seconds, stop_processes
+from kvmesh.commands.argtypes import positive_int
 
 BODY = b'{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"Say hello to the benchmark, briefly please."}]}'
 ANSWER = (
@@ -197,15 +198,25 @@ BASELINE = {
 }
 
 
+CONCURRENCIES = (1, 32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--requests", type=int, default=2000, help="timed requests per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every measurement")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=3, help="interleaved repetitions of every measurement"
+    )
     parser.add_argument("--serve", choices=("upstream", "embedded"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.requests < max(CONCURRENCIES):  # each client sends its share: at least one request
+        parser.error(
+            f"--requests must be at least {max(CONCURRENCIES)} (one per client at concurrency "
+            f"{max(CONCURRENCIES)}), got {args.requests}"
+        )
     if args.serve:
         _serve(args.serve, args.port)
         return
@@ -219,7 +230,7 @@ def main() -> None:
 
     def run(paths: list[tuple[str, Endpoint]]) -> None:
         for _ in range(args.rounds):
-            for concurrency in (1, 32):
+            for concurrency in CONCURRENCIES:
                 for name, target in paths:
                     sample = asyncio.run(_measure(target, args.requests, concurrency))
                     samples.setdefault((name, concurrency), []).append(sample)

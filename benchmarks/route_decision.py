@@ -109,6 +109,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--model",
+        choices=("default", "dynamo", "latency"),
         default="default",
         help="--router-cost-model to time: dynamo, latency, or default (the revision's own default)",
     )
@@ -120,8 +121,16 @@ def main() -> int:
         "--query-blocks", type=int, default=2048, help="blocks of the routed request (default 2048)"
     )
     args = ap.parse_args()
-    if args.samples < 1:
-        ap.error("--samples must be at least 1")
+    # the set-up needs the 100 shared prefixes' prompts and whole prefixes in every prompt and query
+    for flag, value, least in (
+        ("--samples", args.samples, 1),
+        ("--block-size", args.block_size, 1),
+        ("--sequences", args.sequences, PREFIXES),
+        ("--blocks", args.blocks, PREFIX_BLOCKS),
+        ("--query-blocks", args.query_blocks, args.blocks),
+    ):
+        if value < least:
+            ap.error(f"{flag} must be at least {least}, got {value}")
     import kvmesh
 
     model = None if args.model == "default" else args.model

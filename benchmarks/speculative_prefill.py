@@ -37,6 +37,7 @@ from _harness import machine, percentile, table
 
 from kvmesh.bench.fleet import kvmesh_router, start_fleet
 from kvmesh.bench.session import words
+from kvmesh.commands.argtypes import non_negative_float, positive_int
 
 ENGINE_ARGS = (
     "--speedup",
@@ -177,14 +178,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--system-words", type=int, default=300)
-    parser.add_argument("--user-words", type=int, default=40)
-    parser.add_argument("--answer-tokens", type=int, default=120)
-    parser.add_argument("--think", type=float, default=1.0, help="mean pause between turns, seconds")
-    return asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--engines", type=positive_int, default=2)
+    parser.add_argument("--conversations", type=positive_int, default=8)
+    parser.add_argument("--turns", type=positive_int, default=5)
+    parser.add_argument("--system-words", type=positive_int, default=300)
+    parser.add_argument("--user-words", type=positive_int, default=40)
+    parser.add_argument("--answer-tokens", type=positive_int, default=120)
+    parser.add_argument(
+        "--think", type=non_negative_float, default=1.0, help="mean pause between turns, seconds"
+    )
+    args = parser.parse_args()
+    if args.turns < 2:  # the first turn of a conversation has nothing to warm it: only the next are measured
+        parser.error(f"--turns must be at least 2 (the first turn is not measured), got {args.turns}")
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import zmq.asyncio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, median, table, time_calls
 
+from kvmesh.commands.argtypes import non_negative_float, positive_int
 from kvmesh.events.publisher import BatchPublisher
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
@@ -111,6 +112,9 @@ def decode_candidates() -> dict[str, Callable[[bytes], object]]:
     return candidates
 
 
+DECODE_ROUNDS = 10
+
+
 def bench_decode(repeat: int) -> str:
     rows = []
     candidates = decode_candidates()
@@ -118,9 +122,11 @@ def bench_decode(repeat: int) -> str:
         payload = encode_batch(batch)
         blocks = blocks_in(batch)
         results: dict[str, list[float]] = {name: [] for name in candidates}
-        for _ in range(10):  # interleaved rounds: machine noise hits every candidate alike
+        for _ in range(DECODE_ROUNDS):  # interleaved rounds: machine noise hits every candidate alike
             for name, fn in candidates.items():
-                results[name] += time_calls(lambda fn=fn, p=payload: fn(p), repeat=repeat // 10, warmup=5)
+                results[name] += time_calls(
+                    lambda fn=fn, p=payload: fn(p), repeat=repeat // DECODE_ROUNDS, warmup=5
+                )
         baseline = median(results["baseline: untyped decode + dict walk"])
         for name, samples in results.items():
             t = median(samples)
@@ -311,13 +317,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeat", type=int, default=3000, help="timed decodes per decoder and payload")
-    parser.add_argument("--e2e-batches", type=int, default=20000, help="batches sent in the end-to-end runs")
-    parser.add_argument("--paced-batches", type=int, default=3000, help="batches sent in the paced runs")
     parser.add_argument(
-        "--paced-gap-ms", type=float, default=0.7, help="gap between two batches in the paced runs (ms)"
+        "--repeat", type=positive_int, default=3000, help="timed decodes per decoder and payload"
+    )
+    parser.add_argument(
+        "--e2e-batches", type=positive_int, default=20000, help="batches sent in the end-to-end runs"
+    )
+    parser.add_argument(
+        "--paced-batches", type=positive_int, default=3000, help="batches sent in the paced runs"
+    )
+    parser.add_argument(
+        "--paced-gap-ms",
+        type=non_negative_float,
+        default=0.7,
+        help="gap between two batches in the paced runs (ms)",
     )
     args = parser.parse_args()
+    if args.repeat < DECODE_ROUNDS:
+        parser.error(
+            f"--repeat must be at least {DECODE_ROUNDS} (one decode in each of {DECODE_ROUNDS} rounds), "
+            f"got {args.repeat}"
+        )
     print(f"machine: {machine()}\n")
     print(bench_decode(args.repeat))
     print()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from kvmesh.cli import COMMANDS
 
@@ -45,3 +48,33 @@ def test_missing_subcommand_is_a_usage_error() -> None:
     result = _kvmesh()
     assert result.returncode == 2
     assert "COMMAND" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--engines", "0"], "argument --engines: must be at least 1, got 0"),
+        (["--engines", "-1"], "argument --engines: must be at least 1, got -1"),
+        (["--speedup", "0"], "argument --speedup: must be greater than 0, got 0"),
+        (["--num-blocks", "0"], "argument --num-blocks: must be at least 1, got 0"),
+        (["--block-size", "0"], "argument --block-size: must be at least 1, got 0"),
+        (["--sessions", "0"], "argument --sessions: must be at least 1, got 0"),
+        (["--turns", "0"], "argument --turns: must be at least 1, got 0"),
+        (["--max-tokens", "-3"], "argument --max-tokens: must be at least 1, got -3"),
+        (["--concurrency", "0"], "argument --concurrency: must be at least 1, got 0"),
+        (["--plot", "/nonexistent-kvmesh-dir/x.png"], "argument --plot: directory /nonexistent-kvmesh-dir"),
+        (["--json", "/nonexistent-kvmesh-dir/x.json"], "argument --json: directory /nonexistent-kvmesh-dir"),
+    ],
+)
+def test_demo_refuses_a_bad_value_before_starting_any_engine(flags: list[str], message: str) -> None:
+    result = _kvmesh("demo", "--in-process", "--no-progress", *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and "starting" not in result.stderr
+
+
+def test_demo_refuses_a_directory_as_its_plot_or_json_file(tmp_path: Path) -> None:
+    for flag in ("--plot", "--json"):
+        result = _kvmesh("demo", "--in-process", "--no-progress", flag, str(tmp_path))
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert f"argument {flag}: {tmp_path} is a directory, not a file" in result.stderr

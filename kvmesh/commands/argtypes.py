@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 
 def non_negative_int(text: str) -> int:
@@ -42,3 +43,27 @@ def share(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated integers of at least 1, such as ``16,64``."""
+    try:
+        values = [int(item) for item in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers of at least 1, got {text!r}")
+    return values
+
+
+def output_path(text: str) -> str:
+    """A file the command writes when it is done ('' for none): its directory must exist and it
+    must not be a directory itself, checked before the run rather than after it."""
+    if text:
+        path = Path(text)
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+        parent = path.resolve().parent
+        if not parent.is_dir():
+            raise argparse.ArgumentTypeError(f"directory {parent} does not exist")
+    return text

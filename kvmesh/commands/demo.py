@@ -27,19 +27,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvmesh.commands.argtypes import output_path, positive_float, positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engines", type=int, default=4, help="simulated engines in the mesh [4]")
-    parser.add_argument("--sessions", type=int, default=24, help="agent conversations per run [24]")
-    parser.add_argument("--turns", type=int, default=10, help="turns per conversation [10]")
-    parser.add_argument("--concurrency", type=int, default=16, help="conversations in flight [16]")
-    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per turn [32]")
-    parser.add_argument("--speedup", type=float, default=1.0, help="simulated engine speed-up ratio [1]")
-    parser.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per simulated engine [2048]")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block [16]")
-    parser.add_argument("--plot", default="kvmesh-demo.png", help="where to write the comparison plot")
+    parser.add_argument("--engines", type=positive_int, default=4, help="simulated engines in the mesh [4]")
+    parser.add_argument("--sessions", type=positive_int, default=24, help="agent conversations per run [24]")
+    parser.add_argument("--turns", type=positive_int, default=10, help="turns per conversation [10]")
+    parser.add_argument("--concurrency", type=positive_int, default=16, help="conversations in flight [16]")
+    parser.add_argument("--max-tokens", type=positive_int, default=32, help="output tokens per turn [32]")
     parser.add_argument(
-        "--json", dest="json_path", default=None, help="also write every request as JSON here"
+        "--speedup", type=positive_float, default=1.0, help="simulated engine speed-up ratio [1]"
+    )
+    parser.add_argument(
+        "--num-blocks", type=positive_int, default=2048, help="KV blocks per simulated engine [2048]"
+    )
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block [16]")
+    parser.add_argument(
+        "--plot", type=output_path, default="kvmesh-demo.png", help="where to write the comparison plot"
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        type=output_path,
+        default=None,
+        help="also write every request as JSON here",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload seed (both runs send the same prompts)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -308,6 +320,9 @@ async def _run_demo(args: argparse.Namespace) -> int:
         f"{args.engines} simulated engines each embedding KvMeshMiddleware"
     )
     print(report.format_table(summaries))
+    for summary in summaries:  # what failed, not only how many (as `kvmesh bench` says it)
+        for kind, n in summary["error_kinds"].items():
+            print(f"kvmesh demo: {summary['name']}: {n} request(s) failed: {kind}", file=sys.stderr)
     kv, dyn, rr = summaries
     for other, label in ((rr, "round-robin"), (dyn, "Dynamo's cost")):
         line = comparison_line(kv, other, label)

@@ -34,6 +34,8 @@ def test_each_kvmesh_front_is_timed_against_the_engine_alone_and_its_phases_show
     # kv mode tokenized and routed every request it served (the warm-up turn's and the round's)
     phases = rows["arrival to decision"]
     assert all(float(us) > 0 for us in phases)
+    # its total (arrival to decision) leaves out a cold prompt tokenized after it is sent: said so
+    assert "tokenized and hashed after it is sent" in done.stdout
 
 
 def test_a_round_count_below_one_is_refused() -> None:

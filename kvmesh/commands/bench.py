@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvmesh.commands.argtypes import non_negative_float, positive_float, positive_int, share
+from kvmesh.commands.argtypes import non_negative_float, output_path, positive_float, positive_int, share
 
 WORKLOAD_KNOBS: dict[str, Callable[[str], int | float]] = {
     "sessions": positive_int,
@@ -129,9 +129,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-nvext", action="store_true", help="do not ask for nvext.worker_id (plain servers)"
     )
     parser.add_argument(
-        "--json", dest="json_path", default=None, help="write every request and the summary here"
+        "--json",
+        dest="json_path",
+        type=output_path,
+        default=None,
+        help="write every request and the summary here (checked before the run)",
     )
-    parser.add_argument("--plot", default=None, help="write a PNG plot here")
+    parser.add_argument(
+        "--plot", type=output_path, default=None, help="write a PNG plot here (checked before the run)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 

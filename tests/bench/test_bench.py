@@ -189,6 +189,9 @@ def test_bench_refuses_a_flag_that_would_change_nothing(flags: list[str], messag
         (["--rate", "inf"], "argument --rate: must be finite, got inf"),
         (["--workload", "chat-fits", "--think-time", "-1"], "argument --think-time: must be a finite number"),
         (["--ramp", "inf"], "argument --ramp: must be a finite number"),
+        # an output it could not write is refused before the run, not after it
+        (["--json", "/no/such/dir/out.json"], "argument --json: directory /no/such/dir does not exist"),
+        (["--plot", "/"], "argument --plot: / is a directory, not a file"),
     ],
 )
 def test_bench_refuses_a_value_out_of_range(flags: list[str], message: str) -> None:

@@ -116,7 +116,7 @@ from kvmesh.bench.fleet import (
 from kvmesh.bench.paired import Interval, PairedRequest, paired_verdicts
 from kvmesh.bench.runner import LoadSpec, Progress, RunResult, run_workload
 from kvmesh.bench.workloads import Preset, build, ignored_load_knobs, knob_matters, preset
-from kvmesh.commands.argtypes import positive_float, positive_int
+from kvmesh.commands.argtypes import output_path, positive_float, positive_int
 from kvmesh.commands.bench import LOAD_KNOBS as LOAD_KNOB_TYPES
 from kvmesh.commands.bench import WORKLOAD_KNOBS
 from kvmesh.router.core.config import RouterConfig
@@ -896,12 +896,14 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--short", action="store_true", help="half-size cases, for CI time")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds per case (ranges are over rounds)")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=1, help="rounds per case (ranges are over rounds)"
+    )
     parser.add_argument(
         "--workloads", "--only", dest="only", default=None, help="comma-separated workloads to run"
     )
     parser.add_argument(
-        "--engines", type=int, default=None, help="run every chosen case on this many engines"
+        "--engines", type=positive_int, default=None, help="run every chosen case on this many engines"
     )
     parser.add_argument(
         "--contenders",
@@ -945,10 +947,14 @@ def main() -> int:
         help="a mixed fleet: engine i runs at --speedup S[i mod n] (0.5 = twice as slow), e.g. 1,0.5 "
         "(default: every engine at 1)",
     )
-    parser.add_argument("--json", dest="json_path", default=None, help="write every summary here")
+    # (outputs are checked before anything runs: a whole suite's numbers are not lost at its first write)
+    parser.add_argument(
+        "--json", dest="json_path", type=output_path, default=None, help="write every summary here"
+    )
     parser.add_argument(
         "--requests",
         dest="requests_path",
+        type=output_path,
         default=None,
         metavar="PATH",
         help="write every request's result here, one JSON object a line (case, router, round, "
@@ -956,14 +962,13 @@ def main() -> int:
         "its index in the fleet)",
     )
     parser.add_argument(
-        "--plot", default="routing-quality.png", help="PNG plot path ('' for none) [%(default)s]"
+        "--plot",
+        type=output_path,
+        default="routing-quality.png",
+        help="PNG plot path ('' for none) [%(default)s]",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1 (got {args.rounds})")
-    if args.engines is not None and args.engines < 1:
-        parser.error(f"--engines must be at least 1 (got {args.engines})")
     if args.seed_per_round and args.rounds < 2:  # one round sends --seed's traffic either way
         parser.error(f"--seed-per-round: needs --rounds 2 or more (got {args.rounds})")
     if args.only is not None:
@@ -977,16 +982,6 @@ def main() -> int:
     knobs = dict(args.changes)
     if "rate" in knobs and "concurrency" in knobs:  # (the load is a closed loop or an open one)
         parser.error("--set rate and --set concurrency: a case's load is one or the other, not both")
-    for flag, path in (("--json", args.json_path), ("--requests", args.requests_path), ("--plot", args.plot)):
-        # refused before anything runs: a whole suite's numbers are not lost at its first write
-        if not path:
-            continue
-        target = Path(path)
-        if target.is_dir():
-            parser.error(f"{flag} {path}: is a directory; give a file path")
-        parent = target.resolve().parent
-        if not parent.is_dir():
-            parser.error(f"{flag} {path}: directory {parent} does not exist")
     return asyncio.run(main_async(args))
 
 

@@ -89,7 +89,7 @@ def test_an_output_in_a_directory_that_does_not_exist_is_refused_before_anything
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert done.returncode == 2, (flag, done.stdout[-500:])
-        assert f"{flag} {missing / name}: directory {missing} does not exist" in done.stderr
+        assert f"argument {flag}: directory {missing} does not exist" in done.stderr
         assert "machine:" not in done.stdout  # no fleet was started
     assert not missing.exists()
 
@@ -107,10 +107,10 @@ def test_a_seed_per_round_with_a_single_round_is_refused() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--rounds", "0"], "--rounds must be at least 1 (got 0)"),
-        (["--rounds", "-2"], "--rounds must be at least 1 (got -2)"),
-        (["--engines", "0"], "--engines must be at least 1 (got 0)"),
-        (["--engines", "-1"], "--engines must be at least 1 (got -1)"),
+        (["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+        (["--rounds", "-2"], "argument --rounds: must be at least 1, got -2"),
+        (["--engines", "0"], "argument --engines: must be at least 1, got 0"),
+        (["--engines", "-1"], "argument --engines: must be at least 1, got -1"),
         (["--workloads", "bogus"], "--workloads: unknown bogus; choose from agent-long"),
         (["--workloads", "siblings,"], "--workloads: an empty name in 'siblings,'"),
         (["--workloads", ""], "--workloads: an empty name in ''"),
@@ -135,5 +135,5 @@ def test_an_output_path_that_is_a_directory_is_refused_before_anything_runs(tmp_
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert done.returncode == 2, (flag, done.stdout[-500:])
-        assert f"{flag} {tmp_path}: is a directory" in done.stderr
+        assert f"argument {flag}: {tmp_path} is a directory, not a file" in done.stderr
         assert "machine:" not in done.stdout

@@ -54,8 +54,12 @@ alone when the engine is idle, and the siblings that reach it after that step st
 and run one of their own; spreading them over engines that hold copies avoids that second step
 and pays for the copies in prefix hits. The table shows that price too: the share of siblings
 that found under half their prompt cached where they ran, read from the engines' usage (so for
-every router, whether or not its front names the engine), and their TTFT p50. The ``floor`` (one
-session at a time on one idle engine) shows what keeping every burst whole costs at best.
+every router, whether or not its front names the engine), and their TTFT p50. From the engines'
+own request logs it shows how far behind the first of its burst a sibling reached its engine
+(p50), and the share of siblings that ran in the first's step on its engine: an idle engine
+starts that step within a millisecond, so this is where a front's time per request decides
+whether a burst shares one step (``kvmesh/bench/arrivals.py``). The ``floor`` (one session at a
+time on one idle engine) shows what keeping every burst whole costs at best.
 After the verdicts (each round's ratio of the default router to the better baseline, and their
 median over the rounds), a second table says how sure they are: the same ratios over all rounds'
 requests pooled, each with a 90% interval from a paired bootstrap over sessions (every router of a
@@ -102,6 +106,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
 
 from kvmesh.bench import report
+from kvmesh.bench.arrivals import burst_arrivals
 from kvmesh.bench.fleet import (
     FrontCommand,
     engine_requests,
@@ -389,10 +394,13 @@ async def run_one(
         cpu1 = front_cpu_seconds(fleet)
         stats = await engine_stats(fleet.engine_urls)
         phases = await front_routing_phases(fleet.front_url)
-        engine_p50_s = engine_ttft_p50(engine_requests(fleet))
+        engine_log = engine_requests(fleet)
+        engine_p50_s = engine_ttft_p50(engine_log)
     if rows is not None:
         rows.extend(request_rows(case, contender.name, rnd, seed, run, fleet.engine_urls))
     summary = report.summarize(run)
+    if summary.get("bursts"):
+        summary["bursts"]["arrivals"] = burst_arrivals(run, engine_log)
     summary["seed"] = seed
     summary["front_routing_mean_s"] = phases.get("total")
     summary["front_routing_phases_s"] = phases
@@ -483,7 +491,24 @@ BURST_METRICS = (
     # step shared with the first one's): what a burst spread over engines pays in prefix hits
     ("siblings under half cached %", lambda b: _share(b["siblings_uncached"]["share"])),
     ("their TTFT p50 ms", lambda b: _ms(b["siblings_uncached"]["ttft_p50_s"])),
+    # from the engines' request logs: how far behind the burst's first its siblings reached their
+    # engines, and how many ran in its step there (an idle engine starts it within a millisecond)
+    (
+        "siblings at the engine after the first p50 ms",
+        lambda b: _arrivals(b, "siblings_after_first_ms", "p50"),
+    ),
+    ("siblings in the first's step %", lambda b: _share(_arrivals(b, "joined_share"))),
 )
+
+
+def _arrivals(bursts: dict[str, Any], key: str, q: str | None = None) -> float | None:
+    """One reading of :func:`~kvmesh.bench.arrivals.burst_arrivals` (None where the engines kept
+    no logs, or in a summary written before it was measured)."""
+    arrivals = bursts.get("arrivals")
+    if not arrivals:
+        return None
+    value = arrivals[key]
+    return value[q] if q is not None else value
 
 
 def _share(x: float | None) -> float | None:

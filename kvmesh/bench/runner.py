@@ -62,6 +62,10 @@ class RunResult:
     results: list[RequestResult]
     duration: float
     sessions: int
+    monotonic_start: float = 0.0
+    """``time.monotonic()`` as the run started (read with the clock of ``RequestResult.start``):
+    a request was sent at this plus its ``start`` on the clock the engines log their arrivals by
+    (``kvmesh mock --request-log``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +247,7 @@ async def run_workload(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         model = load.model or await discover_model(http, load.urls[0])
         t0 = time.perf_counter()
+        monotonic0 = time.monotonic()
         rng = random.Random(load.seed)
 
         async def run_session(index: int, session: Session) -> None:
@@ -294,7 +299,7 @@ async def run_workload(
         duration = time.perf_counter() - t0
     if progress is not None:
         progress.close()
-    return RunResult(name, results, duration, len(sessions))
+    return RunResult(name, results, duration, len(sessions), monotonic0)
 
 
 def _finish_body(body: dict[str, Any], model: str, ask_worker_id: bool) -> dict[str, Any]:

@@ -119,6 +119,13 @@ def test_a_case_of_bursts_reports_each_burst_s_first_request_and_its_siblings_ap
         assert per[name][0]["bursts"]["siblings_uncached"]["share"] == pytest.approx(share)
         row = next(line for line in lines if line.split("|")[1].strip() == name).split("|")[1:-1]
         assert row[column].strip() == f"{100 * share:.1f}"
+        # where the siblings reached their engines, from the engines' own logs: every burst found
+        arrivals = per[name][0]["bursts"]["arrivals"]
+        assert arrivals["bursts"] == per[name][0]["bursts"]["count"]
+        gap = arrivals["siblings_after_first_ms"]["p50"]
+        assert 0.0 <= gap < 1000.0 and 0.0 <= arrivals["joined_share"] <= 1.0
+        gap_column = header.index("siblings at the engine after the first p50 ms")
+        assert row[gap_column].strip() == f"{gap:.1f}"
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

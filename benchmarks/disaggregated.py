@@ -30,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from kvmesh.bench import report
-from kvmesh.bench.fleet import child_env, stop_processes
+from kvmesh.bench.fleet import child_env, spawn_child, stop_processes
 from kvmesh.bench.runner import LoadSpec, Progress, run_workload
 from kvmesh.bench.workloads import WorkloadSpec, build
 from kvmesh.commands.argtypes import non_negative_float, output_path, positive_float, positive_int
@@ -81,7 +81,7 @@ async def fleet(roles: list[str], mock_args: list[str]) -> AsyncIterator[str]:
                 "--kv-replay-endpoint", f"tcp://127.0.0.1:{ports[2 * n + i]}", *mock_args,
             ]  # fmt: skip
             procs.append(
-                subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                spawn_child(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             )
         await _wait_up(urls, procs)
         decode = [u for u, r in zip(urls, roles, strict=True) if r != "prefill"]
@@ -100,7 +100,7 @@ async def fleet(roles: list[str], mock_args: list[str]) -> AsyncIterator[str]:
         if prefill:
             cmd += ["--prefill-workers", ",".join(prefill)]
         env = child_env({"KVMESH_TOKENIZER": "builtin"})
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(spawn_child(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         await _wait_up([router_url], procs)
         await asyncio.sleep(1.0)  # every worker discovered and its event stream followed
         yield router_url

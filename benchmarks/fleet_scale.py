@@ -59,6 +59,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, percentile, table
 
+from kvmesh.bench.fleet import spawn_child
 from kvmesh.commands.argtypes import output_path, positive_float, positive_int, positive_ints
 
 BLOCK = 16
@@ -389,7 +390,7 @@ def nats_server() -> Any:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-nats-") as store:
-        proc = subprocess.Popen(
+        proc = spawn_child(
             [path, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

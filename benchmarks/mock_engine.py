@@ -37,7 +37,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
 
-from kvmesh.bench.fleet import stop_processes
+from kvmesh.bench.fleet import spawn_child, stop_processes
 from kvmesh.commands.argtypes import non_negative_int, positive_int, positive_ints
 from kvmesh.errors import ConfigError
 from kvmesh.mock.block_pool import BlockPool
@@ -190,7 +190,7 @@ def mock_process(cfg: MockConfig):  # type: ignore[no-untyped-def]
         "--kv-replay-endpoint",
         "tcp://127.0.0.1:0",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = spawn_child(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
         while True:

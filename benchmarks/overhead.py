@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, percentile, table
 
-from kvmesh.bench.fleet import child_env, process_cpu_seconds, stop_processes
+from kvmesh.bench.fleet import child_env, process_cpu_seconds, spawn_child, stop_processes
 from kvmesh.commands.argtypes import positive_int
 
 BODY = b'{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"Say hello to the benchmark, briefly please."}]}'
@@ -100,7 +100,7 @@ class Endpoint:
 @contextlib.contextmanager
 def _process(args: list[str], port: int) -> Iterator[Endpoint]:
     env = child_env({"PYTHONUNBUFFERED": "1"})
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = spawn_child(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
         deadline = time.monotonic() + 20
         while True:

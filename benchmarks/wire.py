@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import subprocess
 import sys
 import threading
 import time
@@ -39,6 +38,7 @@ import zmq.asyncio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, median, table, time_calls
 
+from kvmesh.bench.fleet import spawn_child
 from kvmesh.commands.argtypes import non_negative_float, positive_int
 from kvmesh.events.publisher import BatchPublisher
 from kvmesh.events.subscriber import EventSubscriber
@@ -255,9 +255,7 @@ async def _paced(n: int, gap_ms: float, consume: Callable[[str, Callable[[], Non
 
     stop = consume(endpoint, got)
     here = str(Path(__file__).resolve().parent)
-    publisher = subprocess.Popen(
-        [sys.executable, "-c", _PACED_PUBLISHER, endpoint, str(n), str(gap_ms), here]
-    )
+    publisher = spawn_child([sys.executable, "-c", _PACED_PUBLISHER, endpoint, str(n), str(gap_ms), here])
     try:
         await asyncio.wait_for(done.wait(), 60 + n * gap_ms / 1000 * 3)
         return (time.process_time() - since) / (n - 200)

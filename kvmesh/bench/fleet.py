@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +49,43 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
         "PYTHONPATH": SOURCE_ROOT + (os.pathsep + path if path else ""),
         **(extra or {}),
     }
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@functools.cache
+def _prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, looked up once, before any fork: the child between fork and exec should
+    only call it, not load a library. None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+def spawn_child(argv: Sequence[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(argv, **popen)`` for a process that must not outlive this one: on Linux
+    the kernel sends it SIGTERM when this process dies, however it dies. A benchmark killed with
+    SIGKILL, or with SIGTERM (which runs no ``finally``), otherwise leaves its engines and routers
+    serving on loopback, holding ports and CPU that the next run then measures against.
+
+    The signal follows the thread that starts the child: start children from a thread that lives as
+    long as they do (every caller here starts them from its event loop's thread). Elsewhere than
+    Linux the children are only stopped by their callers' ``finally``."""
+    prctl = _prctl()
+    if prctl is None:
+        return subprocess.Popen(list(argv), **popen)
+    parent = os.getpid()
+
+    def die_with_parent() -> None:  # runs in the child, between fork and exec
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the request took hold
+            os._exit(1)
+
+    return subprocess.Popen(list(argv), preexec_fn=die_with_parent, **popen)
 
 
 FrontCommand = Callable[[Sequence[str], int], list[str]]
@@ -198,7 +238,7 @@ def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout: float = 10.0
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = child_env({"PYTHONUNBUFFERED": "1"})
     with log.open("wb") as out:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return spawn_child(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 def _check_alive(fleet: Fleet) -> None:

@@ -202,7 +202,7 @@ async def start_mesh_processes(
     and configured only through KVMESH_* variables: exactly how ``vllm serve`` embeds it."""
     import subprocess
 
-    from kvmesh.bench.fleet import child_env, stop_processes
+    from kvmesh.bench.fleet import child_env, spawn_child, stop_processes
 
     ports = _free_ports(3 * n)  # HTTP, events and replay for each engine
     urls = [f"http://127.0.0.1:{p}" for p in ports[:n]]
@@ -227,7 +227,7 @@ async def start_mesh_processes(
                 "--kv-replay-endpoint", f"tcp://127.0.0.1:{ports[2 * n + i]}",
                 "--middleware", "kvmesh.router.KvMeshMiddleware", *mock_args,
             ]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            procs.append(spawn_child(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
 
         def check() -> None:
             for proc in procs:

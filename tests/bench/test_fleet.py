@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -159,3 +164,52 @@ async def test_the_fleet_runs_the_kvmesh_its_caller_imports_whatever_the_working
         r.release()
     assert child_env({"X": "1"})["PYTHONPATH"].split(os.pathsep)[0] == SOURCE_ROOT
     assert Path(SOURCE_ROOT, "kvmesh", "bench", "fleet.py").is_file()
+
+
+_FLEET_THEN_WAIT = """
+import asyncio, json, sys
+from kvmesh.bench.fleet import kvmesh_router, start_fleet
+
+async def main():
+    async with start_fleet(2, ["--speedup", "20", "--num-blocks", "64"], kvmesh_router()) as fleet:
+        print(json.dumps([p.pid for p in fleet.procs]), flush=True)
+        await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs: a zombie (dead, not yet reaped by whoever adopted it) does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal is Linux's")
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_fleet_stops_when_the_process_that_started_it_is_killed(how: signal.Signals) -> None:
+    # SIGKILL, and SIGTERM's default action, end the benchmark without its ``finally``: its engines
+    # and router would go on serving on loopback, taking the CPU the next run measures with
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _FLEET_THEN_WAIT], stdout=subprocess.PIPE, env=child_env(), text=True
+    )
+    pids: list[int] = []
+    try:
+        assert parent.stdout is not None
+        pids = json.loads(parent.stdout.readline())
+        assert len(pids) == 3 and all(_running(p) for p in pids)  # two engines and the front
+        parent.send_signal(how)
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in pids if _running(p)] == []
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

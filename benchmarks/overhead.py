@@ -85,7 +85,7 @@ def _serve(kind: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -98,7 +98,8 @@ class Endpoint:
 
 
 @contextlib.contextmanager
-def _process(args: list[str], port: int) -> Iterator[Endpoint]:
+def serve_process(args: list[str], port: int) -> Iterator[Endpoint]:
+    """Start ``args`` (a server on 127.0.0.1:``port``); yield once it accepts connections."""
     env = child_env({"PYTHONUNBUFFERED": "1"})
     proc = spawn_child(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
@@ -117,17 +118,17 @@ def _process(args: list[str], port: int) -> Iterator[Endpoint]:
 
 
 def _server(kind: str) -> contextlib.AbstractContextManager[Endpoint]:
-    port = _free_port()
-    return _process([sys.executable, __file__, "--serve", kind, "--port", str(port)], port)
+    port = free_port()
+    return serve_process([sys.executable, __file__, "--serve", kind, "--port", str(port)], port)
 
 
 def _router(upstream: Endpoint, mode: str) -> contextlib.AbstractContextManager[Endpoint]:
-    port = _free_port()
+    port = free_port()
     kvmesh = [sys.executable, "-m", "kvmesh", "router", "--workers", upstream.url, "--port", str(port)]
     extra = ["--router-mode", mode, "--log-level", "error"]
     if mode == "kv":
         extra.append("--no-router-kv-events")
-    return _process([*kvmesh, *extra], port)
+    return serve_process([*kvmesh, *extra], port)
 
 
 @dataclass(frozen=True)

@@ -148,12 +148,16 @@ def kvmesh_router(*flags: str) -> FrontCommand:
 
 
 def sglang_router(policy: str = "cache_aware", *flags: str) -> FrontCommand:
-    """sglang-router (the ``sglang-router`` package) in front of the engines."""
+    """sglang-router (the ``sglang-router`` package) in front of the engines. Its Prometheus
+    exporter gets a free loopback port of its own: at its default (29000) a second sglang-router on
+    the machine, such as another benchmark's, fails to start."""
 
     def argv(engines: Sequence[str], port: int) -> list[str]:
+        (metrics_port,) = free_ports(1)
         return [
             sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *engines, "--policy", policy, "--log-level", "warn", *flags,
+            "--worker-urls", *engines, "--policy", policy, "--log-level", "warn",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), *flags,
         ]  # fmt: skip
 
     return argv

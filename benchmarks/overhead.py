@@ -161,15 +161,16 @@ async def _measure(target: Endpoint, n: int, concurrency: int) -> Sample:
         for _ in range(min(200, n)):  # warm-up: connections, caches, JIT-less but branchy code
             await one()
         latencies.clear()
-        per_worker = n // concurrency
+        # every request asked for is timed: the first n % concurrency clients send one more
+        shares = [n // concurrency + (i < n % concurrency) for i in range(concurrency)]
 
-        async def worker() -> None:
-            for _ in range(per_worker):
+        async def worker(share: int) -> None:
+            for _ in range(share):
                 await one()
 
         cpu0 = process_cpu_seconds(target.pid)
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(share) for share in shares))
         elapsed = time.perf_counter() - t0
         cpu1 = process_cpu_seconds(target.pid)
     cpu = (cpu1 - cpu0) / len(latencies) if cpu0 is not None and cpu1 is not None else None

@@ -55,6 +55,7 @@ bench: venv
 	$(PY) benchmarks/router_core.py
 	$(PY) benchmarks/mock_engine.py
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/relay.py
 	$(PY) benchmarks/front_latency.py
 	$(PY) benchmarks/burst_joins.py --trials 6
 	$(PY) benchmarks/routing_quality.py --short

@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/routing_quality.py [--short] [--rounds N] [--seed-per-round]
         [--workloads W,...] [--contenders NAME,...] [--engines N] [--set KNOB=VALUE ...]
-        [--num-blocks N[,N,...]] [--engine-speedups S,S,...] [--json PATH] [--requests PATH]
-        [--plot PATH]
+        [--num-blocks N[,N,...]] [--engine-speedups S,S,...] [--block-size TOKENS] [--json PATH]
+        [--requests PATH] [--plot PATH]
 
 For every case (a workload on a fleet of 4 or 8 engines) and every contender, a fresh fleet of
 ``kvmesh mock`` engines starts as real processes on loopback (``--speedup 1``: the fitted GPU step
@@ -83,7 +83,9 @@ none of the chosen workloads reads (``burst`` for chat, ``ramp`` for an open loo
 other engine takes twice as long per step (a router that learns each worker's speed should send
 the slow ones less). ``--num-blocks 2048,1024`` likewise gives every other engine half the KV
 cache (engines with less memory: a router that weighs each worker's free cache should put fewer
-growing conversations there).
+growing conversations there). ``--block-size 64`` runs the engines with KV blocks of 64 tokens (the
+suite's are 16; TensorRT-LLM and SGLang deployments often use larger ones): the cache keeps its
+size in tokens (512 blocks of 64 for 2,048 of 16) unless ``--num-blocks`` gives it in blocks.
 """
 
 from __future__ import annotations
@@ -174,6 +176,9 @@ class Case:
     fleet (engines of two memory sizes)."""
     speedups: tuple[float, ...] = ()
     """``--engine-speedups``: each engine's ``--speedup``, cycled over the fleet (a mixed fleet)."""
+    block_size: int | None = None
+    """``--block-size``: the engines' KV block in tokens in place of the suite's 16; without
+    ``--num-blocks`` the cache keeps its size in tokens."""
 
     @property
     def label(self) -> str:
@@ -182,6 +187,8 @@ class Case:
             extra.append("num_blocks=" + ",".join(str(b) for b in self.num_blocks))
         if self.speedups:
             extra.append("speedups=" + ",".join(f"{s:g}" for s in self.speedups))
+        if self.block_size is not None:
+            extra.append(f"block_size={self.block_size}")
         return f"{self.workload} x{self.engines}" + (f" ({', '.join(extra)})" if extra else "")
 
     @property
@@ -196,10 +203,15 @@ class Case:
     @property
     def engine_args(self) -> tuple[str, ...]:
         args = SHORT_ENGINE_ARGS if self.short else ENGINE_ARGS
+        if self.block_size is not None:
+            base = int(_flag(args, "--block-size"))
+            args = _with_flag(args, "--block-size", str(self.block_size))
+            if not self.num_blocks:  # the same cache in tokens, in blocks of the new size
+                tokens = int(_flag(args, "--num-blocks")) * base
+                args = _with_flag(args, "--num-blocks", str(max(tokens // self.block_size, 1)))
         if len(self.num_blocks) != 1:
             return args  # none: the suite's; several: per engine
-        i = args.index("--num-blocks")
-        return (*args[:i], "--num-blocks", str(self.num_blocks[0]), *args[i + 2 :])
+        return _with_flag(args, "--num-blocks", str(self.num_blocks[0]))
 
     @property
     def per_engine_args(self) -> tuple[tuple[str, ...], ...]:
@@ -221,6 +233,15 @@ class Case:
         elif "concurrency" in load_changes:
             load_changes["rate"] = None
         return dataclasses.replace(p, spec=p.spec.replace(**spec_changes), **load_changes)
+
+
+def _flag(args: Sequence[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def _with_flag(args: tuple[str, ...], name: str, value: str) -> tuple[str, ...]:
+    i = args.index(name)
+    return (*args[:i], name, value, *args[i + 2 :])
 
 
 def changes_something(case: Case, knob: str) -> bool:
@@ -813,6 +834,8 @@ async def main_async(args: argparse.Namespace) -> int:
         chosen = list(dict.fromkeys(chosen))
     if args.speedups:
         chosen = [dataclasses.replace(c, speedups=args.speedups) for c in chosen]
+    if args.block_size is not None:
+        chosen = [dataclasses.replace(c, block_size=args.block_size) for c in chosen]
     if args.changes or args.num_blocks:
         changes = tuple(dict(args.changes).items())  # the last of a knob set twice wins
         chosen = [dataclasses.replace(c, changes=changes, num_blocks=args.num_blocks) for c in chosen]
@@ -971,6 +994,14 @@ def main() -> int:
         metavar="S,S,...",
         help="a mixed fleet: engine i runs at --speedup S[i mod n] (0.5 = twice as slow), e.g. 1,0.5 "
         "(default: every engine at 1)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="the engines' KV block size; the cache keeps its size in tokens unless --num-blocks gives "
+        "it in blocks (default: 16)",
     )
     # (outputs are checked before anything runs: a whole suite's numbers are not lost at its first write)
     parser.add_argument(

@@ -48,6 +48,18 @@ def test_num_blocks_replaces_the_engines_cache(rq) -> None:  # type: ignore[no-u
     assert rq.Case("siblings", 4, num_blocks=(512,)).per_engine_args == ()
 
 
+def test_block_size_keeps_the_cache_in_tokens_unless_num_blocks_gives_it_in_blocks(rq) -> None:  # type: ignore[no-untyped-def]
+    def flags(case) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+        args = case.engine_args
+        return args[args.index("--block-size") + 1], args[args.index("--num-blocks") + 1]
+
+    assert flags(rq.Case("siblings", 4, block_size=64)) == ("64", "512")  # 2,048 x 16 tokens
+    assert flags(rq.Case("siblings", 4, short=True, block_size=32)) == ("32", "512")  # 1,024 x 16
+    assert flags(rq.Case("siblings", 4, block_size=64, num_blocks=(300,))) == ("64", "300")
+    assert rq.Case("siblings", 4, block_size=64).label == "siblings x4 (block_size=64)"
+    assert flags(rq.Case("siblings", 4)) == ("16", "2048")
+
+
 def test_several_num_blocks_give_each_engine_its_cache_beside_its_speed(rq) -> None:  # type: ignore[no-untyped-def]
     case = rq.Case("chat-fits", 4, num_blocks=(2048, 1024), speedups=(1.0, 1.0, 0.5))
     assert case.engine_args == rq.ENGINE_ARGS  # the suite's cache, which each engine's own replaces
@@ -82,6 +94,7 @@ def test_engine_speedups_give_each_engine_its_speed_and_name_the_case(rq) -> Non
         (["--engine-speedups", "1,0"], "--engine-speedups: '1,0': give comma-separated positive numbers"),
         (["--engine-speedups", "1,,2"], "--engine-speedups: '1,,2'"),
         (["--engine-speedups", "inf"], "--engine-speedups: 'inf'"),
+        (["--block-size", "0"], "argument --block-size: must be at least 1, got 0"),
         # a knob none of the chosen workloads reads, and load knobs their load never uses
         (["--workloads", "agent-long,chat-fits", "--set", "burst=8"], "--set burst: no effect on the chosen"),
         (

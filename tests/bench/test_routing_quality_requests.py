@@ -137,3 +137,22 @@ def test_an_output_path_that_is_a_directory_is_refused_before_anything_runs(tmp_
         assert done.returncode == 2, (flag, done.stdout[-500:])
         assert f"argument {flag}: {tmp_path} is a directory, not a file" in done.stderr
         assert "machine:" not in done.stdout
+
+
+def test_block_size_runs_the_engines_in_blocks_of_that_size(tmp_path: Path) -> None:
+    out = tmp_path / "requests.jsonl"
+    done = subprocess.run(
+        [
+            sys.executable, str(SCRIPT), "--workloads", "chat-fits", "--engines", "1", "--block-size", "48",
+            "--set", "sessions=2", "--set", "turns=3", "--contenders", "kvmesh",
+            "--plot", "", "--no-progress", "--requests", str(out),
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    # the suite's 32k-token cache, in blocks of 48 tokens
+    assert "--block-size 48 --num-blocks 682 " in done.stdout
+    assert "### chat-fits x1 (sessions=2, turns=3, block_size=48)" in done.stdout  # the case says what it ran
+    cached = [json.loads(line)["cached_tokens"] for line in out.read_text().splitlines()]
+    # an engine reports whole blocks cached: of 48 tokens here, where blocks of 16 would show
+    assert any(cached) and all(c % 48 == 0 for c in cached)

@@ -43,6 +43,9 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
         ),
         ("overhead.py", ["--requests", "0", "--rounds", "1"], "--requests must be at least 32"),
         ("overhead.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+        ("relay.py", ["--events", "0"], "argument --events: must be at least 1, got 0"),
+        ("relay.py", ["--gap-ms", "-1"], "argument --gap-ms: must be a finite number of at least 0"),
+        ("relay.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
         (
             "mock_engine.py",
             ["--concurrency", "x"],

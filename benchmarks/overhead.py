@@ -49,8 +49,9 @@ ANSWER = (
 _HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(ANSWER)).encode())]
 
 
-async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """The trivial engine: read the body, answer a fixed small completion."""
+async def request_read(scope: dict[str, Any], receive: Any, send: Any) -> bool:
+    """For a raw ASGI upstream: serve the lifespan protocol to its end (False), or read an HTTP
+    request's whole body (True: answer it)."""
     if scope["type"] == "lifespan":
         while True:
             message = await receive()
@@ -58,11 +59,18 @@ async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})
-                return
+                return False
     more = True
     while more:
         message = await receive()
         more = message.get("more_body", False)
+    return True
+
+
+async def upstream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The trivial engine: read the body, answer a fixed small completion."""
+    if not await request_read(scope, receive, send):
+        return
     await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
     await send({"type": "http.response.body", "body": ANSWER})
 

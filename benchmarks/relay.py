@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
-from overhead import Endpoint, free_port, serve_process
+from overhead import Endpoint, free_port, request_read, serve_process
 
 from kvmesh.bench.fleet import process_cpu_seconds, sglang_router
 from kvmesh.bench.runner import Progress
@@ -65,17 +65,8 @@ def streaming_upstream(events: int, gap_s: float) -> Any:
     last = (_USAGE % (events, events + 12)).encode()
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        more = True
-        while more:
-            more = (await receive()).get("more_body", False)
+        if not await request_read(scope, receive, send):
+            return
         if scope["path"] != "/v1/chat/completions":
             await send(
                 {

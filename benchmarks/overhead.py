@@ -185,7 +185,7 @@ async def _measure(target: Endpoint, n: int, concurrency: int) -> Sample:
     return Sample(statistics.median(latencies), percentile(latencies, 99), len(latencies) / elapsed, cpu)
 
 
-def _spread(values: list[float], fmt: str) -> str:
+def spread(values: list[float], fmt: str) -> str:
     """``median [min, max]`` of per-round values (just the value for a single round)."""
     mid = format(statistics.median(values), fmt)
     if len(values) == 1:
@@ -261,24 +261,24 @@ def main() -> None:
         row = [
             name,
             str(concurrency),
-            _spread([s.median * 1000 for s in runs], ".3f"),
-            _spread([s.p99 * 1000 for s in runs], ".3f"),
+            spread([s.median * 1000 for s in runs], ".3f"),
+            spread([s.p99 * 1000 for s in runs], ".3f"),
         ]
         if base is not None:
             base_runs = samples[(base, concurrency)]
             pairs = list(zip(runs, base_runs, strict=True))
             row += [
-                _spread([(s.median - b.median) * 1000 for s, b in pairs], "+.3f"),
-                _spread([(s.p99 - b.p99) * 1000 for s, b in pairs], "+.3f"),
+                spread([(s.median - b.median) * 1000 for s, b in pairs], "+.3f"),
+                spread([(s.p99 - b.p99) * 1000 for s, b in pairs], "+.3f"),
             ]
         else:
             row += ["(baseline)", "(baseline)"]
-        row.append(_spread([s.rps for s in runs], ",.0f"))
+        row.append(spread([s.rps for s in runs], ",.0f"))
         if base is not None:
-            row.append(_spread([s.rps / b.rps for s, b in pairs], ".2f"))
+            row.append(spread([s.rps / b.rps for s, b in pairs], ".2f"))
         else:
             row.append("(baseline)")
-        row.append(_spread(cpu, ".0f") if cpu else "n/a")
+        row.append(spread(cpu, ".0f") if cpu else "n/a")
         rows.append(row)
     print(
         table(

@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
-from overhead import Endpoint, free_port, request_read, serve_process
+from overhead import Endpoint, free_port, request_read, serve_process, spread
 
 from kvmesh.bench.fleet import process_cpu_seconds, sglang_router
 from kvmesh.bench.runner import Progress
@@ -200,11 +200,6 @@ async def measure(
     return Sample(cpu, statistics.median(ttfts), statistics.median(itls), requests / elapsed)
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    mid = format(statistics.median(values), fmt)
-    return mid if len(values) == 1 else f"{mid} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
-
-
 PEER = "sglang-router cache_aware"
 
 
@@ -277,16 +272,16 @@ def main() -> None:
         if peer is not None and name != PEER and len(cpu) == len(runs):
             ratios = [s.cpu_per_event / p.cpu_per_event for s, p in zip(runs, peer, strict=True)  # type: ignore[operator]
                       if p.cpu_per_event]  # fmt: skip
-            vs = _spread(ratios, ".2f") if ratios else "n/a"
+            vs = spread(ratios, ".2f") if ratios else "n/a"
         else:
             vs = "(peer)" if name == PEER else "n/a"
         rows.append([
             name,
-            _spread(cpu, ".1f") if cpu else "n/a",
+            spread(cpu, ".1f") if cpu else "n/a",
             vs,
-            _spread([s.ttft * 1000 for s in runs], ".2f"),
-            _spread([s.itl * 1000 for s in runs], ".2f"),
-            _spread([s.rps for s in runs], ".1f"),
+            spread([s.ttft * 1000 for s in runs], ".2f"),
+            spread([s.itl * 1000 for s in runs], ".2f"),
+            spread([s.rps for s in runs], ".1f"),
         ])  # fmt: skip
     print(
         table(

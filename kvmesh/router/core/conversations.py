@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh._types import WorkerKey
-from kvmesh.router.core.load import CHUNK, PromptBlocks, hold_prefix, release_prefix
+from kvmesh.router.core.load import PromptBlocks, hold_prefix, release_prefix
 
 ALPHA = 0.05
 """Weight of one turn in the moving averages of growth and gap (the last ~20 turns)."""
@@ -71,16 +71,18 @@ class _Tip:
     ids: list[int]
     anchors: int
     trailing: tuple[int, ...]
-    """Local hashes of the full blocks after the last whole chunk (fewer than ``CHUNK``)."""
+    """Local hashes of the full blocks after the last whole chunk (fewer than ``chunk``)."""
     at: float
     number: int
     counted: float
     """What it added to the turns reached (1, halved with them; 0 for a sibling): while it waits
     for its next turn, that much of its turn's count has no fate yet."""
+    chunk: int
+    """Blocks in one of its whole chunks (:func:`~kvmesh.router.core.load.chunk_blocks`)."""
 
     @property
     def n_blocks(self) -> int:
-        return self.anchors * CHUNK + len(self.trailing)
+        return self.anchors * self.chunk + len(self.trailing)
 
 
 class Conversations:
@@ -156,7 +158,7 @@ class Conversations:
             return live
         ids, anchors = tip.ids, tip.anchors
         only = [refs.get(ident) == 1 for ident in ids]
-        return live - CHUNK * sum(only[:anchors]) - sum(only[anchors:])
+        return live - tip.chunk * sum(only[:anchors]) - sum(only[anchors:])
 
     def turns_to_come(self, number: int = 1) -> float:
         """Further turns a conversation at turn ``number`` brings, on average: the chance it reaches
@@ -384,7 +386,7 @@ class Conversations:
             else:
                 self._release(again, 0)
         anchor, trailing = turn.key
-        tip = _Tip(worker, prompt.ids, prompt.n_anchors, trailing, now, number, counted)
+        tip = _Tip(worker, prompt.ids, prompt.n_anchors, trailing, now, number, counted, prompt.chunk)
         self._tips[request_id] = tip
         if counted:
             self._wait(number, counted)
@@ -448,7 +450,7 @@ class Conversations:
         n = prompt.n_blocks
         for k in sorted(levels, reverse=True):  # longest prefix first
             anchor = ids[k - 1] if k else 0
-            start = k * CHUNK
+            start = k * prompt.chunk
             for length in sorted(tails[anchor], reverse=True):
                 if start + length >= n:
                     continue  # as long as this prompt or longer: a sibling, not an earlier turn
@@ -487,13 +489,13 @@ class Conversations:
     def _hold(self, tip: _Tip, start: int) -> None:
         """Count ``tip``'s identities from ``start`` on as live on its worker."""
         refs = self._refs.setdefault(tip.worker, Counter())
-        added = hold_prefix(refs, tip.ids, tip.anchors, start)
+        added = hold_prefix(refs, tip.ids, tip.anchors, tip.chunk, start)
         self._live[tip.worker] = self._live.get(tip.worker, 0) + added
 
     def _release(self, tip: _Tip, start: int) -> None:
         refs = self._refs.get(tip.worker)
         if refs is not None:  # else its worker is gone
-            self._live[tip.worker] -= release_prefix(refs, tip.ids, tip.anchors, start)
+            self._live[tip.worker] -= release_prefix(refs, tip.ids, tip.anchors, tip.chunk, start)
 
     def _drop(self, request_id: str) -> None:
         self._release(self._unindex(request_id), 0)
@@ -542,7 +544,7 @@ def _prompt_key(prompt: PromptBlocks, local_hashes: Sequence[int]) -> tuple[int,
     """How tips are indexed: the identity of the prompt's last whole chunk (0 when it is shorter
     than a chunk) and the local hashes of the full blocks after it."""
     anchor = prompt.ids[prompt.n_anchors - 1] if prompt.n_anchors else 0
-    return anchor, tuple(local_hashes[prompt.n_anchors * CHUNK : prompt.n_blocks])
+    return anchor, tuple(local_hashes[prompt.n_anchors * prompt.chunk : prompt.n_blocks])
 
 
 def _anchor(tip: _Tip) -> int:

@@ -9,7 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.hashing import block_hashes
-from kvmesh.router.core.load import CHUNK, ActiveSequences, PromptBlocks, output_blocks
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.core.kv_router import Decision, KvRouter, RouteRequest
+from kvmesh.router.core.load import (
+    CHUNK,
+    CHUNK_TOKENS,
+    ActiveSequences,
+    PromptBlocks,
+    chunk_blocks,
+    output_blocks,
+)
 
 B = 4
 W = ("a", 0)
@@ -336,3 +345,45 @@ def test_the_blocks_other_requests_carry_leave_a_request_s_own_out() -> None:
     assert load.carried_by_others("sibling", twin, len(toks)) == 0
     assert load.new_blocks(W, twin, len(toks)) == 0  # (its own identities are still held)
     assert load.carried_by_others("gone", twin, len(toks)) == 0
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_a_shared_prefix_is_double_counted_by_the_same_tokens_on_any_block_size(block_size: int) -> None:
+    """Two conversations share a 448-token system prompt, then part. Their prefix identities are
+    whole chunks, so the system prompt's blocks inside the chunk where they part are counted once
+    for each. A chunk spans the same tokens on any block size (``chunk_blocks``), so that double
+    count is the same tokens however large the blocks: 192 here (448 less the 256 of the one
+    chunk they share). With a chunk fixed at 16 blocks, 32- and 64-token blocks double-counted
+    all 448, and 8-token blocks 64."""
+    load = ActiveSequences(block_size=block_size)
+    chunk = chunk_blocks(block_size)
+    assert chunk * block_size == CHUNK_TOKENS == 256
+    rng = random.Random(7)
+    system = [rng.randrange(1000) for _ in range(448)]  # whole blocks on every size here
+    for rid in ("one", "two"):
+        toks = system + [rng.randrange(1000) for _ in range(1024)]
+        load.add(rid, W, PromptBlocks(block_hashes(toks, block_size), chunk), len(toks), 0, 0.0)
+    exact = 448 + 2 * 1024  # every token once
+    assert load.decode_blocks(W) * block_size - exact == 192
+    for rid in ("one", "two"):
+        load.free(rid)
+    assert load.decode_blocks(W) == 0
+
+
+def test_the_router_builds_prompts_in_chunks_of_its_fleet_s_block_size() -> None:
+    """A router learns the block size from its first worker; every prompt it counts as load then
+    chunks the same 256 tokens: a second request sharing a 448-token system prompt with one in
+    flight adds its own 1,024 tokens and the 192 of the system prompt past the shared chunk, on
+    32-token blocks as on 16."""
+    for block_size in (16, 32):
+        r = KvRouter(RouterConfig(), random.Random(0))
+        r.add_worker("a", total_blocks=4096, max_num_batched_tokens=8192, block_size=block_size)
+        rng = random.Random(3)
+        system = [rng.randrange(1000) for _ in range(448)]
+        for rid in ("one", "two"):
+            toks = system + [rng.randrange(1000) for _ in range(1024)]
+            d = r.route(RouteRequest(rid, block_hashes(toks, block_size), len(toks)), 0.0)
+            assert isinstance(d, Decision)
+        (score,) = d.breakdown
+        held_before = (448 + 1024) // block_size  # the first request's blocks, active there
+        assert (score.decode_blocks - held_before) * block_size == 1024 + 192

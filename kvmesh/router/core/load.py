@@ -35,7 +35,8 @@ A chunk spans :data:`CHUNK_TOKENS` tokens whatever the block size (:func:`chunk_
 price is the same share of a cache of so many tokens on any engine. (A chunk of 16 blocks on
 32-token blocks double-counted twice the tokens: a `mixed` workload's shared system prompts looked
 like more of each cache than they were, and turns moved off their homes for evictions that were
-not coming; prefix hits 0.010 lower against sglang-router's, on six of six seeds.)
+not coming. Same-seed runs of the routing-quality suite on 32-token blocks: `mixed` hits lower on
+6 of 8 seeds, `chat-fits` on 5 of 6; see docs/routing-quality-rounds.md, stops 71 and 72.)
 """
 
 from __future__ import annotations

@@ -387,3 +387,147 @@ def test_the_router_builds_prompts_in_chunks_of_its_fleet_s_block_size() -> None
         (score,) = d.breakdown
         held_before = (448 + 1024) // block_size  # the first request's blocks, active there
         assert (score.decode_blocks - held_before) * block_size == 1024 + 192
+
+
+def _ends_kept(load: ActiveSequences) -> bool:
+    w = load._workers.get(W)
+    return w is not None and bool(w.forks)
+
+
+def _distinct_blocks(prompts: list[list[int]]) -> int:
+    """Every distinct block of ``prompts`` (a block is the prefix it ends: same hashes up to it)."""
+    return len({tuple(h[: i + 1]) for h in prompts for i in range(len(h))})
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (3, 1, 0, 2), (2, 3, 1, 0)])
+def test_siblings_that_part_inside_a_chunk_count_their_shared_blocks_once(order: tuple[int, ...]) -> None:
+    """Four siblings share a 21-block context and part there, inside their second chunk of 16
+    blocks, each with a question of its own (3 to 20 blocks). Every block counts once, whatever
+    the order they arrive and leave in; a sibling not yet routed is told the blocks it would add;
+    the release plan gives back every block; when all are gone nothing is held. (Counted by whole
+    chunks alone, the 5 shared blocks in the chunk where they part came once for each sibling.)"""
+    rng = random.Random(11)
+    context = [rng.randrange(1000) for _ in range(21 * B)]
+    hashes = [block_hashes(context + [rng.randrange(1000) for _ in range(k * B)], B) for k in (3, 14, 9, 20)]
+    load = ActiveSequences(block_size=B)
+    held: list[list[int]] = []
+    for i in order:
+        p = PromptBlocks(hashes[i], 16)
+        adds = _distinct_blocks([*held, hashes[i]]) - _distinct_blocks(held)
+        assert load.new_blocks(W, p, len(hashes[i]) * B) == adds
+        load.add(f"s{i}", W, p, len(hashes[i]) * B, 0, 0.0)
+        held.append(hashes[i])
+        assert load.decode_blocks(W) == _distinct_blocks(held)
+        assert load.releases(W, 0.0, stay_s=1.0, out_tokens=10)[-1][1] == load.decode_blocks(W)
+    for i in reversed(order):
+        load.free(f"s{i}")
+        held.remove(hashes[i])
+        assert load.decode_blocks(W) == _distinct_blocks(held)
+    assert load.decode_blocks(W) == 0 and not _ends_kept(load)
+
+
+_PARTING = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "free", "other"]),
+        st.integers(0, 7),  # request
+        st.integers(0, 2),  # trunk
+        st.integers(0, 3),  # tail (0: none)
+        st.integers(1, 16),  # tail blocks: at most a chunk
+    ),
+    max_size=50,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_PARTING)
+def test_prompts_that_part_in_their_ends_are_counted_block_for_block(ops: list) -> None:
+    """Prompts made of one of three trunks (of 37, 40 and 53 blocks; the first two share 30 of
+    them) and a tail of their own no longer than a chunk: wherever two part, it is in the last
+    chunks of each. The decode blocks are then the distinct blocks in flight, exactly, at every
+    step; a prompt is told beforehand what it adds; the release plan gives back every block;
+    nothing is held at the end. ``other``: the request is asked what the others carry of it,
+    which leaves the count as it was."""
+    rng = random.Random(5)
+    shared = [rng.randrange(1000) for _ in range(30 * B)]
+    trunks = [
+        shared + [rng.randrange(1000) for _ in range(7 * B)],
+        shared + [rng.randrange(1000) for _ in range(10 * B)],
+        [rng.randrange(1000) for _ in range(53 * B)],
+    ]
+    tails = [[rng.randrange(1000) for _ in range(16 * B)] for _ in range(3)]
+    load = ActiveSequences(block_size=B)
+    live: dict[str, list[int]] = {}
+    for op, rid, trunk, tail, extra in ops:
+        r = f"r{rid}"
+        if op == "add":
+            hashes = block_hashes(trunks[trunk] + (tails[tail - 1][: extra * B] if tail else []), B)
+            p = PromptBlocks(hashes, 16)
+            others = {k: v for k, v in live.items() if k != r}
+            load.free(r)  # (a request routed again is counted anew)
+            before = list(others.values())
+            assert load.new_blocks(W, p, len(hashes) * B) == _distinct_blocks(
+                [*before, hashes]
+            ) - _distinct_blocks(before)
+            load.add(r, W, p, len(hashes) * B, 0, 0.0)
+            live[r] = hashes
+        elif op == "free":
+            load.free(r)
+            live.pop(r, None)
+        elif r in live:
+            before = load.decode_blocks(W)
+            load.carried_by_others(r, PromptBlocks(live[r], 16), len(live[r]) * B)
+            assert load.decode_blocks(W) == before
+        assert load.decode_blocks(W) == _distinct_blocks(list(live.values()))
+        plan = load.releases(W, 0.0, stay_s=1.0, out_tokens=10)
+        assert (plan[-1][1] if plan else 0) == load.decode_blocks(W)
+    for r in list(live):
+        load.free(r)
+    assert load.decode_blocks(W) == 0 and not _ends_kept(load)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "free"]),
+            st.integers(0, 7),  # request
+            st.integers(0, 1),  # trunk
+            st.integers(0, 60),  # trunk blocks it keeps
+            st.integers(0, 2),  # tail (0: none)
+            st.integers(1, 40),  # tail blocks
+        ),
+        max_size=50,
+    )
+)
+def test_prompts_that_part_anywhere_are_counted_once_at_least_and_never_drift(ops: list) -> None:
+    """Prompts that part anywhere, a short one inside a long one's early chunks included: the
+    decode blocks are never fewer than the distinct blocks in flight nor more than their
+    identities weigh, the release plan gives back what is counted, and once every request is
+    gone nothing is held (the count is a function of what is held, never a running sum that can
+    drift)."""
+    rng = random.Random(9)
+    trunks = [[rng.randrange(1000) for _ in range(60 * B)] for _ in range(2)]
+    tails = [[rng.randrange(1000) for _ in range(40 * B)] for _ in range(2)]
+    load = ActiveSequences(block_size=B)
+    live: dict[str, list[int]] = {}
+    for op, rid, trunk, keep, tail, extra in ops:
+        r = f"r{rid}"
+        if op == "add":
+            hashes = block_hashes(
+                trunks[trunk][: keep * B] + (tails[tail - 1][: extra * B] if tail else []), B
+            )
+            load.add(r, W, PromptBlocks(hashes, 16), len(hashes) * B, 0, 0.0)
+            live[r] = hashes
+        else:
+            load.free(r)
+            live.pop(r, None)
+        weighed: dict[int, int] = {}
+        for h in live.values():
+            p = PromptBlocks(h, 16)
+            weighed.update((ident, p.weight(i)) for i, ident in enumerate(p.ids))
+        assert _distinct_blocks(list(live.values())) <= load.decode_blocks(W) <= sum(weighed.values())
+        plan = load.releases(W, 0.0, stay_s=1.0, out_tokens=10)
+        assert (plan[-1][1] if plan else 0) == load.decode_blocks(W)
+    for r in list(live):
+        load.free(r)
+    assert load.decode_blocks(W) == 0 and not _ends_kept(load)

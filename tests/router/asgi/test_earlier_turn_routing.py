@@ -23,9 +23,12 @@ from kvmesh.router.request.tokenizer import BuiltinTokenizer
 from tests.router.servers import serve
 
 TOKEN = {"x-kvmesh-admin-token": "s3cret"}
-THINK = 0.05
+THINK = 0.25
 """Seconds between an answer and the next turn: a client's think time, steady, so that the router's
-learned gap between turns (and the conversations it expires by it) is this one."""
+learned gap between turns (and the conversations it expires by it) is this one. Long enough that
+the rest of a gap (the answer, waiting for its blocks to be indexed) cannot make one gap four times
+another on a loaded machine: the router would end the conversation there (a CI run with 0.05 s
+read turn 2 where 4 was sent)."""
 
 
 async def _chat(http: aiohttp.ClientSession, url: str, model: str, messages: list[dict[str, Any]]) -> dict:

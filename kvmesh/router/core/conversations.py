@@ -26,10 +26,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress
 
 from kvmesh._types import WorkerKey
-from kvmesh.router.core.forks import End, Forks
 from kvmesh.router.core.load import PromptBlocks, hold_prefix, release_prefix
 
 ALPHA = 0.05
@@ -81,8 +79,6 @@ class _Tip:
     for its next turn, that much of its turn's count has no fate yet."""
     chunk: int
     """Blocks in one of its whole chunks (:func:`~kvmesh.router.core.load.chunk_blocks`)."""
-    ends: list[End]
-    """Its prompt's ends (:mod:`~kvmesh.router.core.forks`)."""
 
     @property
     def n_blocks(self) -> int:
@@ -108,7 +104,6 @@ class Conversations:
         names its whole prefix, so a prompt holds one of depth ``d`` only as its own ``d``-th:
         a lookup probes one identity per depth present, not every chunk of a long prompt."""
         self._refs: dict[WorkerKey, Counter[int]] = {}
-        self._forks: dict[WorkerKey, Forks] = {}
         self._live: dict[WorkerKey, int] = {}
         self._numbers: dict[WorkerKey, dict[int, int]] = {}
         """Per worker, how many tips there are at each turn number: what their growth still ahead
@@ -163,11 +158,7 @@ class Conversations:
             return live
         ids, anchors = tip.ids, tip.anchors
         only = [refs.get(ident) == 1 for ident in ids]
-        own = tip.chunk * sum(only[:anchors]) + sum(only[anchors:])
-        forks = self._forks.get(worker)
-        if own and forks:  # what its ends share with others' where they part stays
-            own -= forks.shrink(set(compress(ids, only)))
-        return live - own
+        return live - tip.chunk * sum(only[:anchors]) - sum(only[anchors:])
 
     def turns_to_come(self, number: int = 1) -> float:
         """Further turns a conversation at turn ``number`` brings, on average: the chance it reaches
@@ -395,9 +386,7 @@ class Conversations:
             else:
                 self._release(again, 0)
         anchor, trailing = turn.key
-        tip = _Tip(
-            worker, prompt.ids, prompt.n_anchors, trailing, now, number, counted, prompt.chunk, prompt.ends
-        )
+        tip = _Tip(worker, prompt.ids, prompt.n_anchors, trailing, now, number, counted, prompt.chunk)
         self._tips[request_id] = tip
         if counted:
             self._wait(number, counted)
@@ -435,7 +424,6 @@ class Conversations:
         for rid in [rid for rid, tip in self._tips.items() if tip.worker == worker]:
             self._drop(rid)
         self._refs.pop(worker, None)
-        self._forks.pop(worker, None)
         self._live.pop(worker, None)
         self._numbers.pop(worker, None)
 
@@ -501,15 +489,13 @@ class Conversations:
     def _hold(self, tip: _Tip, start: int) -> None:
         """Count ``tip``'s identities from ``start`` on as live on its worker."""
         refs = self._refs.setdefault(tip.worker, Counter())
-        forks = self._forks.setdefault(tip.worker, Forks())
-        added = hold_prefix(refs, tip.ids, tip.anchors, tip.chunk, start, forks, tip.ends)
+        added = hold_prefix(refs, tip.ids, tip.anchors, tip.chunk, start)
         self._live[tip.worker] = self._live.get(tip.worker, 0) + added
 
     def _release(self, tip: _Tip, start: int) -> None:
         refs = self._refs.get(tip.worker)
         if refs is not None:  # else its worker is gone
-            forks = self._forks.get(tip.worker)
-            self._live[tip.worker] -= release_prefix(refs, tip.ids, tip.anchors, tip.chunk, start, forks)
+            self._live[tip.worker] -= release_prefix(refs, tip.ids, tip.anchors, tip.chunk, start)
 
     def _drop(self, request_id: str) -> None:
         self._release(self._unindex(request_id), 0)

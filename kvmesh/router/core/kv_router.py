@@ -1092,6 +1092,5 @@ def _bare_prompt(local_hashes: Sequence[int]) -> PromptBlocks:
     p.ids = []
     p.n_anchors = 0
     p.chunk = 1
-    p.ends = []
     p.n_blocks = len(local_hashes)
     return p

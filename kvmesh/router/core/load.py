@@ -47,7 +47,6 @@ from collections.abc import Sequence
 from itertools import compress
 
 from kvmesh._types import WorkerKey
-from kvmesh.router.core.forks import End, Forks, prompt_ends
 
 CHUNK_TOKENS = 256
 """Tokens a prefix identity spans (a chunk of blocks): 16 blocks of 16 tokens."""
@@ -87,7 +86,7 @@ def output_blocks(osl: int | None, generated: int, block_size: int) -> float:
 class PromptBlocks:
     """A prompt's block identities, computed once per request (shared by every candidate)."""
 
-    __slots__ = ("chunk", "ends", "ids", "n_anchors", "n_blocks")
+    __slots__ = ("chunk", "ids", "n_anchors", "n_blocks")
 
     def __init__(self, local_hashes: Sequence[int], chunk: int = CHUNK) -> None:
         n = len(local_hashes)
@@ -102,7 +101,6 @@ class PromptBlocks:
         self.ids = ids
         self.n_blocks = n
         self.chunk = chunk
-        self.ends: list[End] = prompt_ends(local_hashes, ids, self.n_anchors, chunk)
 
     @classmethod
     def estimated(cls, known: Sequence[int], n_blocks: int, salt: int, chunk: int = CHUNK) -> PromptBlocks:
@@ -118,7 +116,6 @@ class PromptBlocks:
         p.n_anchors = anchors
         p.n_blocks = n_blocks
         p.chunk = chunk
-        p.ends = []  # (its last blocks are not known)
         return p
 
     def weight(self, i: int) -> int:
@@ -134,55 +131,32 @@ class PromptBlocks:
         return self.ids[n - 1], n * self.chunk
 
 
-def hold_prefix(
-    refs: Counter[int],
-    ids: Sequence[int],
-    anchors: int,
-    chunk: int,
-    start: int = 0,
-    forks: Forks | None = None,
-    ends: Sequence[End] = (),
-) -> int:
+def hold_prefix(refs: Counter[int], ids: Sequence[int], anchors: int, chunk: int, start: int = 0) -> int:
     """Count the prefix identities ``ids[start:]`` as held once more in ``refs``; returns the
     blocks no one held before (an identity of a whole chunk is ``chunk`` blocks, one after the
     last whole chunk (``anchors`` of them) a single block). Counting is left to ``Counter``'s C
-    loop: this runs for every routed request. With ``forks``, the prompt's ``ends`` are kept
-    there, and blocks they share with other ends where they part are not counted again."""
+    loop: this runs for every routed request."""
     added = 0
     for lo, hi, weight in ((start, anchors, chunk), (max(start, anchors), len(ids), 1)):
         if lo < hi:
             before = len(refs)
             refs.update(ids if lo == 0 and hi == len(ids) else ids[lo:hi])
             added += (len(refs) - before) * weight
-    if forks is not None and ends:
-        added -= forks.keep(ends, refs)
     return added
 
 
-def release_prefix(
-    refs: Counter[int],
-    ids: Sequence[int],
-    anchors: int,
-    chunk: int,
-    start: int = 0,
-    forks: Forks | None = None,
-) -> int:
+def release_prefix(refs: Counter[int], ids: Sequence[int], anchors: int, chunk: int, start: int = 0) -> int:
     """Undo :func:`hold_prefix`; returns the blocks no one holds any more."""
     freed = 0
-    gone: list[int] = []
     for lo, hi, weight in ((start, anchors, chunk), (max(start, anchors), len(ids), 1)):
         if lo < hi:
             part = ids if lo == 0 and hi == len(ids) else ids[lo:hi]
             counts = list(map(refs.pop, part))  # popped; the ones others hold go back
-            n_gone = counts.count(1)
-            if n_gone < len(part):
+            gone = counts.count(1)
+            if gone < len(part):
                 back = compress(zip(part, counts, strict=True), map(_MORE_THAN_ONE, counts))
                 dict.update(refs, ((ident, c - 1) for ident, c in back))
-            if forks:
-                gone.extend(compress(part, map((1).__eq__, counts)))
-            freed += n_gone * weight
-    if forks and gone:
-        freed -= forks.drop(gone)
+            freed += gone * weight
     return freed
 
 
@@ -194,7 +168,6 @@ class _WorkerLoad:
         "active",
         "anchor_since",
         "blocks",
-        "forks",
         "in_prefill",
         "output",
         "prefill_tokens",
@@ -214,8 +187,6 @@ class _WorkerLoad:
         self.output = 0.0
         self.requests = 0
         self.refs: Counter[int] = Counter()
-        self.forks = Forks()
-        """The ends of the prompts in flight here (:mod:`~kvmesh.router.core.forks`)."""
         self.in_prefill: dict[str, _Active] = {}
         """Requests before their first token, oldest first (dicts keep insertion order)."""
         self.active: dict[str, _Active] = {}
@@ -240,7 +211,6 @@ class _Active:
     __slots__ = (
         "anchors",
         "chunk",
-        "ends",
         "expected",
         "first_block",
         "first_token_at",
@@ -265,13 +235,11 @@ class _Active:
         osl: int | None,
         now: float,
         chunk: int = CHUNK,
-        ends: Sequence[End] = (),
     ) -> None:
         self.worker = worker
         self.ids = ids
         self.anchors = anchors
         self.chunk = chunk
-        self.ends = ends
         self.unique = unique
         self.prefill = prefill
         self.osl = osl
@@ -505,29 +473,16 @@ class ActiveSequences:
         ends.sort(key=lambda e: e[0])
         released: dict[int, int] = {}
         refs = w.refs
-        forks = w.forks if w.forks else None
-        gone: set[int] = set()
-        shrunk: dict[int, int] = {}  # per parent: how much its overlap shrank by now
         freed = 0.0
         out = []
         for left, r in ends:
             freed += r.unique + r.output
             if r.ids is not None:
-                parents = set()
                 for i, ident in enumerate(r.ids):
                     n = released.get(ident, 0) + 1
                     released[ident] = n
                     if n == refs[ident]:
                         freed += r.chunk if i < r.anchors else 1
-                        if forks is not None:
-                            gone.add(ident)
-                            parent = forks.parent_of(ident)
-                            if parent is not None:
-                                parents.add(parent)
-                for parent in parents:  # (as release_prefix gives them back)
-                    now_shrunk = w.forks.shrink_at(parent, gone)
-                    freed -= now_shrunk - shrunk.get(parent, 0)
-                    shrunk[parent] = now_shrunk
             out.append((left, freed))
         return out
 
@@ -560,10 +515,7 @@ class ActiveSequences:
         w = self._workers.get(worker)
         if not self.assume_kv_reuse or w is None or not w.refs:
             return total
-        active = _active_weight(w.refs, prompt)
-        if w.forks and prompt.ends:  # blocks its ends share with others' where they part
-            active += w.forks.overlap_if_held(prompt.ends, w.refs)
-        return total - active
+        return total - _active_weight(w.refs, prompt)
 
     def carried_by_others(self, request_id: str, prompt: PromptBlocks, isl_tokens: int) -> int:
         """Blocks of ``prompt`` that the other requests in flight on ``request_id``'s worker carry:
@@ -574,9 +526,7 @@ class ActiveSequences:
             return 0
         refs = self._workers[r.worker].refs
         if r.ids is not None:
-            # (its own identities are not another's; its ends stay kept, and count as gone while
-            # its identities are out of ``refs``)
-            release_prefix(refs, r.ids, r.anchors, r.chunk)
+            release_prefix(refs, r.ids, r.anchors, r.chunk)  # (its own identities are not another's)
         try:
             new = self.new_blocks(r.worker, prompt, isl_tokens)
         finally:
@@ -618,13 +568,13 @@ class ActiveSequences:
             unique = 1 if isl_tokens > prompt.n_blocks * self.block_size else 0
             if self.assume_kv_reuse:
                 ids = prompt.ids
-                w.blocks += hold_prefix(w.refs, ids, prompt.n_anchors, prompt.chunk, 0, w.forks, prompt.ends)
+                w.blocks += hold_prefix(w.refs, ids, prompt.n_anchors, prompt.chunk)
             else:
                 unique += prompt.n_blocks
             w.blocks += unique
         w.prefill_tokens += prefill
         w.requests += 1
-        r = _Active(worker, ids, prompt.n_anchors, unique, prefill, osl, now, prompt.chunk, prompt.ends)
+        r = _Active(worker, ids, prompt.n_anchors, unique, prefill, osl, now, prompt.chunk)
         r.expected = expected_prefill
         if first_block is not None:
             r.first_block = first_block
@@ -707,7 +657,7 @@ class ActiveSequences:
         w.prefill_tokens -= r.prefill
         w.blocks -= r.unique
         if r.ids is not None:
-            w.blocks -= release_prefix(w.refs, r.ids, r.anchors, r.chunk, 0, w.forks)
+            w.blocks -= release_prefix(w.refs, r.ids, r.anchors, r.chunk)
         w.requests -= 1
         if w.requests == 0:
             w.output = 0.0  # exact zero, whatever float rounding accumulated

@@ -1,10 +1,14 @@
-"""A standalone router in front of test engines, all on loopback, and a chat body builder."""
+"""A standalone router in front of test engines, all on loopback, a chat body builder, and a wait
+for a worker's blocks to reach the router's index."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
+
+import aiohttp
 
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
@@ -40,3 +44,23 @@ async def fleet(
 
 def chat(text: str, **extra: Any) -> dict[str, Any]:
     return {"model": "test-model", "messages": [{"role": "user", "content": text}], **extra}
+
+
+async def indexed(
+    http: aiohttp.ClientSession,
+    url: str,
+    worker: str,
+    blocks: int,
+    headers: dict[str, str] | None = None,
+    tries: int = 500,
+) -> None:
+    """Wait until the router at ``url`` indexes ``blocks`` blocks of ``worker`` (its
+    ``/kvmesh/workers``, every 20 ms, ``tries`` times; ``headers``: the admin token where one is
+    set)."""
+    for _ in range(tries):
+        async with http.get(url + "/kvmesh/workers", headers=headers) as r:
+            rows = {row["worker_id"]: row for row in (await r.json())["workers"]}
+        if rows[worker]["indexed_blocks"] >= blocks:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{worker} never indexed {blocks} blocks")

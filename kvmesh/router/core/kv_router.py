@@ -52,7 +52,7 @@ from kvmesh.router.core.copies import SharedPrefixes
 from kvmesh.router.core.index_factory import index_for
 from kvmesh.router.core.joins import Joins
 from kvmesh.router.core.latency_cost import NO_TIERS, LatencyCost, weigh_prefill
-from kvmesh.router.core.load import ActiveSequences, PromptBlocks, chunk_blocks
+from kvmesh.router.core.load import ActiveSequences, PromptBlocks
 from kvmesh.router.core.observations import Observations
 from kvmesh.router.core.pass_lag import PassLag
 from kvmesh.router.core.queue import AdmissionQueue, Waiting, jump_of, queue_key
@@ -212,8 +212,7 @@ class KvRouter:
             raise WorkerError(f"worker {worker_id}: dp_size and block_size must be >= 1")
         if self._block_size is None:
             self._block_size = block_size
-            self._load.block_size = block_size
-            self._load.chunk = chunk_blocks(block_size)
+            self._load.set_block_size(block_size)
         elif block_size != self._block_size:
             raise WorkerError(
                 f"worker {worker_id} uses block size {block_size}, the fleet uses {self._block_size}; "
@@ -848,10 +847,7 @@ class KvRouter:
         turn: Turn | None = None,
     ) -> None:
         if prompt is None:
-            load = self._load
-            prompt = (
-                PromptBlocks(local_hashes, load.chunk) if load.assume_kv_reuse else _bare_prompt(local_hashes)
-            )
+            prompt = self._load.prompt_of(local_hashes)
         model = self._timing.get(worker)
         uncached = max(isl_tokens - overlap * (self._block_size or 1), 0)
         expected = model.prefill_ms(uncached) / 1000.0 if model is not None and uncached else 0.0
@@ -895,9 +891,7 @@ class KvRouter:
             return False
         depth = self._index.find_matches_tiered(local_hashes).get(worker)
         overlap = depth.device if depth is not None else 0
-        prompt = (
-            PromptBlocks(local_hashes, load.chunk) if load.assume_kv_reuse else _bare_prompt(local_hashes)
-        )
+        prompt = load.prompt_of(local_hashes)
         credit = self._weights.overlap_score_credit if overlap_score_credit is None else overlap_score_credit
         if self._latency and credit > 0:
             # blocks a request in flight there carries (a sibling sent a moment before, its blocks
@@ -1084,13 +1078,3 @@ class KvRouter:
     def queue_pending(self) -> tuple[int, int]:
         """(requests, prompt tokens) waiting in the admission queue."""
         return len(self._queue), self._queue.pending_tokens
-
-
-def _bare_prompt(local_hashes: Sequence[int]) -> PromptBlocks:
-    """A PromptBlocks without identities, for when shared blocks are not deduplicated."""
-    p = PromptBlocks.__new__(PromptBlocks)
-    p.ids = []
-    p.n_anchors = 0
-    p.chunk = 1
-    p.n_blocks = len(local_hashes)
-    return p

@@ -274,9 +274,8 @@ class ActiveSequences:
         track_active_blocks: bool = True,
         track_output_blocks: bool = False,
     ) -> None:
-        self.block_size = block_size
-        self.chunk = chunk_blocks(block_size)
-        """Blocks in a prefix identity's chunk: set with ``block_size`` (:func:`chunk_blocks`)."""
+        self.block_size = self.chunk = 0
+        self.set_block_size(block_size)
         self.assume_kv_reuse = assume_kv_reuse
         self.track_prefill_tokens = track_prefill_tokens
         self.track_active_blocks = track_active_blocks
@@ -289,7 +288,26 @@ class ActiveSequences:
         """What an unseen request is taken to hold (KV blocks) and queue (uncached prompt tokens)."""
         self._sizes_at: float | None = None
 
+    def set_block_size(self, block_size: int) -> None:
+        """The fleet's block size (a router learns it from its first worker), and with it
+        ``chunk``: the blocks in a prefix identity's chunk (:func:`chunk_blocks`)."""
+        self.block_size = block_size
+        self.chunk = chunk_blocks(block_size)
+
+    def prompt_of(self, local_hashes: Sequence[int]) -> PromptBlocks:
+        """A prompt's identities as this load counts them: in this fleet's chunks, or none when
+        shared blocks are not deduplicated (``assume_kv_reuse`` off)."""
+        if self.assume_kv_reuse:
+            return PromptBlocks(local_hashes, self.chunk)
+        p = PromptBlocks.__new__(PromptBlocks)
+        p.ids = []
+        p.n_anchors = 0
+        p.chunk = 1
+        p.n_blocks = len(local_hashes)
+        return p
+
     # ------------------------------------------------------------------ views
+
     def add_worker(self, worker: WorkerKey) -> None:
         self._workers.setdefault(worker, _WorkerLoad())
 

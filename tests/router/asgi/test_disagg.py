@@ -22,7 +22,7 @@ from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.metrics import get_metrics
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.engines import EngineState, engine_app
-from tests.router.fleet import chat
+from tests.router.fleet import chat, indexed
 from tests.router.servers import Server, serve
 
 TRANSFER = {
@@ -230,21 +230,10 @@ async def test_mock_pools_place_prefill_by_prefix_and_decode_finds_the_prompt_ca
             )
             # the prefill worker's events reach the index before the next request is routed (a
             # fixed 0.15 s was not always enough on a loaded machine: the next went elsewhere)
-            await _indexed(http, front.url, placed[-1], doc["usage"]["prompt_tokens"] // 16)
+            await indexed(http, front.url, placed[-1], doc["usage"]["prompt_tokens"] // 16)
         assert len(set(placed[1:])) == 1, placed  # after the first, the prefix decides
         for hit, total in cached:
             assert hit >= total - 2 * 16, cached  # the transferred prompt, less its last block
-
-
-async def _indexed(http: aiohttp.ClientSession, url: str, worker: str, blocks: int) -> None:
-    """Wait until the router's index holds ``blocks`` blocks of ``worker``."""
-    for _ in range(500):
-        async with http.get(url + "/kvmesh/workers") as r:
-            rows = {row["worker_id"]: row for row in (await r.json())["workers"]}
-        if rows[worker]["indexed_blocks"] >= blocks:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{worker} never indexed {blocks} blocks")
 
 
 async def test_decode_spreads_by_load() -> None:

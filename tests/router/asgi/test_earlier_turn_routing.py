@@ -20,6 +20,7 @@ from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from kvmesh.router.request.tokenizer import BuiltinTokenizer
+from tests.router.fleet import indexed
 from tests.router.servers import serve
 
 TOKEN = {"x-kvmesh-admin-token": "s3cret"}
@@ -62,13 +63,7 @@ async def _indexed(http: aiohttp.ClientSession, url: str, answer: dict[str, Any]
     worker = answer["nvext"]["worker_id"]["decode_worker_id"]
     usage = answer["usage"]
     blocks = (usage["prompt_tokens"] + usage["completion_tokens"] - 1) // 16
-    for _ in range(250):
-        async with http.get(url + "/kvmesh/workers", headers=TOKEN) as r:
-            rows = {row["worker_id"]: row for row in (await r.json())["workers"]}
-        if rows[worker]["indexed_blocks"] >= blocks:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{worker} never indexed {blocks} blocks")
+    await indexed(http, url, worker, blocks, TOKEN, tries=250)
 
 
 @contextlib.asynccontextmanager

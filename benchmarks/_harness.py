@@ -38,6 +38,14 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
+def spread(values: list[float], fmt: str = ".2f") -> str:
+    """``median [min, max]`` of per-round values (just the value for a single round)."""
+    mid = format(statistics.median(values), fmt)
+    if len(values) == 1:
+        return mid
+    return f"{mid} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
+
+
 def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {sys.version.split()[0]}, {platform.platform()}"
 

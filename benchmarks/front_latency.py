@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp
-from _harness import machine, percentile, table
+from _harness import machine, percentile, spread, table
 from routing_quality import ENGINE_ARGS, MODEL  # the suite's engines: 2,048 blocks, 8k-token steps
 
 from kvmesh._http import SseLines, sse_data
@@ -131,13 +131,6 @@ async def kv_phases(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     return out
 
 
-def _spread(values: list[float], fmt: str = ".2f") -> str:
-    mid = format(statistics.median(values), fmt)
-    if len(values) == 1:
-        return mid
-    return f"{mid} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
-
-
 async def main_async(args: argparse.Namespace) -> int:
     sglang = has_sglang_router() and not args.no_sglang
     if not sglang and not args.no_sglang:
@@ -156,15 +149,15 @@ async def main_async(args: argparse.Namespace) -> int:
     for path in paths:
         ttft_meds = [statistics.median(r[path.name]) for r in rounds]
         if path.name == direct:
-            rows.append([path.name, _spread(ttft_meds), "-", "-"])
+            rows.append([path.name, spread(ttft_meds), "-", "-"])
             continue
         added = [[t - d for t, d in zip(r[path.name], r[direct], strict=True)] for r in rounds]
         rows.append(
             [
                 path.name,
-                _spread(ttft_meds),
-                _spread([statistics.median(a) for a in added]),
-                _spread([percentile(a, 90) for a in added]),
+                spread(ttft_meds),
+                spread([statistics.median(a) for a in added]),
+                spread([percentile(a, 90) for a in added]),
             ]
         )
     print(f"machine: {machine()}")

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import machine, percentile, table
+from _harness import machine, percentile, spread, table
 
 from kvmesh.bench.fleet import child_env, process_cpu_seconds, spawn_child, stop_processes
 from kvmesh.commands.argtypes import positive_int
@@ -183,14 +183,6 @@ async def _measure(target: Endpoint, n: int, concurrency: int) -> Sample:
         cpu1 = process_cpu_seconds(target.pid)
     cpu = (cpu1 - cpu0) / len(latencies) if cpu0 is not None and cpu1 is not None else None
     return Sample(statistics.median(latencies), percentile(latencies, 99), len(latencies) / elapsed, cpu)
-
-
-def spread(values: list[float], fmt: str) -> str:
-    """``median [min, max]`` of per-round values (just the value for a single round)."""
-    mid = format(statistics.median(values), fmt)
-    if len(values) == 1:
-        return mid
-    return f"{mid} [{format(min(values), fmt)}, {format(max(values), fmt)}]"
 
 
 def _http_parser() -> str:

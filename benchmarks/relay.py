@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import machine, table
-from overhead import Endpoint, free_port, request_read, serve_process, spread
+from _harness import machine, spread, table
+from overhead import Endpoint, free_port, request_read, serve_process
 
 from kvmesh.bench.fleet import process_cpu_seconds, sglang_router
 from kvmesh.bench.runner import Progress

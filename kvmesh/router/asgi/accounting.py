@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvmesh._types import WorkerKey
@@ -88,6 +89,7 @@ class RoutedAccount(LoadAccount):
     __slots__ = (
         "answer",
         "answer_ids",
+        "before_first",
         "counts_text",
         "decision",
         "last_event",
@@ -111,6 +113,9 @@ class RoutedAccount(LoadAccount):
         self.t0 = t0
         self.wall0 = wall0
         self.routed_at = 0.0
+        self.before_first: Callable[[], None] | None = None
+        """Counts a prompt routed before it was tokenized, if that has not run by the first token
+        (its count is of no use after it)."""
         self.decision: Decision | None = None
         self.worker_id = ""
         self.prefill_worker: WorkerKey | None = None
@@ -177,6 +182,9 @@ class RoutedAccount(LoadAccount):
         if self.prefill_timer is not None:  # the answer is whole before the estimate ran out
             self.prefill_timer.cancel()
             self.prefill_timer = None
+        if self.before_first is not None:
+            self.before_first()
+            self.before_first = None
         super().first_event(streamed)
         if self.parsed.stream:  # a whole JSON answer's arrival is no first token
             self.mesh.metrics.ttft.observe(now - self.t0)

@@ -131,7 +131,7 @@ class RoutedRequest:
             # a prompt no worker holds is routed on its first block, a conversation's later turn on
             # its earlier turn's blocks (replicas tell each other a decision's blocks as it is made,
             # and a two-stage request routes twice: not those)
-            held=mesh.router.holds_any if early else None,
+            held=mesh.held_first if early else None,
             tokens_per_byte=mesh.tokens_per_byte,
             memo=mesh.turn_memo if early else None,
         )
@@ -164,7 +164,14 @@ class RoutedRequest:
                 mesh.turn_memo.remember(parsed.turn_key, parsed.hashes, parsed.isl, len(raw))
         return parsed
 
-    def _sent(self, parsed: ParsedRequest, request: RouteRequest, request_id: str) -> None:
+    def _sent(
+        self,
+        parsed: ParsedRequest,
+        request: RouteRequest,
+        request_id: str,
+        account: RoutedAccount,
+        count_in_s: float,
+    ) -> None:
         """The request is on its way to its worker: work out a deferred prompt's tokens, and count
         them where it went (``KvRouter.amend``).
 
@@ -173,16 +180,29 @@ class RoutedRequest:
         their turn) are routed and on their way first. They share no more of it than that earlier
         turn, which it already counts. Counted at once, it made each of them wait for its
         tokenizing and amend (0.5 ms of CPU a request on the suite's ``siblings``, 1.5 ms on
-        ``agent-long``'s 5,000-token prompts, with the built-in tokenizer). A prompt routed on its
-        first block alone is counted at once: until then it counts none of its blocks, and its
-        siblings, seeing none held, went to recompute their shared context on idle workers. A
-        request with the same messages as one waiting to be counted counts it first (the turn
-        memo's :meth:`~.TurnMemo.defer`), and is routed on all of its blocks."""
+        ``agent-long``'s 5,000-token prompts, with the built-in tokenizer). A request with the same
+        messages as one waiting to be counted counts it first (the turn memo's
+        :meth:`~.TurnMemo.defer`), and is routed on all of its blocks.
+
+        A prompt routed on its first block alone (no worker held it) is counted ``count_in_s``
+        later (:func:`_count_in_s`: midway to its predicted first token), or when a request that
+        begins with the same block asks whether any worker holds it (:meth:`Mesh.held_first`: a
+        sibling sharing its context is then routed beside it, on all of its blocks), or at its first
+        token, whichever comes first. Counted at once, its tokenizing took the CPU from the engine
+        just as the engine read the same prompt."""
         deferred = parsed.deferred
-        if deferred is None or not deferred.earlier_turn or deferred.exact:
+        if deferred is None or deferred.exact or (not deferred.earlier_turn and not count_in_s):
             self._count_sent(parsed, request, request_id)
             return
         loop = asyncio.get_running_loop()
+        if not deferred.earlier_turn:
+            key = deferred.first_hash
+            assert key is not None
+            cold = self.mesh.cold_counts
+            cold.defer(key, functools.partial(self._count_sent, parsed, request, request_id))
+            loop.call_later(count_in_s, cold.settle, key)
+            account.before_first = functools.partial(cold.settle, key)
+            return
         key = parsed.turn_key
         if key is None:  # (no generation prompt: nothing sends its messages again as a prompt)
             loop.call_soon(self._count_sent, parsed, request, request_id)
@@ -295,7 +315,9 @@ class RoutedRequest:
             count=self._count,
         )
         if parsed.deferred is not None:
-            dispatch.sent = functools.partial(self._sent, parsed, request, account.request_id)
+            dispatch.sent = functools.partial(
+                self._sent, parsed, request, account.request_id, account, _count_in_s(decision)
+            )
         await dispatch.run(decision, pinned=request.backend_instance_id is not None)
 
     def route(self, request: RouteRequest, account: RoutedAccount) -> RouteResult:
@@ -424,6 +446,20 @@ class RoutedRequest:
             scope = {**scope, "headers": [*scope["headers"], tag]}
         self._count("local", 0)
         await self.app(scope, replay_body(body, self.receive), self.send)
+
+
+def _count_in_s(decision: Decision) -> float:
+    """When to count a prompt routed on a first block no worker held, once it is sent: midway to
+    its predicted first token (0: at once, with no prediction). By then the engine has read the
+    prompt and is computing it, and its first token is still ahead (until then the router counts
+    its estimated length). Counted at once, tokenizing a long prompt took the CPU from the engine
+    just as it read the same prompt: on two cores that added 0.6-1.0 ms to a 2,850-token cold
+    prompt's time to first token (``benchmarks/front_latency.py``)."""
+    for score in decision.breakdown:
+        if score.worker == decision.worker:
+            predicted = score.predicted_ttft_ms
+            return predicted / 2000.0 if predicted is not None and predicted > 0.0 else 0.0
+    return 0.0
 
 
 def _client(scope: Scope) -> str | None:

@@ -38,6 +38,7 @@ from kvmesh.router.mesh.settings import MeshSettings
 from kvmesh.router.mesh.worker_rpc import ADMIN_TOKEN_HEADER, WorkerRpc
 from kvmesh.router.request.continuation import TurnMemo
 from kvmesh.router.request.nvext import NvextLimits
+from kvmesh.router.request.pending import PendingCounts
 from kvmesh.router.request.tokenizer import BuiltinTokenizer, HfTokenizer, Tokenizer
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
 
@@ -133,6 +134,9 @@ class Mesh:
         """Prompts routed on their first block alone (no worker held it) and tokenized once sent."""
         self.turn_memo = TurnMemo()
         """Recent chat prompts' blocks: a conversation's later turn is routed on its earlier one's."""
+        self.cold_counts = PendingCounts()
+        """Prompts routed on a first block no worker held, sent and not yet counted, by that
+        block's hash (:meth:`held_first`)."""
         self.nvext_limits = NvextLimits(
             session_id_max_len=self.config.router_session_id_max_len,
             session_timeout_max=self.config.router_session_timeout_max_secs,
@@ -208,6 +212,13 @@ class Mesh:
         if not ready.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ready.wait(), self.settings.connect_timeout + 2.0)
+
+    def held_first(self, block_hash: int) -> bool:
+        """Whether a worker holds, or a request in flight carries, a prompt's first block. A prompt
+        sent with that first block and not yet counted is counted first: a request that begins with
+        it (a sibling sharing its context) is then routed on all of its blocks, beside it."""
+        self.cold_counts.settle(block_hash)
+        return self.router.holds_any(block_hash)
 
     def learn_tokens_per_byte(self, tokens: int, body_bytes: int) -> None:
         """A prompt of ``tokens`` came in a body of ``body_bytes``."""

@@ -21,6 +21,8 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.router.request.pending import PendingCounts
+
 _encode = msgspec.json.encode
 
 MEMO_BLOCKS = 1 << 18
@@ -50,7 +52,7 @@ class TurnMemo:
         """Prompts routed on a kept prompt's blocks: later turns, and the same messages again."""
         self.same = 0
         """Of those, the same messages again (counted and tokenized no more once sent)."""
-        self._pending: dict[int, Callable[[], None]] = {}
+        self._pending = PendingCounts()
         """Prompts sent and not yet counted (:meth:`defer`), by fingerprint: how to count each."""
 
     def __len__(self) -> int:
@@ -123,14 +125,11 @@ class TurnMemo:
         waiting are on their way.
         A request with the same messages runs it first, from :meth:`find`: it is then routed on
         all of that prompt's blocks, as a best-of-n sibling is."""
-        self.settle(fingerprint)
-        self._pending[fingerprint] = count
+        self._pending.defer(fingerprint, count)
 
     def settle(self, fingerprint: int) -> None:
         """Run the deferred count of the prompt with this fingerprint, if it has not run yet."""
-        count = self._pending.pop(fingerprint, None)
-        if count is not None:
-            count()
+        self._pending.settle(fingerprint)
 
     def stop(self, reason: str) -> None:
         """Keep nothing more, and find nothing: the template does not render turn by turn."""

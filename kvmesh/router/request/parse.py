@@ -70,6 +70,9 @@ class DeferredPrompt:
     if something asks for them (:meth:`ParsedRequest.complete`: a pin of the answer, a warm-up)."""
     matched: bool = True
     """Once complete: whether the prompt began with the blocks it was routed on."""
+    first_hash: int | None = None
+    """Routed on its first block alone: that block's hash (a request beginning with it asks for
+    this one to be counted first, ``Mesh.cold``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,8 +289,11 @@ def parse_request(
                         clock() - t0, 0.0, keyed, deferred, turn_key,
                     )  # fmt: skip
         first = _guarded(prompt_prefix_ids, tokenizer, body, endpoint, block_size)
-        if first is not None and not held(block_hashes(first, block_size, lora)[0]):
-            deferred = DeferredPrompt(tokenize, max(1, round(tokens_per_byte * len(raw))))
+        first_hash = block_hashes(first, block_size, lora)[0] if first is not None else None
+        if first_hash is not None and not held(first_hash):
+            deferred = DeferredPrompt(
+                tokenize, max(1, round(tokens_per_byte * len(raw))), first_hash=first_hash
+            )
             return ParsedRequest(
                 endpoint, raw, body, nv, overrides, [], [], lora, clock() - t0, 0.0, keyed, deferred, turn_key
             )

@@ -5,6 +5,7 @@ whose beginning some worker holds is tokenized before routing, as always."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import aiohttp
@@ -107,3 +108,49 @@ async def test_a_prompt_counted_once_sent_keeps_its_own_cache_credit(
                 async with http.post(front.url + "/v1/chat/completions", json=body) as r:
                     assert r.status == 200, await r.text()
     assert seen == [0.0, 0.5, None]
+
+
+async def test_a_cold_prompt_sent_is_counted_before_a_request_that_begins_like_it_is_routed(
+    http: aiohttp.ClientSession,
+) -> None:
+    # A cold prompt is counted a while after it is sent (the engine reads it meanwhile), but a
+    # request sharing its first block (a sibling sent with it) has it counted first: it is then
+    # tokenized, routed on all its blocks and sent beside it, not routed cold elsewhere.
+    rng = random.Random(6)
+    async with run_mock(block_size=16, speedup=1.0) as a, run_mock(block_size=16, speedup=1.0) as b:
+        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")))
+        async with serve(build_router_app(settings)) as front:
+            # warm connections to both engines: a request goes from its decision to its write at once
+            for warm in range(4):
+                await _chat(http, front.url, a.config.model, f"Warm-up {warm}.", "Hi.")
+            context = "Shared context: " + words(rng, 1500)
+            answers = await asyncio.gather(
+                *(_chat(http, front.url, a.config.model, context, f"Question {q}?") for q in range(3))
+            )
+            assert answers[1]["nvext"]["worker_id"] == answers[0]["nvext"]["worker_id"]
+            assert answers[2]["nvext"]["worker_id"] == answers[0]["nvext"]["worker_id"]
+            # only the first was sent before it was tokenized
+            assert (await _state(http, front.url))["prompts"] == 1
+
+
+async def test_a_cold_prompt_answered_before_its_count_was_due_is_counted_before_its_first_token(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An engine that answers far sooner than the router predicts: the count, due midway to the
+    # predicted first token, runs when the first token comes instead, while it still counts
+    # (KvRouter.amend is a no-op once the first token is in).
+    counted: list[bool] = []
+    amend = KvRouter.amend
+
+    def spied(self: KvRouter, *args: object, **kwargs: object) -> bool:
+        counted.append(amend(self, *args, **kwargs))  # type: ignore[arg-type]
+        return counted[-1]
+
+    monkeypatch.setattr(KvRouter, "amend", spied)
+    rng = random.Random(7)
+    async with run_mock(block_size=16, speedup=1000.0) as a:
+        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"),))
+        async with serve(build_router_app(settings)) as front:
+            for d in range(3):
+                await _chat(http, front.url, a.config.model, f"Report {d}: " + words(rng, 1500), "Summarise.")
+    assert counted == [True, True, True]

@@ -199,9 +199,10 @@ class RoutedRequest:
             key = deferred.first_hash
             assert key is not None
             cold = self.mesh.cold_counts
-            cold.defer(key, functools.partial(self._count_sent, parsed, request, request_id))
-            loop.call_later(count_in_s, cold.settle, key)
-            account.before_first = functools.partial(cold.settle, key)
+            count = functools.partial(self._count_sent, parsed, request, request_id)
+            cold.defer(key, count)
+            loop.call_later(count_in_s, cold.settle, key, count)
+            account.before_first = functools.partial(cold.settle, key, count)
             return
         key = parsed.turn_key
         if key is None:  # (no generation prompt: nothing sends its messages again as a prompt)

@@ -71,8 +71,8 @@ class DeferredPrompt:
     matched: bool = True
     """Once complete: whether the prompt began with the blocks it was routed on."""
     first_hash: int | None = None
-    """Routed on its first block alone: that block's hash (a request beginning with it asks for
-    this one to be counted first, ``Mesh.cold``)."""
+    """Routed on its first block alone: that block's hash (a request beginning with it has this
+    one counted first, ``Mesh.held_first``)."""
 
 
 @dataclass(frozen=True, slots=True)

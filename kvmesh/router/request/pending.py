@@ -28,8 +28,11 @@ class PendingCounts:
         self.settle(key)
         self._pending[key] = count
 
-    def settle(self, key: int) -> None:
-        """Run the count kept under ``key``, if it has not run yet."""
-        count = self._pending.pop(key, None)
-        if count is not None:
-            count()
+    def settle(self, key: int, count: Callable[[], None] | None = None) -> None:
+        """Run the count kept under ``key``, if it has not run yet; given ``count``, only if that is
+        the one kept there (its owner's timer or first token must not run another request's)."""
+        kept = self._pending.get(key)
+        if kept is None or (count is not None and kept is not count):
+            return
+        del self._pending[key]
+        kept()

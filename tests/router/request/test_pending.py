@@ -27,3 +27,22 @@ def test_a_second_count_under_a_key_runs_the_first_one_first() -> None:
     assert ran == ["first"]
     pending.settle(7)
     assert ran == ["first", "second"]
+
+
+def test_an_owner_settles_only_its_own_count() -> None:
+    ran: list[str] = []
+    pending = PendingCounts()
+
+    def first() -> None:
+        ran.append("first")
+
+    def second() -> None:
+        ran.append("second")
+
+    pending.defer(5, first)
+    pending.settle(5)  # a request beginning like it had it counted
+    pending.defer(5, second)
+    pending.settle(5, first)  # the first one's timer, late: not the second one's count
+    assert ran == ["first"]
+    pending.settle(5, second)
+    assert ran == ["first", "second"]

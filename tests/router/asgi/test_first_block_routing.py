@@ -6,7 +6,9 @@ whose beginning some worker holds is tokenized before routing, as always."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -31,6 +33,31 @@ async def _chat(http: aiohttp.ClientSession, url: str, model: str, system: str, 
         return await r.json()
 
 
+@contextlib.asynccontextmanager
+async def _engines(n: int, speedup: float) -> AsyncIterator[tuple[str, str]]:
+    """``n`` simulated engines behind the standalone router: ``(router URL, model)``."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [
+            await stack.enter_async_context(run_mock(block_size=16, speedup=speedup)) for _ in range(n)
+        ]
+        workers = tuple(WorkerSpec(e.base_url, "abcdefgh"[i]) for i, e in enumerate(engines))
+        front = await stack.enter_async_context(serve(build_router_app(MeshSettings(workers=workers))))
+        yield front.url, engines[0].config.model
+
+
+def _spy_amend(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict[str, object], bool]]:
+    """Every ``KvRouter.amend`` call from now on: its keyword arguments and what it returned."""
+    calls: list[tuple[dict[str, object], bool]] = []
+    amend = KvRouter.amend
+
+    def spied(self: KvRouter, *args: object, **kwargs: object) -> bool:
+        calls.append((kwargs, amend(self, *args, **kwargs)))  # type: ignore[arg-type]
+        return calls[-1][1]
+
+    monkeypatch.setattr(KvRouter, "amend", spied)
+    return calls
+
+
 async def _state(http: aiohttp.ClientSession, url: str) -> dict:
     async with http.get(url + "/kvmesh/router") as r:
         return (await r.json())["routed_on_first_block"]
@@ -40,29 +67,27 @@ async def test_a_cold_prompt_is_routed_on_its_first_block_and_counted_whole_once
     http: aiohttp.ClientSession,
 ) -> None:
     rng = random.Random(3)
-    async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
-        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")))
-        async with serve(build_router_app(settings)) as front:
-            documents = [f"Document {d}: " + words(rng, 1500) for d in range(3)]
-            served = {}
-            for d, document in enumerate(documents):
-                answer = await _chat(http, front.url, a.config.model, document, "Summarise it.")
-                served[d] = answer["nvext"]["worker_id"]
-                assert answer["usage"]["prompt_tokens"] > 3000  # about 3.5k tokens, nothing cached
-                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            state = await _state(http, front.url)
-            # three new documents: three prompts sent before they were tokenized, and the router
-            # learned the bodies' tokens per byte from them
-            assert state["prompts"] == 3
-            assert 0.2 < state["tokens_per_byte"] < 0.4
-            for d, document in enumerate(documents):
-                # a second question on each document goes where its prefix is (the router counted
-                # its blocks there after the first one was sent, and the engine has them now)
-                answer = await _chat(http, front.url, a.config.model, document, "And in one line?")
-                assert answer["nvext"]["worker_id"] == served[d]
-                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 3000
-            # those prompts' beginnings were held: tokenized before routing, as ever
-            assert (await _state(http, front.url))["prompts"] == 3
+    async with _engines(2, 1000.0) as (url, model):
+        documents = [f"Document {d}: " + words(rng, 1500) for d in range(3)]
+        served = {}
+        for d, document in enumerate(documents):
+            answer = await _chat(http, url, model, document, "Summarise it.")
+            served[d] = answer["nvext"]["worker_id"]
+            assert answer["usage"]["prompt_tokens"] > 3000  # about 3.5k tokens, nothing cached
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        state = await _state(http, url)
+        # three new documents: three prompts sent before they were tokenized, and the router
+        # learned the bodies' tokens per byte from them
+        assert state["prompts"] == 3
+        assert 0.2 < state["tokens_per_byte"] < 0.4
+        for d, document in enumerate(documents):
+            # a second question on each document goes where its prefix is (the router counted
+            # its blocks there after the first one was sent, and the engine has them now)
+            answer = await _chat(http, url, model, document, "And in one line?")
+            assert answer["nvext"]["worker_id"] == served[d]
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 3000
+        # those prompts' beginnings were held: tokenized before routing, as ever
+        assert (await _state(http, url))["prompts"] == 3
 
 
 async def test_a_failure_counting_a_prompt_already_sent_does_not_drop_its_answer(
@@ -73,10 +98,8 @@ async def test_a_failure_counting_a_prompt_already_sent_does_not_drop_its_answer
 
     monkeypatch.setattr(KvRouter, "amend", broken)
     rng = random.Random(4)
-    async with run_mock(block_size=16, speedup=1000.0) as a:
-        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"),))
-        async with serve(build_router_app(settings)) as front:
-            answer = await _chat(http, front.url, a.config.model, "Notes: " + words(rng, 900), "Go on.")
+    async with _engines(1, 1000.0) as (url, model):
+        answer = await _chat(http, url, model, "Notes: " + words(rng, 900), "Go on.")
     assert answer["choices"][0]["message"]["content"]
     assert "counting a prompt routed before it was tokenized failed" in caplog.text
 
@@ -86,28 +109,19 @@ async def test_a_prompt_counted_once_sent_keeps_its_own_cache_credit(
 ) -> None:
     # nvext.agent_hints.kv_overlap_score_credit weighed the request's decision; counting its whole prompt
     # afterwards must weigh it the same, not by the router's default
-    seen: list[object] = []
-    amend = KvRouter.amend
-
-    def spied(self: KvRouter, *args: object, **kwargs: object) -> bool:
-        seen.append(kwargs.get("overlap_score_credit"))
-        return amend(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(KvRouter, "amend", spied)
+    calls = _spy_amend(monkeypatch)
     rng = random.Random(5)
-    async with run_mock(block_size=16, speedup=1000.0) as a:
-        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"),))
-        async with serve(build_router_app(settings)) as front:
-            for credit in (0.0, 0.5, None):
-                body = {
-                    "model": a.config.model,
-                    "messages": [{"role": "user", "content": f"Notes {credit}: " + words(rng, 900)}],
-                    "max_tokens": 2,
-                    "nvext": {} if credit is None else {"agent_hints": {"kv_overlap_score_credit": credit}},
-                }
-                async with http.post(front.url + "/v1/chat/completions", json=body) as r:
-                    assert r.status == 200, await r.text()
-    assert seen == [0.0, 0.5, None]
+    async with _engines(1, 1000.0) as (url, model):
+        for credit in (0.0, 0.5, None):
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": f"Notes {credit}: " + words(rng, 900)}],
+                "max_tokens": 2,
+                "nvext": {} if credit is None else {"agent_hints": {"kv_overlap_score_credit": credit}},
+            }
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+    assert [kwargs.get("overlap_score_credit") for kwargs, _ in calls] == [0.0, 0.5, None]
 
 
 async def test_a_cold_prompt_sent_is_counted_before_a_request_that_begins_like_it_is_routed(
@@ -117,20 +131,18 @@ async def test_a_cold_prompt_sent_is_counted_before_a_request_that_begins_like_i
     # request sharing its first block (a sibling sent with it) has it counted first: it is then
     # tokenized, routed on all its blocks and sent beside it, not routed cold elsewhere.
     rng = random.Random(6)
-    async with run_mock(block_size=16, speedup=1.0) as a, run_mock(block_size=16, speedup=1.0) as b:
-        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")))
-        async with serve(build_router_app(settings)) as front:
-            # warm connections to both engines: a request goes from its decision to its write at once
-            for warm in range(4):
-                await _chat(http, front.url, a.config.model, f"Warm-up {warm}.", "Hi.")
-            context = "Shared context: " + words(rng, 1500)
-            answers = await asyncio.gather(
-                *(_chat(http, front.url, a.config.model, context, f"Question {q}?") for q in range(3))
-            )
-            assert answers[1]["nvext"]["worker_id"] == answers[0]["nvext"]["worker_id"]
-            assert answers[2]["nvext"]["worker_id"] == answers[0]["nvext"]["worker_id"]
-            # only the first was sent before it was tokenized
-            assert (await _state(http, front.url))["prompts"] == 1
+    async with _engines(2, 1.0) as (url, model):
+        # warm connections to both engines: a request goes from its decision to its write at once
+        for warm in range(4):
+            await _chat(http, url, model, f"Warm-up {warm}.", "Hi.")
+        context = "Shared context: " + words(rng, 1500)
+        answers = await asyncio.gather(
+            *(_chat(http, url, model, context, f"Question {q}?") for q in range(3))
+        )
+        assert answers[1]["nvext"]["worker_id"] == answers[0]["nvext"]["worker_id"]
+        assert answers[2]["nvext"]["worker_id"] == answers[0]["nvext"]["worker_id"]
+        # only the first was sent before it was tokenized
+        assert (await _state(http, url))["prompts"] == 1
 
 
 async def test_a_cold_prompt_answered_before_its_count_was_due_is_counted_before_its_first_token(
@@ -139,18 +151,9 @@ async def test_a_cold_prompt_answered_before_its_count_was_due_is_counted_before
     # An engine that answers far sooner than the router predicts: the count, due midway to the
     # predicted first token, runs when the first token comes instead, while it still counts
     # (KvRouter.amend is a no-op once the first token is in).
-    counted: list[bool] = []
-    amend = KvRouter.amend
-
-    def spied(self: KvRouter, *args: object, **kwargs: object) -> bool:
-        counted.append(amend(self, *args, **kwargs))  # type: ignore[arg-type]
-        return counted[-1]
-
-    monkeypatch.setattr(KvRouter, "amend", spied)
+    calls = _spy_amend(monkeypatch)
     rng = random.Random(7)
-    async with run_mock(block_size=16, speedup=1000.0) as a:
-        settings = MeshSettings(workers=(WorkerSpec(a.base_url, "a"),))
-        async with serve(build_router_app(settings)) as front:
-            for d in range(3):
-                await _chat(http, front.url, a.config.model, f"Report {d}: " + words(rng, 1500), "Summarise.")
-    assert counted == [True, True, True]
+    async with _engines(1, 1000.0) as (url, model):
+        for d in range(3):
+            await _chat(http, url, model, f"Report {d}: " + words(rng, 1500), "Summarise.")
+    assert [counted for _, counted in calls] == [True, True, True]

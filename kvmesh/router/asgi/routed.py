@@ -165,12 +165,7 @@ class RoutedRequest:
         return parsed
 
     def _sent(
-        self,
-        parsed: ParsedRequest,
-        request: RouteRequest,
-        request_id: str,
-        account: RoutedAccount,
-        count_in_s: float,
+        self, parsed: ParsedRequest, request: RouteRequest, account: RoutedAccount, count_in_s: float
     ) -> None:
         """The request is on its way to its worker: work out a deferred prompt's tokens, and count
         them where it went (``KvRouter.amend``).
@@ -190,6 +185,7 @@ class RoutedRequest:
         sibling sharing its context is then routed beside it, on all of its blocks), or at its first
         token, whichever comes first. Counted at once, its tokenizing took the CPU from the engine
         just as the engine read the same prompt."""
+        request_id = account.request_id
         deferred = parsed.deferred
         if deferred is None or deferred.exact or (not deferred.earlier_turn and not count_in_s):
             self._count_sent(parsed, request, request_id)
@@ -316,9 +312,7 @@ class RoutedRequest:
             count=self._count,
         )
         if parsed.deferred is not None:
-            dispatch.sent = functools.partial(
-                self._sent, parsed, request, account.request_id, account, _count_in_s(decision)
-            )
+            dispatch.sent = functools.partial(self._sent, parsed, request, account, _count_in_s(decision))
         await dispatch.run(decision, pinned=request.backend_instance_id is not None)
 
     def route(self, request: RouteRequest, account: RoutedAccount) -> RouteResult:

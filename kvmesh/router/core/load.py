@@ -307,7 +307,6 @@ class ActiveSequences:
         return p
 
     # ------------------------------------------------------------------ views
-
     def add_worker(self, worker: WorkerKey) -> None:
         self._workers.setdefault(worker, _WorkerLoad())
 

@@ -15,13 +15,16 @@ the request was handed to it, so the request provably never reached the server.
 An idle connection is reused only while younger than ``max_idle_secs`` (2 s by default, below the
 5 s keep-alive timeout of uvicorn, vLLM and SGLang): a server closing an idle connection just as a
 request is written to it is the one case where a request may be lost without knowing whether the
-server read it, and an old idle connection is where that race lives.
+server read it, and an old idle connection is where that race lives. The pool counts the
+connections carrying a request per origin (:meth:`ConnectionPool.lend`), so that
+:mod:`~kvmesh.router.upstream.warm` can keep as many ready as a worker's recent bursts took.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -138,6 +141,11 @@ class Http1Connection(asyncio.Protocol):
                 self._waiter = None
 
     @property
+    def closed(self) -> bool:
+        """Closed, failed, or never connected: it carries nothing any more."""
+        return self._error is not None or self.transport is None or self.transport.is_closing()
+
+    @property
     def complete(self) -> bool:
         """The whole response has been received (it may still be waiting in :meth:`read`)."""
         return self._complete
@@ -232,6 +240,15 @@ class ConnectionPool:
         self._max_idle_secs = max_idle_secs
         self._idle: dict[Origin, list[Http1Connection]] = {}
         self._ssl: ssl.SSLContext | None = None
+        self._lent: dict[Origin, weakref.WeakSet[Http1Connection]] = {}
+        """Connections carrying a request now (:meth:`lend`), until given back or closed."""
+        self._peaks: dict[Origin, tuple[int, float]] = {}
+        """Per origin: the most connections lent at once lately, and the loop time it was last reached."""
+
+    @property
+    def max_idle_secs(self) -> float:
+        """How long an idle connection is kept for reuse."""
+        return self._max_idle_secs
 
     def take_idle(self, origin: Origin) -> Http1Connection | None:
         """The most recently used idle connection that is still usable and young enough, if any
@@ -265,8 +282,66 @@ class ConnectionPool:
         )
         return conn
 
+    def lend(self, origin: Origin, conn: Http1Connection) -> None:
+        """``conn`` carries a request now: counted towards how many an origin needs at once."""
+        lent = self._lent.get(origin)
+        if lent is None:
+            lent = self._lent[origin] = weakref.WeakSet()
+        lent.add(conn)
+        busy = self.busy(origin)
+        if busy >= self._peaks.get(origin, (0, 0.0))[0]:
+            self._peaks[origin] = (busy, asyncio.get_running_loop().time())
+
+    def busy(self, origin: Origin) -> int:
+        """Connections to ``origin`` carrying a request now."""
+        lent = self._lent.get(origin)
+        if not lent:
+            return 0
+        for conn in [c for c in lent if c.closed]:
+            lent.discard(conn)
+        return len(lent)
+
+    def warm_targets(self, now: float, remember_secs: float, margin_secs: float) -> list[tuple[Origin, int]]:
+        """Per origin, how many connections to open now so that as many are ready as were busy at
+        once in the last ``remember_secs``: that peak, less the ones busy now and the idle ones that
+        will still be young enough to reuse ``margin_secs`` from now. Idle connections past their
+        age are closed on the way (nothing reuses them)."""
+        out = []
+        young = now - self._max_idle_secs + margin_secs
+        for origin, (peak, at) in list(self._peaks.items()):
+            busy = self.busy(origin)
+            if now - at > remember_secs:  # the peak is old: what is busy now is the new one
+                if busy:
+                    self._peaks[origin] = peak, at = busy, now
+                else:
+                    del self._peaks[origin]
+                    continue
+            idle = self._idle.get(origin, [])
+            for conn in [c for c in idle if c.idle_since < now - self._max_idle_secs or not c.usable]:
+                idle.remove(conn)
+                conn._on_lost = None
+                conn.close()
+            ready = sum(1 for c in idle if c.idle_since >= young)
+            missing = min(peak, self._max_idle) - busy - ready
+            if missing > 0:
+                out.append((origin, missing))
+        return out
+
+    def forget_peak(self, origin: Origin) -> None:
+        """Keep no connections warm for ``origin`` until it carries requests again."""
+        self._peaks.pop(origin, None)
+
+    def park(self, origin: Origin, conn: Http1Connection) -> None:
+        """Keep a fresh connection that has carried no request yet as idle (a warm one)."""
+        conn.keep_alive = True  # (HTTP/1.1 keeps a connection open unless told otherwise)
+        conn._complete = True  # (no response outstanding)
+        self.give_back(origin, conn)
+
     def give_back(self, origin: Origin, conn: Http1Connection) -> None:
         """Keep a connection whose response was read to the end; close it if it cannot be reused."""
+        lent = self._lent.get(origin)
+        if lent is not None:
+            lent.discard(conn)
         idle = self._idle.setdefault(origin, [])
         if conn.usable and conn.complete and len(idle) < self._max_idle:
             conn._on_lost = idle

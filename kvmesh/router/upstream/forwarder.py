@@ -32,6 +32,8 @@ import msgspec
 from kvmesh.errors import WorkerError
 from kvmesh.router.upstream.connection import ConnectionPool, Http1Connection, NotSent, Origin
 from kvmesh.router.upstream.http1 import ProtocolError, encode_request
+from kvmesh.router.upstream.warm import keep_warm
+from kvmesh.router.upstream.warm import stop as stop_warming
 
 # Headers that describe one connection, not the message (RFC 9110 section 7.6.1), plus the ones
 # the client recomputes for the new connection.
@@ -169,9 +171,13 @@ class UpstreamResponse:
 class Forwarder:
     """The app's HTTP client towards workers: keep-alive connections, pooled per worker."""
 
-    def __init__(self, *, connect_timeout: float = 3.0, pool_size: int = 256) -> None:
+    def __init__(self, *, connect_timeout: float = 3.0, pool_size: int = 256, warm: bool = True) -> None:
+        """``warm``: keep connections ready for each worker's recent bursts (:mod:`.warm`), from
+        the first request on."""
         self._pool = ConnectionPool(connect_timeout=connect_timeout, max_idle_per_origin=pool_size)
         self._targets: dict[str, tuple[Origin, bytes]] = {}
+        self._warms = warm
+        self._warm: asyncio.Task[None] | None = None
 
     async def open(
         self,
@@ -207,8 +213,11 @@ class Forwarder:
         on_sent: Callable[[], object] | None = None,
     ) -> UpstreamResponse:
         pool = self._pool
+        if self._warm is None and self._warms:
+            self._warm = asyncio.get_running_loop().create_task(keep_warm(pool))
         conn = pool.take_idle(origin)
         if conn is not None:
+            pool.lend(origin, conn)
             try:
                 await conn.request(data, head_request=head_request, on_sent=on_sent)
                 return UpstreamResponse(url, conn, pool, origin)
@@ -231,6 +240,7 @@ class Forwarder:
             conn = await pool.connect(origin)
         except _FAILURES as e:
             raise ConnectFailed(url, f"no response: {e!r}") from None
+        pool.lend(origin, conn)
         try:
             await conn.request(data, head_request=head_request, on_sent=on_sent)
         except _FAILURES as e:
@@ -330,4 +340,6 @@ class Forwarder:
             raise ConnectFailed(url, f"request failed: {e}") from None
 
     async def close(self) -> None:
+        task, self._warm = self._warm, None
+        await stop_warming(task)
         self._pool.close()

@@ -108,7 +108,8 @@ async def answer_all(peer: Peer) -> None:
 
 @pytest.fixture
 async def forwarder() -> AsyncIterator[Forwarder]:
-    f = Forwarder(connect_timeout=2.0)
+    # (no warm connections: these tests count the connections the requests themselves open)
+    f = Forwarder(connect_timeout=2.0, warm=False)
     yield f
     await f.close()
 
@@ -234,7 +235,7 @@ async def test_an_idle_connection_closed_before_reuse_is_replaced_transparently(
 
 
 async def test_an_old_idle_connection_is_not_reused() -> None:
-    forwarder = Forwarder(connect_timeout=2.0)
+    forwarder = Forwarder(connect_timeout=2.0, warm=False)
     forwarder._pool._max_idle_secs = 0.0  # every idle connection is past its age at once
     try:
         async with raw_server(answer_all) as raw:

@@ -199,7 +199,13 @@ class Forwarder:
         except ValueError as e:
             raise UpstreamError(worker_url, str(e)) from None
         return await self._send(
-            worker_url, origin, data, method == "HEAD", idempotent=method in _IDEMPOTENT, on_sent=on_sent
+            worker_url,
+            origin,
+            data,
+            method == "HEAD",
+            idempotent=method in _IDEMPOTENT,
+            on_sent=on_sent,
+            counted=True,
         )
 
     async def _send(
@@ -211,13 +217,18 @@ class Forwarder:
         *,
         idempotent: bool,
         on_sent: Callable[[], object] | None = None,
+        counted: bool = False,
     ) -> UpstreamResponse:
+        """``counted``: the request counts towards the connections kept ready for its worker (a
+        forwarded request does; a worker RPC or probe, one at a time, does not: counted, it kept
+        a connection ready for every worker of an idle fleet, replaced every 1.5 s)."""
         pool = self._pool
-        if self._warm is None and self._warms:
+        if counted and self._warm is None and self._warms:
             self._warm = asyncio.get_running_loop().create_task(keep_warm(pool))
         conn = pool.take_idle(origin)
         if conn is not None:
-            pool.lend(origin, conn)
+            if counted:
+                pool.lend(origin, conn)
             try:
                 await conn.request(data, head_request=head_request, on_sent=on_sent)
                 return UpstreamResponse(url, conn, pool, origin)
@@ -240,7 +251,8 @@ class Forwarder:
             conn = await pool.connect(origin)
         except _FAILURES as e:
             raise ConnectFailed(url, f"no response: {e!r}") from None
-        pool.lend(origin, conn)
+        if counted:
+            pool.lend(origin, conn)
         try:
             await conn.request(data, head_request=head_request, on_sent=on_sent)
         except _FAILURES as e:

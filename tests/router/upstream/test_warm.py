@@ -111,6 +111,14 @@ async def test_a_worker_that_refuses_stops_being_warmed() -> None:
         await forwarder.close()
 
 
+async def test_worker_rpcs_and_probes_keep_no_connection_ready(forwarder: Forwarder) -> None:
+    async with raw_server(answer_slowly) as raw:
+        for _ in range(3):
+            assert (await forwarder.get(raw.url))[0] == 200
+        await asyncio.sleep(1.2)  # (longer than an idle connection is kept)
+        assert raw.connections == 1
+
+
 async def test_close_stops_warming(forwarder: Forwarder) -> None:
     async with raw_server(answer_slowly) as raw:
         await burst(forwarder, raw.url)

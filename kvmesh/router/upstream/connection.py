@@ -311,11 +311,11 @@ class ConnectionPool:
         for origin, (peak, at) in list(self._peaks.items()):
             busy = self.busy(origin)
             if now - at > remember_secs:  # the peak is old: what is busy now is the new one
-                if busy:
-                    self._peaks[origin] = peak, at = busy, now
-                else:
+                if not busy:
                     del self._peaks[origin]
                     continue
+                peak = busy
+                self._peaks[origin] = (busy, now)
             idle = self._idle.get(origin, [])
             for conn in [c for c in idle if c.idle_since < now - self._max_idle_secs or not c.usable]:
                 idle.remove(conn)

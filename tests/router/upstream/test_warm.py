@@ -10,7 +10,8 @@ import pytest
 
 from kvmesh.router.upstream.connection import Origin
 from kvmesh.router.upstream.forwarder import Forwarder
-from kvmesh.router.upstream.warm import keep_warm
+from kvmesh.router.upstream.warm import keep_warm, stop
+from tests.router.servers import wait_until
 from tests.router.upstream.test_forwarder import Peer, body_of, ok, raw_server
 
 BURST = 5
@@ -32,13 +33,6 @@ def idle_count(forwarder: Forwarder, url: str) -> int:
     return len(forwarder._pool._idle.get(Origin.parse(url), []))
 
 
-async def wait_for(condition, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
 @pytest.fixture
 async def forwarder() -> AsyncIterator[Forwarder]:
     f = Forwarder(connect_timeout=2.0)
@@ -47,18 +41,29 @@ async def forwarder() -> AsyncIterator[Forwarder]:
     await f.close()
 
 
-async def test_a_burst_after_a_quiet_moment_finds_its_connections_ready(forwarder: Forwarder) -> None:
-    async with raw_server(answer_slowly) as raw:
-        await burst(forwarder, raw.url)
-        assert raw.connections == BURST
-        # Quiet for longer than an idle connection is kept: the ones the burst opened are gone,
-        # and others, opened since, are ready for the next burst.
-        await asyncio.sleep(1.2)
-        before = raw.connections
-        assert before > BURST
-        assert idle_count(forwarder, raw.url) >= BURST
-        await burst(forwarder, raw.url)
-        assert raw.connections == before  # no request waited for a connection to open
+async def test_a_burst_after_a_quiet_moment_finds_its_connections_ready() -> None:
+    forwarder = Forwarder(connect_timeout=2.0, warm=False)  # (warmed by hand, to stop it below)
+    pool = forwarder._pool
+    pool._max_idle_secs = 0.8  # (an idle connection ages out within the test)
+    task = asyncio.get_running_loop().create_task(keep_warm(pool, tick_secs=0.05))
+    try:
+        async with raw_server(answer_slowly) as raw:
+            await burst(forwarder, raw.url)
+            assert raw.connections == BURST
+            # Quiet for longer than an idle connection is kept: the ones the burst opened are
+            # gone, and others, opened since, are ready for the next burst.
+            await asyncio.sleep(1.2)
+            assert raw.connections > BURST
+            assert idle_count(forwarder, raw.url) >= BURST
+            # Warming stops here, so every connection opened from now on is a request's own.
+            await stop(task)
+            await asyncio.sleep(0.05)  # (the server's accepts of the last warm ones)
+            before = raw.connections
+            await burst(forwarder, raw.url)
+            assert raw.connections == before  # no request waited for a connection to open
+    finally:
+        await stop(task)
+        await forwarder.close()
 
 
 async def test_without_warm_connections_the_same_burst_opens_its_own() -> None:
@@ -85,12 +90,12 @@ async def test_a_worker_quiet_for_the_remembered_time_gets_none() -> None:
             await burst(forwarder, raw.url)
             await asyncio.sleep(0.8)
             assert raw.connections > BURST  # warm ones replace the aging, while the burst is remembered
-            await wait_for(lambda: Origin.parse(raw.url) not in pool._peaks)
+            await wait_until(lambda: Origin.parse(raw.url) not in pool._peaks)
             settled = raw.connections
             await asyncio.sleep(1.0)  # (longer than an idle connection is kept)
             assert raw.connections == settled  # nothing is opened for a worker with no traffic
     finally:
-        task.cancel()
+        await stop(task)
         await forwarder.close()
 
 
@@ -103,11 +108,11 @@ async def test_a_worker_that_refuses_stops_being_warmed() -> None:
             await burst(forwarder, raw.url)
             origin = Origin.parse(raw.url)
         pool.close()  # (the server is gone, and with it every connection it had)
-        await wait_for(lambda: origin not in pool._peaks)
+        await wait_until(lambda: origin not in pool._peaks)
         await asyncio.sleep(0.2)
         assert not task.done()  # the failures did not end the task that warms every worker
     finally:
-        task.cancel()
+        await stop(task)
         await forwarder.close()
 
 

@@ -48,6 +48,12 @@ routing), from its ``kvmesh_router_overhead_seconds`` histogram (sglang-router r
 ``front CPU ms/req`` is the CPU time (user + system, all threads, from /proc) the front process
 used while the traffic ran, per request: its routing, its proxying of every streamed token both
 ways and its KV-event intake, taken from the two cores it shares with the engines and the client.
+Every case gets a table that splits each request's time to first token three ways, matched to the
+engines' own request logs (``kvmesh/bench/arrivals.py``): from the client's send to the engine
+taking the request in, the engine's own time, and from its first token back to the client. The
+first part holds the front's parsing, routing and forwarding and any wait for a busy front, then
+the engine's reading and tokenizing (the same engines for every router); the last, the engine's
+send and the front's relay. Beside sglang-router's, they show on which way a front's time is lost.
 A case that sends bursts (``siblings``) gets a second table: the TTFT of each burst's first-sent
 request and of its siblings, apart. On the engine holding the context, the first one starts a step
 alone when the engine is idle, and the siblings that reach it after that step started wait for it
@@ -108,7 +114,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, table
 
 from kvmesh.bench import report
-from kvmesh.bench.arrivals import burst_arrivals
+from kvmesh.bench.arrivals import burst_arrivals, front_split
 from kvmesh.bench.fleet import (
     FrontCommand,
     engine_requests,
@@ -422,6 +428,7 @@ async def run_one(
     summary = report.summarize(run)
     if summary.get("bursts"):
         summary["bursts"]["arrivals"] = burst_arrivals(run, engine_log)
+    summary["front_split"] = front_split(run, engine_log)
     summary["seed"] = seed
     summary["front_routing_mean_s"] = phases.get("total")
     summary["front_routing_phases_s"] = phases
@@ -558,6 +565,34 @@ PHASE_COLUMNS = (
     ("decide ms", "scheduling"),
     ("arrival to decision ms", "total"),
 )
+
+
+SPLIT_COLUMNS = (
+    ("to the engine p50 ms", "to_engine_ms", "p50"),
+    ("to the engine p90 ms", "to_engine_ms", "p90"),
+    ("engine p50 ms", "engine_ms", "p50"),
+    ("back to the client p50 ms", "from_engine_ms", "p50"),
+    ("back to the client p90 ms", "from_engine_ms", "p90"),
+)
+
+
+def split_table(results: dict[str, list[dict[str, Any]]]) -> str | None:
+    """Each router's time to first token in three parts, medians over rounds of each round's
+    percentile (:func:`~kvmesh.bench.arrivals.front_split`), with the share of requests found in
+    the engines' logs; None where no engine kept one."""
+    rows = []
+    for name, runs in results.items():
+        splits = [r.get("front_split") for r in runs]
+        if not any(splits):
+            continue
+        cells = [name]
+        for _, part, q in SPLIT_COLUMNS:
+            cells.append(_fmt([s[part][q] if s else None for s in splits], 1))
+        cells.append(_fmt([100 * s["matched"] if s else None for s in splits], 0))
+        rows.append(cells)
+    if not rows:
+        return None
+    return table(["router", *(label for label, _, _ in SPLIT_COLUMNS), "requests found %"], rows)
 
 
 def phase_table(results: dict[str, list[dict[str, Any]]]) -> str | None:
@@ -906,6 +941,16 @@ async def main_async(args: argparse.Namespace) -> int:
         if bursts:
             print(f"\n{case.label}, by place in a burst (the first-sent request, then its siblings):\n")
             print(bursts)
+        split = split_table(per)
+        if split:
+            print(
+                f"\n{case.label}, the time to first token in three parts, from the engines' own request "
+                "logs: from the client's send to the engine taking the request in (the front's "
+                "parsing, routing and forwarding, then the engine's reading and tokenizing), the "
+                "engine's own, and from its first token to the client (the engine's send and the "
+                "front's relay):\n"
+            )
+            print(split)
         phases = phase_table(per)
         if phases:
             print(

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvmesh.bench.arrivals import burst_arrivals
+from kvmesh.bench.arrivals import burst_arrivals, front_split
 from kvmesh.bench.runner import RequestResult, RunResult
 
 T0 = 500.0  # the run's start on the engines' clock
@@ -64,3 +64,48 @@ def test_a_request_is_matched_only_within_its_window_after_it_was_sent() -> None
     assert burst_arrivals(run, []) is None  # no logs
     failed = RunResult("x", [sent("a", 1, 0.0, 100), sent("a", 1, 0.0001, 100, error="HTTP 500")], 1.0, 1, T0)
     assert burst_arrivals(failed, [logged(0.001, 100, 0, 1), logged(0.002, 100, 0, 1)]) is None
+
+
+def answered(session: str, start: float, ttft: float, prompt: int) -> RequestResult:
+    return RequestResult(session, 1, "http://front", start, ttft=ttft, prompt_tokens=prompt)
+
+
+def handled(at: float, first_token: float, prompt: int) -> dict[str, Any]:
+    return {"arrival": T0 + at, "first_token": T0 + first_token, "prompt_tokens": prompt, "engine": 0}
+
+
+def test_the_time_to_first_token_splits_at_the_engines_arrival_and_first_token() -> None:
+    run = RunResult(
+        "x",
+        [
+            answered("a", 0.000, 0.060, 100),  # 2 ms to the engine, 55 there, 3 back
+            answered("b", 1.000, 0.050, 100),  # 4 ms to the engine, 45 there, 1 back
+            answered("c", 2.000, 0.080, 200),  # 10 ms to the engine, 60 there, 10 back
+            answered("d", 3.000, 0.040, 300),  # never logged by an engine: not counted
+            sent("e", 1, 4.000, 400, error="HTTP 503"),  # failed: not a request that was answered
+        ],
+        5.0,
+        5,
+        T0,
+    )
+    log = [
+        handled(0.002, 0.057, 100),
+        handled(1.004, 1.049, 100),
+        handled(2.010, 2.070, 200),
+        handled(4.001, 4.020, 400),
+    ]
+    split = front_split(run, log)
+    assert split is not None
+    assert split["to_engine_ms"]["p50"] == pytest.approx(4.0)
+    assert split["to_engine_ms"]["mean"] == pytest.approx((2.0 + 4.0 + 10.0) / 3)
+    assert split["engine_ms"]["p50"] == pytest.approx(55.0)
+    assert split["from_engine_ms"]["p50"] == pytest.approx(3.0)
+    assert split["from_engine_ms"]["p90"] == pytest.approx(3.0 + 0.8 * (10.0 - 3.0))
+    assert split["matched"] == pytest.approx(3 / 4)
+
+
+def test_no_split_without_engine_logs_or_first_tokens() -> None:
+    run = RunResult("x", [answered("a", 0.0, 0.05, 100)], 1.0, 1, T0)
+    assert front_split(run, []) is None
+    unfinished = [{"arrival": T0 + 0.001, "first_token": None, "prompt_tokens": 100, "engine": 0}]
+    assert front_split(run, unfinished) is None

@@ -73,6 +73,21 @@ def test_the_floor_runs_the_same_sessions_one_at_a_time_on_one_engine(tmp_path: 
     rows = {r.split("|")[1].strip(): r for r in lines if r.startswith("| ") and "---" not in r}
     assert f"| {1000 * phases['tokenize']:.2f} " in rows["kvmesh"]
     assert rows["round-robin"].split("|")[2].strip() == "-"  # it tokenizes nothing
+    # each request's time to first token split at the engine's arrival and first token: every
+    # answered request found in its engine's log, on one clock (the request reached the engine
+    # after it was sent, and the client after the engine's first token)
+    for name, runs in per.items():
+        split = runs[0]["front_split"]
+        assert split["matched"] == 1.0, name
+        assert split["to_engine_ms"]["p50"] > 0.0 and split["from_engine_ms"]["p50"] > 0.0
+        total = sum(split[part]["mean"] for part in ("to_engine_ms", "engine_ms", "from_engine_ms"))
+        assert total == pytest.approx(1000 * runs[0]["ttft_s"]["mean"])
+    after = done.stdout[done.stdout.index("the time to first token in three parts") :].split("\n\n")[1]
+    rows = {r.split("|")[1].strip(): r.split("|")[1:-1] for r in after.splitlines() if "---" not in r}
+    assert rows["router"][1].strip() == "to the engine p50 ms"
+    kv_split = per["kvmesh"][0]["front_split"]
+    assert rows["kvmesh"][1].strip() == f"{kv_split['to_engine_ms']['p50']:.1f}"
+    assert rows["kvmesh"][4].strip() == f"{kv_split['from_engine_ms']['p50']:.1f}"
 
 
 def test_the_floor_runs_only_when_named_and_an_unknown_contender_is_refused() -> None:

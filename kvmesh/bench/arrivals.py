@@ -105,7 +105,7 @@ def burst_arrivals(run: RunResult, engine_log: Sequence[dict[str, Any]]) -> dict
 
 
 def front_split(run: RunResult, engine_log: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Each streamed request's time to first token in three parts, in ms (p50, p90, mean over the
+    """Each answered request's time to first token in three parts, in ms (p50, p90, mean over the
     requests found in ``engine_log`` with a first token on both sides):
 
     * ``to_engine_ms``: from the client's send to the engine taking the request in (its

@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 PYTEST := $(PY) -m pytest
 
-.PHONY: venv test test-core test-engines engine-envs lint demo bench fuzz clean
+.PHONY: venv native test test-core test-engines engine-envs lint demo bench fuzz clean
 
 venv: $(STAMP)
 
@@ -16,11 +16,20 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# The router's pure layers compiled with mypyc, into ~/.cache/kvmesh/native (built once per source
+# digest; a machine without a C compiler runs them as Python).
+native: venv
+	$(VENV)/bin/kvmesh native build --if-possible
+
 # Every test: the core suite in .venv, then the engine tiers in their cached environments.
 test: test-core test-engines
 
-test-core: venv
+# The suite runs on the compiled layers where they were built; their own tests then run again as
+# Python, the fallback every machine without a C compiler runs.
+test-core: venv native
 	$(PYTEST) -m "not engine_vllm and not engine_sglang" -p no:cacheprovider --ignore=tests/engines
+	if $(VENV)/bin/kvmesh native status >/dev/null; then \
+		KVMESH_NATIVE=0 $(PYTEST) -p no:cacheprovider -q tests/router/core tests/router/request tests/test_native.py; fi
 
 # Engine environments live in ~/.cache/kvmesh/envs (built once, keyed by recipe).
 engine-envs:
@@ -45,7 +54,7 @@ lint: venv
 	$(PY) -m ruff format --check kvmesh tests benchmarks examples scripts
 	$(PY) -m mypy
 
-demo: venv
+demo: venv native
 	$(VENV)/bin/kvmesh demo
 
 bench: venv

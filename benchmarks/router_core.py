@@ -27,6 +27,7 @@ import argparse
 import gc
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -39,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine, median, percentile, table
 from route_decision import PREFIX_BLOCKS, PREFIXES, query_tokens, routers, time_routes, workload
 
+import kvmesh as kvmesh_package
+from kvmesh._native import ENV as NATIVE_ENV
 from kvmesh.events.wire import BlockStored
 from kvmesh.hashing import block_hashes
 from kvmesh.router.core.config import RouterConfig
@@ -107,14 +110,36 @@ def _kvmesh_modules() -> dict[str, object]:
     return {k: m for k, m in sys.modules.items() if k == "kvmesh" or k.startswith("kvmesh.")}
 
 
+def _own_modules() -> dict[str, object]:
+    """This process's own kvmesh, with everything a router is built from imported: what this
+    tree's contenders run on (compiled where ``kvmesh native build`` built these sources, as a
+    user's router would run), set aside while another tree's are imported."""
+    import kvmesh.router.core.kv_router  # noqa: F401
+
+    return _kvmesh_modules()
+
+
+OWN = _own_modules()
+OWN_TREE = Path(kvmesh_package.__file__).resolve().parent.parent
+
+
 def _load_contender(tree: str, model: str, args: argparse.Namespace):
-    """``(router, request, modules)``: ``tree``'s kvmesh imported afresh (whatever kvmesh this
-    process had is set aside first), a router of ``model`` built on the shared set-up, and the
-    kvmesh modules it runs on, to be put back in ``sys.modules`` before each of its calls (an import
-    made inside ``route()`` then resolves to its own revision)."""
+    """``(router, request, modules)``: a router of ``model`` on ``tree``'s kvmesh, built on the
+    shared set-up, and the kvmesh modules it runs on, to be put back in ``sys.modules`` before each
+    of its calls (an import made inside ``route()`` then resolves to its own revision). This
+    process's own tree runs on its own modules; another tree's kvmesh is imported afresh, as
+    Python (compiled modules are this process's: one copy of them per process)."""
     for name in _kvmesh_modules():
         del sys.modules[name]
+    if Path(tree).resolve() == OWN_TREE:
+        sys.modules.update(OWN)
+        made, req = routers(
+            [None if model == "default" else model], args.sequences, args.blocks, args.block_size, args.query_blocks
+        )
+        return made[None if model == "default" else model], req, _kvmesh_modules()
     sys.path.insert(0, tree)
+    native = os.environ.get(NATIVE_ENV)
+    os.environ[NATIVE_ENV] = "0"
     try:
         import kvmesh
 
@@ -129,6 +154,10 @@ def _load_contender(tree: str, model: str, args: argparse.Namespace):
         )
     finally:
         sys.path.remove(tree)
+        if native is None:
+            del os.environ[NATIVE_ENV]
+        else:
+            os.environ[NATIVE_ENV] = native
     return made[None if model == "default" else model], req, _kvmesh_modules()
 
 

@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvmesh.commands.events",
         "inspect a KV-event stream (`kvmesh events tap`) or relay it into NATS (`kvmesh events relay`)",
     ),
+    "native": (
+        "kvmesh.commands.native",
+        "compile the router's pure layers with mypyc (`kvmesh native build`) or say whether they run compiled",
+    ),
 }
 
 

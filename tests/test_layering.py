@@ -7,7 +7,7 @@ Levels (imports only go down or stay inside the same package):
     3  kvmesh.mock, kvmesh.bench     (siblings: neither imports the other)
     2  kvmesh.router, kvmesh.worker  (siblings: neither imports the other)
     1  kvmesh.events
-    0  kvmesh.hashing, kvmesh.errors, kvmesh._types, kvmesh._http
+    0  kvmesh.hashing, kvmesh.errors, kvmesh._types, kvmesh._http, kvmesh._native
 
 Inside ``kvmesh.router`` the layers are folders, imports again only going down:
 
@@ -49,6 +49,7 @@ LEVELS = {
     "kvmesh.errors": 0,
     "kvmesh._types": 0,
     "kvmesh._http": 0,
+    "kvmesh._native": 0,  # (the compiled router layers' loader, which core and request call)
     "kvmesh": 0,  # the package root re-exports leaves only
 }
 SIBLINGS = [

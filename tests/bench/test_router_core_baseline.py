@@ -74,12 +74,16 @@ import kvmesh
 before = kvmesh.__file__
 args = argparse.Namespace(sequences=400, blocks=64, block_size=16, query_blocks=128)
 theirs = rc._load_contender(sys.argv[2], "default", args)
+theirs_file = sys.modules[type(theirs[0]).__module__].__file__  # (the modules it was built on)
 ours = rc._load_contender(sys.argv[3], "latency", args)
+ours_file = sys.modules[type(ours[0]).__module__].__file__
 samples = rc.interleaved_routes([theirs, ours], 2, 3)
+from kvmesh import _native
 print(json.dumps({
-    "theirs": type(theirs[0]).route.__globals__["__file__"],
+    "theirs": theirs_file,
     "theirs_modules": theirs[2]["kvmesh"].__file__,
-    "ours": type(ours[0]).route.__globals__["__file__"],
+    "ours": ours_file,
+    "ours_build": _native.status()["build"],
     "shape": [[len(r) for r in c] for c in samples],
     "before": before,
 }))
@@ -96,7 +100,9 @@ def test_each_contender_runs_on_its_own_revision(tmp_path: Path) -> None:
     out = json.loads(done.stdout)
     # the revision's router runs on the revision's modules, this tree's on this tree's
     assert out["theirs"].startswith(str(tmp_path)) and out["theirs_modules"].startswith(str(tmp_path))
-    assert out["ours"].startswith(str(REPO / "kvmesh")) and not out["ours"].startswith(str(tmp_path))
+    # (this tree's compiled build, where one exists for its sources: what its router runs)
+    ours_root = str(REPO / "kvmesh") if out["ours_build"] is None else out["ours_build"]
+    assert out["ours"].startswith(ours_root) and not out["ours"].startswith(str(tmp_path))
     assert out["shape"] == [[3, 3], [3, 3]]  # every contender, every round, every call
 
 

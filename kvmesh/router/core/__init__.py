@@ -13,3 +13,8 @@ bounds where a request may be sent). The prefix indexes share ``index.KvIndex``:
 under all of them, ``event_index``, ``approx_index`` and ``predicted_index`` the variants,
 ``index_factory`` picks one from the config.
 """
+
+from kvmesh._native import activate
+
+# Its modules compiled with mypyc where a build of these very sources exists (kvmesh native build).
+activate(__name__, __path__)

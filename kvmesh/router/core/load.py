@@ -108,7 +108,7 @@ class PromptBlocks:
         chunks of its ``known`` first blocks (a later turn's earlier turn; none for a prompt no
         worker held) as they are, every block after them an identity of its own (``salt`` tells
         one request's from another's), which counts as new wherever it goes and matches nothing."""
-        p = cls.__new__(cls)
+        p = cls((), chunk)  # (fields set below; mypyc compiles no bare __new__)
         anchors = n_blocks // chunk
         held = min(len(known) // chunk, anchors)
         ids = cls(known[: held * chunk], chunk).ids if held else []
@@ -299,10 +299,7 @@ class ActiveSequences:
         shared blocks are not deduplicated (``assume_kv_reuse`` off)."""
         if self.assume_kv_reuse:
             return PromptBlocks(local_hashes, self.chunk)
-        p = PromptBlocks.__new__(PromptBlocks)
-        p.ids = []
-        p.n_anchors = 0
-        p.chunk = 1
+        p = PromptBlocks((), 1)
         p.n_blocks = len(local_hashes)
         return p
 

@@ -254,8 +254,8 @@ def parse_request(
     tokens: list[int] = []
     hashes: list[int] = []
     tokenize_secs = hash_secs = 0.0
-    keyed = cache_keyed(body)
-    turn_key = None
+    keyed: str | None = cache_keyed(body)  # (annotated: mypyc's inference reads None here)
+    turn_key: int | None = None
     if (
         tokenizer is not None
         and held is not None

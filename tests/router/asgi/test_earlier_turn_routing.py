@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -66,14 +66,30 @@ async def _indexed(http: aiohttp.ClientSession, url: str, answer: dict[str, Any]
     await indexed(http, url, worker, blocks, TOKEN, tries=250)
 
 
+class _Recording(BuiltinTokenizer):
+    """The router's tokenizer, telling ``note`` of every chat prompt it renders whole (a front
+    handed it tokenizes with it alone; the engines have their own)."""
+
+    def __init__(self, note: Callable[[list[dict[str, Any]], list[int]], None]) -> None:
+        super().__init__()
+        self.note = note
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
+        ids = super().apply_chat_template(messages, **kw)
+        self.note(messages, ids)
+        return ids
+
+
 @contextlib.asynccontextmanager
-async def _fleet() -> AsyncIterator[tuple[str, str]]:
+async def _fleet(tokenizer: BuiltinTokenizer | None = None) -> AsyncIterator[tuple[str, str]]:
     """A standalone front over two fast simulated engines: its URL, and their model's name."""
     async with run_mock(block_size=16, speedup=1000.0) as a, run_mock(block_size=16, speedup=1000.0) as b:
         settings = MeshSettings(
-            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")), admin_token="s3cret"
+            workers=(WorkerSpec(a.base_url, "a"), WorkerSpec(b.base_url, "b")),
+            admin_token="s3cret",
+            tokenizer="builtin" if tokenizer is None else "engine",  # ("engine": the one handed to it)
         )
-        async with serve(build_router_app(settings)) as front:
+        async with serve(build_router_app(settings, tokenizer=tokenizer)) as front:
             yield front.url, a.config.model
 
 
@@ -157,24 +173,12 @@ async def test_a_template_that_does_not_render_turn_by_turn_stops_it(
     assert "does not render conversations turn by turn" in caplog.text
 
 
-async def test_the_same_messages_again_are_not_tokenized_or_counted_again_once_sent(
-    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_the_same_messages_again_are_not_tokenized_or_counted_again_once_sent(http: aiohttp.ClientSession) -> None:
     # best-of-n sent one after another (a retry reads the same): the first is tokenized once it is
     # on its way; the others have its blocks and length as their own and are never tokenized
-    from kvmesh.router.request import parse
-
     rendered: list[int] = []
-    plain = parse.prompt_tokens
-
-    def counting(*args: Any, **kw: Any) -> list[int]:
-        ids = plain(*args, **kw)
-        rendered.append(len(ids))
-        return ids
-
-    monkeypatch.setattr(parse, "prompt_tokens", counting)
     messages = _opening(random.Random(7), 2, 300)
-    async with _fleet() as (url, model):
+    async with _fleet(_Recording(lambda _, ids: rendered.append(len(ids)))) as (url, model):
         before = await _lengths(http, url)
         answers = [await _chat(http, url, model, messages)]
         await _indexed(http, url, answers[0])
@@ -236,29 +240,29 @@ async def test_a_burst_of_later_turns_is_routed_before_any_of_them_is_tokenized(
     # and sends all three before it works out their tokens, so none of them waits for another's
     # tokenizing. (Counting each one right after sending it made the second wait for the first's
     # tokens, the third for both.)
-    from kvmesh.router.core.kv_router import KvRouter
-    from kvmesh.router.request import parse
+    from kvmesh.router.asgi.routed import RoutedRequest
 
     events: list[str] = []
-    route, render = KvRouter.route, parse.prompt_tokens
+    route = RoutedRequest.route
+    rendering = False  # (the first turn's renders are not the burst's)
 
-    def routing(self: KvRouter, *args: Any, **kw: Any) -> Any:
+    def routing(self: RoutedRequest, *args: Any, **kw: Any) -> Any:
         events.append("route")
         return route(self, *args, **kw)
 
-    def rendering(tokenizer: Any, body: dict[str, Any], endpoint: str) -> list[int]:
-        events.append("tokenize " + body["messages"][-1]["content"][:13])
-        return render(tokenizer, body, endpoint)
+    def rendered(messages: list[dict[str, Any]], _: list[int]) -> None:
+        if rendering:
+            events.append("tokenize " + messages[-1]["content"][:13])
 
     rng = random.Random(8)
     messages = _opening(rng, 3, 400)
-    async with _fleet() as (url, model):
+    async with _fleet(_Recording(rendered)) as (url, model):
         first = await _chat(http, url, model, messages)
         await _indexed(http, url, first)
         history = [*messages, {"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
         calls = [{"role": "user", "content": f"Tool result {i}: " + words(rng, 200)} for i in range(3)]
-        monkeypatch.setattr(KvRouter, "route", routing)
-        monkeypatch.setattr(parse, "prompt_tokens", rendering)
+        monkeypatch.setattr(RoutedRequest, "route", routing)
+        rendering = True
         answers = await _together(
             url, [{"model": model, "messages": [*history, call], "max_tokens": 8} for call in calls]
         )
@@ -276,26 +280,21 @@ async def test_a_burst_of_later_turns_is_routed_before_any_of_them_is_tokenized(
     assert state["conversations"]["deepest_turn"] == 2
 
 
-async def test_the_same_later_turn_sent_together_is_counted_once_and_routed_whole(
-    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_the_same_later_turn_sent_together_is_counted_once_and_routed_whole(http: aiohttp.ClientSession) -> None:
     # best-of-n at a conversation's next turn: three copies of one request reach the front together.
     # The first is routed on the earlier turn's blocks and counted after the requests waiting; its
     # copies, which have its messages, count it first and are routed on all of its blocks as their
     # own, never tokenized themselves.
-    from kvmesh.router.request import parse
-
     rendered: list[int] = []
-    render = parse.prompt_tokens
+    counting = False  # (the first turn's renders are not the copies')
 
-    def rendering(tokenizer: Any, body: dict[str, Any], endpoint: str) -> list[int]:
-        ids = render(tokenizer, body, endpoint)
-        rendered.append(len(ids))
-        return ids
+    def rendering(_: list[dict[str, Any]], ids: list[int]) -> None:
+        if counting:
+            rendered.append(len(ids))
 
     rng = random.Random(9)
     messages = _opening(rng, 4, 400)
-    async with _fleet() as (url, model):
+    async with _fleet(_Recording(rendering)) as (url, model):
         first = await _chat(http, url, model, messages)
         await _indexed(http, url, first)
         history = [
@@ -303,7 +302,7 @@ async def test_the_same_later_turn_sent_together_is_counted_once_and_routed_whol
             {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
             {"role": "user", "content": "Tool result: " + words(rng, 200)},
         ]
-        monkeypatch.setattr(parse, "prompt_tokens", rendering)
+        counting = True
         answers = await _together(url, [{"model": model, "messages": history, "max_tokens": 8}] * 3)
         state = await _router(http, url)
     prompt = answers[0]["usage"]["prompt_tokens"]

@@ -46,9 +46,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     app = build_router_app(settings, freeze_heap=True)
+    from kvmesh._native import summary
+
     print(
         f"kvmesh router on http://{args.host}:{args.port} -> {len(settings.workers)} worker(s), "
-        f"mode {settings.router.router_mode}",
+        f"mode {settings.router.router_mode}\n{summary()}",
         file=sys.stderr,
         flush=True,
     )

@@ -25,6 +25,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvmesh._native import summary as native_summary
 from kvmesh._types import WorkerId, WorkerKey
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsLink
@@ -275,6 +276,7 @@ class Mesh:
             "epoch": self.epoch,
             "router_mode": self.config.router_mode,
             "cost_model": self.config.router_cost_model,
+            "compiled": native_summary(),  # (kvmesh native build: the decisions' own code, C or Python)
             "prefill_load_model": self.config.router_prefill_load_model,
             "timing_models": {
                 f"{s.worker[0]}/{s.worker[1]}": s.timing for s in self.router.worker_snapshot() if s.timing

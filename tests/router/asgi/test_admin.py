@@ -7,6 +7,7 @@ from typing import Any
 
 import aiohttp
 
+from kvmesh import _native
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
@@ -100,6 +101,8 @@ async def test_admin_api_refusals() -> None:
                     assert (r.status, (await r.json())["error"]["type"]) == (401, "AuthenticationError")
                 async with http.get(front.url + path, headers={"Authorization": "bearer s3cret"}) as r:
                     assert r.status == 200, path
+                    if path == "/kvmesh/router":  # which code decides: compiled or Python, and why
+                        assert (await r.json())["compiled"] == _native.summary()
             # a bad spec names its field
             for body, field in (
                 ({"url": e1.url, "block_size": -1}, "block_size"),

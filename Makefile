@@ -54,7 +54,7 @@ lint: venv
 	$(PY) -m ruff format --check kvmesh tests benchmarks examples scripts
 	$(PY) -m mypy
 
-demo: venv native
+demo: venv
 	$(VENV)/bin/kvmesh demo
 
 bench: venv

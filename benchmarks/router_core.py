@@ -134,7 +134,11 @@ def _load_contender(tree: str, model: str, args: argparse.Namespace):
     if Path(tree).resolve() == OWN_TREE:
         sys.modules.update(OWN)
         made, req = routers(
-            [None if model == "default" else model], args.sequences, args.blocks, args.block_size, args.query_blocks
+            [None if model == "default" else model],
+            args.sequences,
+            args.blocks,
+            args.block_size,
+            args.query_blocks,
         )
         return made[None if model == "default" else model], req, _kvmesh_modules()
     sys.path.insert(0, tree)

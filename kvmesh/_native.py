@@ -136,7 +136,9 @@ def status() -> dict[str, Any]:
     """Whether the compiled modules are in use here, why not, and which of them are loaded."""
     build = _load()
     loaded = {
-        name: getattr(sys.modules[name], "__file__", "") or "" for name in compiled_modules() if name in sys.modules
+        name: getattr(sys.modules[name], "__file__", "") or ""
+        for name in compiled_modules()
+        if name in sys.modules
     }
     return {
         "compiled": build is not None,

@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "kvmesh process on this interpreter then imports them compiled, as long as the sources "
         "are unchanged.",
     )
-    build.add_argument("--force", action="store_true", help="build again even if a build of these sources exists")
+    build.add_argument(
+        "--force", action="store_true", help="build again even if a build of these sources exists"
+    )
     build.add_argument(
         "--keep",
         type=positive_int,
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     # import the packages so their activation runs, as it would in the router
-    import kvmesh.router.core.kv_router  # noqa: F401
+    import kvmesh.router.core.kv_router
     import kvmesh.router.request.parse  # noqa: F401
 
     s = _native.status()
@@ -129,7 +131,9 @@ def _build(args: argparse.Namespace) -> int:
         }
         log = work / "build.log"
         env = {**os.environ, "MYPY_CACHE_DIR": str(root / "mypy-cache"), _native.ENV: "0"}
-        print(f"kvmesh native build: compiling {len(modules)} modules with mypyc {mypy.version.__version__} ...")
+        print(
+            f"kvmesh native build: compiling {len(modules)} modules with mypyc {mypy.version.__version__} ..."
+        )
         with log.open("w") as sink:
             child = subprocess.Popen(
                 [sys.executable, "-c", _BUILD, json.dumps(cfg)],
@@ -148,7 +152,12 @@ def _build(args: argparse.Namespace) -> int:
         _native.write_manifest(out, mypy.version.__version__)
         if target.exists():  # --force: the old build goes
             shutil.rmtree(target)
-        out.rename(target)
+        try:
+            out.rename(target)
+        except OSError:
+            # another build of the same sources finished first: its result is this one's
+            if not (target / "manifest.json").is_file():
+                raise
     _prune(root, args.keep)
     print(f"kvmesh native build: done ({target})")
     return 0
@@ -165,7 +174,9 @@ def _wait(child: subprocess.Popen[bytes], log: Path) -> None:
         last = ""
         while not done.wait(1.0 if tty else 15.0):
             text = log.read_text(errors="replace")
-            stage = "compiling C" if "gcc" in text or "building '" in text else "type-checking and generating C"
+            stage = (
+                "compiling C" if "gcc" in text or "building '" in text else "type-checking and generating C"
+            )
             line = f"  {stage} ... {time.monotonic() - start:.0f} s"
             if tty:
                 print("\r" + line.ljust(len(last)), end="", flush=True)

@@ -173,7 +173,9 @@ async def test_a_template_that_does_not_render_turn_by_turn_stops_it(
     assert "does not render conversations turn by turn" in caplog.text
 
 
-async def test_the_same_messages_again_are_not_tokenized_or_counted_again_once_sent(http: aiohttp.ClientSession) -> None:
+async def test_the_same_messages_again_are_not_tokenized_or_counted_again_once_sent(
+    http: aiohttp.ClientSession,
+) -> None:
     # best-of-n sent one after another (a retry reads the same): the first is tokenized once it is
     # on its way; the others have its blocks and length as their own and are never tokenized
     rendered: list[int] = []
@@ -280,7 +282,9 @@ async def test_a_burst_of_later_turns_is_routed_before_any_of_them_is_tokenized(
     assert state["conversations"]["deepest_turn"] == 2
 
 
-async def test_the_same_later_turn_sent_together_is_counted_once_and_routed_whole(http: aiohttp.ClientSession) -> None:
+async def test_the_same_later_turn_sent_together_is_counted_once_and_routed_whole(
+    http: aiohttp.ClientSession,
+) -> None:
     # best-of-n at a conversation's next turn: three copies of one request reach the front together.
     # The first is routed on the earlier turn's blocks and counted after the requests waiting; its
     # copies, which have its messages, count it first and are routed on all of its blocks as their

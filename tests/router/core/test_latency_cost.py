@@ -11,9 +11,9 @@ import pytest
 
 from kvmesh.events.wire import BlockStored, EventBatch
 from kvmesh.hashing import block_hashes
+from kvmesh.router.core import load as load_module
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.kv_router import Decision, KvRouter, RouteRequest
-from kvmesh.router.core import load as load_module
 from kvmesh.router.core.latency_cost import LatencyCost
 from kvmesh.router.core.timing import MOCKER_PRIOR, Profile
 

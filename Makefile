@@ -29,7 +29,7 @@ test: test-core test-engines
 test-core: venv native
 	$(PYTEST) -m "not engine_vllm and not engine_sglang" -p no:cacheprovider --ignore=tests/engines
 	if $(VENV)/bin/kvmesh native status >/dev/null; then \
-		KVMESH_NATIVE=0 $(PYTEST) -p no:cacheprovider -q tests/router/core tests/router/request tests/test_native.py; fi
+		KVMESH_NATIVE=0 $(PYTEST) -p no:cacheprovider -q tests/router/core tests/router/request; fi
 
 # Engine environments live in ~/.cache/kvmesh/envs (built once, keyed by recipe).
 engine-envs:

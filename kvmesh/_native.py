@@ -36,8 +36,10 @@ LEFT_PURE = {
 DEPENDS = ("kvmesh/_types.py", "kvmesh/errors.py", "kvmesh/hashing.py", "kvmesh/events/wire.py")
 """The modules outside :data:`PACKAGES` that the compiled code imports (``tests/test_native.py``
 checks the list): their types are compiled in, so they are part of the digest."""
-GROUP = "kvmesh.native"
-"""mypyc's name for the build; its shared library is the module ``kvmesh.native__mypyc``."""
+GROUP = "kvmesh_native"
+"""mypyc's name for the build; its shared library is the module ``kvmesh_native__mypyc``, loaded
+from the build's top directory by :func:`_load` (mypyc's C files split per module do not find
+their group's header under a dotted name)."""
 ENV = "KVMESH_NATIVE"
 
 _ROOT = Path(__file__).resolve().parent.parent  # the directory holding the kvmesh package
@@ -73,8 +75,12 @@ def source_files() -> list[Path]:
     return files + [_ROOT / name for name in DEPENDS]
 
 
+BUILD_FORMAT = 2
+"""Part of the digest: a change to how builds are laid out makes the old ones unfindable."""
+
+
 def source_digest() -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(f"{BUILD_FORMAT} {GROUP}".encode())
     for path in source_files():
         h.update(path.relative_to(_ROOT).as_posix().encode() + b"\0")
         h.update(path.read_bytes())
@@ -95,6 +101,13 @@ def _extension(stem: Path) -> Path | None:
     return None
 
 
+def library(where: Path) -> Path | None:
+    """The build's shared library, if ``where`` holds a finished build (its manifest is written last)."""
+    if not (where / "manifest.json").is_file():
+        return None
+    return _extension(where / (GROUP.replace(".", "/") + "__mypyc"))
+
+
 def _load() -> Path | None:
     """The build to use (its shared library loaded), or None with the reason in ``_state``."""
     if "build" in _state:
@@ -105,14 +118,14 @@ def _load() -> Path | None:
     else:
         try:
             where = build_dir()
-            library = _extension(where / (GROUP.replace(".", "/") + "__mypyc"))
-            if library is None or not (where / "manifest.json").is_file():
+            shared = library(where)
+            if shared is None:
                 _state["reason"] = "no build of these sources for this interpreter (kvmesh native build)"
             else:
                 name = GROUP + "__mypyc"
                 if name not in sys.modules:
-                    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
-                    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
+                    loader = importlib.machinery.ExtensionFileLoader(name, str(shared))
+                    spec = importlib.util.spec_from_file_location(name, shared, loader=loader)
                     assert spec is not None
                     sys.modules[name] = importlib.util.module_from_spec(spec)
                 build = where

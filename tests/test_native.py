@@ -18,6 +18,8 @@ import pytest
 from kvmesh import _native
 
 REPO = Path(__file__).resolve().parent.parent
+# the environment of the children below, whatever this run's own switch says
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k != _native.ENV}
 BUILT = (_native.build_dir() / "manifest.json").is_file()
 needs_build = pytest.mark.skipif(not BUILT, reason="no compiled build of these sources (kvmesh native build)")
 
@@ -36,7 +38,7 @@ def _run(code: str, *args: str, env: dict[str, str] | None = None, root: Path = 
     done = subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True, text=True, timeout=300, check=False, cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root), **(env or {})},
+        env={**CLEAN_ENV, "PYTHONPATH": str(root), **(env or {})},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)  # type: ignore[no-any-return]
@@ -124,7 +126,7 @@ def test_the_command_line() -> None:
         return subprocess.run(
             [sys.executable, "-m", "kvmesh", "native", *args],
             capture_output=True, text=True, timeout=120, check=False,
-            env={**os.environ, **(env or {})},
+            env={**CLEAN_ENV, **(env or {})},
         )  # fmt: skip
 
     helped = kvmesh("build", "--help")

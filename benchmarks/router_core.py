@@ -123,6 +123,13 @@ OWN = _own_modules()
 OWN_TREE = Path(kvmesh_package.__file__).resolve().parent.parent
 
 
+def _built(model: str, args: argparse.Namespace):
+    """``(router, request, modules)`` on whatever kvmesh ``sys.modules`` holds now."""
+    key = None if model == "default" else model
+    made, req = routers([key], args.sequences, args.blocks, args.block_size, args.query_blocks)
+    return made[key], req, _kvmesh_modules()
+
+
 def _load_contender(tree: str, model: str, args: argparse.Namespace):
     """``(router, request, modules)``: a router of ``model`` on ``tree``'s kvmesh, built on the
     shared set-up, and the kvmesh modules it runs on, to be put back in ``sys.modules`` before each
@@ -133,14 +140,7 @@ def _load_contender(tree: str, model: str, args: argparse.Namespace):
         del sys.modules[name]
     if Path(tree).resolve() == OWN_TREE:
         sys.modules.update(OWN)
-        made, req = routers(
-            [None if model == "default" else model],
-            args.sequences,
-            args.blocks,
-            args.block_size,
-            args.query_blocks,
-        )
-        return made[None if model == "default" else model], req, _kvmesh_modules()
+        return _built(model, args)
     sys.path.insert(0, tree)
     native = os.environ.get(NATIVE_ENV)
     os.environ[NATIVE_ENV] = "0"
@@ -149,20 +149,13 @@ def _load_contender(tree: str, model: str, args: argparse.Namespace):
 
         if not str(Path(kvmesh.__file__).resolve()).startswith(str(Path(tree).resolve())):
             raise RuntimeError(f"imported {kvmesh.__file__}, not the kvmesh under {tree}")
-        made, req = routers(
-            [None if model == "default" else model],
-            args.sequences,
-            args.blocks,
-            args.block_size,
-            args.query_blocks,
-        )
+        return _built(model, args)
     finally:
         sys.path.remove(tree)
         if native is None:
             del os.environ[NATIVE_ENV]
         else:
             os.environ[NATIVE_ENV] = native
-    return made[None if model == "default" else model], req, _kvmesh_modules()
 
 
 def interleaved_routes(contenders, rounds: int, samples: int) -> list[list[list[float]]]:

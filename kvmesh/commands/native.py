@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="native_command", metavar="ACTION", required=True)
     build = actions.add_parser(
         "build",
-        help="compile kvmesh.router.core and kvmesh.router.request with mypyc (a minute or two: one C file per module, compiled in parallel)",
+        help="compile kvmesh.router.core and kvmesh.router.request with mypyc (a minute or two: one C "
+        "file per module, compiled in parallel)",
         description="Compile the router's pure layers with mypyc into "
         "${KVMESH_CACHE:-~/.cache/kvmesh}/native/, keyed by interpreter and source digest. Every "
         "kvmesh process on this interpreter then imports them compiled, as long as the sources "

@@ -42,7 +42,8 @@ from the build's top directory by :func:`_load` (mypyc's C files split per modul
 their group's header under a dotted name)."""
 ENV = "KVMESH_NATIVE"
 
-_ROOT = Path(__file__).resolve().parent.parent  # the directory holding the kvmesh package
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+"""The directory holding the kvmesh package (mypyc names the modules from their paths below it)."""
 _state: dict[str, Any] = {}
 
 
@@ -58,7 +59,7 @@ def interpreter_tag() -> str:
 def compiled_modules() -> list[str]:
     out = []
     for package in PACKAGES:
-        folder = _ROOT / package.replace(".", "/")
+        folder = SOURCE_ROOT / package.replace(".", "/")
         for path in sorted(folder.glob("*.py")):
             name = f"{package}.{path.stem}"
             if path.stem != "__init__" and name not in LEFT_PURE:
@@ -71,8 +72,8 @@ def source_files() -> list[Path]:
     left pure included, as the compiled code reads their types) and :data:`DEPENDS`."""
     files: list[Path] = []
     for package in PACKAGES:
-        files += sorted((_ROOT / package.replace(".", "/")).glob("*.py"))
-    return files + [_ROOT / name for name in DEPENDS]
+        files += sorted((SOURCE_ROOT / package.replace(".", "/")).glob("*.py"))
+    return files + [SOURCE_ROOT / name for name in DEPENDS]
 
 
 BUILD_FORMAT = 2
@@ -82,7 +83,7 @@ BUILD_FORMAT = 2
 def source_digest() -> str:
     h = hashlib.sha256(f"{BUILD_FORMAT} {GROUP}".encode())
     for path in source_files():
-        h.update(path.relative_to(_ROOT).as_posix().encode() + b"\0")
+        h.update(path.relative_to(SOURCE_ROOT).as_posix().encode() + b"\0")
         h.update(path.read_bytes())
         h.update(b"\0")
     return h.hexdigest()[:20]
@@ -179,6 +180,6 @@ def write_manifest(where: Path, mypy_version: str) -> None:
         "python": sys.version.split()[0],
         "mypy": mypy_version,
         "modules": compiled_modules(),
-        "sources": [p.relative_to(_ROOT).as_posix() for p in source_files()],
+        "sources": [p.relative_to(SOURCE_ROOT).as_posix() for p in source_files()],
     }
     (where / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")

@@ -139,7 +139,7 @@ def _build(args: argparse.Namespace) -> int:
         with log.open("w") as sink:
             child = subprocess.Popen(
                 [sys.executable, "-c", _BUILD, json.dumps(cfg)],
-                cwd=_native._ROOT,
+                cwd=_native.SOURCE_ROOT,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 env=env,

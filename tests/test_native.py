@@ -133,7 +133,9 @@ def test_the_digest_covers_every_kvmesh_module_the_compiled_code_imports() -> No
                 continue
             for module in imported:
                 file = source(module) if module.startswith("kvmesh") else None
-                assert file is None or file in covered, f"{name} imports {module}, which the digest leaves out"
+                assert file is None or file in covered, (
+                    f"{name} imports {module}, which the digest leaves out"
+                )
 
 
 def test_the_command_line() -> None:

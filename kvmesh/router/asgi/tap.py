@@ -158,6 +158,13 @@ class ResponseTap:
         # ("data: [DO" + "NE]") waits for its end. A partial event is of no use to the client
         # before its end arrives anyway.
         before, lines, after = self._lines.feed(body, final=not more)
+        if more and lines and not before and not after and not self._preamble and _DONE not in lines:
+            # Whole events with nothing to splice in (no preamble due, no [DONE] for an echo): the
+            # client's bytes go out first, and the router's reading of them (the first token,
+            # its counts and timings) follows, off the token's way to the client.
+            await self._send({"type": "http.response.body", "body": lines, "more_body": True})
+            self._read_lines(lines)
+            return
         if lines:
             lines = self._read_lines(lines)
         out = before + lines + after if (before or after) else lines

@@ -236,3 +236,46 @@ async def test_only_the_usage_event_is_decoded_for_usage(monkeypatch) -> None:  
     # the first event is read for the stream's id and model; after it, only the nested and the last
     assert [real(p).get("choices") for p in decoded[1:]] == [nested["choices"], []]
     assert b'"z"' not in b"".join(decoded) and b'"y"' not in b"".join(decoded)
+
+
+class OrderRecorder(Recorder):
+    """Records sends and observer calls on one timeline."""
+
+    async def send(self, message: dict[str, Any]) -> None:
+        await super().send(message)
+        if message["type"] == "http.response.body":
+            self.calls.append("sent")
+
+
+async def test_a_token_goes_to_the_client_before_the_router_reads_it() -> None:
+    # The first token and every later one: the client's bytes first, the router's bookkeeping
+    # (the first token's time, the counts) after, off the token's way out.
+    rec = OrderRecorder()
+    tap = ResponseTap(rec.send, rec)
+    chunk = {"id": "c1", "choices": [{"delta": {"content": "a"}}]}
+    await tap(SSE_HEAD)
+    await tap({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+    assert rec.calls == ["sent", "first", "events:1"]
+    await tap({"type": "http.response.body", "body": _event(chunk) * 2, "more_body": True})
+    assert rec.calls == ["sent", "first", "events:1", "sent", "events:2"]
+    assert [m["body"] for m in rec.sent[1:]] == [_event(chunk), _event(chunk) * 2]
+
+
+async def test_what_must_be_spliced_in_is_read_before_it_goes_out() -> None:
+    # A [DONE] with an echo due, and the annotations' preamble: the router reads the events first,
+    # since what it adds depends on them or goes ahead of them.
+    rec = OrderRecorder(echo={"worker_id": "w1"})
+    tap = ResponseTap(rec.send, rec, preamble=b"event: token_ids\n: [1]\n\n")
+    chunk = {"id": "c1", "choices": [{"delta": {"content": "a"}}]}
+    await tap(SSE_HEAD)
+    await tap({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+    assert rec.calls == ["first", "events:1", "sent"]
+    assert rec.sent[1]["body"].startswith(b"event: token_ids\n")
+    await tap({"type": "http.response.body", "body": _event(chunk) + b"data: [DONE]\n\n", "more_body": True})
+    assert rec.calls[3:] == ["events:1", "sent"]
+    assert b'"nvext"' in rec.sent[2]["body"]
+    # An unfinished line is held back, so the bytes that go out are not the chunk: read first too.
+    await tap({"type": "http.response.body", "body": b"data: {\"choices\": [", "more_body": True})
+    assert rec.calls[5:] == []
+    await tap({"type": "http.response.body", "body": b"]}\n\n", "more_body": False})
+    assert rec.calls[5:] == ["events:1", "sent", "end:True"]

@@ -564,6 +564,8 @@ PHASE_COLUMNS = (
     ("find matches ms", "find_matches"),
     ("decide ms", "scheduling"),
     ("arrival to decision ms", "total"),
+    ("decision to write ms", "forward"),
+    ("first token through ms", "relay_first"),
 )
 
 
@@ -954,9 +956,11 @@ async def main_async(args: argparse.Namespace) -> int:
         phases = phase_table(per)
         if phases:
             print(
-                f"\n{case.label}, where a kvmesh front's time to its decision goes (a prompt routed before "
-                "it was tokenized, on its first block or on its conversation's earlier turn, is "
-                "tokenized and hashed after it was sent: in those two columns, not in the last):\n"
+                f"\n{case.label}, where a kvmesh front's own time goes, means a request (a prompt routed "
+                "before it was tokenized, on its first block or on its conversation's earlier turn, is "
+                "tokenized and hashed after it was sent: in those two columns, not in the arrival to "
+                "decision; the first token's way through the front is a streamed answer's, from its bytes' "
+                "arrival from the engine to their hand-off to the client):\n"
             )
             print(phases)
         sys.stdout.flush()

@@ -319,11 +319,14 @@ def parse_metrics(text: str, label: str | None = None) -> dict[str, float]:
     return out
 
 
-ROUTING_PHASES = ("tokenize", "hashing", "find_matches", "scheduling", "total")
+ROUTING_PHASES = ("tokenize", "hashing", "find_matches", "scheduling", "total", "forward", "relay_first")
 """The phases of ``kvmesh_router_overhead_seconds``: ``total`` runs from a request's arrival to its
-decision; the others are parts of it, except that a prompt routed before it was tokenized
+decision; the four before it are parts of it, except that a prompt routed before it was tokenized
 (``ParsedRequest.deferred``: on its first block, or on its conversation's earlier turn) is tokenized
-and hashed after it was sent, and counts in those two only."""
+and hashed after it was sent, and counts in those two only. ``forward`` runs from the decision to
+the request written to its worker, ``relay_first`` from the arrival of a streamed answer's first
+token from the worker to its hand-off to the client: with ``total``, the front's own part of a
+time to first token, but for the HTTP server's reading of the request before ``total`` starts."""
 
 
 def routing_phases(text: str) -> dict[str, float]:

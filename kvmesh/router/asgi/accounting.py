@@ -91,6 +91,7 @@ class RoutedAccount(LoadAccount):
         "answer_ids",
         "before_first",
         "counts_text",
+        "decided_at",
         "decision",
         "last_event",
         "nvext",
@@ -113,6 +114,8 @@ class RoutedAccount(LoadAccount):
         self.t0 = t0
         self.wall0 = wall0
         self.routed_at = 0.0
+        self.decided_at = 0.0
+        """When the decision was in hand (dispatch began), until the request was written."""
         self.before_first: Callable[[], None] | None = None
         """Counts a prompt routed before it was tokenized, if that has not run by the first token
         (its count is of no use after it)."""
@@ -153,6 +156,23 @@ class RoutedAccount(LoadAccount):
             self.mesh.metrics.kv_hit_rate.observe(min(1.0, decision.cached_tokens / isl))
         if not self.parsed.stream and self.mesh.config.router_track_prefill_tokens:
             self.watch_prefill(decision, isl)
+
+    def forwarding(self) -> None:
+        """Dispatch begins with the decision in hand (a failover's second attempt is not timed)."""
+        if not self.decided_at:
+            self.decided_at = time.perf_counter()
+
+    def written(self) -> None:
+        """The request is written to its worker (or handed to the local engine): the ``forward``
+        phase, from the decision in hand to here, once."""
+        if self.decided_at > 0.0:
+            self.mesh.metrics.phase["forward"].observe(time.perf_counter() - self.decided_at)
+            self.decided_at = -1.0
+
+    def relayed_first(self, seconds: float) -> None:
+        """The first token's bytes took ``seconds`` from their arrival from the worker to their
+        hand-off to the client (the ``relay_first`` phase)."""
+        self.mesh.metrics.phase["relay_first"].observe(seconds)
 
     def watch_prefill(self, decision: Decision, isl: int) -> None:
         """Release the prompt's prefill load when its prefill should be over, not with the answer."""

@@ -131,6 +131,7 @@ class Dispatch:
         registry = mesh.registry
         account = self.account
         tried: set[str] = set()
+        account.forwarding()
         while True:
             worker_id = decision.worker[0]
             try:
@@ -200,8 +201,7 @@ class Dispatch:
         if tag is not None:
             scope = {**scope, "headers": [*scope["headers"], tag]}
         tap = self._tap(worker_id)
-        if self.sent is not None:
-            self.sent()
+        self._written()
         try:
             await self.app(scope, replay_body(body, self.receive), tap)
         finally:
@@ -266,7 +266,7 @@ class Dispatch:
         path = self.parsed.endpoint
         if self.scope.get("query_string"):
             path += "?" + self.scope["query_string"].decode("latin-1")
-        upstream = await self.mesh.forwarder.open(url, "POST", path, headers, body, on_sent=self.sent)
+        upstream = await self.mesh.forwarder.open(url, "POST", path, headers, body, on_sent=self._written)
         try:
             first = await upstream.chunks().__anext__()
         except StopAsyncIteration:
@@ -295,7 +295,7 @@ class Dispatch:
                 await tap({"type": "http.response.body", "body": first or b"", "more_body": False})
             else:
                 if first is not None:
-                    await tap({"type": "http.response.body", "body": first, "more_body": True})
+                    await self._relay_until_first_token(upstream, tap, first)
                     async for chunk in upstream.chunks():
                         await tap({"type": "http.response.body", "body": chunk, "more_body": True})
                 await tap({"type": "http.response.body", "body": b"", "more_body": False})
@@ -311,6 +311,26 @@ class Dispatch:
             if not tap.complete:
                 upstream.close()
                 self.account.end(False)
+
+    def _written(self) -> None:
+        """The request is on its way to its worker (written, or handed to the local engine)."""
+        self.account.written()
+        if self.sent is not None:
+            self.sent()
+
+    async def _relay_until_first_token(
+        self, upstream: UpstreamResponse, tap: ResponseTap, first: bytes
+    ) -> None:
+        """Relay from the response's first body bytes to the chunk carrying its first token, and
+        time that chunk's way through the front (``relay_first``)."""
+        chunk: bytes | None = first
+        while chunk is not None:
+            arrived = upstream.received_at
+            await tap({"type": "http.response.body", "body": chunk, "more_body": True})
+            if tap.first_sent_at:
+                self.account.relayed_first(tap.first_sent_at - arrived)
+                return
+            chunk = await anext(upstream.chunks(), None)
 
     async def _watch_client(self, upstream: UpstreamResponse, gone: asyncio.Event) -> None:
         await wait_disconnect(self.receive)

@@ -27,6 +27,7 @@ batch's ``events`` call, so a stream that will carry no ``usage`` can be counted
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -79,6 +80,7 @@ class ResponseTap:
         "_stream_meta",
         "_text",
         "complete",
+        "first_sent_at",
         "started",
         "status",
     )
@@ -113,6 +115,8 @@ class ResponseTap:
         self.status = 0
         self.started = False  # the client has received the response head
         self.complete = False  # the last body message went out
+        self.first_sent_at = 0.0
+        """``time.perf_counter()`` as the bytes carrying the first token were handed to ``send``."""
 
     async def __call__(self, message: dict[str, Any]) -> None:
         kind = message["type"]
@@ -158,12 +162,16 @@ class ResponseTap:
         # ("data: [DO" + "NE]") waits for its end. A partial event is of no use to the client
         # before its end arrives anyway.
         before, lines, after = self._lines.feed(body, final=not more)
+        awaiting = self._awaiting_output
         if more and lines and not before and not after and not self._preamble and _DONE not in lines:
             # Whole events with nothing to splice in (no preamble due, no [DONE] for an echo): the
             # client's bytes go out first, and the router's reading of them (the first token,
             # its counts and timings) follows, off the token's way to the client.
+            at = time.perf_counter() if awaiting else 0.0
             await self._send({"type": "http.response.body", "body": lines, "more_body": True})
             self._read_lines(lines)
+            if awaiting and not self._awaiting_output:
+                self.first_sent_at = at
             return
         if lines:
             lines = self._read_lines(lines)
@@ -179,6 +187,8 @@ class ResponseTap:
                 out += (b"" if not out or out.endswith(b"\n") else b"\n\n") + self._echo_event(echo)
         if not out and more:
             return
+        if awaiting and not self._awaiting_output:
+            self.first_sent_at = time.perf_counter()
         await self._send({"type": "http.response.body", "body": out, "more_body": more})
         if not more:
             self._finish()

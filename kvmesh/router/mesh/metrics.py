@@ -165,7 +165,9 @@ class Metrics:
         )
         self.overhead = Histogram(
             "kvmesh_router_overhead_seconds",
-            "Routing overhead per phase (tokenize, hashing, find_matches, scheduling, total)",
+            "Routing overhead per phase (tokenize, hashing, find_matches, scheduling, total: arrival to "
+            "decision; forward: decision to the request written; relay_first: the first token's "
+            "bytes from the worker to the client)",
             ["phase"],
             buckets=_OVERHEAD_BUCKETS,
             registry=registry,
@@ -268,7 +270,15 @@ class Metrics:
         # label children resolved once: the hot path should not re-hash label tuples.
         self.phase = {
             name: self.overhead.labels(name)
-            for name in ("tokenize", "hashing", "find_matches", "scheduling", "total")
+            for name in (
+                "tokenize",
+                "hashing",
+                "find_matches",
+                "scheduling",
+                "total",
+                "forward",
+                "relay_first",
+            )
         }
 
     def observe_routing(self, route_seconds: float, find_matches: float | None, total: float) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,6 +82,9 @@ class Http1Connection(asyncio.Protocol):
         self._paused = False
         self._on_lost: list[Http1Connection] | None = None  # the idle list holding this connection
         self.idle_since = 0.0  # loop time when it went back to the pool
+        self._body_since = 0.0
+        self.read_since = 0.0
+        """``time.perf_counter()`` when the first of the bytes the last :meth:`read` handed out arrived."""
 
     # ---------------------------------------------------------------- caller side
     @property
@@ -124,6 +128,7 @@ class Http1Connection(asyncio.Protocol):
             if body:
                 data = body[0] if len(body) == 1 else b"".join(body)
                 body.clear()
+                self.read_since = self._body_since
                 self._buffered = 0
                 if self._paused:
                     self._paused = False
@@ -202,6 +207,8 @@ class Http1Connection(asyncio.Protocol):
             head.set_result(None)
 
     def on_body(self, data: bytes) -> None:
+        if not self._body:
+            self._body_since = time.perf_counter()
         self._body.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:

@@ -128,6 +128,11 @@ class UpstreamResponse:
         """Every body byte has been handed out: iterating further yields nothing."""
         return self._conn.drained
 
+    @property
+    def received_at(self) -> float:
+        """``time.perf_counter()`` when the first of the body bytes last handed out arrived."""
+        return self._conn.read_since
+
     def chunks(self) -> UpstreamResponse:
         """Body bytes as they arrive (the response is its own iterator: a second call continues it);
         raises StreamBroken if the worker breaks off."""

@@ -279,3 +279,19 @@ async def test_what_must_be_spliced_in_is_read_before_it_goes_out() -> None:
     assert rec.calls[5:] == []
     await tap({"type": "http.response.body", "body": b"]}\n\n", "more_body": False})
     assert rec.calls[5:] == ["events:1", "sent", "end:True"]
+
+
+async def test_the_moment_the_first_token_goes_out_is_kept_on_either_path() -> None:
+    role = {"id": "c1", "choices": [{"delta": {"role": "assistant", "content": ""}}]}
+    token = {"id": "c1", "choices": [{"delta": {"content": "a"}}]}
+    for preamble in (b"", b"event: token_ids\n: [1]\n\n"):  # sent first / read first
+        rec = Recorder()
+        tap = ResponseTap(rec.send, rec, preamble=preamble)
+        await tap(SSE_HEAD)
+        await tap({"type": "http.response.body", "body": _event(role), "more_body": True})
+        assert tap.first_sent_at == 0.0  # a role announcement is no token
+        await tap({"type": "http.response.body", "body": _event(token), "more_body": True})
+        first = tap.first_sent_at
+        assert first > 0.0
+        await tap({"type": "http.response.body", "body": _event(token), "more_body": True})
+        assert tap.first_sent_at == first

@@ -62,17 +62,31 @@ def test_the_floor_runs_the_same_sessions_one_at_a_time_on_one_engine(tmp_path: 
     # never leave it above 0 (and the floor, no router, is held to nobody)
     kv_minus_dynamo = per["kvmesh"][0]["prefix_hit_ratio"] - per["dynamo"][0]["prefix_hit_ratio"]
     assert cells["hits - best(sglang, dynamo)"] == f"{kv_minus_dynamo:.3f}"
-    # where a kvmesh front's time to its decision went: every phase of the latency cost's front,
-    # the same total as the case table's routing column; a round-robin front decides, no more
+    # where a kvmesh front's own time went: every phase of the latency cost's front, the same total
+    # as the case table's routing column; a round-robin front decides, writes and relays, no more
     phases = per["kvmesh"][0]["front_routing_phases_s"]
-    assert set(phases) == {"tokenize", "hashing", "find_matches", "scheduling", "total"}
+    assert set(phases) == {
+        "tokenize",
+        "hashing",
+        "find_matches",
+        "scheduling",
+        "total",
+        "forward",
+        "relay_first",
+    }
     assert phases["total"] == per["kvmesh"][0]["front_routing_mean_s"]
     assert phases["scheduling"] + phases["find_matches"] < phases["total"]
-    assert set(per["round-robin"][0]["front_routing_phases_s"]) == {"scheduling", "total"}
-    lines = done.stdout[done.stdout.index("where a kvmesh front's time to its decision goes") :].splitlines()
+    assert set(per["round-robin"][0]["front_routing_phases_s"]) == {
+        "scheduling",
+        "total",
+        "forward",
+        "relay_first",
+    }
+    lines = done.stdout[done.stdout.index("where a kvmesh front's own time goes") :].splitlines()
     rows = {r.split("|")[1].strip(): r for r in lines if r.startswith("| ") and "---" not in r}
     assert f"| {1000 * phases['tokenize']:.2f} " in rows["kvmesh"]
     assert rows["round-robin"].split("|")[2].strip() == "-"  # it tokenizes nothing
+    assert f"| {1000 * phases['relay_first']:.2f} " in rows["kvmesh"]
     # each request's time to first token split at the engine's arrival and first token: every
     # answered request found in its engine's log, on one clock (the request reached the engine
     # after it was sent, and the client after the engine's first token)

@@ -158,7 +158,8 @@ class RoutedAccount(LoadAccount):
             self.watch_prefill(decision, isl)
 
     def forwarding(self) -> None:
-        """Dispatch begins with the decision in hand (a failover's second attempt is not timed)."""
+        """Dispatch begins with the decision in hand. Stamped once: a request sent again after a
+        failover is timed from its first decision, and one already written is not timed again."""
         if not self.decided_at:
             self.decided_at = time.perf_counter()
 

@@ -48,6 +48,10 @@ routing), from its ``kvmesh_router_overhead_seconds`` histogram (sglang-router r
 ``front CPU ms/req`` is the CPU time (user + system, all threads, from /proc) the front process
 used while the traffic ran, per request: its routing, its proxying of every streamed token both
 ways and its KV-event intake, taken from the two cores it shares with the engines and the client.
+``front CPU wait ms/req`` is the time its threads were ready to run but waited for a CPU, per
+request (Linux's per-thread run-queue delay): on such a machine a write that wakes an engine or the
+client often hands it the writer's CPU for as long as it runs, and a front with one thread does
+nothing else meanwhile (sglang-router runs several; their waits are summed, as its CPU is).
 Every case gets a table that splits each request's time to first token three ways, matched to the
 engines' own request logs (``kvmesh/bench/arrivals.py``): from the client's send to the engine
 taking the request in, the engine's own time, and from its first token back to the client. The
@@ -122,6 +126,7 @@ from kvmesh.bench.fleet import (
     engine_ttft_p50,
     front_cpu_seconds,
     front_routing_phases,
+    front_wait_seconds,
     kvmesh_router,
     sglang_router,
     start_fleet,
@@ -417,8 +422,10 @@ async def run_one(
         total = sum(s.total_requests for s in sessions)
         bar = Progress(total, f"{case.label:>16} {contender.name:>14}", enabled=None if progress else False)
         cpu0 = front_cpu_seconds(fleet)  # (after start-up: its imports are no cost per request)
+        wait0 = front_wait_seconds(fleet)
         run = await run_workload(contender.name, sessions, load, progress=bar)
         cpu1 = front_cpu_seconds(fleet)
+        wait1 = front_wait_seconds(fleet)
         stats = await engine_stats(fleet.engine_urls)
         phases = await front_routing_phases(fleet.front_url)
         engine_log = engine_requests(fleet)
@@ -435,6 +442,9 @@ async def run_one(
     sent = len(run.results)  # failed ones too: the front handled them
     summary["front_cpu_s_per_request"] = (
         (cpu1 - cpu0) / sent if cpu0 is not None and cpu1 is not None and sent else None
+    )
+    summary["front_wait_s_per_request"] = (
+        (wait1 - wait0) / sent if wait0 is not None and wait1 is not None and sent else None
     )
     summary["per_engine"] = [s.requests for s in stats]
     if case.speedups:  # a mixed fleet: which engine ran at which speed
@@ -469,6 +479,9 @@ METRICS = (
     ("routing ms", lambda s: _ms(s.get("front_routing_mean_s"))),
     # the CPU the front process took per request, on the cores it shares with the engines
     ("front CPU ms/req", lambda s: _ms(s.get("front_cpu_s_per_request"))),
+    # and the time its threads were ready to run but off a CPU: mostly put off it by the engine or
+    # client a write of theirs woke (summed over threads: one of several waiting stops only itself)
+    ("front CPU wait ms/req", lambda s: _ms(s.get("front_wait_s_per_request"))),
     ("ITL p50 ms", lambda s: _ms(s["itl_s"]["p50"])),
     ("req/s", lambda s: s["throughput_rps"]),
     ("prefix hits", lambda s: s["prefix_hit_ratio"]),

@@ -374,11 +374,36 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_wait_seconds(pid: int) -> float | None:
+    """Time the threads of a process alive now have spent ready to run and waiting for a CPU, from
+    Linux's per-thread scheduler statistics (``/proc/<pid>/task/*/schedstat``, run-queue delay):
+    on a machine the front shares with the engines and the client, a thread that wakes one of them
+    by writing to it is often put off its CPU for the time that process runs, and a single-threaded
+    front does nothing else meanwhile. None where there is no such process or no statistics."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended since the listing
+    return total / 1e9
+
+
 def front_cpu_seconds(fleet: Fleet) -> float | None:
     """:func:`process_cpu_seconds` of the fleet's front router (the process started last). Read
     before and after a run, the difference is the CPU the front took from the machine it shares
     with the engines: a compiled router and a Python one differ there more than in their routing."""
     return process_cpu_seconds(fleet.procs[-1].pid) if fleet.procs else None
+
+
+def front_wait_seconds(fleet: Fleet) -> float | None:
+    """:func:`process_wait_seconds` of the fleet's front router, read like :func:`front_cpu_seconds`."""
+    return process_wait_seconds(fleet.procs[-1].pid) if fleet.procs else None
 
 
 def request_log_path(logs: Path, index: int) -> Path:

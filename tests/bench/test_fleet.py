@@ -22,9 +22,11 @@ from kvmesh.bench.fleet import (
     engine_ttft_p50,
     front_cpu_seconds,
     front_routing_phases,
+    front_wait_seconds,
     kvmesh_router,
     parse_metrics,
     process_cpu_seconds,
+    process_wait_seconds,
     routing_phases,
     start_fleet,
 )
@@ -55,9 +57,9 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile(t
                     infos.append(await r.json())
         sessions = build(WorkloadSpec("chat-fits", sessions=2, turns=2, prefix_words=10, question_words=10,
                                       max_tokens=4))  # fmt: skip
-        cpu_before = front_cpu_seconds(fleet)
+        cpu_before, wait_before = front_cpu_seconds(fleet), front_wait_seconds(fleet)
         run = await run_workload("rr", sessions, LoadSpec(urls=(fleet.front_url,), concurrency=2))
-        cpu_after = front_cpu_seconds(fleet)
+        cpu_after, wait_after = front_cpu_seconds(fleet), front_wait_seconds(fleet)
         stats = await engine_stats(fleet.engine_urls)
         routing = (await front_routing_phases(fleet.front_url)).get("total")
         engine_routing = await front_routing_phases(fleet.engine_urls[0])  # an engine routes nothing
@@ -89,6 +91,9 @@ async def test_a_fleet_serves_through_its_front_router_and_reports_its_profile(t
     assert cpu_before is not None and cpu_after is not None
     assert 0.05 < cpu_before <= cpu_after
     assert process_cpu_seconds(fleet.procs[-1].pid) is None
+    # and its threads' waits for a CPU, read the same way (none once it is gone)
+    assert wait_before is not None and wait_after is not None and 0 <= wait_before <= wait_after
+    assert process_wait_seconds(fleet.procs[-1].pid) is None
     # each engine's --request-log: a line per request it served, its own TTFT in it
     assert sorted(r["engine"] for r in logged) == [0, 0, 1, 1]
     own = sorted(r["first_token"] - r["arrival"] for r in logged)
@@ -213,3 +218,46 @@ def test_a_fleet_stops_when_the_process_that_started_it_is_killed(how: signal.Si
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+_SPINNERS = """
+import hashlib, os, sys, threading, time
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one CPU, for this thread and its children
+stop = threading.Event()
+def spin():
+    data = bytes(1 << 20)
+    end = time.monotonic() + 0.6
+    while time.monotonic() < end:
+        hashlib.sha256(data).digest()  # (off the GIL: the threads contend for the CPU alone)
+    stop.wait()  # alive, so that its counts are still there to read
+threads = [threading.Thread(target=spin) for _ in range(int(sys.argv[1]))]
+for t in threads:
+    t.start()
+time.sleep(0.8)
+print("done", flush=True)
+stop.wait()
+"""
+
+
+def _waits_of_spinners(threads: int) -> float | None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SPINNERS, str(threads)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "done\n"
+        return process_wait_seconds(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="needs Linux's scheduler statistics")
+def test_a_process_shows_the_time_its_threads_waited_for_a_cpu() -> None:
+    # one thread busy on a CPU of its own does not wait for it; two on one CPU take turns, each
+    # ready to run while the other has it (about 0.3 s each), whatever the CPU time they use
+    # (other processes sharing that CPU add to both alike)
+    alone = _waits_of_spinners(1)
+    shared = _waits_of_spinners(2)
+    assert alone is not None and shared is not None
+    assert shared - alone > 0.2
+    assert process_wait_seconds(2**22 + 7) is None  # no such process

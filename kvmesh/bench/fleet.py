@@ -381,6 +381,7 @@ def process_wait_seconds(pid: int) -> float | None:
     by writing to it is often put off its CPU for the time that process runs, and a single-threaded
     front does nothing else meanwhile. None where there is no such process or no statistics."""
     total = 0
+    read = False
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -390,8 +391,9 @@ def process_wait_seconds(pid: int) -> float | None:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 total += int(f.read().split()[1])
         except (OSError, IndexError, ValueError):
-            continue  # a thread that ended since the listing
-    return total / 1e9
+            continue  # a thread that ended since the listing (or a kernel without the statistics)
+        read = True
+    return total / 1e9 if read else None
 
 
 def front_cpu_seconds(fleet: Fleet) -> float | None:

@@ -480,7 +480,7 @@ METRICS = (
     # the CPU the front process took per request, on the cores it shares with the engines
     ("front CPU ms/req", lambda s: _ms(s.get("front_cpu_s_per_request"))),
     # and the time its threads were ready to run but off a CPU: mostly put off it by the engine or
-    # client a write of theirs woke (summed over threads: one of several waiting stops only itself)
+    # client one of its writes woke (summed over threads: one of several waiting stops only itself)
     ("front CPU wait ms/req", lambda s: _ms(s.get("front_wait_s_per_request"))),
     ("ITL p50 ms", lambda s: _ms(s["itl_s"]["p50"])),
     ("req/s", lambda s: s["throughput_rps"]),

@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from kvmesh.bench.report import percentile
+from kvmesh.router.mesh.metrics import OVERHEAD_PHASES
 
 SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 """The directory this kvmesh is imported from (a checkout, or the site-packages it is installed in)."""
@@ -319,7 +320,7 @@ def parse_metrics(text: str, label: str | None = None) -> dict[str, float]:
     return out
 
 
-ROUTING_PHASES = ("tokenize", "hashing", "find_matches", "scheduling", "total", "forward", "relay_first")
+ROUTING_PHASES = OVERHEAD_PHASES
 """The phases of ``kvmesh_router_overhead_seconds``: ``total`` runs from a request's arrival to its
 decision; the four before it are parts of it, except that a prompt routed before it was tokenized
 (``ParsedRequest.deferred``: on its first block, or on its conversation's earlier turn) is tokenized

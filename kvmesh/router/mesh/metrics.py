@@ -34,6 +34,8 @@ _PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 # Routing overhead per phase: tens of microseconds is normal, milliseconds is a problem.
 _OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+OVERHEAD_PHASES = ("tokenize", "hashing", "find_matches", "scheduling", "total", "forward", "relay_first")
+"""The ``phase`` labels of ``kvmesh_router_overhead_seconds``, in the order a request meets them."""
 _HIT_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 WorkerRow = tuple[str, int, float, float]
@@ -268,18 +270,7 @@ class Metrics:
         self._live = _LiveRouters()
         registry.register(self._live)
         # label children resolved once: the hot path should not re-hash label tuples.
-        self.phase = {
-            name: self.overhead.labels(name)
-            for name in (
-                "tokenize",
-                "hashing",
-                "find_matches",
-                "scheduling",
-                "total",
-                "forward",
-                "relay_first",
-            )
-        }
+        self.phase = {name: self.overhead.labels(name) for name in OVERHEAD_PHASES}
 
     def observe_routing(self, route_seconds: float, find_matches: float | None, total: float) -> None:
         """One ``KvRouter.route()`` call of ``route_seconds``: its prefix lookups (``find_matches``,

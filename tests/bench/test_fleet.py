@@ -173,10 +173,12 @@ async def test_the_fleet_runs_the_kvmesh_its_caller_imports_whatever_the_working
 
 _FLEET_THEN_WAIT = """
 import asyncio, json, sys
+from pathlib import Path
 from kvmesh.bench.fleet import kvmesh_router, start_fleet
 
 async def main():
-    async with start_fleet(2, ["--speedup", "20", "--num-blocks", "64"], kvmesh_router()) as fleet:
+    engines = ["--speedup", "20", "--num-blocks", "64"]
+    async with start_fleet(2, engines, kvmesh_router(), keep_logs=Path(sys.argv[1])) as fleet:
         print(json.dumps([p.pid for p in fleet.procs]), flush=True)
         await asyncio.sleep(600)
 
@@ -195,11 +197,17 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal is Linux's")
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_a_fleet_stops_when_the_process_that_started_it_is_killed(how: signal.Signals) -> None:
+def test_a_fleet_stops_when_the_process_that_started_it_is_killed(
+    how: signal.Signals, tmp_path: Path
+) -> None:
     # SIGKILL, and SIGTERM's default action, end the benchmark without its ``finally``: its engines
-    # and router would go on serving on loopback, taking the CPU the next run measures with
+    # and router would go on serving on loopback, taking the CPU the next run measures with. (Nor
+    # does its temporary log directory go: the logs go under the test's own, which pytest removes.)
     parent = subprocess.Popen(
-        [sys.executable, "-c", _FLEET_THEN_WAIT], stdout=subprocess.PIPE, env=child_env(), text=True
+        [sys.executable, "-c", _FLEET_THEN_WAIT, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        env=child_env(),
+        text=True,
     )
     pids: list[int] = []
     try:

@@ -220,6 +220,7 @@ def test_a_fleet_stops_when_the_process_that_started_it_is_killed(
         while any(_running(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert [p for p in pids if _running(p)] == []
+        assert (tmp_path / "front.log").is_file()  # (its logs, so nothing was left elsewhere)
     finally:
         parent.kill()
         parent.wait()

@@ -133,6 +133,21 @@ class Conversations:
         the histories a newcomer would push out were priced as if few turns came back for them)."""
         self.growth_blocks = 0.0
         self.cycle_s = 0.0
+        self.history_found = 1.0
+        """The share of its own history (the blocks of its earlier prompt no other conversation on
+        that worker shares) a later turn finds still cached on the worker holding it, as the
+        router's index sees it when the turn is routed (a moving average, 1 until turns come
+        back): what the cache prices that count on the histories being found
+        (:meth:`LatencyCost.pushed_out_ms`, :meth:`LatencyCost.held_overflow_ms`) scale by. A
+        prefix many conversations share is kept warm by their turns, and is not what a
+        newcomer pushes out."""
+
+    def found_at_home(self, found_blocks: int, history_blocks: int) -> None:
+        """A later turn found ``found_blocks`` of its own ``history_blocks`` cached on the worker
+        holding them (:attr:`history_found`)."""
+        if history_blocks > 0:
+            share = found_blocks / history_blocks if found_blocks < history_blocks else 1.0
+            self.history_found += ALPHA * (share - self.history_found)
 
     # ------------------------------------------------------------------ views
     def home(self, tip_id: str) -> tuple[WorkerKey, int, int] | None:
@@ -331,6 +346,7 @@ class Conversations:
             "deepest_turn": len(self._reached),
             "blocks_per_turn": round(self.growth_blocks, 2),
             "seconds_between_turns": round(self.cycle_s, 4),
+            "history_found": round(self.history_found, 4),
             "live": len(self._tips),
         }
 

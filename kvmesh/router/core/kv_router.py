@@ -540,6 +540,14 @@ class KvRouter:
                 if held_home is not None:
                     home, home_own, tip_blocks = held_home
                     home_new = max(n_blocks - tip_blocks, 0)
+                    # how much of its own history (what no other conversation there shares) the
+                    # home's cache kept; a worker whose KV events have told nothing, none yet or
+                    # none at all, tells nothing of that
+                    if index.block_count(home):
+                        at_home = overlaps.get(home)
+                        shared = tip_blocks - home_own
+                        found = at_home.device - shared if at_home is not None else 0
+                        conv.found_at_home(found if found > 0 else 0, home_own)
         # A new conversation's first turn keeps no history anywhere and joins no twin: its ties are
         # the fits' uncertainty alone, not the spread of its effect on others (pick_saving_work)
         effects_widen_ties = turn is None or continues is not None or turn.sibling

@@ -352,6 +352,14 @@ class LatencyCost(ReadsState):
         and no more than they have left (:meth:`Conversations.turns_held_ahead`), the future
         counted as the cache is held for it. Conversations at their last turns cost little; young
         ones with most of their turns ahead, a lot.
+        A pushed block costs its recompute only if its conversation would have found it otherwise:
+        the price is taken at the share of their histories that later turns have been finding
+        (:attr:`Conversations.history_found`). Where the live histories are far past the caches,
+        the turns coming back find little of theirs whatever this request does, and pricing every
+        return at its whole push made the price (8-11 s a candidate on six engines holding twice
+        their caches in live chats, stop 80) outweigh a request's own wait: turns went where they
+        were predicted to wait 0.6-1 s for memory, where 0.45 s was on offer, to spare pushes
+        that came to nothing.
         (:meth:`eviction_ms` prices what a request evicts once. With 12 agent sessions on 4
         engines, turns that moved onto an engine whose conversations were between turns pushed
         their histories out, and they were prefilled again at every later turn there.)"""
@@ -362,7 +370,7 @@ class LatencyCost(ReadsState):
         returns = min(conv.turns_held_ahead(key, previous), (1.0 + to_hold) * per_cycle)
         if returns <= 0:
             return 0.0
-        return returns * pushed * self.block_size * timing.ms_per_token()
+        return returns * pushed * self.block_size * timing.ms_per_token() * conv.history_found
 
     def held_overflow_ms(
         self,
@@ -390,7 +398,8 @@ class LatencyCost(ReadsState):
         per-token time. The router counts it only where another worker has room for this
         conversation's future and the fleet for all of theirs (:meth:`KvRouter._decide`).
         (Without it, six young agent sessions sharing an engine of eight stayed until their
-        histories no longer fitted, and four recomputed 10k tokens each at their fifth turn.)"""
+        histories no longer fitted, and four recomputed 10k tokens each at their fifth turn.)
+        As in :meth:`pushed_out_ms`, at the share of their histories later turns find."""
         conv = self._conversations
         g = conv.growth_blocks
         if own_blocks <= 0 or to_hold <= 0.0 or g <= 0.0 or held_ahead <= 0.0:
@@ -403,7 +412,9 @@ class LatencyCost(ReadsState):
         returns = min(per_cycle * max(to_hold - t0, 0.0), held_ahead)
         if returns <= 0.0:
             return 0.0
-        return returns * min(own_blocks, overflow) * self.block_size * timing.ms_per_token()
+        return (
+            returns * min(own_blocks, overflow) * self.block_size * timing.ms_per_token() * conv.history_found
+        )
 
     def turns_overlap_ms(
         self,

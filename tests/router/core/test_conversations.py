@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.events.wire import BlockStored, EventBatch
+from kvmesh.events.wire import BlockRemoved, BlockStored, EventBatch
 from kvmesh.hashing import block_hashes
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.conversations import EXPIRE_CYCLES, MAX_TURNS_TO_COME, Conversations
@@ -525,20 +525,40 @@ def test_a_conversation_left_out_of_live_blocks_keeps_what_others_share() -> Non
     assert conv.live_blocks(A, exclude="one") == 0
 
 
-def learned_conversations(r: KvRouter, turns: int) -> float:
+def learned_conversations(r: KvRouter, turns: int, cache: str | None = None) -> float:
     """The router learns ``turns``-turn conversations (12 of them, a block added a turn, a turn
     every 0.6 s, each answered in 0.3 s) on a worker c that is then removed: what it learned stays
-    (turns reached, the gap between turns, how long a request stays). Returns the time after."""
+    (turns reached, the gap between turns, how long a request stays). c publishes no KV events,
+    unless ``cache`` says what they tell: "kept", each turn's prompt cached until its next turn;
+    "evicted", cached and evicted before the next turn came back (a 48-block system prompt the
+    conversations share stays). Returns the time after."""
     r.add_worker("c", total_blocks=1000, max_num_batched_tokens=8192, block_size=B)
     now = 0.0
+    engine_ids = iter(range(10**6))
+    system = toks(99, 48 * B)
+    if cache is not None:
+        shared = [next(engine_ids) for _ in range(48)]
+        r.apply_events("c", EventBatch(0.0, [BlockStored(shared, None, system, B)], 0))
     for s in range(12):
-        prompt = toks(100 + s, 50 * B)
+        prompt = toks(100 + s, 50 * B) if cache is None else system + toks(100 + s, 12 * B)
+        own: list[int] = []  # the engine's ids of this conversation's blocks cached on c
         for turn in range(turns):
             rid, at = f"past-{s}-{turn}", now + 0.6 * turn
             d = r.route(RouteRequest(rid, block_hashes(prompt, B), len(prompt), backend_instance_id="c"), at)
             assert isinstance(d, Decision)
-            r.first_token(rid, at + 0.05)
+            if cache is not None:
+                added = [next(engine_ids) for _ in range(len(prompt) // B - 48 - len(own))]
+                parent = own[-1] if own else shared[-1]
+                r.apply_events(
+                    "c", EventBatch(at, [BlockStored(added, parent, prompt[(48 + len(own)) * B :], B)], 0)
+                )
+                own += added
+            # (with events, what the engine cached changes no fit: the two caches differ in that alone)
+            r.first_token(rid, at + 0.05, timed=cache is None)
             r.finished(rid, at + 0.3)
+            if cache == "evicted":
+                r.apply_events("c", EventBatch(at + 0.4, [BlockRemoved(own)], 0))
+                own = []
             prompt = prompt + toks(1000 + 10 * s + turn, B)
         now += 0.1
     now += 60.0
@@ -608,12 +628,12 @@ def test_a_turn_stays_with_its_history_where_the_conversations_outgrow_the_cache
     assert d.worker == ("a", 0)
 
 
-def conversations_living_on_a(turns: int) -> tuple[KvRouter, float]:
+def conversations_living_on_a(turns: int, cache: str | None = None) -> tuple[KvRouter, float]:
     """a and b, 1,000 blocks each. The router has learned 6-turn conversations
-    (:func:`learned_conversations`); three of them live on a, between turns, after
-    ``turns`` turns, 300 blocks each; b is prefilling a 600-block request."""
+    (:func:`learned_conversations`, with ``cache``); three of them live on a, between turns,
+    after ``turns`` turns, 300 blocks each; b is prefilling a 600-block request."""
     r = router()
-    now = learned_conversations(r, 6)
+    now = learned_conversations(r, 6, cache)
     prompts = [toks(200 + s, 297 * B) for s in range(3)]
     for turn in range(turns):
         for s in range(3):
@@ -650,6 +670,25 @@ def test_a_request_does_not_push_out_histories_that_will_come_back_again_and_aga
         assert by["a"].eviction_ms > by["b"].cost - by["a"].predicted_ttft_ms
     else:
         assert by["a"].eviction_ms < 1.0  # (its own conversation's growth, a block a turn)
+
+
+@pytest.mark.parametrize(("cache", "worker"), [("kept", "b"), ("evicted", "a")])
+def test_histories_pushed_out_are_priced_at_the_share_later_turns_find(cache: str, worker: str) -> None:
+    """The test above at the conversations' first turn, where the router learned its conversations
+    from KV events. Where their later turns found their histories cached ("kept"), the 400-block
+    request would push 300 blocks out of a's conversations at each of their turns to come, and it
+    goes to b. Where the later turns found theirs evicted every time ("evicted": a cache past
+    its conversations), a push comes to nothing that would not have happened anyway: the request
+    goes to a, where it is answered sooner."""
+    r, now = conversations_living_on_a(1, cache)
+    found = r._conversations.history_found
+    assert found == 1.0 if cache == "kept" else found < 0.1
+    request = toks(9, 400 * B)
+    d = r.route(RouteRequest("new", block_hashes(request, B), len(request)), now)
+    assert isinstance(d, Decision)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["a"].predicted_ttft_ms < by["b"].predicted_ttft_ms
+    assert d.worker == (worker, 0)
 
 
 def conversations_between_turns_on_a(living: int) -> tuple[KvRouter, float, list[int]]:

@@ -93,7 +93,7 @@ class LatencyCost(ReadsState):
         flight, so a turn is never credited for leaving it."""
         deepest = max([d.device for d in overlaps.values()])
         found = prompt.chunk_prefix(deepest)
-        stay_s = self._stays.decode_fleet
+        stay_s = self._stays.fleet_stay(now)
         if found is None or stay_s <= 0.0:
             return None
         identity, depth = found

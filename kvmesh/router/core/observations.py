@@ -90,6 +90,7 @@ class Observations(ReadsState):
         model = self._timing.get(worker)
         if model is None:
             return
+        self._stays.dispatched(now)
         load = self._load
         uncached = max(req.isl_tokens - overlap * self.block_size, 0)
         step_wait_ms, ahead = 1000.0 * view[0], float(view[1])

@@ -138,10 +138,10 @@ def test_a_hot_prefix_spreads_once_its_worker_takes_traffic_faster_than_the_cach
 
 
 def stream(
-    r: KvRouter, prompt: Callable[[int], list[int]], n: int, gap_s: float
+    r: KvRouter, prompt: Callable[[int], list[int]], n: int, gap_s: float, stay_s: float = 0.25
 ) -> list[tuple[float, Decision]]:
     """``n`` requests routed by the router every ``gap_s``, each to its first token after 20 ms and
-    15 us per token it did not find cached, done 250 ms after it was sent; fed in time order."""
+    15 us per token it did not find cached, done ``stay_s`` after it was sent; fed in time order."""
     events = [(i * gap_s, 0, i) for i in range(n)]
     heapq.heapify(events)
     placed: list[tuple[float, Decision]] = []
@@ -152,7 +152,7 @@ def stream(
             d = pick(r, f"s{i}", tokens, now=t)
             placed.append((t, d))
             heapq.heappush(events, (t + 0.02 + 15e-6 * (len(tokens) - d.overlap_blocks * B), 1, i))
-            heapq.heappush(events, (t + 0.25, 2, i))
+            heapq.heappush(events, (t + stay_s, 2, i))
         elif what == 1:
             r.first_token(f"s{i}", t)
         else:
@@ -189,6 +189,24 @@ def test_a_prefix_in_steady_demand_is_copied_for_the_waits_the_copy_saves_later(
         assert by[worker].cost + by[worker].copy_credit_ms > min(
             s.cost for s in d.breakdown if s.copy_credit_ms == 0
         )
+
+
+def test_a_new_hot_prefix_is_copied_before_any_request_has_finished() -> None:
+    """A fleet's first traffic: a 2.8k-token prefix cached on a, asked for every 20 ms, and no
+    request finishes within the first 2 s (long answers). The router has learned no stay yet, but
+    every request it sent is still in flight, so the requests carrying the prefix over the time
+    since its first one are the rate they arrive at: the prefix is copied for the waits a copy
+    saves, while the first answers are still streaming."""
+    hot = toks(1, 2800)
+    r = router("abcd")
+    store(r, "a", hot)
+    placed = stream(r, lambda i: hot + toks(200 + i, 140), 50, 0.02, stay_s=2.0)
+    copies = [(t, d) for t, d in placed if d.worker[0] != "a"]
+    assert copies
+    t, d = copies[0]
+    assert t < 1.0  # the first answers end at 2 s
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by[d.worker[0]].copy_credit_ms > 0
 
 
 def test_the_cached_worker_wins_while_its_cache_saves_more_than_its_queue_costs() -> None:

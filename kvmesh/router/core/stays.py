@@ -53,15 +53,17 @@ class Stays:
             self.first_dispatch = now
 
     def fleet_stay(self, now: float) -> float:
-        """A request's time from first token to finish over the fleet; before any request has
+        """A request's whole stay over the fleet, from dispatch to finish; before any request has
         finished, the time since the first one was dispatched (0 before that). Until one finishes,
         every request is still in flight, so the requests in flight over that time are exactly
-        the rate they came in (Little's law with none gone yet). (With no stay before the first
+        the rate they came in (Little's law with none gone yet); after, Little's law divides them
+        by the whole stay, not by the time from first token to finish, which leaves out the queue
+        and the prefill and read the rate higher than it was. (With no stay before the first
         finish, a new hot prefix had no rate and no copy was worth anything: on a fleet of 6 whose
-        questions arrived at 30/s, 95% of them on one 2.8k-token prefix, the first 0.9 s of them
-        queued on its one worker at 60-110 ms to first token, while a copy elsewhere took 82-87.)"""
-        if self.decode_fleet > 0.0:
-            return self.decode_fleet
+        questions arrived at 30/s, 95% of them on one 2.8k-token prefix, 44 of the first second's
+        53 queued on its one worker, at 60-110 ms to first token where a copy elsewhere took 82-87.)"""
+        if self.in_system_fleet > 0.0:
+            return self.in_system_fleet
         if self.first_dispatch < 0.0:
             return 0.0
         return max(now - self.first_dispatch, 0.0)

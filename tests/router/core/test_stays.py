@@ -49,7 +49,7 @@ def test_output_tokens_and_hit_share_start_from_their_first_value() -> None:
     assert s.reuse_fleet == pytest.approx(ALPHA)
 
 
-def test_before_any_request_finishes_the_fleet_s_stay_is_the_time_since_the_first_dispatch() -> None:
+def test_the_fleet_s_stay_is_the_whole_stay_and_before_any_finish_the_time_since_the_first_dispatch() -> None:
     s = Stays()
     assert s.fleet_stay(5.0) == 0.0  # nothing dispatched: no stay
     s.dispatched(10.0)
@@ -57,4 +57,5 @@ def test_before_any_request_finishes_the_fleet_s_stay_is_the_time_since_the_firs
     assert s.fleet_stay(10.5) == pytest.approx(0.5)
     assert s.fleet_stay(11.0) == pytest.approx(1.0)
     s.finished(A, 0.3, 0.4)
-    assert s.fleet_stay(12.0) == s.decode_fleet == 0.3  # learned from then on
+    # learned from then on: the whole stay, dispatch to finish (Little's law's), not the decode
+    assert s.fleet_stay(12.0) == s.in_system_fleet == 0.4

@@ -165,7 +165,13 @@ class LatencyCost(ReadsState):
         the fits' uncertainty makes its ties. (With the spread, 8-12 of `chat-fits`' 16 new chats
         started on the engine holding their 208-token system prompt, predicted 1.5-15 ms slower
         there than on an idle engine, and their later turns moved away when they met there,
-        recomputing their histories: prefix hits 0.007 lower over six seeds.)
+        recomputing their histories: prefix hits 0.007 lower over six seeds.) And only for a
+        candidate that saves work over the cheapest one (less prefill of its own there): that
+        saving is what the tie is settled by. One that adds as much is tied with the cheapest
+        within the fits' uncertainty alone, and beyond it the expected costs decide. (Tied by the
+        spread of its own delay to arrivals, such a candidate won on the smallest tree: a
+        9k-token agent turn leaving its home went to an engine priced at 599 ms, its delay to
+        arrivals there 317 ms, where the cheapest engine was priced at 343 with 110.)
 
         Before any of that, a candidate surely beyond the tail of the best times to first token
         the fleet has been offering is left out when another is predicted within it, and one
@@ -183,7 +189,9 @@ class LatencyCost(ReadsState):
             best = next(i for i in among if costs[i] == lowest)
             limit = None  # (every one left is within)
         fit = self._timing[candidates[best]].uncertainty_ms(scores[best].prefill_tokens)
-        base = fit * fit + effect_variances[best]
+        base = fit * fit
+        effects = effect_variances[best]
+        own_best = own_tokens[best]
         if waited:
             width = self._wait_spread.width_ms
             base += width(scores[best].memory_wait_ms) ** 2
@@ -191,10 +199,19 @@ class LatencyCost(ReadsState):
                 i
                 for i in among
                 if costs[i] - lowest
-                <= math.sqrt(base + effect_variances[i] + width(scores[i].memory_wait_ms) ** 2)
+                <= math.sqrt(
+                    base
+                    + width(scores[i].memory_wait_ms) ** 2
+                    + (effects + effect_variances[i] if own_tokens[i] < own_best else 0.0)
+                )
             ]
         else:
-            near = [i for i in among if costs[i] - lowest <= math.sqrt(base + effect_variances[i])]
+            near = [
+                i
+                for i in among
+                if costs[i] - lowest
+                <= math.sqrt(base + (effects + effect_variances[i] if own_tokens[i] < own_best else 0.0))
+            ]
         if len(near) == 1:
             return best
         # the least own work, then (a prefix held: not a new one to spread) the soonest start, then

@@ -15,6 +15,7 @@ from kvmesh.router.core import load as load_module
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.kv_router import Decision, KvRouter, RouteRequest
 from kvmesh.router.core.latency_cost import LatencyCost
+from kvmesh.router.core.route_types import CandidateScore
 from kvmesh.router.core.timing import MOCKER_PRIOR, Profile
 
 B = 16
@@ -852,6 +853,36 @@ def test_the_spread_of_the_delay_to_arrivals_is_that_of_a_poisson_count_of_waits
     # the turns' overlap: meetings of about a decode pass each; nothing to be unsure of without either
     assert LatencyCost.effect_variance(0.0, prefill_ms, 12.0, 9.0) == pytest.approx(12.0 * 9.0)
     assert LatencyCost.effect_variance(0.0, prefill_ms, 0.0, 9.0) == 0.0
+
+
+@pytest.mark.parametrize(("home_cost", "chosen"), [(700.0, "a"), (500.0, "home")])
+def test_only_a_candidate_saving_work_is_tied_with_the_cheapest_by_the_spread_of_its_effects(
+    home_cost: float, chosen: str
+) -> None:
+    """A 9k-token agent turn is priced on three engines (the rule alone, on scores set by hand, the
+    fits on their prior: 156 ms sure at that prefill). Its home holds all but 1,172 tokens of it;
+    a and b would recompute it all. b is priced 260 ms above a, the cheapest, mostly for its delay
+    to the requests arriving there, whose spread (with a's) is wider than that, and b holds the
+    smallest tree. Adding as much prefill as a, b saves nothing a tie could be settled by: beyond
+    the fits' uncertainty it is simply dearer, and a takes the turn (b took it when the spread
+    tied them, on its tree). The home saves most of the prefill: within the spread of its and
+    a's effects it is a tie, which it wins; priced further above a than that, a takes it."""
+    r = KvRouter(RouterConfig(), random.Random(0))
+    for w in ("home", "a", "b"):
+        r.add_worker(w, total_blocks=4096, max_num_batched_tokens=8192, block_size=16)
+    own = [1172.0, 8900.0, 8900.0]
+    costs = [home_cost, 340.0, 600.0]
+    variances = [300.0, 16_000.0, 46_000.0]  # the delay to arrivals' spread: b's the widest
+    keys = [(w, 0) for w in ("home", "a", "b")]
+    scores = [
+        CandidateScore(k, 0, 0, 0, t, t / 16, 600.0, c, predicted_ttft_ms=p)
+        for k, t, c, p in zip(keys, own, costs, [100.0, 227.0, 237.0], strict=True)
+    ]
+    fit = r._timing[("a", 0)].uncertainty_ms(8900.0)
+    excess = costs[2] - costs[1]
+    assert fit < excess < (fit**2 + variances[1] + variances[2]) ** 0.5  # beyond the fits, within the effects
+    i = r._cost.pick_saving_work(keys, own, costs, [900, 800, 100], scores, variances)
+    assert keys[i][0] == chosen
 
 
 @pytest.mark.skipif(

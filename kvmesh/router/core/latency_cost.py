@@ -192,26 +192,19 @@ class LatencyCost(ReadsState):
         base = fit * fit
         effects = effect_variances[best]
         own_best = own_tokens[best]
+        width = self._wait_spread.width_ms
         if waited:
-            width = self._wait_spread.width_ms
             base += width(scores[best].memory_wait_ms) ** 2
-            near = [
-                i
-                for i in among
-                if costs[i] - lowest
-                <= math.sqrt(
-                    base
-                    + width(scores[i].memory_wait_ms) ** 2
-                    + (effects + effect_variances[i] if own_tokens[i] < own_best else 0.0)
-                )
-            ]
-        else:
-            near = [
-                i
-                for i in among
-                if costs[i] - lowest
-                <= math.sqrt(base + (effects + effect_variances[i] if own_tokens[i] < own_best else 0.0))
-            ]
+        near = [
+            i
+            for i in among
+            if costs[i] - lowest
+            <= math.sqrt(
+                base
+                + (width(scores[i].memory_wait_ms) ** 2 if waited else 0.0)
+                + (effects + effect_variances[i] if own_tokens[i] < own_best else 0.0)
+            )
+        ]
         if len(near) == 1:
             return best
         # the least own work, then (a prefix held: not a new one to spread) the soonest start, then

@@ -37,6 +37,15 @@ EXPIRE_CYCLES = 4.0
 conversation: gaps vary (think time, tool time) but rarely by 4x."""
 EXPIRE_FIRST_S = 30.0
 """The expiry before any gap between turns has been seen."""
+LAPSE_CYCLES = 2.0
+"""The young fleet's forecast (as many turns again as a conversation has had,
+:meth:`Conversations.turns_to_hold`) lapses once this many typical gaps have passed since the
+first conversation reached the deepest turn with none gone past it: had they gone on, some would
+have by then. Until they expire (``EXPIRE_CYCLES`` gaps after their last turns), a wave of
+conversations that all ended at the same turn otherwise read as young: every one of them was to
+hold its cache for as many turns again, and the next wave's sessions were placed around that
+growth (six-turn agents on five engines: 13 s of it, each new session held for 11 turns where 5
+came)."""
 MAX_TURNS_TO_COME = 19.0
 """A fleet of endless conversations has no finite answer, and beyond ~20 turns the first ones'
 cache is long gone anyway."""
@@ -131,6 +140,9 @@ class Conversations:
         starting up as a short one (six-turn sessions starting one every 0.1 s, a turn a second,
         read 0.33 turns to come after their first 1.5 s in, where the turns seen allow 1, and
         the histories a newcomer would push out were priced as if few turns came back for them)."""
+        self._deepest_at = 0.0
+        """When the first conversation reached the deepest turn (see :data:`LAPSE_CYCLES`)."""
+        self._lapsed = False
         self.growth_blocks = 0.0
         self.cycle_s = 0.0
         self.history_found = 1.0
@@ -189,7 +201,8 @@ class Conversations:
         """The turns a conversation at turn ``number`` is to keep its cache for: :meth:`turns_to_come`,
         but while every conversation at the deepest turn reached is still between turns, one there
         is expected to go on for as many turns again as it has had (nothing else is known of it
-        yet, the estimate :mod:`copies` makes of a shared prefix's future).
+        yet, the estimate :mod:`copies` makes of a shared prefix's future), until that presumption
+        lapses (:data:`LAPSE_CYCLES`).
 
         Only what a worker's cache must hold is priced with it (the growth ahead, the histories a
         newcomer pushes out), not the turns' overlap: counting on no turn past the deepest one
@@ -223,7 +236,7 @@ class Conversations:
         conversation has gone on at all (before that, nothing says the requests are turns of
         conversations: single questions look like conversations at their first turn)."""
         reached = self._reached
-        return len(reached) > 1 and self._waiting[-1] >= reached[-1] > 0.0
+        return len(reached) > 1 and self._waiting[-1] >= reached[-1] > 0.0 and not self._lapsed
 
     def held_turns_per_cycle(self, worker: WorkerKey, exclude: str | None = None) -> float:
         """:meth:`turns_per_cycle` as :meth:`turns_to_hold` counts the future: a conversation at
@@ -385,7 +398,11 @@ class Conversations:
         number = turn.number if again is None else again.number
         counted = again.counted if again is not None else 0.0 if turn.sibling else 1.0
         if again is None and not turn.sibling:
+            deepest = len(self._reached)
             self._count(number)
+            if len(self._reached) > deepest:
+                self._deepest_at = now
+                self._lapsed = False
         replaced = None
         if previous is not None:
             replaced = self._unindex(previous)
@@ -425,7 +442,11 @@ class Conversations:
         return previous
 
     def expire(self, now: float) -> int:
-        """End the conversations whose next turn is overdue; returns how many."""
+        """End the conversations whose next turn is overdue; returns how many. (And let the young
+        fleet's forecast lapse, :data:`LAPSE_CYCLES`.)"""
+        if not self._lapsed and self.cycle_s > 0 and now - self._deepest_at > LAPSE_CYCLES * self.cycle_s:
+            self._lapsed = True
+            self._forget_future()
         horizon = now - self.expiry_s()
         gone = 0
         while self._tips:

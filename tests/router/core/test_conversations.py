@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvmesh.events.wire import BlockRemoved, BlockStored, EventBatch
 from kvmesh.hashing import block_hashes
 from kvmesh.router.core.config import RouterConfig
-from kvmesh.router.core.conversations import EXPIRE_CYCLES, MAX_TURNS_TO_COME, Conversations
+from kvmesh.router.core.conversations import EXPIRE_CYCLES, LAPSE_CYCLES, MAX_TURNS_TO_COME, Conversations
 from kvmesh.router.core.kv_router import Decision, KvRouter, RouteRequest
 from kvmesh.router.core.load import CHUNK, PromptBlocks
 
@@ -183,6 +183,27 @@ def test_a_cache_is_held_for_as_many_turns_again_while_none_at_the_deepest_turn_
     conv.expire(2.0 + 10 * EXPIRE_CYCLES)
     assert conv.turns_to_hold(1) == conv.turns_to_come(1) == pytest.approx(2)
     assert conv.turns_to_hold(3) == 0
+
+
+def test_the_young_fleets_forecast_lapses_when_no_conversation_goes_past_the_deepest_turn() -> None:
+    """Thirty conversations reached their third turn at 2 s, a turn a second, and none comes back:
+    as many turns again are counted on for LAPSE_CYCLES gaps, then none past the third, while the
+    conversations are still live (their blocks still held) until they expire. A conversation that
+    goes on past the deepest turn starts the forecast again, from the new deepest turn."""
+    conv = one_wave_at_turn_3()
+    assert conv.cycle_s == pytest.approx(1.0)
+    live = conv.live_blocks(A)
+    conv.expire(2.0 + LAPSE_CYCLES - 0.1)
+    assert conv.turns_to_hold(3) == pytest.approx(3)
+    conv.expire(2.0 + LAPSE_CYCLES + 0.1)
+    assert conv.turns_to_hold(3) == 0
+    assert conv.turns_to_hold(1) == conv.turns_to_come(1) == pytest.approx(2)
+    assert conv.growth_ahead_blocks(A) == 0
+    assert conv.live_blocks(A) == live  # lapsed, not expired
+    # one of them comes back after all: a fourth turn is the deepest now, and young again
+    prompt = toks(100, 8 * B) + toks(0, 4 * B) + toks(1, 4 * B) + toks(2, 4 * B)
+    assert route(conv, "0-3", A, prompt, 2.0 + LAPSE_CYCLES + 0.2) == "0-2"
+    assert conv.turns_to_hold(4) == pytest.approx(4)
 
 
 def test_conversations_still_starting_up_are_not_read_as_short_ones() -> None:

@@ -22,14 +22,19 @@ SPEC = WorkloadSpec("hot-prefix", sessions=150, groups=2, prefix_words=1200, que
                     max_tokens=16, hot_share=0.9, seed=3)  # fmt: skip
 
 
-async def test_a_hot_prefix_is_copied_to_more_engines_as_its_demand_lasts() -> None:
+@pytest.mark.parametrize("background", [True, False], ids=["background-copies", "request-copies"])
+async def test_a_hot_prefix_is_copied_to_more_engines_as_its_demand_lasts(background: bool) -> None:
     sessions = build(SPEC)
     hot = {s.session_id for s in sessions if s.kind == "hot"}
-    async with start_fleet(3, ENGINE, kvmesh_router()) as fleet:
+    flags = () if background else ("--no-router-background-copies",)
+    async with start_fleet(3, ENGINE, kvmesh_router(*flags)) as fleet:
         load = LoadSpec(urls=(fleet.front_url,), concurrency=None, rate=15.0, seed=3)
         run = await run_workload("latency", sessions, load)
-        async with aiohttp.ClientSession() as http, http.get(fleet.front_url + "/kvmesh/router") as r:
-            described = await r.json()
+        async with aiohttp.ClientSession() as http:
+            async with http.get(fleet.front_url + "/kvmesh/router") as r:
+                described = await r.json()
+            async with http.get(fleet.front_url + "/metrics") as r:
+                exposition = await r.text()
     summary = report.summarize(run)
     assert summary["errors"] == 0
     served = [r for r in run.results if r.session_id in hot]
@@ -42,3 +47,20 @@ async def test_a_hot_prefix_is_copied_to_more_engines_as_its_demand_lasts() -> N
     assert len(cold) == len(set(cold))
     shared = described["shared_prefixes"]
     assert shared["followed"] >= 1 and shared["copies"] >= 1
+    done = _sample(exposition, 'kvmesh_prefix_copies_total{outcome="done"}')
+    if background:
+        # the router's own prefills made the copies: an engine served the prefix cached to every
+        # hot request it took, though none of them computed it there
+        assert set(per_engine) - set(cold)
+        assert shared["background"] >= 1 and done >= 1
+    else:  # each copy was a client's request, which computed the prefix where it went
+        assert set(cold) == set(per_engine)
+        assert shared["background"] == 0 and done == 0
+
+
+def _sample(exposition: str, name: str) -> float:
+    """A sample's value in a Prometheus text exposition (0 where the series is absent)."""
+    for line in exposition.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0

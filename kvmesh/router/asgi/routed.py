@@ -24,6 +24,7 @@ from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.disagg import TwoStage
 from kvmesh.router.asgi.forwarding import Dispatch, replace_body, session_header
 from kvmesh.router.asgi.json_io import read_body, send_error
+from kvmesh.router.asgi.prefix_copy import start_prefix_copy
 from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
@@ -276,6 +277,14 @@ class RoutedRequest:
             lora_name=parsed.lora,
             client=_client(self.scope),
             estimated_blocks=parsed.isl // (registry.block_size or 16) if parsed.deferred is not None else 0,
+            # a copy by token ids reproduces the prefix only where the tokens key the cache; a
+            # prompt routed before it was tokenized has no tokens to copy until it is counted
+            copies_in_background=(
+                self.mesh.config.router_background_copies
+                and parsed.cache_keyed is None
+                and not registry.prefill_routable
+                and (parsed.deferred is None or parsed.deferred.exact)
+            ),
         )
 
     async def dispatch(
@@ -283,6 +292,8 @@ class RoutedRequest:
     ) -> None:
         """Serve on the decided worker (its session opened first), failing over if it is gone."""
         mesh = self.mesh
+        if decision.copy is not None:
+            start_prefix_copy(mesh, decision.copy, parsed)
         ttl = parsed.nvext.cache_ttl
         if ttl is not None and mesh.kv_mode and not mesh.take_pin(decision.worker[0], ttl, time.monotonic()):
             mesh.router.cancel(account.request_id, time.monotonic())

@@ -60,6 +60,7 @@ class RouterConfig:
     host_cache_hit_weight: float = 0.75
     disk_cache_hit_weight: float = 0.25
     router_temperature: float = 0.0
+    router_background_copies: bool = True
     # index
     use_kv_events: bool = True
     router_ttl_secs: float = 120.0
@@ -321,6 +322,15 @@ _FLAGS: tuple[Setting, ...] = (
         float,
         "softmax sampling temperature over normalised costs; 0 picks the cheapest worker",
         0.0,
+    ),
+    _flag(
+        "router_background_copies",
+        "--router-background-copies",
+        bool,
+        "latency cost: copy a hot shared prefix to one more worker by a prefill of the prefix alone "
+        "(a token-id /v1/completions request of one token), sent to the worker the cost chose for "
+        "the copy while the request that would have made it goes where it is fastest; "
+        "--no-router-background-copies makes that request the copy",
     ),
     _flag(
         "use_kv_events",

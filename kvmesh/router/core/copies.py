@@ -19,7 +19,11 @@ demand. The router weighs both:
   prefix that no request in flight carried for longer than a request's stay, and longer than it
   had been shared, starts again at age 0.
 
-The saving over that horizon is credited to the workers that would copy it. A cold prefix (few
+The saving over that horizon is credited to the workers that would copy it. The router makes the
+copy itself where it can (``RouteRequest.copies_in_background``): when the credit is what picks a
+worker that does not hold the prefix, and a holder is the request's own fastest place, the request
+goes there and its decision names the copy (``Decision.copy``), which the front sends as a prefill
+of the prefix alone. The copy's cold prefill then delays no client's first token. A cold prefix (few
 requests share it) or a new one is worth little and is not copied; a prefix shared at a high rate
 for a while is copied to one more worker each time the saving beats the cold prefill, and less
 as the copies grow, because each further copy saves less.

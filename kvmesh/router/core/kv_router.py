@@ -62,6 +62,7 @@ from kvmesh.router.core.route_types import (
     Decision,
     DecisionReason,
     ExpiredSession,
+    PrefixCopy,
     Queued,
     Rejected,
     RejectReason,
@@ -187,7 +188,10 @@ class KvRouter:
         self._cost = LatencyCost(state, rng)
         self._observations = Observations(state)
         self._copies = 0
-        """Requests placed on a worker that did not hold the shared prefix they carry: copies made."""
+        """Copies of a shared prefix decided: requests placed on a worker that did not hold the
+        prefix requests in flight shared with them, or sent to a holder with a copy to make."""
+        self._background_copies = 0
+        """Of those, the copies left to the front to make by a prefill of the prefix alone."""
         self._latency = config.router_cost_model == "latency"
         self._aic = config.router_prefill_load_model == "aic"
         self._recent: deque[tuple[float, Decision]] = deque(maxlen=DECISION_HISTORY)
@@ -557,12 +561,13 @@ class KvRouter:
         elsewhere = req.prefilled_elsewhere
         copy_to: set[WorkerKey] | None = None  # the holders: a copy on any other is credited
         copy_ms = 0.0
+        copy_blocks = 0
         cost = self._cost
         cost.begin_decision()
         if latency and prompt is not None and overlaps and weights.overlap_score_credit > 0 and not elsewhere:
             copy = cost.copy_credit(prompt, candidates, overlaps, isl, now)
             if copy is not None:
-                copy_to, copy_ms = copy
+                copy_to, copy_ms, copy_blocks = copy
         # per-decision constants out of the loop, which runs for every candidate
         in_flight_cached = latency and prompt is not None and weights.overlap_score_credit > 0
         scale = weights.prefill_load_scale
@@ -728,9 +733,26 @@ class KvRouter:
             i = cost.pick_saving_work(candidates, own_tokens, costs, trees, scores, effect_variances, waited)
         else:
             i = selector.pick(costs, trees, self.config.router_temperature, self._rng)
+        background = None
         if copy_to is not None and candidates[i] not in copy_to:
             self._copies += 1
-        return self._finish(req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt, turn, i)
+            if req.copies_in_background and latency and self.config.router_temperature == 0:
+                # The copy's credit chose a worker that does not hold the prefix. Where a holder
+                # is the choice without that credit, the request goes there and the front copies
+                # the prefix alone: its cold prefill then delays no client's first token. (Made by
+                # the requests themselves, each copy was a cold prefill in the run's tail:
+                # `hot-prefix x4`'s p99 was a copy's 2.8k-token prefill in most runs.)
+                uncredited = [c + s.copy_credit_ms for c, s in zip(costs, scores, strict=True)]
+                j = cost.pick_saving_work(
+                    candidates, own_tokens, uncredited, trees, scores, effect_variances, waited
+                )
+                if candidates[j] in copy_to:
+                    background = PrefixCopy(candidates[i], copy_blocks)
+                    self._background_copies += 1
+                    i = j
+        return self._finish(
+            req, candidates[i], scores[i].overlap_blocks, tuple(scores), now, prompt, turn, i, background
+        )
 
     def _pick_least_loaded(
         self,
@@ -757,8 +779,10 @@ class KvRouter:
         prompt: PromptBlocks | None,
         turn: Turn | None = None,
         chosen: int | None = None,
+        copy: PrefixCopy | None = None,
     ) -> Decision:
-        """Commit the decision for ``worker`` (``breakdown[chosen]`` when it was scored)."""
+        """Commit the decision for ``worker`` (``breakdown[chosen]`` when it was scored), with the
+        background copy of its prefix the front is to make (``copy``), if any."""
         # the queue as this request finds it, before it joins: what it waits for, what it batches with
         view = self._load.step_in_progress(worker, now)
         self._commit(
@@ -784,6 +808,7 @@ class KvRouter:
             min(overlap * bs, req.isl_tokens),
             self._reason_for(req),
             breakdown,
+            copy=copy,
         )
         self._recent.append((now, decision))
         return decision
@@ -1068,10 +1093,13 @@ class KvRouter:
         return self._tail.describe() if self._latency else None
 
     def shared_prefix_stats(self) -> dict[str, int] | None:
-        """Shared prefixes the latency cost follows, and the copies of them it made: requests placed
-        on a worker that did not hold the prefix requests in flight shared with them (None with
-        Dynamo's cost)."""
-        return {"followed": len(self._shared), "copies": self._copies} if self._latency else None
+        """Shared prefixes the latency cost follows, the copies of them it decided (requests placed
+        on a worker that did not hold the prefix requests in flight shared with them, or sent to
+        a holder with a copy to make) and how many of those it left to the front to make in the
+        background (None with Dynamo's cost)."""
+        if not self._latency:
+            return None
+        return {"followed": len(self._shared), "copies": self._copies, "background": self._background_copies}
 
     @property
     def stats(self) -> RouterStats:

@@ -81,9 +81,9 @@ class LatencyCost(ReadsState):
         overlaps: dict[WorkerKey, TierDepths],
         isl_tokens: int,
         now: float,
-    ) -> tuple[set[WorkerKey], float] | None:
+    ) -> tuple[set[WorkerKey], float, int] | None:
         """``(candidates holding the prompt's deepest cached prefix, what a copy of it on any
-        other is worth)``, or None when nothing is worth copying.
+        other is worth, its length in blocks)``, or None when nothing is worth copying.
 
         The prefix is the whole chunks of the deepest one cached on a candidate. A candidate holds
         it when it is cached there or a request in flight there carries it (cached by the time this
@@ -113,7 +113,7 @@ class LatencyCost(ReadsState):
             return None
         suffix = isl_tokens - depth * self.block_size
         step_ms = self._timing[first].added_prefill_ms(0.0, suffix)
-        return holders, copy_saving_ms(carried / stay_s, step_ms, len(holders), age)
+        return holders, copy_saving_ms(carried / stay_s, step_ms, len(holders), age), depth
 
     def pick_saving_work(
         self,

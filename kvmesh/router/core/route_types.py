@@ -59,6 +59,13 @@ class RouteRequest:
     conversation's earlier turn it begins with. The front tokenizes it once it is sent, then calls
     ``KvRouter.amend``; until then the load counts the blocks beyond the known ones as new.
     Latency cost only."""
+    copies_in_background: bool = False
+    """The front can copy a shared prefix to another worker by a prefill of its own (a token-id
+    ``/v1/completions`` request, :mod:`kvmesh.router.asgi.prefix_copy`): where the latency cost
+    would copy this request's shared prefix by sending the request itself to a worker that does
+    not hold it, it goes where it is fastest and the decision names the copy to make
+    (``Decision.copy``). False for prompts whose cache is keyed by more than their tokens, which
+    such a prefill would not reproduce."""
     prefilled_elsewhere: bool = False
     """The decode stage of a disaggregated request: another worker computes its prompt and the KV
     arrives by transfer, so a candidate adds no prefill work for it; its load decides, and among
@@ -115,6 +122,15 @@ class CandidateScore:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixCopy:
+    """A shared prefix to prefill on a worker that does not hold it, for the requests to come."""
+
+    worker: WorkerKey
+    blocks: int
+    """The prefix's length: the request's first ``blocks`` blocks."""
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     request_id: str
     worker: WorkerKey
@@ -126,6 +142,8 @@ class Decision:
     breakdown: tuple[CandidateScore, ...] = ()
     waited: float = 0.0
     """Seconds the request spent in the admission queue."""
+    copy: PrefixCopy | None = None
+    """A copy of the request's shared prefix for the front to make in the background, or None."""
 
 
 @dataclass(frozen=True, slots=True)

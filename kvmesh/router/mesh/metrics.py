@@ -250,6 +250,13 @@ class Metrics:
             ["outcome"],
             registry=registry,
         )
+        self.prefix_copies = Counter(
+            "kvmesh_prefix_copies_total",
+            "Copies of a hot shared prefix the router made by a one-token prefill of the prefix "
+            "alone (--router-background-copies), by outcome (done, failed, cancelled)",
+            ["outcome"],
+            registry=registry,
+        )
         self.not_resent = Counter(
             "kvmesh_requests_not_resent_total",
             "Forwarded requests a live worker dropped after receiving them, answered 502 rather than "

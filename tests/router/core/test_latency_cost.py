@@ -139,25 +139,42 @@ def test_a_hot_prefix_spreads_once_its_worker_takes_traffic_faster_than_the_cach
 
 
 def stream(
-    r: KvRouter, prompt: Callable[[int], list[int]], n: int, gap_s: float, stay_s: float = 0.25
+    r: KvRouter,
+    prompt: Callable[[int], list[int]],
+    n: int,
+    gap_s: float,
+    stay_s: float = 0.25,
+    background: bool = False,
 ) -> list[tuple[float, Decision]]:
     """``n`` requests routed by the router every ``gap_s``, each to its first token after 20 ms and
-    15 us per token it did not find cached, done ``stay_s`` after it was sent; fed in time order."""
+    15 us per token it did not find cached, done ``stay_s`` after it was sent; fed in time order.
+    With ``background``, the requests may leave copies of their prefix to the front, which sends
+    each as the front does (``KvRouter.track``) and finishes it once its cold prefill is done."""
     events = [(i * gap_s, 0, i) for i in range(n)]
     heapq.heapify(events)
     placed: list[tuple[float, Decision]] = []
+    copied: dict[int, tuple[str, list[int]]] = {}
     while events:
         t, what, i = heapq.heappop(events)
         if what == 0:
             tokens = prompt(i)
-            d = pick(r, f"s{i}", tokens, now=t)
+            d = r.route(req(f"s{i}", tokens, copies_in_background=background), t)
+            assert isinstance(d, Decision), d
             placed.append((t, d))
             heapq.heappush(events, (t + 0.02 + 15e-6 * (len(tokens) - d.overlap_blocks * B), 1, i))
             heapq.heappush(events, (t + stay_s, 2, i))
+            if d.copy is not None:
+                blocks = d.copy.blocks
+                r.track(f"copy{i}", d.copy.worker, block_hashes(tokens, B)[:blocks], blocks * B, t)
+                heapq.heappush(events, (t + 0.02 + 15e-6 * blocks * B, 3, i))
+                copied[i] = (d.copy.worker[0], tokens[: blocks * B])
         elif what == 1:
             r.first_token(f"s{i}", t)
-        else:
+        elif what == 2:
             r.finished(f"s{i}", t)
+        else:  # the copy's engine stored the prefix, and its one-token answer ended
+            store(r, *copied.pop(i))
+            r.finished(f"copy{i}", t)
     return placed
 
 
@@ -190,6 +207,60 @@ def test_a_prefix_in_steady_demand_is_copied_for_the_waits_the_copy_saves_later(
         assert by[worker].cost + by[worker].copy_credit_ms > min(
             s.cost for s in d.breakdown if s.copy_credit_ms == 0
         )
+
+
+def test_a_copy_left_to_the_front_keeps_every_request_on_a_worker_holding_the_prefix() -> None:
+    """The steady demand above, with a front that copies a prefix by itself: each copy the cost
+    decides is named in the decision of a request that goes to a holder instead (its own fastest
+    place), and the prefix spreads to the workers copied to. No request
+    after the first prefill pays a cold prefill of the prefix. (The engine's KV events tell the
+    router its copy is cached, as they do for a request's blocks.)"""
+    hot = toks(1, 2800)
+    r = router("abcd")
+    store(r, "a", hot)
+    placed = stream(r, lambda i: hot + toks(200 + i, 140), 200, 0.05, background=True)
+    copies = [(t, d) for t, d in placed if d.copy is not None]
+    assert copies
+    # the prefix the requests in flight share, in whole chunks (the 15 blocks past them, the first
+    # request on a copy prefills)
+    shared = len(hot) // B // load_module.CHUNK * load_module.CHUNK
+    assert all(d.overlap_blocks >= shared for _, d in placed)  # cached or in flight there
+    for t, d in copies:
+        assert d.copy is not None and d.copy.blocks == shared
+        by = {s.worker: s for s in d.breakdown}
+        assert d.copy.worker != d.worker and by[d.copy.worker].overlap_blocks == 0
+        assert by[d.copy.worker].copy_credit_ms > 0 and t > 1.0  # decided for the credit, as above
+        assert by[d.worker].predicted_ttft_ms < by[d.copy.worker].predicted_ttft_ms
+    # each copy takes a share of the requests that came after it
+    last = {d.worker[0] for _, d in placed[-50:]}
+    assert {"a"} | {d.copy.worker[0] for _, d in copies if d.copy} == last
+    assert r.shared_prefix_stats() == {"followed": 1, "copies": len(copies), "background": len(copies)}
+
+
+@pytest.mark.parametrize(("gap_s", "background"), [(0.02, True), (0.005, False)])
+def test_a_copy_is_left_to_the_front_only_where_a_holder_is_the_requests_fastest_place(
+    gap_s: float, background: bool
+) -> None:
+    """A hot prefix's requests pinned to a, every 20 ms: a is still this request's fastest place,
+    and the copy's credit alone picks b, so the request goes to a and names the copy to b. Every
+    5 ms, a's queue makes b faster even for a cold prefill: the request itself goes to b and is
+    the copy (its decision names none), as with the copies made by requests."""
+    hot = toks(1, 2800)
+    r = router()
+    store(r, "a", hot)
+    now = stream_to(r, "a", lambda i: hot + toks(200 + i, 140), 60, gap_s)
+    d = r.route(req("next", hot + toks(7, 140), copies_in_background=True), now)
+    assert isinstance(d, Decision)
+    by = {s.worker[0]: s for s in d.breakdown}
+    assert by["b"].copy_credit_ms > 0
+    a_ttft, b_ttft = by["a"].predicted_ttft_ms, by["b"].predicted_ttft_ms
+    assert a_ttft is not None and b_ttft is not None
+    if background:
+        assert a_ttft < b_ttft
+        assert d.worker == ("a", 0) and d.copy is not None and d.copy.worker == ("b", 0)
+    else:
+        assert b_ttft < a_ttft
+        assert d.worker == ("b", 0) and d.copy is None
 
 
 def test_a_new_hot_prefix_is_copied_before_any_request_has_finished() -> None:

@@ -12,6 +12,12 @@ and caches the prefix as it would have for the request, and no client waits for 
 It counts as load on that worker from the moment it is decided (``KvRouter.track``), so the next
 decisions see the copy in flight there, and the blocks it carries, as they see a request's. It is
 the router's own work, bounded by one generated token: nothing a client does leaves it running.
+
+An engine that refuses such a request (an HTTP 4xx: a custom engine without token-id prompts, a
+server that requires fields the router does not know) would leave a hot prefix on its first
+worker for good, every copy decided and none made. After :data:`REFUSALS_TO_STOP` refusals in a
+row the router stops making copies itself, says so once in its log, and its requests make them
+again, as with ``--no-router-background-copies``.
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ from kvmesh.router.asgi.peer_auth import hop_headers
 from kvmesh.router.core.route_types import PrefixCopy
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.parse import ParsedRequest
+from kvmesh.router.upstream.forwarder import Refused
 
 logger = logging.getLogger(__name__)
+
+REFUSALS_TO_STOP = 3
 
 COPY_ENDPOINT = "/v1/completions"
 """A prompt of token ids reproduces the prefix's blocks exactly, whatever the request's endpoint
@@ -71,11 +80,16 @@ async def _copy(mesh: Mesh, request_id: str, copy: PrefixCopy, parsed: ParsedReq
                     worker.url + COPY_ENDPOINT, body, timeout=bound, headers=headers
                 )
             outcome = "done"
+            mesh.copies_refused = 0
         else:
             logger.info("kvmesh: a shared prefix's tokens were not found: no copy sent to %s", worker_id)
     except asyncio.CancelledError:
         outcome = "cancelled"
         raise
+    except Refused as e:
+        logger.info("kvmesh: %s refused a background copy of a shared prefix: %s", worker_id, e)
+        if 400 <= e.status < 500:
+            _refused(mesh, e)
     except Exception as e:  # a copy nobody waits for must never surface
         logger.info("kvmesh: a background copy of a shared prefix on %s failed: %s", worker_id, e)
     finally:
@@ -83,3 +97,15 @@ async def _copy(mesh: Mesh, request_id: str, copy: PrefixCopy, parsed: ParsedReq
         mesh.router.finished(request_id, now)
         mesh.metrics.prefix_copies.labels(outcome).inc()
         mesh.pump(now)
+
+
+def _refused(mesh: Mesh, error: Refused) -> None:
+    mesh.copies_refused += 1
+    if mesh.copies_refused >= REFUSALS_TO_STOP and mesh.background_copies:
+        mesh.background_copies = False
+        logger.warning(
+            "kvmesh: the engines refused %d background copies of a shared prefix in a row (last: %s); "
+            "from now on the requests routed make the copies (as with --no-router-background-copies)",
+            mesh.copies_refused,
+            error,
+        )

@@ -280,7 +280,7 @@ class RoutedRequest:
             # a copy by token ids reproduces the prefix only where the tokens key the cache; a
             # prompt routed before it was tokenized has no tokens to copy until it is counted
             copies_in_background=(
-                self.mesh.config.router_background_copies
+                self.mesh.background_copies
                 and parsed.cache_keyed is None
                 and not registry.prefill_routable
                 and (parsed.deferred is None or parsed.deferred.exact)

@@ -131,6 +131,11 @@ class Mesh:
         self.tokens_per_byte = TOKENS_PER_BYTE
         """Prompt tokens per byte of request body, learned from the prompts tokenized: the length
         of a prompt routed before its tokens are known (``DeferredPrompt``)."""
+        self.background_copies = self.config.router_background_copies
+        """Copies of a hot prefix are made by the router's own prefill (``--router-background-copies``),
+        until the engines refuse them (``kvmesh.router.asgi.prefix_copy``)."""
+        self.copies_refused = 0
+        """Background copies refused in a row by the engines (HTTP 4xx)."""
         self.deferred_prompts = 0
         """Prompts routed on their first block alone (no worker held it) and tokenized once sent."""
         self.turn_memo = TurnMemo()

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from kvmesh._types import WorkerId
-from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
+from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder, Refused
 
 ASGIApp = Any
 ADMIN_TOKEN_HEADER = "x-kvmesh-admin-token"
@@ -122,7 +122,7 @@ class WorkerRpc:
         except Exception as e:
             raise ConnectFailed("local", f"{method} {path} raised {e!r}") from None
         if status != 200:
-            raise ConnectFailed("local", f"{method} {path}: HTTP {status}: {data[:200]!r}")
+            raise Refused("local", status, f"{method} {path}: {data[:200]!r}")
         try:
             return msgspec.json.decode(data)
         except msgspec.DecodeError:

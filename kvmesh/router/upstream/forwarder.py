@@ -89,6 +89,14 @@ class ConnectFailed(UpstreamError):
     """Nothing came back before the connection failed: safe to retry on another worker."""
 
 
+class Refused(ConnectFailed):
+    """The worker answered a JSON call with an HTTP error status (``status``)."""
+
+    def __init__(self, worker_url: str, status: int, message: str) -> None:
+        super().__init__(worker_url, f"HTTP {status}: {message}")
+        self.status = status
+
+
 class MaybeDelivered(ConnectFailed):
     """The request was written, then the connection failed before the response head: the worker
     may have received it and may be running it. Never re-sent by the forwarder."""
@@ -318,7 +326,7 @@ class Forwarder:
     ) -> Any:
         status, body = await self._exchange(method, url, payload, timeout, headers)
         if status != 200:
-            raise ConnectFailed(url, f"HTTP {status}: {body[:200].decode('utf-8', 'replace')}")
+            raise Refused(url, status, body[:200].decode("utf-8", "replace"))
         try:
             return msgspec.json.decode(body)
         except msgspec.DecodeError as e:

@@ -62,7 +62,9 @@ async def _copy(mesh: Mesh, request_id: str, copy: PrefixCopy, parsed: ParsedReq
         parsed.complete()  # (a request sent as another's twin is tokenized only when asked)
         tokens = parsed.tokens[:n_tokens]
         worker = mesh.registry.get(worker_id)
-        if len(tokens) == n_tokens and worker is not None:
+        if worker is None:
+            logger.info("kvmesh: %s left the fleet before a background copy was sent to it", worker_id)
+        elif len(tokens) == n_tokens:
             body: dict[str, Any] = {"prompt": tokens, "max_tokens": 1, "stream": False}
             model = parsed.body.get("model")
             if model is not None:  # (a LoRA adapter's name: its blocks are the adapter's)

@@ -740,8 +740,8 @@ class KvRouter:
                 # The copy's credit chose a worker that does not hold the prefix. Where a holder
                 # is the choice without that credit, the request goes there and the front copies
                 # the prefix alone: its cold prefill then delays no client's first token. (Made by
-                # the requests themselves, each copy was a cold prefill in the run's tail:
-                # `hot-prefix x4`'s p99 was a copy's 2.8k-token prefill in most runs.)
+                # the requests themselves, each copy was a cold prefill among a `hot-prefix` run's
+                # slowest requests, whose p99 is a round's third-slowest.)
                 uncredited = [c + s.copy_credit_ms for c, s in zip(costs, scores, strict=True)]
                 j = cost.pick_saving_work(
                     candidates, own_tokens, uncredited, trees, scores, effect_variances, waited

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/decision_fingerprint.py [--requests 1500] [--seed 1]
 
 Prints one fingerprint per configuration (the latency cost on 6 and 8 workers, Dynamo's cost, the
-latency cost with temperature) and how many decisions went into it. A change meant to make
+latency cost with temperature, the latency cost leaving copies of a shared prefix to the front) and how many decisions went into it. A change meant to make
 ``KvRouter`` faster without changing what it decides must leave every fingerprint as it was: run
 this before and after, and compare. (A test cannot pin the values: any deliberate change to the
 cost changes them.) With a compiled build (``kvmesh native build``) it runs compiled;
@@ -36,8 +36,12 @@ from kvmesh.router.core.kv_router import Decision, KvRouter, RouteRequest
 BLOCK = 16
 
 
-def fingerprint(seed: int, requests: int, *, model: str, workers: int, temperature: float) -> tuple[str, int]:
-    """``(hex digest, decisions)`` of one seeded run."""
+def fingerprint(
+    seed: int, requests: int, *, model: str, workers: int, temperature: float, background: bool = False
+) -> tuple[str, int]:
+    """``(hex digest, decisions)`` of one seeded run. With ``background``, the requests let the
+    router name copies of a shared prefix for the front to make, and each is made as the front
+    makes it: counted on its worker at once, its blocks stored and its load freed once prefilled."""
     rng = random.Random(seed)
     router = KvRouter(
         RouterConfig(router_queue_threshold=None, router_cost_model=model, router_temperature=temperature),
@@ -73,11 +77,15 @@ def fingerprint(seed: int, requests: int, *, model: str, workers: int, temperatu
                 request_id = f"{rid}.{k}"
                 hashes = block_hashes(tokens, BLOCK)
                 osl = rng.choice([None, 50, 200])
-                result = router.route(RouteRequest(request_id, hashes, len(tokens), osl=osl), now)
+                request = RouteRequest(
+                    request_id, hashes, len(tokens), osl=osl, copies_in_background=background
+                )
+                result = router.route(request, now)
                 if not isinstance(result, Decision):
                     digest.update(repr((request_id, type(result).__name__)).encode())
                     continue
                 decisions += 1
+                copy_named = (result.copy,) if background else ()
                 terms = [
                     (
                         s.worker,
@@ -90,7 +98,16 @@ def fingerprint(seed: int, requests: int, *, model: str, workers: int, temperatu
                     )
                     for s in result.breakdown
                 ]
-                digest.update(repr((request_id, result.worker, result.overlap_blocks, terms)).encode())
+                digest.update(
+                    # (the copy named, only where the front makes copies: the other configurations'
+                    # fingerprints stay comparable with those taken before background copies)
+                    repr((request_id, result.worker, result.overlap_blocks, terms, *copy_named)).encode()
+                )
+                if result.copy is not None:
+                    copy_id, n = f"{request_id}.copy", result.copy.blocks
+                    router.track(copy_id, result.copy.worker, hashes[:n], n * BLOCK, now)
+                    copied = (copy_id, result.copy.worker, tokens[: n * BLOCK])
+                    heapq.heappush(events, (now + 0.01 + 0.00002 * n * BLOCK, rng.random(), "copied", copied))
                 ttft = 0.01 + 0.00002 * (len(tokens) - result.overlap_blocks * BLOCK) + rng.random() * 0.01
                 first = (request_id, result.worker, tokens, result.overlap_blocks * BLOCK)
                 heapq.heappush(events, (now + ttft, rng.random(), "first", first))
@@ -105,6 +122,12 @@ def fingerprint(seed: int, requests: int, *, model: str, workers: int, temperatu
             hashes = block_hashes(tokens, BLOCK)
             stored = BlockStored(list(hashes), None, tokens[: len(hashes) * BLOCK], BLOCK)
             router.apply_events(worker[0], EventBatch(now, [stored], 0))
+        elif kind == "copied":
+            copy_id, worker, tokens = payload  # type: ignore[misc]
+            hashes = block_hashes(tokens, BLOCK)
+            stored = BlockStored(list(hashes), None, tokens, BLOCK)
+            router.apply_events(worker[0], EventBatch(now, [stored], 0))
+            router.finished(copy_id, now)
         else:
             router.finished(payload, now)  # type: ignore[arg-type]
     return digest.hexdigest()[:16], decisions
@@ -120,14 +143,20 @@ def main() -> int:
     )
     args = parser.parse_args()
     configs = [
-        ("latency, 6 workers", "latency", 6, 0.0),
-        ("latency, 8 workers", "latency", 8, 0.0),
-        ("dynamo, 6 workers", "dynamo", 6, 0.0),
-        ("latency, temperature 0.5", "latency", 6, 0.5),
+        ("latency, 6 workers", "latency", 6, 0.0, False),
+        ("latency, 8 workers", "latency", 8, 0.0, False),
+        ("dynamo, 6 workers", "dynamo", 6, 0.0, False),
+        ("latency, temperature 0.5", "latency", 6, 0.5, False),
+        ("latency, background copies", "latency", 6, 0.0, True),
     ]
-    for i, (label, model, workers, temperature) in enumerate(configs):
+    for i, (label, model, workers, temperature, background) in enumerate(configs):
         digest, n = fingerprint(
-            args.seed + i, args.requests, model=model, workers=workers, temperature=temperature
+            args.seed + i,
+            args.requests,
+            model=model,
+            workers=workers,
+            temperature=temperature,
+            background=background,
         )
         print(f"{label:26s} {digest}  ({n} decisions)")
     return 0

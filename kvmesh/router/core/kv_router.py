@@ -744,7 +744,7 @@ class KvRouter:
                 # slowest requests, whose p99 is a round's third-slowest.)
                 uncredited = [c + s.copy_credit_ms for c, s in zip(costs, scores, strict=True)]
                 j = cost.pick_saving_work(
-                    candidates, own_tokens, uncredited, trees, scores, effect_variances, waited
+                    candidates, own_tokens, uncredited, trees, scores, effect_variances, waited, again=True
                 )
                 if candidates[j] in copy_to:
                     background = PrefixCopy(candidates[i], copy_blocks)

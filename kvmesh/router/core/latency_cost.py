@@ -124,6 +124,7 @@ class LatencyCost(ReadsState):
         scores: Sequence[CandidateScore],
         effect_variances: Sequence[float],
         waited: bool = False,
+        again: bool = False,
     ) -> int:
         """The cheapest candidate, except that costs closer than the best one's prediction
         uncertainty are a tie the model cannot resolve: among those, the one where this request
@@ -175,8 +176,9 @@ class LatencyCost(ReadsState):
 
         Before any of that, a candidate surely beyond the tail of the best times to first token
         the fleet has been offering is left out when another is predicted within it, and one
-        surely slower than the best when none is (:meth:`_tail_limit`)."""
-        limit = self._tail_limit(candidates, scores)
+        surely slower than the best when none is (:meth:`_tail_limit`). ``again``: the same
+        decision picked a second time, on other costs; its best offer is already in the tail."""
+        limit = self._tail_limit(candidates, scores, offer=not again)
         among: Sequence[int] = range(len(costs))
         lowest = min(costs)  # (C-level min and index: this runs every decision)
         best = costs.index(lowest)
@@ -226,9 +228,12 @@ class LatencyCost(ReadsState):
                     continue
             return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
-    def _tail_limit(self, candidates: Sequence[WorkerKey], scores: Sequence[CandidateScore]) -> float | None:
+    def _tail_limit(
+        self, candidates: Sequence[WorkerKey], scores: Sequence[CandidateScore], offer: bool = True
+    ) -> float | None:
         """The predicted time to first token no candidate may be surely beyond (:meth:`_within`),
-        as the tail goes (None: no candidate is left out).
+        as the tail goes (None: no candidate is left out). ``offer``: this decision's best is added
+        to the offers (once a decision).
 
         The bound is the 99th percentile of the best times to first token recently on offer
         (:class:`~kvmesh.router.core.tail.TtftTail`; this decision's best is added to them). A
@@ -247,7 +252,8 @@ class LatencyCost(ReadsState):
         predicted = [s.predicted_ttft_ms or 0.0 for s in scores]
         best = min(predicted)
         tail = self._tail
-        tail.offer(best)
+        if offer:
+            tail.offer(best)
         bound = tail.bound_ms
         if bound is None or max(predicted) <= bound:
             return None

@@ -235,6 +235,8 @@ def test_a_copy_left_to_the_front_keeps_every_request_on_a_worker_holding_the_pr
     last = {d.worker[0] for _, d in placed[-50:]}
     assert {"a"} | {d.copy.worker[0] for _, d in copies if d.copy} == last
     assert r.shared_prefix_stats() == {"followed": 1, "copies": len(copies), "background": len(copies)}
+    tail = r.ttft_tail_stats()  # a decision picked again without the credit is still one decision
+    assert tail is not None and tail["decisions"] == len(placed)
 
 
 @pytest.mark.parametrize(("gap_s", "background"), [(0.02, True), (0.005, False)])

@@ -9,6 +9,7 @@ from collections import Counter
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.bench import report
 from kvmesh.bench.fleet import kvmesh_router, start_fleet
@@ -47,7 +48,7 @@ async def test_a_hot_prefix_is_copied_to_more_engines_as_its_demand_lasts(backgr
     assert len(cold) == len(set(cold))
     shared = described["shared_prefixes"]
     assert shared["followed"] >= 1 and shared["copies"] >= 1
-    done = _sample(exposition, 'kvmesh_prefix_copies_total{outcome="done"}')
+    done = _copies_done(exposition)
     if background:
         # the router's own prefills made the copies: an engine served the prefix cached to every
         # hot request it took, though none of them computed it there
@@ -58,9 +59,12 @@ async def test_a_hot_prefix_is_copied_to_more_engines_as_its_demand_lasts(backgr
         assert shared["background"] == 0 and done == 0
 
 
-def _sample(exposition: str, name: str) -> float:
-    """A sample's value in a Prometheus text exposition (0 where the series is absent)."""
-    for line in exposition.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
+def _copies_done(exposition: str) -> float:
+    """``kvmesh_prefix_copies_total{outcome="done"}`` in a Prometheus exposition (0 when absent)."""
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(exposition)
+        if family.name == "kvmesh_prefix_copies"
+        for s in family.samples
+        if s.name.endswith("_total") and s.labels.get("outcome") == "done"
+    )

@@ -61,28 +61,19 @@ async def _copy(mesh: Mesh, request_id: str, copy: PrefixCopy, parsed: ParsedReq
         await asyncio.sleep(0)  # the request's own write goes first
         parsed.complete()  # (a request sent as another's twin is tokenized only when asked)
         tokens = parsed.tokens[:n_tokens]
-        worker = mesh.registry.get(worker_id)
-        if worker is None:
-            logger.info("kvmesh: %s left the fleet before a background copy was sent to it", worker_id)
-        elif len(tokens) == n_tokens:
+        if len(tokens) == n_tokens:
             body: dict[str, Any] = {"prompt": tokens, "max_tokens": 1, "stream": False}
             model = parsed.body.get("model")
             if model is not None:  # (a LoRA adapter's name: its blocks are the adapter's)
                 body["model"] = model
-            bound = mesh.config.router_request_timeout_secs
-            if mesh.registry.is_local(worker_id):
-                await mesh.rpc.call(worker_id, worker.url, "POST", COPY_ENDPOINT, body, timeout=bound)
+            # marked as routed already, so that a peer's own router serves it where it is sent
+            hop = hop_headers(mesh.settings.mesh_secret, mesh.replica, request_id)
+            headers = {name.decode(): value.decode() for name, value in hop}
+            if await mesh.post_own(worker_id, COPY_ENDPOINT, body, headers):
+                outcome = "done"
+                mesh.copies_refused = 0
             else:
-                # marked as routed already, so that a peer's own router serves it where it is sent
-                headers = {
-                    name.decode(): value.decode()
-                    for name, value in hop_headers(mesh.settings.mesh_secret, mesh.replica, request_id)
-                }
-                await mesh.forwarder.post_json(
-                    worker.url + COPY_ENDPOINT, body, timeout=bound, headers=headers
-                )
-            outcome = "done"
-            mesh.copies_refused = 0
+                logger.info("kvmesh: %s left the fleet before a background copy was sent to it", worker_id)
         else:
             logger.info("kvmesh: a shared prefix's tokens were not found: no copy sent to %s", worker_id)
     except asyncio.CancelledError:

@@ -292,8 +292,6 @@ class RoutedRequest:
     ) -> None:
         """Serve on the decided worker (its session opened first), failing over if it is gone."""
         mesh = self.mesh
-        if decision.copy is not None:
-            start_prefix_copy(mesh, decision.copy, parsed)
         ttl = parsed.nvext.cache_ttl
         if ttl is not None and mesh.kv_mode and not mesh.take_pin(decision.worker[0], ttl, time.monotonic()):
             mesh.router.cancel(account.request_id, time.monotonic())
@@ -303,6 +301,8 @@ class RoutedRequest:
                 field="nvext.cache_control",
                 status=429,
             )
+        if decision.copy is not None:  # (counted before anything else is routed: nothing awaited yet)
+            start_prefix_copy(mesh, decision.copy, parsed)
         if not await self._open_session(decision, parsed, account):
             return
 

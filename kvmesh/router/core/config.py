@@ -327,7 +327,8 @@ _FLAGS: tuple[Setting, ...] = (
         "router_background_copies",
         "--router-background-copies",
         bool,
-        "latency cost: copy a hot shared prefix to one more worker by a prefill of the prefix alone "
+        "latency cost at temperature 0: copy a hot shared prefix to one more worker by a prefill of "
+        "the prefix alone "
         "(a token-id /v1/completions request of one token), sent to the worker the cost chose for "
         "the copy while the request that would have made it goes where it is fastest; "
         "--no-router-background-copies makes that request the copy",

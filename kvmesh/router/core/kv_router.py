@@ -736,7 +736,7 @@ class KvRouter:
         background = None
         if copy_to is not None and candidates[i] not in copy_to:
             self._copies += 1
-            if req.copies_in_background and latency and self.config.router_temperature == 0:
+            if req.copies_in_background and self.config.router_temperature == 0:
                 # The copy's credit chose a worker that does not hold the prefix. Where a holder
                 # is the choice without that credit, the request goes there and the front copies
                 # the prefix alone: its cold prefill then delays no client's first token. (Made by

@@ -522,14 +522,7 @@ class Mesh:
     ) -> None:
         outcome = "failed"
         try:
-            w = self.registry.get(worker_id)
-            if w is not None:
-                bound = self.config.router_request_timeout_secs
-                if self.registry.is_local(worker_id):
-                    await self.rpc.call(worker_id, w.url, "POST", endpoint, body, timeout=bound)
-                else:
-                    headers = {**headers, "x-kvmesh-request-id": request_id}
-                    await self.forwarder.post_json(w.url + endpoint, body, timeout=bound, headers=headers)
+            if await self.post_own(worker_id, endpoint, body, {**headers, "x-kvmesh-request-id": request_id}):
                 outcome = "done"
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -542,6 +535,23 @@ class Mesh:
             self.router.finished(request_id, now)
             self.metrics.speculative_prefills.labels(outcome).inc()
             self.pump(now)
+
+    async def post_own(
+        self, worker_id: WorkerId, endpoint: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> bool:
+        """Send a request the router makes itself (a warm-up, a prefix copy) to ``worker_id`` and
+        wait for its answer: in-process to the embedding engine, else over HTTP with ``headers``
+        (those marking it routed already). False when the worker is no longer known; ConnectFailed
+        (``Refused`` for an HTTP error) when it fails."""
+        w = self.registry.get(worker_id)
+        if w is None:
+            return False
+        bound = self.config.router_request_timeout_secs
+        if self.registry.is_local(worker_id):
+            await self.rpc.call(worker_id, w.url, "POST", endpoint, body, timeout=bound)
+        else:
+            await self.forwarder.post_json(w.url + endpoint, body, timeout=bound, headers=headers)
+        return True
 
     def cancel_warmups(self, hashes: list[int]) -> None:
         """The next turn is here: a warm-up of a prefix it extends is of no use any more."""

@@ -14,12 +14,15 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.middleware import Middleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvmesh._http import replay_body
 from kvmesh.bench.runner import LoadSpec, run_workload
 from kvmesh.bench.workloads import WorkloadSpec, build
 from kvmesh.mock.testing import run_mock
+from kvmesh.router.asgi.json_io import read_body
 from kvmesh.router.asgi.prefix_copy import REFUSALS_TO_STOP
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
@@ -43,28 +46,14 @@ class RefuseTokenPrompts:
         if scope["type"] != "http" or scope["path"] != "/v1/completions":
             await self.app(scope, receive, send)
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
+        body = await read_body(scope, receive, limit=1 << 24)
+        assert body is not None
         if isinstance(json.loads(body).get("prompt"), list):
             self.refused.append(1)
             await send({"type": "http.response.start", "status": 400, "headers": []})
             await send({"type": "http.response.body", "body": b'{"error": "prompt must be text"}'})
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay_body(body, receive), send)
 
 
 @contextlib.asynccontextmanager
@@ -95,12 +84,11 @@ async def test_engines_that_refuse_the_routers_copies_get_them_from_requests_aga
             exposition = await r.text()
     assert all(r.error is None for r in run.results)
     assert len(refused) >= REFUSALS_TO_STOP
+    (family,) = [f for f in text_string_to_metric_families(exposition) if f.name == "kvmesh_prefix_copies"]
     failed = [
-        line
-        for line in exposition.splitlines()
-        if line.startswith('kvmesh_prefix_copies_total{outcome="failed"}')
+        s.value for s in family.samples if s.name.endswith("_total") and s.labels["outcome"] == "failed"
     ]
-    assert failed and float(failed[0].split()[-1]) == len(refused)
+    assert failed == [len(refused)]
     assert any("from now on the requests routed make the copies" in r.getMessage() for r in caplog.records)
     # the copy a request then made: both engines serve the prefix, each computed it once
     per_engine = Counter(r.worker_id for r in run.results)

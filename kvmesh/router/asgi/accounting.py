@@ -22,6 +22,7 @@ from typing import Any
 
 from kvmesh._types import WorkerKey
 from kvmesh.hashing import block_hashes
+from kvmesh.router.asgi.peer_auth import hop_header_map
 from kvmesh.router.core.load import prefill_seconds
 from kvmesh.router.core.route_types import Decision
 from kvmesh.router.mesh.runtime import Mesh
@@ -317,11 +318,16 @@ class RoutedAccount(LoadAccount):
         body["max_tokens"] = 1
         mesh = self.mesh
         hashes = block_hashes(tokens, mesh.registry.block_size or 16, parsed.lora)
+        request_id = mesh.next_request_id()
+        # marked as routed already, with the proof where replicas share a secret: a peer that
+        # routed it again would count it as a client's request and might send it elsewhere
+        hop = hop_header_map(mesh.settings.mesh_secret, mesh.replica, request_id)
         mesh.start_warmup(
+            request_id,
             decision.worker,
             parsed.endpoint,
             body,
-            {"x-kvmesh-hop": mesh.replica},
+            hop,
             tuple(parsed.hashes),
             hashes,
             len(tokens),

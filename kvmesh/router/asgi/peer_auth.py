@@ -57,6 +57,11 @@ def hop_headers(secret: str | None, origin: str, request_id: str) -> list[tuple[
     return out
 
 
+def hop_header_map(secret: str | None, origin: str, request_id: str) -> dict[str, str]:
+    """:func:`hop_headers` as text, for a request the router makes itself (a warm-up, a copy)."""
+    return {name.decode(): value.decode() for name, value in hop_headers(secret, origin, request_id)}
+
+
 def read_hop(headers: Headers, secret: str | None) -> Hop | None:
     """The hop these headers claim, judged against ``secret``; None for an ordinary request
     (no hop header, or a secret is configured and the proof is missing or wrong)."""

@@ -27,7 +27,7 @@ import logging
 import time
 from typing import Any
 
-from kvmesh.router.asgi.peer_auth import hop_headers
+from kvmesh.router.asgi.peer_auth import hop_header_map
 from kvmesh.router.core.route_types import PrefixCopy
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.parse import ParsedRequest
@@ -67,9 +67,8 @@ async def _copy(mesh: Mesh, request_id: str, copy: PrefixCopy, parsed: ParsedReq
             if model is not None:  # (a LoRA adapter's name: its blocks are the adapter's)
                 body["model"] = model
             # marked as routed already, so that a peer's own router serves it where it is sent
-            hop = hop_headers(mesh.settings.mesh_secret, mesh.replica, request_id)
-            headers = {name.decode(): value.decode() for name, value in hop}
-            if await mesh.post_own(worker_id, COPY_ENDPOINT, body, headers):
+            hop = hop_header_map(mesh.settings.mesh_secret, mesh.replica, request_id)
+            if await mesh.post_own(worker_id, COPY_ENDPOINT, body, hop):
                 outcome = "done"
                 mesh.copies_refused = 0
             else:

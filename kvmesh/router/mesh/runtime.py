@@ -492,6 +492,7 @@ class Mesh:
     # ---------------------------------------------------------------- speculative prefill
     def start_warmup(
         self,
+        request_id: str,
         worker: WorkerKey,
         endpoint: str,
         body: dict[str, Any],
@@ -502,9 +503,9 @@ class Mesh:
         overlap_blocks: int,
     ) -> str:
         """Send the next turn's prompt (``body``, ``max_tokens: 1``) to ``worker`` and wait for
-        nobody: counted as load while it runs, cancelled when a request extending ``prefix`` (the
-        turn's own block hashes) arrives first. ``headers`` make a peer serve it itself."""
-        request_id = self.next_request_id()
+        nobody: counted as load under ``request_id`` (from :meth:`next_request_id`) while it runs,
+        cancelled when a request extending ``prefix`` (the turn's own block hashes) arrives first.
+        ``headers`` (the hop headers for ``request_id``, signed) make a peer serve it itself."""
         self.router.track(request_id, worker, hashes, isl, time.monotonic(), overlap_blocks=overlap_blocks)
         task = asyncio.get_running_loop().create_task(
             self._warmup(request_id, worker[0], endpoint, body, headers)
@@ -522,7 +523,7 @@ class Mesh:
     ) -> None:
         outcome = "failed"
         try:
-            if await self.post_own(worker_id, endpoint, body, {**headers, "x-kvmesh-request-id": request_id}):
+            if await self.post_own(worker_id, endpoint, body, headers):
                 outcome = "done"
         except asyncio.CancelledError:
             outcome = "cancelled"

@@ -9,7 +9,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry
+from starlette.middleware import Middleware
 
+from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.middleware import KvMeshMiddleware
 from kvmesh.router.asgi.peer_auth import hop_headers
 from kvmesh.router.asgi.standalone import build_router_app
@@ -89,6 +92,51 @@ async def test_with_a_secret_only_a_signed_hop_is_served_as_one(http: aiohttp.Cl
         assert [_internal(h) for h in state.headers] == [set(), set()]
         await wait_until(lambda: state.active == 0)
         assert await _load(http, url) == 0
+
+
+async def test_a_warm_up_reaches_a_peer_sharing_the_secret_as_a_proven_hop(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A speculative prefill is the front's own request: a replica sharing the mesh secret serves it
+    where it is sent, as it serves the turn the front forwarded, and routes neither again."""
+    with bound_socket() as sock:
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    replica = MeshSettings(
+        workers=(WorkerSpec(url, url),), self_url=url, health_interval=0.2, mesh_secret="s3"
+    )
+    middleware = [Middleware(KvMeshMiddleware, settings=replica)]
+    async with contextlib.AsyncExitStack() as stack:
+        mock = await stack.enter_async_context(
+            run_mock(block_size=16, speedup=50.0, port=port, middleware=middleware)
+        )
+        settings = MeshSettings(workers=(WorkerSpec(url, url),), health_interval=0.2, mesh_secret="s3")
+        app = build_router_app(settings)
+        front = await stack.enter_async_context(serve(app))
+        await wait_until(lambda: app.mesh.registry.get(url) is not None and app.mesh.kv_mode)
+        messages = [{"role": "user", "content": "warm the next turn of this conversation " * 6}]
+        body = {**chat("", messages=messages, max_tokens=8), "model": mock.config.model}
+        body["nvext"] = {"agent_hints": {"speculative_prefill": True}}
+        async with http.post(front.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+        await wait_until(lambda: not app.mesh._warmups)
+        # the warm-up ran on the engine, after the turn ...
+        assert _finished(mock.engine.metrics.registry) == 2
+        # ... and the replica made no routing decision: both requests were the front's hops
+        async with http.get(url + "/kvmesh/decisions") as r:
+            assert r.status == 200
+            assert (await r.json())["decisions"] == []
+
+
+def _finished(registry: CollectorRegistry) -> float:
+    """Requests the engine finished, by its own ``vllm:request_success`` counter."""
+    return sum(
+        sample.value
+        for family in registry.collect()
+        if family.name == "vllm:request_success"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
 
 
 def _recorder(state: EngineState, seen: list[dict[str, str]]) -> Any:

@@ -1,5 +1,5 @@
-"""A standalone router in front of test engines, all on loopback, a chat body builder, and a wait
-for a worker's blocks to reach the router's index."""
+"""A standalone router in front of test engines, all on loopback, a chat body builder, a wait
+for a worker's blocks to reach the router's index, and a mock engine's count of finished requests."""
 
 from __future__ import annotations
 
@@ -64,3 +64,15 @@ async def indexed(
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"{worker} never indexed {blocks} blocks")
+
+
+def mock_finished(engine: Any) -> float:
+    """Requests a mock engine (``kvmesh.mock.engine.MockEngine``) finished, by its own
+    ``vllm:request_success`` counter: what it served, whoever sent it."""
+    return sum(
+        sample.value
+        for family in engine.metrics.registry.collect()
+        if family.name == "vllm:request_success"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )

@@ -10,7 +10,8 @@ prompt is the prefix's token ids, to the worker the cost chose for the copy. The
 and caches the prefix as it would have for the request, and no client waits for it.
 
 It counts as load on that worker from the moment it is decided (``KvRouter.track``), so the next
-decisions see the copy in flight there, and the blocks it carries, as they see a request's. It is
+decisions see the copy in flight there, and the blocks it carries, as they see a request's; with
+replica sync, peer replicas count it too, as they count this replica's decisions. It is
 the router's own work, bounded by one generated token: nothing a client does leaves it running.
 
 An engine that refuses such a request (an HTTP 4xx: a custom engine without token-id prompts, a
@@ -50,7 +51,7 @@ def start_prefix_copy(mesh: Mesh, copy: PrefixCopy, parsed: ParsedRequest) -> No
         return
     n_tokens = copy.blocks * (mesh.registry.block_size or 16)
     request_id = mesh.next_request_id()
-    mesh.router.track(request_id, copy.worker, hashes, n_tokens, time.monotonic())
+    mesh.router.track(request_id, copy.worker, hashes, n_tokens, time.monotonic(), own=True)
     mesh.spawn(_copy(mesh, request_id, copy, parsed, n_tokens))
 
 

@@ -409,9 +409,15 @@ class KvRouter:
         *,
         overlap_blocks: int = 0,
         osl: int | None = None,
+        own: bool = False,
     ) -> None:
-        """Count a request routed elsewhere (a peer replica's decision) as load on ``worker``."""
+        """Count a request not routed here (a peer replica's decision, a hop) as load on
+        ``worker``. ``own``: a request this router makes itself (a warm-up, a prefix copy), which
+        the ``observer`` (replica sync) is told of as it is of a decision, so that peer replicas
+        count its load as well."""
         self._commit(request_id, worker, local_hashes, isl_tokens, overlap_blocks, now, osl, None)
+        if own and self.observer is not None:
+            self.observer.routed(request_id, worker, local_hashes, isl_tokens, overlap_blocks, osl)
 
     # ---------------------------------------------------------------- decision
     def _overlaps(self, req: RouteRequest) -> dict[WorkerKey, TierDepths]:

@@ -225,9 +225,10 @@ class RouterStats:
 
 
 class RoutingObserver(Protocol):
-    """Hears of this router's decisions (``route()`` / ``release()``, not ``track()``), and of
-    every first token and load release, whichever way the request was counted: an observer that
-    only cares about its own decisions filters those by request id."""
+    """Hears of this router's decisions (``route()`` / ``release()``; of ``track()`` only with
+    ``own=True``, the requests it makes itself), and of every first token and load release,
+    whichever way the request was counted: an observer that only cares about its own decisions
+    filters those by request id."""
 
     def routed(
         self,

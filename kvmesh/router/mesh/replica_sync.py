@@ -4,8 +4,9 @@ Every replica (an engine embedding the middleware, or a standalone router) start
 ``--router-replica-sync`` binds one ZMQ PUB socket and publishes its routing lifecycle, one
 single-frame msgpack :class:`Envelope` per step:
 
-* :class:`Routed`      a decision: request id, worker, the prompt's block hashes and length
-  (exactly what ``KvRouter.track()`` needs to count the request as load);
+* :class:`Routed`      a decision, or a request the replica makes itself (a speculative-prefill
+  warm-up, a prefix copy): request id, worker, the prompt's block hashes and length (exactly what
+  ``KvRouter.track()`` needs to count the request as load);
 * :class:`PrefillDone` the first token streamed: its prompt stops counting as prefill load;
 * :class:`Freed`       the stream ended or the client left: its load goes away;
 * :class:`Heartbeat`   every interval: the ids this replica still has in flight;
@@ -113,6 +114,9 @@ class SyncStats:
     send_dropped: int = 0
     """Messages the PUB socket refused (high-water mark reached)."""
     received: int = 0
+    counted: int = 0
+    """Peer requests counted as load here from their messages (a decision, a warm-up, a prefix
+    copy), leaving out those already counted as hops forwarded here."""
     malformed: int = 0
     lost: int = 0
     """Messages a peer sent that never arrived (sequence jumps)."""
@@ -438,6 +442,7 @@ class ReplicaSync:
             rid = message.request_id
             peer.requests.add(rid)
             if not router.tracking(rid):  # a forwarded request may already count here as a hop
+                self.stats.counted += 1
                 router.track(
                     rid,
                     key,

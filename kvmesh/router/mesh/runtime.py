@@ -506,7 +506,9 @@ class Mesh:
         nobody: counted as load under ``request_id`` (from :meth:`next_request_id`) while it runs,
         cancelled when a request extending ``prefix`` (the turn's own block hashes) arrives first.
         ``headers`` (the hop headers for ``request_id``, signed) make a peer serve it itself."""
-        self.router.track(request_id, worker, hashes, isl, time.monotonic(), overlap_blocks=overlap_blocks)
+        self.router.track(
+            request_id, worker, hashes, isl, time.monotonic(), overlap_blocks=overlap_blocks, own=True
+        )
         task = asyncio.get_running_loop().create_task(
             self._warmup(request_id, worker[0], endpoint, body, headers)
         )

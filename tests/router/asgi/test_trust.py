@@ -9,7 +9,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client import CollectorRegistry
 from starlette.middleware import Middleware
 
 from kvmesh.mock.testing import run_mock
@@ -19,7 +18,7 @@ from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.engines import EngineState, engine_app
-from tests.router.fleet import chat
+from tests.router.fleet import chat, mock_finished
 from tests.router.servers import bound_socket, serve, wait_until
 
 
@@ -121,22 +120,11 @@ async def test_a_warm_up_reaches_a_peer_sharing_the_secret_as_a_proven_hop(
             assert r.status == 200, await r.text()
         await wait_until(lambda: not app.mesh._warmups)
         # the warm-up ran on the engine, after the turn ...
-        assert _finished(mock.engine.metrics.registry) == 2
+        assert mock_finished(mock.engine) == 2
         # ... and the replica made no routing decision: both requests were the front's hops
         async with http.get(url + "/kvmesh/decisions") as r:
             assert r.status == 200
             assert (await r.json())["decisions"] == []
-
-
-def _finished(registry: CollectorRegistry) -> float:
-    """Requests the engine finished, by its own ``vllm:request_success`` counter."""
-    return sum(
-        sample.value
-        for family in registry.collect()
-        if family.name == "vllm:request_success"
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    )
 
 
 def _recorder(state: EngineState, seen: list[dict[str, str]]) -> Any:

@@ -273,6 +273,42 @@ def test_tracked_peer_decisions_count_as_load() -> None:
     assert isinstance(d, Decision) and d.worker == ("b", 0)
 
 
+class Heard:
+    """A RoutingObserver that writes down what it hears, in order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+
+    def routed(self, request_id: str, worker: object, *_: object) -> None:
+        self.log.append(("routed", request_id))
+
+    def prefill_done(self, request_id: str) -> None:
+        self.log.append(("prefill_done", request_id))
+
+    def freed(self, request_id: str) -> None:
+        self.log.append(("freed", request_id))
+
+    def session(self, *_: object) -> None:
+        pass
+
+
+def test_the_observer_hears_of_the_routers_own_requests_and_not_of_its_peers() -> None:
+    r = router("ab")
+    r.observer = heard = Heard()
+    r.track("peer-1", ("a", 0), block_hashes(toks(1, 10), B), 160, now=0.0)  # a peer's decision
+    r.track("copy-1", ("b", 0), block_hashes(toks(2, 10), B), 160, now=0.0, own=True)  # its own
+    r.route(req("r1", toks(3, 10)), now=0.0)
+    for rid in ("peer-1", "copy-1", "r1"):
+        r.finished(rid, now=1.0)
+    assert heard.log == [
+        ("routed", "copy-1"),
+        ("routed", "r1"),
+        ("freed", "peer-1"),
+        ("freed", "copy-1"),
+        ("freed", "r1"),
+    ]
+
+
 def test_a_fleet_shares_one_block_size() -> None:
     r = router("a")
     with pytest.raises(WorkerError, match="block size 8"):

@@ -20,6 +20,7 @@ from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.replica_sync import Envelope, Heartbeat, Routed, encode
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec, add_arguments
 from tests.router.engines import EngineState, engine_app
+from tests.router.fleet import mock_finished
 from tests.router.servers import serve
 
 MOCK = MockConfig(block_size=16, num_blocks=4096, speedup=1.0)
@@ -125,6 +126,34 @@ async def test_a_burst_through_one_replica_is_load_in_every_replica_and_steers_t
         await _until(load_is_gone)
 
 
+async def test_a_warm_up_a_replica_makes_itself_is_load_in_every_replica() -> None:
+    """A speculative prefill is a request no client sent: the replica that starts it tells its peers,
+    as it tells them of its decisions, and they count it on the worker it runs on until it ends."""
+    async with start_mesh(3, SYNC, MOCK) as nodes, aiohttp.ClientSession() as http:
+        a, x, c = (n.url for n in nodes)
+        await _following_everyone(http, [a, x, c])
+        hints = {"backend_instance_id": x, "agent_hints": {"speculative_prefill": True}}
+        body = chat("plan the migration of the billing service, step by step " * 8, nvext=hints)
+        async with http.post(a + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["x-kvmesh-worker-id"] == x
+
+        async def warmed() -> bool:  # the turn and its warm-up, both done on x's engine
+            return mock_finished(nodes[1].engine) == 2
+
+        async def load_is_gone() -> bool:
+            views = [await _load(http, r) for r in (a, x, c)]
+            return all(row["active_requests"] == 0 for v in views for row in v.values())
+
+        async def c_counted_both() -> bool:  # the turn a routed, then the warm-up a sent after it
+            stats = (await _json(http, c + "/kvmesh/router"))["sync"]["stats"]
+            return bool(stats["counted"] == 2)
+
+        await _until(warmed)
+        await _until(c_counted_both)
+        await _until(load_is_gone)  # and each counted until it ended
+
+
 async def test_without_replica_sync_other_replicas_see_only_their_own_load() -> None:
     async with start_mesh(3, RouterConfig(), MOCK) as nodes, aiohttp.ClientSession() as http:
         a, x, c = (n.url for n in nodes)
@@ -203,6 +232,7 @@ async def test_a_standalone_replica_follows_a_configured_peer_and_drops_it_when_
                 stats = (await _json(http, front.url + "/kvmesh/router"))["sync"]["stats"]
                 assert stats["unknown_worker"] == 1
                 assert stats["reconciled"] == 1
+                assert stats["counted"] == 2
     finally:
         peer.close(linger=0)
 

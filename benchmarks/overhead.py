@@ -106,9 +106,10 @@ class Endpoint:
 
 
 @contextlib.contextmanager
-def serve_process(args: list[str], port: int) -> Iterator[Endpoint]:
-    """Start ``args`` (a server on 127.0.0.1:``port``); yield once it accepts connections."""
-    env = child_env({"PYTHONUNBUFFERED": "1"})
+def serve_process(args: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[Endpoint]:
+    """Start ``args`` (a server on 127.0.0.1:``port``, with ``env`` added to its environment);
+    yield once it accepts connections."""
+    env = child_env({"PYTHONUNBUFFERED": "1", **(env or {})})
     proc = spawn_child(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
         deadline = time.monotonic() + 20

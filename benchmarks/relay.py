@@ -14,6 +14,9 @@ load goes, in the same run and interleaved round by round:
 * kvmesh kv:                       the default router (approximate index: the upstream has no events)
 * kvmesh kv, no usage asked:       the client leaves out ``stream_options.include_usage``, so the
                                    front counts each event's text to keep its load right
+* kvmesh kv, through send:         the default router with ``KVMESH_DIRECT_RELAY=0``: every token
+                                   goes to the client through the ASGI ``send`` (the default writes
+                                   it from the engine connection's callback, ``direct_relay``)
 * sglang-router cache_aware:       ``python -m sglang_router.launch_router`` (the ``bench`` extra)
 
 "CPU us/event" is the CPU time (user + system, from /proc) of the process the client talks to,
@@ -120,11 +123,13 @@ def _upstream(events: int, gap_ms: float) -> contextlib.AbstractContextManager[E
     return serve_process(argv, port)
 
 
-def _kvmesh(upstream: Endpoint, *flags: str) -> contextlib.AbstractContextManager[Endpoint]:
+def _kvmesh(
+    upstream: Endpoint, *flags: str, env: dict[str, str] | None = None
+) -> contextlib.AbstractContextManager[Endpoint]:
     port = free_port()
     argv = [sys.executable, "-m", "kvmesh", "router", "--workers", upstream.url, "--port", str(port),
             "--log-level", "error", "--tokenizer", "builtin", *flags]  # fmt: skip
-    return serve_process(argv, port)
+    return serve_process(argv, port, env)
 
 
 def _sglang_router(upstream: Endpoint) -> contextlib.AbstractContextManager[Endpoint]:
@@ -246,10 +251,14 @@ def main() -> None:
         upstream = stack.enter_context(_upstream(args.events, args.gap_ms))
         rr = stack.enter_context(_kvmesh(upstream, "--router-mode", "round-robin"))
         kv = stack.enter_context(_kvmesh(upstream, "--no-router-kv-events"))
+        kv_send = stack.enter_context(
+            _kvmesh(upstream, "--no-router-kv-events", env={"KVMESH_DIRECT_RELAY": "0"})
+        )
         paths = [
             ("direct", upstream, BODY_USAGE),
             ("kvmesh round-robin", rr, BODY_USAGE),
             ("kvmesh kv", kv, BODY_USAGE),
+            ("kvmesh kv, through send", kv_send, BODY_USAGE),
             ("kvmesh kv, no usage asked", kv, BODY_PLAIN),
         ]
         if has_peer:

@@ -103,6 +103,12 @@ class SseLines:
         self._max_partial = max_partial
         self._midline = False
 
+    @property
+    def waiting(self) -> bool:
+        """Part of a line is held back, or the rest of a line passed on uninterpreted is due: the
+        next bytes do not start a line."""
+        return bool(self._partial) or self._midline
+
     def feed(self, chunk: bytes, *, final: bool = False) -> tuple[bytes, bytes, bytes]:
         data = self._partial + chunk if self._partial else chunk
         self._partial = b""

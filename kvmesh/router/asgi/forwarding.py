@@ -29,6 +29,7 @@ import msgspec
 from kvmesh._http import error_body, replay_body, wait_disconnect
 from kvmesh.errors import KvMeshError, RequestError
 from kvmesh.router.asgi.accounting import RoutedAccount
+from kvmesh.router.asgi.direct_relay import DirectRelay
 from kvmesh.router.asgi.json_io import send_error
 from kvmesh.router.asgi.peer_auth import HOP_HEADER, REQUEST_ID_HEADER, hop_headers, strip_internal
 from kvmesh.router.asgi.tap import ResponseTap
@@ -296,8 +297,7 @@ class Dispatch:
             else:
                 if first is not None:
                     await self._relay_until_first_token(upstream, tap, first)
-                    async for chunk in upstream.chunks():
-                        await tap({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await self._relay_rest(upstream, tap)
                 await tap({"type": "http.response.body", "body": b"", "more_body": False})
             upstream.release()
             self.count("forwarded", upstream.status)
@@ -311,6 +311,24 @@ class Dispatch:
             if not tap.complete:
                 upstream.close()
                 self.account.end(False)
+
+    async def _relay_rest(self, upstream: UpstreamResponse, tap: ResponseTap) -> None:
+        """Relay the body after its first token. Where the server allows it, the chunks the tap
+        passes on unchanged go to the client straight from the worker's socket callback
+        (:mod:`.direct_relay`), and this loop sees only the others."""
+        direct = DirectRelay.under(self.send, tap)
+        upstream.relay_directly(direct)
+        sent = 0
+        try:
+            async for chunk in upstream.chunks():
+                await tap({"type": "http.response.body", "body": chunk, "more_body": True})
+                sent += 1
+        finally:
+            upstream.relay_directly(None)
+            relayed = self.mesh.metrics.relayed_chunks
+            relayed["send"].inc(sent)
+            if direct is not None:
+                relayed["direct"].inc(direct.written)
 
     def _written(self) -> None:
         """The request is on its way to its worker (written, or handed to the local engine)."""

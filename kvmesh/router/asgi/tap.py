@@ -193,6 +193,25 @@ class ResponseTap:
         if not more:
             self._finish()
 
+    # ---------------------------------------------------------------- relayed by someone else
+    def takes_as_is(self, body: bytes) -> bool:
+        """Whether the stream's next bytes ``body`` would go to the client unchanged, leaving the
+        tap only its reading of them: past the first token, whole SSE lines after whole lines, no
+        ``[DONE]`` (an echo may be due before it) and no preamble due. Such bytes may be written to
+        the client by the caller, then handed to :meth:`read_as_is`."""
+        return (
+            self._mode == 1
+            and not self._awaiting_output
+            and not self._preamble
+            and body.endswith(b"\n")
+            and not self._lines.waiting
+            and _DONE not in body
+        )
+
+    def read_as_is(self, body: bytes) -> None:
+        """Hear ``body``, already with the client (:meth:`takes_as_is` said it could be)."""
+        self._read_lines(body)
+
     def _read_lines(self, data: bytes) -> bytes:
         """Report the events in ``data`` (whole lines); return it, with the echo spliced in
         before the ``[DONE]`` line when one is due."""

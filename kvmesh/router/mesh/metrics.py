@@ -257,6 +257,13 @@ class Metrics:
             ["outcome"],
             registry=registry,
         )
+        self.relayed_chunk_paths = Counter(
+            "kvmesh_relayed_chunks_total",
+            "Body chunks of forwarded streamed answers after their first token, by path: direct "
+            "(written to the client from the worker connection's callback) or send (the ASGI send)",
+            ["path"],
+            registry=registry,
+        )
         self.not_resent = Counter(
             "kvmesh_requests_not_resent_total",
             "Forwarded requests a live worker dropped after receiving them, answered 502 rather than "
@@ -278,6 +285,7 @@ class Metrics:
         registry.register(self._live)
         # label children resolved once: the hot path should not re-hash label tuples.
         self.phase = {name: self.overhead.labels(name) for name in OVERHEAD_PHASES}
+        self.relayed_chunks = {path: self.relayed_chunk_paths.labels(path) for path in ("direct", "send")}
 
     def observe_routing(self, route_seconds: float, find_matches: float | None, total: float) -> None:
         """One ``KvRouter.route()`` call of ``route_seconds``: its prefix lookups (``find_matches``,

@@ -4,6 +4,8 @@
 it and waits for the response head, :meth:`~Http1Connection.read` hands back whatever body bytes
 arrived since the last call (so an SSE stream goes on chunk by chunk) and pauses reading from the
 socket while too much is waiting, so a slow client slows the worker down instead of filling memory.
+A reader can also set :attr:`~Http1Connection.relay_hook` to be handed each body chunk straight
+from the socket callback while it waits in :meth:`~Http1Connection.read`, which saves waking it.
 :class:`ConnectionPool` keeps idle connections per origin, newest first, and drops the ones the
 server closed while they sat idle.
 
@@ -85,6 +87,10 @@ class Http1Connection(asyncio.Protocol):
         self._body_since = 0.0
         self.read_since = 0.0
         """``time.perf_counter()`` when the first of the bytes the last :meth:`read` handed out arrived."""
+        self.relay_hook: Callable[[bytes], bool] | None = None
+        """Offered each body chunk as it arrives while a reader waits in :meth:`read` (so with
+        nothing unread); True means it has passed the chunk on and :meth:`read` will not see it.
+        It must not raise."""
 
     # ---------------------------------------------------------------- caller side
     @property
@@ -107,6 +113,7 @@ class Http1Connection(asyncio.Protocol):
         if self._error is not None or transport is None or transport.is_closing():
             raise NotSent(f"connection already closed: {self._error!r}")
         self._parser.expect(head_request=head_request)
+        self.relay_hook = None
         self.requests += 1
         self.keep_alive = True
         self._complete = False
@@ -207,6 +214,13 @@ class Http1Connection(asyncio.Protocol):
             head.set_result(None)
 
     def on_body(self, data: bytes) -> None:
+        hook = self.relay_hook
+        if hook is not None:
+            # Only while the reader waits: anything it read before is done with (the chunks
+            # stay in order), and anything that came since woke it and is still unread.
+            waiter = self._waiter
+            if waiter is not None and not waiter.done() and hook(data):
+                return
         if not self._body:
             self._body_since = time.perf_counter()
         self._body.append(data)

@@ -430,3 +430,50 @@ async def test_router_does_not_send_a_generation_twice_when_a_live_worker_drops_
         assert len(posts) == 1  # the dropped request reached a worker once, and only once
         assert len(other.received) == 1
         assert await _load(http, front) == 0
+
+
+async def test_the_relay_hook_takes_chunks_only_while_the_reader_waits(forwarder: Forwarder) -> None:
+    """The hook is offered a chunk only while the reader waits in ``read`` with nothing unread:
+    a chunk behind one it declined in the same read, or one that comes while the reader is busy
+    with the last, waits for the reader, so the chunks stay in order."""
+    steps = [asyncio.Event() for _ in range(3)]
+
+    async def stream(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await steps[0].wait()
+        await peer.send(chunk(b"declined;") + chunk(b"second;"))  # one write, one read
+        await steps[1].wait()
+        await peer.send(chunk(b"third;"))
+        await steps[2].wait()
+        await peer.send(chunk(b"fourth;"))
+        await asyncio.sleep(0.05)
+        await peer.send(b"0\r\n\r\n")
+
+    taken: list[bytes] = []
+
+    def hook(data: bytes) -> bool:
+        if data == b"declined;":
+            return False
+        taken.append(data)
+        return True
+
+    async with raw_server(stream) as raw:
+        response = await forwarder.open(raw.url, "POST", "/v1/completions", [], b"{}")
+        response.relay_directly(hook)
+        chunks = response.chunks()
+        reading = asyncio.ensure_future(chunks.__anext__())
+        await asyncio.sleep(0.05)  # the reader waits with nothing unread
+        steps[0].set()
+        assert await reading == b"declined;second;"
+        steps[1].set()  # the reader is busy with what it read: the next chunk waits for it
+        await asyncio.sleep(0.05)
+        assert taken == []
+        assert await chunks.__anext__() == b"third;"
+        reading = asyncio.ensure_future(chunks.__anext__())
+        await asyncio.sleep(0.05)
+        steps[2].set()  # the reader waits with nothing unread: the hook takes it
+        with pytest.raises(StopAsyncIteration):
+            await reading
+        assert taken == [b"fourth;"]
+        response.release()

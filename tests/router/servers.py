@@ -75,3 +75,17 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interv
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+async def read_completion_request(scope: dict[str, Any], receive: Any, send: Any) -> bool:
+    """For a raw ASGI engine: True once a ``/v1/chat/completions`` request's body has been read;
+    anything else gets a 404 (or nothing, outside HTTP) and False."""
+    if scope["type"] != "http":
+        return False
+    if scope["path"] != "/v1/chat/completions":
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        return False
+    while (await receive()).get("more_body"):
+        pass
+    return True

@@ -24,7 +24,7 @@ from kvmesh.router.asgi.tap import ResponseTap
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.metrics import get_metrics
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
-from tests.router.servers import serve, wait_until
+from tests.router.servers import read_completion_request, serve, wait_until
 
 EVENTS = 24
 
@@ -52,14 +52,8 @@ class Upstream:
         self.disconnected = asyncio.Event()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if not await read_completion_request(scope, receive, send):
             return
-        if scope["path"] != "/v1/chat/completions":
-            await send({"type": "http.response.start", "status": 404, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        while (await receive()).get("more_body"):
-            pass
         head = {
             "type": "http.response.start",
             "status": 200,

@@ -16,21 +16,15 @@ import aiohttp
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
-from tests.router.servers import serve
+from tests.router.servers import read_completion_request, serve
 
 CHUNK = {"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}}]}  # fmt: skip
 
 
 async def split_done_upstream(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """A raw ASGI engine whose stream ends with ``[DONE]`` cut in two separate writes."""
-    if scope["type"] != "http":
+    if not await read_completion_request(scope, receive, send):
         return
-    if scope["path"] != "/v1/chat/completions":
-        await send({"type": "http.response.start", "status": 404, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
-        return
-    while (await receive()).get("more_body"):
-        pass
     await send(
         {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
     )

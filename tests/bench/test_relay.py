@@ -33,7 +33,13 @@ def test_every_front_relays_every_event_and_its_cpu_is_read_per_event() -> None:
     # a front that lost or merged an event would have failed the run (each answer's events are counted)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _rows(done.stdout)
-    fronts = ["direct", "kvmesh round-robin", "kvmesh kv", "kvmesh kv, no usage asked"]
+    fronts = [
+        "direct",
+        "kvmesh round-robin",
+        "kvmesh kv",
+        "kvmesh kv, through send",
+        "kvmesh kv, no usage asked",
+    ]
     assert list(rows) == fronts + (["sglang-router cache_aware"] if peer else [])
     for name in fronts:
         cpu, vs, ttft, itl, rate = rows[name]

@@ -2,11 +2,12 @@
 
 Each token of a streamed answer reaches the front as one chunk from the worker. Relayed through
 ASGI, every chunk costs a wake-up of the relay task (a future resolved, a task step), an ASGI
-message and the server's ``send`` coroutine, on top of the two socket calls any proxy makes. Under
-uvicorn's httptools protocol (what ``kvmesh router`` serves with, and vLLM's and SGLang's servers
-where httptools is installed), :class:`DirectRelay` writes the chunk to the client's transport
-from the worker connection's ``data_received`` instead, framed as uvicorn frames a chunked body,
-and the tap reads it right after. ``benchmarks/relay.py`` measures what that saves.
+message and the server's ``send`` coroutine, on top of the two socket calls any proxy makes. Where
+the app is handed uvicorn's own httptools ``send`` (``kvmesh router``, which uvicorn serves with
+httptools), :class:`DirectRelay` writes the chunk to the client's transport from the worker
+connection's ``data_received`` instead, framed as uvicorn frames a chunked body, and the tap reads
+it right after. ``benchmarks/relay.py`` measures what that saves. (Inside an engine the middleware
+sits in the engine app's Starlette stack, whose outermost layer wraps ``send``: the ASGI path.)
 
 It takes a chunk only where that changes nothing the client or the router can see, and hands any
 other chunk back to the ASGI path, which goes on as before:

@@ -3,17 +3,21 @@
 Each token of a streamed answer reaches the front as one chunk from the worker. Relayed through
 ASGI, every chunk costs a wake-up of the relay task (a future resolved, a task step), an ASGI
 message and the server's ``send`` coroutine, on top of the two socket calls any proxy makes. Where
-the app is handed uvicorn's own httptools ``send`` (``kvmesh router``, which uvicorn serves with
-httptools), :class:`DirectRelay` writes the chunk to the client's transport from the worker
-connection's ``data_received`` instead, framed as uvicorn frames a chunked body, and the tap reads
-it right after. ``benchmarks/relay.py`` measures what that saves. (Inside an engine the middleware
-sits in the engine app's Starlette stack, whose outermost layer wraps ``send``: the ASGI path.)
+the server is uvicorn's httptools protocol, :class:`DirectRelay` writes the chunk to the client's
+transport from the worker connection's ``data_received`` instead, framed as uvicorn frames a
+chunked body, and the tap reads it right after. ``benchmarks/relay.py`` measures what that saves.
+
+That needs uvicorn's own ``send``: the standalone ``kvmesh router`` is handed it, and an engine's
+app (vLLM, SGLang, TensorRT-LLM, the mock) hands its middleware the ``send`` of Starlette's
+outermost layer, ``ServerErrorMiddleware``, which passes every message on unchanged (it only notes
+that the response has started). That one wrapper is looked through; any other (a middleware
+outside kvmesh's that may rewrite the body, such as compression) keeps the ASGI path.
 
 It takes a chunk only where that changes nothing the client or the router can see, and hands any
 other chunk back to the ASGI path, which goes on as before:
 
-* the ``send`` the app was given is uvicorn's own httptools ``send`` (no middleware wraps it), and
-  the response is started, chunked and not complete;
+* the ``send`` the app was given is uvicorn's own httptools ``send``, alone or inside Starlette's
+  ``ServerErrorMiddleware`` only, and the response is started, chunked and not complete;
 * the tap would pass the chunk on unchanged (``ResponseTap.takes_as_is``: past the first token,
   whole SSE lines, no ``[DONE]``, nothing to splice in);
 * the client is still connected and its transport has not asked the writer to pause: a slow
@@ -34,6 +38,7 @@ from kvmesh.router.asgi.tap import ResponseTap
 log = logging.getLogger(__name__)
 
 _UVICORN_HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
+_STARLETTE_OUTERMOST = ("starlette.middleware.errors", "ServerErrorMiddleware.__call__.<locals>._send")
 ENABLED = os.environ.get("KVMESH_DIRECT_RELAY", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -55,8 +60,11 @@ class DirectRelay:
     def under(cls, send: Any, tap: ResponseTap) -> DirectRelay | None:
         """A writer for the response ``send`` has started, or None where the server is not one
         this can write for (or it is turned off)."""
+        if not ENABLED:
+            return None
+        send = _inside_server_errors(send)
         cycle = getattr(send, "__self__", None)
-        if not ENABLED or cycle is None or type(cycle).__module__ != _UVICORN_HTTPTOOLS:
+        if cycle is None or type(cycle).__module__ != _UVICORN_HTTPTOOLS:
             return None
         try:
             if getattr(send, "__func__", None) is not type(cycle).send:
@@ -80,3 +88,14 @@ class DirectRelay:
         except Exception:  # the bytes are the client's already: a fault here must not lose them
             log.exception("reading a relayed chunk failed")
         return True
+
+
+def _inside_server_errors(send: Any) -> Any:
+    """The ``send`` Starlette's ``ServerErrorMiddleware`` wraps, when ``send`` is its wrapper (it
+    passes every message on as it is); else ``send`` itself."""
+    if (getattr(send, "__module__", None), getattr(send, "__qualname__", None)) != _STARLETTE_OUTERMOST:
+        return send
+    try:
+        return send.__closure__[send.__code__.co_freevars.index("send")].cell_contents
+    except (AttributeError, IndexError, TypeError, ValueError):  # laid out otherwise: keep it
+        return send

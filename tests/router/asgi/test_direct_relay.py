@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvmesh.commands.demo import start_mesh
+from kvmesh.mock.config import MockConfig
 from kvmesh.router.asgi import direct_relay
 from kvmesh.router.asgi.direct_relay import DirectRelay
 from kvmesh.router.asgi.standalone import build_router_app
@@ -179,6 +181,31 @@ async def test_a_client_that_leaves_mid_stream_stops_the_engine(direct: bool) ->
         await asyncio.wait_for(upstream.disconnected.wait(), 5)
         direct_after, _ = _paths()
     assert (direct_after > direct_before) == direct
+
+
+async def test_an_engine_embedding_the_middleware_relays_a_peers_answer(direct: bool) -> None:
+    """Inside an engine's app the middleware is handed Starlette's outermost ``send`` wrapper,
+    which passes messages on unchanged: the direct path looks through it."""
+    mock = MockConfig(block_size=16, num_blocks=4096, speedup=1.0)
+    async with start_mesh(2, RouterConfig(), mock) as nodes, aiohttp.ClientSession() as http:
+        a, b = (node.url for node in nodes)
+        direct_before, _ = _paths()
+        body = {
+            "model": mock.model,
+            "messages": [{"role": "user", "content": "tell me about the sea"}],
+            "max_tokens": 24,
+            "stream": True,
+            "nvext": {"backend_instance_id": b},  # served by b, relayed by a
+        }
+        async with http.post(a + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200 and r.headers["x-kvmesh-worker-id"] == b
+            received = await r.read()
+        direct_after, _ = _paths()
+    events = [e for e in received.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) == 24
+    assert (direct_after - direct_before >= 12) == direct
 
 
 def _unchunk(data: bytes) -> bytes:

@@ -20,10 +20,12 @@ kvmesh_deps="msgspec pyzmq xxhash prometheus-client aiohttp uvicorn starlette ht
 case "$engine" in
   vllm)
     engine_pkg="vllm==0.33.0"
+    # httptools: what uvicorn serves vLLM with where vLLM is installed with its dependencies
+    # (fastapi[standard] brings uvicorn[standard]); the middleware's direct relay needs it.
     engine_deps="msgspec pyzmq torch==2.13.0 packaging psutil urllib3 regex numpy pydantic cbor2
       transformers>=5.16.1,<5.21 aiohttp requests openai-harmony openai pillow pybase64 cachetools
       cloudpickle uvloop py-cpuinfo prometheus_client xgrammar fastapi partial-json-parser
-      llguidance einops"
+      llguidance einops httptools"
     ;;
   sglang)
     engine_pkg="sglang==0.5.23"

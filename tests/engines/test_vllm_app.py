@@ -39,6 +39,7 @@ with warnings.catch_warnings():
 
     from kvmesh.adapters.vllm.endpoints import PRIORITY_WARNING, KvMeshEndpointPlugin
     from kvmesh.adapters.vllm.plugin import register
+    from kvmesh.router.mesh.metrics import get_metrics
     from tests.engines.vllm_helpers import (
         BLOCK_SIZE,
         LoopbackEngineClient,
@@ -49,7 +50,7 @@ with warnings.catch_warnings():
         use_cpu_platform,
         write_dist_info,
     )
-    from tests.router.servers import bound_socket, serve
+    from tests.router.servers import StreamingEngine, bound_socket, serve, wait_until
 
 pytestmark = pytest.mark.engine_vllm
 
@@ -91,8 +92,9 @@ class Recorder:
 
 @contextlib.asynccontextmanager
 async def vllm_app(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, policy: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, policy: str, peers: tuple[str, ...] = ()
 ) -> AsyncIterator[tuple[str, Recorder, LoopbackEngineClient, PromptRunner]]:
+    """``peers``: other workers of the fleet, beside this vLLM server."""
     use_cpu_platform(monkeypatch)
     write_dist_info(tmp_path / "site")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
@@ -102,7 +104,7 @@ async def vllm_app(
 
     sock = bound_socket()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    monkeypatch.setenv("KVMESH_WORKERS", url)
+    monkeypatch.setenv("KVMESH_WORKERS", ",".join((url, *peers)))
     monkeypatch.setenv("KVMESH_SELF_URL", url)
     monkeypatch.setenv("KVMESH_ADMIN_TOKEN", TOKEN)
     monkeypatch.setenv("KVMESH_TOKENIZER", "builtin")  # vLLM's renderer needs a model config
@@ -259,3 +261,42 @@ async def test_without_priority_scheduling_vllm_gets_no_priority_and_a_warning_i
 
 def test_the_plugin_is_the_one_vllm_attached() -> None:
     assert KvMeshEndpointPlugin.name == "kvmesh"
+
+
+async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_inside_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM adds ``--middleware`` classes after its own (CORS and the rest), so kvmesh's sits right
+    inside Starlette's outermost layer, whose ``send`` wrapper the direct relay looks through."""
+    peer = StreamingEngine(events=24)
+    monkeypatch.setenv("KVMESH_ROUTER_KV_EVENTS", "false")  # the peer is a raw server: no events
+    direct = get_metrics().relayed_chunks["direct"]
+    async with (
+        serve(peer) as engine,
+        vllm_app(tmp_path, monkeypatch, policy="priority", peers=(engine.url,)) as (url, recorder, _, _),
+        httpx.AsyncClient(base_url=url, timeout=10) as http,
+    ):
+
+        async def peer_up() -> bool:
+            rows = (await http.get("/kvmesh/workers", headers=_auth())).json()["workers"]
+            return any(row["url"] == engine.url and row["state"] == "up" for row in rows)
+
+        for _ in range(250):
+            if await peer_up():
+                break
+            await asyncio.sleep(0.02)
+        before = direct._value.get()
+        body = {
+            "model": "tiny-model",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "nvext": {"backend_instance_id": engine.url},
+        }
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200 and r.headers["x-kvmesh-worker-id"] == engine.url
+            received = b"".join([chunk async for chunk in r.aiter_raw()])
+        await wait_until(lambda: direct._value.get() > before)
+        relayed = direct._value.get() - before
+    assert received == peer.sent
+    assert recorder.bodies == []  # vLLM's own handler never saw it
+    assert relayed >= 12

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -89,3 +90,53 @@ async def read_completion_request(scope: dict[str, Any], receive: Any, send: Any
     while (await receive()).get("more_body"):
         pass
     return True
+
+
+def sse_event(i: int, text: str) -> bytes:
+    """One chat-completion chunk event carrying ``text``."""
+    chunk = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+    }
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+class StreamingEngine:
+    """A raw streaming engine: ``events`` token events ``gap`` seconds apart, then ``[DONE]``
+    (``forever``: until the client leaves). It keeps the exact bytes it sent."""
+
+    def __init__(self, *, events: int = 24, gap: float = 0.01, size: int = 8, forever: bool = False):
+        self.events = events
+        self.gap = gap
+        self.size = size
+        self.forever = forever
+        self.sent = b""
+        self.disconnected = asyncio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if not await read_completion_request(scope, receive, send):
+            return
+        head = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream")],
+        }
+        await send(head)
+        watcher = asyncio.ensure_future(receive())
+        i = 0
+        while self.forever or i < self.events:
+            if watcher.done():  # http.disconnect: the router closed the connection
+                self.disconnected.set()
+                return
+            body = sse_event(i, f"word{i} " + "x" * self.size)
+            self.sent += body
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            i += 1
+            if self.gap:
+                await asyncio.sleep(self.gap)
+        self.sent += b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        watcher.cancel()

@@ -2,8 +2,9 @@
 ``send``: the client gets the same bytes, the router hears the same tokens, and a client that
 stops reading or leaves is handled as before.
 
-Each test serves a real standalone router on uvicorn (httptools) in front of a raw ASGI upstream
-on loopback, and runs once with the direct path on and once with it off.
+The end-to-end tests serve a real router on uvicorn (httptools) on loopback, standalone in front
+of a raw streaming engine or embedded in mock engines, and run once with the direct path on and
+once with it off; the last ones drive the writer and its choice of ``send`` directly.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ from kvmesh.router.asgi.tap import ResponseTap
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.metrics import get_metrics
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
-from tests.router.servers import StreamingEngine as Upstream
-from tests.router.servers import serve, wait_until
-from tests.router.servers import sse_event as _event
+from tests.router.servers import StreamingEngine, serve, sse_event, wait_until
 
 EVENTS = 24
 
@@ -57,7 +56,7 @@ def direct(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> b
 
 
 async def test_the_client_gets_the_engines_bytes_and_the_router_hears_every_token(direct: bool) -> None:
-    upstream = Upstream()
+    upstream = StreamingEngine(events=EVENTS)
     osl = get_metrics().osl
     async with serve(upstream) as engine, serve(_front(engine.url)) as front, aiohttp.ClientSession() as http:
         heard_before = osl._sum.get()
@@ -84,7 +83,7 @@ async def test_both_paths_hear_the_same_tokens(monkeypatch: pytest.MonkeyPatch) 
     heard = []
     for on in (True, False):
         monkeypatch.setattr(direct_relay, "ENABLED", on)
-        upstream = Upstream()
+        upstream = StreamingEngine(events=EVENTS)
         async with (
             serve(upstream) as engine,
             serve(_front(engine.url)) as front,
@@ -102,7 +101,7 @@ async def test_a_client_that_stops_reading_gets_every_byte_in_order(direct: bool
     # ~6 MB as fast as the engine can write it, to a client that reads nothing for a while
     # through a small receive buffer: the front's writes to it must pause and resume, and the
     # bytes go through send while they are paused.
-    upstream = Upstream(events=1500, gap=0.0, size=4000)
+    upstream = StreamingEngine(events=1500, gap=0.0, size=4000)
     async with serve(upstream) as engine, serve(_front(engine.url)) as front:
         port = int(front.url.rsplit(":", 1)[1])
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -124,7 +123,7 @@ async def test_a_client_that_stops_reading_gets_every_byte_in_order(direct: bool
 
 
 async def test_a_client_that_leaves_mid_stream_stops_the_engine(direct: bool) -> None:
-    upstream = Upstream(forever=True, gap=0.01)
+    upstream = StreamingEngine(forever=True, gap=0.01)
     async with serve(upstream) as engine, serve(_front(engine.url)) as front, aiohttp.ClientSession() as http:
         direct_before, _ = _paths()
         async with http.post(front.url + "/v1/chat/completions", json=BODY) as r:
@@ -219,11 +218,11 @@ async def test_a_chunk_goes_direct_only_when_the_client_can_take_it_as_it_is() -
     await tap(
         {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
     )
-    await tap({"type": "http.response.body", "body": _event(0, "first"), "more_body": True})
+    await tap({"type": "http.response.body", "body": sse_event(0, "first"), "more_body": True})
     transport = _Transport()
     cycle = SimpleNamespace(flow=SimpleNamespace(write_paused=False), transport=transport, disconnected=False)
     relay = DirectRelay(cycle, tap)
-    event = _event(1, "next")
+    event = sse_event(1, "next")
 
     assert relay(event)
     assert transport.written == [b"%x\r\n%b\r\n" % (len(event), event)]  # uvicorn's chunk framing

@@ -5,9 +5,10 @@
 Prints one fingerprint per configuration (the latency cost on 6 and 8 workers, Dynamo's cost, the
 latency cost with temperature, the latency cost leaving copies of a shared prefix to the front)
 and how many decisions went into it. A change meant to make ``KvRouter`` faster without changing
-what it decides must leave every fingerprint as it was: run this before and after, and compare. (A test cannot pin the values: any deliberate change to the
-cost changes them.) With a compiled build (``kvmesh native build``) it runs compiled;
-``KVMESH_NATIVE=0`` runs the same code as Python, which must print the same fingerprints.
+what it decides must leave every fingerprint as it was: run this before and after, and compare.
+(A test cannot pin the values: any deliberate change to the cost changes them.) With a compiled
+build (``kvmesh native build``) it runs compiled; ``KVMESH_NATIVE=0`` runs the same code as
+Python, which must print the same fingerprints.
 
 The traffic runs in virtual time through the pure core: conversations that grow turn by turn over
 a few shared system prompts, one request in five sent as three siblings, first tokens and finishes

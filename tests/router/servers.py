@@ -92,7 +92,7 @@ async def read_completion_request(scope: dict[str, Any], receive: Any, send: Any
     return True
 
 
-def sse_event(i: int, text: str) -> bytes:
+def sse_event(text: str) -> bytes:
     """One chat-completion chunk event carrying ``text``."""
     chunk = {
         "id": "c1",
@@ -130,7 +130,7 @@ class StreamingEngine:
             if watcher.done():  # http.disconnect: the router closed the connection
                 self.disconnected.set()
                 return
-            body = sse_event(i, f"word{i} " + "x" * self.size)
+            body = sse_event(f"word{i} " + "x" * self.size)
             self.sent += body
             await send({"type": "http.response.body", "body": body, "more_body": True})
             i += 1

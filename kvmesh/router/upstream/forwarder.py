@@ -171,21 +171,20 @@ class UpstreamResponse:
 
     def relay_directly(self, hook: Callable[[bytes], bool] | None) -> None:
         """Offer the body's next chunks to ``hook`` as they arrive, while this response is being
-        read and all of it read so far (see ``Http1Connection.relay_hook``); None stops it."""
+        read and all of it read so far (see ``Http1Connection.relay_hook``; the connection's next
+        request clears it); None stops it."""
         if not self._released:
             self._conn.relay_hook = hook
 
     def close(self) -> None:
         """Drop the connection (the worker sees a disconnect and can abort the request)."""
-        if not self._released:
-            self._conn.relay_hook = None  # once released, the connection may carry someone else's request
+        if not self._released:  # once released, the connection may carry someone else's request
             self._conn.close()
 
     def release(self) -> None:
         """Give a fully read connection back to the pool (an unfinished one is closed)."""
         if not self._released:
             self._released = True
-            self._conn.relay_hook = None
             self._pool.give_back(self._origin, self._conn)
 
 

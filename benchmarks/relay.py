@@ -92,9 +92,17 @@ def streaming_upstream(events: int, gap_s: float) -> Any:
                 "headers": [(b"content-type", b"text/event-stream")],
             }
         )
-        for chunk in chunks:
+        # Events are paced on a timeline, not by sleeping a gap after each: uvloop rounds a timer
+        # to the nearest millisecond, so a 0.5 ms sleep returns at once and the whole answer went
+        # out in one burst. On the timeline a sub-millisecond gap sends events in small bunches
+        # whose mean spacing is the gap asked for.
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for i, chunk in enumerate(chunks, 1):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await asyncio.sleep(gap_s)
+            delay = start + i * gap_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
         await send({"type": "http.response.body", "body": last})
 
     return app

@@ -23,10 +23,14 @@ def _rows(out: str) -> dict[str, list[str]]:
     return rows
 
 
+GAP_MS = 0.5
+"""Below the event loop's millisecond timer, so the upstream must pace events on its timeline."""
+
+
 def test_every_front_relays_every_event_and_its_cpu_is_read_per_event() -> None:
     peer = importlib.util.find_spec("sglang_router") is not None
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--events", "32", "--gap-ms", "0.5", "--requests", "64", "--concurrency", "8",
+        [sys.executable, str(BENCH), "--events", "32", "--gap-ms", str(GAP_MS), "--requests", "64", "--concurrency", "8",
          "--rounds", "1", "--no-progress"],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
@@ -43,7 +47,10 @@ def test_every_front_relays_every_event_and_its_cpu_is_read_per_event() -> None:
     assert list(rows) == fronts + (["sglang-router cache_aware"] if peer else [])
     for name in fronts:
         cpu, vs, ttft, itl, rate = rows[name]
-        assert float(ttft) > 0 and float(itl) > 0 and float(rate) > 0
+        assert float(ttft) > 0 and float(rate) > 0
+        # the events keep their spacing through every path (sleeping 0.5 ms after each event sent
+        # the whole answer at once: ITL 0.00-0.11 ms)
+        assert float(itl) >= 0.4 * GAP_MS, (name, itl)
         # CPU comes from /proc in clock ticks: 2,048 events through a front take several
         if name != "direct":
             assert float(cpu) > 0

@@ -15,7 +15,9 @@ path, same exit codes, child processes killed at exit), plus:
    two ranges never collide;
 4. kvmesh is mounted on SGLang's app (:func:`.app.mount`), and with ``--tokenizer-worker-num > 1``
    ``SGLANG_HTTP_SERVER_APP_PATH`` names :mod:`.app`, which mounts it in every worker;
-5. without ``--enable-priority-scheduling`` a loud warning says request priorities are ignored.
+5. without ``--enable-priority-scheduling`` a loud warning says request priorities are ignored;
+6. with ``--enable-metrics``, Prometheus's multiprocess directory is set up before kvmesh imports
+   ``prometheus_client`` (:func:`share_metrics_dir`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import os
 import sys
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from kvmesh.adapters.sglang._sglang import import_sglang
@@ -46,6 +48,10 @@ KVMESH_FLAGS = {
 }
 DEFAULT_EVENTS_PORT = 5557
 APP_PATH = "kvmesh.adapters.sglang.app:app"
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+_metrics_dir: tempfile.TemporaryDirectory[str] | None = None
+"""The directory :func:`share_metrics_dir` made, kept for the life of the process."""
 
 
 def split_argv(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -94,6 +100,29 @@ def with_kv_events(argv: list[str], port: int) -> list[str]:
     return [*argv, "--kv-events-config", json.dumps(config)]
 
 
+def share_metrics_dir(server_args: Any, env: MutableMapping[str, str]) -> None:
+    """With ``--enable-metrics``, give the process Prometheus's multiprocess directory now.
+
+    SGLang's ``/metrics`` serves only what its processes write to that directory, and
+    ``prometheus_client`` decides whether a process writes there when it is first imported. SGLang
+    sets the directory up at launch, after this module has mounted kvmesh, whose middleware imports
+    ``prometheus_client``: without this, every metric the HTTP server's process made afterwards
+    (SGLang's tokenizer manager's and kvmesh's own) stayed in memory and never reached
+    ``/metrics``. SGLang finds the variable set and uses it as a user's own.
+    """
+    global _metrics_dir
+    if not getattr(server_args, "enable_metrics", False) or env.get(METRICS_DIR_ENV):
+        return
+    if "prometheus_client" in sys.modules:
+        logger.warning(
+            "kvmesh: prometheus_client was imported before SGLang's launch, so this process's "
+            "metrics will not reach /metrics; set %s before starting the server",
+            METRICS_DIR_ENV,
+        )
+    _metrics_dir = tempfile.TemporaryDirectory(prefix="kvmesh-sglang-metrics-")
+    env[METRICS_DIR_ENV] = _metrics_dir.name
+
+
 def prepare(argv: Sequence[str], environ: dict[str, str] | None = None) -> Any:
     """Everything before the server runs: returns SGLang's ``ServerArgs`` with kvmesh mounted."""
     env = os.environ if environ is None else environ
@@ -124,6 +153,7 @@ def prepare(argv: Sequence[str], environ: dict[str, str] | None = None) -> Any:
         logger.warning(PRIORITY_WARNING)
         print(f"WARNING {PRIORITY_WARNING}", file=sys.stderr)
 
+    share_metrics_dir(server_args, env)
     from sglang.srt.entrypoints import http_server
 
     from kvmesh.adapters.sglang.app import mount

@@ -14,18 +14,19 @@ engine=${1:?usage: engine-env.sh vllm|sglang}
 here=$(cd "$(dirname "$0")" && pwd)
 python=${PYTHON:-python3}
 
-# Packages kvmesh itself and its engine tests need inside the engine environment.
-kvmesh_deps="msgspec pyzmq xxhash prometheus-client aiohttp uvicorn starlette httpx pytest pytest-timeout pytest-asyncio"
+# Packages kvmesh itself and its engine tests need inside the engine environment. httptools is one
+# of kvmesh's own requirements, so an engine with kvmesh installed is served by uvicorn's httptools
+# protocol (which the middleware's direct relay writes to), whatever the engine itself requires.
+kvmesh_deps="msgspec pyzmq xxhash prometheus-client aiohttp uvicorn httptools starlette httpx pytest pytest-timeout
+  pytest-asyncio"
 
 case "$engine" in
   vllm)
     engine_pkg="vllm==0.33.0"
-    # httptools: what uvicorn serves vLLM with where vLLM is installed with its dependencies
-    # (fastapi[standard] brings uvicorn[standard]); the middleware's direct relay needs it.
     engine_deps="msgspec pyzmq torch==2.13.0 packaging psutil urllib3 regex numpy pydantic cbor2
       transformers>=5.16.1,<5.21 aiohttp requests openai-harmony openai pillow pybase64 cachetools
       cloudpickle uvloop py-cpuinfo prometheus_client xgrammar fastapi partial-json-parser
-      llguidance einops httptools"
+      llguidance einops"
     ;;
   sglang)
     engine_pkg="sglang==0.5.23"

@@ -91,10 +91,20 @@ class EchoChat:
         )
 
 
+async def relayed_chunks(request: Any) -> Any:
+    """TEST-ONLY: kvmesh's ``kvmesh_relayed_chunks_total`` by path, read in this process."""
+    from starlette.responses import JSONResponse
+
+    from kvmesh.router.mesh.metrics import get_metrics
+
+    return JSONResponse({path: c._value.get() for path, c in get_metrics().relayed_chunks.items()})
+
+
 def main() -> None:
     port, sglang_args = int(sys.argv[1]), sys.argv[2:]
     sglang_env.prepare()
     import uvicorn
+    from starlette.routing import Route
 
     from kvmesh.adapters.sglang import launcher
 
@@ -115,6 +125,7 @@ def main() -> None:
     app = http_server.app
     app.state.openai_serving_tokenize = OpenAIServingTokenize(tm, templates)
     app.state.openai_serving_chat = EchoChat()
+    app.router.routes.append(Route("/test/relayed-chunks", relayed_chunks))
     # SGLang's lifespan starts the real TokenizerManager's loops: not here (no scheduler, no model).
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
 

@@ -14,12 +14,14 @@ here): the router's approximate index learns from its own decisions.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,6 +29,7 @@ import pytest
 
 from tests.engines import sglang_env
 from tests.events.eventkit import free_tcp_port
+from tests.router.servers import StreamingEngine, serve
 
 pytestmark = [pytest.mark.engine_sglang, pytest.mark.timeout(300)]
 
@@ -133,3 +136,58 @@ def test_router_hashes_with_sglangs_tokenizer_and_salted_or_lora_requests_get_no
         assert "nvext" not in namespaced["seen"]["body"]
         for field, value in extra.items():
             assert namespaced["seen"]["body"][field] == value
+
+
+async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_inside_sglang(
+    tmp_path: Path,
+) -> None:
+    """SGLang's app served by uvicorn on httptools (kvmesh requires it): kvmesh's middleware sits
+    right inside Starlette's outermost layer there, so a peer's tokens go to the client from the
+    worker connection's callback (``direct_relay``), byte for byte."""
+    peer = StreamingEngine(events=24)
+    port = free_tcp_port()
+    url = f"http://127.0.0.1:{port}"
+    async with serve(peer) as upstream:
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(sglang_env.REPO),
+            "KVMESH_WORKERS": f"{url},{upstream.url}",
+            "KVMESH_SELF_URL": url,
+            "KVMESH_ROUTER_KV_EVENTS": "false",  # the peer is a raw server: no events
+            "KVMESH_SGLANG_CONTROL": f"ipc://{tmp_path}/control",
+        }
+        argv = ["--page-size", str(BLOCK), "--kvmesh-events-port", str(free_tcp_port())]
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests.engines.sglang_middleware_server", str(port), *argv],
+            env=env,
+            cwd=sglang_env.REPO,
+        )
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                for _ in range(1800):  # SGLang's import takes a while on a shared CPU
+                    assert child.poll() is None, "the SGLang server exited"
+                    try:
+                        rows = (await http.get("/kvmesh/workers")).json()["workers"]
+                        if [row["state"] for row in rows] == ["up", "up"]:
+                            break
+                    except (httpx.HTTPError, ValueError):
+                        pass
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("the mesh did not come up")
+                before = (await http.get("/test/relayed-chunks")).json()
+                body = {
+                    "model": "dummy",
+                    "messages": [{"role": "user", "content": "w1 w2"}],
+                    "stream": True,
+                    "nvext": {"backend_instance_id": upstream.url},
+                }
+                async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200 and r.headers["x-kvmesh-worker-id"] == upstream.url
+                    received = b"".join([chunk async for chunk in r.aiter_raw()])
+                after = (await http.get("/test/relayed-chunks")).json()
+        finally:
+            child.terminate()
+            await asyncio.to_thread(child.wait, 30)
+    assert received == peer.sent
+    assert after["direct"] - before["direct"] >= 12

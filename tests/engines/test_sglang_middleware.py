@@ -29,7 +29,7 @@ import pytest
 
 from tests.engines import sglang_env
 from tests.events.eventkit import free_tcp_port
-from tests.router.servers import StreamingEngine, serve
+from tests.router.servers import StreamingEngine, pinned_stream_bytes, serve
 
 pytestmark = [pytest.mark.engine_sglang, pytest.mark.timeout(300)]
 
@@ -176,15 +176,7 @@ async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_insid
                 else:
                     raise AssertionError("the mesh did not come up")
                 before = (await http.get("/test/relayed-chunks")).json()
-                body = {
-                    "model": "dummy",
-                    "messages": [{"role": "user", "content": "w1 w2"}],
-                    "stream": True,
-                    "nvext": {"backend_instance_id": upstream.url},
-                }
-                async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-                    assert r.status_code == 200 and r.headers["x-kvmesh-worker-id"] == upstream.url
-                    received = b"".join([chunk async for chunk in r.aiter_raw()])
+                received = await pinned_stream_bytes(http, upstream.url, "dummy")
                 after = (await http.get("/test/relayed-chunks")).json()
         finally:
             child.terminate()

@@ -50,7 +50,7 @@ with warnings.catch_warnings():
         use_cpu_platform,
         write_dist_info,
     )
-    from tests.router.servers import StreamingEngine, bound_socket, serve, wait_until
+    from tests.router.servers import StreamingEngine, bound_socket, pinned_stream_bytes, serve, wait_until
 
 pytestmark = pytest.mark.engine_vllm
 
@@ -286,15 +286,7 @@ async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_insid
                 break
             await asyncio.sleep(0.02)
         before = direct._value.get()
-        body = {
-            "model": "tiny-model",
-            "messages": [{"role": "user", "content": "hi"}],
-            "stream": True,
-            "nvext": {"backend_instance_id": engine.url},
-        }
-        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200 and r.headers["x-kvmesh-worker-id"] == engine.url
-            received = b"".join([chunk async for chunk in r.aiter_raw()])
+        received = await pinned_stream_bytes(http, engine.url, "tiny-model")
         await wait_until(lambda: direct._value.get() > before)
         relayed = direct._value.get() - before
     assert received == peer.sent

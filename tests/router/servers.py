@@ -92,6 +92,21 @@ async def read_completion_request(scope: dict[str, Any], receive: Any, send: Any
     return True
 
 
+async def pinned_stream_bytes(http: Any, worker: str, model: str) -> bytes:
+    """A streamed chat answer pinned to ``worker`` (``nvext.backend_instance_id``), through ``http``
+    (an ``httpx.AsyncClient`` on a front), as the raw bytes the client received; the front must say
+    it chose ``worker``."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "nvext": {"backend_instance_id": worker},
+    }
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["x-kvmesh-worker-id"] == worker
+        return b"".join([chunk async for chunk in r.aiter_raw()])
+
+
 def sse_event(text: str) -> bytes:
     """One chat-completion chunk event carrying ``text``."""
     chunk = {

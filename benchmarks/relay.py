@@ -224,7 +224,11 @@ def main() -> None:
         "--events", type=positive_int, default=64, help="token events in each streamed answer"
     )
     parser.add_argument(
-        "--gap-ms", type=non_negative_float, default=5.0, help="the upstream's time between two events (ms)"
+        "--gap-ms",
+        type=non_negative_float,
+        default=5.0,
+        help="the upstream's time between two events (ms; paced on a schedule, so under 1 ms, the "
+        "event loop's timer step, it is the mean spacing)",
     )
     parser.add_argument("--requests", type=positive_int, default=320, help="timed answers per measurement")
     parser.add_argument("--concurrency", type=positive_int, default=32, help="answers streaming at once")

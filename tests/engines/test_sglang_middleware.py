@@ -9,12 +9,14 @@ serving's ``handle_request`` is a stand-in that answers with the body SGLang's r
 The mesh has two workers that are the same server under two names (``127.0.0.1`` is this engine,
 ``localhost`` a peer reached over HTTP), so the router's choice between them is visible in
 ``nvext.worker_id`` while one SGLang process serves both. KV events are off (no scheduler runs
-here): the router's approximate index learns from its own decisions.
+here): the router's approximate index learns from its own decisions. The direct relay's test
+puts a raw streaming engine in the mesh as the peer instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -54,6 +56,39 @@ class Engine:
         return out
 
 
+POLLS = 1800
+"""Times the mesh's state is read, 0.1 s apart, while the server starts (SGLang's import takes a
+while on a shared CPU)."""
+
+
+def start_server(port: int, peer: str, control: str, *args: str) -> subprocess.Popen[bytes]:
+    """:mod:`tests.engines.sglang_middleware_server` on ``port``, in a mesh with ``peer``, KV events
+    off (no scheduler runs here)."""
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(sglang_env.REPO),
+        "KVMESH_WORKERS": f"{url},{peer}",
+        "KVMESH_SELF_URL": url,
+        "KVMESH_ROUTER_KV_EVENTS": "false",
+        "KVMESH_SGLANG_CONTROL": control,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.engines.sglang_middleware_server", str(port), *args],
+        env=env,
+        cwd=sglang_env.REPO,
+    )
+
+
+def both_up(child: subprocess.Popen[bytes], workers: Any) -> bool:
+    """Whether ``/kvmesh/workers``'s answer shows both workers up (the server must be running)."""
+    assert child.poll() is None, "the SGLang server exited"
+    try:
+        return [row["state"] for row in workers.json()["workers"]] == ["up", "up"]
+    except (ValueError, KeyError):
+        return False
+
+
 @pytest.fixture(scope="module", params=["higher_first", "lower_first"])
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     sglang_env.prepare()
@@ -67,29 +102,14 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     ]
     if request.param == "lower_first":
         args.append("--schedule-low-priority-values-first")
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(sglang_env.REPO),
-        "KVMESH_WORKERS": f"http://127.0.0.1:{port},http://localhost:{port}",
-        "KVMESH_SELF_URL": f"http://127.0.0.1:{port}",
-        "KVMESH_ROUTER_KV_EVENTS": "false",
-        "KVMESH_SGLANG_CONTROL": f"ipc:///tmp/kvmesh-sglang-mw-{os.getpid()}-{port}",
-    }
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.engines.sglang_middleware_server", str(port), *args],
-        env=env,
-        cwd=sglang_env.REPO,
-    )
+    control = f"ipc:///tmp/kvmesh-sglang-mw-{os.getpid()}-{port}"
+    child = start_server(port, f"http://localhost:{port}", control, *args)
     engine = Engine(port, request.param)
     try:
-        for _ in range(1800):  # SGLang's import takes a while on a shared CPU
-            assert child.poll() is None, "the SGLang server exited"
-            try:
-                rows = engine.client.get("/kvmesh/workers").json()["workers"]
-                if [row["state"] for row in rows] == ["up", "up"]:
+        for _ in range(POLLS):
+            with contextlib.suppress(httpx.HTTPError):
+                if both_up(child, engine.client.get("/kvmesh/workers")):
                     break
-            except (httpx.HTTPError, ValueError):
-                pass
             time.sleep(0.1)
         else:
             raise AssertionError("the mesh did not come up")
@@ -146,32 +166,15 @@ async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_insid
     worker connection's callback (``direct_relay``), byte for byte."""
     peer = StreamingEngine(events=24)
     port = free_tcp_port()
-    url = f"http://127.0.0.1:{port}"
     async with serve(peer) as upstream:
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(sglang_env.REPO),
-            "KVMESH_WORKERS": f"{url},{upstream.url}",
-            "KVMESH_SELF_URL": url,
-            "KVMESH_ROUTER_KV_EVENTS": "false",  # the peer is a raw server: no events
-            "KVMESH_SGLANG_CONTROL": f"ipc://{tmp_path}/control",
-        }
         argv = ["--page-size", str(BLOCK), "--kvmesh-events-port", str(free_tcp_port())]
-        child = subprocess.Popen(
-            [sys.executable, "-m", "tests.engines.sglang_middleware_server", str(port), *argv],
-            env=env,
-            cwd=sglang_env.REPO,
-        )
+        child = start_server(port, upstream.url, f"ipc://{tmp_path}/control", *argv)
         try:
-            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                for _ in range(1800):  # SGLang's import takes a while on a shared CPU
-                    assert child.poll() is None, "the SGLang server exited"
-                    try:
-                        rows = (await http.get("/kvmesh/workers")).json()["workers"]
-                        if [row["state"] for row in rows] == ["up", "up"]:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+                for _ in range(POLLS):
+                    with contextlib.suppress(httpx.HTTPError):
+                        if both_up(child, await http.get("/kvmesh/workers")):
                             break
-                    except (httpx.HTTPError, ValueError):
-                        pass
                     await asyncio.sleep(0.1)
                 else:
                     raise AssertionError("the mesh did not come up")

@@ -8,7 +8,8 @@ when ``KVMESH_WORKERS`` is set), then the step of SGLang's launch that sets up t
 directory (``set_prometheus_multiproc_dir``, called by ``_set_envs_and_config`` under
 ``--enable-metrics``), then makes one metric as SGLang's tokenizer manager makes its own and counts
 one kvmesh relayed chunk. It reads SGLang's ``/metrics`` app (``add_prometheus_middleware``'s
-mount, called through Starlette's TestClient); no model, scheduler or server runs.
+mount, called through Starlette's TestClient), alone and on SGLang's own app behind kvmesh's
+middleware; no model, scheduler or server runs.
 """
 
 from __future__ import annotations
@@ -40,11 +41,15 @@ def main() -> None:
     from kvmesh.router.mesh.metrics import get_metrics
 
     get_metrics().relayed_chunks["direct"].inc()
-    served = ""
+    served = through_kvmesh = ""
     if server_args.enable_metrics:
         app = Starlette()
         add_prometheus_middleware(app)
         served = TestClient(app).get("/metrics").text
+        from sglang.srt.entrypoints import http_server
+
+        add_prometheus_middleware(http_server.app)  # as the launch does, on the app kvmesh is mounted on
+        through_kvmesh = TestClient(http_server.app).get("/metrics").text
     print(
         json.dumps(
             {
@@ -53,6 +58,7 @@ def main() -> None:
                 "after_launch": os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
                 "imported_at_mount": imported_at_mount,
                 "metrics": served,
+                "through_kvmesh": through_kvmesh,
             }
         )
     )

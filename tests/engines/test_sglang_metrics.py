@@ -47,6 +47,17 @@ def test_with_a_mesh_sglangs_own_metrics_and_kvmeshs_reach_its_metrics_endpoint(
     assert out["after_prepare"] and out["after_launch"] == out["after_prepare"]
 
 
+def test_with_a_mesh_kvmeshs_live_gauges_are_added_to_sglangs_metrics(tmp_path: Path) -> None:
+    # read from the router when scraped, they are in no file of the multiprocess directory
+    out = probe(tmp_path, "--enable-metrics", **MESH)
+    assert "kvmesh_queue_pending_requests" not in out["metrics"]
+    served = out["through_kvmesh"]
+    assert "sglang_probe_total 1.0" in served
+    assert 'kvmesh_relayed_chunks_total{path="direct"} 1.0' in served
+    assert served.count("# TYPE kvmesh_queue_pending_requests gauge") == 1
+    assert 'kvmesh_event_plane_connected{plane="zmq",replica=' in served
+
+
 def test_a_directory_the_user_set_is_kept(tmp_path: Path) -> None:
     mine = tmp_path / "prometheus"
     mine.mkdir()

@@ -13,8 +13,9 @@ Three deployments, one class:
 override headers validated, prompt tokenized and hashed, KvRouter asked, then the request is served
 by the wrapped app or forwarded to a registered worker (never to an address taken from the request)
 with a hop header that makes the peer serve it locally (:class:`~kvmesh.router.asgi.hop.HopRequest`).
-The admin endpoints (:mod:`kvmesh.router.asgi.admin`) are answered here; every other path and every
-non-HTTP scope passes straight through.
+The admin endpoints (:mod:`kvmesh.router.asgi.admin`) are answered here. A scrape of an engine's
+multiprocess ``/metrics`` gets kvmesh's live gauges added (:mod:`kvmesh.router.asgi.scrape`). Every
+other path and every non-HTTP scope passes straight through.
 
 Per-request state lives in one object per call, never on the middleware (Starlette's rule).
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.router.asgi import admin, peer_auth
+from kvmesh.router.asgi import admin, peer_auth, scrape
 from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.routed import RoutedRequest
 from kvmesh.router.mesh.runtime import Mesh
@@ -74,6 +75,8 @@ class KvMeshMiddleware:
             await RoutedRequest(self.mesh, self.app, scope, receive, send).run()
         elif admin.handles(path):
             await self.admin(scope, receive, send)
+        elif scrape.merges(scope):
+            await scrape.serve_with_gauges(self.app, scope, receive, send, self.mesh.metrics)
         else:
             await self.app(scope, receive, send)
 

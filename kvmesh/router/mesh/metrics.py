@@ -23,6 +23,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector, CollectorRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -37,6 +38,10 @@ _OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
 OVERHEAD_PHASES = ("tokenize", "hashing", "find_matches", "scheduling", "total", "forward", "relay_first")
 """The ``phase`` labels of ``kvmesh_router_overhead_seconds``, in the order a request meets them."""
 _HIT_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+LIVE_MARKER = b"# TYPE kvmesh_queue_pending_requests gauge"
+"""A line of every whole exposition that holds the live gauges. (A ``name[]`` filter never keeps
+them: prometheus-client filters by the names a collector declares, and this one declares none.)"""
 
 WorkerRow = tuple[str, int, float, float]
 """(worker id, dp rank, active decode blocks, active prefill tokens)"""
@@ -301,6 +306,30 @@ class Metrics:
     def track(self, owner: Any, source: GaugeSource) -> None:
         """Report ``source``'s gauges while ``owner`` is alive."""
         self._live.add(owner, source)
+
+    def render_live(self, names: Iterable[str] = (), *, openmetrics: bool = False) -> bytes:
+        """The gauges read from live routers, alone (those in ``names`` when any are given), in the
+        text format or OpenMetrics: what an engine's multiprocess ``/metrics`` cannot read."""
+        wanted = set(names)
+        families = [f for f in self._live.collect() if not wanted or f.name in wanted]
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collected(families))
+        if openmetrics:
+            return generate_openmetrics(registry)  # type: ignore[no-untyped-call,no-any-return]
+        return generate_latest(registry)
+
+
+class _Collected(Collector):
+    """Metric families already collected, for an exposition writer to read."""
+
+    def __init__(self, families: list[GaugeMetricFamily]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self.families)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
 
 
 _lock = threading.Lock()

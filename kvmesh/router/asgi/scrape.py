@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -75,7 +76,10 @@ def with_gauges(
     encoding = fields.get(b"content-encoding", b"identity").strip().lower()
     if encoding not in (b"identity", b"gzip"):
         return None
-    text = gzip.decompress(body) if encoding == b"gzip" else body
+    try:
+        text = gzip.decompress(body) if encoding == b"gzip" else body
+    except (OSError, EOFError, zlib.error):
+        return None  # not what it says it is: the engine's bytes go on untouched
     if LIVE_MARKER in text:
         return None
     content_type = fields.get(b"content-type", b"").strip().lower()

@@ -23,8 +23,10 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from kvmesh.router.asgi.middleware import KvMeshMiddleware
+from kvmesh.router.asgi.scrape import with_gauges
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.metrics import get_metrics
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.engines import EngineState, engine_app
 from tests.router.servers import bound_socket, serve
@@ -147,3 +149,9 @@ async def test_an_answer_that_has_them_is_not_given_them_twice(http: aiohttp.Cli
         text = await r.text()
     assert text.count(f"# TYPE {LIVE} gauge") == 1
     families(text)
+
+
+@pytest.mark.parametrize("body", [b"not gzip at all", b"\x1f\x8b\x08\x00broken"])
+def test_a_body_that_is_not_the_gzip_it_claims_is_sent_unchanged(body: bytes) -> None:
+    headers = [(b"content-type", b"text/plain; version=0.0.4"), (b"content-encoding", b"gzip")]
+    assert with_gauges(headers, body, get_metrics(), []) is None

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from kvmesh.bench import report
-from kvmesh.bench.runner import LoadSpec, RequestResult, RunResult, run_workload, think_times
+from kvmesh.bench.runner import (
+    LoadSpec,
+    RequestResult,
+    RunResult,
+    run_workload,
+    start_on_schedule,
+    think_times,
+)
 from kvmesh.bench.workloads import WORKLOADS, Answer, WorkloadSpec, build, knob_matters, preset
 from kvmesh.mock.testing import run_mock
 
@@ -259,6 +266,29 @@ def test_mixed_interleaves_long_agents_and_short_chats() -> None:
     chat = next(s for s in sessions if s.kind == "chat")
     assert len(agent.messages[0]["content"]) > 5 * len(chat.messages[0]["content"])
     assert agent.think_scale < chat.think_scale
+
+
+async def test_rate_driven_starts_keep_to_their_timeline_when_each_one_is_late() -> None:
+    # A clock of its own: every sleep overshoots by 1 ms, as the event loop's timer can, and every
+    # start takes 0.5 ms. Starts land at their due times (a late one at most one overshoot after);
+    # the delays do not add up over the run.
+    now = 0.0
+    started: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        nonlocal now
+        now += seconds + 0.001
+
+    def start(i: int) -> None:
+        nonlocal now
+        started.append(now)
+        now += 0.0005
+
+    gaps = [0.05, 0.0002, 0.03, 0.0001, 0.04] * 20
+    await start_on_schedule(gaps, start, clock=lambda: now, sleep=sleep)
+    due = list(itertools.accumulate([0.0, *gaps[:-1]]))
+    assert len(started) == len(gaps)
+    assert all(d - 1e-9 <= t <= d + 0.0015 + 1e-9 for t, d in zip(started, due, strict=True))
 
 
 def test_think_times_are_seeded_per_session() -> None:

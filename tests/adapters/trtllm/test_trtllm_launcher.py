@@ -5,6 +5,7 @@ loopback, the bridge feeding the embedded router's index."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import threading
@@ -22,7 +23,9 @@ from kvmesh.adapters.trtllm._trtllm import import_trtllm
 from kvmesh.adapters.trtllm.argv import DEFAULT_EVENT_BUFFER, prepare, split_kvmesh_flags
 from kvmesh.adapters.trtllm.hints import engine_priority
 from kvmesh.errors import ConfigError
+from kvmesh.router.mesh.metrics import get_metrics
 from tests.events.eventkit import free_tcp_port
+from tests.router.servers import StreamingEngine, pinned_stream_bytes, serve
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -176,12 +179,13 @@ def launched(
     from tensorrt_llm.serve import openai_server
 
     param = getattr(request, "param", {})
+    peer: str | None = request.getfixturevalue("streaming_peer").url if param.get("peer") else None
     if param.get("priority"):
         monkeypatch.setattr(serve_module, "LLM_CLASS", LLMWithPriority)
     monkeypatch.setattr(openai_server.OpenAIServer, "FIRST_ARG", param.get("first_arg", "generator"))
     port = free_tcp_port()
     url = f"http://127.0.0.1:{port}"
-    for key in ("KVMESH_WORKERS", "KVMESH_CONFIG", "KVMESH_ADMIN_TOKEN"):
+    for key in ("KVMESH_WORKERS", "KVMESH_CONFIG", "KVMESH_ADMIN_TOKEN", "KVMESH_ROUTER_KV_EVENTS"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("KVMESH_TOKENIZER", "builtin")
     monkeypatch.setenv("KVMESH_SELF_URL", url)  # the launcher sets it from its flag; restored after
@@ -202,6 +206,10 @@ def launched(
         "--kvmesh-replay-endpoint",
         "tcp://127.0.0.1:0",
     ]
+    if peer is not None:  # a fleet of two, routed on what the router saw (the peer has no events)
+        argv += ["--kvmesh-workers", f"{url},{peer}"]
+        monkeypatch.setenv("KVMESH_ROUTER_KV_EVENTS", "false")
+        monkeypatch.delenv("KVMESH_DIRECT_RELAY", raising=False)
     from kvmesh.adapters.trtllm.launcher import main
 
     result: dict[str, Any] = {}
@@ -282,3 +290,61 @@ def test_pin_prefix_over_http(launched: Running) -> None:
     (rng,) = claim["kv_cache_retention_config"].token_range_retention_configs
     assert (rng.token_start, rng.token_end, rng.priority) == (0, pinned * 4, 100)
     assert json.dumps(r.http.post("/kvmesh/reset_prefix_cache").json()).count("no prefix-cache reset") == 1
+
+
+class Peer:
+    """A raw streaming engine served on loopback from a thread of its own (the launcher runs
+    trtllm-serve's loop in another)."""
+
+    def __init__(self) -> None:
+        self.engine = StreamingEngine(events=24)
+        self.url = ""
+        self._up = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with serve(self.engine) as server:
+            self.url = server.url
+            self._up.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> Peer:
+        self._thread.start()
+        assert self._up.wait(10), "the peer did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def streaming_peer() -> Iterator[Peer]:
+    with Peer() as peer:
+        yield peer
+
+
+@pytest.mark.parametrize("launched", [{"peer": True}], indirect=True)
+def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_inside_trtllm_serve(
+    launched: Running, streaming_peer: Peer
+) -> None:
+    """trtllm-serve serves its app with uvicorn, on httptools where it is installed (kvmesh
+    requires it); kvmesh's middleware is the outermost layer the launcher adds, so a peer's tokens
+    go to the client from the worker connection's callback (``direct_relay``), byte for byte."""
+    r = launched
+    r.wait(lambda: [w["state"] for w in r.http.get("/kvmesh/workers").json()["workers"]] == ["up", "up"])
+    direct = get_metrics().relayed_chunks["direct"]
+    before = direct._value.get()
+
+    async def stream() -> bytes:
+        async with httpx.AsyncClient(base_url=r.url, timeout=30) as http:
+            return await pinned_stream_bytes(http, streaming_peer.url, "fake-model")
+
+    received = asyncio.run(stream())
+    assert received == streaming_peer.engine.sent
+    assert direct._value.get() - before >= 12

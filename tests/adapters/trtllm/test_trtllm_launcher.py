@@ -209,7 +209,6 @@ def launched(
     if peer is not None:  # a fleet of two, routed on what the router saw (the peer has no events)
         argv += ["--kvmesh-workers", f"{url},{peer}"]
         monkeypatch.setenv("KVMESH_ROUTER_KV_EVENTS", "false")
-        monkeypatch.delenv("KVMESH_DIRECT_RELAY", raising=False)
     from kvmesh.adapters.trtllm.launcher import main
 
     result: dict[str, Any] = {}

@@ -2,7 +2,8 @@
 process of tests/engines/test_sglang_middleware.py: SGLang's app and its mount are process globals).
 
 ``python -m tests.engines.sglang_middleware_server PORT [sglang launch_server args...]``; the mesh
-settings (``KVMESH_WORKERS`` ...) come from the environment, as the launcher would leave them.
+settings (``KVMESH_WORKERS`` ...) come from the environment, as the launcher would leave them. With
+``--api-key``, SGLang's own API-key middleware is added as its launch adds it.
 
 Real: SGLang's FastAPI ``app`` and routes (its ``/v1/chat/completions`` route parses the body into
 SGLang's own ``ChatCompletionRequest``), ``prepare_server_args`` through kvmesh's launcher (which
@@ -126,6 +127,10 @@ def main() -> None:
     app.state.openai_serving_tokenize = OpenAIServingTokenize(tm, templates)
     app.state.openai_serving_chat = EchoChat()
     app.router.routes.append(Route("/test/relayed-chunks", relayed_chunks))
+    if server_args.api_key:  # as SGLang's launch does, after kvmesh's mount: outside kvmesh's layer
+        from sglang.srt.utils.auth import add_api_key_middleware
+
+        add_api_key_middleware(app, api_key=server_args.api_key, admin_api_key=server_args.admin_api_key)
     # SGLang's lifespan starts the real TokenizerManager's loops: not here (no scheduler, no model).
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
 

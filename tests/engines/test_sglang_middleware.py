@@ -158,19 +158,27 @@ def test_router_hashes_with_sglangs_tokenizer_and_salted_or_lora_requests_get_no
             assert namespaced["seen"]["body"][field] == value
 
 
+@pytest.mark.parametrize("api_key", [None, "sk-test"])
 async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_inside_sglang(
-    tmp_path: Path,
+    tmp_path: Path, api_key: str | None
 ) -> None:
     """SGLang's app served by uvicorn on httptools (kvmesh requires it): kvmesh's middleware sits
     right inside Starlette's outermost layer there, so a peer's tokens go to the client from the
-    worker connection's callback (``direct_relay``), byte for byte."""
+    worker connection's callback (``direct_relay``), byte for byte. With ``--api-key`` SGLang's
+    launch adds its own pure-ASGI key check outside kvmesh's layer; it hands on uvicorn's ``send``
+    as it got it, so the relay stays direct."""
     peer = StreamingEngine(events=24)
     port = free_tcp_port()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with serve(peer) as upstream:
         argv = ["--page-size", str(BLOCK), "--kvmesh-events-port", str(free_tcp_port())]
+        if api_key:
+            argv += ["--api-key", api_key]
         child = start_server(port, upstream.url, f"ipc://{tmp_path}/control", *argv)
         try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            async with httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{port}", timeout=60, headers=headers
+            ) as http:
                 for _ in range(POLLS):
                     with contextlib.suppress(httpx.HTTPError):
                         if both_up(child, await http.get("/kvmesh/workers")):
@@ -181,6 +189,13 @@ async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_insid
                 before = (await http.get("/test/relayed-chunks")).json()
                 received = await pinned_stream_bytes(http, upstream.url, "dummy")
                 after = (await http.get("/test/relayed-chunks")).json()
+                if api_key:  # the key is checked before kvmesh routes anything
+                    denied = await http.post(
+                        "/v1/chat/completions",
+                        json={"model": "dummy"},
+                        headers={"Authorization": "Bearer no"},
+                    )
+                    assert denied.status_code == 401
         finally:
             child.terminate()
             await asyncio.to_thread(child.wait, 30)

@@ -23,7 +23,8 @@ from kvmesh.router.mesh.metrics import LIVE_MARKER, Metrics
 
 Message = dict[str, Any]
 
-METRICS_PATH = "/metrics"
+METRICS_PATHS = frozenset(("/metrics", "/metrics/"))
+"""What vLLM's and SGLang's ``/metrics`` mount answers (a regex, so the slash needs no redirect)."""
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _OPENMETRICS = b"application/openmetrics-text"
 _EOF = b"# EOF\n"
@@ -31,7 +32,7 @@ _EOF = b"# EOF\n"
 
 def merges(scope: dict[str, Any]) -> bool:
     """Whether this request is a scrape of a multiprocess registry, which lacks the live gauges."""
-    return scope["path"] == METRICS_PATH and scope["method"] == "GET" and bool(os.environ.get(MULTIPROC_ENV))
+    return scope["path"] in METRICS_PATHS and scope["method"] == "GET" and bool(os.environ.get(MULTIPROC_ENV))
 
 
 async def serve_with_gauges(

@@ -76,9 +76,12 @@ def multiprocess(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("multiprocess")
-async def test_the_engines_text_answer_gets_the_live_gauges_once(http: aiohttp.ClientSession) -> None:
+@pytest.mark.parametrize("path", ["/metrics", "/metrics/"])
+async def test_the_engines_text_answer_gets_the_live_gauges_once(
+    http: aiohttp.ClientSession, path: str
+) -> None:
     plain = {"Accept-Encoding": "identity"}  # aiohttp asks for gzip unless told
-    async with engine() as (url, replica), http.get(url + "/metrics", headers=plain) as r:
+    async with engine() as (url, replica), http.get(url + path, headers=plain) as r:
         assert r.status == 200 and "content-encoding" not in r.headers
         body = await r.read()
         assert int(r.headers["content-length"]) == len(body)

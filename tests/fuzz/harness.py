@@ -6,12 +6,10 @@ engines following their KV events, and a mesh of two mock engines embedding the 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import http.client
 import json
 import os
-import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -23,7 +21,7 @@ from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
-from tests.router.servers import serve
+from tests.router.servers import Loop, serve
 
 MOCK = {"block_size": 16, "num_blocks": 4096, "speedup": 1000.0, "max_model_len": 4096}
 
@@ -64,25 +62,6 @@ class Target:
 
     def engine_running(self) -> int:
         return sum(e.scheduler.num_running + e.scheduler.num_waiting for e in self.engines)
-
-
-class Loop:
-    """An event loop on a thread, holding async context managers open until closed."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.stack = contextlib.AsyncExitStack()
-
-    def enter(self, cm: Any, timeout: float = 60) -> Any:
-        return asyncio.run_coroutine_threadsafe(self.stack.enter_async_context(cm), self.loop).result(timeout)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.stack.aclose(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @contextlib.asynccontextmanager

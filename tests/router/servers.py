@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,25 @@ async def serve(app: Any, sock: socket.socket | None = None) -> AsyncIterator[Se
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 5)
         sock.close()
+
+
+class Loop:
+    """An event loop on a thread, holding async context managers open until closed."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.stack = contextlib.AsyncExitStack()
+
+    def enter(self, cm: Any, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(self.stack.enter_async_context(cm), self.loop).result(timeout)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.stack.aclose(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> None:

@@ -25,7 +25,7 @@ from kvmesh.adapters.trtllm.hints import engine_priority
 from kvmesh.errors import ConfigError
 from kvmesh.router.mesh.metrics import get_metrics
 from tests.events.eventkit import free_tcp_port
-from tests.router.servers import StreamingEngine, pinned_stream_bytes, serve
+from tests.router.servers import Loop, StreamingEngine, pinned_stream_bytes, serve
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -292,40 +292,21 @@ def test_pin_prefix_over_http(launched: Running) -> None:
 
 
 class Peer:
-    """A raw streaming engine served on loopback from a thread of its own (the launcher runs
-    trtllm-serve's loop in another)."""
+    """A raw streaming engine served on loopback by an event loop of its own (the launcher runs
+    trtllm-serve's loop on another thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: Loop) -> None:
         self.engine = StreamingEngine(events=24)
-        self.url = ""
-        self._up = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    async def _run(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        async with serve(self.engine) as server:
-            self.url = server.url
-            self._up.set()
-            await self._stop.wait()
-
-    def __enter__(self) -> Peer:
-        self._thread.start()
-        assert self._up.wait(10), "the peer did not start"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._loop is not None and self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
+        self.url: str = loop.enter(serve(self.engine)).url
 
 
 @pytest.fixture
 def streaming_peer() -> Iterator[Peer]:
-    with Peer() as peer:
-        yield peer
+    loop = Loop()
+    try:
+        yield Peer(loop)
+    finally:
+        loop.close()
 
 
 @pytest.mark.parametrize("launched", [{"peer": True}], indirect=True)

@@ -44,7 +44,7 @@ from _harness import machine, spread, table
 from overhead import Endpoint, free_port, request_read, serve_process
 
 from kvmesh.bench.fleet import process_cpu_seconds, sglang_router
-from kvmesh.bench.runner import Progress
+from kvmesh.bench.runner import Progress, on_schedule
 from kvmesh.commands.argtypes import non_negative_float, positive_int
 
 _PROMPT = '"messages":[{"role":"user","content":"Say hello to the benchmark, briefly please."}]'
@@ -65,7 +65,7 @@ def streaming_upstream(events: int, gap_s: float) -> Any:
     """A raw ASGI app that streams ``events`` chat-completion events ``gap_s`` apart, then the
     usage event and ``[DONE]``; any other path answers a model list (the fronts' discovery)."""
     chunks = [(_CHUNK % i).encode() for i in range(events)]
-    last = (_USAGE % (events, events + 12)).encode()
+    frames = [*chunks, (_USAGE % (events, events + 12)).encode()]
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if not await request_read(scope, receive, send):
@@ -92,18 +92,10 @@ def streaming_upstream(events: int, gap_s: float) -> Any:
                 "headers": [(b"content-type", b"text/event-stream")],
             }
         )
-        # Events are paced on a timeline, not by sleeping a gap after each: uvloop rounds a timer
-        # to the nearest millisecond, so a 0.5 ms sleep returns at once and the whole answer went
-        # out in one burst. On the timeline a sub-millisecond gap sends events in small bunches
-        # whose mean spacing is the gap asked for.
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        for i, chunk in enumerate(chunks, 1):
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            delay = start + i * gap_s - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-        await send({"type": "http.response.body", "body": last})
+        # Paced on one timeline (uvloop rounds a timer to the nearest millisecond): a
+        # sub-millisecond gap sends events in small bunches whose mean spacing is the gap asked for.
+        async for i in on_schedule([gap_s] * len(frames)):
+            await send({"type": "http.response.body", "body": frames[i], "more_body": i < len(chunks)})
 
     return app
 

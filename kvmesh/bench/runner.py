@@ -23,7 +23,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -228,18 +228,18 @@ def think_times(seed: int, session_id: str, mean: float) -> Iterator[float]:
         yield rng.expovariate(1.0 / mean) if mean > 0 else 0.0
 
 
-async def start_on_schedule(
+async def on_schedule(
     gaps: Sequence[float],
-    start: Callable[[int], None],
     *,
     clock: Callable[[], float] = time.perf_counter,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-) -> None:
-    """Call ``start(i)`` for each ``i`` at ``gaps[0] + ... + gaps[i-1]`` after the first call.
+) -> AsyncIterator[int]:
+    """Yield each index ``i`` of ``gaps`` at ``gaps[0] + ... + gaps[i-1]`` after the first.
 
-    The times are kept on one timeline: a start that comes late (the event loop's timer steps by
-    the millisecond, and starting takes time) does not push the later ones back. Sleeping each gap
-    after each start did, and offered a rate-driven workload about 1% less than the rate asked.
+    The times are kept on one timeline: a step that comes late (the event loop's timer steps by
+    the millisecond, and the caller's work takes time) does not push the later ones back. Sleeping
+    each gap after each step did: a rate-driven workload was offered about 1% less than the rate
+    asked, and ``benchmarks/relay.py``'s sub-millisecond gaps sent a whole answer at once.
     """
     origin = clock()
     due = 0.0
@@ -247,7 +247,7 @@ async def start_on_schedule(
         wait = due - (clock() - origin)
         if wait > 0:
             await sleep(wait)
-        start(i)
+        yield i
         due += gap
 
 
@@ -300,12 +300,9 @@ async def run_workload(
                     await asyncio.sleep(pause)
 
         if load.rate:
-            tasks: list[asyncio.Task[None]] = []
-
-            def start(i: int) -> None:
+            tasks = []
+            async for i in on_schedule([rng.expovariate(load.rate) for _ in sessions]):
                 tasks.append(asyncio.create_task(run_session(i, sessions[i])))
-
-            await start_on_schedule([rng.expovariate(load.rate) for _ in sessions], start)
             await asyncio.gather(*tasks)
         else:
             queue: asyncio.Queue[tuple[int, Session]] = asyncio.Queue()

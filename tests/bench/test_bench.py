@@ -15,8 +15,8 @@ from kvmesh.bench.runner import (
     LoadSpec,
     RequestResult,
     RunResult,
+    on_schedule,
     run_workload,
-    start_on_schedule,
     think_times,
 )
 from kvmesh.bench.workloads import WORKLOADS, Answer, WorkloadSpec, build, knob_matters, preset
@@ -279,13 +279,13 @@ async def test_rate_driven_starts_keep_to_their_timeline_when_each_one_is_late()
         nonlocal now
         now += seconds + 0.001
 
-    def start(i: int) -> None:
-        nonlocal now
-        started.append(now)
-        now += 0.0005
+    def clock() -> float:
+        return now
 
     gaps = [0.05, 0.0002, 0.03, 0.0001, 0.04] * 20
-    await start_on_schedule(gaps, start, clock=lambda: now, sleep=sleep)
+    async for _ in on_schedule(gaps, clock=clock, sleep=sleep):
+        started.append(now)
+        now += 0.0005
     due = list(itertools.accumulate([0.0, *gaps[:-1]]))
     assert len(started) == len(gaps)
     assert all(d - 1e-9 <= t <= d + 0.0015 + 1e-9 for t, d in zip(started, due, strict=True))

@@ -62,6 +62,8 @@ async def engine(*, own_metrics: bool = True) -> AsyncIterator[tuple[str, str]]:
             if await registered():
                 break
             await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the engine did not register itself")
         yield server.url, app.mesh.replica
 
 

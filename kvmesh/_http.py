@@ -9,7 +9,8 @@ One of each, so they cannot drift apart:
 * :func:`wait_disconnect` and :func:`replay_body`: the ASGI ``receive`` side of a request whose
   body was already read (who else reads ``receive`` after the body? only the disconnect watch);
 * :class:`SseLines`: server-sent events split into whole lines across reads, so callers match on
-  a line's structure (``data: `` at its start) and never on a substring of a body.
+  a line's structure (``data: `` at its start) and never on a substring of a body;
+* :func:`header_safe`: whether a client's or an operator's text can travel as a header value.
 
 Standard library only: a leaf (tests/test_layering.py).
 """
@@ -21,6 +22,8 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 ADMIN_TOKEN_HEADER = b"x-kvmesh-admin-token"
+HEADER_SAFE_RULE = "printable ASCII, not beginning or ending with a space"
+"""What :func:`header_safe` accepts, in words for an error message."""
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -137,3 +140,14 @@ def sse_data(line: bytes) -> bytes | None:
         return None
     payload = line[5:].rstrip(b"\r\n")
     return payload[1:] if payload.startswith(b" ") else payload
+
+
+def header_safe(text: str) -> bool:
+    """Whether ``text`` travels as an HTTP header value unchanged: visible ASCII with inner spaces
+    (:data:`HEADER_SAFE_RULE`). A control character makes the receiving server refuse the whole
+    request, CR or LF would start a header of the sender's choosing (kvmesh's HTTP client refuses
+    both, and the request failed with a 500), an edge space is dropped by the receiver's parser, and
+    text beyond Latin-1 cannot be written at all."""
+    if not text or text[0] == " " or text[-1] == " ":
+        return False
+    return all(" " <= c <= "~" for c in text)

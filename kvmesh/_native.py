@@ -33,7 +33,13 @@ LEFT_PURE = {
     "kvmesh.router.request.tokenizer": "its Tokenizer is a runtime-checkable Protocol, which mypyc "
     "does not compile",
 }
-DEPENDS = ("kvmesh/_types.py", "kvmesh/errors.py", "kvmesh/hashing.py", "kvmesh/events/wire.py")
+DEPENDS = (
+    "kvmesh/_types.py",
+    "kvmesh/errors.py",
+    "kvmesh/hashing.py",
+    "kvmesh/events/wire.py",
+    "kvmesh/_http.py",
+)
 """The modules outside :data:`PACKAGES` that the compiled code imports (``tests/test_native.py``
 checks the list): their types are compiled in, so they are part of the digest."""
 GROUP = "kvmesh_native"

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvmesh._http import error_body, token_matches
+from kvmesh._http import HEADER_SAFE_RULE, error_body, header_safe, token_matches
 from kvmesh.errors import RequestError
 
 T = TypeVar("T")
@@ -136,6 +136,11 @@ def worker_rpc_routes(backend: WorkerBackend, *, admin_token: str | None = None)
         session_id = body.get("session_id")
         if not isinstance(session_id, str) or not session_id:
             raise RequestError("'session_id' must be a non-empty string", field="session_id")
+        if not header_safe(session_id):  # (a turn names its session in the X-Session-ID header)
+            raise RequestError(
+                f"'session_id' must be {HEADER_SAFE_RULE}: turns name it in the X-Session-ID header",
+                field="session_id",
+            )
         if action == "open_session":
             timeout = _positive_number(body, "timeout", DEFAULT_SESSION_TIMEOUT)
             created = await _call(backend.open_session(session_id, timeout))

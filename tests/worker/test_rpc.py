@@ -172,6 +172,14 @@ SESSION = "/kvmesh/session_control"
         ),
         (SESSION, {"action": "open_session"}, "session_id", "'session_id' must be a non-empty string"),
         (SESSION, {"action": "open_session", "session_id": ""}, "session_id", None),
+        (
+            SESSION,
+            {"action": "open_session", "session_id": "a\r\nx-evil: 1"},
+            "session_id",
+            "'session_id' must be printable ASCII, not beginning or ending with a space: turns name it "
+            "in the X-Session-ID header",
+        ),
+        (SESSION, {"action": "close_session", "session_id": "caf\u00e9"}, "session_id", None),
         (SESSION, {"action": "open_session", "session_id": "s", "timeout": -1}, "timeout", None),
         (
             SESSION,

@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvmesh._http import HEADER_SAFE_RULE, header_safe
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsOptions, parse_event_plane
 from kvmesh.router.core.config import RouterConfig
@@ -191,6 +192,10 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
     worker_id = table.get("id", table.get("worker_id", url))
     if not isinstance(worker_id, str) or not worker_id:
         raise bad("id", "must be a non-empty string")
+    if not header_safe(worker_id):
+        # (answers carry it in x-kvmesh-worker-id, and clients pin it in x-worker-instance-id: a
+        # worker registered with CR or LF in its id broke every answer it gave)
+        raise bad("id", f"must be {HEADER_SAFE_RULE} (answers name their worker in a header)")
     values: dict[str, Any] = {"url": url, "worker_id": worker_id}
     for name in _INT_FIELDS:
         if name in table:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvmesh._http import HEADER_SAFE_RULE, header_safe
 from kvmesh.errors import NvextError
 from kvmesh.router.core.config import MAX_PREFILL_LOAD_SCALE
 
@@ -357,6 +358,15 @@ def _session_control(value: Any, limits: NvextLimits) -> SessionControl | None:
     if len(session_id) > limits.session_id_max_len:
         raise NvextError(
             f"{f}session_id is longer than {limits.session_id_max_len} characters", field=f + "session_id"
+        )
+    if not header_safe(session_id):
+        # (the engine receives it as the X-Session-ID header: a control character there had the
+        # engine refuse the turn with a 400 that is no OpenAI error, CR or LF a 500 from kvmesh's
+        # client, an edge space tagged the turn with another session, and text beyond Latin-1
+        # left it untagged)
+        raise NvextError(
+            f"{f}session_id must be {HEADER_SAFE_RULE} (the engine receives it as the X-Session-ID header)",
+            field=f + "session_id",
         )
     action = value.get("action", "bind")
     if not isinstance(action, str) or action not in _ACTIONS:

@@ -110,6 +110,9 @@ async def test_admin_api_refusals() -> None:
                 ({"url": "ftp://x:1"}, "url"),
                 ({"url": e1.url, "colour": "red"}, "colour"),
                 ({"url": e1.url, "kv_events_endpoints": 3}, "kv_events_endpoints"),
+                # (answers name their worker in a header: CR or LF there broke every one of them)
+                ({"url": e1.url, "id": "e1\r\nx-evil: 1"}, "id"),
+                ({"url": e1.url, "id": " e1"}, "id"),
                 ([e1.url], "body"),
             ):
                 status, answer = await _add(http, front.url, body)

@@ -78,6 +78,16 @@ CASES = [
         "nvext.session_control.session_id",
         id="session-id-too-long",
     ),
+    pytest.param(  # (it was sent on as the X-Session-ID header: a 500 from kvmesh's HTTP client)
+        nvext_body('{"session_control":{"session_id":"a\\r\\nx-evil: 1","action":"open"}}'),
+        "nvext.session_control.session_id",
+        id="session-id-crlf",
+    ),
+    pytest.param(  # (the engine's server refused the forwarded request: a 400 that is no OpenAI error)
+        nvext_body('{"session_control":{"session_id":"\\u001f"}}'),
+        "nvext.session_control.session_id",
+        id="session-id-control",
+    ),
     pytest.param(
         nvext_body('{"session_control":{"session_id":"s","timeout":1e300}}'),
         "nvext.session_control.timeout",

@@ -86,6 +86,18 @@ def test_integer_worker_ids_are_accepted_as_strings() -> None:
         pytest.param(
             {"session_control": {"action": "open"}}, "nvext.session_control.session_id", id="no-session"
         ),
+        *(
+            pytest.param(
+                {"session_control": {"session_id": sid}}, "nvext.session_control.session_id", id=name
+            )
+            for name, sid in (
+                ("session-id-crlf", "a\r\nx-evil: 1"),
+                ("session-id-control", "\x1f"),
+                ("session-id-edge-space", " s"),
+                ("session-id-beyond-latin1", "\u65e5\u672c"),
+                ("session-id-latin1", "caf\u00e9"),
+            )
+        ),
         pytest.param(
             {"session_control": {"session_id": "s", "action": "pause"}},
             "nvext.session_control.action",
@@ -106,6 +118,12 @@ def test_invalid_fields_are_named(nvext: object, field: str) -> None:
     assert info.value.field == field
     assert field in str(info.value)
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize("sid", ["conv 7", "a-b_c.d:1/2~", "x" * 256])
+def test_a_session_id_a_header_carries_is_kept_as_it_is(sid: str) -> None:
+    nv = parse_nvext({"nvext": {"session_control": {"session_id": sid}}})
+    assert nv.session is not None and nv.session.session_id == sid
 
 
 def test_empty_override_header_is_refused() -> None:

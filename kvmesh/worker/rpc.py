@@ -31,6 +31,9 @@ from kvmesh.errors import RequestError
 T = TypeVar("T")
 DEFAULT_SESSION_TIMEOUT = 300.0
 MAX_TTL_SECONDS = 7 * 24 * 3600.0
+MAX_BODY_BYTES = 32 << 20
+"""The largest RPC body read: a pin of a prompt at the longest contexts served, with room to spare."""
+_TOO_LARGE = f"the request body is larger than {MAX_BODY_BYTES} bytes"
 ADMIN_HEADER = "x-kvmesh-admin-token"
 
 
@@ -68,9 +71,19 @@ async def _call(value: T | Awaitable[T]) -> T:
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestError(_TOO_LARGE, status=413, field="body")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestError(_TOO_LARGE, status=413, field="body")
+        chunks.append(chunk)
     try:
-        body = json.loads(await request.body())
-    except ValueError:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):  # (RecursionError: nesting past the parser's depth, a 500 before)
         raise RequestError("the request body is not valid JSON", field="body") from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", field="body")

@@ -32,13 +32,23 @@ class Target:
 
     url: str
     engines: list[Any]  # MockEngine
+    engine_urls: list[str]
+    """Where each engine serves its worker RPCs (embedded: the same server as the router)."""
     statuses: Counter[int] = field(default_factory=Counter)
 
     def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        host, port = self.url.removeprefix("http://").split(":")
+        return self.call("POST", path, body, headers)
+
+    def call(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None, url: str = ""
+    ) -> tuple[int, bytes]:
+        """One request to the router, or to ``url`` (an engine's)."""
+        host, port = (url or self.url).removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         try:
-            conn.request("POST", path, body=body, headers={"content-type": "application/json", **headers})
+            conn.request(
+                method, path, body=body, headers={"content-type": "application/json", **(headers or {})}
+            )
             response = conn.getresponse()
             data = response.read()
         finally:
@@ -75,13 +85,13 @@ async def _standalone() -> AsyncIterator[Target]:
             body_read_timeout=5.0,
         )
         front = await stack.enter_async_context(serve(build_router_app(settings)))
-        yield Target(front.url, [m.engine for m in mocks])
+        yield Target(front.url, [m.engine for m in mocks], [m.base_url for m in mocks])
 
 
 @contextlib.asynccontextmanager
 async def _embedded() -> AsyncIterator[Target]:
     async with start_mesh(2, RouterConfig(), MockConfig(**MOCK)) as nodes:
-        yield Target(nodes[0].url, [n.engine for n in nodes])
+        yield Target(nodes[0].url, [n.engine for n in nodes], [n.url for n in nodes])
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """Request bodies and headers for the fuzz suite: built from the OpenAI chat / completions and
-``nvext`` schemas, then mutated (wrong types, sizes, encodings, nesting, numbers at every limit).
+``nvext`` schemas, and from the control surfaces' own (the router's admin API, the worker RPCs),
+then mutated (wrong types, sizes, encodings, nesting, numbers at every limit).
 
 Bodies are raw bytes, so a case can be what no JSON encoder would write: invalid UTF-8 inside a
 string, a lone surrogate escape, an integer literal past every float, nesting near the recursion
@@ -183,5 +184,57 @@ HEADERS = st.fixed_dictionaries(
         "content-type": st.sampled_from(
             ["application/json", "text/plain", "application/json; charset=latin-1"]
         ),
+    },
+)
+
+
+# --- the control surfaces: the router's admin API and the worker RPCs ---------------------------
+
+WORKER_URLS = st.sampled_from(
+    ["http://127.0.0.1:1", "http://127.0.0.1:0", "http://[::1]:9", "ftp://x:1", "http://", "127.0.0.1:5",
+     "http://127.0.0.1:65536", "http://h\r\nx:1", " ", ""]
+)  # fmt: skip
+"""Ports nothing listens on and malformed URLs (the fleet's own engines are added by the test)."""
+IDS = st.one_of(st.text(max_size=30), st.sampled_from(["w1", " w", "w\r\nx-evil: 1", "\x1f", "a/b"]))
+WORKER_SPEC = st.fixed_dictionaries(
+    {},
+    optional={
+        "url": _maybe(WORKER_URLS),
+        "id": _maybe(IDS),
+        "block_size": _maybe(st.one_of(st.sampled_from([8, 16, 32]), EDGE_NUMBERS)),
+        "dp_size": _maybe(st.one_of(st.integers(1, 4), EDGE_NUMBERS)),
+        "total_kv_blocks": _maybe(EDGE_NUMBERS),
+        "max_num_batched_tokens": _maybe(EDGE_NUMBERS),
+        "bootstrap_port": _maybe(EDGE_NUMBERS),
+        "backend": _maybe(st.sampled_from(["vllm", "sglang", "trtllm", "mock"])),
+        "model": _maybe(st.just(MODEL)),
+        "priority_polarity": _maybe(st.sampled_from(["lower_first", "higher_first", "none", "up"])),
+        "role": _maybe(st.sampled_from(["aggregated", "prefill", "decode", "both"])),
+        "kv_events_endpoints": _maybe(st.lists(st.sampled_from(["tcp://127.0.0.1:1", "x", ""]), max_size=2)),
+        "kv_replay_endpoints": _maybe(st.lists(st.sampled_from(["tcp://127.0.0.1:2", "x"]), max_size=2)),
+    },
+)
+THRESHOLDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": _maybe(st.sampled_from([MODEL, "other"])),
+        "active_decode_blocks_threshold": _maybe(st.one_of(st.floats(0, 1), EDGE_NUMBERS)),
+        "active_prefill_tokens_threshold": _maybe(st.one_of(st.integers(0, 10**6), EDGE_NUMBERS)),
+        "active_prefill_tokens_threshold_frac": _maybe(st.one_of(st.floats(0, 4), EDGE_NUMBERS)),
+    },
+)
+SESSION_RPC = st.fixed_dictionaries(
+    {},
+    optional={
+        "action": _maybe(st.sampled_from(["open_session", "close_session", "open"])),
+        "session_id": _maybe(IDS),
+        "timeout": _maybe(st.one_of(st.floats(0.001, 600), EDGE_NUMBERS)),
+    },
+)
+PIN_RPC = st.fixed_dictionaries(
+    {},
+    optional={
+        "token_ids": _maybe(st.lists(st.one_of(st.integers(0, 2**31), EDGE_NUMBERS), max_size=40)),
+        "ttl_seconds": _maybe(st.one_of(st.floats(0.001, 5), EDGE_NUMBERS)),
     },
 )

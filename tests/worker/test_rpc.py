@@ -18,7 +18,7 @@ import pytest
 from starlette.applications import Starlette
 
 from kvmesh.worker.retention import Retention
-from kvmesh.worker.rpc import MAX_TTL_SECONDS, worker_rpc_routes
+from kvmesh.worker.rpc import MAX_BODY_BYTES, MAX_TTL_SECONDS, worker_rpc_routes
 from tests.router.servers import serve as serve_app
 
 pytestmark = pytest.mark.e2e
@@ -180,6 +180,8 @@ SESSION = "/kvmesh/session_control"
             "in the X-Session-ID header",
         ),
         (SESSION, {"action": "close_session", "session_id": "caf\u00e9"}, "session_id", None),
+        # nesting past the JSON parser's depth (a RecursionError, and a 500, before)
+        (PIN, b"[" * 3000, "body", "the request body is not valid JSON"),
         (SESSION, {"action": "open_session", "session_id": "s", "timeout": -1}, "timeout", None),
         (
             SESSION,
@@ -204,6 +206,27 @@ async def test_invalid_requests_get_400_naming_the_field_and_never_reach_the_bac
     assert (error["type"], error["param"], error["code"]) == ("BadRequestError", param, 400)
     if message is not None:
         assert error["message"] == message
+    assert engine.calls == []
+
+
+async def test_a_body_past_the_limit_is_a_413_and_never_reaches_the_backend(
+    engine_http: tuple[CustomEngine, httpx.AsyncClient],
+) -> None:
+    engine, http = engine_http
+    ids = b"1," * (MAX_BODY_BYTES // 2)
+    content = b'{"token_ids": [' + ids + b'1], "ttl_seconds": 5}'
+    for stream in (False, True):  # (declared by content-length, and counted as it is read)
+        body: Any = content
+        if stream:
+
+            async def chunks() -> AsyncIterator[bytes]:
+                for i in range(0, len(content), 1 << 20):
+                    yield content[i : i + (1 << 20)]
+
+            body = chunks()
+        r = await http.post(PIN, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 413, stream
+        assert r.json()["error"]["param"] == "body"
     assert engine.calls == []
 
 

@@ -188,17 +188,44 @@ def build_admin_app(mesh: Mesh) -> Router:
             mesh.router.set_busy_thresholds(**changes)
         return _json({"model": model, **_thresholds(mesh)})
 
+    worker = _WORKER_PREFIX + "{worker_id:path}"
     return Router(
         routes=[
             Route(WORKERS_PATH, guarded(list_workers), methods=["GET"]),
             Route(WORKERS_PATH, guarded(add_worker), methods=["POST"]),
-            Route(_WORKER_PREFIX + "{worker_id:path}", guarded(remove_worker), methods=["DELETE"]),
+            Route(worker, guarded(remove_worker), methods=["DELETE"]),
             Route(ROUTER_PATH, guarded(describe_router, peers_too=True), methods=["GET"]),
             Route(DECISIONS_PATH, guarded(list_decisions), methods=["GET"]),
             Route(BUSY_PATH, guarded(get_thresholds), methods=["GET"]),
             Route(BUSY_PATH, guarded(set_thresholds), methods=["POST"]),
-        ]
+            # (after the routes above, so only another method reaches these: Starlette's own
+            # answers, a 405 and a 404, are plain text, and every other answer here is JSON)
+            Route(WORKERS_PATH, _WrongMethod("GET, POST")),
+            Route(worker, _WrongMethod("DELETE")),
+            Route(ROUTER_PATH, _WrongMethod("GET")),
+            Route(DECISIONS_PATH, _WrongMethod("GET")),
+            Route(BUSY_PATH, _WrongMethod("GET, POST")),
+        ],
+        default=_not_found,
     )
+
+
+class _WrongMethod:
+    """A 405 naming the methods served (an ASGI app, so Starlette routes every method to it)."""
+
+    def __init__(self, allowed: str) -> None:
+        self.allowed = allowed
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        message = f"{scope['method']} is not served at {scope['path']}; use {self.allowed}"
+        response = _error(405, message)
+        response.headers["allow"] = self.allowed
+        await response(scope, receive, send)
+
+
+async def _not_found(scope: Any, receive: Any, send: Any) -> None:
+    # (a worker id with a line break in it matches no route: no such id can be registered)
+    await _error(404, f"no admin endpoint at {scope['path']!r}")(scope, receive, send)
 
 
 def _thresholds(mesh: Mesh) -> dict[str, Any]:

@@ -147,3 +147,29 @@ async def test_admin_api_refusals() -> None:
             ) as r:
                 assert r.status == 200
                 assert r.headers["x-kvmesh-worker-id"] == "e1"
+
+
+async def test_a_wrong_method_or_path_gets_an_openai_error_naming_what_is_served() -> None:
+    """Starlette's own 405 and 404 are plain text; the admin API answers JSON like every other
+    refusal, and a 405 names the methods in ``allow``."""
+    async with (
+        serve(engine_app(EngineState("e0"))) as e0,
+        serve(build_router_app(MeshSettings(workers=(WorkerSpec(e0.url, "e0"),)))) as front,
+        aiohttp.ClientSession() as http,
+    ):
+        for method, path, allowed in (
+            ("PUT", "/kvmesh/workers", "GET, POST"),
+            ("POST", "/kvmesh/router", "GET"),
+            ("DELETE", "/kvmesh/decisions", "GET"),
+            ("PATCH", "/busy_threshold", "GET, POST"),
+            ("GET", "/kvmesh/workers/e0", "DELETE"),
+        ):
+            async with http.request(method, front.url + path) as r:
+                assert (r.status, r.headers["allow"]) == (405, allowed), path
+                error = (await r.json())["error"]
+                assert error["message"] == f"{method} is not served at {path}; use {allowed}"
+        async with http.delete(front.url + "/kvmesh/workers/%0A0") as r:  # (no route matches a line break)
+            assert r.status == 404
+            assert (await r.json())["error"]["type"] == "NotFoundError"
+        async with http.get(front.url + "/kvmesh/workers") as r:  # (the routes themselves still answer)
+            assert [row["worker_id"] for row in (await r.json())["workers"]] == ["e0"]

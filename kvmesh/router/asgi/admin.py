@@ -207,6 +207,7 @@ def build_admin_app(mesh: Mesh) -> Router:
             Route(BUSY_PATH, _WrongMethod("GET, POST")),
         ],
         default=_not_found,
+        redirect_slashes=False,  # (no slash-less twin to send a client to: the paths are exact)
     )
 
 

@@ -359,11 +359,7 @@ def _session_control(value: Any, limits: NvextLimits) -> SessionControl | None:
         raise NvextError(
             f"{f}session_id is longer than {limits.session_id_max_len} characters", field=f + "session_id"
         )
-    if not header_safe(session_id):
-        # (the engine receives it as the X-Session-ID header: a control character there had the
-        # engine refuse the turn with a 400 that is no OpenAI error, CR or LF a 500 from kvmesh's
-        # client, an edge space tagged the turn with another session, and text beyond Latin-1
-        # left it untagged)
+    if not header_safe(session_id):  # (what went wrong before: the function's docstring)
         raise NvextError(
             f"{f}session_id must be {HEADER_SAFE_RULE} (the engine receives it as the X-Session-ID header)",
             field=f + "session_id",

@@ -1,5 +1,6 @@
-"""The servers the fuzz suite attacks, on loopback in a background event loop, and a plain
-blocking HTTP client for hypothesis (whose tests are synchronous).
+"""The servers the fuzz suite attacks, on loopback in a background event loop, a plain blocking
+HTTP client for hypothesis (whose tests are synchronous), the suite's hypothesis settings and its
+report of figures.
 
 Two targets: the standalone router (``kvmesh.router.asgi.standalone``) in front of two mock
 engines following their KV events, and a mesh of two mock engines embedding the middleware."""
@@ -10,10 +11,13 @@ import contextlib
 import http.client
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from hypothesis import HealthCheck, settings
 
 from kvmesh.commands.demo import start_mesh
 from kvmesh.mock.config import MockConfig
@@ -73,6 +77,15 @@ class Target:
     def engine_running(self) -> int:
         return sum(e.scheduler.num_running + e.scheduler.num_waiting for e in self.engines)
 
+    def settled(self) -> None:
+        """Wait until the router's load is back to 0 and nothing runs on the engines."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.load() == 0 and self.engine_running() == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"load {self.load()}, engine requests {self.engine_running()} after the cases")
+
 
 @contextlib.asynccontextmanager
 async def _standalone() -> AsyncIterator[Target]:
@@ -106,6 +119,39 @@ def running(kind: str) -> Iterator[Target]:
 def examples(default: int) -> int:
     """Cases per fuzz test: ``KVMESH_FUZZ_EXAMPLES`` (``make fuzz`` sets tens of thousands)."""
     return int(os.environ.get("KVMESH_FUZZ_EXAMPLES", default))
+
+
+FUZZ = settings(
+    max_examples=examples(60),
+    deadline=None,
+    derandomize="KVMESH_FUZZ_EXAMPLES" not in os.environ,  # make test: the same cases every run
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    database=None,
+)
+
+
+@contextlib.contextmanager
+def reported(t: Target, surface: str) -> Iterator[None]:
+    """Append the figures of the cases run inside to ``KVMESH_FUZZ_REPORT`` (if set): statuses,
+    5xx, the process's RSS before and after, seconds."""
+    rss_before = rss_kib()
+    started = time.monotonic()
+    yield
+    out = os.environ.get("KVMESH_FUZZ_REPORT")
+    if out:
+        row = {
+            "target": t.url,
+            "path": surface,
+            "cases": sum(t.statuses.values()),
+            "statuses": dict(sorted(t.statuses.items())),
+            "http_5xx": sum(n for s, n in t.statuses.items() if s >= 500),
+            "rss_kib_before": rss_before,
+            "rss_kib_after": rss_kib(),
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    t.statuses.clear()
 
 
 def rss_kib() -> int:

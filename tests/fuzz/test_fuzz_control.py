@@ -10,8 +10,6 @@ back, the router serves a chat on its own fleet and nothing runs on the engines.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -19,18 +17,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fuzz.harness import Target, rss_kib, running
+from tests.fuzz.harness import FUZZ, Target, reported
 from tests.fuzz.strategies import IDS, MODEL, PIN_RPC, SESSION_RPC, THRESHOLDS, WORKER_SPEC, raw_body
-from tests.fuzz.test_fuzz_router import FUZZ, _report, _settled
 
 NAMED = {400, 413, 422}
 """Refusals of a client's input: these name the field."""
-
-
-@pytest.fixture(scope="module", params=["standalone", "embedded"])
-def target(request: pytest.FixtureRequest) -> Iterator[Target]:
-    with running(request.param) as t:
-        yield t
 
 
 def _check(status: int, data: bytes, what: str) -> None:
@@ -64,10 +55,8 @@ def _admin_case(kind: str) -> st.SearchStrategy[tuple[str, str, bytes]]:
 
 @pytest.mark.parametrize("kind", ["add-worker", "remove-worker", "thresholds", "decisions", "methods"])
 def test_admin_api_answers_no_5xx_and_names_the_field(target: Target, kind: str) -> None:
-    rss_before = rss_kib()
     workers_before = _worker_ids(target)
     thresholds_before = target.get_json("/busy_threshold")["thresholds"][0]
-    started = time.monotonic()
 
     @FUZZ
     @given(call=_admin_case(kind))
@@ -76,15 +65,15 @@ def test_admin_api_answers_no_5xx_and_names_the_field(target: Target, kind: str)
         status, data = target.call(method, path, body)
         _check(status, data, f"{method} {path} {body!r}")
 
-    case()
-    for worker_id in _worker_ids(target) - workers_before:  # (what the cases added)
-        status, _ = target.call("DELETE", "/kvmesh/workers/" + quote(worker_id, safe=""))
-        assert status == 200, worker_id
-    assert _worker_ids(target) == workers_before  # (no case removed one of the fleet's)
-    status, data = target.post("/busy_threshold", json.dumps(thresholds_before).encode(), {})
-    assert status == 200, data
-    _serves_a_chat(target)
-    _report(target, f"admin {kind}", rss_before, time.monotonic() - started)
+    with reported(target, f"admin {kind}"):
+        case()
+        for worker_id in _worker_ids(target) - workers_before:  # (what the cases added)
+            status, _ = target.call("DELETE", "/kvmesh/workers/" + quote(worker_id, safe=""))
+            assert status == 200, worker_id
+        assert _worker_ids(target) == workers_before  # (no case removed one of the fleet's)
+        status, data = target.post("/busy_threshold", json.dumps(thresholds_before).encode(), {})
+        assert status == 200, data
+        _serves_a_chat(target)
 
 
 @pytest.mark.parametrize(
@@ -93,18 +82,15 @@ def test_admin_api_answers_no_5xx_and_names_the_field(target: Target, kind: str)
     ids=["session_control", "pin_prefix"],
 )
 def test_worker_rpcs_answer_no_5xx_and_name_the_field(target: Target, path: str, doc: Any) -> None:
-    rss_before = rss_kib()
-    started = time.monotonic()
-
     @FUZZ
     @given(body=raw_body(doc), engine=st.sampled_from(target.engine_urls))
     def case(body: bytes, engine: str) -> None:
         status, data = target.call("POST", path, body, url=engine)
         _check(status, data, f"{path} {body!r}")
 
-    case()
-    _serves_a_chat(target)
-    _report(target, f"rpc {path}", rss_before, time.monotonic() - started)
+    with reported(target, f"rpc {path}"):
+        case()
+        _serves_a_chat(target)
 
 
 def _worker_ids(t: Target) -> set[str]:
@@ -115,4 +101,4 @@ def _serves_a_chat(t: Target) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 2}
     status, data = t.post("/v1/chat/completions", json.dumps(body).encode(), {})
     assert status == 200, data
-    _settled(t)
+    t.settled()

@@ -10,7 +10,8 @@ One of each, so they cannot drift apart:
   body was already read (who else reads ``receive`` after the body? only the disconnect watch);
 * :class:`SseLines`: server-sent events split into whole lines across reads, so callers match on
   a line's structure (``data: `` at its start) and never on a substring of a body;
-* :func:`header_safe`: whether a client's or an operator's text can travel as a header value.
+* :func:`header_safe`: whether a client's or an operator's text can travel as a header value;
+* :class:`MethodNotAllowed`: the 405 of a kvmesh path asked with another method, as JSON.
 
 Standard library only: a leaf (tests/test_layering.py).
 """
@@ -18,6 +19,7 @@ Standard library only: a leaf (tests/test_layering.py).
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
@@ -151,3 +153,25 @@ def header_safe(text: str) -> bool:
     if not text or text[0] == " " or text[-1] == " ":
         return False
     return all(" " <= c <= "~" for c in text)
+
+
+class MethodNotAllowed:
+    """An ASGI app that answers any request with an OpenAI 405 naming the methods served, also in
+    ``allow``. Routed after a path's own routes, it takes only the other methods: Starlette's own
+    405 is plain text, where every other refusal of kvmesh's is an OpenAI error."""
+
+    __slots__ = ("allowed",)
+
+    def __init__(self, allowed: str) -> None:
+        self.allowed = allowed
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        message = f"{scope['method']} is not served at {scope['path']}; use {self.allowed}"
+        body = json.dumps(error_body(message, 405)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            (b"allow", self.allowed.encode()),
+        ]
+        await send({"type": "http.response.start", "status": 405, "headers": headers})
+        await send({"type": "http.response.body", "body": body})

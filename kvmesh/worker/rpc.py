@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvmesh._http import HEADER_SAFE_RULE, error_body, header_safe, token_matches
+from kvmesh._http import HEADER_SAFE_RULE, MethodNotAllowed, error_body, header_safe, token_matches
 from kvmesh.errors import RequestError
 
 T = TypeVar("T")
@@ -176,10 +176,15 @@ def worker_rpc_routes(backend: WorkerBackend, *, admin_token: str | None = None)
             raise RequestError("cannot reset the prefix cache while blocks are in use", status=409)
         return {"status": "ok"}
 
-    return [
-        Route("/kvmesh/info", guarded(info), methods=["GET"]),
-        Route("/kvmesh/kv_state", guarded(kv_state), methods=["GET"]),
-        Route("/kvmesh/pin_prefix", guarded(pin_prefix), methods=["POST"]),
-        Route("/kvmesh/session_control", guarded(session_control), methods=["POST"]),
-        Route("/kvmesh/reset_prefix_cache", guarded(reset_prefix_cache), methods=["POST"]),
+    served = [
+        ("/kvmesh/info", info, "GET"),
+        ("/kvmesh/kv_state", kv_state, "GET"),
+        ("/kvmesh/pin_prefix", pin_prefix, "POST"),
+        ("/kvmesh/session_control", session_control, "POST"),
+        ("/kvmesh/reset_prefix_cache", reset_prefix_cache, "POST"),
+    ]
+    return [Route(path, guarded(endpoint), methods=[method]) for path, endpoint, method in served] + [
+        # (after them, so only another method reaches these: an OpenAI 405, not the app's own)
+        Route(path, MethodNotAllowed(method))
+        for path, _, method in served
     ]

@@ -1,9 +1,10 @@
 """Fuzz the control surfaces over real loopback HTTP, standalone and embedded: the router's admin API
-(``POST`` and ``DELETE /kvmesh/workers``, ``POST /busy_threshold``, ``GET /kvmesh/decisions``) and
-each engine's worker RPCs (``/kvmesh/session_control``, ``/kvmesh/pin_prefix``). Whatever the body,
-kvmesh answers no 5xx, every 400 is an OpenAI error that names the field, every other 4xx an OpenAI
-error with a message; afterwards, with the workers a case added removed and the thresholds put
-back, the router serves a chat on its own fleet and nothing runs on the engines.
+(``POST`` and ``DELETE /kvmesh/workers``, ``POST /busy_threshold``, ``GET /kvmesh/decisions``, every
+standard method on its paths) and each engine's worker RPCs (``/kvmesh/session_control``,
+``/kvmesh/pin_prefix``, every standard method on their paths). Whatever the body, kvmesh answers no
+5xx, every 400 is an OpenAI error that names the field, every other 4xx an OpenAI error with a
+message; afterwards, with the workers a case added removed and the thresholds put back, the router
+serves a chat on its own fleet and nothing runs on the engines.
 
 ``make test`` runs a bounded number of cases; ``make fuzz`` as many as the generation fuzz."""
 
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from tests.fuzz.harness import FUZZ, Target, reported
 from tests.fuzz.strategies import IDS, MODEL, PIN_RPC, SESSION_RPC, THRESHOLDS, WORKER_SPEC, raw_body
 
+METHODS = st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"])
 NAMED = {400, 413, 422}
 """Refusals of a client's input: these name the field."""
 
@@ -42,12 +44,11 @@ def _admin_case(kind: str) -> st.SearchStrategy[tuple[str, str, bytes]]:
     if kind == "thresholds":
         return raw_body(THRESHOLDS).map(lambda b: ("POST", "/busy_threshold", b))
     if kind == "methods":  # (any method on any admin path, with a worker id or not)
-        methods = st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"])
         paths = st.one_of(
             st.sampled_from(["/kvmesh/workers", "/kvmesh/router", "/kvmesh/decisions", "/busy_threshold"]),
             IDS.map(lambda i: "/kvmesh/workers/" + quote(i, safe="")),
         )
-        return st.tuples(methods, paths, st.just(b"{}"))
+        return st.tuples(METHODS, paths, st.just(b"{}"))
     assert kind == "decisions"
     limits = st.one_of(st.integers(-5, 10**6).map(str), st.text(max_size=12))
     return limits.map(lambda v: ("GET", "/kvmesh/decisions?limit=" + quote(v, safe=""), b""))
@@ -89,6 +90,21 @@ def test_worker_rpcs_answer_no_5xx_and_name_the_field(target: Target, path: str,
         _check(status, data, f"{path} {body!r}")
 
     with reported(target, f"rpc {path}"):
+        case()
+        _serves_a_chat(target)
+
+
+RPC_PATHS = ["/kvmesh/info", "/kvmesh/kv_state", "/kvmesh/pin_prefix", "/kvmesh/session_control"]
+
+
+def test_worker_rpc_paths_answer_any_method_with_no_5xx(target: Target) -> None:
+    @FUZZ
+    @given(method=METHODS, path=st.sampled_from(RPC_PATHS), engine=st.sampled_from(target.engine_urls))
+    def case(method: str, path: str, engine: str) -> None:
+        status, data = target.call(method, path, b"{}", url=engine)
+        _check(status, data, f"{method} {path}")
+
+    with reported(target, "rpc methods"):
         case()
         _serves_a_chat(target)
 

@@ -264,3 +264,22 @@ async def test_the_admin_token_guards_every_route() -> None:
         assert await statuses({"authorization": "Bearer s3cret"}) == [200] * 5
         assert await statuses({"authorization": "bearer  s3cret"}) == [200] * 5
         assert await statuses({"x-kvmesh-admin-token": "s3cret"}) == [200] * 5
+
+
+async def test_another_method_gets_an_openai_405_naming_the_one_served(
+    engine_http: tuple[CustomEngine, httpx.AsyncClient],
+) -> None:
+    """Starlette's own 405 is plain text; the worker routes answer JSON, with ``allow``."""
+    engine, http = engine_http
+    for method, path, allowed in (
+        ("POST", "/kvmesh/info", "GET"),
+        ("PUT", "/kvmesh/kv_state", "GET"),
+        ("GET", PIN, "POST"),
+        ("DELETE", SESSION, "POST"),
+        ("GET", "/kvmesh/reset_prefix_cache", "POST"),
+    ):
+        r = await http.request(method, path)
+        assert (r.status_code, r.headers["allow"]) == (405, allowed), path
+        assert r.json()["error"]["message"] == f"{method} is not served at {path}; use {allowed}"
+    assert engine.calls == []
+    assert (await http.get("/kvmesh/info")).status_code == 200  # (the routes themselves still answer)

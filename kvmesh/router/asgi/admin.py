@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
 
-from kvmesh._http import error_body, token_matches
+from kvmesh._http import MethodNotAllowed, error_body, token_matches
 from kvmesh.errors import ConfigError
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.kv_router import DECISION_HISTORY
@@ -200,28 +200,15 @@ def build_admin_app(mesh: Mesh) -> Router:
             Route(BUSY_PATH, guarded(set_thresholds), methods=["POST"]),
             # (after the routes above, so only another method reaches these: Starlette's own
             # answers, a 405 and a 404, are plain text, and every other answer here is JSON)
-            Route(WORKERS_PATH, _WrongMethod("GET, POST")),
-            Route(worker, _WrongMethod("DELETE")),
-            Route(ROUTER_PATH, _WrongMethod("GET")),
-            Route(DECISIONS_PATH, _WrongMethod("GET")),
-            Route(BUSY_PATH, _WrongMethod("GET, POST")),
+            Route(WORKERS_PATH, MethodNotAllowed("GET, POST")),
+            Route(worker, MethodNotAllowed("DELETE")),
+            Route(ROUTER_PATH, MethodNotAllowed("GET")),
+            Route(DECISIONS_PATH, MethodNotAllowed("GET")),
+            Route(BUSY_PATH, MethodNotAllowed("GET, POST")),
         ],
         default=_not_found,
         redirect_slashes=False,  # (no slash-less twin to send a client to: the paths are exact)
     )
-
-
-class _WrongMethod:
-    """A 405 naming the methods served (an ASGI app, so Starlette routes every method to it)."""
-
-    def __init__(self, allowed: str) -> None:
-        self.allowed = allowed
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        message = f"{scope['method']} is not served at {scope['path']}; use {self.allowed}"
-        response = _error(405, message)
-        response.headers["allow"] = self.allowed
-        await response(scope, receive, send)
 
 
 async def _not_found(scope: Any, receive: Any, send: Any) -> None:

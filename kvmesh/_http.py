@@ -150,9 +150,8 @@ def header_safe(text: str) -> bool:
     request, CR or LF would start a header of the sender's choosing (kvmesh's HTTP client refuses
     both, and the request failed with a 500), an edge space is dropped by the receiver's parser, and
     text beyond Latin-1 cannot be written at all."""
-    if not text or text[0] == " " or text[-1] == " ":
-        return False
-    return all(" " <= c <= "~" for c in text)
+    # (for ASCII, ``isprintable`` is exactly space to tilde)
+    return bool(text) and text[0] != " " and text[-1] != " " and text.isascii() and text.isprintable()
 
 
 class MethodNotAllowed:

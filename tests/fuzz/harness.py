@@ -13,7 +13,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +119,17 @@ def running(kind: str) -> Iterator[Target]:
 def examples(default: int) -> int:
     """Cases per fuzz test: ``KVMESH_FUZZ_EXAMPLES`` (``make fuzz`` sets tens of thousands)."""
     return int(os.environ.get("KVMESH_FUZZ_EXAMPLES", default))
+
+
+def check_answer(status: int, data: bytes, what: str, named: Container[int] | None = None) -> None:
+    """No 5xx; a 4xx is an OpenAI error with a message, whose ``param`` names the field where its
+    status is in ``named`` (every 4xx when None). ``what``: the case, for the failure message."""
+    assert status < 500, f"HTTP {status} for {what[:300]}: {data[:300]!r}"
+    if status >= 400:
+        error = json.loads(data)["error"]
+        assert error["message"], error
+        if named is None or status in named:
+            assert error["param"], f"HTTP {status} names no field for {what[:200]}: {error}"
 
 
 FUZZ = settings(

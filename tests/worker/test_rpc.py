@@ -7,6 +7,7 @@ methods, since the routes accept both). It is served by uvicorn on a free loopba
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections import Counter
@@ -227,6 +228,26 @@ async def test_a_body_past_the_limit_is_a_413_and_never_reaches_the_backend(
         r = await http.post(PIN, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 413, stream
         assert r.json()["error"]["param"] == "body"
+    assert engine.calls == []
+
+
+async def test_a_declared_oversize_body_is_refused_before_it_is_sent(
+    engine_http: tuple[CustomEngine, httpx.AsyncClient],
+) -> None:
+    # (the head alone, over a raw socket: an answer can only come from the content-length check,
+    # since the body it declares never arrives)
+    engine, http = engine_http
+    reader, writer = await asyncio.open_connection(http.base_url.host, http.base_url.port)
+    try:
+        writer.write(
+            f"POST {PIN} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 413 ")
     assert engine.calls == []
 
 

@@ -128,7 +128,12 @@ class WorkerSpec:
 
 
 def normalize_url(url: str, what: str = "worker URL") -> str:
-    """``host:port`` or ``http://host:port/`` -> ``http://host:port``; ConfigError if unusable."""
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port``; ConfigError if unusable.
+
+    The result is what kvmesh puts on the wire, and a worker's id when none is given, which answers
+    carry in a header: so it is printable ASCII with no space. A host in another script is
+    IDNA-encoded (as the ``Host`` header already was); anything else outside that is refused, since
+    the URL parser would drop a tab or newline silently and a space broke the request line."""
     text = url.strip()
     if "://" not in text:
         text = "http://" + text
@@ -138,10 +143,26 @@ def normalize_url(url: str, what: str = "worker URL") -> str:
         raise ConfigError(f"{what} {url!r} must look like http://host:port")
     if parts.query or parts.fragment:
         raise ConfigError(f"{what} {url!r} must not have a query or fragment")
+    if "@" in parts.netloc:
+        # (kvmesh sends no credentials from a URL, and a URL-only worker's id is its URL, which
+        # every answer shows the client)
+        raise ConfigError(f"{what} {url!r} must not carry credentials (user@): they would not be sent")
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         raise ConfigError(f"{what} {url!r} has an invalid port") from None
+    if not parts.netloc.isascii():
+        try:
+            host = parts.hostname.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise ConfigError(f"{what} {url!r} has a host that IDNA cannot encode") from None
+        port = parts.netloc.rpartition("]")[2].rpartition(":")[2] if ":" in parts.netloc else ""
+        text = f"{parts.scheme}://{host}{':' + port if port else ''}{parts.path}"
+    if not (text.isascii() and text.isprintable()) or " " in text:
+        raise ConfigError(
+            f"{what} {url!r} must be printable ASCII, with no space or control character "
+            "(percent-encode the path)"
+        )
     return text
 
 

@@ -113,6 +113,9 @@ async def test_admin_api_refusals() -> None:
                 # (answers name their worker in a header: CR or LF there broke every one of them)
                 ({"url": e1.url, "id": "e1\r\nx-evil: 1"}, "id"),
                 ({"url": e1.url, "id": " e1"}, "id"),
+                # (a space broke the request line to the worker, which was kept "down" for it)
+                ({"url": e1.url + "/a b", "id": "spaced"}, "url"),
+                ({"url": e1.url.replace("//", "//user:pw@"), "id": "creds"}, "url"),
                 ([e1.url], "body"),
             ):
                 status, answer = await _add(http, front.url, body)
@@ -134,6 +137,11 @@ async def test_admin_api_refusals() -> None:
             assert status == 409
             assert list(await _rows(http, front.url)) == ["e0"]  # nothing was kept
             assert odd.received == []
+            # a host in another script is IDNA-encoded, and is the id when none is given
+            status, row = await _add(http, front.url, {"url": "http://b\u00fccher.invalid:9"})
+            idna = "http://xn--bcher-kva.invalid:9"
+            assert (status, row["worker_id"], row["url"]) == (201, idna, idna)
+            assert (await _delete(http, front.url, row["worker_id"]))[0] == 200
             # a worker that does not answer yet is kept, down, and admitted later
             status, row = await _add(http, front.url, {"url": "http://127.0.0.1:9", "id": "later"})
             assert (status, row["state"]) == (201, "down")

@@ -43,6 +43,29 @@ def test_bad_worker_urls(bad: str) -> None:
         parse_worker_list(bad)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    # (the URL parser drops a tab or newline without a word, and a space broke the request line)
+    ["http://h:1/a b", "http://h:1/x\r\nX-Evil: 1", "http://127.0.0.1\t:80", "h:1/caf\u00e9", "h:1/\x7f"],
+)
+def test_worker_urls_kvmesh_cannot_send_as_written_are_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="printable ASCII"):
+        parse_worker_list(bad)
+
+
+def test_credentials_in_a_worker_url_are_refused() -> None:
+    # (nothing would send them, and a URL-only worker's id, the URL, rides in every answer)
+    with pytest.raises(ConfigError, match="credentials"):
+        parse_worker_list("http://user:secret@127.0.0.1:8001")
+
+
+def test_a_host_in_another_script_is_idna_encoded_and_is_the_id() -> None:
+    (spec,) = parse_worker_list("http://b\u00fccher.example:8001/")
+    assert spec.url == spec.worker_id == "http://xn--bcher-kva.example:8001"
+    (spec,) = parse_worker_list("b\u00fccher.example")
+    assert spec.url == "http://xn--bcher-kva.example"
+
+
 def test_env() -> None:
     s = MeshSettings.load(
         {

@@ -80,7 +80,9 @@ cover a slow minute of the machine during one router's run: the rotation over ro
 plot draws the same intervals in a row of their own below the cases.
 ``--json`` keeps every summary, ``--requests`` every request (one JSON object a line: its case,
 router, round, session and turn, start, TTFT, prompt and cached tokens, and the worker a kvmesh
-front chose with its index in the fleet), ``--plot`` draws the summaries: per case, the TTFT
+front chose with its index in the fleet), ``--decisions`` every decision of a kvmesh front with
+each candidate's cost terms, joined to the request's session and turn (:mod:`kvmesh.bench.decisions`;
+for reading why a slow request went where it did, not for the numbers), ``--plot`` draws the summaries: per case, the TTFT
 quantiles, the prefix hits, the requests per engine, and each router's p50 against its hits (the
 two baselines sit at different places on that plane, and the targets ask for a corner of it).
 
@@ -119,6 +121,7 @@ from _harness import machine, table
 
 from kvmesh.bench import report
 from kvmesh.bench.arrivals import burst_arrivals, front_split
+from kvmesh.bench.decisions import DecisionLog, joined
 from kvmesh.bench.fleet import (
     FrontCommand,
     engine_requests,
@@ -406,9 +409,10 @@ async def run_one(
     progress: bool,
     rows: list[dict[str, Any]] | None = None,
     rnd: int = 1,
+    decisions: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One contender on one case, on a fresh fleet: the run's summary (and, into ``rows``, one row
-    per request)."""
+    per request; into ``decisions``, a kvmesh front's decisions, each joined to its request)."""
     sessions, load = load_for(case, contender.ask_worker_id, seed)
     engine_args = (*case.engine_args, *contender.engine_args)
     engines, per_engine_args = case.engines, case.per_engine_args
@@ -423,7 +427,18 @@ async def run_one(
         bar = Progress(total, f"{case.label:>16} {contender.name:>14}", enabled=None if progress else False)
         cpu0 = front_cpu_seconds(fleet)  # (after start-up: its imports are no cost per request)
         wait0 = front_wait_seconds(fleet)
-        run = await run_workload(contender.name, sessions, load, progress=bar)
+        if decisions is not None and contender.ask_worker_id and contender.name != FLOOR:
+            async with DecisionLog(fleet.front_url) as log:
+                run = await run_workload(contender.name, sessions, load, progress=bar)
+            tag = {"case": case.label, "router": contender.name, "round": rnd, "seed": seed}
+            decisions.extend({**tag, **row} for row in joined(log, run))
+            if log.missed:
+                print(
+                    f"--decisions: {log.missed} polls found every decision new: some were missed",
+                    file=sys.stderr,
+                )
+        else:
+            run = await run_workload(contender.name, sessions, load, progress=bar)
         cpu1 = front_cpu_seconds(fleet)
         wait1 = front_wait_seconds(fleet)
         stats = await engine_stats(fleet.engine_urls)
@@ -920,6 +935,8 @@ async def main_async(args: argparse.Namespace) -> int:
     requests: dict[str, dict[str, list[dict[str, Any]]]] = {}  # case -> router -> every request
     if args.requests_path:
         Path(args.requests_path).write_text("")  # this run's requests only
+    if args.decisions_path:
+        Path(args.decisions_path).write_text("")
     started = time.monotonic()
     runs_total = len(chosen) * len(people) * args.rounds
     done = 0
@@ -938,13 +955,17 @@ async def main_async(args: argparse.Namespace) -> int:
                     flush=True,
                 )
                 rows: list[dict[str, Any]] = []
+                decided: list[dict[str, Any]] | None = [] if args.decisions_path else None
                 per[contender.name].append(
-                    await run_one(case, contender, seed, not args.no_progress, rows, rnd + 1)
+                    await run_one(case, contender, seed, not args.no_progress, rows, rnd + 1, decided)
                 )
                 kept[contender.name].extend(rows)
                 if args.requests_path:  # as each run ends: a long run's requests survive a crash
                     with open(args.requests_path, "a") as out:
                         out.writelines(json.dumps(row) + "\n" for row in rows)
+                if decided:
+                    with open(args.decisions_path, "a") as out:
+                        out.writelines(json.dumps(row) + "\n" for row in decided)
         results[case.label] = per
         p = preset(case.workload)
         cache = "" if case.num_blocks else ", half the cache"  # (--num-blocks sets the cache)
@@ -995,6 +1016,8 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"wrote {args.json_path}")
     if args.requests_path:
         print(f"wrote {args.requests_path}")
+    if args.decisions_path:
+        print(f"wrote {args.decisions_path}")
     if args.plot:
         print(f"wrote {write_plot(results, Path(args.plot), sure)}")
     errors = sum(r["errors"] for per in results.values() for runs in per.values() for r in runs)
@@ -1078,6 +1101,18 @@ def main() -> int:
         help="write every request's result here, one JSON object a line (case, router, round, "
         "session, turn, start, TTFT, prompt and cached tokens, the worker a kvmesh front chose and "
         "its index in the fleet)",
+    )
+    parser.add_argument(
+        "--decisions",
+        dest="decisions_path",
+        type=output_path,
+        default=None,
+        metavar="PATH",
+        help="write every decision of a kvmesh front here, one JSON object a line: the router's "
+        "/kvmesh/decisions (every candidate's cost terms), polled during the run and joined to the "
+        "request it placed (case, router, round, session, turn; moved: it left the worker holding "
+        "most of its prompt). For reading why a request went where it did: the polls cost the "
+        "front some CPU, so leave it off for the numbers",
     )
     parser.add_argument(
         "--plot",

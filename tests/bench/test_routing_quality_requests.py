@@ -40,6 +40,38 @@ def test_every_request_of_every_run_is_written_with_where_it_went(tmp_path: Path
         assert first["engine"] == second["engine"] == 0  # its index in the fleet: the only engine
 
 
+def test_every_decision_of_a_kvmesh_front_is_written_beside_the_request_it_placed(tmp_path: Path) -> None:
+    out, decisions = tmp_path / "requests.jsonl", tmp_path / "decisions.jsonl"
+    done = subprocess.run(
+        [
+            sys.executable, str(SCRIPT), "--workloads", "chat-fits", "--engines", "2",
+            "--set", "sessions=4", "--set", "turns=3", "--contenders", "sglang,kvmesh",
+            "--plot", "", "--no-progress", "--requests", str(out), "--decisions", str(decisions),
+        ],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"wrote {decisions}" in done.stdout
+    rows = [
+        json.loads(line) for line in out.read_text().splitlines() if json.loads(line)["router"] == "kvmesh"
+    ]
+    decided = [json.loads(line) for line in decisions.read_text().splitlines()]
+    assert {d["router"] for d in decided} == {"kvmesh"}  # (sglang-router keeps no decisions to read)
+    # one decision a request, joined to it: the worker it chose is the one the front named
+    by_turn = {(r["session"], r["turn"]): r for r in rows}
+    assert sorted((d["session"], d["turn"]) for d in decided) == sorted(by_turn)
+    for d in decided:
+        row = by_turn[(d["session"], d["turn"])]
+        assert d["worker_id"] == row["worker"] and d["case"] == row["case"] and d["round"] == 1
+        assert len(d["candidates"]) == 2 and sum(c["chosen"] for c in d["candidates"]) == 1
+        assert all(c["predicted_ttft_ms"] > 0 for c in d["candidates"])  # the latency cost's terms
+        assert d["at_s"] >= row["start_s"] - 0.005
+        held = max(c["overlap_blocks"] for c in d["candidates"])
+        assert d["moved"] == (d["overlap_blocks"] < held)  # (it left the worker holding most)
+        if d["turn"] > 1:  # a later turn's history is cached somewhere, and the decision saw it
+            assert held > 0
+
+
 def _two_rounds(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], list[dict], dict]:
     tmp_path.mkdir()
     out, summaries = tmp_path / "requests.jsonl", tmp_path / "summary.json"
@@ -83,7 +115,12 @@ def test_every_round_sends_the_same_traffic_unless_each_round_gets_its_own_seed(
 
 def test_an_output_in_a_directory_that_does_not_exist_is_refused_before_anything_runs(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir"
-    for flag, name in (("--json", "s.json"), ("--requests", "r.jsonl"), ("--plot", "p.png")):
+    for flag, name in (
+        ("--json", "s.json"),
+        ("--requests", "r.jsonl"),
+        ("--decisions", "d.jsonl"),
+        ("--plot", "p.png"),
+    ):
         done = subprocess.run(
             [sys.executable, str(SCRIPT), "--workloads", "chat-fits", flag, str(missing / name)],
             capture_output=True, text=True, timeout=60, check=False,
@@ -129,7 +166,7 @@ def test_a_value_the_suite_cannot_run_is_refused_before_anything_runs(args: list
 
 
 def test_an_output_path_that_is_a_directory_is_refused_before_anything_runs(tmp_path: Path) -> None:
-    for flag in ("--json", "--requests", "--plot"):
+    for flag in ("--json", "--requests", "--decisions", "--plot"):
         done = subprocess.run(
             [sys.executable, str(SCRIPT), "--workloads", "chat-fits", flag, str(tmp_path)],
             capture_output=True, text=True, timeout=60, check=False,

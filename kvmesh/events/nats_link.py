@@ -73,7 +73,12 @@ def parse_event_plane(text: str) -> tuple[str, ...]:
     if not servers:
         raise ConfigError(f"event plane {text!r} must be 'zmq' or nats://host:port[,...]")
     for server in servers:
-        parts = urlsplit(server)
+        try:
+            parts = urlsplit(server)
+        except ValueError:  # (an unclosed or invalid bracketed IPv6 host)
+            raise ConfigError(
+                f"event plane server {server!r} must look like nats://host:port (or tls://)"
+            ) from None
         if parts.scheme not in ("nats", "tls") or not parts.hostname:
             raise ConfigError(f"event plane server {server!r} must look like nats://host:port (or tls://)")
         try:

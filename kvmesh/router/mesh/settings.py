@@ -138,7 +138,10 @@ def normalize_url(url: str, what: str = "worker URL") -> str:
     if "://" not in text:
         text = "http://" + text
     text = text.rstrip("/")
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError:  # (an unclosed or invalid bracketed IPv6 host)
+        raise ConfigError(f"{what} {url!r} must look like http://host:port") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{what} {url!r} must look like http://host:port")
     if parts.query or parts.fragment:

@@ -116,6 +116,7 @@ async def test_admin_api_refusals() -> None:
                 # (a space broke the request line to the worker, which was kept "down" for it)
                 ({"url": e1.url + "/a b", "id": "spaced"}, "url"),
                 ({"url": e1.url.replace("//", "//user:pw@"), "id": "creds"}, "url"),
+                ({"url": "http://[::1", "id": "bracket"}, "url"),  # (the URL parser raised: a 500)
                 ([e1.url], "body"),
             ):
                 status, answer = await _add(http, front.url, body)

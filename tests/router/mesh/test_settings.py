@@ -37,7 +37,11 @@ def test_worker_urls_are_normalized() -> None:
     assert [s.worker_id for s in specs] == [s.url for s in specs]
 
 
-@pytest.mark.parametrize("bad", ["ftp://x:1", "http://", "http://h:99999", "http://h:1/?q=1"])
+@pytest.mark.parametrize(
+    # (an unclosed bracket was a ValueError from the URL parser: a 500 at POST /kvmesh/workers)
+    "bad",
+    ["ftp://x:1", "http://", "http://h:99999", "http://h:1/?q=1", "http://[::1", "http://[nope]:1"],
+)
 def test_bad_worker_urls(bad: str) -> None:
     with pytest.raises(ConfigError, match="worker URL"):
         parse_worker_list(bad)
@@ -268,6 +272,10 @@ def test_every_setting_is_read_from_the_file_the_environment_and_its_flag(
         (
             {"KVMESH_EVENT_PLANE": "redis://x:1"},
             "event plane server 'redis://x:1' must look like nats://host:port",
+        ),
+        (
+            {"KVMESH_EVENT_PLANE": "nats://[::1"},  # (the URL parser's ValueError, a traceback)
+            "event plane server 'nats://[::1' must look like nats://host:port",
         ),
         (
             {"KVMESH_NATS_TOKEN": "t"},

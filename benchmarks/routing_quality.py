@@ -81,10 +81,11 @@ plot draws the same intervals in a row of their own below the cases.
 ``--json`` keeps every summary, ``--requests`` every request (one JSON object a line: its case,
 router, round, session and turn, start, TTFT, prompt and cached tokens, and the worker a kvmesh
 front chose with its index in the fleet), ``--decisions`` every decision of a kvmesh front with
-each candidate's cost terms, joined to the request's session and turn (:mod:`kvmesh.bench.decisions`;
-for reading why a slow request went where it did, not for the numbers), ``--plot`` draws the summaries: per case, the TTFT
-quantiles, the prefix hits, the requests per engine, and each router's p50 against its hits (the
-two baselines sit at different places on that plane, and the targets ask for a corner of it).
+each candidate's cost terms, joined to the request's session and turn
+(:mod:`kvmesh.bench.decisions`; for reading why a slow request went where it did, not for the
+numbers), ``--plot`` draws the summaries: per case, the TTFT quantiles, the prefix hits, the
+requests per engine, and each router's p50 against its hits (the two baselines sit at different
+places on that plane, and the targets ask for a corner of it).
 
 ``--set`` and ``--num-blocks`` run the workloads at other sizes and ratios than their presets (the
 suite's presets are what the router was developed on; a router that only wins there has been

@@ -12,17 +12,22 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_quality.py"
 
 
+def _chat_fits(engines: str, turns: str, *outputs: str) -> subprocess.CompletedProcess[str]:
+    """Four chat sessions scaled to ``engines``, round-robin and kvmesh, writing ``outputs``."""
+    return subprocess.run(
+        [
+            sys.executable, str(SCRIPT), "--workloads", "chat-fits", "--engines", engines,
+            "--set", "sessions=4", "--set", turns, "--contenders", "round-robin,kvmesh",
+            "--plot", "", "--no-progress", *outputs,
+        ],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+
+
 def test_every_request_of_every_run_is_written_with_where_it_went(tmp_path: Path) -> None:
     out, summaries = tmp_path / "requests.jsonl", tmp_path / "summary.json"
     out.write_text("a stale line from an earlier run\n")
-    done = subprocess.run(
-        [
-            sys.executable, str(SCRIPT), "--workloads", "chat-fits", "--engines", "1",
-            "--set", "sessions=4", "--set", "turns=2", "--contenders", "round-robin,kvmesh",
-            "--plot", "", "--no-progress", "--requests", str(out), "--json", str(summaries),
-        ],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    done = _chat_fits("1", "turns=2", "--requests", str(out), "--json", str(summaries))
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     ((case, per),) = json.loads(summaries.read_text()).items()
@@ -42,14 +47,7 @@ def test_every_request_of_every_run_is_written_with_where_it_went(tmp_path: Path
 
 def test_every_decision_of_a_kvmesh_front_is_written_beside_the_request_it_placed(tmp_path: Path) -> None:
     out, decisions = tmp_path / "requests.jsonl", tmp_path / "decisions.jsonl"
-    done = subprocess.run(
-        [
-            sys.executable, str(SCRIPT), "--workloads", "chat-fits", "--engines", "2",
-            "--set", "sessions=4", "--set", "turns=3", "--contenders", "round-robin,kvmesh",
-            "--plot", "", "--no-progress", "--requests", str(out), "--decisions", str(decisions),
-        ],
-        capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+    done = _chat_fits("2", "turns=3", "--requests", str(out), "--decisions", str(decisions))
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"wrote {decisions}" in done.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]

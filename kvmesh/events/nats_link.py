@@ -73,14 +73,13 @@ def parse_event_plane(text: str) -> tuple[str, ...]:
     if not servers:
         raise ConfigError(f"event plane {text!r} must be 'zmq' or nats://host:port[,...]")
     for server in servers:
+        unlike = f"event plane server {server!r} must look like nats://host:port (or tls://)"
         try:
             parts = urlsplit(server)
         except ValueError:  # (an unclosed or invalid bracketed IPv6 host)
-            raise ConfigError(
-                f"event plane server {server!r} must look like nats://host:port (or tls://)"
-            ) from None
+            raise ConfigError(unlike) from None
         if parts.scheme not in ("nats", "tls") or not parts.hostname:
-            raise ConfigError(f"event plane server {server!r} must look like nats://host:port (or tls://)")
+            raise ConfigError(unlike)
         try:
             parts.port  # noqa: B018 - raises ValueError on a bad port
         except ValueError:

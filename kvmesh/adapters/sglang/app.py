@@ -23,7 +23,6 @@ import json
 import logging
 import os
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvmesh.adapters.sglang._sglang import import_sglang
 from kvmesh.adapters.sglang.backend import SglangWorkerBackend
@@ -31,6 +30,7 @@ from kvmesh.adapters.sglang.control import CONTROL_ENV
 from kvmesh.adapters.sglang.follower import KvStateFollower
 from kvmesh.adapters.sglang.publisher import offset_endpoint
 from kvmesh.errors import RequestError
+from kvmesh.worker.advertise import advertise_host_from_env
 from kvmesh.worker.rpc import worker_rpc_routes
 
 logger = logging.getLogger("kvmesh.adapters.sglang")
@@ -66,22 +66,13 @@ def event_endpoints(kv_events_config: str | None, dp_size: int, host: str | None
     }
 
 
-def advertise_host(environ: dict[str, str] | None = None) -> str | None:
-    """The host peers reach this engine at: KVMESH_ADVERTISE_HOST, else KVMESH_SELF_URL's host."""
-    env = os.environ if environ is None else environ
-    if host := env.get("KVMESH_ADVERTISE_HOST"):
-        return host
-    if url := env.get("KVMESH_SELF_URL"):
-        return urlsplit(url).hostname
-    return None
-
-
 class _Worker:
     """The backend and the follower, built from SGLang's state when first needed."""
 
     def __init__(self, app: Any, server_args: Any) -> None:
         self.app = app
         self.server_args = server_args
+        self.advertise_host = advertise_host_from_env()  # (read as kvmesh mounts: a bad one stops the start)
         self._backend: SglangWorkerBackend | None = None
         self._follower: KvStateFollower | None = None
         self._follower_started = False
@@ -125,7 +116,7 @@ class _Worker:
             dp = int(getattr(args, "dp_size", 1) or 1)
             self._backend = SglangWorkerBackend(
                 args,
-                events=event_endpoints(getattr(args, "kv_events_config", None), dp, advertise_host()),
+                events=event_endpoints(getattr(args, "kv_events_config", None), dp, self.advertise_host),
                 control_base=os.environ.get(CONTROL_ENV),
                 tokenizer_manager=state.tokenizer_manager,
                 scheduler_info=state.scheduler_info,

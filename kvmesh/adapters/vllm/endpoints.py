@@ -18,10 +18,10 @@ import logging
 import os
 from argparse import Namespace
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvmesh.adapters.vllm.engine_rpc import RPC_METHOD
 from kvmesh.errors import RequestError
+from kvmesh.worker.advertise import advertise_host_from_env
 from kvmesh.worker.block_state import kv_state_answer
 from kvmesh.worker.rpc import worker_rpc_routes, worker_token_from_env
 
@@ -130,16 +130,6 @@ def _served_model(args: Namespace) -> str | None:
         return str(names[0])
     model = getattr(args, "model", None)
     return str(model) if model else None
-
-
-def advertise_host_from_env(environ: dict[str, str] | None = None) -> str | None:
-    """The host peers reach this engine at: KVMESH_ADVERTISE_HOST, else KVMESH_SELF_URL's host."""
-    env = os.environ if environ is None else environ
-    if host := env.get("KVMESH_ADVERTISE_HOST"):
-        return host
-    if url := env.get("KVMESH_SELF_URL"):
-        return urlsplit(url).hostname
-    return None
 
 
 class KvMeshEndpointPlugin:

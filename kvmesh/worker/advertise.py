@@ -17,8 +17,9 @@ from kvmesh.errors import ConfigError
 
 
 def advertise_host_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """``KVMESH_ADVERTISE_HOST``, else ``KVMESH_SELF_URL``'s host, else None. ConfigError naming
-    the variable when ``KVMESH_SELF_URL`` has no host that can be read."""
+    """``KVMESH_ADVERTISE_HOST``, else ``KVMESH_SELF_URL``'s host (an IPv6 one in brackets, for
+    ``tcp://[::1]:5557``), else None. ConfigError naming the variable when ``KVMESH_SELF_URL`` has
+    no host that can be read."""
     env = os.environ if environ is None else environ
     if host := env.get("KVMESH_ADVERTISE_HOST"):
         return host
@@ -31,4 +32,4 @@ def advertise_host_from_env(environ: Mapping[str, str] | None = None) -> str | N
         host = None
     if not host:
         raise ConfigError(f"KVMESH_SELF_URL {url!r} must look like http://host:port")
-    return host
+    return f"[{host}]" if ":" in host else host  # (an IPv6 address, as an endpoint writes it)

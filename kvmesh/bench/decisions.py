@@ -114,9 +114,10 @@ def prompt_tokens(decision: dict[str, Any], block_size: int) -> float | None:
 
 def joined(log: DecisionLog, run: RunResult) -> list[dict[str, Any]]:
     """Every decision of ``log`` (oldest first) with ``at_s`` (seconds since ``run`` started, the
-    clock of its requests' ``start``), the ``session`` and ``turn`` of the request it placed (None
-    where none fits: the router's own requests), and ``moved``: it went elsewhere than the worker
-    holding most of the prompt."""
+    clock of its requests' ``start``), the ``session``, ``turn`` and ``start_s`` of the request it
+    placed (as ``--requests`` writes them: the three name one request, siblings included; None where
+    none fits, the router's own requests), and ``moved``: it went elsewhere than the worker holding
+    most of the prompt."""
     pending: list[RequestResult] = sorted(
         (r for r in run.results if r.worker_id is not None and r.prompt_tokens is not None),
         key=lambda r: r.start,
@@ -146,6 +147,7 @@ def joined(log: DecisionLog, run: RunResult) -> list[dict[str, Any]]:
         row["at_s"] = round(at_s, 4)
         row["session"] = found.session_id if found else None
         row["turn"] = found.step if found else None
+        row["start_s"] = round(found.start, 6) if found else None  # (its siblings share the turn)
         held = [c["overlap_blocks"] for c in d.get("candidates") or []]
         row["moved"] = bool(held) and d["overlap_blocks"] < max(held)  # (off the worker holding most)
         out.append(row)

@@ -59,6 +59,7 @@ def test_every_decision_of_a_kvmesh_front_is_written_beside_the_request_it_place
         assert sorted((d["session"], d["turn"]) for d in theirs) == sorted(mine)
         for d in theirs:
             row = mine[(d["session"], d["turn"])]
+            assert d["start_s"] == row["start_s"]  # (with the session and turn, names one request)
             assert d["worker_id"] == row["worker"] and d["case"] == row["case"] and d["round"] == 1
             assert d["at_s"] >= row["start_s"] - 0.005
             if router == "round-robin":  # (no candidates weighed: nothing moved)

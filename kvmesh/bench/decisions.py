@@ -13,7 +13,8 @@ A decision names the router's own request id, which no client sees, so a request
 both sides know: the worker chosen (the front names it in ``x-kvmesh-worker-id``), the prompt's
 length (the chosen candidate's cached blocks and tokens to prefill, within :data:`PROMPT_SLACK` of
 what the engine reports) and the time (a decision comes a moment after its request was sent, and
-after its wait in the router's queue: the nearest request not yet taken that fits). Decisions the
+after its wait in the router's queue: the earliest request not yet taken that fits, as a front
+decides in the order requests arrive). Decisions the
 router made for itself (a hot prefix's copy) match no client request and keep no session.
 """
 
@@ -37,7 +38,7 @@ engine's. A prompt no worker holds is routed before it is tokenized, on a count 
 (4,072 tokens for 5,158); otherwise the counts differ by the chat template's few tokens."""
 MATCH_WINDOW_S = 0.25
 """How long after it was sent (and beyond any wait in the router's queue, ``queued_s``) a request
-may be decided and still be matched to its decision; the nearest fitting request is taken."""
+may be decided and still be matched to its decision; the earliest fitting request is taken."""
 SURE_GAP_S = 0.05
 """A request to the same worker this close before its decision fits whatever the length: a later
 turn routed on its earlier turn's blocks is decided on a guess at its length (6,427 for 8,887)."""
@@ -140,7 +141,7 @@ def joined(log: DecisionLog, run: RunResult) -> list[dict[str, Any]]:
                 and abs(float(r.prompt_tokens or 0) - isl) <= PROMPT_SLACK * isl + log.block_size
             )
             if close or gap <= SURE_GAP_S:
-                fits.append((not close, abs(gap), i))
+                fits.append((not close, -gap, i))  # (the earliest: a front decides in arrival order)
         if fits:
             found = pending.pop(min(fits)[2])
         row = {k: v for k, v in d.items() if k not in ("at", "age_s")}

@@ -27,9 +27,10 @@ from typing import Any
 import aiohttp
 
 from kvmesh.bench.runner import RequestResult, RunResult
+from kvmesh.router.core.kv_router import DECISION_HISTORY
+from kvmesh.router.mesh.runtime import DECISIONS_PATH
 
-PATH = "/kvmesh/decisions?limit=64"
-WINDOW = 64
+WINDOW = DECISION_HISTORY
 """Decisions a router keeps (``GET /kvmesh/decisions`` gives at most this many)."""
 POLL_S = 0.25
 PROMPT_SLACK = 0.35
@@ -51,9 +52,8 @@ class DecisionLog:
     with ``at`` (``time.monotonic()`` when it was made), oldest first; :attr:`missed` polls found
     every decision new (some between two polls were lost)."""
 
-    def __init__(self, front_url: str, headers: dict[str, str] | None = None) -> None:
-        self.url = front_url.rstrip("/") + PATH
-        self.headers = headers or {}
+    def __init__(self, front_url: str) -> None:
+        self.url = f"{front_url.rstrip('/')}{DECISIONS_PATH}?limit={WINDOW}"
         self.decisions: list[dict[str, Any]] = []
         self.missed = 0
         self.block_size = 0
@@ -77,7 +77,7 @@ class DecisionLog:
             while True:
                 stopping = self._stop.is_set()  # (one last read after the run: its last decisions)
                 try:
-                    async with http.get(self.url, headers=self.headers) as r:
+                    async with http.get(self.url) as r:
                         doc = await r.json() if r.status == 200 else None
                     now = time.monotonic()
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):

@@ -17,12 +17,18 @@ from kvmesh.errors import ConfigError
 
 
 def advertise_host_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """``KVMESH_ADVERTISE_HOST``, else ``KVMESH_SELF_URL``'s host (an IPv6 one in brackets, for
-    ``tcp://[::1]:5557``), else None. ConfigError naming the variable when ``KVMESH_SELF_URL`` has
+    """``KVMESH_ADVERTISE_HOST``, else ``KVMESH_SELF_URL``'s host, else None; an IPv6 address in
+    brackets, for ``tcp://[::1]:5557``. ConfigError naming the variable when ``KVMESH_SELF_URL`` has
     no host that can be read."""
     env = os.environ if environ is None else environ
-    if host := env.get("KVMESH_ADVERTISE_HOST"):
-        return host
+    host = env.get("KVMESH_ADVERTISE_HOST") or _self_url_host(env)
+    if host is None:
+        return None
+    # (an IPv6 address as an endpoint writes it; ``tcp://fd00::7:5557`` names no port)
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _self_url_host(env: Mapping[str, str]) -> str | None:
     url = (env.get("KVMESH_SELF_URL") or "").strip()
     if not url:
         return None
@@ -32,4 +38,4 @@ def advertise_host_from_env(environ: Mapping[str, str] | None = None) -> str | N
         host = None
     if not host:
         raise ConfigError(f"KVMESH_SELF_URL {url!r} must look like http://host:port")
-    return f"[{host}]" if ":" in host else host  # (an IPv6 address, as an endpoint writes it)
+    return host

@@ -21,8 +21,10 @@ def test_a_self_url_without_a_scheme_gives_its_host_as_the_router_reads_it() -> 
     assert advertise_host_from_env({"KVMESH_SELF_URL": "10.1.2.3:8000"}) == "10.1.2.3"
 
 
-def test_an_ipv6_self_url_gives_its_host_as_an_endpoint_writes_it() -> None:
+def test_an_ipv6_host_is_given_as_an_endpoint_writes_it() -> None:
     assert advertise_host_from_env({"KVMESH_SELF_URL": "http://[fd00::7]:8000"}) == "[fd00::7]"
+    assert advertise_host_from_env({"KVMESH_ADVERTISE_HOST": "fd00::7"}) == "[fd00::7]"
+    assert advertise_host_from_env({"KVMESH_ADVERTISE_HOST": "[fd00::7]"}) == "[fd00::7]"
 
 
 @pytest.mark.parametrize("bad", ["http://[::1", "http://:8000", "http://"])

@@ -159,8 +159,8 @@ def normalize_url(url: str, what: str = "worker URL") -> str:
             host = parts.hostname.encode("idna").decode("ascii")
         except UnicodeError:
             raise ConfigError(f"{what} {url!r} has a host that IDNA cannot encode") from None
-        port = parts.netloc.rpartition("]")[2].rpartition(":")[2] if ":" in parts.netloc else ""
-        text = f"{parts.scheme}://{host}{':' + port if port else ''}{parts.path}"
+        port = "" if parts.port is None else f":{parts.port}"
+        text = f"{parts.scheme}://{host}{port}{parts.path}"
     if not (text.isascii() and text.isprintable()) or " " in text:
         raise ConfigError(
             f"{what} {url!r} must be printable ASCII, with no space or control character "

@@ -40,10 +40,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import zmq
@@ -59,14 +60,22 @@ logger = logging.getLogger("kvmesh.router")
 _DRAIN_LIMIT = 1024  # messages handled per wake-up before yielding to the event loop
 
 
+Count = Annotated[int, msgspec.Meta(ge=0)]
+"""A rank, a length or a number of blocks: a negative one comes from no replica, and the message
+is dropped as malformed rather than read."""
+Seconds = Annotated[float, msgspec.Meta(gt=0.0, le=sys.float_info.max)]
+"""A session's timeout: positive and finite. (A NaN or infinite one bound a session that never
+expired on the replica that took it: its affinity and its engine session outlived every client.)"""
+
+
 class Routed(msgspec.Struct, tag="routed", array_like=True):
     request_id: str
     worker_id: str
-    dp_rank: int
+    dp_rank: Count
     local_hashes: list[int]
-    isl_tokens: int
-    overlap_blocks: int
-    osl: int | None = None
+    isl_tokens: Count
+    overlap_blocks: Count
+    osl: Count | None = None
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", array_like=True):
@@ -85,8 +94,8 @@ class Session(msgspec.Struct, tag="session", array_like=True):
     session_id: str
     worker_id: str | None
     """None: the session was closed."""
-    dp_rank: int
-    timeout: float
+    dp_rank: Count
+    timeout: Seconds
 
 
 SyncMessage = Routed | PrefillDone | Freed | Heartbeat | Session

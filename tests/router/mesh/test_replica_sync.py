@@ -17,7 +17,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.mock.config import MockConfig
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
-from kvmesh.router.mesh.replica_sync import Envelope, Heartbeat, Routed, encode
+from kvmesh.router.mesh.replica_sync import Envelope, Heartbeat, Routed, Session, encode
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec, add_arguments
 from tests.router.engines import EngineState, engine_app
 from tests.router.fleet import mock_finished
@@ -233,6 +233,66 @@ async def test_a_standalone_replica_follows_a_configured_peer_and_drops_it_when_
                 assert stats["unknown_worker"] == 1
                 assert stats["reconciled"] == 1
                 assert stats["counted"] == 2
+    finally:
+        peer.close(linger=0)
+
+
+async def test_a_peer_message_with_a_value_no_replica_sends_is_dropped_as_malformed() -> None:
+    """A session bound through a peer with a NaN or infinite timeout never expired: requests of
+    that session kept going to its worker, however loaded. Such a message, and a decision with a
+    negative length, is counted as malformed and changes nothing; a sane bind still holds."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    peer = ctx.socket(zmq.PUB)
+    peer.setsockopt(zmq.LINGER, 0)
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    seq = 0
+
+    def publish(message: Any) -> None:
+        nonlocal seq
+        seq += 1
+        peer.send(encode(Envelope("peer-router", 7, seq, message)))
+
+    try:
+        async with serve(engine_app(EngineState("e0"))) as e0, serve(engine_app(EngineState("e1"))) as e1:
+            settings = MeshSettings(
+                workers=(WorkerSpec(e0.url, "w0"), WorkerSpec(e1.url, "w1")),
+                router=RouterConfig(use_kv_events=False, router_replica_sync=True),
+                sync_peers=(f"tcp://127.0.0.1:{port}",),
+                sync_endpoint="tcp://127.0.0.1:0",
+                health_interval=0.1,
+            )
+            async with serve(build_router_app(settings)) as front, aiohttp.ClientSession() as http:
+
+                async def stats() -> dict[str, Any]:
+                    return dict((await _json(http, front.url + "/kvmesh/router"))["sync"]["stats"])
+
+                async def peer_known() -> bool:
+                    publish(Heartbeat(["p-1", "p-2"]))  # the SUB connects asynchronously
+                    return (await stats())["received"] > 0
+
+                await _until(peer_known)
+                publish(Session("nan", "w0", 0, float("nan")))
+                publish(Session("inf", "w0", 0, float("inf")))
+                publish(Session("zero", "w0", 0, 0.0))
+                publish(Routed("p-0", "w1", 0, list(range(40)), -640, 0))
+                publish(Session("sane", "w0", 0, 60.0))
+                publish(Routed("p-1", "w0", 0, list(range(1000, 1040)), 640, 0))
+                publish(Routed("p-2", "w0", 0, list(range(1000, 1040)), 640, 0))
+
+                async def two_on_w0() -> bool:
+                    publish(Heartbeat(["p-0", "p-1", "p-2"]))
+                    return bool((await _load(http, front.url))[e0.url]["active_requests"] == 2)
+
+                await _until(two_on_w0)
+                assert (await stats())["malformed"] == 4
+                assert (await _load(http, front.url))[e1.url]["active_requests"] == 0
+                for session, worker in (("sane", "w0"), ("nan", "w1"), ("inf", "w1"), ("zero", "w1")):
+                    body = chat(
+                        f"a question for {session} " * 40, nvext={"session_control": {"session_id": session}}
+                    )
+                    async with http.post(front.url + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200
+                        assert r.headers["x-kvmesh-worker-id"] == worker, session
     finally:
         peer.close(linger=0)
 

@@ -80,3 +80,37 @@ def test_demo_refuses_a_directory_as_its_plot_or_json_file(tmp_path: Path) -> No
         result = _kvmesh("demo", "--in-process", "--no-progress", flag, str(tmp_path))
         assert result.returncode == 2, result.stderr[-2000:]
         assert f"argument {flag}: {tmp_path} is a directory, not a file" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "message"),
+    [
+        ("mock", ["--port", "70000"], "argument --port: must be a TCP port from 1 to 65535, got 70000"),
+        ("mock", ["--port", "-1"], "argument --port: must be a TCP port from 1 to 65535, got -1"),
+        ("mock", ["--log-level", "loud"], "argument --log-level: must be one of critical, error, warning"),
+        ("router", ["--port", "99999"], "argument --port: must be a TCP port from 1 to 65535, got 99999"),
+        (
+            "router",
+            ["--log-level", "verbose"],
+            "argument --log-level: must be one of critical, error, warning",
+        ),
+    ],
+)
+def test_a_server_refuses_a_port_or_log_level_it_cannot_use_before_it_starts(
+    command: str, flags: list[str], message: str
+) -> None:
+    """Past 65535 the server announced itself and never listened; a log level uvicorn does not
+    know was a KeyError traceback at start-up."""
+    fleet = ["--workers", "http://127.0.0.1:1"] if command == "router" else []
+    result = _kvmesh(command, *fleet, *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and "serving" not in result.stderr
+
+
+def test_the_log_levels_offered_are_uvicorns() -> None:
+    from uvicorn.config import LOG_LEVELS as UVICORN
+
+    from kvmesh.commands.argtypes import LOG_LEVELS
+
+    assert set(LOG_LEVELS) == set(UVICORN)

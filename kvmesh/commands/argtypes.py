@@ -21,6 +21,26 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    """A TCP port to listen on. (Past 65535 the server announced itself on the port and then
+    never listened; below 1 the socket layer's "Servname not supported" came after start-up.)"""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 1 to 65535, got {value}")
+    return value
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+"""uvicorn's log levels (its ``LOG_LEVELS``; a name outside them was a KeyError at start-up)."""
+
+
+def log_level(text: str) -> str:
+    value = text.lower()
+    if value not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:

@@ -8,6 +8,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvmesh.commands.argtypes import log_level, port
     from kvmesh.mock.config import DEFAULT_MODEL, MockConfig
 
     d = MockConfig()
@@ -15,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", default="127.0.0.1", help="address to listen on; only this one is bound [%(default)s]"
     )
     parser.add_argument(
-        "--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API [%(default)s]"
+        "--port", type=port, default=8000, help="HTTP port of the OpenAI-compatible API [%(default)s]"
     )
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help="model name to serve and to expect in requests [%(default)s]"
@@ -128,7 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.transfer_fixed_ms,
         help="simulated fixed cost of one KV hand-off, in ms [%(default)s]",
     )
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level [%(default)s]")
+    parser.add_argument(
+        "--log-level", type=log_level, default="warning", help="uvicorn log level [%(default)s]"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,13 +7,13 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvmesh.commands.argtypes import positive_float
+    from kvmesh.commands.argtypes import log_level, port, positive_float
     from kvmesh.router.core.config import RouterConfig
     from kvmesh.router.mesh.settings import add_arguments as add_mesh_arguments
 
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on [8000]")
-    parser.add_argument("--log-level", default="info", help="uvicorn log level [info]")
+    parser.add_argument("--port", type=port, default=8000, help="port to listen on [8000]")
+    parser.add_argument("--log-level", type=log_level, default="info", help="uvicorn log level [info]")
     parser.add_argument(
         "--timeout-keep-alive",
         type=positive_float,

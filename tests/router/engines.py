@@ -35,6 +35,7 @@ class EngineState:
     text: str | None = None  # each streamed chunk's content (default "<name>:<i> ")
     stream_usage: bool = True  # end a stream with a usage event
     dp_size: int = 1
+    info_facts: dict[str, Any] = field(default_factory=dict)  # override /kvmesh/info's facts
     metrics: str | None = None  # the Prometheus page /metrics serves (404 when None)
     received: list[dict[str, Any]] = field(default_factory=list)
     rpcs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # worker RPCs, in order
@@ -62,6 +63,7 @@ def engine_app(state: EngineState) -> Starlette:
                 "max_num_batched_tokens": 8192,
                 "total_kv_blocks": 10000,
                 "priority_polarity": state.polarity,
+                **state.info_facts,
             }
         )
 

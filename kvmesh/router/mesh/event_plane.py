@@ -30,14 +30,13 @@ from kvmesh.errors import ConfigError
 from kvmesh.events.nats_discovery import WorkerAnnouncer, WorkerWatcher
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.mesh.registry import WorkerConflict, WorkerRegistry
-from kvmesh.router.mesh.settings import WORKER_KEYS, worker_from_mapping
+from kvmesh.router.mesh.settings import worker_from_info
 from kvmesh.router.mesh.worker_rpc import WorkerRpc
 from kvmesh.router.upstream.forwarder import ConnectFailed
 
 logger = logging.getLogger("kvmesh.router")
 
 # /kvmesh/info keys that describe a worker to the registry (the rest is informational).
-_SPEC_KEYS = WORKER_KEYS - {"url", "id", "worker_id"}
 # How long the embedding engine may take to answer its own /kvmesh/info before the entry goes out
 # without facts (routers then ask the engine over HTTP, as for a --workers entry).
 _INFO_PATIENCE_S = 10.0
@@ -73,11 +72,8 @@ class NatsDiscovery:
         info = doc.get("info")
         if not isinstance(info, dict):
             info = {}
-        table = {k: v for k, v in info.items() if k in _SPEC_KEYS and v is not None}
         try:
-            spec = worker_from_mapping(
-                {**table, "url": doc["url"], "id": worker_id}, f"bucket entry {worker_id}"
-            )
+            spec = worker_from_info(info, doc["url"], worker_id, f"bucket entry {worker_id}")
         except ConfigError as e:
             self._refuse(worker_id, str(e))
             return

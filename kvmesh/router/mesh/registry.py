@@ -47,7 +47,7 @@ from kvmesh.router.core.timing import Profile
 from kvmesh.router.mesh.engine_load import EngineLoad, parse_engine_load
 from kvmesh.router.mesh.event_feed import EventFeed, FeedTarget
 from kvmesh.router.mesh.metrics import Metrics
-from kvmesh.router.mesh.settings import POLARITIES, ROLES, MeshSettings, WorkerSpec
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec, WorkerSpecError, worker_from_info
 from kvmesh.router.mesh.worker_rpc import WorkerRpc
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
 
@@ -113,40 +113,36 @@ class Worker:
 
 
 def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: int) -> WorkerInfo:
-    """Spec fields win over the worker's own description; missing ones get safe defaults."""
-    got = info or {}
+    """Spec fields win over the worker's own description; missing ones get safe defaults. A
+    description with a bad fact is a WorkerError naming it (the worker is kept ``down`` with that
+    reason, and read again at the next health check)."""
+    try:
+        told = worker_from_info(info, spec.url, spec.worker_id, "/kvmesh/info") if info is not None else None
+    except WorkerSpecError as e:
+        raise WorkerError(str(e)) from None
 
     def pick(name: str, default: Any) -> Any:
         value = getattr(spec, name)
-        if value is not None:
-            return value
-        value = got.get(name)
+        if value is None and told is not None:
+            value = getattr(told, name)
         return default if value is None else value
 
-    endpoints = tuple(pick("kv_events_endpoints", ()))
-    replay = tuple(pick("kv_replay_endpoints", ()))
-    polarity = str(pick("priority_polarity", "none"))
-    if polarity not in POLARITIES:
-        raise WorkerError(f"{spec.url}: unknown priority_polarity {polarity!r}")
-    role = str(pick("role", "aggregated"))
-    if role not in ROLES:
-        raise WorkerError(f"{spec.url}: unknown role {role!r}")
-    bootstrap = pick("bootstrap_port", None)
-    dp_size = int(pick("dp_size", max(len(endpoints), 1)))
+    endpoints: tuple[str, ...] = pick("kv_events_endpoints", ())
+    replay: tuple[str | None, ...] = pick("kv_replay_endpoints", ())
     return WorkerInfo(
-        backend=str(pick("backend", "openai")),
+        backend=pick("backend", "openai"),
         model=pick("model", None),
-        block_size=int(pick("block_size", default_block_size)),
-        dp_size=dp_size,
+        block_size=pick("block_size", default_block_size),
+        dp_size=pick("dp_size", max(len(endpoints), 1)),
         kv_events_endpoints=endpoints,
         kv_replay_endpoints=replay + (None,) * (len(endpoints) - len(replay)),
-        max_num_batched_tokens=int(pick("max_num_batched_tokens", _DEFAULT_BATCHED_TOKENS)),
-        total_kv_blocks=int(pick("total_kv_blocks", _DEFAULT_TOTAL_BLOCKS)),
-        priority_polarity=polarity,
+        max_num_batched_tokens=pick("max_num_batched_tokens", _DEFAULT_BATCHED_TOKENS),
+        total_kv_blocks=pick("total_kv_blocks", _DEFAULT_TOTAL_BLOCKS),
+        priority_polarity=pick("priority_polarity", "none"),
         has_rpc=info is not None,
-        role=role,
-        bootstrap_port=int(bootstrap) if bootstrap is not None else None,
-        prefill_profile=_profile(_timing(got).get("prefill_ms")),
+        role=pick("role", "aggregated"),
+        bootstrap_port=pick("bootstrap_port", None),
+        prefill_profile=_profile(_timing(info or {}).get("prefill_ms")),
     )
 
 

@@ -65,7 +65,7 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 is dropped as malformed rather than read."""
 Seconds = Annotated[float, msgspec.Meta(gt=0.0, le=sys.float_info.max)]
 """A session's timeout: positive and finite. (A NaN or infinite one bound a session that never
-expired on the replica that took it: its affinity and its engine session outlived every client.)"""
+expired on the replica that took it: its turns went to that worker for good.)"""
 
 
 class Routed(msgspec.Struct, tag="routed", array_like=True):

@@ -184,6 +184,13 @@ WORKER_KEYS = frozenset(
     ("url", "id", "worker_id", "backend", "model", "kv_events_endpoints", "kv_replay_endpoints",
      "priority_polarity", "role", *_INT_FIELDS)
 )  # fmt: skip
+FACT_KEYS = WORKER_KEYS - {"url", "id", "worker_id"}
+"""The keys of a worker's own description (``/kvmesh/info``) that say what a config entry says."""
+MAX_DP_SIZE = 1024
+"""Ranks one worker URL may have (and event endpoints, one a rank). Every decision scores every
+rank: at 100,000 ranks one ``route()`` took half a second, and a worker describing itself with
+ten million stalled the router at its admission."""
+_INT_LIMITS = {"dp_size": MAX_DP_SIZE, "bootstrap_port": 65535}
 
 
 class WorkerSpecError(ConfigError):
@@ -226,6 +233,8 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
             value = table[name]
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise bad(name, f"must be a positive integer, got {value!r}")
+            if value > _INT_LIMITS.get(name, value):
+                raise bad(name, f"must be at most {_INT_LIMITS[name]}, got {value}")
             values[name] = value
     for name in ("backend", "model"):
         if name in table:
@@ -245,8 +254,20 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
                 value = [value]
             if not isinstance(value, list) or not all(v is None or isinstance(v, str) for v in value):
                 raise bad(name, "must be a list of endpoint strings")
+            if len(value) > MAX_DP_SIZE:
+                raise bad(name, f"must list at most {MAX_DP_SIZE} endpoints (one a rank), got {len(value)}")
             values[name] = tuple(value)
     return WorkerSpec(**values)
+
+
+def worker_from_info(info: Mapping[str, Any], url: str, worker_id: str, where: str) -> WorkerSpec:
+    """What a worker's own description (its ``/kvmesh/info``, or the one it registered) says of it,
+    held to the rules of a config entry: a bad fact is a WorkerSpecError naming it, where a text
+    or a list read as a number had left the worker ``pending`` with no reason, ``1.5`` or ``true``
+    had been read as a block size of 1, and a string of endpoints as one endpoint a character.
+    Facts given as null count as not given."""
+    table = {k: v for k, v in info.items() if k in FACT_KEYS and v is not None}
+    return worker_from_mapping({**table, "url": url, "id": worker_id}, where)
 
 
 def check_sync_endpoint(endpoint: str, what: str = "KVMESH_SYNC_ENDPOINT") -> str:

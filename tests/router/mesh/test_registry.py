@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import pytest
 
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
@@ -53,6 +54,49 @@ async def test_a_worker_with_another_block_size_is_refused_loudly(http: aiohttp.
                 async with http.post(front.url + "/v1/chat/completions", json=chat("x")) as r:
                     assert r.status == 200
             assert odd.received == []
+
+
+@pytest.mark.parametrize(
+    ("facts", "reason"),
+    [
+        ({"block_size": "16"}, "/kvmesh/info.block_size must be a positive integer, got '16'"),
+        ({"block_size": 1.5}, "/kvmesh/info.block_size must be a positive integer, got 1.5"),
+        ({"total_kv_blocks": 0}, "/kvmesh/info.total_kv_blocks must be a positive integer, got 0"),
+        (
+            {"max_num_batched_tokens": [8192]},
+            "/kvmesh/info.max_num_batched_tokens must be a positive integer",
+        ),
+        ({"dp_size": 10_000_000}, "/kvmesh/info.dp_size must be at most 1024, got 10000000"),
+        (
+            {"kv_events_endpoints": {"tcp://127.0.0.1:1": 0}},
+            "/kvmesh/info.kv_events_endpoints must be a list",
+        ),
+        ({"bootstrap_port": "x"}, "/kvmesh/info.bootstrap_port must be a positive integer, got 'x'"),
+    ],
+)
+async def test_a_worker_describing_itself_with_a_bad_fact_is_down_naming_it_until_mended(
+    http: aiohttp.ClientSession, facts: dict[str, Any], reason: str
+) -> None:
+    """A text or a list where /kvmesh/info gives a number had left the worker ``pending`` with no
+    reason, 1.5 was read as a block size of 1 and a cache of 0 blocks was admitted; ten million
+    ranks stalled the router. The worker is kept out of routing, and read again at each health
+    check: once its description is sane it is admitted."""
+    odd = EngineState("odd", info_facts=facts)
+    async with serve(engine_app(EngineState("e0"))) as good, serve(engine_app(odd)) as bad:
+        settings = MeshSettings(
+            workers=(WorkerSpec(good.url, good.url), WorkerSpec(bad.url, bad.url)),
+            router=RouterConfig(use_kv_events=False),
+            health_interval=0.05,
+        )
+        async with serve(build_router_app(settings)) as front:
+            await _until_state(http, front.url, bad.url, "down")
+            assert (await _workers(http, front.url))[bad.url]["reason"].startswith(reason)
+            for _ in range(4):
+                async with http.post(front.url + "/v1/chat/completions", json=chat("x")) as r:
+                    assert r.status == 200
+            assert odd.received == []
+            odd.info_facts = {}
+            await _until_state(http, front.url, bad.url, "up")
 
 
 async def test_a_dead_worker_leaves_routing_and_is_readmitted_when_it_returns(

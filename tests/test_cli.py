@@ -99,8 +99,8 @@ def test_demo_refuses_a_directory_as_its_plot_or_json_file(tmp_path: Path) -> No
 def test_a_server_refuses_a_port_or_log_level_it_cannot_use_before_it_starts(
     command: str, flags: list[str], message: str
 ) -> None:
-    """Past 65535 the server announced itself and never listened; a log level uvicorn does not
-    know was a KeyError traceback at start-up."""
+    """Past 65535 the server announced the port given and listened on that port modulo 65,536; a
+    log level uvicorn does not know was a KeyError traceback at start-up."""
     fleet = ["--workers", "http://127.0.0.1:1"] if command == "router" else []
     result = _kvmesh(command, *fleet, *flags)
     assert result.returncode == 2, result.stderr[-2000:]

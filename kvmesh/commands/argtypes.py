@@ -22,8 +22,9 @@ def positive_int(text: str) -> int:
 
 
 def port(text: str) -> int:
-    """A TCP port to listen on. (Past 65535 the server announced itself on the port and then
-    never listened; below 1 the socket layer's "Servname not supported" came after start-up.)"""
+    """A TCP port to listen on. (Past 65535 the server announced the port given and listened on
+    that port modulo 65,536; below 1 the socket layer's "Servname not supported" came after
+    start-up.)"""
     value = int(text)
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port from 1 to 65535, got {value}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -167,9 +168,27 @@ async def test_without_replica_sync_other_replicas_see_only_their_own_load() -> 
                 await s.read()
 
 
-async def test_a_standalone_replica_follows_a_configured_peer_and_drops_it_when_it_goes_silent() -> None:
-    """A peer speaking the sync protocol on a plain ZMQ socket: its decisions become load in the
-    router's view; a heartbeat that no longer lists one frees it; silence drops the rest."""
+@dataclass
+class _PeerAndFront:
+    """A standalone router over two test engines (``w0`` and ``w1``) that follows one peer, a plain
+    ZMQ PUB socket speaking the sync protocol as replica ``peer-router``."""
+
+    peer: str
+    front: str
+    e0: str
+    e1: str
+    http: aiohttp.ClientSession
+    publish: Callable[[Any], None]
+
+    async def router_doc(self) -> dict[str, Any]:
+        return dict(await _json(self.http, self.front + "/kvmesh/router"))
+
+    async def load(self) -> dict[str, dict[str, Any]]:
+        return await _load(self.http, self.front)
+
+
+@contextlib.asynccontextmanager
+async def _front_following_a_peer() -> AsyncIterator[_PeerAndFront]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     peer = ctx.socket(zmq.PUB)
     peer.setsockopt(zmq.LINGER, 0)
@@ -191,110 +210,93 @@ async def test_a_standalone_replica_follows_a_configured_peer_and_drops_it_when_
                 health_interval=0.1,
             )
             async with serve(build_router_app(settings)) as front, aiohttp.ClientSession() as http:
-                doc = await _json(http, front.url + "/kvmesh/router")
-                assert doc["router_sync_endpoint"].startswith("tcp://127.0.0.1:")
-                assert doc["sync"]["following"] == [f"tcp://127.0.0.1:{port}"]
-                hashes = list(range(1000, 1040))
-
-                async def peer_known() -> bool:
-                    publish(Heartbeat([]))  # the SUB connects asynchronously: repeat until heard
-                    sync = (await _json(http, front.url + "/kvmesh/router"))["sync"]
-                    return any(p["replica"] == "peer-router" for p in sync["peers"])
-
-                async def two_on_w0() -> bool:
-                    publish(Heartbeat(["p-1", "p-2"]))
-                    return bool((await _load(http, front.url))[e0.url]["active_requests"] == 2)
-
-                await _until(peer_known)
-                publish(Routed("p-1", "w0", 0, hashes, 640, 0))
-                publish(Routed("p-2", "w0", 0, hashes, 640, 0))
-                publish(Routed("p-3", "nobody", 0, hashes, 640, 0))  # not a worker here: ignored
-                await _until(two_on_w0)
-                # the router's own choice avoids w0 now
-                for i in range(3):
-                    async with http.post(front.url + "/v1/chat/completions", json=chat(f"q{i} " * 40)) as r:
-                        assert r.status == 200
-                        assert r.headers["x-kvmesh-worker-id"] == "w1"
-                publish(Heartbeat(["p-1"]))  # p-2's Freed was lost; the heartbeat says it is gone
-
-                async def one_left() -> bool:
-                    return bool((await _load(http, front.url))[e0.url]["active_requests"] == 1)
-
-                await _until(one_left)
-                # the peer falls silent: after its timeout its requests are dropped
-
-                async def peer_dropped() -> bool:
-                    sync = (await _json(http, front.url + "/kvmesh/router"))["sync"]
-                    rows = await _load(http, front.url)
-                    return bool(sync["stats"]["peers_expired"] == 1 and rows[e0.url]["active_requests"] == 0)
-
-                await _until(peer_dropped)
-                stats = (await _json(http, front.url + "/kvmesh/router"))["sync"]["stats"]
-                assert stats["unknown_worker"] == 1
-                assert stats["reconciled"] == 1
-                assert stats["counted"] == 2
+                yield _PeerAndFront(f"tcp://127.0.0.1:{port}", front.url, e0.url, e1.url, http, publish)
     finally:
         peer.close(linger=0)
+
+
+async def test_a_standalone_replica_follows_a_configured_peer_and_drops_it_when_it_goes_silent() -> None:
+    """A peer speaking the sync protocol on a plain ZMQ socket: its decisions become load in the
+    router's view; a heartbeat that no longer lists one frees it; silence drops the rest."""
+    async with _front_following_a_peer() as m:
+        doc = await m.router_doc()
+        assert doc["router_sync_endpoint"].startswith("tcp://127.0.0.1:")
+        assert doc["sync"]["following"] == [m.peer]
+        hashes = list(range(1000, 1040))
+
+        async def peer_known() -> bool:
+            m.publish(Heartbeat([]))  # the SUB connects asynchronously: repeat until heard
+            return any(p["replica"] == "peer-router" for p in (await m.router_doc())["sync"]["peers"])
+
+        async def two_on_w0() -> bool:
+            m.publish(Heartbeat(["p-1", "p-2"]))
+            return bool((await m.load())[m.e0]["active_requests"] == 2)
+
+        await _until(peer_known)
+        m.publish(Routed("p-1", "w0", 0, hashes, 640, 0))
+        m.publish(Routed("p-2", "w0", 0, hashes, 640, 0))
+        m.publish(Routed("p-3", "nobody", 0, hashes, 640, 0))  # not a worker here: ignored
+        await _until(two_on_w0)
+        # the router's own choice avoids w0 now
+        for i in range(3):
+            async with m.http.post(m.front + "/v1/chat/completions", json=chat(f"q{i} " * 40)) as r:
+                assert r.status == 200
+                assert r.headers["x-kvmesh-worker-id"] == "w1"
+        m.publish(Heartbeat(["p-1"]))  # p-2's Freed was lost; the heartbeat says it is gone
+
+        async def one_left() -> bool:
+            return bool((await m.load())[m.e0]["active_requests"] == 1)
+
+        await _until(one_left)
+        # the peer falls silent: after its timeout its requests are dropped
+
+        async def peer_dropped() -> bool:
+            sync = (await m.router_doc())["sync"]
+            return bool(
+                sync["stats"]["peers_expired"] == 1 and (await m.load())[m.e0]["active_requests"] == 0
+            )
+
+        await _until(peer_dropped)
+        stats = (await m.router_doc())["sync"]["stats"]
+        assert stats["unknown_worker"] == 1
+        assert stats["reconciled"] == 1
+        assert stats["counted"] == 2
 
 
 async def test_a_peer_message_with_a_value_no_replica_sends_is_dropped_as_malformed() -> None:
     """A session bound through a peer with a NaN or infinite timeout never expired: requests of
     that session kept going to its worker, however loaded. Such a message, and a decision with a
     negative length, is counted as malformed and changes nothing; a sane bind still holds."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    peer = ctx.socket(zmq.PUB)
-    peer.setsockopt(zmq.LINGER, 0)
-    port = peer.bind_to_random_port("tcp://127.0.0.1")
-    seq = 0
+    async with _front_following_a_peer() as m:
 
-    def publish(message: Any) -> None:
-        nonlocal seq
-        seq += 1
-        peer.send(encode(Envelope("peer-router", 7, seq, message)))
+        async def stats() -> dict[str, Any]:
+            return dict((await m.router_doc())["sync"]["stats"])
 
-    try:
-        async with serve(engine_app(EngineState("e0"))) as e0, serve(engine_app(EngineState("e1"))) as e1:
-            settings = MeshSettings(
-                workers=(WorkerSpec(e0.url, "w0"), WorkerSpec(e1.url, "w1")),
-                router=RouterConfig(use_kv_events=False, router_replica_sync=True),
-                sync_peers=(f"tcp://127.0.0.1:{port}",),
-                sync_endpoint="tcp://127.0.0.1:0",
-                health_interval=0.1,
-            )
-            async with serve(build_router_app(settings)) as front, aiohttp.ClientSession() as http:
+        async def peer_known() -> bool:
+            m.publish(Heartbeat(["p-1", "p-2"]))  # the SUB connects asynchronously
+            return bool((await stats())["received"] > 0)
 
-                async def stats() -> dict[str, Any]:
-                    return dict((await _json(http, front.url + "/kvmesh/router"))["sync"]["stats"])
+        await _until(peer_known)
+        m.publish(Session("nan", "w0", 0, float("nan")))
+        m.publish(Session("inf", "w0", 0, float("inf")))
+        m.publish(Session("zero", "w0", 0, 0.0))
+        m.publish(Routed("p-0", "w1", 0, list(range(40)), -640, 0))
+        m.publish(Session("sane", "w0", 0, 60.0))
+        m.publish(Routed("p-1", "w0", 0, list(range(1000, 1040)), 640, 0))
+        m.publish(Routed("p-2", "w0", 0, list(range(1000, 1040)), 640, 0))
 
-                async def peer_known() -> bool:
-                    publish(Heartbeat(["p-1", "p-2"]))  # the SUB connects asynchronously
-                    return (await stats())["received"] > 0
+        async def two_on_w0() -> bool:
+            m.publish(Heartbeat(["p-0", "p-1", "p-2"]))
+            return bool((await m.load())[m.e0]["active_requests"] == 2)
 
-                await _until(peer_known)
-                publish(Session("nan", "w0", 0, float("nan")))
-                publish(Session("inf", "w0", 0, float("inf")))
-                publish(Session("zero", "w0", 0, 0.0))
-                publish(Routed("p-0", "w1", 0, list(range(40)), -640, 0))
-                publish(Session("sane", "w0", 0, 60.0))
-                publish(Routed("p-1", "w0", 0, list(range(1000, 1040)), 640, 0))
-                publish(Routed("p-2", "w0", 0, list(range(1000, 1040)), 640, 0))
-
-                async def two_on_w0() -> bool:
-                    publish(Heartbeat(["p-0", "p-1", "p-2"]))
-                    return bool((await _load(http, front.url))[e0.url]["active_requests"] == 2)
-
-                await _until(two_on_w0)
-                assert (await stats())["malformed"] == 4
-                assert (await _load(http, front.url))[e1.url]["active_requests"] == 0
-                for session, worker in (("sane", "w0"), ("nan", "w1"), ("inf", "w1"), ("zero", "w1")):
-                    body = chat(
-                        f"a question for {session} " * 40, nvext={"session_control": {"session_id": session}}
-                    )
-                    async with http.post(front.url + "/v1/chat/completions", json=body) as r:
-                        assert r.status == 200
-                        assert r.headers["x-kvmesh-worker-id"] == worker, session
-    finally:
-        peer.close(linger=0)
+        await _until(two_on_w0)
+        assert (await stats())["malformed"] == 4
+        assert (await m.load())[m.e1]["active_requests"] == 0
+        for session, worker in (("sane", "w0"), ("nan", "w1"), ("inf", "w1"), ("zero", "w1")):
+            body = chat(f"a question for {session} " * 40, nvext={"session_control": {"session_id": session}})
+            async with m.http.post(m.front + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                assert r.headers["x-kvmesh-worker-id"] == worker, session
 
 
 def test_sync_settings_from_env_and_flags() -> None:

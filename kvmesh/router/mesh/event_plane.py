@@ -36,7 +36,6 @@ from kvmesh.router.upstream.forwarder import ConnectFailed
 
 logger = logging.getLogger("kvmesh.router")
 
-# /kvmesh/info keys that describe a worker to the registry (the rest is informational).
 # How long the embedding engine may take to answer its own /kvmesh/info before the entry goes out
 # without facts (routers then ask the engine over HTTP, as for a --workers entry).
 _INFO_PATIENCE_S = 10.0

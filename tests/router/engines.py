@@ -36,6 +36,7 @@ class EngineState:
     stream_usage: bool = True  # end a stream with a usage event
     dp_size: int = 1
     info_facts: dict[str, Any] = field(default_factory=dict)  # override /kvmesh/info's facts
+    kv_state: Any = None  # the body /kvmesh/kv_state answers (404 when None)
     metrics: str | None = None  # the Prometheus page /metrics serves (404 when None)
     received: list[dict[str, Any]] = field(default_factory=list)
     rpcs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # worker RPCs, in order
@@ -85,6 +86,11 @@ def engine_app(state: EngineState) -> Starlette:
         if state.metrics is None:
             return Response(status_code=404)
         return Response(state.metrics, media_type="text/plain; version=0.0.4")
+
+    async def kv_state(request: Request) -> Response:
+        if state.kv_state is None:
+            return Response(status_code=404)
+        return JSONResponse(state.kv_state)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "test-model", "object": "model"}]})
@@ -164,6 +170,7 @@ def engine_app(state: EngineState) -> Starlette:
             Route("/kvmesh/pin_prefix", pin_prefix, methods=["POST"]),
             Route("/health", health),
             Route("/metrics", metrics),
+            Route("/kvmesh/kv_state", kv_state),
             Route("/v1/models", models),
             Route("/v1/chat/completions", generate, methods=["POST"]),
             Route("/v1/completions", generate, methods=["POST"]),

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvmesh._types import WorkerId
 from kvmesh.errors import WorkerError
 from kvmesh.events.nats_link import NATS_ENDPOINT_PREFIX, NatsLink
@@ -144,15 +146,15 @@ class EventFeed:
         last_seqs: dict[int, int | None] = {}
         if target.has_rpc:
             try:
-                state = await self.rpc.kv_state(target.worker_id, target.url)
-                for rank in state.get("ranks", []):
-                    dp_rank = int(rank.get("dp_rank", 0))
-                    self.router.load_state(target.worker_id, dp_rank, _stored_events(rank))
-                    last_seqs[dp_rank] = rank.get("last_seq")
-            except (ConnectFailed, KeyError, TypeError, ValueError, AttributeError) as e:
+                ranks = read_kv_state(await self.rpc.kv_state(target.worker_id, target.url))
+            except (ConnectFailed, KvStateError) as e:
                 logger.warning(
                     "worker %s: no kv_state cold start (%s); following live events only", target.worker_id, e
                 )
+                ranks = {}
+            for dp_rank, rank_state in ranks.items():
+                self.router.load_state(target.worker_id, dp_rank, rank_state.stored)
+                last_seqs[dp_rank] = rank_state.last_seq
         if not still_wanted() or self.streams.get(target.worker_id) is not streams:
             return
         for rank, endpoint in enumerate(target.kv_events_endpoints):
@@ -230,25 +232,22 @@ class EventFeed:
         if state is not None:
             self._load_rank_state(target.worker_id, rank, state)
 
-    async def _rank_state(self, target: FeedTarget, rank: int) -> dict[str, Any] | None:
-        """One rank's part of the worker's ``/kvmesh/kv_state`` (None when unavailable)."""
+    async def _rank_state(self, target: FeedTarget, rank: int) -> RankState | None:
+        """One rank's part of the worker's ``/kvmesh/kv_state`` (None when unavailable or
+        unreadable)."""
         try:
-            state = await self.rpc.kv_state(target.worker_id, target.url)
-        except ConnectFailed as e:
+            return read_kv_state(await self.rpc.kv_state(target.worker_id, target.url)).get(rank)
+        except (ConnectFailed, KvStateError) as e:
             logger.warning("worker %s: kv_state re-sync failed: %s", target.worker_id, e)
             return None
-        for r in state.get("ranks", []) if isinstance(state, dict) else ():
-            if isinstance(r, dict) and int(r.get("dp_rank", 0)) == rank:
-                return r
-        return None
 
-    def _load_rank_state(self, worker_id: WorkerId, rank: int, r: dict[str, Any]) -> None:
+    def _load_rank_state(self, worker_id: WorkerId, rank: int, r: RankState) -> None:
         streams = self.streams.get(worker_id)
         if streams is None:  # unfollowed meanwhile
             return
-        self.router.load_state(worker_id, rank, _stored_events(r))
-        if r.get("last_seq") is not None and rank < len(streams.subscribers):
-            streams.subscribers[rank].resume_from(int(r["last_seq"]))
+        self.router.load_state(worker_id, rank, r.stored)
+        if r.last_seq is not None and rank < len(streams.subscribers):
+            streams.subscribers[rank].resume_from(r.last_seq)
 
     async def check_quiet_streams(self, target: FeedTarget) -> None:
         """At each health check: report the streams' faults, and for each quiet stream (no batch
@@ -283,8 +282,8 @@ class EventFeed:
                 sub.resume_from((expected or 0) - 1)
             elif target.has_rpc and quiet % _STATE_PROBE_EVERY == 1:
                 r = await self._rank_state(target, rank)
-                last = r.get("last_seq") if r is not None else None
-                if r is None or last is None or (expected is not None and int(last) < expected):
+                last = r.last_seq if r is not None else None
+                if r is None or last is None or (expected is not None and last < expected):
                     streams.misses[rank] = 0
                     continue
                 streams.misses[rank] = streams.misses.get(rank, 0) + 1
@@ -292,7 +291,7 @@ class EventFeed:
                     "worker %s rank %d: published up to seq %d, we hold %s; cold start from kv_state",
                     target.worker_id,
                     rank,
-                    int(last),
+                    last,
                     "nothing" if expected is None else f"up to {expected - 1}",
                 )
                 self.router.clear_worker_index(target.worker_id, rank)
@@ -336,19 +335,65 @@ class EventFeed:
             )
 
 
-def _stored_events(rank_state: dict[str, Any]) -> list[BlockStored]:
-    return [_stored_from_json(e) for e in rank_state.get("events", []) if e.get("type") == "BlockStored"]
+class KvStateError(ValueError):
+    """A ``/kvmesh/kv_state`` answer that is not the shape kvmesh's workers give."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """One data-parallel rank's part of a worker's ``/kvmesh/kv_state``, read."""
+
+    stored: list[BlockStored]
+    last_seq: int | None
+    """The sequence number of the last published batch the blocks include (None before any)."""
+
+
+def read_kv_state(state: Any) -> dict[int, RankState]:
+    """Every rank of a ``/kvmesh/kv_state`` answer (:func:`kvmesh.worker.block_state.rank_state`
+    writes them), by rank; :class:`KvStateError` naming what is wrong otherwise. (Read piecemeal,
+    a sequence number that was not a number raised out of the worker's admission, which left it
+    ``pending`` for good with no reason, and out of every fifth health check of a quiet stream,
+    whose other work it skipped.)"""
+    ranks = state.get("ranks", []) if isinstance(state, dict) else None
+    if not isinstance(ranks, list):
+        raise KvStateError("kv_state: 'ranks' must be a list")
+    out: dict[int, RankState] = {}
+    for r in ranks:
+        if not isinstance(r, dict):
+            raise KvStateError("kv_state: each rank must be an object")
+        dp_rank, last_seq, events = r.get("dp_rank", 0), r.get("last_seq"), r.get("events", [])
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
+            raise KvStateError(f"kv_state: dp_rank must be a rank number, got {dp_rank!r}")
+        if last_seq is not None and (
+            isinstance(last_seq, bool) or not isinstance(last_seq, int) or last_seq < 0
+        ):
+            raise KvStateError(f"kv_state: last_seq must be a sequence number or null, got {last_seq!r}")
+        if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+            raise KvStateError("kv_state: events must be a list of objects")
+        try:
+            stored = [_stored_from_json(e) for e in events if e.get("type") == "BlockStored"]
+        except (KeyError, TypeError, ValueError, msgspec.ValidationError) as e:
+            raise KvStateError(f"kv_state: a BlockStored event is malformed ({e!r})") from None
+        out[dp_rank] = RankState(stored, last_seq)
+    return out
 
 
 def _stored_from_json(d: dict[str, Any]) -> BlockStored:
+    """A BlockStored from its JSON form (:func:`kvmesh.events.wire.event_to_json`: bytes hashes as
+    hex), its fields' types checked as the wire decoder checks them."""
+
     def h(x: Any) -> Any:
         return bytes.fromhex(x) if isinstance(x, str) else x
 
-    return BlockStored(
-        block_hashes=[h(x) for x in d["block_hashes"]],
-        parent_block_hash=h(d.get("parent_block_hash")),
-        token_ids=list(d["token_ids"]),
-        block_size=int(d["block_size"]),
-        lora_name=d.get("lora_name"),
-        medium=d.get("medium"),
+    return msgspec.convert(
+        {
+            "type": "BlockStored",
+            "block_hashes": [h(x) for x in d["block_hashes"]],
+            "parent_block_hash": h(d.get("parent_block_hash")),
+            "token_ids": d["token_ids"],
+            "block_size": d["block_size"],
+            "lora_name": d.get("lora_name"),
+            "medium": d.get("medium"),
+        },
+        BlockStored,
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import zmq
 
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
@@ -97,6 +98,41 @@ async def test_a_worker_describing_itself_with_a_bad_fact_is_down_naming_it_unti
             assert odd.received == []
             odd.info_facts = {}
             await _until_state(http, front.url, bad.url, "up")
+
+
+async def test_an_unreadable_kv_state_neither_strands_the_worker_nor_stops_its_health_checks(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A ``kv_state`` whose sequence number is not a number raised out of the worker's admission
+    (only kvmesh's own errors are caught there): the worker stayed ``pending`` for good, with no
+    reason. It is taken as unavailable now, there and at the health checks that read it again (a
+    quiet stream with no replay socket is checked against it): the worker follows live events
+    only, and its checks go on to read the engine's own load."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    quiet = ctx.socket(zmq.PUB)  # an event publisher that publishes nothing
+    quiet.setsockopt(zmq.LINGER, 0)
+    port = quiet.bind_to_random_port("tcp://127.0.0.1")
+    state = EngineState(
+        "odd",
+        info_facts={"kv_events_endpoints": [f"tcp://127.0.0.1:{port}"]},
+        kv_state={"ranks": [{"dp_rank": 0, "last_seq": "soon", "events": []}]},
+        metrics='vllm:num_requests_running{model_name="test-model"} 2.0\n'
+        'vllm:num_requests_waiting{model_name="test-model"} 3.0\n',
+    )
+    try:
+        async with serve(engine_app(state)) as engine:
+            settings = MeshSettings(workers=(WorkerSpec(engine.url, "odd"),), health_interval=0.05)
+            async with serve(build_router_app(settings)) as front:
+                await _until_state(http, front.url, engine.url, "up")
+                for _ in range(250):
+                    row = (await _workers(http, front.url))[engine.url]
+                    if row.get("engine_load"):
+                        break
+                    await asyncio.sleep(0.02)
+                assert row["engine_load"] is not None, row
+                assert (row["engine_load"]["running"], row["engine_load"]["waiting"]) == (2.0, 3.0)
+    finally:
+        quiet.close(linger=0)
 
 
 async def test_a_dead_worker_leaves_routing_and_is_readmitted_when_it_returns(

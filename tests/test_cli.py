@@ -57,6 +57,7 @@ def test_missing_subcommand_is_a_usage_error() -> None:
     [
         (["--engines", "0"], "argument --engines: must be at least 1, got 0"),
         (["--engines", "-1"], "argument --engines: must be at least 1, got -1"),
+        (["--engines", "1000000"], "argument --engines: must be at most 64 (each engine is a process"),
         (["--speedup", "0"], "argument --speedup: must be greater than 0, got 0"),
         (["--num-blocks", "0"], "argument --num-blocks: must be at least 1, got 0"),
         (["--block-size", "0"], "argument --block-size: must be at least 1, got 0"),

@@ -30,8 +30,25 @@ from typing import Any
 from kvmesh.commands.argtypes import output_path, positive_float, positive_int
 
 
+MAX_ENGINES = 64
+"""Engines a demo fleet may have. Each is a process of its own (about 50 MB) with three ports, and
+the demo runs three fleets in turn. Unbounded, ``--engines 1000000`` ended in "Too many open
+files" while choosing ports, and a few thousand would have started as many processes."""
+
+
+def engine_count(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_ENGINES:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_ENGINES} (each engine is a process of its own), got {value}"
+        )
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engines", type=positive_int, default=4, help="simulated engines in the mesh [4]")
+    parser.add_argument(
+        "--engines", type=engine_count, default=4, help=f"simulated engines in the mesh, 1-{MAX_ENGINES} [4]"
+    )
     parser.add_argument("--sessions", type=positive_int, default=24, help="agent conversations per run [24]")
     parser.add_argument("--turns", type=positive_int, default=10, help="turns per conversation [10]")
     parser.add_argument("--concurrency", type=positive_int, default=16, help="conversations in flight [16]")

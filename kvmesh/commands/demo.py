@@ -29,7 +29,6 @@ from typing import Any
 
 from kvmesh.commands.argtypes import output_path, positive_float, positive_int
 
-
 MAX_ENGINES = 64
 """Engines a demo fleet may have. Each is a process of its own (about 50 MB) with three ports, and
 the demo runs three fleets in turn. Unbounded, ``--engines 1000000`` ended in "Too many open

@@ -388,6 +388,12 @@ class WorkerRegistry:
         except KvMeshError as e:
             if w.state != REFUSED:
                 self._set_state(w, DOWN, str(e))
+        except Exception as e:  # a fault nothing above foresaw: kept visible, and tried again
+            # (Two workers that described themselves oddly stayed `pending` for good, with no
+            # reason anywhere, until their answers were read by rule.)
+            logger.exception("worker %s: admission failed", w.worker_id)
+            if w.state != REFUSED:
+                self._set_state(w, DOWN, f"admission failed: {e!r}")
         finally:
             self._admitting.discard(w.worker_id)
 
@@ -469,9 +475,24 @@ class WorkerRegistry:
     async def _health_loop(self) -> None:
         await self.ready.wait()
         interval = self.settings.health_interval
+        failing: dict[WorkerId, str] = {}
         while True:
             await asyncio.sleep(interval)
-            await asyncio.gather(*(self._check(w) for w in self.workers.values()), return_exceptions=True)
+            workers = list(self.workers.values())
+            results = await asyncio.gather(*(self._check(w) for w in workers), return_exceptions=True)
+            for gone in [k for k in failing if k not in self.workers]:
+                del failing[gone]
+            for w, result in zip(workers, results, strict=True):
+                if not isinstance(result, Exception):
+                    failing.pop(w.worker_id, None)
+                elif failing.get(w.worker_id) != repr(result):  # once per fault, not every check
+                    failing[w.worker_id] = repr(result)
+                    logger.error(
+                        "worker %s: a health check failed (%r); the next ones go on",
+                        w.worker_id,
+                        result,
+                        exc_info=result,
+                    )
 
     async def _check(self, w: Worker) -> None:
         if self.is_local(w.worker_id):

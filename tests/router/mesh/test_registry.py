@@ -17,6 +17,7 @@ import zmq
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.engines import EngineState, engine_app
 from tests.router.fleet import chat, fleet
@@ -133,6 +134,49 @@ async def test_an_unreadable_kv_state_neither_strands_the_worker_nor_stops_its_h
                 assert (row["engine_load"]["running"], row["engine_load"]["waiting"]) == (2.0, 3.0)
     finally:
         quiet.close(linger=0)
+
+
+async def test_a_fault_nothing_foresaw_is_visible_and_tried_again(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error outside kvmesh's own, in the admission or in a health check, stands for any fault
+    no rule foresaw (this stop's kv_state and /kvmesh/info defects were such). In the admission it
+    had left the worker ``pending`` for good with no reason; in a health check it was dropped
+    without a word. Now the worker is ``down`` with the error as its reason and admitted once the
+    fault clears, and a failing check is logged once, not at every check."""
+    faults = {"admit": True, "check": False}
+    admit_once, routine = WorkerRegistry._admit_once, WorkerRegistry._routine
+
+    async def faulty_admit(self: WorkerRegistry, w: Any) -> None:
+        if faults["admit"]:
+            raise RuntimeError("admission fault")
+        await admit_once(self, w)
+
+    async def faulty_routine(self: WorkerRegistry, w: Any) -> None:
+        if faults["check"]:
+            raise RuntimeError("check fault")
+        await routine(self, w)
+
+    monkeypatch.setattr(WorkerRegistry, "_admit_once", faulty_admit)
+    monkeypatch.setattr(WorkerRegistry, "_routine", faulty_routine)
+    async with serve(engine_app(EngineState("e0"))) as engine:
+        settings = MeshSettings(
+            workers=(WorkerSpec(engine.url, "e0"),),
+            router=RouterConfig(use_kv_events=False),
+            health_interval=0.02,
+        )
+        async with serve(build_router_app(settings)) as front:
+            await _until_state(http, front.url, engine.url, "down")
+            row = (await _workers(http, front.url))[engine.url]
+            assert row["reason"] == "admission failed: RuntimeError('admission fault')"
+            faults["admit"] = False
+            await _until_state(http, front.url, engine.url, "up")
+            caplog.clear()
+            faults["check"] = True
+            await asyncio.sleep(0.3)  # a dozen checks or more
+            logged = [r for r in caplog.records if "a health check failed" in r.getMessage()]
+            assert len(logged) == 1 and "check fault" in logged[0].getMessage()
+            assert (await _workers(http, front.url))[engine.url]["state"] == "up"
 
 
 async def test_a_dead_worker_leaves_routing_and_is_readmitted_when_it_returns(

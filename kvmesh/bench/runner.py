@@ -317,7 +317,10 @@ async def run_workload(
                 while not queue.empty():
                     await run_session(*queue.get_nowait())
 
-            await asyncio.gather(*(user(i) for i in range(users)))
+            # Users past the number of sessions would find the queue empty (the first ones take a
+            # session each before they wake): they are not made at all. (`--concurrency 99999999`
+            # made that many, and took a gigabyte in eight seconds before sending anything.)
+            await asyncio.gather(*(user(i) for i in range(min(users, len(sessions)))))
         duration = time.perf_counter() - t0
     if progress is not None:
         progress.close()

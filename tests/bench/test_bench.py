@@ -124,6 +124,22 @@ async def test_runner_against_a_mock_engine(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+async def test_a_concurrency_far_above_the_sessions_runs_them_all_at_once() -> None:
+    """A closed loop runs as many sessions at once as it has, however large ``concurrency`` is:
+    ``kvmesh bench --concurrency 99999999`` made a user for each, and took a gigabyte in eight
+    seconds before it sent a request."""
+    async with run_mock(block_size=16, num_blocks=2048, speedup=50.0) as mock:
+        sessions = build(WorkloadSpec("agentic", sessions=3, turns=2, prefix_words=50, max_tokens=4))
+        load = LoadSpec(urls=(mock.base_url,), concurrency=100_000_000, ramp=0.0)
+        run = await run_workload("agentic", sessions, load)
+    assert len(run.results) == 6 and all(r.ok for r in run.results), [r.error for r in run.results]
+    steps = sorted({r.step for r in run.results})
+    # every session had begun before any came back for its next turn: they ran at once
+    assert max(r.start for r in run.results if r.step == steps[0]) < min(
+        r.start for r in run.results if r.step == steps[1]
+    )
+
+
 async def test_bench_command_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     async with run_mock(block_size=16, speedup=50.0) as mock:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import resource
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -124,20 +127,30 @@ async def test_runner_against_a_mock_engine(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-async def test_a_concurrency_far_above_the_sessions_runs_them_all_at_once() -> None:
-    """A closed loop runs as many sessions at once as it has, however large ``concurrency`` is:
-    ``kvmesh bench --concurrency 99999999`` made a user for each, and took a gigabyte in eight
-    seconds before it sent a request."""
-    async with run_mock(block_size=16, num_blocks=2048, speedup=50.0) as mock:
-        sessions = build(WorkloadSpec("agentic", sessions=3, turns=2, prefix_words=50, max_tokens=4))
-        load = LoadSpec(urls=(mock.base_url,), concurrency=100_000_000, ramp=0.0)
-        run = await run_workload("agentic", sessions, load)
-    assert len(run.results) == 6 and all(r.ok for r in run.results), [r.error for r in run.results]
-    steps = sorted({r.step for r in run.results})
-    # every session had begun before any came back for its next turn: they ran at once
-    assert max(r.start for r in run.results if r.step == steps[0]) < min(
-        r.start for r in run.results if r.step == steps[1]
-    )
+def _address_space_of(limit_bytes: int) -> Callable[[], None]:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    return limit
+
+
+async def test_a_concurrency_far_above_the_sessions_runs_them_all_at_once(tmp_path: Path) -> None:
+    """A closed loop runs as many sessions at once as it has, however large ``--concurrency`` is.
+    It made a user for each unit of it: ``--concurrency 99999999`` took a gigabyte in eight seconds
+    before it sent a request, and twenty in ten minutes. (The command runs in an address space of
+    4 GiB, so the old way ends in a MemoryError here rather than in the machine's memory.)"""
+    out = tmp_path / "bench.json"
+    async with run_mock(block_size=16, speedup=50.0) as mock:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvmesh", "bench", "--url", mock.base_url, "--workload", "agentic",
+            "--sessions", "3", "--turns", "2", "--concurrency", "100000000", "--max-tokens", "4",
+            "--json", str(out), "--no-progress",
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_address_space_of(4 << 30),
+        )  # fmt: skip
+        _, stderr = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    results = json.loads(out.read_text())["runs"][0]
+    assert results["summary"]["ok"] == 6
 
 
 async def test_bench_command_end_to_end(tmp_path: Path) -> None:

@@ -115,3 +115,13 @@ def test_the_log_levels_offered_are_uvicorns() -> None:
     from kvmesh.commands.argtypes import LOG_LEVELS
 
     assert set(LOG_LEVELS) == set(UVICORN)
+
+
+def test_the_router_refuses_a_tokenizer_it_cannot_load_before_it_starts(tmp_path: Path) -> None:
+    """A path that does not exist, or a directory with no tokenizer in it, reached the user as a
+    ConfigError or ImportError traceback from inside the app's construction."""
+    for tokenizer in ("/nonexistent-kvmesh-tokenizer", str(tmp_path)):
+        result = _kvmesh("router", "--workers", "http://127.0.0.1:1", "--tokenizer", tokenizer)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert f"kvmesh router: the tokenizer {tokenizer!r} (--tokenizer, KVMESH_TOKENIZER)" in result.stderr
+        assert "Traceback" not in result.stderr and "kvmesh router on" not in result.stderr

@@ -45,7 +45,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    app = build_router_app(settings, freeze_heap=True)
+    try:
+        app = build_router_app(settings, freeze_heap=True)
+    except ConfigError as e:  # what the settings alone cannot tell: a tokenizer that will not load
+        print(f"kvmesh router: {e}", file=sys.stderr)
+        return 2
     from kvmesh._native import summary
 
     print(

@@ -70,9 +70,16 @@ def load_tokenizer(name: str, engine_tokenizer: Tokenizer | None) -> Tokenizer:
         return BuiltinTokenizer()
     if name == "engine":
         raise ConfigError("KVMESH_TOKENIZER=engine, but the engine passed no tokenizer to the middleware")
+    what = f"the tokenizer {name!r} (--tokenizer, KVMESH_TOKENIZER)"
     if not os.path.exists(name):
-        raise ConfigError(f"KVMESH_TOKENIZER {name!r} is neither 'builtin' nor an existing local path")
-    return HfTokenizer(name)
+        raise ConfigError(f"{what} is neither 'builtin' nor an existing local path")
+    # (Raised as they came, these reached `kvmesh router`'s user as a traceback.)
+    try:
+        return HfTokenizer(name)
+    except ImportError as e:
+        raise ConfigError(f"{what}: {e}") from None
+    except (OSError, ValueError) as e:  # transformers' words for a directory with no tokenizer in it
+        raise ConfigError(f"{what} could not be loaded: {e}") from None
 
 
 class Mesh:

@@ -9,7 +9,7 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvmesh.commands.argtypes import log_level, port
-    from kvmesh.mock.config import DEFAULT_MODEL, MockConfig
+    from kvmesh.mock.config import DEFAULT_MODEL, MAX_NUM_BLOCKS, MockConfig
 
     d = MockConfig()
     parser.add_argument(
@@ -25,7 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-size", type=int, default=d.block_size, help="tokens per KV block [%(default)s]"
     )
     parser.add_argument(
-        "--num-blocks", type=int, default=d.num_blocks, help="KV blocks in the simulated cache [%(default)s]"
+        "--num-blocks",
+        type=int,
+        default=d.num_blocks,
+        help=f"KV blocks in the simulated cache, at most {MAX_NUM_BLOCKS} [%(default)s]",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once [%(default)s]"

@@ -13,6 +13,11 @@ from kvmesh.events.nats_link import parse_event_plane
 DEFAULT_MODEL = "kvmesh-mock"
 
 
+MAX_NUM_BLOCKS = 1 << 22
+"""Blocks a simulated cache may have: 4,194,304, about 0.8 GB of block objects (a million took
+190 MB). `--num-blocks 99999999999` went on making them, 0.9 GB in six seconds, before serving."""
+
+
 @dataclass(frozen=True)
 class MockConfig:
     model: str = DEFAULT_MODEL
@@ -49,6 +54,11 @@ class MockConfig:
         for flag, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+        if self.num_blocks > MAX_NUM_BLOCKS:
+            raise ConfigError(
+                f"--num-blocks must be at most {MAX_NUM_BLOCKS} (each simulated block is an object "
+                f"in memory), got {self.num_blocks}"
+            )
         if not self.model:
             raise ConfigError("--model must not be empty")
         if not 0 < self.speedup < math.inf:  # (an infinite speed-up would make every step free)

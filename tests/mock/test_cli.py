@@ -103,6 +103,7 @@ def test_a_busy_events_port_is_a_clear_error() -> None:
     ("flags", "message"),
     [
         (["--block-size", "0"], "--block-size must be a positive integer, got 0"),
+        (["--num-blocks", "99999999999"], "--num-blocks must be at most 4194304 (each simulated block"),
         (["--speedup", "0"], "--speedup must be a positive finite number, got 0.0"),
         (["--speedup", "inf"], "--speedup must be a positive finite number, got inf"),
         (["--speedup", "nan"], "--speedup must be a positive finite number, got nan"),

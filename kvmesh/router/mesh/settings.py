@@ -233,8 +233,9 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
             value = table[name]
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise bad(name, f"must be a positive integer, got {value!r}")
-            if value > _INT_LIMITS.get(name, value):
-                raise bad(name, f"must be at most {_INT_LIMITS[name]}, got {value}")
+            limit = _INT_LIMITS.get(name)
+            if limit is not None and value > limit:
+                raise bad(name, f"must be at most {limit}, got {value}")
             values[name] = value
     for name in ("backend", "model"):
         if name in table:

@@ -145,6 +145,7 @@ async def test_a_fault_nothing_foresaw_is_visible_and_tried_again(
     without a word. Now the worker is ``down`` with the error as its reason and admitted once the
     fault clears, and a failing check is logged once, not at every check."""
     faults = {"admit": True, "check": False}
+    failed_checks = 0
     admit_once, routine = WorkerRegistry._admit_once, WorkerRegistry._routine
 
     async def faulty_admit(self: WorkerRegistry, w: Any) -> None:
@@ -153,7 +154,9 @@ async def test_a_fault_nothing_foresaw_is_visible_and_tried_again(
         await admit_once(self, w)
 
     async def faulty_routine(self: WorkerRegistry, w: Any) -> None:
+        nonlocal failed_checks
         if faults["check"]:
+            failed_checks += 1
             raise RuntimeError("check fault")
         await routine(self, w)
 
@@ -173,7 +176,11 @@ async def test_a_fault_nothing_foresaw_is_visible_and_tried_again(
             await _until_state(http, front.url, engine.url, "up")
             caplog.clear()
             faults["check"] = True
-            await asyncio.sleep(0.3)  # a dozen checks or more
+            for _ in range(500):  # until a dozen checks have failed (counted, not timed)
+                if failed_checks >= 12:
+                    break
+                await asyncio.sleep(0.01)
+            assert failed_checks >= 12
             logged = [r for r in caplog.records if "a health check failed" in r.getMessage()]
             assert len(logged) == 1 and "check fault" in logged[0].getMessage()
             assert (await _workers(http, front.url))[engine.url]["state"] == "up"

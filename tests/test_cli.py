@@ -109,6 +109,47 @@ def test_a_server_refuses_a_port_or_log_level_it_cannot_use_before_it_starts(
     assert "Traceback" not in result.stderr and "serving" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["mock", "--kv-events-endpoint", "tcp://127.0.0.1:70000"],
+            "kvmesh mock: error: argument --kv-events-endpoint: 'tcp://127.0.0.1:70000' has port '70000'",
+        ),
+        (
+            ["mock", "--kv-replay-endpoint", "tcp://127.0.0.1:65536"],
+            "kvmesh mock: error: argument --kv-replay-endpoint: 'tcp://127.0.0.1:65536' has port",
+        ),
+        (
+            ["events", "tap", "tcp://127.0.0.1:70000", "--timeout", "1"],
+            "kvmesh events tap: KV-event endpoint 'tcp://127.0.0.1:70000' has port '70000'",
+        ),
+        (
+            ["events", "tap", "tcp://*:5557", "--timeout", "1"],
+            "kvmesh events tap: KV-event endpoint 'tcp://*:5557' names the wildcard host",
+        ),
+        (
+            ["events", "tap", "tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://127.0.0.1:99999"],
+            "argument --replay-endpoint: 'tcp://127.0.0.1:99999' has port '99999'",
+        ),
+        (
+            ["events", "relay", "tcp://127.0.0.1:99999", "--nats", "nats://127.0.0.1:1", "--name", "a"],
+            "argument ENDPOINT: 'tcp://127.0.0.1:99999' has port '99999'",
+        ),
+    ],
+)
+def test_a_zmq_endpoint_past_port_65535_is_refused_before_a_socket_opens(
+    args: list[str], message: str
+) -> None:
+    """ZMQ takes a TCP port past 65535 modulo 65,536: ``kvmesh mock --kv-events-endpoint
+    tcp://127.0.0.1:70000`` said its events were on port 4464 and served, and the tap followed
+    port 4464 without a word."""
+    result = _kvmesh(*args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_the_log_levels_offered_are_uvicorns() -> None:
     from uvicorn.config import LOG_LEVELS as UVICORN
 

@@ -6,6 +6,8 @@ import argparse
 import math
 from pathlib import Path
 
+from kvmesh.events.endpoint import endpoint_problem
+
 
 def non_negative_int(text: str) -> int:
     value = int(text)
@@ -29,6 +31,22 @@ def port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port from 1 to 65535, got {value}")
     return value
+
+
+def bind_endpoint(text: str) -> str:
+    """A ZMQ endpoint to bind (a ``tcp://`` port past 65535 was bound modulo 65,536)."""
+    problem = endpoint_problem(text, bind=True)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}")
+    return text
+
+
+def connect_endpoint(text: str) -> str:
+    """A ZMQ endpoint to connect to (a ``tcp://`` port past 65535 dialled another port)."""
+    problem = endpoint_problem(text, bind=False)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}")
+    return text
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -15,7 +15,7 @@ import json
 import sys
 from collections import Counter
 
-from kvmesh.commands.argtypes import non_negative_int, positive_float, positive_int
+from kvmesh.commands.argtypes import connect_endpoint, non_negative_int, positive_float, positive_int
 from kvmesh.errors import ConfigError
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import BlockRemoved, BlockStored, EngineHashT, EventBatch, event_to_json
@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     tap.add_argument(
         "--replay-endpoint",
+        type=connect_endpoint,
         metavar="E",
         help="the publisher's ROUTER replay endpoint; without it, missed batches cannot be recovered",
     )

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from kvmesh.commands.argtypes import positive_float, positive_int
+from kvmesh.commands.argtypes import connect_endpoint, positive_float, positive_int
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsOptions, parse_event_plane
 
@@ -39,6 +39,7 @@ def add_parser(actions: Any) -> None:
     relay.add_argument(
         "endpoints",
         nargs="+",
+        type=connect_endpoint,
         metavar="ENDPOINT",
         help="the engine's PUB endpoint(s), one per data-parallel rank in rank order "
         "(e.g. tcp://10.0.0.1:5557 tcp://10.0.0.1:5558 for dp 2)",
@@ -46,6 +47,7 @@ def add_parser(actions: Any) -> None:
     relay.add_argument(
         "--replay-endpoint",
         action="append",
+        type=connect_endpoint,
         default=[],
         metavar="E",
         help="the engine's ROUTER replay endpoint, once per ENDPOINT in the same order; without it a "

@@ -8,7 +8,7 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvmesh.commands.argtypes import log_level, port
+    from kvmesh.commands.argtypes import bind_endpoint, log_level, port
     from kvmesh.mock.config import DEFAULT_MODEL, MAX_NUM_BLOCKS, MockConfig
 
     d = MockConfig()
@@ -50,11 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-events-endpoint",
+        type=bind_endpoint,
         default=None,
         help="bind a ZMQ PUB socket here and publish KV events, e.g. tcp://127.0.0.1:5557 [no events]",
     )
     parser.add_argument(
         "--kv-replay-endpoint",
+        type=bind_endpoint,
         default=None,
         help="bind a ZMQ ROUTER socket here that replays missed event batches, e.g. tcp://127.0.0.1:5558 [none]",
     )

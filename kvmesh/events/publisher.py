@@ -32,6 +32,7 @@ from typing import Protocol
 import zmq
 
 from kvmesh.errors import ConfigError
+from kvmesh.events.endpoint import check_endpoint
 from kvmesh.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -243,6 +244,7 @@ class BatchPublisher:
 def _open_with_options(
     ctx: zmq.Context[zmq.Socket[bytes]], kind: int, endpoint: str, bind: bool, *, sndhwm: int
 ) -> zmq.Socket[bytes]:
+    check_endpoint(endpoint, bind=bind)
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, sndhwm)  # before bind/connect: it applies to later connections
     try:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvmesh.errors import ConfigError, MalformedEventError
+from kvmesh.events.endpoint import check_endpoint
 from kvmesh.events.readiness import SocketWatch, drain, readable, recv_frames
 from kvmesh.events.wire import REPLAY_END_SEQ, EventBatch, decode_batch, pack_seq, unpack_frames, unpack_seq
 
@@ -109,8 +110,10 @@ class EventSubscriber:
         backoff_initial: float = 0.05,
         backoff_max: float = 5.0,
     ) -> None:
-        self.endpoint = endpoint
+        self.endpoint = check_endpoint(endpoint, bind=bind)
         self.replay_endpoint = replay_endpoint
+        if replay_endpoint is not None:
+            check_endpoint(replay_endpoint, bind=False, what="KV-event replay endpoint")
         self.topic = topic
         self.bind = bind
         self.name = name or endpoint

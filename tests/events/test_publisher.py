@@ -211,9 +211,13 @@ def test_inproc_endpoint() -> None:
 
 def test_bad_endpoints_raise_config_error() -> None:
     with pytest.raises(
-        ConfigError, match=r"^cannot connect KV-event socket to 'tcp://nonsense': Invalid argument"
+        ConfigError, match=r"^KV-event endpoint 'tcp://nonsense' must look like tcp://host:port$"
     ):
         BatchPublisher("tcp://nonsense")
+    with pytest.raises(
+        ConfigError, match=r"^cannot connect KV-event socket to 'bogus://x': Protocol not supported"
+    ):
+        BatchPublisher("bogus://x")
     with pytest.raises(
         ConfigError, match=r"^cannot bind KV-event socket to 'bogus://x': Protocol not supported"
     ):

@@ -78,6 +78,7 @@ from urllib.parse import urlsplit
 
 from kvmesh._http import HEADER_SAFE_RULE, header_safe
 from kvmesh.errors import ConfigError
+from kvmesh.events.endpoint import endpoint_problem
 from kvmesh.events.nats_link import NatsOptions, parse_event_plane
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.settings_table import Setting, bind_defaults, check_all, key_index
@@ -257,6 +258,12 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
                 raise bad(name, "must be a list of endpoint strings")
             if len(value) > MAX_DP_SIZE:
                 raise bad(name, f"must list at most {MAX_DP_SIZE} endpoints (one a rank), got {len(value)}")
+            for endpoint in value:  # (the router connects to each; a port past 65535 wrapped)
+                problem = endpoint_problem(endpoint, bind=False) if endpoint is not None else None
+                if problem is not None and "wildcard" in problem:  # (an engine bound to tcp://*:5557)
+                    problem += "; set KVMESH_ADVERTISE_HOST (or KVMESH_SELF_URL) on the engine"
+                if problem is not None:
+                    raise bad(name, f"entry {endpoint!r} {problem}")
             values[name] = tuple(value)
     return WorkerSpec(**values)
 
@@ -271,14 +278,15 @@ def worker_from_info(info: Mapping[str, Any], url: str, worker_id: str, where: s
     return worker_from_mapping({**table, "url": url, "id": worker_id}, where)
 
 
-def check_sync_endpoint(endpoint: str, what: str = "KVMESH_SYNC_ENDPOINT") -> str:
-    """``tcp://host:port`` (port may be ``*`` or 0: any free one); ConfigError otherwise."""
+def check_sync_endpoint(endpoint: str, what: str = "KVMESH_SYNC_ENDPOINT", *, bind: bool = True) -> str:
+    """``tcp://host:port`` to bind (port may be ``*`` or 0: any free one) or to connect to (a
+    peer's); ConfigError otherwise."""
     text = endpoint.strip()
-    host, sep, port = text.removeprefix("tcp://").rpartition(":")
-    if not text.startswith("tcp://") or not sep or not host or not (port == "*" or port.isdigit()):
-        raise ConfigError(f"{what} {endpoint!r} must look like tcp://host:port")
-    if port.isdigit() and int(port) > 65535:
-        raise ConfigError(f"{what} {endpoint!r} has an invalid port")
+    problem = (
+        endpoint_problem(text, bind=bind) if text.startswith("tcp://") else "must look like tcp://host:port"
+    )
+    if problem is not None:
+        raise ConfigError(f"{what} {endpoint!r} {problem}")
     return text
 
 
@@ -439,7 +447,7 @@ def _worker_specs(items: list[Any], name: str) -> tuple[WorkerSpec, ...]:
 def _endpoints(items: Any, name: str) -> tuple[str, ...]:
     if not all(isinstance(p, str) for p in items):
         raise ConfigError(f"{name} must be a list of endpoint strings")
-    return tuple(check_sync_endpoint(p, f"{name} entry") for p in items)
+    return tuple(check_sync_endpoint(p, f"{name} entry", bind=False) for p in items)
 
 
 # Each row: field, flag, variable, TOML key, type, help, then the range (low, high, low_open,

@@ -74,6 +74,18 @@ async def test_a_worker_with_another_block_size_is_refused_loudly(http: aiohttp.
             "/kvmesh/info.kv_events_endpoints must be a list",
         ),
         ({"bootstrap_port": "x"}, "/kvmesh/info.bootstrap_port must be a positive integer, got 'x'"),
+        (  # (an engine bound to tcp://*:5557 with no host to advertise: up, its events "live", none read)
+            {"kv_events_endpoints": ["tcp://*:5557"]},
+            "/kvmesh/info.kv_events_endpoints entry 'tcp://*:5557' names the wildcard host '*', which can "
+            "be bound but not connected to; set KVMESH_ADVERTISE_HOST (or KVMESH_SELF_URL) on the engine",
+        ),
+        (
+            {
+                "kv_events_endpoints": ["tcp://127.0.0.1:5557"],
+                "kv_replay_endpoints": ["tcp://127.0.0.1:70000"],
+            },
+            "/kvmesh/info.kv_replay_endpoints entry 'tcp://127.0.0.1:70000' has port '70000'",
+        ),
     ],
 )
 async def test_a_worker_describing_itself_with_a_bad_fact_is_down_naming_it_until_mended(

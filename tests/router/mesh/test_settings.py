@@ -154,6 +154,20 @@ priority_polarity = "lower_first"
         ("bogus = 1", "unknown setting 'bogus'"),
         ("[router]\nrouter_temperature = -1", r"\[router\] router_temperature must be >= 0"),
         ("not toml [", "not valid TOML"),
+        (  # (ZMQ dials a port past 65535 modulo 65,536: another stream, or none, shown as live)
+            "[[workers]]\nurl = 'http://h:1'\nkv_events_endpoints = ['tcp://h:70000']",
+            r"workers\[0\].kv_events_endpoints entry 'tcp://h:70000' has port '70000'; a TCP port is "
+            "a number from 1 to 65535",
+        ),
+        (
+            "[[workers]]\nurl = 'http://h:1'\nkv_replay_endpoints = ['tcp://h:0']",
+            r"workers\[0\].kv_replay_endpoints entry 'tcp://h:0' has port '0'",
+        ),
+        (
+            "[[workers]]\nurl = 'http://h:1'\nkv_events_endpoints = ['tcp://*:5557']",
+            r"entry 'tcp://\*:5557' names the wildcard host '\*', which can be bound but not connected to; "
+            "set KVMESH_ADVERTISE_HOST",
+        ),
     ],
 )
 def test_bad_toml(tmp_path: Path, text: str, message: str) -> None:
@@ -268,6 +282,14 @@ def test_every_setting_is_read_from_the_file_the_environment_and_its_flag(
         (
             {"KVMESH_SYNC_PEERS": "udp://x:1"},
             "KVMESH_SYNC_PEERS entry 'udp://x:1' must look like tcp://host:port",
+        ),
+        (  # (a peer is connected to: any free port means nothing there)
+            {"KVMESH_SYNC_PEERS": "tcp://x:*"},
+            "KVMESH_SYNC_PEERS entry 'tcp://x:*' has port '*'; a TCP port is a number from 1 to 65535",
+        ),
+        (
+            {"KVMESH_SYNC_ENDPOINT": "tcp://x:65536"},
+            "KVMESH_SYNC_ENDPOINT 'tcp://x:65536' has port '65536'; a TCP port is a number from 0 to 65535",
         ),
         (
             {"KVMESH_EVENT_PLANE": "redis://x:1"},

@@ -19,11 +19,12 @@ for the built-in tokenizer (about 2.3 tokens per pseudo-word); the presets in
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 from kvmesh.bench.session import Session, WorkloadSpec, tool, words
 
 
-def agent_long(spec: WorkloadSpec) -> list[Session]:
+def agent_long(spec: WorkloadSpec) -> Iterator[Session]:
     """``groups`` agent types with ``prefix_words``-word system prompts; ``sessions`` sessions of
     ``turns`` turns; each tool output is ``question_words`` words."""
     rng = random.Random(spec.seed)
@@ -31,7 +32,8 @@ def agent_long(spec: WorkloadSpec) -> list[Session]:
     for a in range(spec.groups):
         system = f"You are agent {a}. " + words(rng, spec.prefix_words)
         agents.append((system, [tool(rng, f"tool_{a}_{t}") for t in range(6)]))
-    return [_agent_session(rng, spec, s, *agents[s % len(agents)]) for s in range(spec.sessions)]
+    for s in range(spec.sessions):
+        yield _agent_session(rng, spec, s, *agents[s % len(agents)])
 
 
 def _agent_session(
@@ -51,12 +53,13 @@ def _agent_session(
     )
 
 
-def chat(spec: WorkloadSpec) -> list[Session]:
+def chat(spec: WorkloadSpec) -> Iterator[Session]:
     """``groups`` shared system prompts of ``prefix_words`` words; ``sessions`` conversations of
     ``turns`` turns, each user message ``question_words`` words."""
     rng = random.Random(spec.seed)
     systems = [f"Assistant persona {g}. " + words(rng, spec.prefix_words) for g in range(spec.groups)]
-    return [_chat_session(rng, spec, s, systems[s % len(systems)]) for s in range(spec.sessions)]
+    for s in range(spec.sessions):
+        yield _chat_session(rng, spec, s, systems[s % len(systems)])
 
 
 def _chat_session(rng: random.Random, spec: WorkloadSpec, s: int, system: str) -> Session:
@@ -73,11 +76,10 @@ def _chat_session(rng: random.Random, spec: WorkloadSpec, s: int, system: str) -
     )
 
 
-def siblings(spec: WorkloadSpec) -> list[Session]:
+def siblings(spec: WorkloadSpec) -> Iterator[Session]:
     """``sessions`` sessions, each a private ``prefix_words``-word context, ``turns`` steps of
     ``burst`` siblings; a parallel tool call adds ``question_words`` words per sibling."""
     rng = random.Random(spec.seed)
-    out = []
     for s in range(spec.sessions):
         context = f"Workspace {s}: " + words(rng, spec.prefix_words)
         if s % 2 == 0:  # best-of-n: n identical samples of one prompt
@@ -89,47 +91,40 @@ def siblings(spec: WorkloadSpec) -> list[Session]:
                 for t in range(spec.turns)
             ]
             kind = "parallel-tools"
-        out.append(
-            Session(
-                session_id=f"siblings-{s}",
-                kind=kind,
-                messages=[{"role": "user", "content": context}],
-                tools=None,
-                max_tokens=spec.max_tokens,
-                steps_left=spec.turns,
-                burst=spec.burst,
-                sibling_tails=tails,
-                think_scale=0.25,
-            )
+        yield Session(
+            session_id=f"siblings-{s}",
+            kind=kind,
+            messages=[{"role": "user", "content": context}],
+            tools=None,
+            max_tokens=spec.max_tokens,
+            steps_left=spec.turns,
+            burst=spec.burst,
+            sibling_tails=tails,
+            think_scale=0.25,
         )
-    return out
 
 
-def hot_prefix(spec: WorkloadSpec) -> list[Session]:
+def hot_prefix(spec: WorkloadSpec) -> Iterator[Session]:
     """``sessions`` single questions of ``question_words`` words over ``groups`` prefixes of
     ``prefix_words`` words; prefix 0 takes ``hot_share`` of them, the others share the rest."""
     rng = random.Random(spec.seed)
     prefixes = [f"Knowledge base {g}. " + words(rng, spec.prefix_words) for g in range(spec.groups)]
-    out = []
     for s in range(spec.sessions):
         g = 0 if spec.groups == 1 or rng.random() < spec.hot_share else rng.randrange(1, spec.groups)
-        out.append(
-            Session(
-                session_id=f"hot-{s}",
-                kind="hot" if g == 0 else "cold",
-                messages=[
-                    {"role": "system", "content": prefixes[g]},
-                    {"role": "user", "content": f"Question {s}: " + words(rng, spec.question_words)},
-                ],
-                tools=None,
-                max_tokens=spec.max_tokens,
-                steps_left=1,
-            )
+        yield Session(
+            session_id=f"hot-{s}",
+            kind="hot" if g == 0 else "cold",
+            messages=[
+                {"role": "system", "content": prefixes[g]},
+                {"role": "user", "content": f"Question {s}: " + words(rng, spec.question_words)},
+            ],
+            tools=None,
+            max_tokens=spec.max_tokens,
+            steps_left=1,
         )
-    return out
 
 
-def mixed(spec: WorkloadSpec) -> list[Session]:
+def mixed(spec: WorkloadSpec) -> Iterator[Session]:
     """``sessions`` sessions, ``long_share`` of them agent-long sessions (system prompts of
     ``prefix_words`` words, tool outputs of ``question_words``), the rest short chats (user
     messages of ``question_words // 8`` words); ``turns`` turns each, in a seeded order."""
@@ -143,10 +138,8 @@ def mixed(spec: WorkloadSpec) -> list[Session]:
     chat_system = "Assistant persona 0. " + words(rng, 80)
     kinds = [True] * n_long + [False] * (spec.sessions - n_long)
     rng.shuffle(kinds)
-    out = []
     for s, is_long in enumerate(kinds):
         if is_long:
-            out.append(_agent_session(rng, spec, s, *agents[s % len(agents)]))
+            yield _agent_session(rng, spec, s, *agents[s % len(agents)])
         else:
-            out.append(_chat_session(rng, chat_spec, s, chat_system))
-    return out
+            yield _chat_session(rng, chat_spec, s, chat_system)

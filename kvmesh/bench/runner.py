@@ -83,25 +83,39 @@ class LoadSpec:
 
 
 class Progress:
-    """A one-line progress bar on stderr (quiet when stderr is not a terminal)."""
+    """A one-line progress bar on stderr (quiet when stderr is not a terminal). It counts
+    ``unit`` (requests, with their errors, unless told otherwise), and shows nothing until
+    ``delay`` seconds have passed: work that ends sooner leaves no line behind."""
 
     def __init__(
-        self, total: int, label: str, stream: TextIO | None = None, enabled: bool | None = None
+        self,
+        total: int,
+        label: str,
+        stream: TextIO | None = None,
+        enabled: bool | None = None,
+        *,
+        unit: str = "requests",
+        delay: float = 0.0,
     ) -> None:
         self.total = max(total, 1)
         self.label = label
+        self.unit = unit
         self.stream = stream or sys.stderr
         self.enabled = self.stream.isatty() if enabled is None else enabled
         self.done = 0
         self.errors = 0
         self._start = time.monotonic()
+        self._delay = delay
         self._last_draw = 0.0
+        self._drawn = False
 
-    def update(self, ok: bool) -> None:
+    def update(self, ok: bool = True) -> None:
         self.done += 1
         self.errors += 0 if ok else 1
         now = time.monotonic()
-        if self.enabled and (now - self._last_draw > 0.1 or self.done >= self.total):
+        if not self.enabled or now - self._start < self._delay:
+            return
+        if now - self._last_draw > 0.1 or self.done >= self.total:
             self._last_draw = now
             self._draw(now)
 
@@ -109,13 +123,15 @@ class Progress:
         width = 30
         filled = min(width, int(width * self.done / self.total))
         bar = "#" * filled + "." * (width - filled)
+        errors = f", {self.errors} errors" if self.unit == "requests" else ""
         self.stream.write(
-            f"\r{self.label} [{bar}] {self.done}/{self.total} requests, {self.errors} errors, {now - self._start:5.1f}s"
+            f"\r{self.label} [{bar}] {self.done}/{self.total} {self.unit}{errors}, {now - self._start:5.1f}s"
         )
         self.stream.flush()
+        self._drawn = True
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and (self._drawn or self._delay == 0):
             self._draw(time.monotonic())
             self.stream.write("\n")
             self.stream.flush()
@@ -138,6 +154,13 @@ async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
     if first is None:
         raise NoModel(f"{url}/v1/models lists no model; pass --model")
     return first
+
+
+async def first_model(url: str, timeout: float = 30.0) -> str:
+    """:func:`discover_model` on a connection of its own: what ``kvmesh bench`` asks before it
+    makes its workload, so that a server it cannot reach is said at once."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+        return await discover_model(http, url)
 
 
 async def _one_request(

@@ -19,7 +19,7 @@ The routing-quality workloads (``agent-long``, ``chat-pressure``, ``chat-fits``,
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -37,42 +37,39 @@ __all__ = [
     "ignored_load_knobs",
     "knob_matters",
     "preset",
+    "sessions_of",
 ]
 
 
-def agentic(spec: WorkloadSpec) -> list[Session]:
+def agentic(spec: WorkloadSpec) -> Iterator[Session]:
     rng = random.Random(spec.seed)
     agents = []
     for a in range(spec.groups):
         system = f"You are agent {a}. " + words(rng, spec.prefix_words)
         tools = [tool(rng, f"tool_{a}_{t}") for t in range(4)]
         agents.append((system, tools))
-    sessions = []
     for s in range(spec.sessions):
         system, tools = agents[s % len(agents)]
         task = f"Task {s}: " + words(rng, spec.question_words)
         followups = [
             f"Tool result {s}.{t}: " + words(rng, spec.question_words * 2) for t in range(spec.turns)
         ]
-        sessions.append(
-            Session(
-                session_id=f"agentic-{s}",
-                kind="agentic",
-                messages=[{"role": "system", "content": system}, {"role": "user", "content": task}],
-                tools=tools,
-                max_tokens=spec.max_tokens,
-                steps_left=spec.turns,
-                followups=followups,
-            )
+        yield Session(
+            session_id=f"agentic-{s}",
+            kind="agentic",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": task}],
+            tools=tools,
+            max_tokens=spec.max_tokens,
+            steps_left=spec.turns,
+            followups=followups,
         )
-    return sessions
 
 
-def shared_prefix(spec: WorkloadSpec) -> list[Session]:
+def shared_prefix(spec: WorkloadSpec) -> Iterator[Session]:
     rng = random.Random(spec.seed)
     documents = [f"Document {g}. " + words(rng, spec.prefix_words) for g in range(spec.groups)]
-    return [
-        Session(
+    for s in range(spec.sessions):
+        yield Session(
             session_id=f"shared-{s}",
             kind="shared-prefix",
             messages=[
@@ -83,14 +80,12 @@ def shared_prefix(spec: WorkloadSpec) -> list[Session]:
             max_tokens=spec.max_tokens,
             steps_left=1,
         )
-        for s in range(spec.sessions)
-    ]
 
 
-def best_of_n(spec: WorkloadSpec) -> list[Session]:
+def best_of_n(spec: WorkloadSpec) -> Iterator[Session]:
     rng = random.Random(spec.seed)
-    return [
-        Session(
+    for s in range(spec.sessions):
+        yield Session(
             session_id=f"bon-{s}",
             kind="best-of-n",
             messages=[{"role": "user", "content": f"Problem {s}: " + words(rng, spec.prefix_words)}],
@@ -99,34 +94,30 @@ def best_of_n(spec: WorkloadSpec) -> list[Session]:
             steps_left=1,
             burst=spec.burst,
         )
-        for s in range(spec.sessions)
-    ]
 
 
-def long_context(spec: WorkloadSpec) -> list[Session]:
+def long_context(spec: WorkloadSpec) -> Iterator[Session]:
     rng = random.Random(spec.seed)
-    sessions = []
     for s in range(spec.sessions):
         document = f"Report {s}. " + words(rng, spec.prefix_words * 8)
         questions = [f"Follow-up {s}.{t}: " + words(rng, spec.question_words) for t in range(spec.turns)]
-        sessions.append(
-            Session(
-                session_id=f"long-{s}",
-                kind="long-context",
-                messages=[
-                    {"role": "system", "content": document},
-                    {"role": "user", "content": f"Summary request {s}: " + words(rng, spec.question_words)},
-                ],
-                tools=None,
-                max_tokens=spec.max_tokens,
-                steps_left=max(1, min(spec.turns, 3)),
-                followups=questions,
-            )
+        yield Session(
+            session_id=f"long-{s}",
+            kind="long-context",
+            messages=[
+                {"role": "system", "content": document},
+                {"role": "user", "content": f"Summary request {s}: " + words(rng, spec.question_words)},
+            ],
+            tools=None,
+            max_tokens=spec.max_tokens,
+            steps_left=max(1, min(spec.turns, 3)),
+            followups=questions,
         )
-    return sessions
 
 
-_BUILDERS: dict[str, Callable[[WorkloadSpec], list[Session]]] = {
+# (Each builder yields its sessions one by one, in the order and from the draws of one seeded
+# generator, so a caller can show its progress through a large workload.)
+_BUILDERS: dict[str, Callable[[WorkloadSpec], Iterator[Session]]] = {
     "agentic": agentic,
     "shared-prefix": shared_prefix,
     "best-of-n": best_of_n,
@@ -259,6 +250,11 @@ def preset(name: str) -> Preset:
 
 def build(spec: WorkloadSpec) -> list[Session]:
     """The sessions of workload ``spec.name`` (deterministic for a given spec)."""
+    return list(sessions_of(spec))
+
+
+def sessions_of(spec: WorkloadSpec) -> Iterator[Session]:
+    """The sessions of workload ``spec.name``, made one at a time, the same as :func:`build`'s."""
     try:
         builder = _BUILDERS[spec.name]
     except KeyError:

@@ -33,11 +33,30 @@ LOAD_KNOBS: dict[str, Callable[[str], int | float]] = {
 """The load's knobs, likewise."""
 
 
+def base_urls(text: str) -> tuple[str, ...]:
+    """``--url``: comma-separated base URLs, as ``kvmesh router --workers`` takes them (``host:port``
+    or ``http(s)://host:port``). An empty list was a traceback, and a URL with no scheme or a bad
+    port failed each request of the run, or the question for the model after the workload was made."""
+    from kvmesh.errors import ConfigError
+    from kvmesh.router.mesh.settings import normalize_url
+
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("must name at least one server, e.g. http://127.0.0.1:8000")
+    try:
+        return tuple(normalize_url(item, "URL") for item in items)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvmesh.bench.workloads import WORKLOADS
 
     parser.add_argument(
-        "--url", required=True, help="base URL(s), comma-separated; sessions are spread round-robin"
+        "--url",
+        required=True,
+        type=base_urls,
+        help="base URL(s), comma-separated (host:port or http://host:port); sessions are spread round-robin",
     )
     parser.add_argument(
         "--workload",
@@ -143,10 +162,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.bench import report
-    from kvmesh.bench.runner import LoadSpec, NoModel, Progress, run_workload
-    from kvmesh.bench.workloads import build, ignored_load_knobs, knob_matters, preset
+    from kvmesh.bench.runner import LoadSpec, NoModel, Progress, first_model, run_workload
+    from kvmesh.bench.workloads import build, ignored_load_knobs, knob_matters, preset, sessions_of
 
-    urls = tuple(u.strip().rstrip("/") for u in args.url.split(",") if u.strip())
+    urls: tuple[str, ...] = args.url
     headers = []
     for item in args.header:
         name, sep, value = item.partition(":")
@@ -157,20 +176,40 @@ def run(args: argparse.Namespace) -> int:
     chosen = preset(args.workload)
     overrides = {name: getattr(args, name) for name in WORKLOAD_KNOBS if getattr(args, name) is not None}
     spec = chosen.spec.replace(seed=args.seed, **overrides)
-    sessions = build(spec)
     rate = args.rate if args.rate is not None else (None if args.concurrency else chosen.rate)
-    # a flag that changes nothing in what is sent is refused rather than silently ignored
+    # A flag that changes nothing in what is sent is refused rather than silently ignored, before
+    # the server is asked and the workload made. (How many steps a session takes does not depend
+    # on how many sessions there are, so one session tells which load knobs it ignores.)
     ignored = [name for name in overrides if not knob_matters(args.workload, name)]
-    idle = ignored_load_knobs(sessions, open_loop=rate is not None)
+    idle = ignored_load_knobs(build(spec.replace(sessions=1)), open_loop=rate is not None)
     ignored += [name for name in ("think_time", "ramp") if getattr(args, name) is not None and name in idle]
     if ignored:
         flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
         verb = "has" if len(ignored) == 1 else "have"
         print(f"kvmesh bench: {flags} {verb} no effect on workload {args.workload!r}", file=sys.stderr)
         return 2
+    model = args.model
+    if model is None:  # asked before the workload is made, which takes a minute at 100,000 sessions
+        try:
+            model = asyncio.run(first_model(urls[0]))
+        except NoModel as e:
+            print(f"kvmesh bench: {e}", file=sys.stderr)
+            return 1
+    preparing = Progress(
+        spec.sessions,
+        f"{args.workload}: preparing",
+        enabled=False if args.no_progress else None,
+        unit="sessions",
+        delay=0.5,
+    )
+    sessions = []
+    for session in sessions_of(spec):
+        sessions.append(session)
+        preparing.update()
+    preparing.close()
     load = LoadSpec(
         urls=urls,
-        model=args.model,
+        model=model,
         concurrency=None if rate else (args.concurrency or chosen.concurrency or 8),
         rate=rate,
         think_time=chosen.think_time if args.think_time is None else args.think_time,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import json
 import resource
@@ -16,6 +17,7 @@ import pytest
 from kvmesh.bench import report
 from kvmesh.bench.runner import (
     LoadSpec,
+    Progress,
     RequestResult,
     RunResult,
     on_schedule,
@@ -156,8 +158,9 @@ async def test_a_concurrency_far_above_the_sessions_runs_them_all_at_once(tmp_pa
 async def test_bench_command_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     async with run_mock(block_size=16, speedup=50.0) as mock:
+        address = mock.base_url.removeprefix("http://")  # host:port, as kvmesh router --workers takes it
         proc = await __import__("asyncio").create_subprocess_exec(
-            sys.executable, "-m", "kvmesh", "bench", "--url", mock.base_url, "--workload", "shared-prefix",
+            sys.executable, "-m", "kvmesh", "bench", "--url", address, "--workload", "shared-prefix",
             "--sessions", "6", "--concurrency", "3", "--max-tokens", "4", "--json", str(out), "--no-nvext",
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )  # fmt: skip
@@ -228,6 +231,13 @@ def test_bench_refuses_a_flag_that_would_change_nothing(flags: list[str], messag
         # an output it could not write is refused before the run, not after it
         (["--json", "/no/such/dir/out.json"], "argument --json: directory /no/such/dir does not exist"),
         (["--plot", "/"], "argument --plot: / is a directory, not a file"),
+        # (an empty list was a traceback; the others failed each request, or the question for the model)
+        (["--url", ","], "argument --url: must name at least one server, e.g. http://127.0.0.1:8000"),
+        (["--url", "ftp://x:1"], "argument --url: URL 'ftp://x:1' must look like http://host:port"),
+        (
+            ["--url", "http://127.0.0.1:70000"],
+            "argument --url: URL 'http://127.0.0.1:70000' has an invalid port",
+        ),
     ],
 )
 def test_bench_refuses_a_value_out_of_range(flags: list[str], message: str) -> None:
@@ -241,6 +251,47 @@ def test_bench_against_a_server_that_is_not_there_says_so() -> None:
     assert done.returncode == 1
     assert "kvmesh bench: cannot read http://127.0.0.1:9/v1/models" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_server_that_is_not_there_is_said_before_the_workload_is_made() -> None:
+    """The workload was made first: a wrong ``--url`` with a million sessions was said after ten
+    minutes and six gigabytes, if at all. (The command runs in an address space of 2 GiB, so the
+    old way ends in a MemoryError here rather than in the machine's memory.)"""
+    argv = [sys.executable, "-m", "kvmesh", "bench", "--url", "http://127.0.0.1:9", "--workload", "chat-fits"]
+    argv += ["--sessions", "1000000", "--no-progress"]
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, preexec_fn=_address_space_of(2 << 30)
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "kvmesh bench: cannot read http://127.0.0.1:9/v1/models" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_long_preparation_shows_its_progress_and_a_short_one_leaves_no_line() -> None:
+    shown = io.StringIO()
+    bar = Progress(4, "chat-fits: preparing", shown, enabled=True, unit="sessions")
+    for _ in range(4):
+        bar.update()
+    bar.close()
+    assert (
+        shown.getvalue()
+        .rstrip("\n")
+        .split("\r")[-1]
+        .startswith("chat-fits: preparing [##############################] 4/4 sessions, ")
+    )
+    assert "errors" not in shown.getvalue()  # (making a session cannot fail)
+    quiet = io.StringIO()
+    bar = Progress(4, "chat-fits: preparing", quiet, enabled=True, unit="sessions", delay=3600)
+    for _ in range(4):
+        bar.update()
+    bar.close()
+    assert quiet.getvalue() == ""
+    counted = io.StringIO()
+    bar = Progress(2, "chat-fits", counted, enabled=True)
+    bar.update(True)
+    bar.update(False)
+    bar.close()
+    assert "2/2 requests, 1 errors" in counted.getvalue()
 
 
 def test_every_workload_knob_has_a_flag_and_a_value_type() -> None:

@@ -136,9 +136,21 @@ def test_a_server_refuses_a_port_or_log_level_it_cannot_use_before_it_starts(
             ["events", "relay", "tcp://127.0.0.1:99999", "--nats", "nats://127.0.0.1:1", "--name", "a"],
             "argument ENDPOINT: 'tcp://127.0.0.1:99999' has port '99999'",
         ),
+        (  # (a URL kvmesh cannot reach was said as an unreadable /kvmesh/info, or registered as given)
+            [
+                "events",
+                "relay",
+                "tcp://127.0.0.1:5557",
+                "--nats",
+                "nats://127.0.0.1:1",
+                "--register",
+                "ftp://x",
+            ],
+            "argument --register: URL 'ftp://x' must look like http://host:port",
+        ),
     ],
 )
-def test_a_zmq_endpoint_past_port_65535_is_refused_before_a_socket_opens(
+def test_an_endpoint_or_url_that_cannot_be_used_is_refused_before_a_socket_opens(
     args: list[str], message: str
 ) -> None:
     """ZMQ takes a TCP port past 65535 modulo 65,536: ``kvmesh mock --kv-events-endpoint

@@ -33,6 +33,18 @@ def port(text: str) -> int:
     return value
 
 
+def http_url(text: str) -> str:
+    """An engine's or a server's base URL, as ``kvmesh router --workers`` takes it (``host:port`` or
+    ``http(s)://host:port``), in the form kvmesh writes it."""
+    from kvmesh.errors import ConfigError
+    from kvmesh.router.mesh.settings import normalize_url  # (here, not at import: --help stays quick)
+
+    try:
+        return normalize_url(text, "URL")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def bind_endpoint(text: str) -> str:
     """A ZMQ endpoint to bind (a ``tcp://`` port past 65535 was bound modulo 65,536)."""
     problem = endpoint_problem(text, bind=True)

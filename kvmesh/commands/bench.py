@@ -9,7 +9,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvmesh.commands.argtypes import non_negative_float, output_path, positive_float, positive_int, share
+from kvmesh.commands.argtypes import (
+    http_url,
+    non_negative_float,
+    output_path,
+    positive_float,
+    positive_int,
+    share,
+)
 
 WORKLOAD_KNOBS: dict[str, Callable[[str], int | float]] = {
     "sessions": positive_int,
@@ -34,19 +41,13 @@ LOAD_KNOBS: dict[str, Callable[[str], int | float]] = {
 
 
 def base_urls(text: str) -> tuple[str, ...]:
-    """``--url``: comma-separated base URLs, as ``kvmesh router --workers`` takes them (``host:port``
-    or ``http(s)://host:port``). An empty list was a traceback, and a URL with no scheme or a bad
-    port failed each request of the run, or the question for the model after the workload was made."""
-    from kvmesh.errors import ConfigError
-    from kvmesh.router.mesh.settings import normalize_url
-
+    """``--url``: comma-separated base URLs, each as :func:`http_url` takes it. (An empty list was a
+    traceback; a URL with no scheme or a bad port failed each request of the run, or the question
+    for the model after the workload was made.)"""
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise argparse.ArgumentTypeError("must name at least one server, e.g. http://127.0.0.1:8000")
-    try:
-        return tuple(normalize_url(item, "URL") for item in items)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return tuple(http_url(item) for item in items)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from kvmesh.commands.argtypes import connect_endpoint, positive_float, positive_int
+from kvmesh.commands.argtypes import connect_endpoint, http_url, positive_float, positive_int
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import NatsOptions, parse_event_plane
 
@@ -75,6 +75,7 @@ def add_parser(actions: Any) -> None:
     reg = relay.add_argument_group("registration in the worker bucket")
     reg.add_argument(
         "--register",
+        type=http_url,
         metavar="URL",
         help="register the engine at URL (its OpenAI server) in the worker bucket, renewed while the "
         "relay runs and deleted when it stops",

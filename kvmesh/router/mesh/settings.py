@@ -611,12 +611,28 @@ def _from_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+MAX_CONFIG_BYTES = 8 << 20
+"""A config file's size limit. (A fleet of a thousand ``[[workers]]`` tables is some 200 kB; a
+path to a device or a large file given by mistake was read on and on: ``/dev/zero`` filled the
+memory before anything was said.)"""
+
+
 def _from_toml(path: str) -> tuple[dict[str, Any], RouterConfig]:
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: is it the right file?"
+        )
+    try:
+        data = tomllib.loads(raw.decode())
+    except UnicodeDecodeError as e:  # (a binary file: it was a traceback)
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.start}): is it the right file?"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     router_table = data.pop("router", {})

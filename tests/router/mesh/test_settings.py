@@ -15,7 +15,13 @@ from kvmesh.errors import ConfigError
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.settings_table import Setting
 from kvmesh.router.mesh import settings as mesh_settings
-from kvmesh.router.mesh.settings import SETTINGS, MeshSettings, add_arguments, parse_worker_list
+from kvmesh.router.mesh.settings import (
+    MAX_CONFIG_BYTES,
+    SETTINGS,
+    MeshSettings,
+    add_arguments,
+    parse_worker_list,
+)
 
 
 def _flags(*argv: str) -> argparse.Namespace:
@@ -175,6 +181,21 @@ def test_bad_toml(tmp_path: Path, text: str, message: str) -> None:
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         MeshSettings.load({"KVMESH_CONFIG": str(path)})
+
+
+def test_a_config_file_that_is_not_text_or_too_large_is_refused_naming_it(tmp_path: Path) -> None:
+    """A binary file was a UnicodeDecodeError traceback, and ``/dev/zero`` was read until the
+    memory ran out."""
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"block_size = 16\n\xd0\x00")
+    with pytest.raises(ConfigError, match=r"config file .*binary.toml is not UTF-8 text \(byte 16\)"):
+        MeshSettings.load({"KVMESH_CONFIG": str(binary)})
+    large = tmp_path / "large.toml"
+    with large.open("wb") as f:
+        f.truncate(MAX_CONFIG_BYTES + 1)  # (sparse: nothing is written)
+    for path in (str(large), "/dev/zero"):
+        with pytest.raises(ConfigError, match=r"is larger than 8 MiB: is it the right file\?"):
+            MeshSettings.load({"KVMESH_CONFIG": path})
 
 
 @pytest.mark.parametrize(

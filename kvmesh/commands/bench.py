@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import string
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from kvmesh._http import HEADER_SAFE_RULE, header_safe
 from kvmesh.commands.argtypes import (
     http_url,
     non_negative_float,
@@ -48,6 +50,28 @@ def base_urls(text: str) -> tuple[str, ...]:
     if not items:
         raise argparse.ArgumentTypeError("must name at least one server, e.g. http://127.0.0.1:8000")
     return tuple(http_url(item) for item in items)
+
+
+_TOKEN = frozenset("!#$%&'*+-.^_`|~" + string.ascii_letters + string.digits)
+"""The characters of an HTTP header name (RFC 9110's ``tchar``)."""
+
+
+def request_header(text: str) -> tuple[str, str]:
+    """``--header NAME:VALUE``. (A name with a space in it, or an empty one, had every request
+    refused by the server; a CR or LF in the value was a traceback from the HTTP client; a
+    ``Content-Length`` of the user's broke every body.)"""
+    name, sep, value = (part.strip() for part in text.partition(":"))
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} must look like NAME:VALUE")
+    if not name or not set(name) <= _TOKEN:
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is not a header name (letters, digits and !#$%&'*+-.^_`|~)"
+        )
+    if name.lower() in ("content-length", "transfer-encoding"):
+        raise argparse.ArgumentTypeError(f"{name} frames the request, which kvmesh bench writes itself")
+    if value and not header_safe(value):
+        raise argparse.ArgumentTypeError(f"the value of {name} must be {HEADER_SAFE_RULE}")
+    return name, value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,7 +167,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0, help="workload and arrival seed (same seed, same prompts)"
     )
     parser.add_argument(
-        "--header", action="append", default=[], metavar="NAME:VALUE", help="extra request header"
+        "--header",
+        action="append",
+        type=request_header,
+        default=[],
+        metavar="NAME:VALUE",
+        help="extra request header (repeatable)",
     )
     parser.add_argument(
         "--no-nvext", action="store_true", help="do not ask for nvext.worker_id (plain servers)"
@@ -167,13 +196,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.bench.workloads import build, ignored_load_knobs, knob_matters, preset, sessions_of
 
     urls: tuple[str, ...] = args.url
-    headers = []
-    for item in args.header:
-        name, sep, value = item.partition(":")
-        if not sep:
-            print(f"kvmesh bench: --header {item!r} must look like NAME:VALUE", file=sys.stderr)
-            return 2
-        headers.append((name.strip(), value.strip()))
+    headers: list[tuple[str, str]] = args.header
     chosen = preset(args.workload)
     overrides = {name: getattr(args, name) for name in WORKLOAD_KNOBS if getattr(args, name) is not None}
     spec = chosen.spec.replace(seed=args.seed, **overrides)

@@ -238,6 +238,12 @@ def test_bench_refuses_a_flag_that_would_change_nothing(flags: list[str], messag
             ["--url", "http://127.0.0.1:70000"],
             "argument --url: URL 'http://127.0.0.1:70000' has an invalid port",
         ),
+        # (a bad name had every request refused by the server; CR or LF in a value was a traceback)
+        (["--header", "a b:c"], "argument --header: 'a b' is not a header name (letters, digits and"),
+        (["--header", ":v"], "argument --header: '' is not a header name"),
+        (["--header", "x:a\rb"], "argument --header: the value of x must be printable ASCII"),
+        (["--header", "Content-Length:5"], "argument --header: Content-Length frames the request"),
+        (["--header", "novalue"], "argument --header: 'novalue' must look like NAME:VALUE"),
     ],
 )
 def test_bench_refuses_a_value_out_of_range(flags: list[str], message: str) -> None:
@@ -251,6 +257,24 @@ def test_bench_against_a_server_that_is_not_there_says_so() -> None:
     assert done.returncode == 1
     assert "kvmesh bench: cannot read http://127.0.0.1:9/v1/models" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+async def test_the_headers_given_reach_the_server_on_every_request() -> None:
+    from tests.router.engines import EngineState, engine_app
+    from tests.router.servers import serve
+
+    state = EngineState("e0")
+    async with serve(engine_app(state)) as engine:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvmesh", "bench", "--url", engine.url, "--workload", "best-of-n",
+            "--sessions", "2", "--burst", "2", "--no-progress", "--header", "X-Team: routing",
+            "--header", "x-empty:",
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    assert len(state.headers) == 4
+    assert all(h.get("x-team") == "routing" and h.get("x-empty") == "" for h in state.headers)
 
 
 def test_a_server_that_is_not_there_is_said_before_the_workload_is_made() -> None:

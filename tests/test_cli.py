@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,29 @@ def test_an_endpoint_or_url_that_cannot_be_used_is_refused_before_a_socket_opens
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["mock", "router"])
+def test_a_server_that_cannot_listen_says_so_before_it_says_it_serves(command: str) -> None:
+    """uvicorn bound after the command had printed where it served: a port in use or a host that
+    does not resolve was said by uvicorn's log, with exit status 3, under a line claiming the
+    server was up."""
+    fleet = ["--workers", "http://127.0.0.1:1"] if command == "router" else []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = _kvmesh(command, *fleet, "--port", str(port))
+    unknown = _kvmesh(command, *fleet, "--host", "999.1.1.1", "--port", str(port))
+    empty = _kvmesh(command, *fleet, "--host", " ")
+    for result, message in [
+        (busy, f"kvmesh {command}: cannot listen on 127.0.0.1:{port}: Address already in use"),
+        (unknown, f"kvmesh {command}: cannot listen on 999.1.1.1:{port}: "),
+        (empty, "argument --host: must name an address, e.g. 127.0.0.1, or 0.0.0.0 for every interface"),
+    ]:
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert message in result.stderr
+        assert "serving" not in result.stderr and " on http://" not in result.stderr
 
 
 def test_the_log_levels_offered_are_uvicorns() -> None:

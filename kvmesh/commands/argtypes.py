@@ -33,6 +33,17 @@ def port(text: str) -> int:
     return value
 
 
+def listen_host(text: str) -> str:
+    """The address a server listens on. (An empty one listened on every interface, where the help
+    says only the address given is bound.)"""
+    value = text.strip()
+    if not value:
+        raise argparse.ArgumentTypeError(
+            "must name an address, e.g. 127.0.0.1, or 0.0.0.0 for every interface"
+        )
+    return value
+
+
 def http_url(text: str) -> str:
     """An engine's or a server's base URL, as ``kvmesh router --workers`` takes it (``host:port`` or
     ``http(s)://host:port``), in the form kvmesh writes it."""

@@ -8,12 +8,15 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvmesh.commands.argtypes import bind_endpoint, log_level, port
+    from kvmesh.commands.argtypes import bind_endpoint, listen_host, log_level, port
     from kvmesh.mock.config import DEFAULT_MODEL, MAX_NUM_BLOCKS, MockConfig
 
     d = MockConfig()
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on; only this one is bound [%(default)s]"
+        "--host",
+        type=listen_host,
+        default="127.0.0.1",
+        help="address to listen on; only this one is bound [%(default)s]",
     )
     parser.add_argument(
         "--port", type=port, default=8000, help="HTTP port of the OpenAI-compatible API [%(default)s]"
@@ -140,8 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from kvmesh.commands.serving import base_url, listening_socket, serve
     from kvmesh.errors import ConfigError
     from kvmesh.mock.config import MockConfig
     from kvmesh.mock.engine import MockEngine
@@ -160,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             kv_replay_endpoint=args.kv_replay_endpoint,
             event_plane=args.event_plane,
             event_name=f"{args.host}:{args.port}",
-            advertise_url=f"http://{args.host}:{args.port}" if args.event_plane != "zmq" else None,
+            advertise_url=base_url(args.host, args.port) if args.event_plane != "zmq" else None,
             scheduling_policy=args.scheduling_policy,
             seed=args.seed,
             pin_budget=args.pin_budget,
@@ -182,15 +184,16 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(engine)
         for spec in args.middleware:
             add_middleware(app, spec)
+        sock = listening_socket(args.host, args.port)
     except (ConfigError, ImportError) as e:
         print(f"kvmesh mock: {e}", file=sys.stderr)
         return 2
     events = f", KV events on {engine.events_endpoint}" if engine.events_endpoint else ""
     replay = f" (replay {engine.replay_endpoint})" if engine.replay_endpoint else ""
     print(
-        f"kvmesh mock: serving {config.model!r} on http://{args.host}:{args.port}{events}{replay}",
+        f"kvmesh mock: serving {config.model!r} on {base_url(args.host, args.port)}{events}{replay}",
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    serve(app, sock, log_level=args.log_level, access_log=False)
     return 0

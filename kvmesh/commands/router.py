@@ -7,11 +7,13 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvmesh.commands.argtypes import log_level, port, positive_float
+    from kvmesh.commands.argtypes import listen_host, log_level, port, positive_float
     from kvmesh.router.core.config import RouterConfig
     from kvmesh.router.mesh.settings import add_arguments as add_mesh_arguments
 
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
+    parser.add_argument(
+        "--host", type=listen_host, default="127.0.0.1", help="address to listen on [127.0.0.1]"
+    )
     parser.add_argument("--port", type=port, default=8000, help="port to listen on [8000]")
     parser.add_argument("--log-level", type=log_level, default="info", help="uvicorn log level [info]")
     parser.add_argument(
@@ -27,8 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from kvmesh.commands.serving import base_url, listening_socket, serve
     from kvmesh.errors import ConfigError
     from kvmesh.router.asgi.standalone import build_router_app
     from kvmesh.router.mesh.settings import MeshSettings
@@ -47,23 +48,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         app = build_router_app(settings, freeze_heap=True)
-    except ConfigError as e:  # what the settings alone cannot tell: a tokenizer that will not load
+        sock = listening_socket(args.host, args.port)
+    except (
+        ConfigError
+    ) as e:  # what the settings alone cannot tell: a tokenizer that will not load, the address
         print(f"kvmesh router: {e}", file=sys.stderr)
         return 2
     from kvmesh._native import summary
 
     print(
-        f"kvmesh router on http://{args.host}:{args.port} -> {len(settings.workers)} worker(s), "
+        f"kvmesh router on {base_url(args.host, args.port)} -> {len(settings.workers)} worker(s), "
         f"mode {settings.router.router_mode}\n{summary()}",
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_keep_alive=args.timeout_keep_alive,
-    )
+    serve(app, sock, log_level=args.log_level, access_log=False, timeout_keep_alive=args.timeout_keep_alive)
     return 0

@@ -23,6 +23,8 @@ from itertools import repeat
 from xxhash import xxh3_64_intdigest
 
 BASE_SEED = 1337
+MAX_TOKEN_ID = 2**32 - 1
+"""The largest token id a block hash takes: ids are hashed as unsigned 32-bit integers."""
 _U64 = 1 << 64
 _PAIR = struct.Struct("<QQ")
 
@@ -39,7 +41,7 @@ def seed_for(lora_name: str | None) -> int:
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
-    """Token ids as unsigned 32-bit little-endian bytes (raises OverflowError past 2**32-1)."""
+    """Token ids as unsigned 32-bit little-endian bytes (raises OverflowError past MAX_TOKEN_ID)."""
     buf = array.array("I")
     buf.fromlist(tokens if isinstance(tokens, list) else list(tokens))
     if sys.byteorder != "little":  # pragma: no cover

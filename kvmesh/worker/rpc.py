@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from kvmesh._http import HEADER_SAFE_RULE, MethodNotAllowed, error_body, header_safe, token_matches
 from kvmesh.errors import RequestError
+from kvmesh.hashing import MAX_TOKEN_ID
 
 T = TypeVar("T")
 DEFAULT_SESSION_TIMEOUT = 300.0
@@ -134,10 +135,11 @@ def worker_rpc_routes(backend: WorkerBackend, *, admin_token: str | None = None)
         if (
             not isinstance(token_ids, list)
             or not token_ids
-            or not all(type(t) is int and t >= 0 for t in token_ids)
+            or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in token_ids)
         ):
+            # (a block hash takes a token id as 32 bits: 2**53 + 1 was a 500 from the mock's hashing)
             raise RequestError(
-                "'token_ids' must be a non-empty list of non-negative integers", field="token_ids"
+                "'token_ids' must be a non-empty list of token ids in [0, 2**32)", field="token_ids"
             )
         ttl = _positive_number(body, "ttl_seconds")
         pinned = await _call(backend.pin_prefix(token_ids, ttl))

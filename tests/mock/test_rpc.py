@@ -113,6 +113,23 @@ async def test_pinned_prefix_survives_cache_pressure_until_its_ttl() -> None:
         assert not (_blocks(pinned) & await _cached_token_sets(http))
 
 
+async def test_a_token_id_a_block_hash_cannot_take_is_a_400_naming_token_ids() -> None:
+    """A block hash takes token ids as 32 bits: a full block ending in 2**53 + 1 (found by `make
+    fuzz`) was an OverflowError out of the mock's hashing, a 500."""
+    async with (
+        run_mock(block_size=BS, num_blocks=32, speedup=50) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        for last in (2**32, 2**53 + 1):
+            r = await http.post(
+                "/kvmesh/pin_prefix", json={"token_ids": [0] * (BS - 1) + [last], "ttl_seconds": 1}
+            )
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "token_ids"
+        top = await http.post("/kvmesh/pin_prefix", json={"token_ids": [2**32 - 1] * BS, "ttl_seconds": 1})
+        assert top.status_code == 200, top.text
+
+
 async def test_the_pin_budget_caps_what_can_be_pinned() -> None:
     async with (
         run_mock(block_size=BS, num_blocks=32, speedup=50, pin_budget=0.25) as mock,

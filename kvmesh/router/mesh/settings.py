@@ -260,10 +260,11 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
                 raise bad(name, f"must list at most {MAX_DP_SIZE} endpoints (one a rank), got {len(value)}")
             for endpoint in value:  # (the router connects to each; a port past 65535 wrapped)
                 problem = endpoint_problem(endpoint, bind=False) if endpoint is not None else None
-                if problem is not None and "wildcard" in problem:  # (an engine bound to tcp://*:5557)
+                if problem is None:
+                    continue
+                if endpoint.startswith("tcp://*:"):  # (an engine bound there, with no host to advertise)
                     problem += "; set KVMESH_ADVERTISE_HOST (or KVMESH_SELF_URL) on the engine"
-                if problem is not None:
-                    raise bad(name, f"entry {endpoint!r} {problem}")
+                raise bad(name, f"entry {endpoint!r} {problem}")
             values[name] = tuple(value)
     return WorkerSpec(**values)
 

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from kvmesh._http import HEADER_SAFE_RULE, header_safe
 from kvmesh.errors import NvextError
+from kvmesh.hashing import MAX_TOKEN_ID
 from kvmesh.router.core.config import MAX_PREFILL_LOAD_SCALE
 
 WORKER_HEADER = "x-worker-instance-id"
@@ -87,7 +88,6 @@ _HINT_KEYS: frozenset[str] = frozenset(
 )
 _SESSION_KEYS: frozenset[str] = frozenset(("session_id", "action", "timeout"))
 _CACHE_KEYS: frozenset[str] = frozenset(("type", "ttl"))
-MAX_TOKEN_ID = 2**32 - 1
 _TTL_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 

@@ -129,6 +129,10 @@ def test_a_server_refuses_a_port_or_log_level_it_cannot_use_before_it_starts(
             ["events", "tap", "tcp://*:5557", "--timeout", "1"],
             "kvmesh events tap: KV-event endpoint 'tcp://*:5557' names the wildcard host",
         ),
+        (  # (a sequence number is 8 bytes on the wire: past them, a traceback at every reconnection)
+            ["events", "tap", "tcp://127.0.0.1:5557", "--from-seq", str(2**64)],
+            f"argument --from-seq: must be at most {2**64 - 1} (2**64 - 1), got {2**64}",
+        ),
         (
             ["events", "tap", "tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://127.0.0.1:99999"],
             "argument --replay-endpoint: 'tcp://127.0.0.1:99999' has port '99999'",

@@ -18,9 +18,18 @@ from collections import Counter
 from kvmesh.commands.argtypes import connect_endpoint, non_negative_int, positive_float, positive_int
 from kvmesh.errors import ConfigError
 from kvmesh.events.subscriber import EventSubscriber
-from kvmesh.events.wire import BlockRemoved, BlockStored, EngineHashT, EventBatch, event_to_json
+from kvmesh.events.wire import MAX_SEQ, BlockRemoved, BlockStored, EngineHashT, EventBatch, event_to_json
 
 _SHOWN_HASHES = 3
+
+
+def sequence_number(text: str) -> int:
+    """A batch's sequence number: 8 unsigned bytes on the wire. (Past them, the replay request
+    failed with a traceback at every reconnection.)"""
+    value = non_negative_int(text)
+    if value > MAX_SEQ:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SEQ} (2**64 - 1), got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     tap.add_argument(
         "--from-seq",
-        type=non_negative_int,
+        type=sequence_number,
         metavar="N",
         help="start at sequence N, replaying what the publisher still buffers (default: start with "
         "the first batch that arrives live)",

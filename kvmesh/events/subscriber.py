@@ -34,7 +34,15 @@ import zmq
 from kvmesh.errors import ConfigError, MalformedEventError
 from kvmesh.events.endpoint import check_endpoint
 from kvmesh.events.readiness import SocketWatch, drain, readable, recv_frames
-from kvmesh.events.wire import REPLAY_END_SEQ, EventBatch, decode_batch, pack_seq, unpack_frames, unpack_seq
+from kvmesh.events.wire import (
+    MAX_SEQ,
+    REPLAY_END_SEQ,
+    EventBatch,
+    decode_batch,
+    pack_seq,
+    unpack_frames,
+    unpack_seq,
+)
 
 logger = logging.getLogger("kvmesh.events")
 
@@ -166,6 +174,8 @@ class EventSubscriber:
         asked for at once; ``resume_from(-1)`` starts from the very beginning. Batches after
         ``last_seq`` that were delivered already are delivered again, from the subscriber's own
         history of the last ``history_batches`` when it still covers them (or from the replay)."""
+        if not -1 <= last_seq < MAX_SEQ:  # (past it, the replay request could not be written)
+            raise ValueError(f"last_seq must be from -1 to {MAX_SEQ - 1}, got {last_seq}")
         previous = self._expected
         self._expected = last_seq + 1
         self._drop_replay()

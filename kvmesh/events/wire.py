@@ -150,6 +150,8 @@ _TO_MAP_FORM: dict[type, type] = {
 _ARRAY_HEADERS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
 
 _SEQ = struct.Struct(">Q")
+MAX_SEQ = 2**64 - 1
+"""The largest sequence number the wire carries (8 unsigned bytes)."""
 _SIGNED_SEQ = struct.Struct(">q")
 REPLAY_END_SEQ = -1
 """The sequence number of the replay end marker (encoded as 8 signed big-endian bytes)."""

@@ -551,3 +551,14 @@ async def test_bad_endpoint_fails_run_with_config_error() -> None:
         ConfigError, match=r"^cannot connect to KV-event endpoint 'bogus://x': Protocol not supported"
     ):
         await sub.run()
+
+
+def test_resume_from_refuses_a_point_the_wire_cannot_carry() -> None:
+    """Sequence numbers are 8 unsigned bytes: resuming past them failed in the background loop at
+    every reconnection, when the replay request was written."""
+    sub = EventSubscriber("tcp://127.0.0.1:5557", Collector().on_batch)
+    for last_seq in (2**64 - 1, 2**70, -2):
+        with pytest.raises(ValueError, match="last_seq must be from -1 to 18446744073709551614"):
+            sub.resume_from(last_seq)
+    sub.resume_from(2**64 - 2)
+    assert sub.expected_seq == 2**64 - 1

@@ -40,7 +40,7 @@ from kvmesh.errors import WorkerError
 from kvmesh.events.nats_link import NATS_ENDPOINT_PREFIX, NatsLink
 from kvmesh.events.nats_subscriber import NatsEventSubscriber
 from kvmesh.events.subscriber import EventSubscriber
-from kvmesh.events.wire import BlockStored, EventBatch
+from kvmesh.events.wire import MAX_SEQ, BlockStored, EventBatch
 from kvmesh.router.core.kv_router import KvRouter
 from kvmesh.router.mesh.metrics import Metrics
 from kvmesh.router.mesh.worker_rpc import WorkerRpc
@@ -365,8 +365,8 @@ def read_kv_state(state: Any) -> dict[int, RankState]:
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
             raise KvStateError(f"kv_state: dp_rank must be a rank number, got {dp_rank!r}")
         if last_seq is not None and (
-            isinstance(last_seq, bool) or not isinstance(last_seq, int) or last_seq < 0
-        ):
+            isinstance(last_seq, bool) or not isinstance(last_seq, int) or not 0 <= last_seq < MAX_SEQ
+        ):  # (past the wire's 8 bytes, the stream's replay request failed at every reconnection)
             raise KvStateError(f"kv_state: last_seq must be a sequence number or null, got {last_seq!r}")
         if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
             raise KvStateError("kv_state: events must be a list of objects")

@@ -141,6 +141,7 @@ from kvmesh.bench.workloads import Preset, build, ignored_load_knobs, knob_matte
 from kvmesh.commands.argtypes import output_path, positive_float, positive_int
 from kvmesh.commands.bench import LOAD_KNOBS as LOAD_KNOB_TYPES
 from kvmesh.commands.bench import WORKLOAD_KNOBS
+from kvmesh.commands.demo import MAX_ENGINES, engine_count
 from kvmesh.router.core.config import RouterConfig
 
 ENGINE_ARGS = (
@@ -1037,7 +1038,10 @@ def main() -> int:
         "--workloads", "--only", dest="only", default=None, help="comma-separated workloads to run"
     )
     parser.add_argument(
-        "--engines", type=positive_int, default=None, help="run every chosen case on this many engines"
+        "--engines",
+        type=engine_count,
+        default=None,
+        help=f"run every chosen case on this many engines (1-{MAX_ENGINES}, each a process)",
     )
     parser.add_argument(
         "--contenders",

@@ -38,6 +38,7 @@ from _harness import machine, percentile, table
 from kvmesh.bench.fleet import kvmesh_router, start_fleet
 from kvmesh.bench.session import words
 from kvmesh.commands.argtypes import non_negative_float, positive_int
+from kvmesh.commands.demo import engine_count
 
 ENGINE_ARGS = (
     "--speedup",
@@ -178,7 +179,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--engines", type=positive_int, default=2)
+    parser.add_argument(
+        "--engines", type=engine_count, default=2, help="simulated engines (1-64, each a process) [2]"
+    )
     parser.add_argument("--conversations", type=positive_int, default=8)
     parser.add_argument("--turns", type=positive_int, default=5)
     parser.add_argument("--system-words", type=positive_int, default=300)

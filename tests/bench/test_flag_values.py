@@ -15,6 +15,9 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 @pytest.mark.parametrize(
     ("script", "flags", "message"),
     [
+        # (each engine is a process of its own, as in kvmesh demo, which takes at most 64)
+        ("routing_quality.py", ["--engines", "100000"], "argument --engines: must be at most 64"),
+        ("speculative_prefill.py", ["--engines", "100000"], "argument --engines: must be at most 64"),
         ("fleet_scale.py", ["--planes", "bogus"], "--planes must be zmq, nats or both"),
         ("fleet_scale.py", ["--planes", "zmq,bogus"], "--planes must be zmq, nats or both"),
         (

@@ -26,6 +26,7 @@ from typing import Any
 from kvmesh.adapters.trtllm.backend import WorkerOptions
 from kvmesh.adapters.trtllm.retention import check_budget
 from kvmesh.errors import ConfigError
+from kvmesh.events.endpoint import endpoint_problem
 
 DEFAULT_EVENT_BUFFER = 1024
 CONFIG_FLAGS = ("--config", "--extra_llm_api_options")
@@ -85,10 +86,11 @@ def split_kvmesh_flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 def options_from_flags(flags: dict[str, str]) -> WorkerOptions:
     kwargs: dict[str, Any] = {}
     if "--kvmesh-events-endpoint" in flags:
-        kwargs["events_endpoint"] = flags["--kvmesh-events-endpoint"]
+        kwargs["events_endpoint"] = _endpoint(flags, "--kvmesh-events-endpoint")
     if "--kvmesh-replay-endpoint" in flags:
         value = flags["--kvmesh-replay-endpoint"]
-        kwargs["replay_endpoint"] = None if value.lower() in ("", "none", "off") else value
+        off = value.lower() in ("", "none", "off")
+        kwargs["replay_endpoint"] = None if off else _endpoint(flags, "--kvmesh-replay-endpoint")
     if "--kvmesh-pin-budget" in flags:
         text = flags["--kvmesh-pin-budget"]
         try:
@@ -100,6 +102,16 @@ def options_from_flags(flags: dict[str, str]) -> WorkerOptions:
     if "--kvmesh-advertise-host" in flags:
         kwargs["advertise_host"] = flags["--kvmesh-advertise-host"]
     return WorkerOptions(**kwargs)
+
+
+def _endpoint(flags: dict[str, str], name: str) -> str:
+    """An endpoint flag, checked at launch (the bridge binds it inside trtllm-serve, where a port
+    past 65535 would have been refused only once the engine was up)."""
+    value = flags[name]
+    problem = endpoint_problem(value, bind=True)
+    if problem is not None:
+        raise ConfigError(f"{name} {value!r} {problem}")
+    return value
 
 
 def _find_config(argv: list[str]) -> tuple[int, str, str | None]:

@@ -102,6 +102,10 @@ def test_block_reuse_off_and_other_commands_are_refused(tmp_path: Path) -> None:
         prepare(["disaggregated", "-c", "x.yaml"], environ={})
     with pytest.raises(ConfigError, match="--kvmesh-pin-budget must be a fraction"):
         prepare(["m", "--kvmesh-pin-budget", "2"], environ={})
+    with pytest.raises(ConfigError, match="--kvmesh-events-endpoint 'tcp://\\*:70000' has port '70000'"):
+        prepare(["m", "--kvmesh-events-endpoint", "tcp://*:70000"], environ={})
+    with pytest.raises(ConfigError, match=r"--kvmesh-replay-endpoint 'tcp://10\.0\.0\.1:x' has port 'x'"):
+        prepare(["m", "--kvmesh-replay-endpoint", "tcp://10.0.0.1:x"], environ={})
 
 
 def test_environment_and_options_from_flags() -> None:

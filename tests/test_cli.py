@@ -160,7 +160,8 @@ def test_an_endpoint_or_url_that_cannot_be_used_is_refused_before_a_socket_opens
 ) -> None:
     """ZMQ takes a TCP port past 65535 modulo 65,536: ``kvmesh mock --kv-events-endpoint
     tcp://127.0.0.1:70000`` said its events were on port 4464 and served, and the tap followed
-    port 4464 without a word."""
+    port 4464 without a word. (And the rows' own notes: a sequence number or a URL that could not
+    be used either.)"""
     result = _kvmesh(*args)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr

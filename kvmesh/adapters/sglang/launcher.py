@@ -91,7 +91,16 @@ def with_kv_events(argv: list[str], port: int) -> list[str]:
     """``argv`` plus a ``--kv-events-config`` for kvmesh's publisher when it has none."""
     if _flag_value(argv, "--kv-events-config") is not None:
         return argv
-    dp = int(_flag_value(argv, "--dp-size") or _flag_value(argv, "--dp") or 1)
+    dp_text = _flag_value(argv, "--dp-size") or _flag_value(argv, "--dp") or "1"
+    # (anything but a count is SGLang's own parser's to refuse, naming its flag: int() here was a
+    # ValueError traceback before it)
+    dp = int(dp_text) if dp_text.isascii() and dp_text.isdigit() and 0 < int(dp_text) <= 4096 else 1
+    last = port + 2 * dp - 1  # a live and a replay port a rank
+    if last > 65535:
+        raise ConfigError(
+            f"--kvmesh-events-port {port} with {dp} data-parallel rank(s) needs ports {port} to {last} "
+            "(a live and a replay port a rank), past 65535"
+        )
     config = {
         "publisher": PUBLISHER_NAME,
         "endpoint": f"tcp://*:{port}",

@@ -1,0 +1,30 @@
+"""The SGLang launcher's own argument handling, which runs before SGLang is imported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvmesh.adapters.sglang.launcher import with_kv_events
+from kvmesh.errors import ConfigError
+
+
+def test_the_event_ports_of_every_rank_fit_below_65536() -> None:
+    """Rank r publishes on the base port plus r and replays on the base plus dp plus r: past 65535
+    the publisher inside SGLang's scheduler would have failed only once the engine was up."""
+    argv = with_kv_events(["--dp-size", "2"], 65532)
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert (config["endpoint"], config["replay_endpoint"]) == ("tcp://*:65532", "tcp://*:65534")
+    with pytest.raises(ConfigError, match=r"needs ports 65533 to 65536 .* past 65535"):
+        with_kv_events(["--dp-size", "2"], 65533)
+    with pytest.raises(ConfigError, match="needs ports 65535 to 65536"):
+        with_kv_events([], 65535)
+
+
+def test_a_dp_size_that_is_not_a_count_is_left_to_sglangs_parser() -> None:
+    """``int()`` of it was a ValueError traceback before SGLang's own parser could name the flag."""
+    argv = with_kv_events(["--dp-size", "two"], 5557)
+    config = json.loads(argv[-1])
+    assert config["replay_endpoint"] == "tcp://*:5558"
+    assert argv[:2] == ["--dp-size", "two"]

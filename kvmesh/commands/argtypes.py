@@ -58,15 +58,16 @@ def http_url(text: str) -> str:
 
 def bind_endpoint(text: str) -> str:
     """A ZMQ endpoint to bind (a ``tcp://`` port past 65535 was bound modulo 65,536)."""
-    problem = endpoint_problem(text, bind=True)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(f"{text!r} {problem}")
-    return text
+    return _endpoint(text, bind=True)
 
 
 def connect_endpoint(text: str) -> str:
     """A ZMQ endpoint to connect to (a ``tcp://`` port past 65535 dialled another port)."""
-    problem = endpoint_problem(text, bind=False)
+    return _endpoint(text, bind=False)
+
+
+def _endpoint(text: str, *, bind: bool) -> str:
+    problem = endpoint_problem(text, bind=bind)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{text!r} {problem}")
     return text

@@ -46,12 +46,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    # What the settings alone cannot tell: a tokenizer that will not load, an address in use.
     try:
         app = build_router_app(settings, freeze_heap=True)
         sock = listening_socket(args.host, args.port)
-    except (
-        ConfigError
-    ) as e:  # what the settings alone cannot tell: a tokenizer that will not load, the address
+    except ConfigError as e:
         print(f"kvmesh router: {e}", file=sys.stderr)
         return 2
     from kvmesh._native import summary

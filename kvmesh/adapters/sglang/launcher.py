@@ -94,7 +94,8 @@ def with_kv_events(argv: list[str], port: int) -> list[str]:
     dp_text = _flag_value(argv, "--dp-size") or _flag_value(argv, "--dp") or "1"
     # (anything but a count is SGLang's own parser's to refuse, naming its flag: int() here was a
     # ValueError traceback before it)
-    dp = int(dp_text) if dp_text.isascii() and dp_text.isdigit() and 0 < int(dp_text) <= 4096 else 1
+    dp = int(dp_text) if dp_text.isascii() and dp_text.isdigit() and len(dp_text) <= 6 else 1
+    dp = max(dp, 1)
     last = port + 2 * dp - 1  # a live and a replay port a rank
     if last > 65535:
         raise ConfigError(

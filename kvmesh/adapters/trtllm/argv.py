@@ -26,7 +26,7 @@ from typing import Any
 from kvmesh.adapters.trtllm.backend import WorkerOptions
 from kvmesh.adapters.trtllm.retention import check_budget
 from kvmesh.errors import ConfigError
-from kvmesh.events.endpoint import endpoint_problem
+from kvmesh.events.endpoint import check_endpoint
 
 DEFAULT_EVENT_BUFFER = 1024
 CONFIG_FLAGS = ("--config", "--extra_llm_api_options")
@@ -107,11 +107,7 @@ def options_from_flags(flags: dict[str, str]) -> WorkerOptions:
 def _endpoint(flags: dict[str, str], name: str) -> str:
     """An endpoint flag, checked at launch (the bridge binds it inside trtllm-serve, where a port
     past 65535 would have been refused only once the engine was up)."""
-    value = flags[name]
-    problem = endpoint_problem(value, bind=True)
-    if problem is not None:
-        raise ConfigError(f"{name} {value!r} {problem}")
-    return value
+    return check_endpoint(flags[name], bind=True, what=name)
 
 
 def _find_config(argv: list[str]) -> tuple[int, str, str | None]:

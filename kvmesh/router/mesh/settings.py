@@ -78,7 +78,7 @@ from urllib.parse import urlsplit
 
 from kvmesh._http import HEADER_SAFE_RULE, header_safe
 from kvmesh.errors import ConfigError
-from kvmesh.events.endpoint import endpoint_problem
+from kvmesh.events.endpoint import check_endpoint, endpoint_problem
 from kvmesh.events.nats_link import NatsOptions, parse_event_plane
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.settings_table import Setting, bind_defaults, check_all, key_index
@@ -283,12 +283,9 @@ def check_sync_endpoint(endpoint: str, what: str = "KVMESH_SYNC_ENDPOINT", *, bi
     """``tcp://host:port`` to bind (port may be ``*`` or 0: any free one) or to connect to (a
     peer's); ConfigError otherwise."""
     text = endpoint.strip()
-    problem = (
-        endpoint_problem(text, bind=bind) if text.startswith("tcp://") else "must look like tcp://host:port"
-    )
-    if problem is not None:
-        raise ConfigError(f"{what} {endpoint!r} {problem}")
-    return text
+    if not text.startswith("tcp://"):
+        raise ConfigError(f"{what} {endpoint!r} must look like tcp://host:port")
+    return check_endpoint(text, bind=bind, what=what)
 
 
 @dataclass(frozen=True)

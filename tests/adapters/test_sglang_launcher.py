@@ -20,6 +20,10 @@ def test_the_event_ports_of_every_rank_fit_below_65536() -> None:
         with_kv_events(["--dp-size", "2"], 65533)
     with pytest.raises(ConfigError, match="needs ports 65535 to 65536"):
         with_kv_events([], 65535)
+    with pytest.raises(
+        ConfigError, match="with 40000 data-parallel rank"
+    ):  # (no count is too large to check)
+        with_kv_events(["--dp-size", "40000"], 5557)
 
 
 def test_a_dp_size_that_is_not_a_count_is_left_to_sglangs_parser() -> None:

@@ -110,6 +110,9 @@ def test_a_server_refuses_a_port_or_log_level_it_cannot_use_before_it_starts(
     assert "Traceback" not in result.stderr and "serving" not in result.stderr
 
 
+_RELAY = ["events", "relay", "tcp://127.0.0.1:5557", "--nats", "nats://127.0.0.1:1", "--name", "a"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -152,6 +155,22 @@ def test_a_server_refuses_a_port_or_log_level_it_cannot_use_before_it_starts(
                 "ftp://x",
             ],
             "argument --register: URL 'ftp://x' must look like http://host:port",
+        ),
+        (  # (the NATS server refused the stream, and the relay retried for ever without a word)
+            [*_RELAY, "--nats-prefix", "a b"],
+            "kvmesh events relay: --nats-prefix must be one NATS subject token",
+        ),
+        (
+            [*_RELAY, "--nats-replicas", "6"],
+            "kvmesh events relay: --nats-replicas must be in [1, 5], got 6",
+        ),
+        (
+            [*_RELAY, "--nats-stream-max-age", "1e300"],
+            "kvmesh events relay: --nats-stream-max-age must be in (0, 9223372036], got 1e+300",
+        ),
+        (
+            [*_RELAY, "--register", "http://127.0.0.1:1", "--nats-worker-ttl", "1e10"],
+            "kvmesh events relay: --nats-worker-ttl must be at most 9223372036, got 10000000000.0",
         ),
     ],
 )

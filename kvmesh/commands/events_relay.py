@@ -20,7 +20,7 @@ import aiohttp
 
 from kvmesh.commands.argtypes import connect_endpoint, http_url, positive_float, positive_int
 from kvmesh.errors import ConfigError
-from kvmesh.events.nats_link import NatsOptions, parse_event_plane
+from kvmesh.events.nats_link import MAX_REPLICAS, MAX_SECONDS, NatsOptions, parse_event_plane
 
 # Facts a registration may carry (the keys of a [[workers]] table besides url / id / endpoints).
 _INT_FACTS = ("block_size", "max_num_batched_tokens", "total_kv_blocks", "bootstrap_port")
@@ -120,7 +120,9 @@ def add_parser(actions: Any) -> None:
     auth.add_argument("--nats-tls-ca", metavar="FILE", help="CA bundle to verify the server")
     auth.add_argument("--nats-tls-cert", metavar="FILE", help="client certificate (with --nats-tls-key)")
     auth.add_argument("--nats-tls-key", metavar="FILE", help="client key (with --nats-tls-cert)")
-    auth.add_argument("--nats-prefix", default="kvmesh", help="first subject token [kvmesh]")
+    auth.add_argument(
+        "--nats-prefix", default="kvmesh", help="first subject token: letters, digits, _ and - [kvmesh]"
+    )
     auth.add_argument(
         "--nats-stream-max-age",
         type=positive_float,
@@ -132,7 +134,11 @@ def add_parser(actions: Any) -> None:
         "--nats-stream-max-bytes", type=positive_int, default=1 << 30, metavar="N", help="stream size [1 GiB]"
     )
     auth.add_argument(
-        "--nats-replicas", type=positive_int, default=1, metavar="N", help="JetStream replicas [1]"
+        "--nats-replicas",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help=f"JetStream replicas, at most {MAX_REPLICAS} [1]",
     )
     relay.add_argument(
         "--duration", type=positive_float, metavar="S", help="stop after S seconds (default: until a signal)"
@@ -215,6 +221,9 @@ async def _relay(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"give --replay-endpoint once per ENDPOINT ({len(args.endpoints)}), got {len(args.replay_endpoint)}"
         )
+    options = _options(args)  # its limits before anything is read or opened
+    if args.nats_worker_ttl > MAX_SECONDS:
+        raise ConfigError(f"--nats-worker-ttl must be at most {MAX_SECONDS}, got {args.nats_worker_ttl}")
     registering = args.register is not None
     if not registering and (args.worker_id or args.no_engine_info or args.fact):
         raise ConfigError(
@@ -230,9 +239,7 @@ async def _relay(args: argparse.Namespace) -> int:
     info = {**{k: v for k, v in info.items() if k != "kv_replay_endpoints"}, **facts}
     replays = args.replay_endpoint or [None] * len(args.endpoints)
     sources = [RelaySource(e, r) for e, r in zip(args.endpoints, replays, strict=True)]
-    relay = EventRelay(
-        _options(args), name, sources, topic=args.topic.encode(), buffer_batches=args.buffer_batches
-    )
+    relay = EventRelay(options, name, sources, topic=args.topic.encode(), buffer_batches=args.buffer_batches)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -42,6 +42,17 @@ NATS_ENDPOINT_PREFIX = "nats:"
 SEQ_HEADER = "Kvmesh-Seq"
 EPOCH_HEADER = "Kvmesh-Epoch"
 _TOKEN_BAD = re.compile(r"[^A-Za-z0-9_-]")
+_PREFIX = re.compile(r"[A-Za-z0-9_-]+")
+
+MAX_SECONDS = (2**63 - 1) // 10**9
+"""The longest duration JetStream takes (a stream's age, a bucket's ttl): it counts nanoseconds in
+a signed 64-bit integer, some 292 years. (Past it the server refused the stream's JSON, or nats-py
+overflowed turning the seconds to nanoseconds, and the plane retried for ever.)"""
+MAX_BYTES = 1 << 60
+"""The largest stream size taken, an exbibyte: JetStream's field is a signed 64-bit integer, and
+a power of two stays exact where a settings row keeps its bound as a float (2**63 - 1 does not)."""
+MAX_REPLICAS = 5
+"""JetStream keeps at most five replicas of a stream."""
 
 
 def import_nats() -> Any:
@@ -62,6 +73,18 @@ def subject_token(name: str) -> str:
     if not token:
         raise ConfigError(f"cannot make a NATS subject token of {name!r}")
     return token
+
+
+def prefix_problem(prefix: str) -> str | None:
+    """Why ``prefix`` cannot lead kvmesh's subjects, stream and bucket (None when it can).
+
+    One subject token of letters, digits, ``_`` and ``-``: a space, ``*`` or ``>`` made every
+    subject invalid (the server refused the stream and the plane retried for ever), and a dot or a
+    character ``subject_token`` folds gave two fleets the same stream and bucket (``a.b``, ``a_b``).
+    """
+    if not _PREFIX.fullmatch(prefix):
+        return "must be one NATS subject token of letters, digits, '_' and '-' (like kvmesh or fleet-2)"
+    return None
 
 
 def parse_event_plane(text: str) -> tuple[str, ...]:
@@ -116,6 +139,21 @@ class NatsOptions:
             raise ConfigError("--nats-tls-cert and --nats-tls-key go together")
         if self.token is not None and self.user is not None:
             raise ConfigError("give either a NATS token or a user/password, not both")
+        # The settings and the relay's flags check these first, naming the variable or flag; this
+        # is for everyone else who makes options, so that no value reaches the server to be refused.
+        problem = prefix_problem(self.prefix)
+        if problem:
+            raise ConfigError(f"--nats-prefix {problem}, got {self.prefix!r}")
+        if not 0 < self.stream_max_age <= MAX_SECONDS:
+            raise ConfigError(
+                f"--nats-stream-max-age must be in (0, {MAX_SECONDS}], got {self.stream_max_age}"
+            )
+        if not 1 <= self.stream_max_bytes <= MAX_BYTES:
+            raise ConfigError(
+                f"--nats-stream-max-bytes must be in [1, {MAX_BYTES}], got {self.stream_max_bytes}"
+            )
+        if not 1 <= self.stream_replicas <= MAX_REPLICAS:
+            raise ConfigError(f"--nats-replicas must be in [1, {MAX_REPLICAS}], got {self.stream_replicas}")
 
     @property
     def stream(self) -> str:
@@ -174,6 +212,8 @@ class NatsLink:
         self.disconnects = 0
         self.reconnects = 0
         self.last_error: str | None = None
+        self.stream_problem: str | None = None
+        """Why the event stream could not be made or checked, while connected to a server."""
         self.since = time.monotonic()
         self._up = asyncio.Event()
         self._listeners: list[Listener] = []
@@ -228,6 +268,7 @@ class NatsLink:
             "reconnects": self.reconnects,
             "last_error": self.last_error,
             "stream": self.options.stream,
+            "stream_problem": self.stream_problem,
         }
 
     # ---------------------------------------------------------------- internals
@@ -274,9 +315,15 @@ class NatsLink:
             while not self._closing:
                 try:
                     await ensure_stream(self.js, self.options)
+                    self.stream_problem = None
                     break
-                except Exception as e:  # JetStream not ready (cluster electing a leader)
-                    self.last_error = f"{type(e).__name__}: {e}"
+                except Exception as e:  # JetStream not ready (a cluster electing), or a refusal
+                    error = f"{type(e).__name__}: {e}"
+                    if error != self.stream_problem:  # said once, not at every retry
+                        logger.warning(
+                            "NATS event stream %s not ready (%s); retrying", self.options.stream, error
+                        )
+                    self.last_error = self.stream_problem = error
                     await asyncio.sleep(0.25)
         self._set_connected(True)
         logger.info("NATS event plane connected (%s)", self.nc.connected_url.netloc if self.nc else "?")
@@ -325,7 +372,15 @@ async def ensure_stream(js: Any, options: NatsOptions) -> None:
     )
     try:
         await js.add_stream(config=config)
-    except nats.js.errors.BadRequestError:
+    except nats.js.errors.BadRequestError:  # it exists with other limits: take these
+        held = list((await js.stream_info(options.stream)).config.subjects or [])
+        if held != config.subjects:
+            # The same stream name from another prefix (names are upper-cased: Fleet and fleet).
+            # Updating would move that fleet's stream onto these subjects and lose its events.
+            raise ConfigError(
+                f"stream {options.stream} holds {', '.join(held) or 'no subjects'}, another fleet's; "
+                f"give this fleet a --nats-prefix of another name"
+            ) from None
         await js.update_stream(config=config)
 
 

@@ -329,7 +329,12 @@ class Mesh:
         status = self.nats.describe()
         if self.discovery is not None:
             status.update(self.discovery.describe())
-        if not status["connected"]:
+        if status.get("stream_problem"):
+            status["note"] = (
+                "NATS answers, but the event stream is not ready (stream_problem): routing on the "
+                "last known state; retrying"
+            )
+        elif not status["connected"]:
             status["note"] = "NATS unreachable: routing on the last known state; re-syncs on reconnection"
         return status
 

@@ -79,7 +79,10 @@ from urllib.parse import urlsplit
 from kvmesh._http import HEADER_SAFE_RULE, header_safe
 from kvmesh.errors import ConfigError
 from kvmesh.events.endpoint import check_endpoint, endpoint_problem
-from kvmesh.events.nats_link import NatsOptions, parse_event_plane
+from kvmesh.events.nats_link import MAX_BYTES as MAX_NATS_BYTES
+from kvmesh.events.nats_link import MAX_REPLICAS as MAX_NATS_REPLICAS
+from kvmesh.events.nats_link import MAX_SECONDS as MAX_NATS_SECONDS
+from kvmesh.events.nats_link import NatsOptions, parse_event_plane, prefix_problem
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.settings_table import Setting, bind_defaults, check_all, key_index
 from kvmesh.router.core.settings_table import add_arguments as add_table_arguments
@@ -448,6 +451,13 @@ def _endpoints(items: Any, name: str) -> tuple[str, ...]:
     return tuple(check_sync_endpoint(p, f"{name} entry", bind=False) for p in items)
 
 
+def _nats_prefix(value: str, name: str) -> str:
+    problem = prefix_problem(value)
+    if problem:
+        raise ConfigError(f"{name} {problem}, got {value!r}")
+    return value
+
+
 # Each row: field, flag, variable, TOML key, type, help, then the range (low, high, low_open,
 # choices), None allowed (optional), a normaliser (convert) and the default as --help shows it.
 SETTINGS: tuple[Setting, ...] = bind_defaults(
@@ -569,24 +579,27 @@ SETTINGS: tuple[Setting, ...] = bind_defaults(
         Setting(
             "nats_prefix", "--nats-prefix", "KVMESH_NATS_PREFIX", "nats_prefix", str,
             "first subject token of every kvmesh subject; fleets sharing one NATS use different ones",
+            convert=_nats_prefix,
         ),
         Setting(
             "nats_stream_max_age", "--nats-stream-max-age", "KVMESH_NATS_STREAM_MAX_AGE", "nats_stream_max_age",
-            float, "seconds a KV-event batch stays replayable in the stream", 0, low_open=True,
+            float, "seconds a KV-event batch stays replayable in the stream", 0, MAX_NATS_SECONDS,
+            low_open=True,
         ),
         Setting(
             "nats_stream_max_bytes", "--nats-stream-max-bytes", "KVMESH_NATS_STREAM_MAX_BYTES",
             "nats_stream_max_bytes", int, "largest size of the KV-event stream (oldest batches go first)", 1,
-            shown="1 GiB",
+            MAX_NATS_BYTES, shown="1 GiB",
         ),
         Setting(
             "nats_replicas", "--nats-replicas", "KVMESH_NATS_REPLICAS", "nats_replicas", int,
-            "JetStream replicas of the event stream and the worker bucket (3 on a 3-node cluster)", 1, 5,
+            "JetStream replicas of the event stream and the worker bucket (3 on a 3-node cluster)", 1,
+            MAX_NATS_REPLICAS,
         ),
         Setting(
             "nats_worker_ttl", "--nats-worker-ttl", "KVMESH_NATS_WORKER_TTL", "nats_worker_ttl", float,
             "seconds a worker registration lives without renewal (workers renew every third of it)",
-            0, low_open=True,
+            0, MAX_NATS_SECONDS, low_open=True,
         ),
     ),
     exclude=("router",),

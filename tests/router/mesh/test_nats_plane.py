@@ -117,3 +117,25 @@ async def test_bucket_discovery_events_and_a_nats_outage(http: aiohttp.ClientSes
 async def _plane_connected(http: aiohttp.ClientSession, front: str, want: bool) -> bool:
     doc = await _get(http, front + "/kvmesh/router")
     return bool(doc["event_plane"]["connected"] is want)
+
+
+async def test_a_stream_the_server_refuses_is_shown_as_that_not_as_nats_away(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Three replicas asked of a single node: the server refuses the stream. The router had said
+    "NATS unreachable" with the refusal only in ``last_error``, and logged nothing."""
+    with nats_server() as node:
+        settings = MeshSettings(event_plane=node.url, nats_replicas=3)
+        async with serve(build_router_app(settings)) as front:
+
+            async def refused() -> bool:
+                plane = (await _get(http, front.url + "/kvmesh/router"))["event_plane"]
+                return bool(plane.get("stream_problem"))
+
+            await _until(refused, "the router shows the stream's refusal")
+            plane = (await _get(http, front.url + "/kvmesh/router"))["event_plane"]
+            assert plane["connected"] is False
+            assert "replicas" in plane["stream_problem"]
+            assert plane["note"].startswith("NATS answers, but the event stream is not ready")
+            health = await _get(http, front.url + "/health")
+            assert "replicas" in health["event_plane"]["stream_problem"]

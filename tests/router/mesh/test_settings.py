@@ -328,6 +328,28 @@ def test_every_setting_is_read_from_the_file_the_environment_and_its_flag(
             {"KVMESH_EVENT_PLANE": "nats://x:1", "KVMESH_NATS_TLS_CERT": "c.pem"},
             "--nats-tls-cert and --nats-tls-key go together",
         ),
+        # What the NATS server would refuse, after which the plane retried for ever without a word:
+        # a prefix that is no subject token, limits past JetStream's 64-bit fields.
+        (
+            {"KVMESH_EVENT_PLANE": "nats://x:1", "KVMESH_NATS_PREFIX": "a b"},
+            "KVMESH_NATS_PREFIX must be one NATS subject token of letters, digits, '_' and '-'",
+        ),
+        (
+            {"KVMESH_EVENT_PLANE": "nats://x:1", "KVMESH_NATS_PREFIX": "fleet.2"},
+            "KVMESH_NATS_PREFIX must be one NATS subject token",
+        ),
+        (
+            {"KVMESH_EVENT_PLANE": "nats://x:1", "KVMESH_NATS_STREAM_MAX_AGE": "1e10"},
+            "KVMESH_NATS_STREAM_MAX_AGE must be in (0, 9223372036], got '1e10'",
+        ),
+        (
+            {"KVMESH_EVENT_PLANE": "nats://x:1", "KVMESH_NATS_STREAM_MAX_BYTES": str(2**60 + 1)},
+            f"KVMESH_NATS_STREAM_MAX_BYTES must be in [1, {2**60}], got '{2**60 + 1}'",
+        ),
+        (
+            {"KVMESH_EVENT_PLANE": "nats://x:1", "KVMESH_NATS_WORKER_TTL": "1e300"},
+            "KVMESH_NATS_WORKER_TTL must be in (0, 9223372036], got '1e300'",
+        ),
     ],
 )
 def test_out_of_range_values_name_the_variable_and_the_range(env: dict[str, str], message: str) -> None:

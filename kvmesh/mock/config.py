@@ -78,8 +78,8 @@ class MockConfig:
             ("--transfer-ms-per-block", self.transfer_ms_per_block),
             ("--transfer-fixed-ms", self.transfer_fixed_ms),
         ):
-            if not ms >= 0:
-                raise ConfigError(f"{flag} must be a non-negative number, got {ms!r}")
+            if not 0 <= ms < math.inf:  # (infinity held every decode request's hand-off for ever)
+                raise ConfigError(f"{flag} must be a finite number of at least 0, got {ms!r}")
         if self.kv_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ConfigError("--kv-replay-endpoint needs --kv-events-endpoint")
         if parse_event_plane(self.event_plane) and self.kv_events_endpoint is not None:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 import sys
 from argparse import Namespace
 
 import pytest
 
 from kvmesh.adapters.vllm._vllm import import_vllm
-from kvmesh.adapters.vllm.endpoints import VllmWorkerBackend, advertise_host_from_env
+from kvmesh.adapters.vllm.endpoints import (
+    KvMeshEndpointPlugin,
+    VllmWorkerBackend,
+    advertise_host_from_env,
+    tick_seconds_from_env,
+)
 from kvmesh.errors import ConfigError
 from kvmesh.worker.retention import pin_budget_from_env
 
@@ -55,3 +62,28 @@ def test_wildcard_event_endpoints_are_advertised_at_the_engines_own_host() -> No
     assert backend._reachable("tcp://0.0.0.0:5558") == "tcp://10.1.2.3:5558"
     assert backend._reachable("tcp://10.9.9.9:5557") == "tcp://10.9.9.9:5557"
     assert backend._reachable("ipc:///tmp/ev") == "ipc:///tmp/ev"
+
+
+@pytest.mark.parametrize(("text", "expected"), [(None, 0.5), ("", 0.5), ("0.25", 0.25), ("60", 60.0)])
+def test_the_retention_clock_period_from_env(text: str | None, expected: float) -> None:
+    env = {} if text is None else {"KVMESH_VLLM_TICK_SECONDS": text}
+    assert tick_seconds_from_env(env) == expected
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "0.001", "61", "nan", "inf", "soon"])
+def test_a_retention_clock_period_out_of_range_stops_the_start(
+    bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0 or less had the clock call every engine core as fast as the API server's event loop
+    turned; a word was a bare ValueError from ``float``."""
+    message = f"KVMESH_VLLM_TICK_SECONDS must be a number of seconds from 0.01 to 60, got '{bad}'"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        tick_seconds_from_env({"KVMESH_VLLM_TICK_SECONDS": bad})
+    # vLLM's hook refuses before it makes the backend or starts the clock.
+    monkeypatch.setenv("KVMESH_VLLM_TICK_SECONDS", bad)
+    plugin = KvMeshEndpointPlugin()
+    state = Namespace()
+    with pytest.raises(ConfigError, match="KVMESH_VLLM_TICK_SECONDS"):
+        asyncio.run(plugin.init_state(object(), state, Namespace()))
+    assert plugin.backend is None and plugin._ticker is None
+    assert not hasattr(state, "kvmesh_backend")

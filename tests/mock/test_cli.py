@@ -107,6 +107,14 @@ def test_a_busy_events_port_is_a_clear_error() -> None:
         (["--speedup", "0"], "--speedup must be a positive finite number, got 0.0"),
         (["--speedup", "inf"], "--speedup must be a positive finite number, got inf"),
         (["--speedup", "nan"], "--speedup must be a positive finite number, got nan"),
+        (  # (infinity held every decode request's simulated KV hand-off for ever)
+            ["--role", "decode", "--transfer-ms-per-block", "inf"],
+            "--transfer-ms-per-block must be a finite number of at least 0, got inf",
+        ),
+        (
+            ["--transfer-fixed-ms", "-1"],
+            "--transfer-fixed-ms must be a finite number of at least 0, got -1.0",
+        ),
         (
             ["--request-log", "/nonexistent-kvmesh-dir/requests.jsonl"],
             "--request-log '/nonexistent-kvmesh-dir/requests.jsonl' cannot be opened: No such file or directory",

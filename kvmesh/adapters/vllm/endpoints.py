@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from argparse import Namespace
+from collections.abc import Mapping
 from typing import Any
 
 from kvmesh.adapters.vllm.engine_rpc import RPC_METHOD
-from kvmesh.errors import RequestError
+from kvmesh.errors import ConfigError, RequestError
 from kvmesh.worker.advertise import advertise_host_from_env
 from kvmesh.worker.block_state import kv_state_answer
 from kvmesh.worker.rpc import worker_rpc_routes, worker_token_from_env
@@ -30,6 +32,10 @@ logger = logging.getLogger("kvmesh.adapters.vllm")
 PLUGIN_NAME = "kvmesh"
 TICK_ENV = "KVMESH_VLLM_TICK_SECONDS"
 DEFAULT_TICK = 0.5
+TICK_RANGE = (0.01, 60.0)
+"""The retention clock's period, in seconds. (0 or less had the task call every engine core as
+fast as the event loop turned; more than a minute would hold an idle session or a pin that long
+past its deadline.)"""
 PRIORITY_WARNING = (
     "kvmesh: vLLM runs without --scheduling-policy priority, so nvext.agent_hints.priority only "
     "orders kvmesh's own queue; vLLM serves requests first come, first served"
@@ -149,12 +155,12 @@ class KvMeshEndpointPlugin:
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         if engine_client is None:
             return  # vLLM's render-only server: no engine, the routes answer 503
+        interval = tick_seconds_from_env()  # a bad value stops the start, before anything runs
         backend = VllmWorkerBackend(engine_client, args, advertise_host=advertise_host_from_env())
         self.backend = backend
         state.kvmesh_backend = backend
         if backend.priority_polarity == "none":
             logger.warning(PRIORITY_WARNING)
-        interval = float(os.environ.get(TICK_ENV, DEFAULT_TICK))
         self._ticker = asyncio.get_running_loop().create_task(_run_ticker(backend, interval))
 
     async def stop(self) -> None:
@@ -195,6 +201,22 @@ class _LateBackend:
 
     async def reset_prefix_cache(self) -> bool:
         return await self._backend().reset_prefix_cache()
+
+
+def tick_seconds_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """``KVMESH_VLLM_TICK_SECONDS``, or the default; ConfigError naming it when it is no number
+    in ``TICK_RANGE`` (a word was a bare ``ValueError`` from ``float`` at vLLM's start)."""
+    text = (os.environ if environ is None else environ).get(TICK_ENV)
+    if text is None or not text.strip():
+        return DEFAULT_TICK
+    low, high = TICK_RANGE
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not low <= value <= high:  # (NaN fails both)
+        raise ConfigError(f"{TICK_ENV} must be a number of seconds from {low} to {high:g}, got {text!r}")
+    return value
 
 
 async def _run_ticker(backend: VllmWorkerBackend, interval: float) -> None:

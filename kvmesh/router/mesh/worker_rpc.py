@@ -16,10 +16,15 @@ from typing import Any
 import msgspec
 
 from kvmesh._types import WorkerId
-from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder, Refused
+from kvmesh.router.upstream.forwarder import ANSWER_LIMIT, ConnectFailed, Forwarder, Refused
 
 ASGIApp = Any
 ADMIN_TOKEN_HEADER = "x-kvmesh-admin-token"
+KV_STATE_LIMIT = 512 << 20
+"""The largest ``/kvmesh/kv_state`` read: every cached block's hash, some 25 bytes each in JSON,
+so twenty million blocks. (The other RPCs' answers are small: ``ANSWER_LIMIT``.)"""
+METRICS_LIMIT = 64 << 20
+"""The largest engine ``/metrics`` page read (an engine's own counts of requests, per DP rank)."""
 
 
 class WorkerRpc:
@@ -56,7 +61,9 @@ class WorkerRpc:
         return await self.call(worker_id, url, "GET", "/v1/models", None)
 
     async def kv_state(self, worker_id: WorkerId, url: str) -> Any:
-        return await self.call(worker_id, url, "GET", "/kvmesh/kv_state", None, timeout=self.state_timeout)
+        return await self.call(
+            worker_id, url, "GET", "/kvmesh/kv_state", None, timeout=self.state_timeout, limit=KV_STATE_LIMIT
+        )
 
     async def open_session(
         self, worker_id: WorkerId, url: str, session_id: str, timeout: float | None
@@ -85,7 +92,9 @@ class WorkerRpc:
             except Exception as e:
                 raise ConnectFailed("local", f"GET /metrics raised {e!r}") from None
         else:
-            status, data = await self.forwarder.get(url + "/metrics", timeout=self.timeout)
+            status, data = await self.forwarder.get(
+                url + "/metrics", timeout=self.timeout, limit=METRICS_LIMIT
+            )
         if status != 200:
             raise ConnectFailed(url, f"GET /metrics: HTTP {status}")
         return data
@@ -100,13 +109,17 @@ class WorkerRpc:
         payload: Any,
         *,
         timeout: float | None = None,
+        limit: int = ANSWER_LIMIT,
     ) -> Any:
-        """In-process for the embedding engine, HTTP for the others; ConnectFailed on any failure."""
+        """In-process for the embedding engine, HTTP for the others; ConnectFailed on any failure,
+        an answer past ``limit`` bytes included (a GET's; a POST's answer is small)."""
         if worker_id == self.local_id:
             return await self._local(method, path, payload)
         bound = self.timeout if timeout is None else timeout
         if method == "GET":
-            return await self.forwarder.get_json(url + path, timeout=bound, headers=self._headers)
+            return await self.forwarder.get_json(
+                url + path, timeout=bound, headers=self._headers, limit=limit
+            )
         return await self.forwarder.post_json(url + path, payload, timeout=bound, headers=self._headers)
 
     async def _local(self, method: str, path: str, payload: Any) -> Any:

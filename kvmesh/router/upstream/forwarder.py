@@ -53,6 +53,11 @@ HOP_BY_HOP: frozenset[bytes] = frozenset(
     )
 )
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+ANSWER_LIMIT = 4 << 20
+"""The largest answer to a worker RPC or probe read whole, unless the call says otherwise (the
+cache dump and the engine's /metrics do). Without a bound, an address answering /kvmesh/info with
+an endless body (a wrong URL in the fleet, a broken engine) took the router to 1.6 GB in the 3 s of
+one health check's timeout, and again at every check."""
 _CONNECTION = b"connection"
 _FAILURES = (OSError, asyncio.TimeoutError, ProtocolError)
 # RFC 9110 section 9.2.2; the worker RPCs kvmesh POSTs (session_control, pin_prefix) set a state
@@ -310,28 +315,41 @@ class Forwarder:
 
     async def status(self, url: str, *, timeout: float = 3.0) -> int:
         """The HTTP status of a GET (a liveness probe); ConnectFailed when nothing answers."""
-        status, _ = await self._exchange("GET", url, None, timeout, None)
+        status, _ = await self._exchange("GET", url, None, timeout, None, ANSWER_LIMIT)
         return status
 
     async def get(
-        self, url: str, *, timeout: float = 3.0, headers: dict[str, str] | None = None
+        self,
+        url: str,
+        *,
+        timeout: float = 3.0,
+        headers: dict[str, str] | None = None,
+        limit: int = ANSWER_LIMIT,
     ) -> tuple[int, bytes]:
-        """A whole GET: (status, body); ConnectFailed when nothing answers in time."""
-        return await self._exchange("GET", url, None, timeout, headers)
+        """A whole GET: (status, body); ConnectFailed when nothing answers in time or the body
+        runs past ``limit`` bytes."""
+        return await self._exchange("GET", url, None, timeout, headers, limit)
 
-    async def get_json(self, url: str, *, timeout: float = 3.0, headers: dict[str, str] | None = None) -> Any:
-        """GET a small JSON document (worker RPCs); ConnectFailed on any failure."""
-        return await self._json("GET", url, None, timeout, headers)
+    async def get_json(
+        self,
+        url: str,
+        *,
+        timeout: float = 3.0,
+        headers: dict[str, str] | None = None,
+        limit: int = ANSWER_LIMIT,
+    ) -> Any:
+        """GET a JSON document (worker RPCs); ConnectFailed on any failure."""
+        return await self._json("GET", url, None, timeout, headers, limit)
 
     async def post_json(
         self, url: str, payload: Any, *, timeout: float = 3.0, headers: dict[str, str] | None = None
     ) -> Any:
-        return await self._json("POST", url, payload, timeout, headers)
+        return await self._json("POST", url, payload, timeout, headers, ANSWER_LIMIT)
 
     async def _json(
-        self, method: str, url: str, payload: Any, timeout: float, headers: dict[str, str] | None
+        self, method: str, url: str, payload: Any, timeout: float, headers: dict[str, str] | None, limit: int
     ) -> Any:
-        status, body = await self._exchange(method, url, payload, timeout, headers)
+        status, body = await self._exchange(method, url, payload, timeout, headers, limit)
         if status != 200:
             raise Refused(url, status, body[:200].decode("utf-8", "replace"))
         try:
@@ -340,9 +358,16 @@ class Forwarder:
             raise ConnectFailed(url, f"request failed: answer is not JSON: {e}") from None
 
     async def _exchange(
-        self, method: str, url: str, payload: Any, timeout: float, headers: dict[str, str] | None
+        self,
+        method: str,
+        url: str,
+        payload: Any,
+        timeout: float,
+        headers: dict[str, str] | None,
+        limit: int,
     ) -> tuple[int, bytes]:
-        """One whole request/response (worker RPCs and probes), bounded by ``timeout``."""
+        """One whole request/response (worker RPCs and probes), bounded by ``timeout`` and, in
+        size, by ``limit``: the connection is dropped once the body runs past it."""
         origin, target = self._target(url)
         wire = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
         body = b""
@@ -357,7 +382,7 @@ class Forwarder:
         async def exchange() -> tuple[int, bytes]:
             response = await self._send(url, origin, data, method == "HEAD", idempotent=True)
             try:
-                body = await response.read()
+                body = await response.read(limit)
             except BaseException:
                 response.close()
                 raise

@@ -19,9 +19,11 @@ from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from kvmesh.router.upstream.forwarder import ANSWER_LIMIT
 from tests.router.engines import EngineState, engine_app
 from tests.router.fleet import chat, fleet
 from tests.router.servers import serve
+from tests.router.upstream.test_forwarder import endless, raw_server
 
 
 async def _workers(http: aiohttp.ClientSession, url: str) -> dict[str, dict[str, Any]]:
@@ -111,6 +113,27 @@ async def test_a_worker_describing_itself_with_a_bad_fact_is_down_naming_it_unti
             assert odd.received == []
             odd.info_facts = {}
             await _until_state(http, front.url, bad.url, "up")
+
+
+async def test_a_worker_answering_without_end_is_down_naming_the_size(http: aiohttp.ClientSession) -> None:
+    """An address in the fleet that answers ``/kvmesh/info`` with an endless body (a wrong URL, a
+    broken engine) was read until the timeout at every health check: the router's memory went to
+    1.6 GB and back every 3 s. The answer is cut at its limit; the worker is down, saying so, and
+    the rest of the fleet routes."""
+    async with serve(engine_app(EngineState("e0"))) as good, raw_server(endless) as bad:
+        settings = MeshSettings(
+            workers=(WorkerSpec(good.url, good.url), WorkerSpec(bad.url, bad.url)),
+            router=RouterConfig(use_kv_events=False),
+            health_interval=0.05,
+            connect_timeout=30.0,
+        )
+        async with serve(build_router_app(settings)) as front:
+            await _until_state(http, front.url, bad.url, "down")
+            reason = (await _workers(http, front.url))[bad.url]["reason"]
+            assert f"response larger than {ANSWER_LIMIT} bytes" in reason, reason
+            async with http.post(front.url + "/v1/chat/completions", json=chat("x")) as r:
+                assert r.status == 200
+        assert bad.sent < bad.connections * (ANSWER_LIMIT + (16 << 20))
 
 
 async def test_an_unreadable_kv_state_neither_strands_the_worker_nor_stops_its_health_checks(

@@ -21,6 +21,7 @@ from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from kvmesh.router.upstream.connection import _HIGH_WATER
 from kvmesh.router.upstream.forwarder import (
+    ANSWER_LIMIT,
     ConnectFailed,
     Forwarder,
     MaybeDelivered,
@@ -29,7 +30,7 @@ from kvmesh.router.upstream.forwarder import (
 )
 from tests.router.engines import EngineState, engine_app
 from tests.router.fleet import chat
-from tests.router.servers import serve
+from tests.router.servers import serve, wait_until
 
 Handler = Callable[["Peer"], Awaitable[None]]
 
@@ -38,6 +39,7 @@ Handler = Callable[["Peer"], Awaitable[None]]
 class Raw:
     url: str
     connections: int = 0
+    sent: int = 0  # body bytes an endless answer wrote
     requests: list[tuple[bytes, dict[bytes, bytes], bytes]] = field(default_factory=list)
 
 
@@ -332,6 +334,50 @@ async def test_rpc_helpers(forwarder: Forwarder) -> None:
             await forwarder.get_json(raw.url + "/slow", timeout=0.2)
         with pytest.raises(UpstreamError, match="CR or LF"):
             await forwarder.open(raw.url, "POST", "/v1/completions", [(b"x-a", b"1\r\nx-b: 2")], b"")
+
+
+async def endless(peer: Peer) -> None:
+    """Answer the first request with a chunked body that never ends; count what was sent."""
+    if await peer.request() is None:
+        return
+    await peer.send(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    block = b" " * 65536
+    while True:
+        await peer.send(chunk(block))
+        peer.raw.sent += len(block)
+
+
+async def test_an_answer_past_its_limit_drops_the_connection(forwarder: Forwarder) -> None:
+    """An address answering an RPC with an endless body (a wrong URL in the fleet, a broken engine)
+    was read until the timeout: 1.6 GB of the router's memory in the 3 s of one health check."""
+    async with raw_server(endless) as raw:
+        with pytest.raises(ConnectFailed, match=f"response larger than {ANSWER_LIMIT} bytes"):
+            await forwarder.get_json(raw.url + "/kvmesh/info", timeout=30)
+        with pytest.raises(ConnectFailed, match="response larger than 100000 bytes"):
+            await forwarder.get(raw.url + "/metrics", timeout=30, limit=100_000)
+        with pytest.raises(ConnectFailed, match=f"response larger than {ANSWER_LIMIT} bytes"):
+            await forwarder.status(raw.url + "/health", timeout=30)
+        await wait_until(lambda: raw.connections == 3)
+    # Each connection was dropped once its answer ran past the limit: the server sent about
+    # that much (plus what the socket buffers held), not 30 s of loopback.
+    assert raw.sent < 3 * (ANSWER_LIMIT + (16 << 20))
+
+
+async def test_an_answer_within_its_limit_is_read_whole(forwarder: Forwarder) -> None:
+    document = b'{"blocks": [' + b",".join(b"%d" % (10**18 + i) for i in range(50_000)) + b"]}"
+
+    async def big(peer: Peer) -> None:
+        while await peer.request() is not None:
+            await peer.send(ok(document))
+
+    async with raw_server(big) as raw:
+        assert len(document) > 500_000
+        doc = await forwarder.get_json(raw.url + "/kvmesh/kv_state", limit=len(document))
+        assert len(doc["blocks"]) == 50_000
+        with pytest.raises(ConnectFailed, match=f"response larger than {len(document) - 1} bytes"):
+            await forwarder.get_json(raw.url + "/kvmesh/kv_state", limit=len(document) - 1)
 
 
 # ---------------------------------------------------------------------------- behind the router

@@ -61,6 +61,10 @@ def test_missing_subcommand_is_a_usage_error() -> None:
         (["--engines", "1000000"], "argument --engines: must be at most 64 (each engine is a process"),
         (["--speedup", "0"], "argument --speedup: must be greater than 0, got 0"),
         (["--num-blocks", "0"], "argument --num-blocks: must be at least 1, got 0"),
+        (  # (a traceback once the first engine process had refused it)
+            ["--num-blocks", "99999999"],
+            "kvmesh demo: --num-blocks must be at most 4194304 (each simulated block is an object in memory)",
+        ),
         (["--block-size", "0"], "argument --block-size: must be at least 1, got 0"),
         (["--sessions", "0"], "argument --sessions: must be at least 1, got 0"),
         (["--turns", "0"], "argument --turns: must be at least 1, got 0"),

@@ -282,15 +282,20 @@ async def _run_demo(args: argparse.Namespace) -> int:
     from kvmesh.bench import report
     from kvmesh.bench.runner import LoadSpec, Progress, RunResult, run_workload
     from kvmesh.bench.workloads import WorkloadSpec, build
+    from kvmesh.errors import ConfigError
     from kvmesh.mock.config import MockConfig
     from kvmesh.router.core.config import RouterConfig
 
-    mock = MockConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_batched_tokens=8192,
-        speedup=args.speedup,
-    )
+    try:  # (the engines check their flags too, but as processes of their own, after start-up began)
+        mock = MockConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_num_batched_tokens=8192,
+            speedup=args.speedup,
+        ).validate()
+    except ConfigError as e:
+        print(f"kvmesh demo: {e}", file=sys.stderr)
+        return 2
     spec = WorkloadSpec(
         name="agentic",
         sessions=args.sessions,

@@ -142,6 +142,7 @@ from kvmesh.commands.argtypes import output_path, positive_float, positive_int
 from kvmesh.commands.bench import LOAD_KNOBS as LOAD_KNOB_TYPES
 from kvmesh.commands.bench import WORKLOAD_KNOBS
 from kvmesh.commands.demo import MAX_ENGINES, engine_count
+from kvmesh.mock.config import MAX_NUM_BLOCKS
 from kvmesh.router.core.config import RouterConfig
 
 ENGINE_ARGS = (
@@ -300,7 +301,10 @@ def _per_engine(text: str, parse: Callable[[str], T], wanted: str) -> tuple[T, .
 def parse_num_blocks(text: str) -> tuple[int, ...]:
     """``--num-blocks``: one KV cache size for every engine, or comma-separated sizes cycled over
     the fleet."""
-    return _per_engine(text, positive_int, "a positive integer, or comma-separated ones such as 2048,1024")
+    sizes = _per_engine(text, positive_int, "a positive integer, or comma-separated ones such as 2048,1024")
+    if max(sizes) > MAX_NUM_BLOCKS:  # (each engine refused it once the run had begun: a traceback)
+        raise argparse.ArgumentTypeError(f"{text!r}: each size must be at most {MAX_NUM_BLOCKS}")
+    return sizes
 
 
 def parse_speedups(text: str) -> tuple[float, ...]:

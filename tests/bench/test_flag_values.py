@@ -18,6 +18,11 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
         # (each engine is a process of its own, as in kvmesh demo, which takes at most 64)
         ("routing_quality.py", ["--engines", "100000"], "argument --engines: must be at most 64"),
         ("speculative_prefill.py", ["--engines", "100000"], "argument --engines: must be at most 64"),
+        (  # (each engine refused it once the run had begun, and the script ended in a traceback)
+            "routing_quality.py",
+            ["--num-blocks", "2048,99999999"],
+            "argument --num-blocks: '2048,99999999': each size must be at most 4194304",
+        ),
         ("fleet_scale.py", ["--planes", "bogus"], "--planes must be zmq, nats or both"),
         ("fleet_scale.py", ["--planes", "zmq,bogus"], "--planes must be zmq, nats or both"),
         (

@@ -34,6 +34,7 @@ import zmq
 from kvmesh.errors import ConfigError
 from kvmesh.events.endpoint import check_endpoint
 from kvmesh.events.wire import (
+    MAX_REPLAY_REQUEST_BYTES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -113,7 +114,12 @@ class BatchPublisher:
                 # Room for a whole replay plus its end marker even when the peer reads slowly
                 # (ZMQ only learns of reads every HWM/2 messages).
                 self._replay = _open_with_options(
-                    ctx, zmq.ROUTER, replay_endpoint, True, sndhwm=2 * (buffer_batches + 1)
+                    ctx,
+                    zmq.ROUTER,
+                    replay_endpoint,
+                    True,
+                    sndhwm=2 * (buffer_batches + 1),
+                    max_frame=MAX_REPLAY_REQUEST_BYTES,
                 )
             except ConfigError:
                 self._pub.close(linger=0)
@@ -242,11 +248,18 @@ class BatchPublisher:
 
 
 def _open_with_options(
-    ctx: zmq.Context[zmq.Socket[bytes]], kind: int, endpoint: str, bind: bool, *, sndhwm: int
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    kind: int,
+    endpoint: str,
+    bind: bool,
+    *,
+    sndhwm: int,
+    max_frame: int = -1,
 ) -> zmq.Socket[bytes]:
     check_endpoint(endpoint, bind=bind)
     sock = ctx.socket(kind)
-    sock.setsockopt(zmq.SNDHWM, sndhwm)  # before bind/connect: it applies to later connections
+    sock.setsockopt(zmq.SNDHWM, sndhwm)  # before bind/connect: they apply to later connections
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)  # (-1: none; a PUB reads nothing)
     try:
         if bind:
             sock.bind(endpoint)

@@ -152,6 +152,11 @@ _ARRAY_HEADERS = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
 _SEQ = struct.Struct(">Q")
 MAX_SEQ = 2**64 - 1
 """The largest sequence number the wire carries (8 unsigned bytes)."""
+MAX_REPLAY_REQUEST_BYTES = 1024
+"""The largest frame a publisher's replay socket takes (``ZMQ_MAXMSGSIZE``): a request is an empty
+frame and 8 bytes. ZMQ drops the connection of a peer that sends more, before the frame is held.
+(Without it, anyone who could reach an engine's replay port made the engine hold what it sent: a
+gigabyte a message.)"""
 _SIGNED_SEQ = struct.Struct(">q")
 REPLAY_END_SEQ = -1
 """The sequence number of the replay end marker (encoded as 8 signed big-endian bytes)."""

@@ -3,6 +3,7 @@ protocol byte for byte (raw DEALER), threading, bind/connect rules and closing."
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ import zmq
 from kvmesh.errors import ConfigError
 from kvmesh.events.publisher import BatchPublisher, KvEventPublisher, should_bind
 from kvmesh.events.wire import (
+    MAX_REPLAY_REQUEST_BYTES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -107,6 +109,27 @@ def test_replay_ignores_a_malformed_request_and_answers_the_next(publisher: Batc
         dealer.send_multipart([b"", pack_seq(0)])
         assert dealer.recv_multipart() == [b"", b"kv", pack_seq(0), encode_batch(make_batch(0))]
         assert dealer.recv_multipart() == END
+
+
+def test_a_replay_request_past_its_limit_is_dropped_before_the_engine_holds_it(
+    publisher: BatchPublisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone who could reach the replay port made the engine hold what it sent: a 512 MiB
+    request took a publisher's process to 4.1 GB before it was found malformed. ZMQ now drops such
+    a peer's connection first; the request is never read, and other subscribers are served."""
+    publisher.publish(make_batch(0))
+    assert publisher.replay_endpoint is not None
+    with caplog.at_level(logging.WARNING, logger="kvmesh.events"):
+        with raw_socket(zmq.DEALER, publisher.replay_endpoint) as hostile:
+            hostile.send_multipart([b"", b"\x00" * (MAX_REPLAY_REQUEST_BYTES + 1)])
+            time.sleep(0.2)
+            assert hostile.poll(300) == 0  # no answer of any kind
+        assert replay(publisher.replay_endpoint, 0) == [
+            [b"", b"kv", pack_seq(0), encode_batch(make_batch(0))],
+            END,
+        ]
+    # (A request the publisher reads and finds malformed is logged: this one never reached it.)
+    assert "malformed replay request" not in caplog.text
 
 
 def test_concurrent_publishers_get_unique_ordered_sequences(publisher: BatchPublisher) -> None:

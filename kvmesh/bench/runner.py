@@ -31,6 +31,7 @@ import aiohttp
 
 from kvmesh._http import SseLines, sse_data
 from kvmesh.bench.workloads import Answer, Session
+from kvmesh.router.upstream.forwarder import ANSWER_LIMIT
 
 
 @dataclass(slots=True)
@@ -141,12 +142,27 @@ class NoModel(RuntimeError):
     """The server could not say which model it serves (unreachable, an error, no model listed)."""
 
 
+async def read_capped(response: aiohttp.ClientResponse, limit: int = ANSWER_LIMIT) -> bytes:
+    """A whole answer of at most ``limit`` bytes; ValueError past it, read no further (a URL that
+    answers without end, a wrong one, would otherwise be read until the timeout: gigabytes)."""
+    if response.content_length is not None and response.content_length > limit:
+        raise ValueError(f"answer of {response.content_length} bytes, more than {limit}")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise ValueError(f"answer larger than {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
     """The first model a server lists at /v1/models; :class:`NoModel` when there is none to be had."""
     try:
         async with session.get(url + "/v1/models") as response:
             response.raise_for_status()
-            data = await response.json(content_type=None)
+            data = json.loads(await read_capped(response))
         models = data.get("data") or []
         first = str(models[0]["id"]) if models else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError, KeyError, TypeError) as e:

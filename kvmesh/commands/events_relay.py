@@ -197,6 +197,8 @@ def parse_facts(items: list[str]) -> dict[str, Any]:
 
 async def engine_info(url: str) -> dict[str, Any]:
     """The engine's ``/kvmesh/info`` (ConfigError when it does not answer one)."""
+    from kvmesh.bench.runner import read_capped  # (here: `kvmesh --help` imports this module)
+
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
@@ -206,7 +208,7 @@ async def engine_info(url: str) -> dict[str, Any]:
                 raise ConfigError(
                     f"{url}/kvmesh/info answered HTTP {r.status}; use --no-engine-info and --fact"
                 )
-            doc = await r.json()
+            doc = json.loads(await read_capped(r))
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         raise ConfigError(f"cannot read {url}/kvmesh/info ({e}); use --no-engine-info and --fact") from None
     if not isinstance(doc, dict):

@@ -26,6 +26,7 @@ from kvmesh.bench.runner import (
 )
 from kvmesh.bench.workloads import WORKLOADS, Answer, WorkloadSpec, build, knob_matters, preset
 from kvmesh.mock.testing import run_mock
+from kvmesh.router.upstream.forwarder import ANSWER_LIMIT
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
@@ -289,6 +290,32 @@ def test_a_server_that_is_not_there_is_said_before_the_workload_is_made() -> Non
     assert done.returncode == 1, done.stderr[-2000:]
     assert "kvmesh bench: cannot read http://127.0.0.1:9/v1/models" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--workload", "best-of-n", "--sessions", "2", "--no-progress", "--url"],
+        ["events", "relay", "tcp://127.0.0.1:5557", "--nats", "nats://127.0.0.1:1", "--register"],
+    ],
+    ids=["bench --url", "events relay --register"],
+)
+async def test_a_server_answering_without_end_is_read_up_to_a_limit(argv: list[str]) -> None:
+    """A URL that answers ``/v1/models`` or ``/kvmesh/info`` with an endless body (a wrong URL) was
+    read until the client's timeout, 30 s for ``kvmesh bench``: gigabytes over loopback."""
+    from tests.router.upstream.test_forwarder import endless, raw_server
+
+    async with raw_server(endless) as server:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvmesh", *argv, server.url,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    text = stderr.decode()
+    assert proc.returncode in (1, 2), text[-2000:]
+    assert f"cannot read {server.url}/" in text and f"answer larger than {ANSWER_LIMIT} bytes" in text, text
+    assert "Traceback" not in text
+    assert server.sent < ANSWER_LIMIT + (16 << 20)
 
 
 def test_a_long_preparation_shows_its_progress_and_a_short_one_leaves_no_line() -> None:

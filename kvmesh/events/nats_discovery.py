@@ -45,8 +45,11 @@ class WorkerAnnouncer:
         self.interval = interval
         self.ttl = ttl if ttl is not None else 3 * interval
         self.puts = 0
+        self.held_by: str | None = None
+        """Another worker's id, while its live entry holds this worker's key (see ``_key_is_free``)."""
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._wrote = False
 
     def start(self) -> None:
         if self._task is None:
@@ -66,7 +69,7 @@ class WorkerAnnouncer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if delete and self.link.connected:
+        if delete and self.link.connected and self._wrote and self.held_by is None:  # (its own entry only)
             with contextlib.suppress(Exception):
                 kv = await worker_bucket(self.link.js, self.link.options, self.ttl)
                 await kv.delete(self.key)
@@ -78,12 +81,42 @@ class WorkerAnnouncer:
                 try:
                     if kv is None:
                         kv = await worker_bucket(self.link.js, self.link.options, self.ttl)
-                    doc = {"id": self.worker_id, "url": self.url, "info": self._info(), "ttl": self.ttl}
-                    await kv.put(self.key, json.dumps(doc).encode())
-                    self.puts += 1
+                    if await self._key_is_free(kv):
+                        doc = {"id": self.worker_id, "url": self.url, "info": self._info(), "ttl": self.ttl}
+                        self._wrote = True  # (a put whose acknowledgement is lost may still land)
+                        await kv.put(self.key, json.dumps(doc).encode())
+                        self.puts += 1
                 except Exception as e:  # NATS away or electing: the next round tries again
                     logger.debug("worker announcement failed: %s", e)
                 await asyncio.sleep(self.interval)
+
+    async def _key_is_free(self, kv: Any) -> bool:
+        """Whether this worker may write its key: no live entry there, or its own. Two worker ids
+        can make one key (``gpu.0`` and ``gpu_0``: the key is a subject token); each renewal then
+        overwrote the other's entry, and routers kept a stopped one of the two for as long as the
+        other renewed. The worker that finds its key held waits, and says so once."""
+        nats = import_nats()
+        try:
+            entry = await kv.get(self.key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            entry = None
+        holder = None
+        if entry is not None and entry.value:
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                holder = str(json.loads(entry.value)["id"])
+        if holder is None or holder == self.worker_id:
+            self.held_by = None
+            return True
+        if holder != self.held_by:
+            logger.error(
+                "worker %r is not registered: its NATS key %r is held by worker %r, whose id makes "
+                "the same key; give one of them another id (waiting for that entry to go)",
+                self.worker_id,
+                self.key,
+                holder,
+            )
+        self.held_by = holder
+        return False
 
 
 class WorkerWatcher:

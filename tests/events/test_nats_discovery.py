@@ -35,6 +35,11 @@ class _Bucket:
     async def delete(self, key: str) -> None:
         self.deleted.append(key)
 
+    async def get(self, key: str) -> Any:
+        import nats.js.errors
+
+        raise nats.js.errors.KeyNotFoundError
+
 
 class _JetStream:
     def __init__(self, bucket: _Bucket) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -32,3 +35,33 @@ def test_a_dp_size_that_is_not_a_count_is_left_to_sglangs_parser() -> None:
     config = json.loads(argv[-1])
     assert config["replay_endpoint"] == "tcp://*:5558"
     assert argv[:2] == ["--dp-size", "two"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        (["--kvmesh-workers", "ftp://x"], {}, "worker URL 'ftp://x' must look like http://host:port"),
+        (
+            ["--kvmesh-workers", "http://127.0.0.1:30000"],
+            {"KVMESH_ROUTER_TEMPERATURE": "hot"},
+            "KVMESH_ROUTER_TEMPERATURE must be a number, got 'hot'",
+        ),
+        ([], {"KVMESH_PIN_BUDGET": "2"}, "KVMESH_PIN_BUDGET must be a fraction between 0 and 1, got '2'"),
+    ],
+)
+def test_kvmesh_settings_are_read_before_sglang_starts(
+    flags: list[str], env: dict[str, str], message: str
+) -> None:
+    """SGLang mounts kvmesh's middleware as its HTTP server starts, and its schedulers read the pin
+    budget as they start: both after the model has loaded, so a wrong setting was said minutes in,
+    by a traceback. The launcher reads them first, before SGLang is imported (this venv has none)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmesh.adapters.sglang", "--model-path", "m", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"kvmesh: {message}" in done.stderr
+    assert "Traceback" not in done.stderr  # (SGLang's absence would have been said first otherwise)

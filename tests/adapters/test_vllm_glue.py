@@ -16,6 +16,7 @@ from kvmesh.adapters.vllm.endpoints import (
     advertise_host_from_env,
     tick_seconds_from_env,
 )
+from kvmesh.adapters.vllm.plugin import check_settings
 from kvmesh.errors import ConfigError
 from kvmesh.worker.retention import pin_budget_from_env
 
@@ -87,3 +88,13 @@ def test_a_retention_clock_period_out_of_range_stops_the_start(
         asyncio.run(plugin.init_state(object(), state, Namespace()))
     assert plugin.backend is None and plugin._ticker is None
     assert not hasattr(state, "kvmesh_backend")
+
+
+def test_the_settings_vllm_reads_after_the_model_loads_are_read_at_plugin_load() -> None:
+    # (vLLM's own loader running it: tests/engines/test_vllm_plugins.py)
+    check_settings({})
+    check_settings({"KVMESH_WORKERS": "http://127.0.0.1:8000", "KVMESH_VLLM_TICK_SECONDS": "1"})
+    with pytest.raises(ConfigError, match="KVMESH_ROUTER_TEMPERATURE must be a number"):
+        check_settings({"KVMESH_WORKERS": "http://127.0.0.1:8000", "KVMESH_ROUTER_TEMPERATURE": "hot"})
+    with pytest.raises(ConfigError, match="KVMESH_VLLM_TICK_SECONDS"):
+        check_settings({"KVMESH_VLLM_TICK_SECONDS": "-1"})

@@ -23,6 +23,7 @@ with warnings.catch_warnings():
     from kvmesh.adapters.vllm.engine_rpc import kvmesh_rpc
     from kvmesh.adapters.vllm.plugin import register
     from kvmesh.adapters.vllm.publisher import KvMeshPublisher
+    from kvmesh.errors import ConfigError
     from tests.engines.vllm_helpers import ENTRY_POINTS, write_dist_info
 
 pytestmark = pytest.mark.engine_vllm
@@ -89,3 +90,24 @@ def test_vllm_endpoint_plugin_loader_returns_kvmesh_only_when_allowlisted(
 
 def test_endpoint_plugin_satisfies_vllms_protocol() -> None:
     assert isinstance(KvMeshEndpointPlugin(), EndpointPlugin)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KVMESH_WORKERS": "ftp://x"}, "worker URL 'ftp://x' must look like http://host:port"),
+        ({"KVMESH_VLLM_TICK_SECONDS": "0"}, "KVMESH_VLLM_TICK_SECONDS must be a number of seconds"),
+        ({"KVMESH_PIN_BUDGET": "2"}, "KVMESH_PIN_BUDGET must be a fraction between 0 and 1"),
+    ],
+)
+def test_a_bad_kvmesh_setting_stops_vllm_as_it_loads_its_plugins(
+    installed: None, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
+) -> None:
+    """vLLM loads general plugins in the API server before it parses its command line, and does not
+    catch what they raise. The middleware, the endpoint plugin and the engine cores read these
+    settings only once the model has loaded: a wrong one was said minutes in."""
+    monkeypatch.setenv("VLLM_PLUGINS", "kvmesh")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        vllm_plugins.load_general_plugins()

@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 import warnings
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from kvmesh.adapters.sglang._sglang import import_sglang
@@ -133,6 +133,21 @@ def share_metrics_dir(server_args: Any, env: MutableMapping[str, str]) -> None:
     env[METRICS_DIR_ENV] = _metrics_dir.name
 
 
+def check_settings(env: Mapping[str, str]) -> None:
+    """Read kvmesh's settings now, as SGLang's processes will: ConfigError naming the variable.
+
+    The middleware reads them when SGLang's HTTP server starts and the scheduler processes read the
+    pin budget as they start, both after the model has loaded: a wrong ``--kvmesh-workers`` was
+    said only after minutes of loading, by a traceback."""
+    from kvmesh.adapters.sglang.app import mesh_configured
+    from kvmesh.router.mesh.settings import MeshSettings
+    from kvmesh.worker.retention import pin_budget_from_env
+
+    pin_budget_from_env(env)
+    if mesh_configured(dict(env)):  # (what mounts the middleware)
+        MeshSettings.load(env)
+
+
 def prepare(argv: Sequence[str], environ: dict[str, str] | None = None) -> Any:
     """Everything before the server runs: returns SGLang's ``ServerArgs`` with kvmesh mounted."""
     env = os.environ if environ is None else environ
@@ -143,6 +158,7 @@ def prepare(argv: Sequence[str], environ: dict[str, str] | None = None) -> Any:
     port_text = ours.get("--kvmesh-events-port", str(DEFAULT_EVENTS_PORT))
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ConfigError(f"--kvmesh-events-port must be a tcp port, got {port_text!r}")
+    check_settings(env)
 
     import_sglang()
     from sglang.srt.plugins import load_plugins

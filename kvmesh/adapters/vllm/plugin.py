@@ -15,7 +15,9 @@ core and in each worker, and may call it more than once per process; every step 
 from __future__ import annotations
 
 import logging
+import os
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from kvmesh.adapters.vllm._vllm import import_vllm
@@ -28,9 +30,26 @@ logger = logging.getLogger("kvmesh.adapters.vllm")
 def register() -> None:
     """The ``vllm.general_plugins`` entry point."""
     import_vllm()
+    check_settings()
     register_publisher()
     allow_publisher_name()
     install_engine_rpc()
+
+
+def check_settings(environ: Mapping[str, str] | None = None) -> None:
+    """Read kvmesh's settings now, in the API server before vLLM parses its command line:
+    ConfigError naming the variable. The middleware and the endpoint plugin read them once the
+    engine is up and the engine cores read the pin budget as they start, all after the model has
+    loaded: a wrong ``KVMESH_WORKERS`` was said only after minutes of loading."""
+    from kvmesh.adapters.vllm.endpoints import tick_seconds_from_env
+    from kvmesh.router.mesh.settings import MeshSettings
+    from kvmesh.worker.retention import pin_budget_from_env
+
+    env = os.environ if environ is None else environ
+    pin_budget_from_env(env)
+    tick_seconds_from_env(env)
+    if env.get("KVMESH_WORKERS") or env.get("KVMESH_CONFIG"):  # (what the middleware routes over)
+        MeshSettings.load(env)
 
 
 def register_publisher() -> None:

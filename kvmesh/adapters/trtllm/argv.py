@@ -27,6 +27,7 @@ from kvmesh.adapters.trtllm.backend import WorkerOptions
 from kvmesh.adapters.trtllm.retention import check_budget
 from kvmesh.errors import ConfigError
 from kvmesh.events.endpoint import check_endpoint
+from kvmesh.router.mesh.settings import MeshSettings
 
 DEFAULT_EVENT_BUFFER = 1024
 CONFIG_FLAGS = ("--config", "--extra_llm_api_options")
@@ -151,6 +152,10 @@ def prepare(argv: list[str], environ: dict[str, str] | None = None) -> Launch:
     if rest and rest[0] in OTHER_COMMANDS:
         raise ConfigError(f"kvmesh wraps trtllm-serve's 'serve' command only, not {rest[0]!r}")
     launch_env = {_ENV_FLAGS[k]: v for k, v in flags.items() if k in _ENV_FLAGS}
+    configured = {**env, **launch_env}
+    # The middleware reads these when trtllm-serve builds its server, after the model has loaded:
+    # a wrong one was said minutes in. Read them now.
+    MeshSettings.load(configured)
     index, flag, path = _find_config(rest)
     user: Any = None
     if path is not None:
@@ -171,7 +176,6 @@ def prepare(argv: list[str], environ: dict[str, str] | None = None) -> Launch:
         rest = [*rest[:index], f"{flag}={merged_path}", *rest[index + 1 :]]
     else:
         rest = [*rest[:index], flag, merged_path, *rest[index + 2 :]]
-    configured = {**env, **launch_env}
     if "KVMESH_TOKENIZER" not in configured and "KVMESH_CONFIG" not in configured:
         tokenizer = _served_tokenizer(rest)
         if tokenizer is not None:

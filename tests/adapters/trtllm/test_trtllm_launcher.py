@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -106,6 +107,17 @@ def test_block_reuse_off_and_other_commands_are_refused(tmp_path: Path) -> None:
         prepare(["m", "--kvmesh-events-endpoint", "tcp://*:70000"], environ={})
     with pytest.raises(ConfigError, match=r"--kvmesh-replay-endpoint 'tcp://10\.0\.0\.1:x' has port 'x'"):
         prepare(["m", "--kvmesh-replay-endpoint", "tcp://10.0.0.1:x"], environ={})
+
+
+def test_kvmesh_settings_are_read_before_trtllm_serve_loads_the_model(tmp_path: Path) -> None:
+    """The middleware reads them when trtllm-serve builds its server, after the model has loaded: a
+    wrong one was said minutes in. (Nothing is left behind: the merged YAML is written after.)"""
+    before = set(Path(tempfile.gettempdir()).glob("kvmesh-trtllm-*.yaml"))
+    with pytest.raises(ConfigError, match="worker URL 'ftp://x' must look like http://host:port"):
+        prepare(["m", "--kvmesh-workers", "ftp://x"], environ={})
+    with pytest.raises(ConfigError, match="KVMESH_ROUTER_TEMPERATURE must be a number, got 'hot'"):
+        prepare(["m"], environ={"KVMESH_ROUTER_TEMPERATURE": "hot"})
+    assert set(Path(tempfile.gettempdir()).glob("kvmesh-trtllm-*.yaml")) == before
 
 
 def test_environment_and_options_from_flags() -> None:

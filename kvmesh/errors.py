@@ -3,6 +3,7 @@
     KvMeshError
     ├── MalformedEventError      a KV-event frame or payload that does not decode
     ├── ConfigError              a flag, env var or config-file value out of range
+    ├── EngineMissing            an adapter's engine is not installed (also an ImportError)
     ├── RequestError             a client request kvmesh refuses (maps to HTTP 4xx)
     │   └── NvextError           an invalid ``nvext`` field or override header
     └── WorkerError              a worker that cannot be reached or is inconsistent
@@ -24,6 +25,11 @@ class MalformedEventError(KvMeshError):
 
 class ConfigError(KvMeshError, ValueError):
     """A configuration value that is missing, of the wrong type or out of range."""
+
+
+class EngineMissing(KvMeshError, ImportError):
+    """The engine an adapter needs is not installed; the message names the extra to install. (An
+    engine that is there but fails to import raises its own ImportError, which is not this.)"""
 
 
 class RequestError(KvMeshError):

@@ -65,3 +65,26 @@ def test_kvmesh_settings_are_read_before_sglang_starts(
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"kvmesh: {message}" in done.stderr
     assert "Traceback" not in done.stderr  # (SGLang's absence would have been said first otherwise)
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        (
+            "kvmesh.adapters.sglang",
+            "kvmesh: kvmesh's SGLang adapter needs SGLang 0.5.23: pip install 'kvmesh[sglang]'",
+        ),
+        ("kvmesh.adapters.trtllm", "kvmesh: kvmesh's TensorRT-LLM adapter needs TensorRT-LLM"),
+    ],
+)
+def test_a_launcher_without_its_engine_says_what_to_install(module: str, message: str) -> None:
+    """This venv has neither engine. The launchers said so in an ImportError traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--model-path" if "sglang" in module else "m", "m"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from types import ModuleType
 
+from kvmesh.errors import EngineMissing
+
 SUPPORTED_SGLANG = "0.5.23"
 """The SGLang release this adapter is written and tested against (its internals are not a stable API)."""
 
@@ -18,7 +20,9 @@ def import_sglang() -> ModuleType:
     try:
         import sglang
     except ImportError as e:
-        raise ImportError(
+        if e.name is not None and not e.name.startswith("sglang"):
+            raise  # SGLang is there but one of its own dependencies is not: show that error
+        raise EngineMissing(
             f"kvmesh's SGLang adapter needs SGLang {SUPPORTED_SGLANG}: pip install 'kvmesh[sglang]'"
         ) from e
     version = getattr(sglang, "__version__", "unknown")

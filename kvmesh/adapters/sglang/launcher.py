@@ -35,7 +35,7 @@ from kvmesh.adapters.sglang._sglang import import_sglang
 from kvmesh.adapters.sglang.backend import PRIORITY_WARNING
 from kvmesh.adapters.sglang.control import CONTROL_ENV
 from kvmesh.adapters.sglang.publisher import DP_SIZE_ENV, PUBLISHER_NAME
-from kvmesh.errors import ConfigError
+from kvmesh.errors import ConfigError, EngineMissing
 
 logger = logging.getLogger("kvmesh.adapters.sglang")
 
@@ -198,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as e:
         print(f"kvmesh: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except EngineMissing as e:  # (a traceback before; SGLang's own import errors still show theirs)
+        print(f"kvmesh: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     from sglang.launch_server import run_server
     from sglang.srt.utils import kill_process_tree
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from kvmesh.errors import EngineMissing
+
 INSTALL_HINT = (
     "kvmesh's TensorRT-LLM adapter needs TensorRT-LLM (its wheel comes from NVIDIA's own package "
     "index; install it from there first), then: pip install 'kvmesh[trtllm]'"
@@ -21,4 +23,4 @@ def import_trtllm(module: str = "tensorrt_llm") -> ModuleType:
     except ImportError as e:
         if e.name is not None and not e.name.startswith("tensorrt_llm"):
             raise  # TensorRT-LLM is there but one of its own dependencies is not: show that error
-        raise ImportError(INSTALL_HINT) from e
+        raise EngineMissing(INSTALL_HINT) from e

@@ -16,7 +16,7 @@ import sys
 from kvmesh.adapters.trtllm._trtllm import import_trtllm
 from kvmesh.adapters.trtllm.argv import prepare
 from kvmesh.adapters.trtllm.server import install
-from kvmesh.errors import ConfigError
+from kvmesh.errors import ConfigError, EngineMissing
 
 logger = logging.getLogger("kvmesh.adapters.trtllm")
 
@@ -30,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.update(launch.env)
     try:
-        serve = import_trtllm("tensorrt_llm.commands.serve")
+        try:
+            serve = import_trtllm("tensorrt_llm.commands.serve")
+        except EngineMissing as e:  # (a traceback before; TensorRT-LLM's own import errors show theirs)
+            print(f"kvmesh: {e}", file=sys.stderr)
+            return 1
         install(launch.options)
         logger.info("kvmesh: starting trtllm-serve %s", " ".join(launch.argv))
         try:

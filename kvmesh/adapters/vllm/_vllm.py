@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from types import ModuleType
 
+from kvmesh.errors import EngineMissing
+
 SUPPORTED_VLLM = "0.33.0"
 """The vLLM release this adapter is written and tested against (its internals are not a stable API)."""
 
@@ -18,7 +20,9 @@ def import_vllm() -> ModuleType:
     try:
         import vllm
     except ImportError as e:
-        raise ImportError(
+        if e.name is not None and not e.name.startswith("vllm"):
+            raise  # vLLM is there but one of its own dependencies is not: show that error
+        raise EngineMissing(
             f"kvmesh's vLLM adapter needs vLLM {SUPPORTED_VLLM}: pip install 'kvmesh[vllm]'"
         ) from e
     version = getattr(vllm, "__version__", "unknown")

@@ -172,6 +172,11 @@ _RELAY = ["events", "relay", "tcp://127.0.0.1:5557", "--nats", "nats://127.0.0.1
             [*_RELAY, "--nats-stream-max-age", "1e300"],
             "kvmesh events relay: --nats-stream-max-age must be in (0, 9223372036], got 1e+300",
         ),
+        (  # (taken without a registration, it changed nothing)
+            [*_RELAY, "--nats-worker-ttl", "20"],
+            "kvmesh events relay: --worker-id, --no-engine-info, --fact and --nats-worker-ttl describe a "
+            "registration: add --register URL",
+        ),
         (
             [*_RELAY, "--register", "http://127.0.0.1:1", "--nats-worker-ttl", "1e10"],
             "kvmesh events relay: --nats-worker-ttl must be at most 9223372036, got 10000000000.0",

@@ -98,7 +98,7 @@ def add_parser(actions: Any) -> None:
     reg.add_argument(
         "--nats-worker-ttl",
         type=positive_float,
-        default=6.0,
+        default=None,
         metavar="S",
         help="the registration's lifetime without renewal; renewed every S/3 seconds [6]",
     )
@@ -218,18 +218,23 @@ async def engine_info(url: str) -> dict[str, Any]:
 
 async def _relay(args: argparse.Namespace) -> int:
     from kvmesh.events.relay import EventRelay, RelaySource
+    from kvmesh.router.mesh.settings import MeshSettings  # (its default registration lifetime)
 
     if args.replay_endpoint and len(args.replay_endpoint) != len(args.endpoints):
         raise ConfigError(
             f"give --replay-endpoint once per ENDPOINT ({len(args.endpoints)}), got {len(args.replay_endpoint)}"
         )
     options = _options(args)  # its limits before anything is read or opened
-    if args.nats_worker_ttl > MAX_SECONDS:
-        raise ConfigError(f"--nats-worker-ttl must be at most {MAX_SECONDS}, got {args.nats_worker_ttl}")
+    ttl = MeshSettings.nats_worker_ttl if args.nats_worker_ttl is None else args.nats_worker_ttl
+    if ttl > MAX_SECONDS:
+        raise ConfigError(f"--nats-worker-ttl must be at most {MAX_SECONDS}, got {ttl}")
     registering = args.register is not None
-    if not registering and (args.worker_id or args.no_engine_info or args.fact):
+    if not registering and (
+        args.worker_id or args.no_engine_info or args.fact or args.nats_worker_ttl is not None
+    ):  # (each was taken and changed nothing)
         raise ConfigError(
-            "--worker-id, --no-engine-info and --fact describe a registration: add --register URL"
+            "--worker-id, --no-engine-info, --fact and --nats-worker-ttl describe a registration: "
+            "add --register URL"
         )
     name = args.name or args.register
     if not name:
@@ -249,7 +254,7 @@ async def _relay(args: argparse.Namespace) -> int:
     tasks = relay.start()
     try:
         if registering:
-            relay.register(args.worker_id or args.register, args.register, info, ttl=args.nats_worker_ttl)
+            relay.register(args.worker_id or args.register, args.register, info, ttl=ttl)
         print(
             f"kvmesh events relay: {', '.join(args.endpoints)} -> {', '.join(relay.nats_endpoints)}",
             file=sys.stderr,

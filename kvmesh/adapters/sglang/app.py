@@ -30,6 +30,7 @@ from kvmesh.adapters.sglang.control import CONTROL_ENV
 from kvmesh.adapters.sglang.follower import KvStateFollower
 from kvmesh.adapters.sglang.publisher import offset_endpoint
 from kvmesh.errors import RequestError
+from kvmesh.router.mesh.settings import mesh_configured
 from kvmesh.worker.advertise import advertise_host_from_env
 from kvmesh.worker.rpc import worker_rpc_routes
 
@@ -174,11 +175,6 @@ class FollowerStarter:
             self.worker.start_follower()
         except Exception:
             logger.exception("kvmesh: could not start the kv_state follower")
-
-
-def mesh_configured(environ: dict[str, str] | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    return bool(env.get("KVMESH_WORKERS") or env.get("KVMESH_CONFIG"))
 
 
 def mount(app: Any, server_args: Any = None, *, router: bool | None = None) -> Any:

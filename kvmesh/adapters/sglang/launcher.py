@@ -139,12 +139,11 @@ def check_settings(env: Mapping[str, str]) -> None:
     The middleware reads them when SGLang's HTTP server starts and the scheduler processes read the
     pin budget as they start, both after the model has loaded: a wrong ``--kvmesh-workers`` was
     said only after minutes of loading, by a traceback."""
-    from kvmesh.adapters.sglang.app import mesh_configured
-    from kvmesh.router.mesh.settings import MeshSettings
+    from kvmesh.router.mesh.settings import MeshSettings, mesh_configured
     from kvmesh.worker.retention import pin_budget_from_env
 
     pin_budget_from_env(env)
-    if mesh_configured(dict(env)):  # (what mounts the middleware)
+    if mesh_configured(env):  # (what mounts the middleware)
         MeshSettings.load(env)
 
 

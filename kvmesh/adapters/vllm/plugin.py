@@ -42,13 +42,13 @@ def check_settings(environ: Mapping[str, str] | None = None) -> None:
     engine is up and the engine cores read the pin budget as they start, all after the model has
     loaded: a wrong ``KVMESH_WORKERS`` was said only after minutes of loading."""
     from kvmesh.adapters.vllm.endpoints import tick_seconds_from_env
-    from kvmesh.router.mesh.settings import MeshSettings
+    from kvmesh.router.mesh.settings import MeshSettings, mesh_configured
     from kvmesh.worker.retention import pin_budget_from_env
 
     env = os.environ if environ is None else environ
     pin_budget_from_env(env)
     tick_seconds_from_env(env)
-    if env.get("KVMESH_WORKERS") or env.get("KVMESH_CONFIG"):  # (what the middleware routes over)
+    if mesh_configured(env):  # (what the middleware routes over)
         MeshSettings.load(env)
 
 

@@ -282,6 +282,13 @@ def worker_from_info(info: Mapping[str, Any], url: str, worker_id: str, where: s
     return worker_from_mapping({**table, "url": url, "id": worker_id}, where)
 
 
+def mesh_configured(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether an engine's environment describes a fleet (``KVMESH_WORKERS`` or ``KVMESH_CONFIG``):
+    what makes an engine adapter route, and read these settings, rather than only serve."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("KVMESH_WORKERS") or env.get("KVMESH_CONFIG"))
+
+
 def check_sync_endpoint(endpoint: str, what: str = "KVMESH_SYNC_ENDPOINT", *, bind: bool = True) -> str:
     """``tcp://host:port`` to bind (port may be ``*`` or 0: any free one) or to connect to (a
     peer's); ConfigError otherwise."""

@@ -372,8 +372,12 @@ async def ensure_stream(js: Any, options: NatsOptions) -> None:
     )
     try:
         await js.add_stream(config=config)
-    except nats.js.errors.BadRequestError:  # it exists with other limits: take these
-        held = list((await js.stream_info(options.stream)).config.subjects or [])
+    except nats.js.errors.BadRequestError as refused:  # it exists with other limits: take these
+        try:
+            info = await js.stream_info(options.stream)
+        except nats.js.errors.NotFoundError:
+            raise refused from None  # there is no such stream: the refusal was of these limits
+        held = list(info.config.subjects or [])
         if held != config.subjects:
             # The same stream name from another prefix (names are upper-cased: Fleet and fleet).
             # Updating would move that fleet's stream onto these subjects and lose its events.

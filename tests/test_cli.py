@@ -144,6 +144,14 @@ _RELAY = ["events", "relay", "tcp://127.0.0.1:5557", "--nats", "nats://127.0.0.1
             ["events", "tap", "tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://127.0.0.1:99999"],
             "argument --replay-endpoint: 'tcp://127.0.0.1:99999' has port '99999'",
         ),
+        (  # (taken, and at the first gap the live stream was cut at every retry of it)
+            ["events", "tap", "tcp://127.0.0.1:5557", "--replay-endpoint", "junk", "--timeout", "1"],
+            "argument --replay-endpoint: 'junk' is not a ZMQ endpoint: tcp://host:port, ipc://path or",
+        ),
+        (
+            ["events", "tap", "tcp:/127.0.0.1:5557", "--timeout", "1"],
+            "kvmesh events tap: KV-event endpoint 'tcp:/127.0.0.1:5557' is not a ZMQ endpoint",
+        ),
         (
             ["events", "relay", "tcp://127.0.0.1:99999", "--nats", "nats://127.0.0.1:1", "--name", "a"],
             "argument ENDPOINT: 'tcp://127.0.0.1:99999' has port '99999'",

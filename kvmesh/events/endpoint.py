@@ -1,10 +1,16 @@
-"""The check a ``tcp://`` KV-event endpoint passes before a socket is opened on it.
+"""The check a ZMQ KV-event endpoint passes before a socket is opened on it.
 
 ZMQ takes a TCP port past 65535 and uses it modulo 65,536: ``tcp://127.0.0.1:70000`` binds or
 dials port 4464, without an error. A publisher then announced a port it did not listen on, and a
 router told of a mistyped port followed another stream, or none, while showing the worker's
-events as live. Other transports (``ipc://``, ``inproc://``, NATS subjects) are left to their own
-rules.
+events as live.
+
+An endpoint to connect to is also held to what ZMQ will connect: a transport kvmesh speaks and a
+host or path it can parse. A router told ``tcp:/10.0.0.2:5557`` (one slash) in its config, or by a
+worker's ``/kvmesh/info``, had its subscription fail on the first connect inside a task nobody
+awaited: the worker's events showed as live and none came. A bad replay endpoint failed only at
+the first gap, and then cut the live stream at every retry. A bind is left to ZMQ, which refuses
+at once and is reported by the publisher.
 """
 
 from __future__ import annotations
@@ -13,13 +19,22 @@ from kvmesh.errors import ConfigError
 
 _TCP = "tcp://"
 _MAX_PORT = 65535
+_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+_IPC_PATH_MAX = 107
+"""The longest ``ipc://`` path: a Unix socket address holds 108 bytes with its terminator."""
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%;")
+"""A name, IPv4 or ``[IPv6]`` (with a ``%zone``), or ``source;host``: ZMQ refused a connect to
+anything else (a space, ``/``, ``,``, ``@``, a non-ASCII letter) as an invalid argument."""
+_SHAPES = "a ZMQ endpoint: tcp://host:port, ipc://path or inproc://name"
 
 
 def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
     """What is wrong with a ``tcp://host:port`` endpoint to bind (port 0 or ``*``: any free one)
     or to connect to (a port from 1, and a host that is not the wildcard), or None."""
+    if not bind and not endpoint.startswith(_TRANSPORTS):
+        return f"is not {_SHAPES}"
     if not endpoint.startswith(_TCP):
-        return None
+        return None if bind else _local_problem(endpoint)
     host, sep, port = endpoint.removeprefix(_TCP).rpartition(":")
     if not sep or not host:
         return "must look like tcp://host:port"
@@ -31,6 +46,18 @@ def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
         return f"has port {port!r}; a TCP port is a number from {low} to {_MAX_PORT}"
     if not bind and host == "*":
         return "names the wildcard host '*', which can be bound but not connected to"
+    if not bind and (host.startswith("-") or not set(host) <= _HOST_CHARS):
+        return f"has host {host!r}, which ZMQ cannot connect to"
+    return None
+
+
+def _local_problem(endpoint: str) -> str | None:
+    """What is wrong with an ``ipc://`` or ``inproc://`` endpoint to connect to, or None."""
+    transport, _, name = endpoint.partition("://")
+    if not name:
+        return f"names no {'path' if transport == 'ipc' else 'inproc name'}"
+    if transport == "ipc" and len(name.encode()) > _IPC_PATH_MAX:
+        return f"has a path of {len(name.encode())} bytes; a Unix socket path holds at most {_IPC_PATH_MAX}"
     return None
 
 

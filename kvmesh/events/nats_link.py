@@ -87,6 +87,15 @@ def prefix_problem(prefix: str) -> str | None:
     return None
 
 
+def subject_problem(subject: str) -> str | None:
+    """Why ``subject`` is not one literal subject kvmesh publishes on (None when it is): tokens of
+    letters, digits, ``_`` and ``-`` joined by dots. A worker that listed ``nats:kvmesh.events.>``
+    would otherwise have had every worker's events applied to its own index."""
+    if not all(_PREFIX.fullmatch(token) for token in subject.split(".")):
+        return "must be a NATS subject of tokens of letters, digits, '_' and '-' joined by dots, no wildcard"
+    return None
+
+
 def parse_event_plane(text: str) -> tuple[str, ...]:
     """``zmq`` -> ``()``; ``nats://h:4222[,tls://h2:4222...]`` -> the server URLs; ConfigError otherwise."""
     value = text.strip()

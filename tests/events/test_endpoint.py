@@ -1,5 +1,6 @@
-"""The check a tcp:// KV-event endpoint passes before a socket opens on it: ZMQ takes a port past
-65535 modulo 65,536, so a mistyped port bound or dialled another one without an error."""
+"""The check a ZMQ KV-event endpoint passes before a socket opens on it: ZMQ takes a port past
+65535 modulo 65,536, so a mistyped port bound or dialled another one without an error; and an
+endpoint to connect to must be one ZMQ can connect, which it says only once the socket tries."""
 
 from __future__ import annotations
 
@@ -24,8 +25,23 @@ from tests.events.eventkit import free_tcp_port
         ("tcp://127.0.0.1:0", True, None),
         ("tcp://127.0.0.1:*", True, None),
         ("tcp://127.0.0.1:65535", False, None),
-        ("ipc:///tmp/kvmesh-events", False, None),  # other transports keep their own rules
+        ("ipc:///tmp/kvmesh-events", False, None),
         ("inproc://events", True, None),
+        ("tcp://eth0;10.0.0.2:5557", False, None),  # (a source interface, then the host)
+        ("tcp://[fe80::1%eth0]:5557", False, None),
+        ("junk", True, None),  # (a bind is left to ZMQ, which refuses it at once)
+        ("junk", False, "is not a ZMQ endpoint: tcp://host:port, ipc://path or inproc://name"),
+        ("tcp:/10.0.0.2:5557", False, "is not a ZMQ endpoint"),  # (one slash)
+        ("http://10.0.0.2:8000", False, "is not a ZMQ endpoint"),
+        ("TCP://10.0.0.2:5557", False, "is not a ZMQ endpoint"),
+        ("tcp://gpu 2:5557", False, "has host 'gpu 2', which ZMQ cannot connect to"),
+        ("tcp://gpu,2:5557", False, "has host 'gpu,2'"),
+        ("tcp://-gpu2:5557", False, "has host '-gpu2'"),
+        ("tcp://h\u00f4te:5557", False, "has host 'h\u00f4te'"),
+        ("ipc://", False, "names no path"),
+        ("inproc://", False, "names no inproc name"),
+        ("ipc:///" + "d" * 106, False, None),
+        ("ipc:///" + "d" * 107, False, "has a path of 108 bytes; a Unix socket path holds at most 107"),
         ("tcp://127.0.0.1:65536", True, "has port '65536'; a TCP port is a number from 0 to 65535"),
         ("tcp://127.0.0.1:70000", False, "has port '70000'; a TCP port is a number from 1 to 65535"),
         ("tcp://127.0.0.1:0", False, "has port '0'; a TCP port is a number from 1 to 65535"),

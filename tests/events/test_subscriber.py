@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -546,11 +547,33 @@ async def test_inproc_between_publisher_thread_and_subscriber_loop() -> None:
 
 
 async def test_bad_endpoint_fails_run_with_config_error() -> None:
-    sub = EventSubscriber("bogus://x", Collector().on_batch)  # (a tcp:// one is checked when made)
+    sub = EventSubscriber("ipc:///nonexistent-kvmesh-dir/x", Collector().on_batch, bind=True)
     with pytest.raises(
-        ConfigError, match=r"^cannot connect to KV-event endpoint 'bogus://x': Protocol not supported"
+        ConfigError,
+        match=r"^cannot bind to KV-event endpoint 'ipc:///nonexistent-kvmesh-dir/x': No such file",
     ):
         await sub.run()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "replay", "said"),
+    [
+        ("bogus://x", None, "KV-event endpoint 'bogus://x' is not a ZMQ endpoint"),
+        ("tcp:/127.0.0.1:5557", None, "KV-event endpoint 'tcp:/127.0.0.1:5557' is not a ZMQ endpoint"),
+        ("tcp://a b:5557", None, "KV-event endpoint 'tcp://a b:5557' has host 'a b', which ZMQ cannot"),
+        ("ipc://", None, "KV-event endpoint 'ipc://' names no path"),
+        ("ipc://" + "p" * 108, None, "has a path of 108 bytes; a Unix socket path holds at most 107"),
+        ("tcp://127.0.0.1:5557", "junk", "KV-event replay endpoint 'junk' is not a ZMQ endpoint"),
+    ],
+)
+def test_an_endpoint_zmq_cannot_connect_is_refused_when_made(
+    endpoint: str, replay: str | None, said: str
+) -> None:
+    """ZMQ refused these only when the socket connected: inside a router's background task, which
+    nobody awaited (the worker's events showed as live and none came), or, for a replay endpoint,
+    at the first gap, after which the live stream was cut at every retry."""
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        EventSubscriber(endpoint, Collector().on_batch, replay_endpoint=replay)
 
 
 def test_resume_from_refuses_a_point_the_wire_cannot_carry() -> None:

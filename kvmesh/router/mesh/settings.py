@@ -82,7 +82,13 @@ from kvmesh.events.endpoint import check_endpoint, endpoint_problem
 from kvmesh.events.nats_link import MAX_BYTES as MAX_NATS_BYTES
 from kvmesh.events.nats_link import MAX_REPLICAS as MAX_NATS_REPLICAS
 from kvmesh.events.nats_link import MAX_SECONDS as MAX_NATS_SECONDS
-from kvmesh.events.nats_link import NatsOptions, parse_event_plane, prefix_problem
+from kvmesh.events.nats_link import (
+    NATS_ENDPOINT_PREFIX,
+    NatsOptions,
+    parse_event_plane,
+    prefix_problem,
+    subject_problem,
+)
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.core.settings_table import Setting, bind_defaults, check_all, key_index
 from kvmesh.router.core.settings_table import add_arguments as add_table_arguments
@@ -262,7 +268,7 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
             if len(value) > MAX_DP_SIZE:
                 raise bad(name, f"must list at most {MAX_DP_SIZE} endpoints (one a rank), got {len(value)}")
             for endpoint in value:  # (the router connects to each; a port past 65535 wrapped)
-                problem = endpoint_problem(endpoint, bind=False) if endpoint is not None else None
+                problem = _endpoint_problem(name, endpoint)
                 if problem is None:
                     continue
                 if endpoint.startswith("tcp://*:"):  # (an engine bound there, with no host to advertise)
@@ -270,6 +276,16 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
                 raise bad(name, f"entry {endpoint!r} {problem}")
             values[name] = tuple(value)
     return WorkerSpec(**values)
+
+
+def _endpoint_problem(name: str, endpoint: str | None) -> str | None:
+    """What is wrong with one entry of a worker's ``name`` endpoint list, or None. A rank's events
+    may be on NATS (``nats:<subject>``); its replay endpoint, when it has one, is a ZMQ socket."""
+    if endpoint is None:
+        return None
+    if name == "kv_events_endpoints" and endpoint.startswith(NATS_ENDPOINT_PREFIX):
+        return subject_problem(endpoint.removeprefix(NATS_ENDPOINT_PREFIX))
+    return endpoint_problem(endpoint, bind=False)
 
 
 def worker_from_info(info: Mapping[str, Any], url: str, worker_id: str, where: str) -> WorkerSpec:

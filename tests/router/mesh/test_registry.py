@@ -82,6 +82,14 @@ async def test_a_worker_with_another_block_size_is_refused_loudly(http: aiohttp.
             "be bound but not connected to; set KVMESH_ADVERTISE_HOST (or KVMESH_SELF_URL) on the engine",
         ),
         (
+            {"kv_events_endpoints": ["tcp:/127.0.0.1:5557"]},
+            "/kvmesh/info.kv_events_endpoints entry 'tcp:/127.0.0.1:5557' is not a ZMQ endpoint",
+        ),
+        (
+            {"kv_events_endpoints": ["nats:kvmesh.events.*.0"]},
+            "/kvmesh/info.kv_events_endpoints entry 'nats:kvmesh.events.*.0' must be a NATS subject",
+        ),
+        (
             {
                 "kv_events_endpoints": ["tcp://127.0.0.1:5557"],
                 "kv_replay_endpoints": ["tcp://127.0.0.1:70000"],

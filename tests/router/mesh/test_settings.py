@@ -169,6 +169,20 @@ priority_polarity = "lower_first"
             "[[workers]]\nurl = 'http://h:1'\nkv_replay_endpoints = ['tcp://h:0']",
             r"workers\[0\].kv_replay_endpoints entry 'tcp://h:0' has port '0'",
         ),
+        (  # (one slash: the subscription failed in a task nobody awaited; events "live", none came)
+            "[[workers]]\nurl = 'http://h:1'\nkv_events_endpoints = ['tcp:/h:5557']",
+            r"workers\[0\].kv_events_endpoints entry 'tcp:/h:5557' is not a ZMQ endpoint: tcp://host:port, "
+            "ipc://path or inproc://name",
+        ),
+        (
+            "[[workers]]\nurl = 'http://h:1'\nkv_replay_endpoints = ['nats:kvmesh.events.w.0']",
+            r"workers\[0\].kv_replay_endpoints entry 'nats:kvmesh.events.w.0' is not a ZMQ endpoint",
+        ),
+        (  # (a wildcard would have applied every worker's events to this one's index)
+            "[[workers]]\nurl = 'http://h:1'\nkv_events_endpoints = ['nats:kvmesh.events.>']",
+            r"workers\[0\].kv_events_endpoints entry 'nats:kvmesh.events.>' must be a NATS subject of "
+            "tokens",
+        ),
         (
             "[[workers]]\nurl = 'http://h:1'\nkv_events_endpoints = ['tcp://*:5557']",
             r"entry 'tcp://\*:5557' names the wildcard host '\*', which can be bound but not connected to; "

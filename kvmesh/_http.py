@@ -11,7 +11,8 @@ One of each, so they cannot drift apart:
 * :class:`SseLines`: server-sent events split into whole lines across reads, so callers match on
   a line's structure (``data: `` at its start) and never on a substring of a body;
 * :func:`header_safe`: whether a client's or an operator's text can travel as a header value;
-* :class:`MethodNotAllowed`: the 405 of a kvmesh path asked with another method, as JSON.
+* :class:`MethodNotAllowed`: the 405 of a kvmesh path asked with another method, as JSON;
+* :func:`route_path`: the path an app routes on, below the server's ``root_path``.
 
 Standard library only: a leaf (tests/test_layering.py).
 """
@@ -152,6 +153,19 @@ def header_safe(text: str) -> bool:
     text beyond Latin-1 cannot be written at all."""
     # (for ASCII, ``isprintable`` is exactly space to tilde)
     return bool(text) and text[0] != " " and text[-1] != " " and text.isascii() and text.isprintable()
+
+
+def route_path(scope: MutableMapping[str, Any]) -> str:
+    """The request's path below the ``root_path`` the app is served under, as Starlette routes.
+
+    ``vllm serve --root-path /llm`` and SGLang's ``--fastapi-root-path`` set it, and uvicorn given
+    one puts it before every path: ``/v1/chat/completions`` arrives as ``/llm/v1/chat/completions``.
+    Matched on the whole path, no request was routed and a peer's ``/kvmesh/info`` was a 404."""
+    path: str = scope["path"]
+    root: str = (scope.get("root_path") or "").rstrip("/")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
 
 
 class MethodNotAllowed:

@@ -102,9 +102,14 @@ async def start_mesh(
     health_interval: float = 0.25,
     startup_timeout: float = 20.0,
     mesh_secret: str | None = None,
+    root_path: str = "",
+    root_path_in_app: bool = False,
 ) -> AsyncIterator[list[MeshNode]]:
     """``n`` mock engines on loopback, each embedding KvMeshMiddleware configured with all ``n``
     and one mesh secret (a fresh random one unless given), so forwarded requests are proven.
+    ``root_path``: served under it by uvicorn, which puts it before every path (SGLang's
+    ``--fastapi-root-path``); with ``root_path_in_app``, set by the app on paths that may or may
+    not carry it (FastAPI's ``root_path``, which ``vllm serve --root-path`` sets).
 
     ``router`` is a RouterConfig, ``mock`` a MockConfig (events endpoints are picked here). Yields
     once every engine's middleware sees every worker up.
@@ -141,9 +146,16 @@ async def start_mesh(
                 mesh_secret=secret,
             )
             app = build_app(engine, middleware=[Middleware(KvMeshMiddleware, settings=settings)])
+            if root_path_in_app:
+                app = _under_root(app, root_path)
             server = uvicorn.Server(
                 uvicorn.Config(
-                    app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=1
+                    app,
+                    log_level="warning",
+                    access_log=False,
+                    lifespan="on",
+                    timeout_graceful_shutdown=1,
+                    root_path="" if root_path_in_app else root_path,
                 )
             )
             servers.append(server)
@@ -174,6 +186,15 @@ async def start_mesh(
                 await asyncio.wait_for(t, 5)
         for sock in socks:
             sock.close()
+
+
+def _under_root(app: Any, root_path: str) -> Any:
+    """``app`` with ``root_path`` set in each request's scope, as FastAPI sets its own."""
+
+    async def under_root(scope: Any, receive: Any, send: Any) -> None:
+        await app({**scope, "root_path": root_path}, receive, send)
+
+    return under_root
 
 
 def _free_ports(n: int) -> list[int]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from kvmesh._http import route_path
 from kvmesh.adapters.sglang.tokenizer import SglangTokenizer
 from kvmesh.router.asgi.forwarding import HOP_HEADER
 from kvmesh.router.asgi.middleware import GENERATION_PATHS
@@ -53,7 +54,7 @@ class KvMeshMiddleware(_CoreMiddleware):
             if not self.engine_tokenizer.bound and "app" in scope:
                 self.engine_tokenizer.bind_from_app(scope["app"])
             if (
-                scope["path"] in GENERATION_PATHS
+                route_path(scope) in GENERATION_PATHS
                 and scope["method"] == "POST"
                 and not any(name == HOP_HEADER for name, _ in scope["headers"])
             ):

@@ -31,6 +31,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from kvmesh._http import route_path
+
 __all__ = [
     "RequestHintsMiddleware",
     "engine_priority",
@@ -71,7 +73,7 @@ class RequestHintsMiddleware:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS or scope["method"] != "POST":
+        if scope["type"] != "http" or route_path(scope) not in GENERATION_PATHS or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         session = None

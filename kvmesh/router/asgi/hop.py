@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvmesh._http import replay_body
+from kvmesh._http import replay_body, route_path
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.router.asgi.accounting import LoadAccount
 from kvmesh.router.asgi.forwarding import replace_body
@@ -58,7 +58,7 @@ class HopRequest:
             parsed: ParsedRequest | None = parse_request(
                 raw,
                 self.scope["headers"],
-                self.scope["path"],
+                route_path(self.scope),
                 tokenizer=mesh.tokenizer if track else None,
                 block_size=registry.block_size or 16,
                 lora_of=registry.lora_of,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvmesh._http import route_path
 from kvmesh.router.asgi import admin, peer_auth, scrape
 from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.routed import RoutedRequest
@@ -61,7 +62,7 @@ class KvMeshMiddleware:
             else:
                 await self.app(scope, receive, send)
             return
-        path = scope["path"]
+        path = route_path(scope)
         if path in GENERATION_PATHS and scope["method"] == "POST":
             await self.mesh.ensure_started()
             headers = scope["headers"]

@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-from kvmesh._http import replay_body, wait_disconnect
+from kvmesh._http import replay_body, route_path, wait_disconnect
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.disagg import TwoStage
@@ -74,7 +74,7 @@ class RoutedRequest:
         self.send = send
         self.t0 = time.perf_counter()
         self.wall0 = time.time()
-        self.endpoint = scope["path"]
+        self.endpoint = route_path(scope)
 
     async def run(self) -> None:
         mesh = self.mesh

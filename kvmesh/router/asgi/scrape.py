@@ -19,6 +19,7 @@ import zlib
 from typing import Any
 from urllib.parse import parse_qs
 
+from kvmesh._http import route_path
 from kvmesh.router.mesh.metrics import LIVE_MARKER, Metrics
 
 Message = dict[str, Any]
@@ -32,7 +33,11 @@ _EOF = b"# EOF\n"
 
 def merges(scope: dict[str, Any]) -> bool:
     """Whether this request is a scrape of a multiprocess registry, which lacks the live gauges."""
-    return scope["path"] in METRICS_PATHS and scope["method"] == "GET" and bool(os.environ.get(MULTIPROC_ENV))
+    return (
+        route_path(scope) in METRICS_PATHS
+        and scope["method"] == "GET"
+        and bool(os.environ.get(MULTIPROC_ENV))
+    )
 
 
 async def serve_with_gauges(

@@ -132,7 +132,9 @@ def main() -> None:
 
         add_api_key_middleware(app, api_key=server_args.api_key, admin_api_key=server_args.admin_api_key)
     # SGLang's lifespan starts the real TokenizerManager's loops: not here (no scheduler, no model).
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    # (SGLang hands its --fastapi-root-path to uvicorn, which puts it before every path)
+    root_path = http_server.get_serving().fastapi_root_path or ""
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", root_path=root_path)
 
 
 if __name__ == "__main__":

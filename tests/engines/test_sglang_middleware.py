@@ -91,6 +91,14 @@ def both_up(child: subprocess.Popen[bytes], workers: Any) -> bool:
 
 @pytest.fixture(scope="module", params=["higher_first", "lower_first"])
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    flags = ["--schedule-low-priority-values-first"] if request.param == "lower_first" else []
+    with running(request.param, *flags) as engine:
+        yield engine
+
+
+@contextlib.contextmanager
+def running(polarity: str, *flags: str) -> Iterator[Engine]:
+    """The server, once its mesh is up, with SGLang's own ``flags``."""
     sglang_env.prepare()
     port = free_tcp_port()
     args = [
@@ -99,12 +107,11 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
         "--enable-priority-scheduling",
         "--kvmesh-events-port",
         str(free_tcp_port()),
+        *flags,
     ]
-    if request.param == "lower_first":
-        args.append("--schedule-low-priority-values-first")
     control = f"ipc:///tmp/kvmesh-sglang-mw-{os.getpid()}-{port}"
     child = start_server(port, f"http://localhost:{port}", control, *args)
-    engine = Engine(port, request.param)
+    engine = Engine(port, polarity)
     try:
         for _ in range(POLLS):
             with contextlib.suppress(httpx.HTTPError):
@@ -132,6 +139,17 @@ def test_the_body_sglang_receives_has_its_polarity_and_no_nvext(engine: Engine) 
     native = engine.chat("w4 w5", session_params={"id": "s-1", "rid": "r-0"})
     assert native["seen"]["body"]["session_params"] == {"id": "s-1", "rid": "r-0"}
     assert "session_params" not in out["seen"]["body"]
+
+
+def test_under_sglangs_root_path_requests_are_routed_and_the_rpcs_answer() -> None:
+    """SGLang's ``--fastapi-root-path /llm`` goes to uvicorn, which puts it before every path.
+    Matched on the whole path, the middleware routed nothing (the engine got the nvext) and the
+    peers' ``/kvmesh/info`` was a 404, so the mesh never came up."""
+    with running("higher_first", "--fastapi-root-path", "/llm") as engine:  # (the mesh is up)
+        assert engine.client.get("/kvmesh/info").json()["priority_polarity"] == "higher_first"
+        out = engine.chat("w1 w2 w3", nvext={"agent_hints": {"priority": 5}})
+        assert "nvext" not in out["seen"]["body"] and out["seen"]["body"]["priority"] == 5
+        assert out["nvext"]["worker_id"]["decode_worker_id"] in (engine.url, engine.peer)
 
 
 def test_router_hashes_with_sglangs_tokenizer_and_salted_or_lora_requests_get_no_credit(

@@ -92,9 +92,15 @@ class Recorder:
 
 @contextlib.asynccontextmanager
 async def vllm_app(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, policy: str, peers: tuple[str, ...] = ()
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    policy: str,
+    peers: tuple[str, ...] = (),
+    flags: tuple[str, ...] = (),
 ) -> AsyncIterator[tuple[str, Recorder, LoopbackEngineClient, PromptRunner]]:
-    """``peers``: other workers of the fleet, beside this vLLM server."""
+    """``peers``: other workers of the fleet, beside this vLLM server; ``flags``: more of
+    ``vllm serve``'s own."""
     use_cpu_platform(monkeypatch)
     write_dist_info(tmp_path / "site")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
@@ -128,6 +134,7 @@ async def vllm_app(
             policy,
             "--kv-events-config",
             events,
+            *flags,
         ]
     )
     publisher = EventPublisherFactory.create(args.kv_events_config, data_parallel_rank=0)
@@ -141,6 +148,7 @@ async def vllm_app(
     recorder = Recorder()
     app = FastAPI()
     app.state.args = args
+    app.root_path = args.root_path  # (as vLLM's build_app sets it)
     app.add_api_route("/v1/chat/completions", recorder.chat, methods=["POST"])
     attach_endpoint_plugins(app, ("generate",))
     init_entrypoints_middleware(args, app, ("generate",))
@@ -238,6 +246,37 @@ async def test_the_middleware_sends_vllm_the_negated_priority_and_no_nvext(
                 break
             await asyncio.sleep(0.02)
         assert core.call("kvmesh_rpc", "stats", {})["sessions"] == 1
+
+
+async def test_under_vllms_root_path_requests_are_routed_and_the_rpcs_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``vllm serve --root-path /llm`` sets FastAPI's root path, and a path may arrive with it.
+    Matched on the whole path, the middleware let such a request through unrouted (the engine got
+    the nvext and no priority) and answered no ``/kvmesh/`` RPC there."""
+    async with (
+        vllm_app(tmp_path, monkeypatch, policy="priority", flags=("--root-path", "/llm")) as (
+            url,
+            recorder,
+            _,
+            _,
+        ),
+        httpx.AsyncClient(base_url=url, timeout=10) as http,
+    ):
+        for root in ("/llm", ""):  # asked with the root, or through a proxy that strips it
+            info = await http.get(root + "/kvmesh/info", headers=_auth())
+            assert info.status_code == 200 and info.json()["backend"] == "vllm"
+            body = {
+                "model": "tiny-model",
+                "messages": [{"role": "user", "content": f"hello {root}"}],
+                "max_tokens": 1,
+                "nvext": {"agent_hints": {"priority": 5}},
+            }
+            reply = await http.post(root + "/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-kvmesh-worker-id"] == url
+            seen = recorder.bodies.pop()
+            assert "nvext" not in seen and seen["priority"] == -5
 
 
 async def test_without_priority_scheduling_vllm_gets_no_priority_and_a_warning_is_logged(

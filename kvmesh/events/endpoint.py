@@ -51,6 +51,23 @@ def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
     return None
 
 
+def needs_ipv6(endpoint: str, *, bind: bool) -> bool:
+    """Whether a socket needs ZMQ's IPv6 option on to bind or reach ``endpoint``.
+
+    ZMQ sockets speak IPv4 alone unless told: a bind to ``tcp://[::]:5557`` failed ("No such
+    device"), and a connect to ``tcp://[fd00::7]:5557`` was taken and never made, so a router
+    followed no event from an engine on an IPv6 address (the address vLLM's own publisher binds
+    when the node's IP is one, and the one kvmesh advertises from an IPv6 ``KVMESH_SELF_URL``).
+    On for an IPv6 address, and for a bind to every interface (``*``), which then takes IPv4 and
+    IPv6 peers both (ZMQ binds IPv4 alone where the host has no IPv6). Off for a host name, which
+    ZMQ would then resolve to its IPv6 address first (``localhost`` to ``::1``) and miss a
+    publisher bound on IPv4."""
+    if not endpoint.startswith(_TCP):
+        return False
+    host = endpoint.removeprefix(_TCP).rpartition(":")[0].rpartition(";")[2]
+    return host.startswith("[") or (bind and host == "*")
+
+
 def _local_problem(endpoint: str) -> str | None:
     """What is wrong with an ``ipc://`` or ``inproc://`` endpoint to connect to, or None."""
     transport, _, name = endpoint.partition("://")

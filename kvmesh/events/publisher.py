@@ -32,7 +32,7 @@ from typing import Protocol
 import zmq
 
 from kvmesh.errors import ConfigError
-from kvmesh.events.endpoint import check_endpoint
+from kvmesh.events.endpoint import check_endpoint, needs_ipv6
 from kvmesh.events.wire import (
     MAX_REPLAY_REQUEST_BYTES,
     AllBlocksCleared,
@@ -260,6 +260,7 @@ def _open_with_options(
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, sndhwm)  # before bind/connect: they apply to later connections
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame)  # (-1: none; a PUB reads nothing)
+    sock.setsockopt(zmq.IPV6, needs_ipv6(endpoint, bind=bind))
     try:
         if bind:
             sock.bind(endpoint)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvmesh.errors import ConfigError, MalformedEventError
-from kvmesh.events.endpoint import check_endpoint
+from kvmesh.events.endpoint import check_endpoint, needs_ipv6
 from kvmesh.events.readiness import SocketWatch, drain, readable, recv_frames
 from kvmesh.events.wire import (
     MAX_SEQ,
@@ -254,6 +254,7 @@ class EventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.setsockopt(zmq.IPV6, needs_ipv6(self.endpoint, bind=self.bind))
         if self.bind:
             sub.bind(self.endpoint)
         else:
@@ -442,6 +443,7 @@ class EventSubscriber:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)  # a whole replay buffer may come back at once
+            sock.setsockopt(zmq.IPV6, needs_ipv6(self.replay_endpoint, bind=False))
             sock.connect(self.replay_endpoint)
         # A connected DEALER queues the request until the connection is up; it does not block.
         sock.send_multipart([b"", pack_seq(start)], zmq.NOBLOCK)

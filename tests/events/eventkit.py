@@ -25,6 +25,23 @@ def free_tcp_port() -> int:
         return int(s.getsockname()[1])
 
 
+def ipv6_loopback() -> bool:
+    """Whether this host has an IPv6 loopback (``::1``) to bind."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def free_tcp6_port() -> int:
+    """A free port on the IPv6 loopback."""
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        return int(s.getsockname()[1])
+
+
 def free_tcp_port_runs(runs: int, length: int) -> list[int]:
     """The first ports of ``runs`` runs of ``length`` consecutive loopback ports, all free when
     asked and none shared between runs: a data-parallel engine's rank ``r`` publishes on its base

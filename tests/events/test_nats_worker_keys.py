@@ -47,9 +47,9 @@ async def test_a_worker_whose_id_makes_a_held_key_waits_and_says_so(
     async def on_gone(worker_id: str) -> None:
         gone.append(worker_id)
 
-    watcher = WorkerWatcher(link, on_seen, on_gone, default_ttl=1.5)
-    first = WorkerAnnouncer(link, "gpu.0", "http://10.0.0.1:8000", dict, interval=0.1, ttl=1.5)
-    second = WorkerAnnouncer(link, "gpu_0", "http://10.0.0.2:8000", dict, interval=0.1, ttl=1.5)
+    watcher = WorkerWatcher(link, on_seen, on_gone, default_ttl=6.0)
+    first = WorkerAnnouncer(link, "gpu.0", "http://10.0.0.1:8000", dict, interval=0.1, ttl=6.0)
+    second = WorkerAnnouncer(link, "gpu_0", "http://10.0.0.2:8000", dict, interval=0.1, ttl=6.0)
     watcher.start()
     first.start()
     try:
@@ -73,7 +73,7 @@ async def test_a_worker_whose_id_makes_a_held_key_waits_and_says_so(
         # Once the first stops (its entry deleted), a worker of the other id registers.
         await first.stop()
         await _until(lambda: gone == ["gpu.0"], "the first worker leaves")
-        third = WorkerAnnouncer(link, "gpu_0", "http://10.0.0.2:8000", dict, interval=0.1, ttl=1.5)
+        third = WorkerAnnouncer(link, "gpu_0", "http://10.0.0.2:8000", dict, interval=0.1, ttl=6.0)
         third.start()
         await _until(lambda: seen[-1:] == ["gpu_0"], "the other id registers once the key is free")
         await third.stop()

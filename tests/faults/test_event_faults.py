@@ -143,3 +143,12 @@ async def test_an_engine_restarted_with_an_empty_cache_is_reindexed(caplog: pyte
             assert await r.load() == 0
         finally:
             await fresh.stack.aclose()
+
+
+def test_the_fault_names_a_removed_worker_forgets_are_the_ones_counted() -> None:
+    """``Metrics.forget_worker`` drops a removed worker's series by their label values: a fault
+    name counted but not listed would stay exported for ever."""
+    from kvmesh.router.mesh import event_feed
+    from kvmesh.router.mesh.metrics import EVENT_FAULTS
+
+    assert set(EVENT_FAULTS) == {*event_feed._FAULTS, "stale"}

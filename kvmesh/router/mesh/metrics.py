@@ -15,6 +15,7 @@ the engine never reports, and the ratio drops far below 1 instead of failing sil
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +33,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # Observed over predicted: 1 is right, and an under-prediction (above 1) counts as much as an over.
 _PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+PIN_OUTCOMES = ("pinned", "partial", "failed")
+"""The ``outcome`` label of ``kvmesh_cache_control_pins_total``."""
+EVENT_FAULTS = ("gap", "replayed", "malformed", "duplicate", "reset", "stale")
+"""The ``fault`` label of ``kvmesh_kv_event_faults_total``."""
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 # Routing overhead per phase: tens of microseconds is normal, milliseconds is a problem.
 _OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
@@ -302,6 +307,28 @@ class Metrics:
             route_seconds -= find_matches
         phase["scheduling"].observe(max(route_seconds, 0.0))
         phase["total"].observe(total)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop the series labelled with a worker that left the fleet (removed by the admin API,
+        or gone from the NATS worker bucket). Kept, they were exported for ever: up to 73 lines a
+        worker, so a fleet whose engines come and go under new ids (pods) grew every router's
+        ``/metrics`` and memory without bound. A worker that comes back counts from zero, which
+        Prometheus reads as a counter reset. (The metrics are the process's: a second router in
+        the same process that still follows the worker has its series for it reset too.)"""
+        by_worker = (
+            self.predicted_cached,
+            self.reported_cached,
+            self.ttft_predicted,
+            self.ttft_observed,
+            self.ttft_prediction_ratio,
+            self.pinned_blocks,
+        )
+        series: list[tuple[Any, tuple[str, ...]]] = [(m, (worker_id,)) for m in by_worker]
+        series += [(self.pins, (worker_id, outcome)) for outcome in PIN_OUTCOMES]
+        series += [(self.event_faults, (worker_id, fault)) for fault in EVENT_FAULTS]
+        for metric, labels in series:
+            with contextlib.suppress(KeyError):  # (never observed for this worker)
+                metric.remove(*labels)
 
     def track(self, owner: Any, source: GaugeSource) -> None:
         """Report ``source``'s gauges while ``owner`` is alive."""

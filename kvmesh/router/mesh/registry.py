@@ -361,6 +361,7 @@ class WorkerRegistry:
             return False
         self.router.remove_worker(worker_id)
         await self.feed.unfollow(worker_id)
+        self.metrics.forget_worker(worker_id)
         self._refresh_views()
         logger.info("worker %s removed", worker_id)
         return True

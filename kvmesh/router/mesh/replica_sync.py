@@ -51,6 +51,7 @@ import zmq
 
 from kvmesh._types import WorkerKey
 from kvmesh.errors import ConfigError
+from kvmesh.events.endpoint import needs_ipv6
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.events.readiness import SocketWatch, drain
 from kvmesh.router.core.kv_router import KvRouter
@@ -66,6 +67,13 @@ is dropped as malformed rather than read."""
 Seconds = Annotated[float, msgspec.Meta(gt=0.0, le=sys.float_info.max)]
 """A session's timeout: positive and finite. (A NaN or infinite one bound a session that never
 expired on the replica that took it: its turns went to that worker for good.)"""
+
+
+def _dial(sub: zmq.Socket[bytes], endpoint: str) -> None:
+    """Connect ``sub`` to a peer's endpoint, IPv6 on for an IPv6 address (the option applies to
+    the connections made after it is set, so each peer gets its own)."""
+    sub.setsockopt(zmq.IPV6, needs_ipv6(endpoint, bind=False))
+    sub.connect(endpoint)
 
 
 class Routed(msgspec.Struct, tag="routed", array_like=True):
@@ -195,6 +203,7 @@ class ReplicaSync:
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 100_000)
+        pub.setsockopt(zmq.IPV6, needs_ipv6(self._bind_to, bind=True))
         try:
             pub.bind(self._bind_to)
         except zmq.ZMQError as e:
@@ -211,7 +220,7 @@ class ReplicaSync:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._pub, self._sub = pub, sub
         for endpoint in self._following:
-            sub.connect(endpoint)
+            _dial(sub, endpoint)
         self.router.observer = self
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -290,7 +299,7 @@ class ReplicaSync:
         self._following.add(endpoint)
         if self._sub is not None:
             try:
-                self._sub.connect(endpoint)
+                _dial(self._sub, endpoint)
             except zmq.ZMQError as e:
                 self._following.discard(endpoint)
                 logger.warning("replica sync: cannot follow %s: %s", endpoint, e)

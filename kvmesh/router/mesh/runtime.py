@@ -32,7 +32,7 @@ from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import KvRouter
 from kvmesh.router.core.route_types import Decision, TimingSample
 from kvmesh.router.mesh.event_plane import NatsDiscovery, SelfAnnouncement
-from kvmesh.router.mesh.metrics import GaugeSource, WorkerRow, get_metrics
+from kvmesh.router.mesh.metrics import PIN_OUTCOMES, GaugeSource, WorkerRow, get_metrics
 from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.replica_sync import ReplicaSync
 from kvmesh.router.mesh.settings import MeshSettings
@@ -476,7 +476,7 @@ class Mesh:
         # complete) is not in the engine's cache
         wanted = (len(token_ids) - 1) // block_size
         stats = self.pin_stats.setdefault(
-            worker_id, {"pinned": 0, "partial": 0, "failed": 0, "blocks_pinned": 0, "last_error": None}
+            worker_id, {**dict.fromkeys(PIN_OUTCOMES, 0), "blocks_pinned": 0, "last_error": None}
         )
         error: str | None = None
         pinned = 0

@@ -64,12 +64,23 @@ async def test_a_worker_added_at_runtime_is_discovered_followed_and_removed() ->
                     break
                 await asyncio.sleep(0.02)
             assert (await _rows(http, front.url))["m1"]["indexed_blocks"] > 0
+            async with http.get(front.url + "/metrics") as r:
+                series = [line for line in (await r.text()).splitlines() if 'worker="m1"' in line]
+            assert {s.split("{")[0] for s in series} >= {
+                "kvmesh_cached_tokens_predicted_total",
+                "kvmesh_cached_tokens_reported_total",
+                "kvmesh_worker_active_decode_blocks",
+            }
 
             assert await _delete(http, front.url, "m1") == (200, {"removed": "m1"})
             assert list(await _rows(http, front.url)) == ["m0"]
             async with http.get(front.url + "/metrics") as r:
-                gauges = [line for line in (await r.text()).splitlines() if line.startswith("kvmesh_worker_")]
+                lines = (await r.text()).splitlines()
+            gauges = [line for line in lines if line.startswith("kvmesh_worker_")]
             assert gauges and not [g for g in gauges if 'worker="m1"' in g]  # its load went with it
+            # and every series of its own: a fleet whose engines come and go under new ids had
+            # each router export them for ever
+            assert not [line for line in lines if 'worker="m1"' in line]
             async with http.post(front.url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 400
                 assert (await r.json())["error"]["param"] == "nvext.backend_instance_id"

@@ -20,9 +20,12 @@ from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.replica_sync import Envelope, Heartbeat, Routed, Session, encode
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec, add_arguments
+from tests.events.eventkit import ipv6_loopback
 from tests.router.engines import EngineState, engine_app
 from tests.router.fleet import mock_finished
 from tests.router.servers import serve
+
+needs_ipv6_loopback = pytest.mark.skipif(not ipv6_loopback(), reason="this host has no IPv6 loopback")
 
 MOCK = MockConfig(block_size=16, num_blocks=4096, speedup=1.0)
 SYNC = RouterConfig(router_replica_sync=True)
@@ -188,11 +191,12 @@ class _PeerAndFront:
 
 
 @contextlib.asynccontextmanager
-async def _front_following_a_peer() -> AsyncIterator[_PeerAndFront]:
+async def _front_following_a_peer(host: str = "127.0.0.1") -> AsyncIterator[_PeerAndFront]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     peer = ctx.socket(zmq.PUB)
     peer.setsockopt(zmq.LINGER, 0)
-    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    peer.setsockopt(zmq.IPV6, host.startswith("["))
+    port = peer.bind_to_random_port(f"tcp://{host}")
     seq = 0
 
     def publish(message: Any) -> None:
@@ -205,12 +209,12 @@ async def _front_following_a_peer() -> AsyncIterator[_PeerAndFront]:
             settings = MeshSettings(
                 workers=(WorkerSpec(e0.url, "w0"), WorkerSpec(e1.url, "w1")),
                 router=RouterConfig(use_kv_events=False, router_replica_sync=True),
-                sync_peers=(f"tcp://127.0.0.1:{port}",),
-                sync_endpoint="tcp://127.0.0.1:0",
+                sync_peers=(f"tcp://{host}:{port}",),
+                sync_endpoint=f"tcp://{host}:0",
                 health_interval=0.1,
             )
             async with serve(build_router_app(settings)) as front, aiohttp.ClientSession() as http:
-                yield _PeerAndFront(f"tcp://127.0.0.1:{port}", front.url, e0.url, e1.url, http, publish)
+                yield _PeerAndFront(f"tcp://{host}:{port}", front.url, e0.url, e1.url, http, publish)
     finally:
         peer.close(linger=0)
 
@@ -261,6 +265,21 @@ async def test_a_standalone_replica_follows_a_configured_peer_and_drops_it_when_
         assert stats["unknown_worker"] == 1
         assert stats["reconciled"] == 1
         assert stats["counted"] == 2
+
+
+@needs_ipv6_loopback
+async def test_replicas_follow_each_other_over_ipv6() -> None:
+    """ZMQ sockets speak IPv4 alone unless told: the sync endpoint ``tcp://[::1]:0`` was refused
+    at start ("No such device"), and a peer at an IPv6 address was never heard."""
+    async with _front_following_a_peer("[::1]") as m:
+        doc = await m.router_doc()
+        assert doc["router_sync_endpoint"].startswith("tcp://[::1]:")
+
+        async def peer_known() -> bool:
+            m.publish(Heartbeat([]))
+            return any(p["replica"] == "peer-router" for p in (await m.router_doc())["sync"]["peers"])
+
+        await _until(peer_known)
 
 
 async def test_a_peer_message_with_a_value_no_replica_sends_is_dropped_as_malformed() -> None:

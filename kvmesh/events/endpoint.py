@@ -29,8 +29,9 @@ _SHAPES = "a ZMQ endpoint: tcp://host:port, ipc://path or inproc://name"
 
 
 def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
-    """What is wrong with a ``tcp://host:port`` endpoint to bind (port 0 or ``*``: any free one)
-    or to connect to (a port from 1, and a host that is not the wildcard), or None."""
+    """What is wrong with an endpoint to bind (a ``tcp://`` port of 0 or ``*``: any free one; the
+    rest is ZMQ's to refuse) or to connect to (a transport kvmesh speaks; for ``tcp://``, a port
+    from 1 and a host ZMQ parses that is not the wildcard), or None."""
     if not bind and not endpoint.startswith(_TRANSPORTS):
         return f"is not {_SHAPES}"
     if not endpoint.startswith(_TCP):
@@ -59,9 +60,9 @@ def needs_ipv6(endpoint: str, *, bind: bool) -> bool:
     followed no event from an engine on an IPv6 address (the address vLLM's own publisher binds
     when the node's IP is one, and the one kvmesh advertises from an IPv6 ``KVMESH_SELF_URL``).
     On for an IPv6 address, and for a bind to every interface (``*``), which then takes IPv4 and
-    IPv6 peers both (ZMQ binds IPv4 alone where the host has no IPv6). Off for a host name, which
-    ZMQ would then resolve to its IPv6 address first (``localhost`` to ``::1``) and miss a
-    publisher bound on IPv4."""
+    IPv6 peers both (where the host has no IPv6, libzmq's source falls back to IPv4: not tried
+    here, as this machine has IPv6). Off for a host name, which ZMQ would then resolve to its IPv6
+    address first (``localhost`` to ``::1``) and miss a publisher bound on IPv4."""
     if not endpoint.startswith(_TCP):
         return False
     host = endpoint.removeprefix(_TCP).rpartition(":")[0].rpartition(";")[2]

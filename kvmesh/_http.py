@@ -160,7 +160,8 @@ def route_path(scope: MutableMapping[str, Any]) -> str:
 
     ``vllm serve --root-path /llm`` and SGLang's ``--fastapi-root-path`` set it, and uvicorn given
     one puts it before every path: ``/v1/chat/completions`` arrives as ``/llm/v1/chat/completions``.
-    Matched on the whole path, no request was routed and a peer's ``/kvmesh/info`` was a 404."""
+    Matched on the whole path, no request was routed and the router's own admin API
+    (``/kvmesh/workers``, ``/kvmesh/router``) answered 404."""
     path: str = scope["path"]
     root: str = (scope.get("root_path") or "").rstrip("/")
     if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):

@@ -143,8 +143,8 @@ def test_the_body_sglang_receives_has_its_polarity_and_no_nvext(engine: Engine) 
 
 def test_under_sglangs_root_path_requests_are_routed_and_the_rpcs_answer() -> None:
     """SGLang's ``--fastapi-root-path /llm`` goes to uvicorn, which puts it before every path.
-    Matched on the whole path, the middleware routed nothing (the engine got the nvext) and the
-    peers' ``/kvmesh/info`` was a 404, so the mesh never came up."""
+    Matched on the whole path, the middleware routed nothing (the engine got the nvext) and its
+    admin API's ``/kvmesh/workers`` was a 404 (so this test's wait for the mesh timed out)."""
     with running("higher_first", "--fastapi-root-path", "/llm") as engine:  # (the mesh is up)
         assert engine.client.get("/kvmesh/info").json()["priority_polarity"] == "higher_first"
         out = engine.chat("w1 w2 w3", nvext={"agent_hints": {"priority": 5}})

@@ -1,6 +1,7 @@
 """Engines served under a root path (``vllm serve --root-path /llm``, SGLang's
 ``--fastapi-root-path``): uvicorn puts the root before every path the middleware sees, so matched on
-the whole path no request was routed and every ``/kvmesh/`` RPC a peer asked was a 404."""
+the whole path no request was routed and the router's admin API (``/kvmesh/workers``) was a 404.
+(The engine's own ``/kvmesh/`` RPC routes are the app's, which Starlette routes below the root.)"""
 
 from __future__ import annotations
 

@@ -57,8 +57,9 @@ def needs_ipv6(endpoint: str, *, bind: bool) -> bool:
 
     ZMQ sockets speak IPv4 alone unless told: a bind to ``tcp://[::]:5557`` failed ("No such
     device"), and a connect to ``tcp://[fd00::7]:5557`` was taken and never made, so a router
-    followed no event from an engine on an IPv6 address (the address vLLM's own publisher binds
-    when the node's IP is one, and the one kvmesh advertises from an IPv6 ``KVMESH_SELF_URL``).
+    followed no event from an engine on an IPv6 address (the one vLLM's own publisher, told
+    ``tcp://*:0``, binds on a node whose IP is IPv6, or the one kvmesh advertises from an IPv6
+    ``KVMESH_SELF_URL``).
     On for an IPv6 address, and for a bind to every interface (``*``), which then takes IPv4 and
     IPv6 peers both (where the host has no IPv6, libzmq's source falls back to IPv4: not tried
     here, as this machine has IPv6). Off for a host name, which ZMQ would then resolve to its IPv6

@@ -3,8 +3,8 @@
 
 ZMQ sockets speak IPv4 alone unless told. The engine's bind to an IPv6 address failed ("No such
 device"), and a router's connect to one was taken and never made: a worker on an IPv6 address
-(vLLM's own publisher binds one when the node's IP is IPv6, and kvmesh advertises one from an IPv6
-``KVMESH_SELF_URL``) was followed by no event, with nothing said."""
+(vLLM's own publisher, told ``tcp://*:0``, binds one on a node whose IP is IPv6, and kvmesh
+advertises one from an IPv6 ``KVMESH_SELF_URL``) was followed by no event, with nothing said."""
 
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ with warnings.catch_warnings():
         pool_hashes,
         prompts,
     )
+    from tests.events.eventkit import free_tcp6_port, ipv6_loopback
 
 pytestmark = pytest.mark.engine_vllm
 
@@ -75,6 +76,43 @@ def test_factory_builds_the_kvmesh_publisher_with_vllms_per_rank_endpoints() -> 
         assert reported.publisher == "zmq"  # the wire protocol a consumer speaks: vLLM's own
     finally:
         pub.shutdown()
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this host has no IPv6 loopback")
+async def test_on_an_ipv6_address_the_kvmesh_publisher_binds_and_a_router_follows() -> None:
+    """vLLM's config on an IPv6 node names an IPv6 address: ZMQ sockets speak IPv4 alone unless
+    told, so the publisher's bind failed ("No such device") and the engine did not start, and a
+    router's connect to such an address was never made."""
+    register()
+    port, replay = free_tcp6_port(), free_tcp6_port()
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="kvmesh",
+        endpoint=f"tcp://[::1]:{port}",
+        replay_endpoint=f"tcp://[::1]:{replay}",
+    )
+    publisher = EventPublisherFactory.create(config, data_parallel_rank=0)
+    delivered: list[EventBatch] = []
+    subscriber = EventSubscriber(
+        publisher.endpoint,
+        lambda seq, batch: delivered.append(batch),
+        replay_endpoint=publisher.replay_endpoint,
+    )
+    try:
+        assert publisher.endpoint == f"tcp://[::1]:{port}"
+        subscriber.resume_from(-1)  # from seq 0, through the replay socket if the live one is late
+        task = subscriber.start()
+        PromptRunner(make_manager(num_blocks=24), make_hasher(), publisher).run(
+            next(prompts(seed=5, count=1))
+        )
+        deadline = time.monotonic() + 10
+        while not delivered and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert delivered and isinstance(delivered[0].events[0], BlockStored)
+    finally:
+        await subscriber.stop()
+        task.cancel()
+        publisher.shutdown()
 
 
 def _workload(runner: PromptRunner) -> list[list[int]]:

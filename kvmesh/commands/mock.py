@@ -64,6 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bind a ZMQ ROUTER socket here that replays missed event batches, e.g. tcp://127.0.0.1:5558 [none]",
     )
     parser.add_argument(
+        "--advertise-host",
+        default=None,
+        metavar="HOST",
+        help="the host /kvmesh/info names for event sockets bound to every interface (tcp://*:P), "
+        "which a router on another host cannot dial [$KVMESH_ADVERTISE_HOST, else $KVMESH_SELF_URL's "
+        "host, else the bound address]",
+    )
+    parser.add_argument(
         "--event-plane",
         default=os.environ.get("KVMESH_EVENT_PLANE") or "zmq",
         help="zmq, or nats://host:port[,...]: publish KV events to the NATS stream and register this "
@@ -148,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmesh.mock.config import MockConfig
     from kvmesh.mock.engine import MockEngine
     from kvmesh.mock.server import add_middleware, build_app
+    from kvmesh.worker.advertise import advertise_host_from_env
 
     try:
         config = MockConfig(
@@ -162,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
             kv_replay_endpoint=args.kv_replay_endpoint,
             event_plane=args.event_plane,
             event_name=f"{args.host}:{args.port}",
+            advertise_host=advertise_host_from_env(
+                {"KVMESH_ADVERTISE_HOST": args.advertise_host} if args.advertise_host else None
+            ),
             advertise_url=base_url(args.host, args.port) if args.event_plane != "zmq" else None,
             scheduling_policy=args.scheduling_policy,
             seed=args.seed,

@@ -26,6 +26,8 @@ _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 """A name, IPv4 or ``[IPv6]`` (with a ``%zone``), or ``source;host``: ZMQ refused a connect to
 anything else (a space, ``/``, ``,``, ``@``, a non-ASCII letter) as an invalid argument."""
 _SHAPES = "a ZMQ endpoint: tcp://host:port, ipc://path or inproc://name"
+WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")
+"""The hosts of a ``tcp://`` bind to every interface: an engine advertises its own host instead."""
 
 
 def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:

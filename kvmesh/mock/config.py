@@ -42,6 +42,7 @@ class MockConfig:
     event_plane: str = "zmq"  # or nats://host:port[,...]: KV events to JetStream, registration in the bucket
     advertise_url: str | None = None  # with NATS: the URL registered in the worker bucket at start
     event_name: str | None = None  # its subject token on NATS (default: a random one per process)
+    advertise_host: str | None = None  # in /kvmesh/info, for event sockets bound to every interface
 
     def validate(self) -> MockConfig:
         """Return self, or raise ConfigError naming the flag at fault."""

@@ -44,6 +44,7 @@ from kvmesh.mock.sampler import OutputSampler, sampler_key
 from kvmesh.mock.scheduler import Scheduler, SchedulerOutput
 from kvmesh.mock.timing import profile, step_seconds
 from kvmesh.router.request.tokenizer import BuiltinTokenizer, Tokenizer
+from kvmesh.worker.advertise import reachable
 from kvmesh.worker.block_state import kv_state_answer, rank_state
 from kvmesh.worker.retention import Retention
 
@@ -230,8 +231,10 @@ class MockEngine:
                 data_parallel_rank=0,
                 bind=True,
             )
-            self._events_endpoint = self.publisher.endpoint
-            self._replay_endpoint = self.publisher.replay_endpoint
+            # (bound to every interface, they are told as the host a router on another one dials)
+            self._events_endpoint = reachable(self.publisher.endpoint, cfg.advertise_host)
+            replay = self.publisher.replay_endpoint
+            self._replay_endpoint = None if replay is None else reachable(replay, cfg.advertise_host)
 
     async def start(self) -> None:
         """Open the event sockets (if configured) and start the step loop; idempotent."""

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from kvmesh.errors import ConfigError
+from kvmesh.events.endpoint import WILDCARD_HOSTS
 
 
 def advertise_host_from_env(environ: Mapping[str, str] | None = None) -> str | None:
@@ -39,3 +40,15 @@ def _self_url_host(env: Mapping[str, str]) -> str | None:
     if not host:
         raise ConfigError(f"KVMESH_SELF_URL {url!r} must look like http://host:port")
     return host
+
+
+def reachable(endpoint: str, host: str | None) -> str:
+    """A ``tcp://`` endpoint bound to every interface (``*``, ``0.0.0.0``, ``[::]``) as a peer can
+    dial it: its host replaced by ``host`` (:func:`advertise_host_from_env`), when there is one."""
+    if host is None:
+        return endpoint
+    for wildcard in WILDCARD_HOSTS:
+        prefix = f"tcp://{wildcard}:"
+        if endpoint.startswith(prefix):
+            return f"tcp://{host}:{endpoint[len(prefix) :]}"
+    return endpoint

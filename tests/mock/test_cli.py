@@ -153,3 +153,46 @@ def test_middleware_is_added_like_vllms_flag() -> None:
     ):
         with pytest.raises(ConfigError, match=message):
             add_middleware(Starlette(), spec)
+
+
+def _mock_info(*flags: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, object]]:
+    """Start ``kvmesh mock`` with ``flags``; its port and its /kvmesh/info, then stop it."""
+    import os
+
+    port, events, replay = _free_ports(3)
+    cmd = [sys.executable, "-m", "kvmesh", "mock", "--port", str(port), "--speedup", "50"]
+    cmd += ["--kv-events-endpoint", f"tcp://*:{events}", "--kv-replay-endpoint", f"tcp://*:{replay}", *flags]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                return events, httpx.get(f"http://127.0.0.1:{port}/kvmesh/info", timeout=0.5).json()
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "kvmesh mock did not come up"
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "host"),
+    [
+        (("--advertise-host", "10.1.2.3"), {}, "10.1.2.3"),
+        ((), {"KVMESH_ADVERTISE_HOST": "fd00::7"}, "[fd00::7]"),
+        ((), {"KVMESH_SELF_URL": "http://gpu-3.local:8000"}, "gpu-3.local"),
+    ],
+)
+def test_event_sockets_bound_to_every_interface_are_told_at_the_engines_host(
+    flags: tuple[str, ...], env: dict[str, str], host: str
+) -> None:
+    """Bound to ``tcp://*:P``, the mock told routers the bound address (``0.0.0.0``, and ``[::]``
+    once IPv6 was on), where a router on another host dials its own."""
+    events, info = _mock_info(*flags, env=env)
+    assert info["kv_events_endpoints"] == [f"tcp://{host}:{events}"]
+    assert str(info["kv_replay_endpoints"][0]).startswith(f"tcp://{host}:")  # type: ignore[index]

@@ -31,13 +31,12 @@ from kvmesh.adapters.sglang.follower import KvStateFollower
 from kvmesh.adapters.sglang.publisher import offset_endpoint
 from kvmesh.errors import RequestError
 from kvmesh.router.mesh.settings import mesh_configured
-from kvmesh.worker.advertise import advertise_host_from_env
+from kvmesh.worker.advertise import advertise_host_from_env, reachable
 from kvmesh.worker.rpc import worker_rpc_routes
 
 logger = logging.getLogger("kvmesh.adapters.sglang")
 
 _MOUNTED = "_kvmesh_mounted"
-_WILDCARDS = ("*", "0.0.0.0", "[::]")
 
 
 def event_endpoints(kv_events_config: str | None, dp_size: int, host: str | None) -> dict[str, Any] | None:
@@ -53,12 +52,7 @@ def event_endpoints(kv_events_config: str | None, dp_size: int, host: str | None
 
     def at(ep: str | None, rank: int) -> str | None:
         out = offset_endpoint(ep, rank) if ep else None
-        if out is not None and host is not None:
-            for wildcard in _WILDCARDS:
-                prefix = f"tcp://{wildcard}:"
-                if out.startswith(prefix):
-                    return f"tcp://{host}:{out[len(prefix) :]}"
-        return out
+        return None if out is None else reachable(out, host)
 
     return {
         "endpoints": [at(endpoint, r) for r in range(dp_size)],

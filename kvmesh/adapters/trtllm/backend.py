@@ -33,6 +33,7 @@ from kvmesh.adapters.trtllm.bridge import KvEventBridge
 from kvmesh.adapters.trtllm.hints import has_priority_parameter, wrap_generate_async
 from kvmesh.adapters.trtllm.retention import ClaimSubmitter, RankRetention
 from kvmesh.errors import RequestError
+from kvmesh.worker.advertise import reachable
 from kvmesh.worker.block_state import kv_state_answer
 from kvmesh.worker.retention import DEFAULT_PIN_BUDGET
 
@@ -220,11 +221,4 @@ class TrtllmWorker:
 
     def _reachable(self, endpoint: str) -> str:
         """A bound wildcard endpoint (``tcp://*:5557``) as a peer can dial it."""
-        host = self.options.advertise_host
-        if host is None:
-            return endpoint
-        for wildcard in ("*", "0.0.0.0", "[::]"):
-            prefix = f"tcp://{wildcard}:"
-            if endpoint.startswith(prefix):
-                return f"tcp://{host}:{endpoint[len(prefix) :]}"
-        return endpoint
+        return reachable(endpoint, self.options.advertise_host)

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvmesh.adapters.vllm.engine_rpc import RPC_METHOD
 from kvmesh.errors import ConfigError, RequestError
-from kvmesh.worker.advertise import advertise_host_from_env
+from kvmesh.worker.advertise import advertise_host_from_env, reachable
 from kvmesh.worker.block_state import kv_state_answer
 from kvmesh.worker.rpc import worker_rpc_routes, worker_token_from_env
 
@@ -121,13 +121,7 @@ class VllmWorkerBackend:
 
     def _reachable(self, endpoint: str) -> str:
         """A bound wildcard endpoint (``tcp://*:5557``) as a peer can dial it."""
-        if self.advertise_host is None:
-            return endpoint
-        for wildcard in ("*", "0.0.0.0", "[::]"):
-            prefix = f"tcp://{wildcard}:"
-            if endpoint.startswith(prefix):
-                return f"tcp://{self.advertise_host}:{endpoint[len(prefix) :]}"
-        return endpoint
+        return reachable(endpoint, self.advertise_host)
 
 
 def _served_model(args: Namespace) -> str | None:

@@ -78,7 +78,7 @@ from urllib.parse import urlsplit
 
 from kvmesh._http import HEADER_SAFE_RULE, header_safe
 from kvmesh.errors import ConfigError
-from kvmesh.events.endpoint import check_endpoint, endpoint_problem
+from kvmesh.events.endpoint import WILDCARD_HOSTS, check_endpoint, endpoint_problem
 from kvmesh.events.nats_link import MAX_BYTES as MAX_NATS_BYTES
 from kvmesh.events.nats_link import MAX_REPLICAS as MAX_NATS_REPLICAS
 from kvmesh.events.nats_link import MAX_SECONDS as MAX_NATS_SECONDS
@@ -271,21 +271,34 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
                 problem = _endpoint_problem(name, endpoint)
                 if problem is None:
                     continue
-                if endpoint.startswith("tcp://*:"):  # (an engine bound there, with no host to advertise)
+                if endpoint.startswith(_WILDCARD_BINDS):  # (an engine bound there, with no host to tell)
                     problem += "; set KVMESH_ADVERTISE_HOST (or KVMESH_SELF_URL) on the engine"
                 raise bad(name, f"entry {endpoint!r} {problem}")
             values[name] = tuple(value)
     return WorkerSpec(**values)
 
 
+_WILDCARD_BINDS = tuple(f"tcp://{host}:" for host in WILDCARD_HOSTS)
+
+
 def _endpoint_problem(name: str, endpoint: str | None) -> str | None:
     """What is wrong with one entry of a worker's ``name`` endpoint list, or None. A rank's events
-    may be on NATS (``nats:<subject>``); its replay endpoint, when it has one, is a ZMQ socket."""
+    may be on NATS (``nats:<subject>``); its replay endpoint, when it has one, is a ZMQ socket.
+
+    A worker's endpoint naming every interface (``0.0.0.0``, ``[::]``) is refused as ``*`` is: a
+    router dials its own host there. A router on another host followed nothing while showing the
+    events live, or followed an engine of its own host under the worker's name; where every
+    engine of a mesh advertised ``tcp://0.0.0.0:5557``, each router's index credited every peer
+    with its own engine's cache."""
     if endpoint is None:
         return None
     if name == "kv_events_endpoints" and endpoint.startswith(NATS_ENDPOINT_PREFIX):
         return subject_problem(endpoint.removeprefix(NATS_ENDPOINT_PREFIX))
-    return endpoint_problem(endpoint, bind=False)
+    problem = endpoint_problem(endpoint, bind=False)
+    if problem is None and endpoint.startswith(_WILDCARD_BINDS):
+        host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+        problem = f"names {host!r}, every interface of the engine's, where a router dials its own host"
+    return problem
 
 
 def worker_from_info(info: Mapping[str, Any], url: str, worker_id: str, where: str) -> WorkerSpec:

@@ -81,6 +81,11 @@ async def test_a_worker_with_another_block_size_is_refused_loudly(http: aiohttp.
             "/kvmesh/info.kv_events_endpoints entry 'tcp://*:5557' names the wildcard host '*', which can "
             "be bound but not connected to; set KVMESH_ADVERTISE_HOST (or KVMESH_SELF_URL) on the engine",
         ),
+        (  # (a router on another host dials its own host there: nothing, or its own engine's stream)
+            {"kv_events_endpoints": ["tcp://0.0.0.0:5557"]},
+            "/kvmesh/info.kv_events_endpoints entry 'tcp://0.0.0.0:5557' names '0.0.0.0', every interface "
+            "of the engine's, where a router dials its own host; set KVMESH_ADVERTISE_HOST",
+        ),
         (
             {"kv_events_endpoints": ["tcp:/127.0.0.1:5557"]},
             "/kvmesh/info.kv_events_endpoints entry 'tcp:/127.0.0.1:5557' is not a ZMQ endpoint",

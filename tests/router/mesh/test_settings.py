@@ -178,6 +178,10 @@ priority_polarity = "lower_first"
             "[[workers]]\nurl = 'http://h:1'\nkv_replay_endpoints = ['nats:kvmesh.events.w.0']",
             r"workers\[0\].kv_replay_endpoints entry 'nats:kvmesh.events.w.0' is not a ZMQ endpoint",
         ),
+        (
+            "[[workers]]\nurl = 'http://h:1'\nkv_replay_endpoints = ['tcp://[::]:5558']",
+            r"workers\[0\].kv_replay_endpoints entry 'tcp://\[::\]:5558' names '\[::\]', every interface",
+        ),
         (  # (a wildcard would have applied every worker's events to this one's index)
             "[[workers]]\nurl = 'http://h:1'\nkv_events_endpoints = ['nats:kvmesh.events.>']",
             r"workers\[0\].kv_events_endpoints entry 'nats:kvmesh.events.>' must be a NATS subject of "

@@ -287,9 +287,9 @@ def _endpoint_problem(name: str, endpoint: str | None) -> str | None:
 
     A worker's endpoint naming every interface (``0.0.0.0``, ``[::]``) is refused as ``*`` is: a
     router dials its own host there. A router on another host followed nothing while showing the
-    events live, or followed an engine of its own host under the worker's name; where every
-    engine of a mesh advertised ``tcp://0.0.0.0:5557``, each router's index credited every peer
-    with its own engine's cache."""
+    events live, or an engine of its own host under the worker's name, so that engines that all
+    advertised ``tcp://0.0.0.0:5557`` would each have credited every peer with their own cache
+    (read from the code: it takes two hosts)."""
     if endpoint is None:
         return None
     if name == "kv_events_endpoints" and endpoint.startswith(NATS_ENDPOINT_PREFIX):

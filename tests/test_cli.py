@@ -144,6 +144,10 @@ _RELAY = ["events", "relay", "tcp://127.0.0.1:5557", "--nats", "nats://127.0.0.1
             ["events", "tap", "tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://127.0.0.1:99999"],
             "argument --replay-endpoint: 'tcp://127.0.0.1:99999' has port '99999'",
         ),
+        (  # (told only for sockets bound to every interface: with none, it would change nothing)
+            ["mock", "--advertise-host", "10.0.0.1", "--kv-events-endpoint", "tcp://127.0.0.1:0"],
+            "kvmesh mock: --advertise-host names the host told for event sockets bound to every interface",
+        ),
         (  # (taken, and at the first gap the live stream was cut at every retry of it)
             ["events", "tap", "tcp://127.0.0.1:5557", "--replay-endpoint", "junk", "--timeout", "1"],
             "argument --replay-endpoint: 'junk' is not a ZMQ endpoint: tcp://host:port, ipc://path or",

@@ -153,12 +153,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvmesh.commands.serving import base_url, listening_socket, serve
     from kvmesh.errors import ConfigError
+    from kvmesh.events.endpoint import bound_to_every_interface
     from kvmesh.mock.config import MockConfig
     from kvmesh.mock.engine import MockEngine
     from kvmesh.mock.server import add_middleware, build_app
     from kvmesh.worker.advertise import advertise_host_from_env
 
     try:
+        if args.advertise_host and not any(
+            bound_to_every_interface(e) for e in (args.kv_events_endpoint, args.kv_replay_endpoint) if e
+        ):
+            raise ConfigError(
+                "--advertise-host names the host told for event sockets bound to every interface: "
+                "give --kv-events-endpoint tcp://*:PORT (or 0.0.0.0, [::]) with it"
+            )
         config = MockConfig(
             model=args.model,
             block_size=args.block_size,

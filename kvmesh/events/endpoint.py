@@ -26,8 +26,13 @@ _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 """A name, IPv4 or ``[IPv6]`` (with a ``%zone``), or ``source;host``: ZMQ refused a connect to
 anything else (a space, ``/``, ``,``, ``@``, a non-ASCII letter) as an invalid argument."""
 _SHAPES = "a ZMQ endpoint: tcp://host:port, ipc://path or inproc://name"
-WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")
-"""The hosts of a ``tcp://`` bind to every interface: an engine advertises its own host instead."""
+_WILDCARD_BINDS = ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:")
+
+
+def bound_to_every_interface(endpoint: str) -> bool:
+    """Whether ``endpoint`` is a ``tcp://`` bind to every interface (``*``, ``0.0.0.0``, ``[::]``):
+    an engine tells routers its own host instead, since a router dials its own host there."""
+    return endpoint.startswith(_WILDCARD_BINDS)
 
 
 def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:

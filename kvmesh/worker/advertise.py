@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from kvmesh.errors import ConfigError
-from kvmesh.events.endpoint import WILDCARD_HOSTS
+from kvmesh.events.endpoint import bound_to_every_interface
 
 
 def advertise_host_from_env(environ: Mapping[str, str] | None = None) -> str | None:
@@ -43,12 +43,8 @@ def _self_url_host(env: Mapping[str, str]) -> str | None:
 
 
 def reachable(endpoint: str, host: str | None) -> str:
-    """A ``tcp://`` endpoint bound to every interface (``*``, ``0.0.0.0``, ``[::]``) as a peer can
-    dial it: its host replaced by ``host`` (:func:`advertise_host_from_env`), when there is one."""
-    if host is None:
+    """A ``tcp://`` endpoint bound to every interface as a peer can dial it: its host replaced by
+    ``host`` (:func:`advertise_host_from_env`), when there is one."""
+    if host is None or not bound_to_every_interface(endpoint):
         return endpoint
-    for wildcard in WILDCARD_HOSTS:
-        prefix = f"tcp://{wildcard}:"
-        if endpoint.startswith(prefix):
-            return f"tcp://{host}:{endpoint[len(prefix) :]}"
-    return endpoint
+    return f"tcp://{host}:{endpoint.rpartition(':')[2]}"

@@ -78,7 +78,7 @@ from urllib.parse import urlsplit
 
 from kvmesh._http import HEADER_SAFE_RULE, header_safe
 from kvmesh.errors import ConfigError
-from kvmesh.events.endpoint import WILDCARD_HOSTS, check_endpoint, endpoint_problem
+from kvmesh.events.endpoint import bound_to_every_interface, check_endpoint, endpoint_problem
 from kvmesh.events.nats_link import MAX_BYTES as MAX_NATS_BYTES
 from kvmesh.events.nats_link import MAX_REPLICAS as MAX_NATS_REPLICAS
 from kvmesh.events.nats_link import MAX_SECONDS as MAX_NATS_SECONDS
@@ -271,14 +271,11 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
                 problem = _endpoint_problem(name, endpoint)
                 if problem is None:
                     continue
-                if endpoint.startswith(_WILDCARD_BINDS):  # (an engine bound there, with no host to tell)
+                if bound_to_every_interface(endpoint):  # (an engine bound there, with no host to tell)
                     problem += "; set KVMESH_ADVERTISE_HOST (or KVMESH_SELF_URL) on the engine"
                 raise bad(name, f"entry {endpoint!r} {problem}")
             values[name] = tuple(value)
     return WorkerSpec(**values)
-
-
-_WILDCARD_BINDS = tuple(f"tcp://{host}:" for host in WILDCARD_HOSTS)
 
 
 def _endpoint_problem(name: str, endpoint: str | None) -> str | None:
@@ -295,7 +292,7 @@ def _endpoint_problem(name: str, endpoint: str | None) -> str | None:
     if name == "kv_events_endpoints" and endpoint.startswith(NATS_ENDPOINT_PREFIX):
         return subject_problem(endpoint.removeprefix(NATS_ENDPOINT_PREFIX))
     problem = endpoint_problem(endpoint, bind=False)
-    if problem is None and endpoint.startswith(_WILDCARD_BINDS):
+    if problem is None and bound_to_every_interface(endpoint):
         host = endpoint.removeprefix("tcp://").rpartition(":")[0]
         problem = f"names {host!r}, every interface of the engine's, where a router dials its own host"
     return problem

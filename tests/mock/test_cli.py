@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -157,8 +158,6 @@ def test_middleware_is_added_like_vllms_flag() -> None:
 
 def _mock_info(*flags: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, object]]:
     """Start ``kvmesh mock`` with ``flags``; its port and its /kvmesh/info, then stop it."""
-    import os
-
     port, events, replay = _free_ports(3)
     cmd = [sys.executable, "-m", "kvmesh", "mock", "--port", str(port), "--speedup", "50"]
     cmd += ["--kv-events-endpoint", f"tcp://*:{events}", "--kv-replay-endpoint", f"tcp://*:{replay}", *flags]

@@ -390,11 +390,13 @@ class Conversations:
     ) -> str | None:
         """A request went to ``worker``: it becomes a tip, replacing the one it continues (whose
         id is returned). ``turn``: its :meth:`lookup` at ``now``, when the caller made one."""
+        # the same request routed again: not an earlier turn of itself, nor a turn more. Out of
+        # the index before the lookup, or the lookup takes it for the turn it continues (routed
+        # on its earlier turn's blocks, then amended with all of its own).
+        again = self._unindex(request_id) if request_id in self._tips else None
         if turn is None:
             turn = self.lookup(prompt, local_hashes, now)
-        # the same request routed again: not an earlier turn of itself, nor a turn more
-        again = self._unindex(request_id) if request_id in self._tips else None
-        previous = turn.previous
+        previous = turn.previous if turn.previous != request_id else None
         number = turn.number if again is None else again.number
         counted = again.counted if again is not None else 0.0 if turn.sibling else 1.0
         if again is None and not turn.sibling:

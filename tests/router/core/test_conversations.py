@@ -57,6 +57,29 @@ def test_a_turn_continues_the_request_whose_whole_prompt_it_extends() -> None:
     assert conv.turns_to_come(1) == pytest.approx(1 / 3)
 
 
+def test_a_request_routed_again_on_its_whole_prompt_is_not_its_own_earlier_turn() -> None:
+    """Routed on its earlier turn's blocks (the router had not tokenized it yet), then again on all
+    of its own once counted: the second lookup must not take the request itself for the turn it
+    continues. It did where the earlier turn's tip had been replaced by one the request does not
+    extend (a warm-up of the history ending in a generation prompt), and the KeyError left the
+    request's blocks held on its worker for ever."""
+    conv = Conversations()
+    first = SYSTEM + toks(2, 10 * B)
+    answer = toks(3, 3 * B)
+    warm = first + answer + toks(4, B)  # the first turn and its answer, warmed, ending elsewhere
+    later = first + answer + toks(5, 6 * B)
+    route(conv, "t1", A, first, 0.0)
+    assert route(conv, "warm", A, warm, 0.5) == "t1"
+    assert route(conv, "t2", A, first, 1.0) is None  # routed on t1's blocks
+    assert route(conv, "t2", A, later, 1.1) is None  # amended with its own: still no earlier turn
+    # its blocks held once, as if it had been routed once beside the warm-up
+    alone = Conversations()
+    route(alone, "warm", A, warm, 0.5)
+    route(alone, "t2", A, later, 1.1)
+    assert conv.live_blocks(A) == alone.live_blocks(A) > 0
+    assert route(conv, "t3", A, later + toks(6, 4 * B), 2.0) == "t2"
+
+
 def test_a_sibling_shares_its_twins_turn_number() -> None:
     conv = Conversations()
     first = SYSTEM + toks(2, 10 * B)

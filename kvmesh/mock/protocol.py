@@ -16,9 +16,14 @@ from kvmesh._http import error_body as shared_error_body
 from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import GenerationParams
+from kvmesh.router.request.answer_echo import UNKNOWN, answer_echo
 from kvmesh.router.request.tokenizer import Tokenizer, prompt_token_ids
 
 Endpoint = Literal["chat", "completions"]
+
+
+MAX_CHOICES = 64
+"""The most choices (``n``) one request may ask for."""
 
 
 class ModelNotFound(RequestError):
@@ -35,6 +40,11 @@ class ParsedRequest:
     kv_transfer_params: dict[str, Any] | None = None
     """vLLM's disaggregation hand-off: ``do_remote_decode`` (prefill here) or ``do_remote_prefill``
     (the KV comes from a prefill engine)."""
+    n: int = 1
+    """Choices to generate for the prompt (``n``), each one an engine request of its own."""
+    echo: str = ""
+    """What each choice's answer begins with (``echo``): the prompt of a completion, or the last
+    message of a chat when the answer continues it, as vLLM echoes them."""
 
 
 def parse_generation(
@@ -57,9 +67,12 @@ def parse_generation(
                 "Stream options can only be defined when `stream=True`.", field="stream_options"
             )
         include_usage = _bool(options, "include_usage", False, prefix="stream_options.")
-    n = body.get("n")
-    if n is not None and (type(n) is not int or n != 1):
-        raise RequestError("'n' must be 1: the mock engine generates one choice per request", field="n")
+    n = _opt_int(body, "n", 1) or 1
+    if n > MAX_CHOICES:
+        raise RequestError(
+            f"'n' must be at most {MAX_CHOICES}: the mock engine runs each choice as a request", field="n"
+        )
+    echo = _bool(body, "echo", False)
     for name, lo, hi in (
         ("temperature", 0.0, 2.0),
         ("top_p", 0.0, 1.0),
@@ -127,7 +140,19 @@ def parse_generation(
     transfer = body.get("kv_transfer_params")
     if transfer is not None and not isinstance(transfer, dict):
         raise RequestError("'kv_transfer_params' must be an object", field="kv_transfer_params")
-    return ParsedRequest(endpoint, config.model, params, stream, include_usage, transfer)
+    if transfer is not None and n > 1:
+        raise RequestError("'n' must be 1 for a disaggregated hand-off (kv_transfer_params)", field="n")
+    echoed = _echo_text(body, endpoint, prompt, tokenizer) if echo else ""
+    return ParsedRequest(endpoint, config.model, params, stream, include_usage, transfer, n, echoed)
+
+
+def _echo_text(body: Mapping[str, Any], endpoint: Endpoint, prompt: list[int], tokenizer: Tokenizer) -> str:
+    """What vLLM puts before each choice's answer for ``echo``; a prompt of token ids is echoed as
+    this tokenizer decodes it."""
+    echo = answer_echo(body, endpoint)
+    if echo == UNKNOWN:
+        return tokenizer.decode(prompt)
+    return echo or ""
 
 
 def _session_id(body: Mapping[str, Any]) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import json
@@ -96,19 +97,25 @@ def build_app(
             ):
                 return Response(status_code=499)
             engine.import_prefix(prompt)
-        stream = engine.submit(parsed.params, request_id)
+        streams = _submit_choices(engine, parsed, request_id)
+
+        def abort() -> None:
+            for stream in streams:
+                engine.abort(stream.request_id)
+
         if parsed.stream:
             return EngineStreamResponse(
-                _sse(stream, parsed, response_id, text_of),
-                lambda: engine.abort(request_id),
+                _sse(streams, parsed, response_id, text_of),
+                abort,
                 headers=[(b"x-request-id", response_id.encode())],
             )  # type: ignore[return-value]
-        if not await until_disconnect(request.receive, stream.wait()):
-            engine.abort(request_id)
+        if not await until_disconnect(request.receive, _wait_all(streams)):
+            abort()
             return Response(status_code=499)
-        if stream.finish_reason == "abort":
+        if any(stream.finish_reason == "abort" for stream in streams):
+            abort()
             return error_response("the engine stopped before the request finished", 503)
-        answer = _full_response(stream, parsed, response_id, text_of)
+        answer = _full_response(streams, parsed, response_id, text_of)
         if transfer is not None and transfer.get("do_remote_decode"):
             # The prefill side of a hand-off: say where the KV is, as vLLM's connectors do.
             hashes, _ = engine.prompt_blocks(parsed.params.prompt_token_ids)
@@ -191,9 +198,62 @@ def add_middleware(app: Starlette, spec: str) -> None:
         raise ConfigError(f"--middleware {spec!r} is neither a middleware class nor an async function")
 
 
+def _submit_choices(engine: MockEngine, parsed: ParsedRequest, request_id: str) -> list[TokenStream]:
+    """One engine request per choice. The first keeps the request's own seed (``n=1`` answers as
+    it always has); choice ``i`` samples from the seed plus ``i``, so the choices differ."""
+    params = parsed.params
+    if parsed.n == 1:
+        return [engine.submit(params, request_id)]
+    seed = engine.config.seed if params.seed is None else params.seed
+    return [
+        engine.submit(dataclasses.replace(params, seed=seed + i), f"{request_id}-{i}")
+        for i in range(parsed.n)
+    ]
+
+
+async def _wait_all(streams: list[TokenStream]) -> None:
+    for stream in streams:
+        await stream.wait()
+
+
+async def _interleaved(streams: list[TokenStream]) -> AsyncIterator[tuple[int, list[int], bool]]:
+    """``(choice, new tokens, last)`` as the choices' tokens come, whichever choice they are of;
+    ``last`` marks a choice's final batch (its stream has finished)."""
+    if len(streams) == 1:
+        only = streams[0]
+        count = 0
+        async for tokens in only.deltas():
+            count += len(tokens)
+            yield 0, tokens, only.finished and count == len(only.tokens)
+        return
+    queue: asyncio.Queue[tuple[int, list[int] | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: TokenStream) -> None:
+        async for batch in stream.deltas():
+            queue.put_nowait((i, batch))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    seen = [0] * len(streams)
+    try:
+        running = len(streams)
+        while running:
+            i, batch = await queue.get()
+            if batch is None:
+                running -= 1
+                continue
+            seen[i] += len(batch)
+            yield i, batch, streams[i].finished and seen[i] == len(streams[i].tokens)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def _sse(
-    stream: TokenStream, parsed: ParsedRequest, response_id: str, text_of: _TokenText
+    streams: list[TokenStream], parsed: ParsedRequest, response_id: str, text_of: _TokenText
 ) -> AsyncIterator[bytes]:
+    """vLLM's stream: each event carries one choice (its ``index``); a chat opens every choice
+    with its role, then its echo; a completion's echo leads its first text."""
     created = int(time.time())
     chat = parsed.endpoint == "chat"
     head: dict[str, Any] = {
@@ -205,13 +265,13 @@ async def _sse(
     if parsed.include_usage:
         head["usage"] = None
 
-    def chunk(text: str, finish_reason: str | None, *, role: bool = False) -> bytes:
+    def chunk(index: int, text: str, finish_reason: str | None, *, role: bool = False) -> bytes:
         if chat:
             delta = {"role": "assistant", "content": text} if role else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": None,
                 "finish_reason": finish_reason,
@@ -220,52 +280,66 @@ async def _sse(
         head["choices"] = [choice]
         return b"data: " + _encode(head) + b"\n\n"
 
+    echo = parsed.echo
     if chat:
-        yield chunk("", None, role=True)
-    seen = 0
-    async for batch in stream.deltas():
-        seen += len(batch)
-        done = stream.finished and seen == len(stream.tokens)
-        reason = stream.finish_reason if done else None
+        for i in range(parsed.n):
+            yield chunk(i, "", None, role=True)
+        if echo:
+            for i in range(parsed.n):
+                yield chunk(i, echo, None)
+    to_echo = [bool(echo) and not chat] * parsed.n
+    async for i, batch, last in _interleaved(streams):
+        reason = streams[i].finish_reason if last else None
         if reason == "abort":
             return
-        yield chunk(text_of(batch), reason)
-    if stream.finish_reason == "abort":
+        text = text_of(batch)
+        if to_echo[i]:
+            text = echo + text
+            to_echo[i] = False
+        yield chunk(i, text, reason)
+    if any(stream.finish_reason == "abort" for stream in streams):
         return
     if parsed.include_usage:
         head["choices"] = []
-        head["usage"] = usage(stream.prompt_tokens, len(stream.tokens), stream.cached_tokens)
+        head["usage"] = _usage(streams)
         yield b"data: " + _encode(head) + b"\n\n"
     yield _DONE
 
 
+def _usage(streams: list[TokenStream]) -> dict[str, Any]:
+    """One prompt, every choice's output; the cached share is the first choice's, as vLLM's."""
+    first = streams[0]
+    return usage(first.prompt_tokens, sum(len(s.tokens) for s in streams), first.cached_tokens)
+
+
 def _full_response(
-    stream: TokenStream, parsed: ParsedRequest, response_id: str, text_of: _TokenText
+    streams: list[TokenStream], parsed: ParsedRequest, response_id: str, text_of: _TokenText
 ) -> dict[str, Any]:
-    text = text_of(stream.tokens)
-    if parsed.endpoint == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "tool_calls": []},
-            "logprobs": None,
-            "finish_reason": stream.finish_reason,
-            "stop_reason": None,
-        }
-        kind = "chat.completion"
-    else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": stream.finish_reason,
-            "stop_reason": None,
-        }
-        kind = "text_completion"
+    choices = []
+    for i, stream in enumerate(streams):
+        text = parsed.echo + text_of(stream.tokens)
+        if parsed.endpoint == "chat":
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": stream.finish_reason,
+                "stop_reason": None,
+            }
+        else:
+            choice = {
+                "index": i,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": stream.finish_reason,
+                "stop_reason": None,
+            }
+        choices.append(choice)
     return {
         "id": response_id,
-        "object": kind,
+        "object": "chat.completion" if parsed.endpoint == "chat" else "text_completion",
         "created": int(time.time()),
         "model": parsed.model,
-        "choices": [choice],
-        "usage": usage(stream.prompt_tokens, len(stream.tokens), stream.cached_tokens),
+        "choices": choices,
+        "usage": _usage(streams),
     }

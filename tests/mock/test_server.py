@@ -146,7 +146,16 @@ async def test_raw_sse_framing_ends_with_done() -> None:
             "only be defined when",
             id="stream-options",
         ),
-        pytest.param("/v1/completions", {"prompt": "x", "n": 2}, "n", "must be 1", id="n"),
+        pytest.param("/v1/completions", {"prompt": "x", "n": 0}, "n", "positive integer", id="n-zero"),
+        pytest.param("/v1/completions", {"prompt": "x", "n": 65}, "n", "at most 64", id="n-many"),
+        pytest.param(
+            "/v1/completions",
+            {"prompt": "x", "n": 2, "kv_transfer_params": {"do_remote_decode": True}},
+            "n",
+            "disaggregated",
+            id="n-handoff",
+        ),
+        pytest.param("/v1/completions", {"prompt": "x", "echo": 1}, "echo", "must be a boolean", id="echo"),
         pytest.param(
             "/v1/completions", {"prompt": "x", "temperature": 3}, "temperature", "in [0, 2]", id="temperature"
         ),
@@ -248,6 +257,104 @@ async def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks() -> 
         assert engine.pool.num_used == 0
         text = (await http.get("/metrics")).text
         assert _metric(text, 'vllm:request_success_total{finished_reason="abort",') == 2
+
+
+async def test_n_choices_are_streamed_one_per_event_and_counted_once_per_prompt() -> None:
+    async with run_mock(block_size=16, num_blocks=256, speedup=20) as mock, _client(mock.base_url) as client:
+        messages = [SYSTEM, {"role": "user", "content": "Pick a number."}]
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=6,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        assert all(len(c.choices) == 1 for c in chunks[:-1])  # as vLLM: one choice per event
+        assert [c.choices[0].delta.role for c in chunks[:3]] == ["assistant"] * 3
+        text = {
+            i: "".join(c.choices[0].delta.content or "" for c in chunks[:-1] if c.choices[0].index == i)
+            for i in range(3)
+        }
+        finished = [c.choices[0].index for c in chunks[:-1] if c.choices[0].finish_reason == "length"]
+        assert sorted(finished) == [0, 1, 2]
+        assert len(set(text.values())) == 3  # each choice samples for itself
+        usage = chunks[-1].usage
+        assert usage is not None
+        assert usage.prompt_tokens == len(BuiltinTokenizer().apply_chat_template(messages))
+        assert usage.completion_tokens == 18
+
+        # the first choice is the answer n=1 gives, and the whole answer holds the same choices
+        one = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)  # type: ignore[arg-type]
+        assert one.choices[0].message.content == text[0]
+        full = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, n=3)  # type: ignore[arg-type]
+        assert [c.index for c in full.choices] == [0, 1, 2]
+        assert [c.message.content for c in full.choices] == [text[0], text[1], text[2]]
+        assert full.usage is not None and full.usage.completion_tokens == 18
+
+
+async def test_a_client_that_leaves_aborts_every_choice() -> None:
+    async with (
+        run_mock(block_size=16, num_blocks=128, speedup=5) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        engine = mock.engine
+        body = {"prompt": "tell me three long stories " * 20, "max_tokens": 1500, "n": 3, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            assert engine.scheduler.num_running == 3
+        await _wait_idle(engine)
+        assert engine.pool.num_used == 0
+
+
+async def test_echo_puts_the_prompt_before_each_answer_as_vllm_does() -> None:
+    async with run_mock(block_size=16, num_blocks=256, speedup=20) as mock, _client(mock.base_url) as client:
+        plain = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, n=2)
+        echoed = await client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=5, n=2, echo=True
+        )
+        assert [c.text for c in echoed.choices] == ["Once upon a time" + c.text for c in plain.choices]
+        parts = [
+            c
+            async for c in await client.completions.create(
+                model=MODEL, prompt="Once upon a time", max_tokens=5, echo=True, stream=True
+            )
+        ]
+        assert parts[0].choices[0].text.startswith("Once upon a time")
+        assert "".join(p.choices[0].text for p in parts) == echoed.choices[0].text
+
+        # a chat echoes the last message when the answer continues it, in an event of its own
+        opening = {"role": "assistant", "content": "The answer is"}
+        messages = [{"role": "user", "content": "What is it?"}, opening]
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=4,
+                stream=True,
+                extra_body={"echo": True, "add_generation_prompt": False},
+            )
+        ]
+        assert chunks[1].choices[0].delta.content == "The answer is"
+        whole = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=4,
+            extra_body={"echo": True, "add_generation_prompt": False},
+        )
+        assert whole.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in chunks)
+        # ... and nothing when the answer is a new turn after a user's message
+        asked = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages[:1],
+            max_tokens=4,
+            extra_body={"echo": True},  # type: ignore[arg-type]
+        )
+        plain_chat = await client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4)  # type: ignore[arg-type]
+        assert asked.choices[0].message.content == plain_chat.choices[0].message.content
 
 
 async def test_outputs_depend_on_the_seed_only() -> None:

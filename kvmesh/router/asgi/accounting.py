@@ -26,6 +26,7 @@ from kvmesh.router.asgi.peer_auth import hop_header_map
 from kvmesh.router.core.load import prefill_seconds
 from kvmesh.router.core.route_types import Decision
 from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.request.answer_echo import UNKNOWN, answer_echo
 from kvmesh.router.request.nvext import Nvext
 from kvmesh.router.request.parse import ParsedRequest
 
@@ -94,6 +95,7 @@ class RoutedAccount(LoadAccount):
         "counts_text",
         "decided_at",
         "decision",
+        "echo_text",
         "last_event",
         "nvext",
         "out_events",
@@ -102,6 +104,7 @@ class RoutedAccount(LoadAccount):
         "prefill_worker",
         "routed_at",
         "streamed_tokens",
+        "streaming_choices",
         "t0",
         "t_first",
         "wall0",
@@ -128,7 +131,12 @@ class RoutedAccount(LoadAccount):
         self.last_event = 0.0
         self.out_events = 0
         self.answer: list[str] = []
+        """The first choice's answer (of ``n``: the one a next turn most likely carries)."""
         self.answer_ids: list[int] | None = None
+        self.echo_text = answer_echo(parsed.body, parsed.endpoint)
+        """What each choice's answer begins with (``echo``), which is not output."""
+        self.streaming_choices: set[int] = set()
+        """The choices whose text has begun (an echo leads only a choice's first piece)."""
         self.prefill_timer: asyncio.TimerHandle | None = None
         self.counts_text = parsed.stream and mesh.kv_mode and not _includes_usage(parsed.body)
         """A stream that will carry no ``usage``: its output is counted by tokenizing each event's
@@ -189,8 +197,11 @@ class RoutedAccount(LoadAccount):
         self.prefill_timer = None
         LoadAccount.first_event(self, streamed=False)  # an estimate: no TTFT to learn from
 
-    def content(self, text: str, token_ids: list[int] | None) -> None:
-        """A piece of the answer (thinking excluded), with its token ids when the engine gave them."""
+    def content(self, index: int, text: str, token_ids: list[int] | None) -> None:
+        """A piece of choice ``index``'s answer (thinking excluded), with its token ids when the
+        engine gave them; only the first choice's is kept."""
+        if index != 0:
+            return
         if text:
             self.answer.append(text)
         if token_ids is not None:
@@ -211,9 +222,17 @@ class RoutedAccount(LoadAccount):
         if self.parsed.stream:  # a whole JSON answer's arrival is no first token
             self.mesh.metrics.ttft.observe(now - self.t0)
 
-    def streamed_text(self, text: str) -> None:
-        """What one streamed event generated (the tap's ``text`` hook, when ``counts_text``)."""
-        self.streamed_tokens += len(self.mesh.tokenizer.encode(text))
+    def streamed_text(self, index: int, text: str) -> None:
+        """What one streamed event generated for choice ``index`` (the tap's ``text`` hook, when
+        ``counts_text``), the echo that leads the choice's first piece left out. (An echo of token
+        ids, which the router cannot spell as the engine does, is counted.)"""
+        echo = self.echo_text
+        if echo is not None and index not in self.streaming_choices:
+            self.streaming_choices.add(index)
+            if text.startswith(echo):
+                text = text[len(echo) :]
+        if text:
+            self.streamed_tokens += len(self.mesh.tokenizer.encode(text))
 
     def events(self, n: int) -> None:
         now = time.perf_counter()
@@ -278,9 +297,9 @@ class RoutedAccount(LoadAccount):
             mesh.metrics.osl.observe(self.generated)
             if self.worker_id and (self.answer or self.answer_ids):
                 if self.pins:
-                    mesh.spawn(
-                        mesh.pin_answer(self.worker_id, self._turn_tokens(), self.nvext.cache_ttl or 300.0)
-                    )
+                    self.parsed.complete()  # (a prompt sent as another's twin is tokenized only now)
+                    tokens = self.parsed.tokens + (self._answer_tokens() or [])
+                    mesh.spawn(mesh.pin_answer(self.worker_id, tokens, self.nvext.cache_ttl or 300.0))
                 if self.warms:
                     self._warm_next_turn()
         session = self.nvext.session
@@ -289,14 +308,24 @@ class RoutedAccount(LoadAccount):
         super().end(complete)
 
     # ---------------------------------------------------------------- after the turn
-    def _turn_tokens(self) -> list[int]:
-        """Prompt + answer, as the engine cached them: its own token ids when it sent them, else
-        the answer's text through the router's tokenizer (exact for the builtin tokenizer)."""
-        ids = self.answer_ids
-        if ids is None:
-            ids = self.mesh.tokenizer.encode("".join(self.answer))
-        self.parsed.complete()  # (a prompt sent as another's twin is tokenized only now)
-        return self.parsed.tokens + ids
+    def _answer_text(self) -> str | None:
+        """The first choice's answer, its echo left out; None where the echo cannot be told from
+        it (token ids echoed in the engine's own spelling, or an echo missing where expected)."""
+        text = "".join(self.answer)
+        echo = self.echo_text
+        if echo is None:
+            return text
+        if echo != UNKNOWN and text.startswith(echo):
+            return text[len(echo) :]
+        return None
+
+    def _answer_tokens(self) -> list[int] | None:
+        """The answer as the engine cached it: its own token ids when it sent them (never the
+        echo's), else its text through the router's tokenizer (exact for the builtin one)."""
+        if self.answer_ids is not None:
+            return self.answer_ids
+        text = self._answer_text()
+        return None if text is None else self.mesh.tokenizer.encode(text)
 
     def _warm_next_turn(self) -> None:
         """The conversation so far, answer included (thinking removed), as a ``max_tokens: 1``
@@ -304,16 +333,27 @@ class RoutedAccount(LoadAccount):
         parsed = self.parsed
         decision = self.decision
         assert decision is not None
-        body = {k: v for k, v in parsed.body.items() if k not in ("nvext", "stream", "stream_options")}
-        text = _THINKING.sub("", "".join(self.answer))
+        # one choice, no echo: a warm-up's own answer is never read
+        drop = ("nvext", "stream", "stream_options", "n", "echo")
+        body = {k: v for k, v in parsed.body.items() if k not in drop}
         if parsed.endpoint.endswith("chat/completions"):
-            messages = [*parsed.body.get("messages", []), {"role": "assistant", "content": text}]
+            answer = self._answer_text()
+            if answer is None:
+                return
+            messages = [
+                *parsed.body.get("messages", []),
+                {"role": "assistant", "content": _THINKING.sub("", answer)},
+            ]
             body["messages"] = messages
             body.pop("max_completion_tokens", None)
             tools = body.get("tools")
             tokens = self.mesh.tokenizer.apply_chat_template(messages, tools=tools)
         else:
-            tokens = self._turn_tokens()
+            answer_ids = self._answer_tokens()
+            if answer_ids is None:
+                return
+            parsed.complete()
+            tokens = parsed.tokens + answer_ids
             body["prompt"] = tokens
         body["max_tokens"] = 1
         mesh = self.mesh

@@ -21,8 +21,10 @@ Two options for a routed request: ``content`` hears the answer's text (``delta.c
 ``text`` / ``message.content``; reasoning fields are left out) and its ``token_ids`` when the engine
 sends them, which costs one JSON decode per event and is only asked for when a pin or a warm-up
 needs the answer; ``preamble`` (the ``nvext.annotations`` events) goes out ahead of the first event;
-``text`` hears everything each event generated (every choice, reasoning included) before the
-batch's ``events`` call, so a stream that will carry no ``usage`` can be counted in tokens.
+``text`` hears everything each event generated (reasoning included) before the batch's ``events``
+call, so a stream that will carry no ``usage`` can be counted in tokens. Both hear each choice
+with its ``index``: a request for ``n`` choices gets them interleaved, one choice an event (vLLM,
+SGLang).
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ _json_decode = msgspec.json.decode
 _json_encode = msgspec.json.encode
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-Content = Callable[[str, "list[int] | None"], None]
-Text = Callable[[str], None]
+Content = Callable[[int, str, "list[int] | None"], None]
+"""(choice index, a piece of its answer's text, its token ids when the engine sent them)"""
+Text = Callable[[int, str], None]
+"""(choice index, all an event generated for that choice)"""
 
 
 class Observer(Protocol):
@@ -272,9 +276,8 @@ class ResponseTap:
             return
         _report_content(event, self._content)
         if self._text is not None:
-            generated = _generated_text(event)
-            if generated:
-                self._text(generated)
+            for index, generated in _generated_text(event):
+                self._text(index, generated)
 
     def _read_usage(self, payload: bytes) -> None:
         try:
@@ -388,40 +391,50 @@ def _announces_role_only(payload: bytes) -> bool:
     return True
 
 
-def _report_content(doc: Any, content: Content | None) -> None:
-    """The first choice's answer text (never its reasoning) and token ids, from an SSE event or a
-    whole JSON answer."""
+def _choices(doc: Any) -> list[tuple[int, dict[str, Any]]]:
+    """An event's or a whole answer's choices, each with its ``index`` (its place when it has none)."""
     choices = doc.get("choices") if isinstance(doc, dict) else None
-    if content is None or not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return
-    choice = choices[0]
-    part = choice.get("delta")
-    if not isinstance(part, dict):
-        part = choice.get("message")
-    text = part.get("content") if isinstance(part, dict) else choice.get("text")
-    ids = choice.get("token_ids")
-    good_ids = ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None
-    content(text if isinstance(text, str) else "", good_ids)
-
-
-def _generated_text(event: Any) -> str:
-    """All text an SSE event generated: every choice's content and reasoning (chat) or text."""
-    choices = event.get("choices") if isinstance(event, dict) else None
     if not isinstance(choices, list):
-        return ""
+        return []
     out = []
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
+    for place, choice in enumerate(choices):
+        if isinstance(choice, dict):
+            index = choice.get("index")
+            out.append((index if type(index) is int else place, choice))
+    return out
+
+
+def _report_content(doc: Any, content: Content | None) -> None:
+    """Each choice's answer text (never its reasoning) and token ids, from an SSE event or a whole
+    JSON answer."""
+    if content is None:
+        return
+    for index, choice in _choices(doc):
+        part = choice.get("delta")
+        if not isinstance(part, dict):
+            part = choice.get("message")
+        text = part.get("content") if isinstance(part, dict) else choice.get("text")
+        ids = choice.get("token_ids")
+        good_ids = ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None
+        content(index, text if isinstance(text, str) else "", good_ids)
+
+
+def _generated_text(event: Any) -> list[tuple[int, str]]:
+    """What an SSE event generated, choice by choice: content and reasoning (chat) or text."""
+    out = []
+    for index, choice in _choices(event):
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            for key in ("reasoning_content", "reasoning", "content"):
-                value = delta.get(key)
-                if isinstance(value, str):
-                    out.append(value)
-        elif isinstance(choice.get("text"), str):
-            out.append(choice["text"])
-    return "".join(out)
+            text = "".join(
+                value
+                for key in ("reasoning_content", "reasoning", "content")
+                if isinstance(value := delta.get(key), str)
+            )
+        else:
+            text = choice["text"] if isinstance(choice.get("text"), str) else ""
+        if text:
+            out.append((index, text))
+    return out
 
 
 def _json_object(data: bytes) -> dict[str, Any] | None:

@@ -392,11 +392,15 @@ class Conversations:
         id is returned). ``turn``: its :meth:`lookup` at ``now``, when the caller made one."""
         # the same request routed again: not an earlier turn of itself, nor a turn more. Out of
         # the index before the lookup, or the lookup takes it for the turn it continues (routed
-        # on its earlier turn's blocks, then amended with all of its own).
+        # on its earlier turn's blocks, then amended with all of its own). Nor is a tip routed
+        # after its first routing (a twin sent on the same blocks) the turn it continues.
         again = self._unindex(request_id) if request_id in self._tips else None
         if turn is None:
             turn = self.lookup(prompt, local_hashes, now)
-        previous = turn.previous if turn.previous != request_id else None
+        previous = turn.previous
+        if again is not None and previous is not None:
+            if previous == request_id or self._tips[previous].at >= again.at:
+                previous = None
         number = turn.number if again is None else again.number
         counted = again.counted if again is not None else 0.0 if turn.sibling else 1.0
         if again is None and not turn.sibling:

@@ -80,6 +80,29 @@ def test_a_request_routed_again_on_its_whole_prompt_is_not_its_own_earlier_turn(
     assert route(conv, "t3", A, later + toks(6, 4 * B), 2.0) == "t2"
 
 
+def test_an_amended_request_continues_its_earlier_turn_and_never_its_twin() -> None:
+    """Later turns routed on their earlier turn's blocks are twins until amended. Amended, one
+    continues the earlier turn if it is still a tip; a twin routed after it is no turn of its."""
+    conv = Conversations()
+    first = SYSTEM + toks(2, 10 * B)
+    x, y = first + toks(3, 5 * B), first + toks(4, 5 * B)
+    route(conv, "t1", A, first, 0.0)
+    route(conv, "s1", A, first, 1.0)
+    route(conv, "s2", A, first, 1.01)
+    assert route(conv, "s1", A, x, 1.1) == "t1"
+    assert route(conv, "s2", A, y, 1.2) is None
+    # with the earlier turn gone (a warm-up replaced it), the first amended takes no twin's place
+    conv = Conversations()
+    route(conv, "t1", A, first, 0.0)
+    route(conv, "warm", A, first + toks(5, 2 * B), 0.5)
+    route(conv, "s1", A, first, 1.0)
+    route(conv, "s2", A, first, 1.01)
+    assert route(conv, "s1", A, x, 1.1) is None
+    assert route(conv, "s2", A, y, 1.2) is None  # still its own tip: routed again, not anew
+    assert route(conv, "s1-next", A, x + toks(6, 3 * B), 2.0) == "s1"
+    assert route(conv, "s2-next", A, y + toks(7, 3 * B), 2.0) == "s2"
+
+
 def test_a_sibling_shares_its_twins_turn_number() -> None:
     conv = Conversations()
     first = SYSTEM + toks(2, 10 * B)

@@ -398,9 +398,12 @@ class Conversations:
         if turn is None:
             turn = self.lookup(prompt, local_hashes, now)
         previous = turn.previous
-        if again is not None and previous is not None:
-            if previous == request_id or self._tips[previous].at >= again.at:
-                previous = None
+        if (
+            again is not None
+            and previous is not None
+            and (previous == request_id or self._tips[previous].at >= again.at)
+        ):
+            previous = None
         number = turn.number if again is None else again.number
         counted = again.counted if again is not None else 0.0 if turn.sibling else 1.0
         if again is None and not turn.sibling:

@@ -34,6 +34,9 @@ class EngineState:
     status: int = 200  # of every generation answer (a failing prefill worker: 500)
     text: str | None = None  # each streamed chunk's content (default "<name>:<i> ")
     stream_usage: bool = True  # end a stream with a usage event
+    tool_calls: list[dict[str, str]] = field(default_factory=list)  # answer with these calls
+    # ({"name", "arguments"}, no text), streamed as OpenAI does: a call's id and name, then its
+    # arguments in two pieces
     dp_size: int = 1
     info_facts: dict[str, Any] = field(default_factory=dict)  # override /kvmesh/info's facts
     kv_state: Any = None  # the body /kvmesh/kv_state answers (404 when None)
@@ -46,6 +49,27 @@ class EngineState:
     finished: int = 0
     aborted: int = 0
     chunk_times: list[float] = field(default_factory=list)
+
+
+def _whole_calls(state: EngineState) -> list[dict[str, Any]]:
+    return [
+        {"id": f"call_{i}", "type": "function", "function": dict(call)}
+        for i, call in enumerate(state.tool_calls)
+    ]
+
+
+def _call_pieces(state: EngineState) -> list[dict[str, Any]]:
+    pieces: list[dict[str, Any]] = []
+    for i, call in enumerate(state.tool_calls):
+        name, arguments = call["name"], call["arguments"]
+        half = len(arguments) // 2
+        pieces.append(
+            {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": ""}}
+        )
+        pieces += [
+            {"index": i, "function": {"arguments": part}} for part in (arguments[:half], arguments[half:])
+        ]
+    return pieces
 
 
 def engine_app(state: EngineState) -> Starlette:
@@ -118,11 +142,14 @@ def engine_app(state: EngineState) -> Starlette:
             "prompt_tokens_details": {"cached_tokens": 32},
         }
         if not body.get("stream"):
+            message: dict[str, Any] = {"role": "assistant", "content": state.name}
+            if state.tool_calls:
+                message = {"role": "assistant", "content": None, "tool_calls": _whole_calls(state)}
             answer: dict[str, Any] = {
                 "id": "cmpl-1",
                 "object": "chat.completion",
                 "model": "test-model",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": state.name}}],
+                "choices": [{"index": 0, "message": message}],
                 "usage": usage,
             }
             transfer = body.get("kv_transfer_params")
@@ -133,7 +160,15 @@ def engine_app(state: EngineState) -> Starlette:
         async def events() -> Any:
             state.active += 1
             try:
-                for i in range(state.chunks):
+                for piece in _call_pieces(state):
+                    chunk = {
+                        "id": "chatcmpl-1",
+                        "object": "chat.completion.chunk",
+                        "model": "test-model",
+                        "choices": [{"index": 0, "delta": {"tool_calls": [piece]}}],
+                    }
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                for i in range(0 if state.tool_calls else state.chunks):
                     if i and state.gap:
                         await asyncio.sleep(state.gap)
                     state.chunk_times.append(time.perf_counter())

@@ -34,6 +34,31 @@ from kvmesh.router.request.parse import ParsedRequest
 _THINKING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
+def add_tool_call_pieces(calls: dict[int, dict[str, Any]], pieces: list[Any]) -> None:
+    """Put an answer's tool calls together in ``calls`` (by their ``index``): whole ones (a JSON
+    answer's ``message.tool_calls``), or a stream's pieces, where the first of a call names its
+    ``id`` and function and the rest carry more of its ``arguments``."""
+    for place, piece in enumerate(pieces):
+        if not isinstance(piece, dict):
+            continue
+        index = piece.get("index")
+        call = calls.setdefault(
+            index if type(index) is int else place,
+            {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+        )
+        if isinstance(piece.get("id"), str):
+            call["id"] = piece["id"]
+        if isinstance(piece.get("type"), str):
+            call["type"] = piece["type"]
+        function = piece.get("function")
+        if isinstance(function, dict):
+            name, arguments = function.get("name"), function.get("arguments")
+            if isinstance(name, str) and not call["function"]["name"]:
+                call["function"]["name"] = name
+            if isinstance(arguments, str):
+                call["function"]["arguments"] += arguments
+
+
 def _includes_usage(body: dict[str, Any]) -> bool:
     """The client asked for a ``usage`` event at the stream's end (``stream_options``)."""
     options = body.get("stream_options")
@@ -90,6 +115,7 @@ class RoutedAccount(LoadAccount):
 
     __slots__ = (
         "answer",
+        "answer_calls",
         "answer_ids",
         "before_first",
         "counts_text",
@@ -133,6 +159,8 @@ class RoutedAccount(LoadAccount):
         self.answer: list[str] = []
         """The first choice's answer (of ``n``: the one a next turn most likely carries)."""
         self.answer_ids: list[int] | None = None
+        self.answer_calls: dict[int, dict[str, Any]] = {}
+        """The first choice's tool calls by their index, put together from a stream's pieces."""
         self.echo_text = answer_echo(parsed.body, parsed.endpoint)
         """What each choice's answer begins with (``echo``), which is not output."""
         self.streaming_choices: set[int] = set()
@@ -197,9 +225,11 @@ class RoutedAccount(LoadAccount):
         self.prefill_timer = None
         LoadAccount.first_event(self, streamed=False)  # an estimate: no TTFT to learn from
 
-    def content(self, index: int, text: str, token_ids: list[int] | None) -> None:
+    def content(
+        self, index: int, text: str, token_ids: list[int] | None, tool_calls: list[Any] | None = None
+    ) -> None:
         """A piece of choice ``index``'s answer (thinking excluded), with its token ids when the
-        engine gave them; only the first choice's is kept."""
+        engine gave them and its tool calls; only the first choice's is kept."""
         if index != 0:
             return
         if text:
@@ -208,6 +238,8 @@ class RoutedAccount(LoadAccount):
             if self.answer_ids is None:
                 self.answer_ids = []
             self.answer_ids.extend(token_ids)
+        if tool_calls:
+            add_tool_call_pieces(self.answer_calls, tool_calls)
 
     def first_event(self, streamed: bool = True) -> None:
         now = time.perf_counter()
@@ -295,7 +327,7 @@ class RoutedAccount(LoadAccount):
             self.prefill_timer = None
         if complete:
             mesh.metrics.osl.observe(self.generated)
-            if self.worker_id and (self.answer or self.answer_ids):
+            if self.worker_id and (self.answer or self.answer_ids or self.answer_calls):
                 if self.pins:
                     self.parsed.complete()  # (a prompt sent as another's twin is tokenized only now)
                     tokens = self.parsed.tokens + (self._answer_tokens() or [])
@@ -340,10 +372,12 @@ class RoutedAccount(LoadAccount):
             answer = self._answer_text()
             if answer is None:
                 return
-            messages = [
-                *parsed.body.get("messages", []),
-                {"role": "assistant", "content": _THINKING.sub("", answer)},
-            ]
+            text = _THINKING.sub("", answer)
+            said: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.answer_calls:  # as a client sends the answer back: no text is null content
+                said["content"] = text or None
+                said["tool_calls"] = [self.answer_calls[i] for i in sorted(self.answer_calls)]
+            messages = [*parsed.body.get("messages", []), said]
             body["messages"] = messages
             body.pop("max_completion_tokens", None)
             tools = body.get("tools")

@@ -18,8 +18,8 @@ turns the worker's response into the same messages).
 * anything else passes through untouched.
 
 Two options for a routed request: ``content`` hears the answer's text (``delta.content`` /
-``text`` / ``message.content``; reasoning fields are left out) and its ``token_ids`` when the engine
-sends them, which costs one JSON decode per event and is only asked for when a pin or a warm-up
+``text`` / ``message.content``; reasoning fields are left out), its ``tool_calls`` (whole, or the
+pieces a stream carries) and its ``token_ids`` when the engine sends them, which costs one JSON decode per event and is only asked for when a pin or a warm-up
 needs the answer; ``preamble`` (the ``nvext.annotations`` events) goes out ahead of the first event;
 ``text`` hears everything each event generated (reasoning included) before the batch's ``events``
 call, so a stream that will carry no ``usage`` can be counted in tokens. Both hear each choice
@@ -44,8 +44,9 @@ _json_decode = msgspec.json.decode
 _json_encode = msgspec.json.encode
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-Content = Callable[[int, str, "list[int] | None"], None]
-"""(choice index, a piece of its answer's text, its token ids when the engine sent them)"""
+Content = Callable[[int, str, "list[int] | None", "list[Any] | None"], None]
+"""(choice index, a piece of its answer's text, its token ids when the engine sent them, its tool
+calls or pieces of them)"""
 Text = Callable[[int, str], None]
 """(choice index, all an event generated for that choice)"""
 
@@ -405,8 +406,8 @@ def _choices(doc: Any) -> list[tuple[int, dict[str, Any]]]:
 
 
 def _report_content(doc: Any, content: Content | None) -> None:
-    """Each choice's answer text (never its reasoning) and token ids, from an SSE event or a whole
-    JSON answer."""
+    """Each choice's answer text (never its reasoning), token ids and tool calls, from an SSE event
+    or a whole JSON answer."""
     if content is None:
         return
     for index, choice in _choices(doc):
@@ -416,7 +417,10 @@ def _report_content(doc: Any, content: Content | None) -> None:
         text = part.get("content") if isinstance(part, dict) else choice.get("text")
         ids = choice.get("token_ids")
         good_ids = ids if isinstance(ids, list) and all(type(t) is int for t in ids) else None
-        content(index, text if isinstance(text, str) else "", good_ids)
+        calls = part.get("tool_calls") if isinstance(part, dict) else None
+        content(
+            index, text if isinstance(text, str) else "", good_ids, calls if isinstance(calls, list) else None
+        )
 
 
 def _generated_text(event: Any) -> list[tuple[int, str]]:

@@ -5,7 +5,8 @@ does (one choice an event, interleaved) and echoes as vLLM does (a completion's 
 choice's first text; a chat's last message, when the answer continues it, in an event of its own).
 What follows a turn (the ``cache_control`` pin of prompt + answer, the ``speculative_prefill``
 warm-up of the next turn) must be of the first choice alone, without the echo; a stream without
-``usage`` is counted in the tokens each choice generated, the echo left out.
+``usage`` is counted in the tokens each choice generated, the echo left out. An answer that
+calls tools (a test engine streams the calls in OpenAI's pieces) is warmed with its calls.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.metrics import get_metrics
 from kvmesh.router.request.tokenizer import BuiltinTokenizer
 from tests.router.asgi.test_agent_features import BS, mock_fleet, until
+from tests.router.fleet import chat, fleet
+from tests.router.servers import wait_until
 
 PIN = {"cache_control": {"type": "ephemeral", "ttl": "5m"}}
 TOK = BuiltinTokenizer()
@@ -157,3 +160,66 @@ async def test_a_stream_without_usage_counts_each_choices_output_and_not_the_ech
         assert await counted("/v1/chat/completions", **chat, echo=True) == await counted(
             "/v1/chat/completions", **chat
         )
+
+
+CALLS = [
+    {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+    {"name": "get_time", "arguments": '{"zone": "Europe/Paris"}'},
+]
+TOOLS = [
+    {"type": "function", "function": {"name": c["name"], "parameters": {"type": "object"}}} for c in CALLS
+]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_speculative_prefill_warms_a_tool_call_answer_as_the_client_sends_it_back(
+    http: aiohttp.ClientSession, stream: bool
+) -> None:
+    """An agent's turn that only calls tools has no text. The warm-up still runs, with the calls
+    in the assistant message where the next turn will carry them (before: no warm-up at all)."""
+    async with fleet(1, engine_kwargs={"tool_calls": CALLS}) as (front, states, _):
+        hints = {"agent_hints": {"speculative_prefill": True}}
+        body = chat("weather and time in Paris?", tools=TOOLS, stream=stream, nvext=hints)
+        async with http.post(front.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            raw = await r.read()
+        if not stream:
+            sent_back = json.loads(raw)["choices"][0]["message"]
+        else:  # what an OpenAI client puts together from the pieces
+            calls: dict[int, dict[str, Any]] = {}
+            for event in raw.decode().split("\n\n"):
+                payload = event.removeprefix("data: ")
+                if not payload or payload == "[DONE]":
+                    continue
+                for choice in json.loads(payload)["choices"]:
+                    for piece in choice["delta"].get("tool_calls", []):
+                        call = calls.setdefault(piece["index"], {"function": {"arguments": ""}})
+                        call.update({k: piece[k] for k in ("id", "type") if k in piece})
+                        call["function"].setdefault("name", piece["function"].get("name"))
+                        call["function"]["arguments"] += piece["function"]["arguments"]
+            sent_back = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [calls[i] for i in sorted(calls)],
+            }
+        assert [c["function"]["arguments"] for c in sent_back["tool_calls"]] == [
+            c["arguments"] for c in CALLS
+        ]
+        await wait_until(lambda: len(states[0].received) == 2)
+        warm = states[0].received[1]
+        assert warm["max_tokens"] == 1 and "stream" not in warm and warm["tools"] == TOOLS
+        assert warm["messages"] == [*body["messages"], sent_back]
+
+
+async def test_a_pin_after_a_tool_call_answer_holds_its_prompt(http: aiohttp.ClientSession) -> None:
+    """The calls' tokens are the engine's own spelling, which the router can only tell from the
+    engine's token ids: without them the pin holds the prompt (before: nothing was pinned)."""
+    router = RouterConfig(use_kv_events=False, enable_cache_control=True)
+    async with fleet(1, router=router, engine_kwargs={"tool_calls": CALLS}) as (front, states, _):
+        body = chat("weather and time in Paris?", tools=TOOLS, stream=True, nvext=PIN)
+        async with http.post(front.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            await r.read()
+        await wait_until(lambda: any(name == "pin_prefix" for name, _ in states[0].rpcs))
+        pin = next(args for name, args in states[0].rpcs if name == "pin_prefix")
+        assert pin["token_ids"] == TOK.apply_chat_template(body["messages"], tools=TOOLS)

@@ -17,7 +17,7 @@ from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import GenerationParams
 from kvmesh.router.request.answer_echo import UNKNOWN, answer_echo
-from kvmesh.router.request.tokenizer import Tokenizer, prompt_token_ids
+from kvmesh.router.request.tokenizer import Tokenizer, continues_final_message, prompt_token_ids
 
 Endpoint = Literal["chat", "completions"]
 
@@ -112,6 +112,12 @@ def parse_generation(
             field="priority",
         )
 
+    if endpoint == "chat" and continues_final_message(body) and body.get("add_generation_prompt", True):
+        # (vLLM: its template refuses the default generation prompt beside the continuation too)
+        raise RequestError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            field="continue_final_message",
+        )
     prompt = prompt_token_ids(tokenizer, body, endpoint)
     prompt_field = "messages" if endpoint == "chat" else "prompt"
     limit = config.model_len

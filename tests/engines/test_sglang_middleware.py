@@ -48,7 +48,8 @@ class Engine:
     def chat(self, text: str, **extra: Any) -> dict[str, Any]:
         nvext = extra.pop("nvext", {})
         nvext.setdefault("extra_fields", ["worker_id", "timing"])
-        body = {"model": "dummy", "messages": [{"role": "user", "content": text}], "nvext": nvext, **extra}
+        messages = extra.pop("messages", [{"role": "user", "content": text}])
+        body = {"model": "dummy", "messages": messages, "nvext": nvext, **extra}
         response = self.client.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         out: dict[str, Any] = response.json()
@@ -174,6 +175,23 @@ def test_router_hashes_with_sglangs_tokenizer_and_salted_or_lora_requests_get_no
         assert "nvext" not in namespaced["seen"]["body"]
         for field, value in extra.items():
             assert namespaced["seen"]["body"][field] == value
+
+
+def test_a_continued_final_message_is_hashed_as_sglang_renders_it(engine: Engine) -> None:
+    """``continue_final_message``: SGLang takes the last assistant message out, renders the rest
+    with its generation prompt and adds the message's own ids, "user : <30> assistant : <8>", 42
+    ids (10 full blocks). The router hashes those ids through SGLang's tokenize path. Without the
+    flag, SGLang reads a last assistant message as the user's: "user : <30> user : <8>
+    assistant :", 44 ids (11 blocks)."""
+    question = " ".join(f"w{i}" for i in range(200, 230))
+    start = " ".join(f"w{i}" for i in range(230, 238))
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": start}]
+    fields = {"messages": messages, "continue_final_message": True}
+    engine.chat("", nvext={"backend_instance_id": engine.url}, **fields)
+    again = engine.chat("", **fields)
+    assert again["nvext"]["worker_id"]["decode_worker_id"] == engine.url
+    assert again["nvext"]["timing"]["cached_tokens_predicted"] == 42 // BLOCK * BLOCK
+    assert again["seen"]["body"]["continue_final_message"] is True
 
 
 @pytest.mark.parametrize("api_key", [None, "sk-test"])

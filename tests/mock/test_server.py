@@ -157,6 +157,13 @@ async def test_raw_sse_framing_ends_with_done() -> None:
         ),
         pytest.param("/v1/completions", {"prompt": "x", "echo": 1}, "echo", "must be a boolean", id="echo"),
         pytest.param(
+            "/v1/chat/completions",
+            {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True},
+            "continue_final_message",
+            "Cannot set both",
+            id="continue-with-generation-prompt",
+        ),
+        pytest.param(
             "/v1/completions", {"prompt": "x", "temperature": 3}, "temperature", "in [0, 2]", id="temperature"
         ),
         pytest.param(

@@ -62,6 +62,7 @@ class SglangTokenizer:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         serving = self._bound()
         from sglang.srt.entrypoints.openai.protocol import TokenizeRequest
@@ -71,6 +72,8 @@ class SglangTokenizer:
             fields["tools"] = tools
         if not add_generation_prompt:
             fields["add_generation_prompt"] = False
+        if continue_final_message:  # (a field of SGLang's TokenizeRequest, rendered its own way)
+            fields["continue_final_message"] = True
         return list(serving._tokenize_chat_request(TokenizeRequest(**fields)))
 
     def decode(self, ids: list[int]) -> str:

@@ -62,11 +62,17 @@ class VllmTokenizer:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         renderer = self._bound_renderer()
         from vllm.renderers.params import ChatParams
 
-        kwargs = {**self._default_chat_template_kwargs, "add_generation_prompt": add_generation_prompt}
+        # (vLLM's chat request hands both to the template's arguments, as here)
+        kwargs = {
+            **self._default_chat_template_kwargs,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
         if tools is not None:
             kwargs["tools"] = tools
         params = ChatParams(

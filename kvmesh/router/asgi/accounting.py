@@ -29,6 +29,7 @@ from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.answer_echo import UNKNOWN, answer_echo
 from kvmesh.router.request.nvext import Nvext
 from kvmesh.router.request.parse import ParsedRequest
+from kvmesh.router.request.tokenizer import continues_final_message
 
 # Reasoning a model writes inline; the reference strips it from a warm-up's assistant turn.
 _THINKING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
@@ -373,12 +374,21 @@ class RoutedAccount(LoadAccount):
             if answer is None:
                 return
             text = _THINKING.sub("", answer)
+            messages = list(parsed.body.get("messages", []))
             said: dict[str, Any] = {"role": "assistant", "content": text}
+            if continues_final_message(parsed.body):  # the answer goes on the last message's text
+                opened = messages.pop()
+                if not isinstance(opened.get("content"), str):
+                    return
+                said = {**opened, "content": opened["content"] + text}
             if self.answer_calls:  # as a client sends the answer back: no text is null content
-                said["content"] = text or None
+                said["content"] = said["content"] or None
                 said["tool_calls"] = [self.answer_calls[i] for i in sorted(self.answer_calls)]
-            messages = [*parsed.body.get("messages", []), said]
+            messages.append(said)
             body["messages"] = messages
+            # a closed history and the next turn's generation prompt, as the next turn renders
+            body.pop("continue_final_message", None)
+            body.pop("add_generation_prompt", None)
             body.pop("max_completion_tokens", None)
             tools = body.get("tools")
             tokens = self.mesh.tokenizer.apply_chat_template(messages, tools=tools)

@@ -331,8 +331,9 @@ _TEXT_PARTS = frozenset(("text", "input_text"))
 def cache_keyed(body: dict[str, Any]) -> str | None:
     """Why this request's KV blocks are keyed by more than the token ids the router hashes, else
     None: a ``cache_salt`` (vLLM and SGLang give the salted prompt a cache of its own), media in
-    the messages (vLLM keys those blocks by the media hash), or ``chat_template_kwargs`` (the
-    engine renders the prompt with them, the router's tokenizer does not). The engine's events
+    the messages (vLLM keys those blocks by the media hash), or ``chat_template_kwargs``, a
+    ``chat_template`` or ``documents`` of the request's own (the engine renders the prompt with
+    them, the router's tokenizer does not). The engine's events
     for such blocks are not indexed (``BlockStored.keyed_from``), so these requests get prefix
     credit only from what the router itself predicts (approximate mode, predict-on-route), and
     only among requests keyed the same way."""
@@ -342,6 +343,10 @@ def cache_keyed(body: dict[str, Any]) -> str | None:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and kwargs != {}:
         return "chat_template_kwargs"
+    for key in ("chat_template", "documents"):  # (vLLM's: a template, or what it renders, of its own)
+        value = body.get(key)
+        if value is not None and value != "" and value != []:
+            return key
     for key in ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds"):
         if body.get(key) is not None:
             return key

@@ -52,8 +52,12 @@ class Tokenizer(Protocol):
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """Token ids of a rendered chat conversation."""
+        """Token ids of a rendered chat conversation; ``continue_final_message``: the last message
+        left open, to be continued (asked for only when true, so a tokenizer written before it
+        still serves every other request), with ``add_generation_prompt`` as the client sent it
+        (vLLM refuses both; SGLang wants the generation prompt to open the continued turn)."""
         ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -184,15 +188,22 @@ class BuiltinTokenizer:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         out: list[int] = []
         start = 0
         if tools:
             role, text, start = _tools_turn(messages, tools)
             self._turn(out, role, text)
-        for message in messages[start:]:
-            self._turn(out, str(message.get("role")), _render_content(message))
-        if add_generation_prompt:
+        open_at = len(messages) - 1 if continue_final_message else -1
+        for i in range(start, len(messages)):
+            message = messages[i]
+            if i == open_at:  # its end-of-turn marks left off: the answer continues its text
+                out.append(IM_START)
+                out += self._encode_turn(f"{message.get('role')}\n{_render_content(message)}")
+            else:
+                self._turn(out, str(message.get("role")), _render_content(message))
+        if add_generation_prompt and not continue_final_message:
             out.append(IM_START)
             out += self.encode("assistant\n")
         return out
@@ -340,9 +351,15 @@ class HfTokenizer:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
+        extra = {"continue_final_message": True} if continue_final_message else {}
         text = self._tok.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            tokenize=False,
+            **extra,
         )
         return list(self._tok.encode(text, add_special_tokens=False))
 
@@ -365,6 +382,19 @@ def prompt_token_ids(tokenizer: Tokenizer, body: Mapping[str, Any], endpoint: st
     """
     if is_chat(endpoint):
         messages, tools, add_generation_prompt = chat_fields(body)
+        if continues_final_message(body):  # (the generation prompt as asked: engines differ)
+            try:
+                return tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=True,
+                )
+            except TypeError as e:
+                if "continue_final_message" not in str(e):
+                    raise
+                # a tokenizer of the user's own, written before the parameter: rendered closed,
+                # as kvmesh always had (its last blocks miss; the request is served all the same)
         return tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt
         )
@@ -398,6 +428,16 @@ def prompt_prefix_ids(
         if len(prompt) <= chars:
             break
     return None
+
+
+def continues_final_message(body: Mapping[str, Any]) -> bool:
+    """Whether a chat body asks that its last message be continued (``continue_final_message``,
+    vLLM's and SGLang's: an answer prefilled by the client, left open); a 400 naming the field
+    when it is not a boolean."""
+    value = body.get("continue_final_message", False)
+    if not isinstance(value, bool):
+        raise RequestError("'continue_final_message' must be a boolean", field="continue_final_message")
+    return value
 
 
 def chat_fields(

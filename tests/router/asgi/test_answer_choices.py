@@ -223,3 +223,46 @@ async def test_a_pin_after_a_tool_call_answer_holds_its_prompt(http: aiohttp.Cli
         await wait_until(lambda: any(name == "pin_prefix" for name, _ in states[0].rpcs))
         pin = next(args for name, args in states[0].rpcs if name == "pin_prefix")
         assert pin["token_ids"] == TOK.apply_chat_template(body["messages"], tools=TOOLS)
+
+
+async def test_speculative_prefill_after_a_continued_message_warms_the_history_closed(
+    http: aiohttp.ClientSession,
+) -> None:
+    """An answer that continues the client's own start of it (``continue_final_message``): the
+    next turn carries one assistant message, the start and the answer, closed. The warm-up
+    renders that, not the start as a message of its own followed by the answer left open."""
+    async with mock_fleet() as (front, mocks, app):
+        mock = mocks[0]
+        question = {"role": "user", "content": "plan my week, day by day " * 6}
+        for pad in range(BS):  # the closed history fills its last block: only a warm-up makes it
+            start = {"role": "assistant", "content": "Monday: " * 4 + "x " * pad}
+            opened = TOK.apply_chat_template([question, start], continue_final_message=True)
+            if (len(opened) + 20 + 2) % BS == 0:
+                break
+        body = {
+            "model": mock.config.model,
+            "messages": [question, start],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "max_tokens": 20,
+            "ignore_eos": True,
+            "nvext": {"agent_hints": {"speculative_prefill": True}},
+        }
+        doc = await answer(http, front.url, "/v1/chat/completions", body)
+        assert doc["usage"]["prompt_tokens"] == len(opened)  # the mock left it open as well
+        history = [
+            question,
+            {"role": "assistant", "content": start["content"] + doc["choices"][0]["message"]["content"]},
+        ]
+        through = len(TOK.apply_chat_template(history, add_generation_prompt=False))
+        assert through % BS == 0
+        await until(lambda: not app.mesh._warmups)
+        await asyncio.sleep(0.1)
+        follow = {
+            "model": mock.config.model,
+            "messages": [*history, {"role": "user", "content": "and Tuesday?"}],
+            "max_tokens": 1,
+        }
+        async with http.post(front.url + "/v1/chat/completions", json=follow) as r:
+            assert r.status == 200
+            assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] >= through

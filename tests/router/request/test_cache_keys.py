@@ -34,6 +34,8 @@ def _hashes(**extra: Any) -> tuple[list[int], str | None]:
     [
         ({"cache_salt": "tenant-a"}, "cache_salt"),
         ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+        ({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}, "chat_template"),
+        ({"documents": [{"title": "a", "text": "rendered by the engine's template"}]}, "documents"),
     ],
 )
 def test_keyed_requests_share_no_block_with_the_plain_prompt(extra: dict[str, Any], reason: str) -> None:
@@ -55,3 +57,4 @@ def test_media_in_the_messages_is_keyed() -> None:
     assert cache_keyed(body) == "multimodal content"
     assert cache_keyed({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}) is None
     assert cache_keyed({"cache_salt": ""}) is None and cache_keyed({"chat_template_kwargs": {}}) is None
+    assert cache_keyed({"chat_template": None, "documents": []}) is None

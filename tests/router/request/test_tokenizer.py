@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import kvmesh.router.request.tokenizer as tokenizer_module
 from kvmesh.errors import RequestError
 from kvmesh.router.request.tokenizer import (
+    IM_END,
     BuiltinTokenizer,
     HfTokenizer,
     Tokenizer,
@@ -112,6 +113,43 @@ def test_tools_without_a_system_prompt_open_a_system_turn() -> None:
     assert (
         TOK.decode(ids) == '<|im_start|>system\n# Tools\n{"n":1}<|im_end|>\n<|im_start|>user\nx<|im_end|>\n'
     )
+
+
+def test_a_continued_final_message_is_left_open_for_the_answer() -> None:
+    """``continue_final_message`` (vLLM, SGLang): the client prefilled the answer's start; the
+    engine renders the last message without its end-of-turn marks and no generation prompt."""
+    tok = BuiltinTokenizer()
+    messages = [{"role": "user", "content": "Give JSON."}, {"role": "assistant", "content": '{"a": '}]
+    closed = tok.apply_chat_template(messages, add_generation_prompt=False)
+    opened = tok.apply_chat_template(messages, continue_final_message=True)
+    assert opened == closed[: len(opened)] and closed[len(opened) :] == [IM_END, *tok.encode("\n")]
+    assert tok.decode(opened).endswith('assistant\n{"a": ')
+    body = {"messages": messages, "continue_final_message": True}
+    assert prompt_token_ids(tok, body, "/v1/chat/completions") == opened
+    vllm_way = {**body, "add_generation_prompt": False}  # vLLM refuses the two together
+    assert prompt_token_ids(tok, vllm_way, "chat") == opened
+    assert prompt_token_ids(tok, {**vllm_way, "continue_final_message": False}, "chat") == closed
+    with_tools = tok.apply_chat_template(messages, tools=[{"n": 1}], continue_final_message=True)
+    assert tok.decode(with_tools).endswith('assistant\n{"a": ')
+    with pytest.raises(RequestError) as info:
+        prompt_token_ids(tok, {**body, "continue_final_message": "yes"}, "chat")
+    assert info.value.field == "continue_final_message"
+
+
+def test_a_tokenizer_without_continue_final_message_renders_the_request_closed() -> None:
+    """A Tokenizer of the user's own, written before the parameter, still serves the request."""
+
+    class Older:
+        def apply_chat_template(
+            self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True
+        ) -> list[int]:
+            return TOK.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    assert prompt_token_ids(Older(), body, "chat") == TOK.apply_chat_template(
+        messages, add_generation_prompt=False
+    )  # type: ignore[arg-type]
 
 
 def test_prompt_token_ids_for_each_endpoint() -> None:

@@ -243,27 +243,30 @@ def _metric(text: str, prefix: str) -> float:
     raise AssertionError(f"no metric {prefix} in:\n{text}")
 
 
-async def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks() -> None:
+@pytest.mark.parametrize("n", [1, 3], ids=["one-choice", "three-choices"])
+async def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks(n: int) -> None:
     async with (
         run_mock(block_size=16, num_blocks=128, speedup=5) as mock,
         httpx.AsyncClient(base_url=mock.base_url) as http,
     ):
         engine = mock.engine
-        body = {"prompt": "tell me a long story " * 20, "max_tokens": 1500, "stream": True}
+        body = {"prompt": "tell me a long story " * 20, "max_tokens": 1500, "n": n, "stream": True}
         async with http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.aiter_lines()
             assert (await anext(lines)).startswith("data: ")
-            assert engine.scheduler.num_running == 1
+            assert engine.scheduler.num_running == n  # (every choice an engine request)
         await _wait_idle(engine)
         assert engine.pool.num_used == 0
 
         # A non-streaming request whose client gives up is aborted too.
         with pytest.raises(httpx.ReadTimeout):
-            await http.post("/v1/completions", json={"prompt": "again", "max_tokens": 1500}, timeout=0.3)
+            await http.post(
+                "/v1/completions", json={"prompt": "again", "max_tokens": 1500, "n": n}, timeout=0.3
+            )
         await _wait_idle(engine)
         assert engine.pool.num_used == 0
         text = (await http.get("/metrics")).text
-        assert _metric(text, 'vllm:request_success_total{finished_reason="abort",') == 2
+        assert _metric(text, 'vllm:request_success_total{finished_reason="abort",') == 2 * n
 
 
 async def test_n_choices_are_streamed_one_per_event_and_counted_once_per_prompt() -> None:
@@ -299,21 +302,6 @@ async def test_n_choices_are_streamed_one_per_event_and_counted_once_per_prompt(
         assert [c.index for c in full.choices] == [0, 1, 2]
         assert [c.message.content for c in full.choices] == [text[0], text[1], text[2]]
         assert full.usage is not None and full.usage.completion_tokens == 18
-
-
-async def test_a_client_that_leaves_aborts_every_choice() -> None:
-    async with (
-        run_mock(block_size=16, num_blocks=128, speedup=5) as mock,
-        httpx.AsyncClient(base_url=mock.base_url) as http,
-    ):
-        engine = mock.engine
-        body = {"prompt": "tell me three long stories " * 20, "max_tokens": 1500, "n": 3, "stream": True}
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.aiter_lines()
-            assert (await anext(lines)).startswith("data: ")
-            assert engine.scheduler.num_running == 3
-        await _wait_idle(engine)
-        assert engine.pool.num_used == 0
 
 
 async def test_echo_puts_the_prompt_before_each_answer_as_vllm_does() -> None:

@@ -47,6 +47,21 @@ async def answer(http: aiohttp.ClientSession, url: str, path: str, body: dict[st
     return {"choices": [{"index": i, "text": texts[i]} for i in sorted(texts)]}
 
 
+async def assert_next_turn_finds_warmed(
+    http: aiohttp.ClientSession, url: str, app: Any, model: str, history: list[dict[str, Any]]
+) -> None:
+    """Once the warm-up is over, the next turn after ``history`` finds all of it cached, the
+    history's last block included, which the test chose to be one only a warm-up computes."""
+    through = len(TOK.apply_chat_template(history, add_generation_prompt=False))
+    assert through % BS == 0
+    await until(lambda: not app.mesh._warmups)
+    await asyncio.sleep(0.1)
+    follow = {"model": model, "messages": [*history, {"role": "user", "content": "next"}], "max_tokens": 1}
+    async with http.post(url + "/v1/chat/completions", json=follow) as r:
+        assert r.status == 200
+        assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] >= through
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 async def test_a_pin_after_an_answer_of_several_choices_holds_the_first(
     http: aiohttp.ClientSession, stream: bool
@@ -122,18 +137,7 @@ async def test_speculative_prefill_warms_the_next_turn_through_the_first_choice(
         first = doc["choices"][0]
         text = first["text"] if "text" in first else first["message"]["content"]
         history = [*messages, {"role": "assistant", "content": text}]
-        through_answer = len(TOK.apply_chat_template(history, add_generation_prompt=False))
-        assert through_answer % BS == 0
-        await until(lambda: not app.mesh._warmups)
-        await asyncio.sleep(0.1)
-        follow = {
-            "model": mock.config.model,
-            "messages": [*history, {"role": "user", "content": "next"}],
-            "max_tokens": 1,
-        }
-        async with http.post(front.url + "/v1/chat/completions", json=follow) as r:
-            assert r.status == 200
-            assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] >= through_answer
+        await assert_next_turn_finds_warmed(http, front.url, app, mock.config.model, history)
 
 
 async def test_a_stream_without_usage_counts_each_choices_output_and_not_the_echo(
@@ -254,15 +258,4 @@ async def test_speculative_prefill_after_a_continued_message_warms_the_history_c
             question,
             {"role": "assistant", "content": start["content"] + doc["choices"][0]["message"]["content"]},
         ]
-        through = len(TOK.apply_chat_template(history, add_generation_prompt=False))
-        assert through % BS == 0
-        await until(lambda: not app.mesh._warmups)
-        await asyncio.sleep(0.1)
-        follow = {
-            "model": mock.config.model,
-            "messages": [*history, {"role": "user", "content": "and Tuesday?"}],
-            "max_tokens": 1,
-        }
-        async with http.post(front.url + "/v1/chat/completions", json=follow) as r:
-            assert r.status == 200
-            assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] >= through
+        await assert_next_turn_finds_warmed(http, front.url, app, mock.config.model, history)

@@ -29,7 +29,6 @@ from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.answer_echo import UNKNOWN, answer_echo
 from kvmesh.router.request.nvext import Nvext
 from kvmesh.router.request.parse import ParsedRequest
-from kvmesh.router.request.tokenizer import continues_final_message
 
 # Reasoning a model writes inline; the reference strips it from a warm-up's assistant turn.
 _THINKING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
@@ -376,7 +375,7 @@ class RoutedAccount(LoadAccount):
             text = _THINKING.sub("", answer)
             messages = list(parsed.body.get("messages", []))
             said: dict[str, Any] = {"role": "assistant", "content": text}
-            if continues_final_message(parsed.body):  # the answer goes on the last message's text
+            if parsed.body.get("continue_final_message") is True:  # the answer goes on its text
                 opened = messages.pop()
                 if not isinstance(opened.get("content"), str):
                     return

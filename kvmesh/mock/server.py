@@ -1,6 +1,7 @@
 """The mock engine's OpenAI-compatible HTTP server (a Starlette app, served by uvicorn).
 
-    POST /v1/chat/completions, POST /v1/completions   streaming (SSE, ``data: [DONE]``) or not
+    POST /v1/chat/completions, POST /v1/completions   streaming (SSE, ``data: [DONE]``) or not;
+                                                     ``n`` choices (one an event), ``echo``
     GET  /v1/models, GET /health, GET /metrics
     /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc)
 

@@ -365,8 +365,18 @@ class RoutedAccount(LoadAccount):
         parsed = self.parsed
         decision = self.decision
         assert decision is not None
-        # one choice, no echo: a warm-up's own answer is never read
-        drop = ("nvext", "stream", "stream_options", "n", "echo")
+        # one choice, no echo, no logprobs: a warm-up's own answer is never read (and vLLM computes
+        # a prompt with prompt logprobs whole, reading none of the cache the warm-up extends)
+        drop = (
+            "nvext",
+            "stream",
+            "stream_options",
+            "n",
+            "echo",
+            "prompt_logprobs",
+            "logprobs",
+            "top_logprobs",
+        )
         body = {k: v for k, v in parsed.body.items() if k not in drop}
         if parsed.endpoint.endswith("chat/completions"):
             answer = self._answer_text()

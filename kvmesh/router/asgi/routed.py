@@ -28,7 +28,7 @@ from kvmesh.router.asgi.prefix_copy import start_prefix_copy
 from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
-from kvmesh.router.request.parse import ParsedRequest, parse_request
+from kvmesh.router.request.parse import ParsedRequest, parse_request, prompt_recomputed
 from kvmesh.router.upstream.forwarder import ConnectFailed
 
 logger = logging.getLogger("kvmesh.router")
@@ -247,6 +247,7 @@ class RoutedRequest:
             time.monotonic(),
             request.osl,
             overlap_score_credit=request.overlap_score_credit,
+            reads_no_cache=request.reads_no_cache,
         )
         metrics = mesh.metrics
         metrics.phase["tokenize"].observe(deferred.tokenize_secs)
@@ -270,6 +271,7 @@ class RoutedRequest:
             osl=hints.osl,
             overlap_score_credit=hints.kv_overlap_score_credit,
             prefill_load_scale=hints.prefill_load_scale,
+            reads_no_cache=prompt_recomputed(parsed.body, parsed.endpoint),
             session_id=session.session_id if session else None,
             session_action=session.action if session else None,
             session_timeout=session.timeout if session else None,

@@ -421,7 +421,9 @@ class KvRouter:
 
     # ---------------------------------------------------------------- decision
     def _overlaps(self, req: RouteRequest) -> dict[WorkerKey, TierDepths]:
-        if self.config.overlap_score_credit == 0 and req.overlap_score_credit in (None, 0):
+        if req.reads_no_cache or (
+            self.config.overlap_score_credit == 0 and req.overlap_score_credit in (None, 0)
+        ):
             return {}
         clock = self._clock
         started = clock() if clock is not None else 0.0
@@ -575,7 +577,9 @@ class KvRouter:
             if copy is not None:
                 copy_to, copy_ms, copy_blocks = copy
         # per-decision constants out of the loop, which runs for every candidate
-        in_flight_cached = latency and prompt is not None and weights.overlap_score_credit > 0
+        in_flight_cached = (
+            latency and prompt is not None and weights.overlap_score_credit > 0 and not req.reads_no_cache
+        )
         scale = weights.prefill_load_scale
         timing_of, workers, reuse, osl = self._timing, self._workers, self._stays.reuse_fleet, req.osl
         joins, pass_lag = self._joins, self._pass_lag
@@ -918,21 +922,23 @@ class KvRouter:
         now: float,
         osl: int | None = None,
         overlap_score_credit: float | None = None,
+        reads_no_cache: bool = False,
     ) -> bool:
         """Count the whole prompt of a request routed while only its first block was known, which
         no worker held (``ParsedRequest.deferred``): its blocks as predicted on its worker, its
         prefill tokens, its conversation. No-op once its first token is in (too late to matter)
         or it is gone. Returns whether it was counted. ``overlap_score_credit``: the request's own
-        override (``RouteRequest.overlap_score_credit``), as its decision weighed it."""
+        override (``RouteRequest.overlap_score_credit``), as its decision weighed it;
+        ``reads_no_cache``: ``RouteRequest.reads_no_cache``, as its decision took it."""
         load = self._load
         worker = load.worker_of(request_id)
         if worker is None or not load.prefilling(request_id):
             return False
-        depth = self._index.find_matches_tiered(local_hashes).get(worker)
+        depth = None if reads_no_cache else self._index.find_matches_tiered(local_hashes).get(worker)
         overlap = depth.device if depth is not None else 0
         prompt = load.prompt_of(local_hashes)
         credit = self._weights.overlap_score_credit if overlap_score_credit is None else overlap_score_credit
-        if self._latency and credit > 0:
+        if self._latency and credit > 0 and not reads_no_cache:
             # blocks a request in flight there carries (a sibling sent a moment before, its blocks
             # not yet reported) count as cached, as the decision counted them
             carried = min(load.carried_by_others(request_id, prompt, isl_tokens), len(local_hashes))

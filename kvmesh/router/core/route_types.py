@@ -70,6 +70,11 @@ class RouteRequest:
     """The decode stage of a disaggregated request: another worker computes its prompt and the KV
     arrives by transfer, so a candidate adds no prefill work for it; its load decides, and among
     equally loaded candidates the one holding most of the prompt (the least KV to move)."""
+    reads_no_cache: bool = False
+    """The engine computes this prompt whole, reading none of its cached prefix (vLLM, for a
+    request with prompt logprobs: ``kvmesh.router.request.parse.prompt_recomputed``): no worker
+    holds any of it for the cost, the load or the prediction of cached tokens. Its blocks are
+    cached once computed, as any other request's."""
 
 
 @dataclass(slots=True)  # not frozen: a frozen one sets each field through object.__setattr__, ~8x slower

@@ -361,6 +361,21 @@ def cache_keyed(body: dict[str, Any]) -> str | None:
     return None
 
 
+def prompt_recomputed(body: dict[str, Any], endpoint: str) -> bool:
+    """Whether the engine computes this prompt whole, reading none of its cached prefix: vLLM does
+    for a request with prompt logprobs (a cached block keeps no logits to give them from), which
+    ``prompt_logprobs`` asks for, and ``echo`` too where logprobs are on (a chat's ``top_logprobs``,
+    0 unless sent as null; a completion's ``logprobs``). The blocks it computes are cached all
+    the same. (SGLang has no ``prompt_logprobs`` and no chat ``echo``.)"""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if body.get("echo") is not True:
+        return False
+    if endpoint.endswith("chat/completions"):
+        return body.get("top_logprobs", 0) is not None
+    return body.get("logprobs") is not None
+
+
 def check_engine_fields(nv: Nvext, body: dict[str, Any], endpoint: str, *, tokenizing: bool) -> None:
     """Refuse the ``nvext`` fields that cannot take effect on this request (400 naming them)."""
     chat = endpoint.endswith("chat/completions")

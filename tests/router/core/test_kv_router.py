@@ -222,6 +222,30 @@ def test_per_request_overlap_credit_override() -> None:
     assert isinstance(d, Decision) and d.worker == ("b", 0)
 
 
+def test_a_prompt_the_engine_computes_whole_counts_no_cached_block() -> None:
+    """``reads_no_cache`` (vLLM's prompt logprobs): no worker holds any of the prompt, for the
+    choice, the prediction of cached tokens and the prefill counted as load; amended the same."""
+    r = router("ab")
+    t = toks(1, 10)
+    store(r, "a", t)
+    r.route(req("busy", toks(9, 2), backend_instance_id="a"), now=0.0)
+    d = r.route(req("r1", t), now=0.0)
+    assert isinstance(d, Decision) and d.worker == ("a", 0) and d.cached_tokens == 40
+    d = r.route(req("r2", t, reads_no_cache=True), now=0.0)
+    assert isinstance(d, Decision) and (d.worker, d.cached_tokens, d.overlap_blocks) == (("b", 0), 0, 0)
+    pinned = r.route(req("r3", t[:B], backend_instance_id="a", reads_no_cache=True), now=0.0)
+    assert isinstance(pinned, Decision) and pinned.cached_tokens == 0
+    assert r.amend("r3", block_hashes(t, B), len(t), 0.0, reads_no_cache=True)
+    # the latency cost likewise: the cache holder's credit is gone
+    r = router("ab", router_cost_model="latency")
+    store(r, "a", t)
+    d = r.route(req("r1", t), now=0.0)
+    assert isinstance(d, Decision) and d.cached_tokens == 40
+    d = r.route(req("r2", t, reads_no_cache=True), now=0.0)
+    assert isinstance(d, Decision) and (d.cached_tokens, d.overlap_blocks) == (0, 0)
+    assert all(s.overlap_blocks == 0 for s in d.breakdown)
+
+
 def test_approximate_mode_learns_from_its_own_decisions_and_forgets_after_ttl() -> None:
     r = router("abc", use_kv_events=False, router_ttl_secs=60)
     t = toks(1, 10)

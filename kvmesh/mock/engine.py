@@ -64,6 +64,9 @@ class GenerationParams:
     seed: int | None = None
     priority: int = 0
     session_id: str | None = None
+    reads_cache: bool = True
+    """False: the prompt is computed whole, none of its cached prefix read (vLLM's
+    ``skip_reading_prefix_cache``, for a request with prompt logprobs)."""
 
 
 class TokenStream:
@@ -320,6 +323,7 @@ class MockEngine:
             min_tokens=params.min_tokens,
             ignore_eos=params.ignore_eos,
             session_id=params.session_id,
+            reads_cache=params.reads_cache,
         )
         stream = TokenStream(request_id, len(prompt), now)
         self.scheduler.add_request(req)

@@ -17,6 +17,7 @@ from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import GenerationParams
 from kvmesh.router.request.answer_echo import UNKNOWN, answer_echo
+from kvmesh.router.request.parse import prompt_recomputed
 from kvmesh.router.request.tokenizer import Tokenizer, continues_final_message, prompt_token_ids
 
 Endpoint = Literal["chat", "completions"]
@@ -83,6 +84,8 @@ def parse_generation(
     logprobs = body.get("logprobs")
     if logprobs not in (None, False, 0):
         raise RequestError("'logprobs' are not supported by the mock engine", field="logprobs")
+    if body.get("prompt_logprobs") is not None:
+        raise RequestError("'prompt_logprobs' are not supported by the mock engine", field="prompt_logprobs")
     stop = body.get("stop")
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
@@ -142,6 +145,8 @@ def parse_generation(
         seed=seed,
         priority=priority,
         session_id=session_header or _session_id(body),
+        # (a chat echo asks vLLM for prompt logprobs, top_logprobs being 0: it reads no cache)
+        reads_cache=not prompt_recomputed(body, endpoint),
     )
     transfer = body.get("kv_transfer_params")
     if transfer is not None and not isinstance(transfer, dict):

@@ -51,6 +51,7 @@ class EngineRequest:
     min_tokens: int = 0
     ignore_eos: bool = False
     session_id: str | None = None
+    reads_cache: bool = True  # False: its prompt is computed whole, whatever is cached
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit of the first schedule (what usage reports)

@@ -218,7 +218,11 @@ class Scheduler:
                 req = head
                 # A waiting request (new or preempted) has nothing computed; it starts from its
                 # longest cached prefix, never the whole sequence: the last token is recomputed.
-                hits = self.pool.cached_prefix(req.block_hashes, (req.num_tokens - 1) // self.block_size)
+                hits = (
+                    self.pool.cached_prefix(req.block_hashes, (req.num_tokens - 1) // self.block_size)
+                    if req.reads_cache
+                    else []
+                )
                 num_hit_tokens = len(hits) * self.block_size
                 n = min(req.num_tokens - num_hit_tokens, budget)
                 if not self._allocate(req, n, hits):

@@ -157,6 +157,13 @@ async def test_raw_sse_framing_ends_with_done() -> None:
         ),
         pytest.param("/v1/completions", {"prompt": "x", "echo": 1}, "echo", "must be a boolean", id="echo"),
         pytest.param(
+            "/v1/completions",
+            {"prompt": "x", "prompt_logprobs": 1},
+            "prompt_logprobs",
+            "not supported",
+            id="prompt-logprobs",
+        ),
+        pytest.param(
             "/v1/chat/completions",
             {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True},
             "continue_final_message",
@@ -350,6 +357,28 @@ async def test_echo_puts_the_prompt_before_each_answer_as_vllm_does() -> None:
         )
         plain_chat = await client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4)  # type: ignore[arg-type]
         assert asked.choices[0].message.content == plain_chat.choices[0].message.content
+
+
+async def test_a_chat_echo_reads_no_cached_prefix_as_in_vllm() -> None:
+    """vLLM asks for prompt logprobs with a chat ``echo`` (``top_logprobs`` is 0, not null) and so
+    reads none of the prefix cache for it; the mock does the same."""
+    async with run_mock(block_size=16, num_blocks=256, speedup=50) as mock, _client(mock.base_url) as client:
+        messages = [SYSTEM, {"role": "user", "content": "Again, please."}]
+
+        async def cached(**extra: object) -> int:
+            answer = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=2,
+                extra_body=extra,  # type: ignore[arg-type]
+            )
+            assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+            return int(answer.usage.prompt_tokens_details.cached_tokens or 0)
+
+        assert await cached() == 0
+        assert await cached() > 0
+        assert await cached(echo=True) == 0
+        assert await cached(echo=True, top_logprobs=None) > 0
 
 
 async def test_outputs_depend_on_the_seed_only() -> None:

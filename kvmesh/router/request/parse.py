@@ -371,7 +371,7 @@ def prompt_recomputed(body: dict[str, Any], endpoint: str) -> bool:
         return True
     if body.get("echo") is not True:
         return False
-    if endpoint.endswith("chat/completions"):
+    if is_chat(endpoint):
         return body.get("top_logprobs", 0) is not None
     return body.get("logprobs") is not None
 

@@ -14,7 +14,8 @@ import aiohttp
 import pytest
 
 from kvmesh.router.request.parse import prompt_recomputed
-from tests.router.fleet import chat, fleet
+from tests.router.asgi.test_agent_features import mock_fleet
+from tests.router.fleet import chat, fleet, indexed
 
 PROMPT = " ".join(f"word{i}" for i in range(300))
 
@@ -61,3 +62,24 @@ async def test_a_request_with_prompt_logprobs_gets_no_credit_for_the_cached_pref
             assert whole["timing"]["cached_tokens_predicted"] == 0, fields
         # the field reaches the engine as sent
         assert [b["prompt_logprobs"] for s in states for b in s.received if "prompt_logprobs" in b] == [1]
+
+
+async def test_the_routers_prediction_matches_the_engine_for_a_chat_echo(http: aiohttp.ClientSession) -> None:
+    """Over mock engines, which read no cache for a chat ``echo`` as vLLM does: the router predicts
+    what the engine reports (0 cached tokens), where it had predicted the cached prefix."""
+    async with mock_fleet(1) as (front, mocks, _):
+        body = chat(PROMPT, model=mocks[0].config.model, max_tokens=2, nvext={"extra_fields": ["timing"]})
+
+        async def cached(**extra: Any) -> tuple[int, int]:
+            async with http.post(front.url + "/v1/chat/completions", json={**body, **extra}) as r:
+                assert r.status == 200, await r.text()
+                doc = await r.json()
+            return doc["nvext"]["timing"]["cached_tokens_predicted"], doc["usage"]["prompt_tokens_details"][
+                "cached_tokens"
+            ]
+
+        await cached()
+        await indexed(http, front.url, mocks[0].base_url, 1)
+        predicted, reported = await cached()
+        assert predicted > 0 and reported > 0
+        assert await cached(echo=True) == (0, 0)

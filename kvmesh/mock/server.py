@@ -220,7 +220,7 @@ async def _wait_all(streams: list[TokenStream]) -> None:
 async def _interleaved(streams: list[TokenStream]) -> AsyncIterator[tuple[int, list[int], bool]]:
     """``(choice, new tokens, last)`` as the choices' tokens come, whichever choice they are of;
     ``last`` marks a choice's final batch (its stream has finished)."""
-    if len(streams) == 1:
+    if len(streams) == 1:  # (every request of the benchmarks: no task, no queue per request)
         only = streams[0]
         count = 0
         async for tokens in only.deltas():

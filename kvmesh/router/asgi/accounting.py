@@ -159,12 +159,12 @@ class RoutedAccount(LoadAccount):
         self.answer: list[str] = []
         """The first choice's answer (of ``n``: the one a next turn most likely carries)."""
         self.answer_ids: list[int] | None = None
-        self.answer_calls: dict[int, dict[str, Any]] = {}
+        self.answer_calls: dict[int, dict[str, Any]] | None = None
         """The first choice's tool calls by their index, put together from a stream's pieces."""
         self.echo_text = answer_echo(parsed.body, parsed.endpoint)
         """What each choice's answer begins with (``echo``), which is not output."""
-        self.streaming_choices: set[int] = set()
-        """The choices whose text has begun (an echo leads only a choice's first piece)."""
+        self.streaming_choices: set[int] | None = None if self.echo_text is None else set()
+        """With an echo: the choices whose text has begun (the echo leads a choice's first piece)."""
         self.prefill_timer: asyncio.TimerHandle | None = None
         self.counts_text = parsed.stream and mesh.kv_mode and not _includes_usage(parsed.body)
         """A stream that will carry no ``usage``: its output is counted by tokenizing each event's
@@ -239,6 +239,8 @@ class RoutedAccount(LoadAccount):
                 self.answer_ids = []
             self.answer_ids.extend(token_ids)
         if tool_calls:
+            if self.answer_calls is None:
+                self.answer_calls = {}
             add_tool_call_pieces(self.answer_calls, tool_calls)
 
     def first_event(self, streamed: bool = True) -> None:
@@ -258,10 +260,11 @@ class RoutedAccount(LoadAccount):
         """What one streamed event generated for choice ``index`` (the tap's ``text`` hook, when
         ``counts_text``), the echo that leads the choice's first piece left out. (An echo of token
         ids, which the router cannot spell as the engine does, is counted.)"""
-        echo = self.echo_text
-        if echo is not None and index not in self.streaming_choices:
-            self.streaming_choices.add(index)
-            if text.startswith(echo):
+        begun = self.streaming_choices
+        if begun is not None and index not in begun:
+            begun.add(index)
+            echo = self.echo_text
+            if echo is not None and text.startswith(echo):
                 text = text[len(echo) :]
         if text:
             self.streamed_tokens += len(self.mesh.tokenizer.encode(text))

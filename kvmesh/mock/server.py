@@ -2,6 +2,8 @@
 
     POST /v1/chat/completions, POST /v1/completions   streaming (SSE, ``data: [DONE]``) or not;
                                                      ``n`` choices (one an event), ``echo``
+    POST /v1/responses                               the Responses API, stored answers
+                                                     (``previous_response_id``): kvmesh.mock.responses
     GET  /v1/models, GET /health, GET /metrics
     /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc)
 
@@ -20,7 +22,7 @@ import inspect
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -37,6 +39,16 @@ from kvmesh.errors import ConfigError, RequestError
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.engine import MockEngine, TokenStream
 from kvmesh.mock.protocol import Endpoint, ParsedRequest, parse_generation, usage
+from kvmesh.mock.responses import (
+    ResponsesRequest,
+    ResponseStore,
+    new_response_id,
+    parse_responses,
+    remember,
+    response_events,
+    response_object,
+    responses_usage,
+)
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
 from kvmesh.worker.rpc import error_response, worker_rpc_routes
 
@@ -134,6 +146,53 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
 
+    stored = ResponseStore()
+
+    async def responses(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return error_response("the request body is not valid JSON", 400, "body")
+        try:
+            parsed = parse_responses(
+                body, engine.config, engine.tokenizer, stored, request.headers.get("x-session-id")
+            )
+        except RequestError as e:
+            return error_response(str(e), e.status, e.field)
+        response_id = new_response_id()
+        streams = _submit_choices(engine, parsed.chat, uuid.uuid4().hex)
+        only = streams[0]
+
+        def abort() -> None:
+            engine.abort(only.request_id)
+
+        if parsed.chat.stream:
+            return EngineStreamResponse(
+                response_events(
+                    parsed,
+                    response_id,
+                    _pieces(only, text_of),
+                    _finisher(parsed, response_id, only, stored, text_of),
+                ),
+                abort,
+            )  # type: ignore[return-value]
+        if not await until_disconnect(request.receive, only.wait()):
+            abort()
+            return Response(status_code=499)
+        if only.finish_reason == "abort":
+            return error_response("the engine stopped before the request finished", 503)
+        answer = text_of(only.tokens)
+        remember(stored, parsed, response_id, answer)
+        whole = response_object(
+            parsed,
+            response_id,
+            int(time.time()),
+            text=answer,
+            usage=responses_usage(_usage(streams)),
+            status="completed",
+        )
+        return JSONResponse(whole)
+
     async def completions(request: Request) -> Response:
         return await generate(request, "completions")
 
@@ -168,6 +227,7 @@ def build_app(
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -210,6 +270,32 @@ def _submit_choices(engine: MockEngine, parsed: ParsedRequest, request_id: str) 
         engine.submit(dataclasses.replace(params, seed=seed + i), f"{request_id}-{i}")
         for i in range(parsed.n)
     ]
+
+
+async def _pieces(stream: TokenStream, text_of: _TokenText) -> AsyncIterator[str]:
+    """One answer's text as its tokens come (nothing more once the engine stopped it)."""
+    async for batch in stream.deltas():
+        if stream.finish_reason == "abort":
+            return
+        yield text_of(batch)
+
+
+def _finisher(
+    parsed: ResponsesRequest,
+    response_id: str,
+    stream: TokenStream,
+    stored: ResponseStore,
+    text_of: _TokenText,
+) -> Callable[[], dict[str, Any] | None]:
+    """Once the answer is out: store it and give its usage (None if the engine stopped it)."""
+
+    def finished() -> dict[str, Any] | None:
+        if stream.finish_reason == "abort":
+            return None
+        remember(stored, parsed, response_id, text_of(stream.tokens))
+        return _usage([stream])
+
+    return finished
 
 
 async def _wait_all(streams: list[TokenStream]) -> None:

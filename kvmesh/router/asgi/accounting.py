@@ -29,6 +29,7 @@ from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.answer_echo import UNKNOWN, answer_echo
 from kvmesh.router.request.nvext import Nvext
 from kvmesh.router.request.parse import ParsedRequest
+from kvmesh.router.request.responses_api import is_responses
 
 # Reasoning a model writes inline; the reference strips it from a warm-up's assistant turn.
 _THINKING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
@@ -59,9 +60,12 @@ def add_tool_call_pieces(calls: dict[int, dict[str, Any]], pieces: list[Any]) ->
                 call["function"]["arguments"] += arguments
 
 
-def _includes_usage(body: dict[str, Any]) -> bool:
-    """The client asked for a ``usage`` event at the stream's end (``stream_options``)."""
-    options = body.get("stream_options")
+def _includes_usage(parsed: ParsedRequest) -> bool:
+    """The stream ends with a ``usage`` event: the client asked for one (``stream_options``), or
+    it is a Responses API stream, whose last event always carries it."""
+    if is_responses(parsed.endpoint):
+        return True
+    options = parsed.body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
@@ -166,7 +170,7 @@ class RoutedAccount(LoadAccount):
         self.streaming_choices: set[int] | None = None if self.echo_text is None else set()
         """With an echo: the choices whose text has begun (the echo leads a choice's first piece)."""
         self.prefill_timer: asyncio.TimerHandle | None = None
-        self.counts_text = parsed.stream and mesh.kv_mode and not _includes_usage(parsed.body)
+        self.counts_text = parsed.stream and mesh.kv_mode and not _includes_usage(parsed)
         """A stream that will carry no ``usage``: its output is counted by tokenizing each event's
         text (an event may carry several tokens), as no engine count will correct it later."""
         self.streamed_tokens = 0

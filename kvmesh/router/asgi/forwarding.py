@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -193,6 +194,9 @@ class Dispatch:
             if parsed.nvext.annotations
             else b"",
             text=account.streamed_text if account.counts_text else None,
+            identified=functools.partial(_remember_home, self.mesh, worker_id)
+            if parsed.stores_response
+            else None,
         )
 
     # ---------------------------------------------------------------- in-process
@@ -372,3 +376,7 @@ def _uncancel(task: asyncio.Task[Any]) -> None:
     uncancel = getattr(task, "uncancel", None)
     if uncancel is not None:
         uncancel()
+
+
+def _remember_home(mesh: Mesh, worker_id: str, response_id: str) -> None:
+    mesh.response_homes.remember(response_id, worker_id)

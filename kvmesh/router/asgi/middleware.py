@@ -8,7 +8,7 @@ Three deployments, one class:
 * around any ASGI / Starlette / FastAPI app (``app.add_middleware(KvMeshMiddleware, settings=...)``);
 * standalone (``kvmesh router``): the same middleware over an app with no local engine.
 
-``POST /v1/chat/completions`` and ``POST /v1/completions`` are routed
+``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses`` are routed
 (:class:`~kvmesh.router.asgi.routed.RoutedRequest`): body read (size-limited), ``nvext`` and the
 override headers validated, prompt tokenized and hashed, KvRouter asked, then the request is served
 by the wrapped app or forwarded to a registered worker (never to an address taken from the request)
@@ -30,13 +30,14 @@ from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.routed import RoutedRequest
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
+from kvmesh.router.request.responses_api import RESPONSES_PATH
 from kvmesh.router.request.tokenizer import Tokenizer
 
 ASGIApp = Any
 Scope = dict[str, Any]
 Message = dict[str, Any]
 
-GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
+GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", RESPONSES_PATH))
 
 
 class KvMeshMiddleware:

@@ -29,6 +29,7 @@ from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequ
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
 from kvmesh.router.request.parse import ParsedRequest, parse_request, prompt_recomputed
+from kvmesh.router.request.responses_api import is_responses, previous_response_id
 from kvmesh.router.upstream.forwarder import ConnectFailed
 
 logger = logging.getLogger("kvmesh.router")
@@ -97,7 +98,8 @@ class RoutedRequest:
             mesh.cancel_warmups(parsed.hashes)  # the next turn is here: its warm-up is moot
             account = RoutedAccount(mesh, mesh.next_request_id(), parsed, self.t0, self.wall0)
             request = self._route_request(parsed, account.request_id)
-            if mesh.registry.prefill_routable:
+            if mesh.registry.prefill_routable and not is_responses(self.endpoint):
+                # (a Responses request is served aggregated: its engines take no hand-off fields)
                 await TwoStage(self, parsed, account, request).run()
                 return
             result = self.route(request, account)
@@ -139,6 +141,8 @@ class RoutedRequest:
         nv = parsed.nvext
         if nv.pinned_worker is not None:
             check_worker_ids(mesh, nv, parsed.override_headers)
+        if is_responses(self.endpoint):
+            _check_responses_nvext(nv, parsed.stream)
         if nv.cache_ttl is not None:
             if not mesh.config.enable_cache_control:
                 raise RequestError(
@@ -265,7 +269,7 @@ class RoutedRequest:
             local_hashes=parsed.hashes,
             isl_tokens=parsed.isl,
             arrival=time.monotonic(),
-            backend_instance_id=nv.pinned_worker,
+            backend_instance_id=self._home(parsed),
             priority=hints.priority,
             latency_sensitivity=hints.latency_sensitivity,
             osl=hints.osl,
@@ -288,6 +292,25 @@ class RoutedRequest:
                 and (parsed.deferred is None or parsed.deferred.exact)
             ),
         )
+
+    def _home(self, parsed: ParsedRequest) -> str | None:
+        """The worker the request must go to: the one it names, or the one holding the stored
+        response it continues (``previous_response_id``; only that engine has it). Unknown to this
+        router, a stored response is left to the engine the request is routed to."""
+        nv = parsed.nvext
+        if not is_responses(parsed.endpoint):
+            return nv.pinned_worker
+        continued = previous_response_id(parsed.body)
+        home = self.mesh.response_homes.home(continued) if continued is not None else None
+        if home is None or self.mesh.registry.get(home) is None:
+            return nv.pinned_worker
+        if nv.pinned_worker is not None and nv.pinned_worker != home:
+            raise RequestError(
+                f"previous_response_id {continued!r} is held by worker {home!r}, and the request "
+                f"names worker {nv.pinned_worker!r}",
+                field="previous_response_id",
+            )
+        return home
 
     async def dispatch(
         self, decision: Decision, parsed: ParsedRequest, account: RoutedAccount, request: RouteRequest
@@ -454,6 +477,23 @@ class RoutedRequest:
             scope = {**scope, "headers": [*scope["headers"], tag]}
         self._count("local", 0)
         await self.app(scope, replay_body(body, self.receive), self.send)
+
+
+def _check_responses_nvext(nv: Nvext, stream: bool) -> None:
+    """Refuse what the router does only with chat and completions answers (400 naming the field):
+    it reads their text to pin it or warm the next turn, and writes its extra events in their
+    shape."""
+    for asked, field in (
+        (nv.cache_ttl is not None, "nvext.cache_control"),
+        (nv.hints.speculative_prefill, "nvext.agent_hints.speculative_prefill"),
+        (bool(nv.annotations), "nvext.annotations"),
+        (stream and nv.wants_echo, "nvext.extra_fields"),
+    ):
+        if asked:
+            raise RequestError(
+                f"{field} is not available on /v1/responses; send the request to /v1/chat/completions",
+                field=field,
+            )
 
 
 def _count_in_s(decision: Decision) -> float:

@@ -25,6 +25,12 @@ decode per event and is only asked for when a pin or a warm-up needs the answer;
 call, so a stream that will carry no ``usage`` can be counted in tokens. Both hear each choice
 with its ``index``: a request for ``n`` choices gets them interleaved, one choice an event (vLLM,
 SGLang).
+
+A Responses API answer (``/v1/responses``) is read the same way, in its own names: its lifecycle
+events (``response.created``, ``response.in_progress``, ``response.queued``), sent before the engine
+has produced anything, are not the first token; its ``usage`` (top level in a JSON answer, inside
+``response`` in the ``response.completed`` event) is read in chat's names; ``identified`` hears the
+answer's id (a later request names it as ``previous_response_id``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvmesh._http import SseLines, sse_data
+from kvmesh.router.request.responses_api import chat_usage
 
 _DONE = b"[DONE]"
 # An unfinished SSE line longer than this is passed on as it is rather than held back.
@@ -49,6 +56,8 @@ Content = Callable[[int, str, "list[int] | None", "list[Any] | None"], None]
 calls or pieces of them)"""
 Text = Callable[[int, str], None]
 """(choice index, all an event generated for that choice)"""
+# Responses API events an engine sends before it has produced anything.
+_LIFECYCLE_TYPES = frozenset(("response.created", "response.in_progress", "response.queued"))
 
 
 class Observer(Protocol):
@@ -74,6 +83,7 @@ class ResponseTap:
         "_content",
         "_echoed",
         "_extra_headers",
+        "_identified",
         "_json_limit",
         "_lines",
         "_mode",
@@ -100,8 +110,10 @@ class ResponseTap:
         content: Content | None = None,
         preamble: bytes = b"",
         text: Text | None = None,
+        identified: Callable[[str], None] | None = None,
     ) -> None:
         self._send = send
+        self._identified = identified
         self._content = content
         self._text = text
         self._preamble = preamble
@@ -231,7 +243,7 @@ class ResponseTap:
                 if payload.strip() == _DONE:
                     if done_at < 0:
                         done_at = offset
-                elif self._awaiting_output and _announces_role_only(payload):
+                elif self._awaiting_output and (_announces_role_only(payload) or _lifecycle_only(payload)):
                     # The role announcement some servers send before the engine has produced
                     # anything: neither prefill done nor a token.
                     if self._seen_events == 0:
@@ -269,6 +281,9 @@ class ResponseTap:
             return
         if isinstance(first, dict):
             self._stream_meta = {k: first[k] for k in ("id", "object", "created", "model") if k in first}
+            if self._identified is not None:
+                response = first.get("response")
+                _report_id(response if isinstance(response, dict) else first, self._identified)
 
     def _read_content(self, payload: bytes) -> None:
         try:
@@ -285,8 +300,8 @@ class ResponseTap:
             event = _json_decode(payload)
         except msgspec.DecodeError:
             return
-        usage = event.get("usage") if isinstance(event, dict) else None
-        if isinstance(usage, dict):
+        usage = _usage_of(event)
+        if usage is not None:
             self._observer.usage(usage)
 
     def _echo_event(self, echo: dict[str, Any]) -> bytes:
@@ -335,10 +350,14 @@ class ResponseTap:
     def _account(self, doc: dict[str, Any] | None) -> None:
         """Report a whole JSON answer's ``usage`` (cached prompt tokens, completion tokens: the
         observer counts them as output) and, when asked, its text."""
-        if doc is not None and self._content is not None:
+        if doc is None:
+            return
+        if self._content is not None:
             _report_content(doc, self._content)
-        usage = doc.get("usage") if doc is not None else None
-        if isinstance(usage, dict):
+        if self._identified is not None:
+            _report_id(doc, self._identified)
+        usage = _usage_of(doc)
+        if usage is not None:
             self._observer.usage(usage)
 
     async def _flush_start(self, length: int | None) -> None:
@@ -390,6 +409,40 @@ def _announces_role_only(payload: bytes) -> bool:
         if any(v for k, v in delta.items() if k != "role"):
             return False
     return True
+
+
+def _lifecycle_only(payload: bytes) -> bool:
+    """A Responses API event that only tells the response exists or waits (created, in progress,
+    queued): sent before prefill ends, neither prefill done nor a token."""
+    if b'"response.' not in payload:  # only a prefilter: the decoded event decides
+        return False
+    try:
+        doc = _json_decode(payload)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(doc, dict) and doc.get("type") in _LIFECYCLE_TYPES
+
+
+def _usage_of(doc: Any) -> dict[str, Any] | None:
+    """An event's or a whole answer's ``usage`` in chat's names: its own (chat, completions, a
+    Responses JSON answer), or its ``response``'s (the Responses API's last event)."""
+    if not isinstance(doc, dict):
+        return None
+    usage = doc.get("usage")
+    if not isinstance(usage, dict):
+        response = doc.get("response")
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if not isinstance(usage, dict):
+            return None
+    if "prompt_tokens" not in usage and "input_tokens" in usage:
+        return chat_usage(usage)
+    return usage
+
+
+def _report_id(doc: dict[str, Any], identified: Callable[[str], None]) -> None:
+    answer_id = doc.get("id")
+    if isinstance(answer_id, str) and answer_id:
+        identified(answer_id)
 
 
 def _choices(doc: Any) -> list[tuple[int, dict[str, Any]]]:

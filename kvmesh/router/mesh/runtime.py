@@ -40,6 +40,7 @@ from kvmesh.router.mesh.worker_rpc import ADMIN_TOKEN_HEADER, WorkerRpc
 from kvmesh.router.request.continuation import TurnMemo
 from kvmesh.router.request.nvext import NvextLimits
 from kvmesh.router.request.pending import PendingCounts
+from kvmesh.router.request.responses_api import ResponseHomes
 from kvmesh.router.request.tokenizer import BuiltinTokenizer, HfTokenizer, Tokenizer
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
 
@@ -146,6 +147,8 @@ class Mesh:
         self.deferred_prompts = 0
         """Prompts routed on their first block alone (no worker held it) and tokenized once sent."""
         self.turn_memo = TurnMemo()
+        self.response_homes = ResponseHomes()
+        """Where each stored Responses API answer was served (``previous_response_id``)."""
         """Recent chat prompts' blocks: a conversation's later turn is routed on its earlier one's."""
         self.cold_counts = PendingCounts()
         """Prompts routed on a first block no worker held, sent and not yet counted, by that

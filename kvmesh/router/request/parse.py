@@ -27,7 +27,9 @@ from kvmesh.router.request.nvext import (
     NvextLimits,
     parse_nvext,
 )
+from kvmesh.router.request.responses_api import chat_view, is_responses
 from kvmesh.router.request.tokenizer import (
+    TEXT_PARTS,
     Tokenizer,
     chat_fields,
     is_chat,
@@ -128,6 +130,12 @@ class ParsedRequest:
     @property
     def stream(self) -> bool:
         return self.body.get("stream") is True
+
+    @property
+    def stores_response(self) -> bool:
+        """A Responses API request whose answer its engine may keep, for a later request to name
+        as ``previous_response_id`` (``store``, true unless sent false)."""
+        return is_responses(self.endpoint) and self.body.get("store") is not False
 
     def engine_body(self, polarity: Polarity, backend: str = "") -> bytes:
         """The body the engine sees: ``nvext`` stripped, and what the reference forwards to the
@@ -247,14 +255,16 @@ def parse_request(
     turn's blocks, its new messages estimated from the body's growth."""
     body = decode_body(raw)
     overrides = override_headers(headers)
+    # What the engine renders: the body itself, or the chat request a Responses body becomes.
+    rendered, rendered_as = (chat_view(body), CHAT_ENDPOINT) if is_responses(endpoint) else (body, endpoint)
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
     if nv is not EMPTY:
-        check_engine_fields(nv, body, endpoint, tokenizing=tokenizer is not None)
+        check_engine_fields(nv, body, rendered_as, tokenizing=tokenizer is not None)
     lora = lora_of(body.get("model"))
     tokens: list[int] = []
     hashes: list[int] = []
     tokenize_secs = hash_secs = 0.0
-    keyed: str | None = cache_keyed(body)  # (annotated: mypyc's inference reads None here)
+    keyed: str | None = cache_keyed(rendered)  # (annotated: mypyc's inference reads None here)
     turn_key: int | None = None
     if (
         tokenizer is not None
@@ -268,12 +278,12 @@ def parse_request(
 
         def tokenize() -> tuple[list[int], list[int], float, float]:
             t1 = clock()
-            ids = prompt_tokens(tokenizer, body, endpoint)
+            ids = prompt_tokens(tokenizer, rendered, rendered_as)
             t2 = clock()
             return ids, block_hashes(ids, block_size, lora), t2 - t1, clock() - t2
 
-        if memo is not None and is_chat(endpoint):
-            messages, tools, generation_prompt = chat_fields(body)  # (a RequestError names the field)
+        if memo is not None and is_chat(rendered_as):
+            messages, tools, generation_prompt = chat_fields(rendered)  # (a RequestError names the field)
             keys = memo.fingerprints(messages, tools, lora)
             if keys is not None:
                 turn_key = keys[-1] if generation_prompt else None
@@ -288,7 +298,7 @@ def parse_request(
                         endpoint, raw, body, nv, overrides, [], list(earlier.hashes), lora,
                         clock() - t0, 0.0, keyed, deferred, turn_key,
                     )  # fmt: skip
-        first = _guarded(prompt_prefix_ids, tokenizer, body, endpoint, block_size)
+        first = _guarded(prompt_prefix_ids, tokenizer, rendered, rendered_as, block_size)
         first_hash = block_hashes(first, block_size, lora)[0] if first is not None else None
         if first_hash is not None and not held(first_hash):
             deferred = DeferredPrompt(
@@ -301,10 +311,12 @@ def parse_request(
         t0 = clock()
         # A pre-tokenized prompt is hashed as given: the router never tokenizes it again.
         tokens = (
-            list(nv.token_data) if nv.token_data is not None else prompt_tokens(tokenizer, body, endpoint)
+            list(nv.token_data)
+            if nv.token_data is not None
+            else prompt_tokens(tokenizer, rendered, rendered_as)
         )
         t1 = clock()
-        namespace = lora if keyed is None else cache_namespace(body, keyed, lora)
+        namespace = lora if keyed is None else cache_namespace(rendered, keyed, lora)
         hashes = block_hashes(tokens, block_size, namespace)
         tokenize_secs, hash_secs = t1 - t0, clock() - t1
     return ParsedRequest(
@@ -324,8 +336,7 @@ def parse_request(
     )
 
 
-# Non-text content parts: the engine's cache keys their blocks by the media's hash as well.
-_TEXT_PARTS = frozenset(("text", "input_text"))
+CHAT_ENDPOINT = "/v1/chat/completions"
 
 
 def cache_keyed(body: dict[str, Any]) -> str | None:
@@ -356,7 +367,8 @@ def cache_keyed(body: dict[str, Any]) -> str | None:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):
                 for part in content:
-                    if isinstance(part, dict) and part.get("type", "text") not in _TEXT_PARTS:
+                    # (other parts are media: the engine keys their blocks by the media's hash too)
+                    if isinstance(part, dict) and part.get("type", "text") not in TEXT_PARTS:
                         return "multimodal content"
     return None
 

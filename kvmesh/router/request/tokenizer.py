@@ -306,7 +306,7 @@ def _render_content(message: Mapping[str, Any]) -> str:
         parts = []
         for part in content:
             kind = part.get("type")
-            parts.append(part.get("text", "") if kind == "text" else f"<{kind}>")
+            parts.append(part.get("text", "") if kind in TEXT_PARTS else f"<{kind}>")
         text = "".join(parts)
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
@@ -367,6 +367,8 @@ class HfTokenizer:
 # --- OpenAI request bodies ------------------------------------------------------------------
 
 _ROLES = frozenset(("system", "developer", "user", "assistant", "tool", "function"))
+# Content parts that are text: chat's, and the Responses API's input text (an engine renders both).
+TEXT_PARTS = frozenset(("text", "input_text"))
 
 
 def is_chat(endpoint: str) -> bool:
@@ -499,7 +501,7 @@ def _check_messages(messages: Any) -> None:
                         f"'messages[{i}].content[{j}]' must be an object with a 'type'",
                         field=f"messages[{i}].content[{j}]",
                     )
-                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                if part["type"] in TEXT_PARTS and not isinstance(part.get("text"), str):
                     raise RequestError(
                         f"'messages[{i}].content[{j}].text' must be a string",
                         field=f"messages[{i}].content[{j}].text",

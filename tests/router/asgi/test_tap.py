@@ -295,3 +295,50 @@ async def test_the_moment_the_first_token_goes_out_is_kept_on_either_path() -> N
         assert first > 0.0
         await tap({"type": "http.response.body", "body": _event(token), "more_body": True})
         assert tap.first_sent_at == first
+
+
+def _named(kind: str, fields: dict[str, Any]) -> bytes:
+    """A Responses API event as vLLM writes it: an ``event:`` line, then its data."""
+    return f"event: {kind}\n".encode() + _event({"type": kind, **fields})
+
+
+async def test_a_responses_stream_starts_at_its_first_output_and_ends_with_its_usage() -> None:
+    rec = Recorder()
+    ids: list[str] = []
+    tap = ResponseTap(rec.send, rec, identified=ids.append)
+    opened = {"id": "resp_1", "object": "response", "status": "in_progress", "output": [], "usage": None}
+    await tap(SSE_HEAD)
+    await tap(
+        {
+            "type": "http.response.body",
+            "body": _named("response.created", {"response": opened})
+            + _named("response.in_progress", {"response": opened}),
+            "more_body": True,
+        }
+    )
+    assert rec.calls == []  # the engine has produced nothing yet
+    assert ids == ["resp_1"]
+    delta = _named("response.output_text.delta", {"item_id": "m", "delta": "Hi"})
+    await tap({"type": "http.response.body", "body": delta, "more_body": True})
+    assert rec.calls == ["first", "events:1"]
+    usage = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}, "output_tokens": 1}
+    done = _named("response.completed", {"response": {**opened, "status": "completed", "usage": usage}})
+    await tap({"type": "http.response.body", "body": done, "more_body": False})
+    assert rec.calls[-2:] == ["cached:32", "end:True"]
+    assert b"".join(m.get("body", b"") for m in rec.sent[1:]).endswith(done)  # passed on unchanged
+
+
+async def test_a_whole_responses_answer_is_read_in_its_own_names() -> None:
+    rec = Recorder()
+    ids: list[str] = []
+    tap = ResponseTap(rec.send, rec, identified=ids.append)
+    answer = {
+        "id": "resp_2",
+        "object": "response",
+        "output": [],
+        "usage": {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 3},
+    }
+    await tap({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await tap({"type": "http.response.body", "body": json.dumps(answer).encode(), "more_body": False})
+    assert rec.calls == ["first", "cached:0", "end:True"]
+    assert ids == ["resp_2"]

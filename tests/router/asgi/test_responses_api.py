@@ -1,0 +1,169 @@
+"""``POST /v1/responses`` through a standalone router in front of mock engines, over HTTP.
+
+The mock serves the Responses API as vLLM 0.33.0 does with its store on (kvmesh.mock.responses).
+A Responses request is routed on the prompt the engine renders it as, the same prompt as the chat
+request with the same messages, so the two share cached blocks; the router reads the answer (its
+first token after the lifecycle events, its usage in the Responses API's names) and frees its load;
+``previous_response_id`` goes to the engine that stored that response, the only one that has it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvmesh.hashing import block_hashes
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.request.tokenizer import prompt_token_ids
+from tests.router.asgi.test_agent_features import BS, mock_fleet, until
+
+SYSTEM = "You are a careful assistant who answers with citations. " * 12
+WORKER = "x-kvmesh-worker-id"
+
+
+async def respond(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> tuple[int, dict[str, Any], str | None]:
+    """(status, the whole response object or the error, the worker that served it); a stream is
+    read to its ``response.completed`` event."""
+    async with http.post(url + "/v1/responses", json=body) as r:
+        worker = r.headers.get(WORKER)
+        if r.status != 200 or not body.get("stream"):
+            return r.status, await r.json(), worker
+        raw = (await r.read()).decode()
+    done = [e for e in raw.split("\n\n") if e.startswith("event: response.completed")]
+    assert len(done) == 1, raw[-500:]
+    return 200, json.loads(done[0].split("data: ", 1)[1])["response"], worker
+
+
+def cached(doc: dict[str, Any]) -> int:
+    return int(doc["usage"]["input_tokens_details"]["cached_tokens"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_responses_turn_goes_where_its_chat_twin_is_cached(
+    http: aiohttp.ClientSession, stream: bool
+) -> None:
+    async with mock_fleet(3) as (front, mocks, app):
+        model = mocks[0].config.model
+        question = "What does the second clause of the contract say about renewals? " * 4
+        chat = {
+            "model": model,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            "max_tokens": 4,
+        }
+        async with http.post(front.url + "/v1/chat/completions", json=chat) as r:
+            assert r.status == 200
+            home = r.headers[WORKER]
+        await until(lambda: any(app.mesh.router.holds_any(h) for h in _hashes(app, chat)))
+        body = {
+            "model": model,
+            "instructions": SYSTEM,
+            "input": question,
+            "max_output_tokens": 4,
+            "stream": stream,
+        }
+        reported_before = await reported_cached(http, front.url, home)
+        status, doc, worker = await respond(http, front.url, body)
+        assert status == 200, doc
+        assert worker == home
+        prompt = doc["usage"]["input_tokens"]
+        assert cached(doc) == (prompt - 1) // BS * BS  # every whole block but the last token's
+        # The router read the answer: the load it counted is gone, its prediction was right.
+        decision = app.mesh.router.recent_decisions(1)[-1][1]
+        assert decision.cached_tokens == cached(doc)
+        await until(lambda: not app.mesh.router.tracking(decision.request_id))
+        # ... and took the engine's count of cached tokens from the Responses API's usage
+        assert await reported_cached(http, front.url, home) == reported_before + cached(doc)
+
+
+async def reported_cached(http: aiohttp.ClientSession, url: str, worker: str) -> float:
+    """The router's count of the cached tokens ``worker``'s engine reported, from its /metrics."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    line = f'kvmesh_cached_tokens_reported_total{{worker="{worker}"}} '
+    return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
+
+
+def _hashes(app: Any, chat: dict[str, Any]) -> list[int]:
+    return block_hashes(prompt_token_ids(app.mesh.tokenizer, chat, "chat"), BS, None)
+
+
+async def test_a_later_response_goes_to_the_engine_that_stored_the_earlier_one(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with mock_fleet(2) as (front, mocks, app):
+        model = mocks[0].config.model
+        first_id, second_id = mocks[0].base_url, mocks[1].base_url
+        opening = {
+            "model": model,
+            "instructions": SYSTEM,
+            "input": "Summarise the renewal clause.",
+            "max_output_tokens": 8,
+            "nvext": {"backend_instance_id": first_id},
+        }
+        status, earlier, worker = await respond(http, front.url, opening)
+        assert status == 200 and worker == first_id
+        # The follow-up's own words are cached on the other engine only: routed on them, it would
+        # go there, which never saw the earlier response (404).
+        follow_text = "Now compare it with the termination clause, point by point. " * 6
+        warm = {
+            "model": model,
+            "prompt": follow_text,
+            "max_tokens": 1,
+            "nvext": {"backend_instance_id": second_id},
+        }
+        async with http.post(front.url + "/v1/completions", json=warm) as r:
+            assert r.status == 200
+        follow = {
+            "model": model,
+            "instructions": SYSTEM,
+            "input": follow_text,
+            "max_output_tokens": 4,
+            "previous_response_id": earlier["id"],
+        }
+        for stream in (False, True):
+            status, later, worker = await respond(http, front.url, {**follow, "stream": stream})
+            assert status == 200, later
+            assert worker == first_id
+            assert later["previous_response_id"] == earlier["id"]
+            assert cached(later) >= len(SYSTEM) // 8  # the stored conversation was cached there
+        # Named together with another worker: the client's mistake, named.
+        clash = {**follow, "nvext": {"backend_instance_id": second_id}}
+        status, error, _ = await respond(http, front.url, clash)
+        assert status == 400
+        assert error["error"]["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"background": True}, "background"),
+        ({"input": None}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [{"type": "web_search_call", "id": "ws"}]}, "input[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]},
+            "input[0].content[0].text",
+        ),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+        ({"instructions": ["x"]}, "instructions"),
+        ({"tools": [{"type": "function"}]}, "tools[0].name"),
+        ({"previous_response_id": 7}, "previous_response_id"),
+        ({"nvext": {"cache_control": {"type": "ephemeral", "ttl": "5m"}}}, "nvext.cache_control"),
+        ({"nvext": {"agent_hints": {"speculative_prefill": True}}}, "nvext.agent_hints.speculative_prefill"),
+        ({"stream": True, "nvext": {"extra_fields": ["worker_id"]}}, "nvext.extra_fields"),
+    ],
+)
+async def test_what_a_router_cannot_follow_is_refused_naming_the_field(
+    http: aiohttp.ClientSession, extra: dict[str, Any], field: str
+) -> None:
+    async with mock_fleet(router=RouterConfig(enable_cache_control=True)) as (front, mocks, app):
+        body = {"model": mocks[0].config.model, "input": "hello", "max_output_tokens": 2, **extra}
+        status, error, _ = await respond(http, front.url, body)
+        assert status == 400, error
+        assert error["error"]["param"] == field
+        assert not app.mesh.router.recent_decisions()  # nothing was routed

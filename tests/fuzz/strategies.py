@@ -123,6 +123,71 @@ COMPLETION = st.fixed_dictionaries(
     optional=COMMON,
 )
 
+INPUT_ITEM = st.one_of(
+    st.fixed_dictionaries(
+        {"role": _maybe(st.sampled_from(["user", "system", "developer", "assistant", "tool"]))},
+        optional={
+            "type": st.just("message"),
+            "status": st.sampled_from(["completed", "in_progress", "incomplete"]),
+            "content": _maybe(
+                st.one_of(
+                    TEXT,
+                    st.lists(
+                        st.fixed_dictionaries(
+                            {
+                                "type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                "text": TEXT,
+                            }
+                        ),
+                        max_size=2,
+                    ),
+                )
+            ),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function_call", "custom_tool_call"]), "call_id": _maybe(TEXT)},
+        optional={"name": _maybe(TEXT), "arguments": _maybe(TEXT), "input": _maybe(TEXT), "namespace": TEXT},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": _maybe(TEXT), "output": _maybe(TEXT)}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("reasoning")},
+        optional={
+            "content": st.lists(
+                st.fixed_dictionaries({"type": st.just("reasoning_text"), "text": TEXT}), max_size=2
+            ),
+            "encrypted_content": TEXT,
+        },
+    ),
+    st.fixed_dictionaries({"type": st.sampled_from(["item_reference", "web_search_call", "mcp_call"])}),
+)
+RESPONSES = st.fixed_dictionaries(
+    {"input": _maybe(st.one_of(TEXT, st.lists(INPUT_ITEM, min_size=1, max_size=4)))},
+    optional={
+        "model": _maybe(st.just(MODEL)),
+        "instructions": _maybe(TEXT),
+        "max_output_tokens": _maybe(st.integers(0, 8)),
+        "stream": _maybe(st.booleans()),
+        "store": _maybe(st.booleans()),
+        "background": _maybe(st.booleans()),
+        "previous_response_id": _maybe(st.sampled_from(["resp_unknown", ""])),
+        "reasoning": _maybe(st.fixed_dictionaries({"effort": _maybe(st.sampled_from(["low", "high"]))})),
+        "tools": _maybe(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"type": st.sampled_from(["function", "namespace", "web_search_preview"])},
+                    optional={"name": _maybe(TEXT), "parameters": _maybe(st.just({"type": "object"}))},
+                ),
+                max_size=2,
+            )
+        ),
+        "cache_salt": _maybe(st.text(max_size=10)),
+        "nvext": _maybe(NVEXT),
+    },
+)
+
 
 @st.composite
 def raw_body(draw: st.DrawFn, doc: st.SearchStrategy[dict[str, Any]]) -> bytes:

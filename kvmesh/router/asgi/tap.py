@@ -420,7 +420,8 @@ def _lifecycle_only(payload: bytes) -> bool:
         doc = _json_decode(payload)
     except msgspec.DecodeError:
         return False
-    return isinstance(doc, dict) and doc.get("type") in _LIFECYCLE_TYPES
+    kind = doc.get("type") if isinstance(doc, dict) else None
+    return isinstance(kind, str) and kind in _LIFECYCLE_TYPES
 
 
 def _usage_of(doc: Any) -> dict[str, Any] | None:

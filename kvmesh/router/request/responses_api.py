@@ -161,7 +161,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, i: int) -> None:
         raise RequestError(
             f"'{field}.type' {kind!r} is not an input item an engine renders", field=f"{field}.type"
         )
-    if role not in _MESSAGE_ROLES:
+    if not isinstance(role, str) or role not in _MESSAGE_ROLES:
         raise RequestError(
             f"'{field}.role' must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}", field=f"{field}.role"
         )
@@ -217,7 +217,8 @@ def _continues(item: Any) -> bool:
     return (
         isinstance(item, dict)
         and item.get("type", "message") in ("message", "reasoning")
-        and item.get("status") in _OPEN_STATUSES
+        and isinstance(status := item.get("status"), str)
+        and status in _OPEN_STATUSES
     )
 
 

@@ -39,7 +39,7 @@ case "$engine" in
       compressed-tensors==0.18.0 apache-tvm-ffi==0.1.11 fastapi uvicorn>=0.51 uvloop setproctitle
       python-multipart partial_json_parser dill einops zstandard python-dateutil<3 distro easydict
       interegular blobfile==3.0.0 openai==2.8.0 anthropic sentencepiece==0.2.1 tiktoken gguf
-      jsonschema xgrammar==0.2.7 soundfile==0.13.1 huggingface_hub scipy"
+      jsonschema xgrammar==0.2.7 soundfile==0.13.1 huggingface_hub scipy openai-harmony==0.0.4"
     ;;
   *) echo "engine-env.sh: unknown engine '$engine' (expected vllm or sglang)" >&2; exit 2 ;;
 esac

@@ -12,7 +12,10 @@ mounts kvmesh's routes and middleware), and SGLang's chat tokenization path
 real ``TemplateManager``) over a real Hugging Face fast tokenizer built in memory (this machine
 cannot download a model's). Stand-ins (TEST-ONLY): the TokenizerManager (only the attributes the
 serving classes read) and the chat serving's ``handle_request``, which answers with what SGLang's
-route handed it: the raw body and the parsed request's ``priority``.
+route handed it: the raw body and the parsed request's ``priority``. The Responses serving is
+SGLang's real ``OpenAIServingResponses`` (its input items turned into chat messages, rendered by
+its ``_make_request``) with a stand-in ``create_responses`` that answers with the prompt's ids
+instead of generating.
 """
 
 from __future__ import annotations
@@ -92,6 +95,33 @@ class EchoChat:
         )
 
 
+def echo_responses(tm: Any, templates: Any) -> Any:
+    """SGLang's real Responses serving, answering with the token ids its own rendering gave."""
+    from sglang.srt.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+    class EchoResponses(OpenAIServingResponses):  # type: ignore[misc]
+        async def create_responses(self, request: Any, raw_request: Any = None) -> Any:
+            from fastapi.responses import JSONResponse
+
+            *_, processed = await self._make_request(request, None, tm.tokenizer)
+            ids = list(processed.prompt_ids)
+            usage = {
+                "input_tokens": len(ids),
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": 1,
+            }
+            answer = {
+                "id": "resp_echo",
+                "object": "response",
+                "status": "completed",
+                "output": [],
+                "usage": usage,
+            }
+            return JSONResponse({**answer, "seen": {"ids": ids}})
+
+    return EchoResponses(tm, templates, enable_prompt_tokens_details=True, tool_server=None)
+
+
 async def relayed_chunks(request: Any) -> Any:
     """TEST-ONLY: kvmesh's ``kvmesh_relayed_chunks_total`` by path, read in this process."""
     from starlette.responses import JSONResponse
@@ -126,6 +156,7 @@ def main() -> None:
     app = http_server.app
     app.state.openai_serving_tokenize = OpenAIServingTokenize(tm, templates)
     app.state.openai_serving_chat = EchoChat()
+    app.state.openai_serving_responses = echo_responses(tm, templates)
     app.router.routes.append(Route("/test/relayed-chunks", relayed_chunks))
     if server_args.api_key:  # as SGLang's launch does, after kvmesh's mount: outside kvmesh's layer
         from sglang.srt.utils.auth import add_api_key_middleware

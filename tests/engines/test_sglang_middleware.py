@@ -194,6 +194,35 @@ def test_a_continued_final_message_is_hashed_as_sglang_renders_it(engine: Engine
     assert again["seen"]["body"]["continue_final_message"] is True
 
 
+def test_a_responses_body_is_hashed_as_sglangs_responses_serving_renders_it(engine: Engine) -> None:
+    """SGLang turns a Responses body into chat its own way (a developer message becomes labelled
+    system text, coalesced with the instructions; ``input_text`` parts become text parts), then
+    renders it with its chat path. The test server's Responses serving is SGLang's own, answering
+    with the ids its ``_make_request`` rendered; the router must have hashed the same prompt."""
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(f"w{i}" for i in range(lo, hi))
+
+    body = {
+        "model": "dummy",
+        "instructions": words(300, 310),
+        "input": [
+            {"role": "developer", "content": words(310, 316)},
+            {"role": "user", "content": [{"type": "input_text", "text": words(316, 340)}]},
+        ],
+    }
+    answers = []
+    for nvext in ({"backend_instance_id": engine.url}, {}):
+        nvext["extra_fields"] = ["worker_id", "timing"]
+        response = engine.client.post("/v1/responses", json={**body, "nvext": nvext})
+        assert response.status_code == 200, response.text
+        answers.append(response.json())
+    again = answers[1]
+    rendered = len(again["seen"]["ids"])
+    assert again["nvext"]["worker_id"]["decode_worker_id"] == engine.url
+    assert again["nvext"]["timing"]["cached_tokens_predicted"] == rendered // BLOCK * BLOCK
+
+
 @pytest.mark.parametrize("api_key", [None, "sk-test"])
 async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_inside_sglang(
     tmp_path: Path, api_key: str | None

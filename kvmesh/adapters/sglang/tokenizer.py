@@ -7,7 +7,12 @@ SGLang's server, kvmesh tokenizes through SGLang's own objects, created by its a
   which goes through ``OpenAIServingChat._process_messages``, the function chat serving itself
   uses: the same template (``--chat-template`` or the model's), tools and template kwargs;
 * completions: ``tokenizer_manager.tokenizer.encode(text)``, as the TokenizerManager encodes a
-  text prompt (special tokens added).
+  text prompt (special tokens added);
+* the Responses API: ``app.state.openai_serving_responses`` turns the body into chat messages and
+  tools its own way (``_construct_input_messages``: developer messages become labelled system text,
+  system text is coalesced, content parts become chat parts, assistant items merge), which the
+  chat path above then renders. Without that serving (SGLang without ``openai-harmony`` serves no
+  ``/v1/responses``) the router reads the body as vLLM renders it.
 
 Bound on the first request from the ASGI ``scope["app"]`` (the lifespan has run by then); the
 middleware's predicted-vs-reported cached-token metric shows whether the ids agree in practice.
@@ -19,6 +24,9 @@ from typing import Any
 
 from kvmesh.errors import ConfigError
 
+# Fields of a Responses body that do not change its prompt (or name what only another engine has).
+_NOT_RENDERED = frozenset(("nvext", "previous_response_id", "background", "stream", "store"))
+
 
 class SglangTokenizer:
     """kvmesh's Tokenizer protocol over SGLang's tokenize serving and TokenizerManager."""
@@ -28,6 +36,7 @@ class SglangTokenizer:
     def __init__(self) -> None:
         self._serving: Any = None
         self._tokenizer: Any = None
+        self._responses: Any = None
 
     @property
     def bound(self) -> bool:
@@ -44,6 +53,7 @@ class SglangTokenizer:
             return  # --skip-tokenizer-init: nothing to tokenize with
         self._tokenizer = tokenizer
         self._serving = serving
+        self._responses = getattr(state, "openai_serving_responses", None)
 
     def _bound(self) -> Any:
         if self._serving is None:
@@ -75,6 +85,31 @@ class SglangTokenizer:
         if continue_final_message:  # (a field of SGLang's TokenizeRequest, rendered its own way)
             fields["continue_final_message"] = True
         return list(serving._tokenize_chat_request(TokenizeRequest(**fields)))
+
+    def responses_as_chat(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The chat body SGLang renders a Responses body as (see the module docstring), or None
+        where this server has no Responses serving."""
+        self._bound()
+        serving = self._responses
+        if serving is None:
+            return None
+        from sglang.srt.entrypoints.openai.protocol import ResponsesRequest
+
+        # Only this request's own items: a stored conversation lives on the engine that stored it
+        # (the request is sent there), and is never read from this one's store.
+        fields = {k: v for k, v in body.items() if k not in _NOT_RENDERED}
+        request = ResponsesRequest(**fields)
+        messages = serving._construct_input_messages(request)
+        tools = [tool.model_dump() for tool in serving._response_tools_to_chat_tools(request)]
+        # (SGLang's Responses serving never continues a message: a generation prompt, always)
+        view: dict[str, Any] = {
+            "messages": messages,
+            "add_generation_prompt": True,
+            "continue_final_message": False,
+        }
+        if tools:
+            view["tools"] = tools
+        return view
 
     def decode(self, ids: list[int]) -> str:
         self._bound()

@@ -45,7 +45,8 @@ PRIORITY: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 )
 SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvmesh_trtllm_session", default=None)
 
-GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
+# (trtllm-serve's /v1/responses handler calls generate_async as its chat handler does)
+GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/responses"))
 SESSION_HEADER = b"x-session-id"
 _PRIORITY_MARK = b'"priority"'
 

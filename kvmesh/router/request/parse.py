@@ -27,7 +27,7 @@ from kvmesh.router.request.nvext import (
     NvextLimits,
     parse_nvext,
 )
-from kvmesh.router.request.responses_api import chat_view, is_responses
+from kvmesh.router.request.responses_api import is_responses, rendered_as_chat
 from kvmesh.router.request.tokenizer import (
     TEXT_PARTS,
     Tokenizer,
@@ -256,7 +256,9 @@ def parse_request(
     body = decode_body(raw)
     overrides = override_headers(headers)
     # What the engine renders: the body itself, or the chat request a Responses body becomes.
-    rendered, rendered_as = (chat_view(body), CHAT_ENDPOINT) if is_responses(endpoint) else (body, endpoint)
+    rendered, rendered_as = (
+        (rendered_as_chat(body, tokenizer), CHAT_ENDPOINT) if is_responses(endpoint) else (body, endpoint)
+    )
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
     if nv is not EMPTY:
         check_engine_fields(nv, body, rendered_as, tokenizing=tokenizer is not None)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvmesh.errors import RequestError
+from kvmesh.errors import ConfigError, RequestError
 from kvmesh.router.request.tokenizer import TEXT_PARTS
 
 RESPONSES_PATH = "/v1/responses"
@@ -90,6 +90,25 @@ def chat_view(body: dict[str, Any]) -> dict[str, Any]:
             "reasoning_effort": effort,
         }
     return view
+
+
+def rendered_as_chat(body: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]:
+    """The chat body the serving engine renders a Responses body as: :func:`chat_view` (vLLM's
+    way, and the checks every engine makes), or, where the engine's tokenizer renders Responses
+    bodies its own way (``responses_as_chat``, SGLang's), that, with what keys the cache kept."""
+    view = chat_view(body)
+    own = getattr(tokenizer, "responses_as_chat", None)
+    if own is None:
+        return view
+    try:
+        rendered = own(body)
+    except (RequestError, ConfigError):
+        raise
+    except Exception as e:  # (the engine's own validation: a body it would refuse)
+        raise RequestError(f"'input' could not be rendered: {e}", field="input") from None
+    if rendered is None:
+        return view
+    return {**{k: view[k] for k in _CARRIED if k in view}, **rendered}
 
 
 def previous_response_id(body: dict[str, Any]) -> str | None:

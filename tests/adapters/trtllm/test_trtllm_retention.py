@@ -3,6 +3,7 @@ a pin becomes a one-token request with the right retention ranges, priorities an
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -186,3 +187,26 @@ def test_the_priority_scale_keeps_order_and_centres_on_the_engine_default() -> N
     assert mapped == sorted(mapped) and len(set(mapped)) == len(mapped)
     assert engine_priority(0) == 0.5
     assert all(0 < m < 1 for m in mapped)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+async def test_the_priority_the_router_wrote_reaches_the_engine_beside_the_body(path: str) -> None:
+    """The router writes ``priority`` into the body for a ``higher_first`` worker; trtllm-serve's
+    handlers take no such field, so the hints middleware moves it into the request's context."""
+    from kvmesh.adapters.trtllm.hints import RequestHintsMiddleware
+
+    seen: dict[str, Any] = {}
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen["body"] = json.loads((await receive())["body"])
+        seen["priority"] = PRIORITY.get()
+
+    body = json.dumps({"model": "m", "input": "hi", "priority": 3}).encode()
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+    async def receive() -> dict[str, Any]:
+        return next(messages)
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": []}
+    await RequestHintsMiddleware(app)(scope, receive, None)
+    assert seen == {"body": {"model": "m", "input": "hi"}, "priority": 3.0}

@@ -95,7 +95,7 @@ def _hashes(app: Any, chat: dict[str, Any]) -> list[int]:
 async def test_a_later_response_goes_to_the_engine_that_stored_the_earlier_one(
     http: aiohttp.ClientSession,
 ) -> None:
-    async with mock_fleet(2) as (front, mocks, app):
+    async with mock_fleet(2) as (front, mocks, _):
         model = mocks[0].config.model
         first_id, second_id = mocks[0].base_url, mocks[1].base_url
         opening = {

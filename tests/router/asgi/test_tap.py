@@ -338,7 +338,9 @@ async def test_a_whole_responses_answer_is_read_in_its_own_names() -> None:
         "output": [],
         "usage": {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 3},
     }
-    await tap({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await tap(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    )
     await tap({"type": "http.response.body", "body": json.dumps(answer).encode(), "more_body": False})
     assert rec.calls == ["first", "cached:0", "end:True"]
     assert ids == ["resp_2"]

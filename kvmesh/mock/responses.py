@@ -51,19 +51,25 @@ class ResponsesRequest:
 
 
 class ResponseStore:
-    """Stored conversations by response id, the newest :data:`STORED_RESPONSES` kept."""
+    """Stored responses by id, each with its conversation (the request's messages and the
+    answer), the newest :data:`STORED_RESPONSES` kept."""
 
     def __init__(self, capacity: int = STORED_RESPONSES) -> None:
         self._capacity = capacity
-        self._conversations: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._stored: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
 
-    def get(self, response_id: str) -> list[dict[str, Any]] | None:
-        return self._conversations.get(response_id)
+    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        stored = self._stored.get(response_id)
+        return stored[0] if stored is not None else None
 
-    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
-        self._conversations[response_id] = messages
-        while len(self._conversations) > self._capacity:
-            self._conversations.popitem(last=False)
+    def response(self, response_id: str) -> dict[str, Any] | None:
+        stored = self._stored.get(response_id)
+        return stored[1] if stored is not None else None
+
+    def put(self, response_id: str, messages: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        self._stored[response_id] = (messages, response)
+        while len(self._stored) > self._capacity:
+            self._stored.popitem(last=False)
 
 
 def parse_responses(
@@ -76,9 +82,9 @@ def parse_responses(
     messages = view["messages"]
     earlier = previous_response_id(body)
     if earlier is not None:
-        history = store.get(earlier)
+        history = store.conversation(earlier)
         if history is None:
-            raise ResponseNotFound(f"Response with id '{earlier}' not found.", field="previous_response_id")
+            raise ResponseNotFound(not_found(earlier), field="previous_response_id")
         head = messages[:1] if messages[0].get("role") == "system" and body.get("instructions") else []
         rest = messages[len(head) :]
         messages = [*head, *(m for m in history if m.get("role") != "system"), *rest]
@@ -98,6 +104,10 @@ def parse_responses(
         chat_body["stream_options"] = {"include_usage": True}
     chat = parse_generation(chat_body, "chat", config, tokenizer, session)
     return ResponsesRequest(chat, messages, store_it, earlier)
+
+
+def not_found(response_id: str) -> str:
+    return f"Response with id '{response_id}' not found."
 
 
 def new_response_id() -> str:
@@ -141,10 +151,13 @@ def responses_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def remember(store: ResponseStore, request: ResponsesRequest, response_id: str, answer: str) -> None:
-    """Keep the conversation and its answer for a later ``previous_response_id``, if asked to."""
+def remember(store: ResponseStore, request: ResponsesRequest, response: dict[str, Any]) -> None:
+    """Keep a finished response and its conversation (for ``GET /v1/responses/{id}`` and a later
+    ``previous_response_id``), if the request asked for it."""
     if request.store:
-        store.put(response_id, [*request.messages, {"role": "assistant", "content": answer}])
+        answer = response["output"][0]["content"][0]["text"]
+        conversation = [*request.messages, {"role": "assistant", "content": answer}]
+        store.put(response["id"], conversation, response)
 
 
 async def response_events(
@@ -152,9 +165,11 @@ async def response_events(
     response_id: str,
     pieces: AsyncIterator[str],
     finished: Callable[[], dict[str, Any] | None],
+    completed: Callable[[dict[str, Any]], None],
 ) -> AsyncIterator[bytes]:
     """vLLM's event stream for one answer whose text comes in ``pieces``; ``finished`` gives the
-    chat usage once they are all out, or None when the engine stopped first (no completion then)."""
+    chat usage once they are all out, or None when the engine stopped first (no completion then);
+    ``completed`` hears the finished response before its last event goes out."""
     created_at = int(time.time())
     sequence = 0
     item_id = f"msg_{response_id.removeprefix('resp_')}"
@@ -200,6 +215,7 @@ async def response_events(
     done = response_object(
         request, response_id, created_at, text=text, usage=responses_usage(usage), status="completed"
     )
+    completed(done)
     yield event("response.completed", {"response": done})
 
 

@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions, POST /v1/completions   streaming (SSE, ``data: [DONE]``) or not;
                                                      ``n`` choices (one an event), ``echo``
-    POST /v1/responses                               the Responses API, stored answers
+    POST /v1/responses, GET /v1/responses/{id}       the Responses API, stored answers
                                                      (``previous_response_id``): kvmesh.mock.responses
     GET  /v1/models, GET /health, GET /metrics
     /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc)
@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
@@ -40,9 +41,9 @@ from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.engine import MockEngine, TokenStream
 from kvmesh.mock.protocol import Endpoint, ParsedRequest, parse_generation, usage
 from kvmesh.mock.responses import (
-    ResponsesRequest,
     ResponseStore,
     new_response_id,
+    not_found,
     parse_responses,
     remember,
     response_events,
@@ -172,7 +173,8 @@ def build_app(
                     parsed,
                     response_id,
                     _pieces(only, text_of),
-                    _finisher(parsed, response_id, only, stored, text_of),
+                    lambda: None if only.finish_reason == "abort" else _usage([only]),
+                    functools.partial(remember, stored, parsed),
                 ),
                 abort,
             )  # type: ignore[return-value]
@@ -181,16 +183,22 @@ def build_app(
             return Response(status_code=499)
         if only.finish_reason == "abort":
             return error_response("the engine stopped before the request finished", 503)
-        answer = text_of(only.tokens)
-        remember(stored, parsed, response_id, answer)
         whole = response_object(
             parsed,
             response_id,
             int(time.time()),
-            text=answer,
+            text=text_of(only.tokens),
             usage=responses_usage(_usage(streams)),
             status="completed",
         )
+        remember(stored, parsed, whole)
+        return JSONResponse(whole)
+
+    async def stored_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        whole = stored.response(response_id)
+        if whole is None:
+            return error_response(not_found(response_id), 404, "response_id")
         return JSONResponse(whole)
 
     async def completions(request: Request) -> Response:
@@ -228,6 +236,7 @@ def build_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -278,24 +287,6 @@ async def _pieces(stream: TokenStream, text_of: _TokenText) -> AsyncIterator[str
         if stream.finish_reason == "abort":
             return
         yield text_of(batch)
-
-
-def _finisher(
-    parsed: ResponsesRequest,
-    response_id: str,
-    stream: TokenStream,
-    stored: ResponseStore,
-    text_of: _TokenText,
-) -> Callable[[], dict[str, Any] | None]:
-    """Once the answer is out: store it and give its usage (None if the engine stopped it)."""
-
-    def finished() -> dict[str, Any] | None:
-        if stream.finish_reason == "abort":
-            return None
-        remember(stored, parsed, response_id, text_of(stream.tokens))
-        return _usage([stream])
-
-    return finished
 
 
 async def _wait_all(streams: list[TokenStream]) -> None:

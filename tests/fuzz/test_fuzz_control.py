@@ -1,6 +1,6 @@
 """Fuzz the control surfaces over real loopback HTTP, standalone and embedded: the router's admin API
 (``POST`` and ``DELETE /kvmesh/workers``, ``POST /busy_threshold``, ``GET /kvmesh/decisions``, every
-standard method on its paths) and each engine's worker RPCs (``/kvmesh/session_control``,
+standard method on its paths, ``GET /v1/responses/{id}``) and each engine's worker RPCs (``/kvmesh/session_control``,
 ``/kvmesh/pin_prefix``, every standard method on their paths). Whatever the body, kvmesh answers no
 5xx, every 400 is an OpenAI error that names the field, every other 4xx an OpenAI error with a
 message; afterwards, with the workers a case added removed and the thresholds put back, the router
@@ -40,12 +40,17 @@ def _admin_case(kind: str) -> st.SearchStrategy[tuple[str, str, bytes]]:
             IDS.map(lambda i: "/kvmesh/workers/" + quote(i, safe="")),
         )
         return st.tuples(METHODS, paths, st.just(b"{}"))
+    if kind == "stored-responses":  # (a stored response asked for again, by any id)
+        ids = IDS.filter(lambda i: "/" not in i and i.strip())
+        return ids.map(lambda i: ("GET", "/v1/responses/" + quote(i, safe=""), b""))
     assert kind == "decisions"
     limits = st.one_of(st.integers(-5, 10**6).map(str), st.text(max_size=12))
     return limits.map(lambda v: ("GET", "/kvmesh/decisions?limit=" + quote(v, safe=""), b""))
 
 
-@pytest.mark.parametrize("kind", ["add-worker", "remove-worker", "thresholds", "decisions", "methods"])
+@pytest.mark.parametrize(
+    "kind", ["add-worker", "remove-worker", "thresholds", "decisions", "methods", "stored-responses"]
+)
 def test_admin_api_answers_no_5xx_and_names_the_field(target: Target, kind: str) -> None:
     workers_before = _worker_ids(target)
     thresholds_before = target.get_json("/busy_threshold")["thresholds"][0]

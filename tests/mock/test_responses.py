@@ -66,6 +66,8 @@ async def test_a_stored_response_is_continued_and_an_unknown_one_is_a_404() -> N
             model=MODEL, previous_response_id=first.id, input="And another?", max_output_tokens=5
         )
         assert later.previous_response_id == first.id
+        fetched = await client.responses.retrieve(first.id)
+        assert (fetched.id, fetched.output_text) == (first.id, first.output_text)
         history = [
             {"role": "user", "content": "Name a colour."},  # (instructions do not carry over)
             {"role": "assistant", "content": first.output_text},
@@ -80,6 +82,8 @@ async def test_a_stored_response_is_continued_and_an_unknown_one_is_a_404() -> N
         for missing in (unstored.id, "resp_nobody"):
             with pytest.raises(openai.NotFoundError):
                 await client.responses.create(model=MODEL, previous_response_id=missing, input="x")
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(missing)
 
 
 @pytest.mark.parametrize(

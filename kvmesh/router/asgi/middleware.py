@@ -13,7 +13,9 @@ Three deployments, one class:
 override headers validated, prompt tokenized and hashed, KvRouter asked, then the request is served
 by the wrapped app or forwarded to a registered worker (never to an address taken from the request)
 with a hop header that makes the peer serve it locally (:class:`~kvmesh.router.asgi.hop.HopRequest`).
-The admin endpoints (:mod:`kvmesh.router.asgi.admin`) are answered here. A scrape of an engine's
+A stored response asked for again (``/v1/responses/{id}``) goes to the engine that stored it
+(:mod:`kvmesh.router.asgi.stored_responses`). The admin endpoints
+(:mod:`kvmesh.router.asgi.admin`) are answered here. A scrape of an engine's
 multiprocess ``/metrics`` gets kvmesh's live gauges added (:mod:`kvmesh.router.asgi.scrape`). Every
 other path and every non-HTTP scope passes straight through.
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh._http import route_path
-from kvmesh.router.asgi import admin, peer_auth, scrape
+from kvmesh.router.asgi import admin, peer_auth, scrape, stored_responses
 from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.routed import RoutedRequest
 from kvmesh.router.mesh.runtime import Mesh
@@ -75,6 +77,8 @@ class KvMeshMiddleware:
                     await HopRequest(self.mesh, self.app, scope, receive, send, hop).run()
                     return
             await RoutedRequest(self.mesh, self.app, scope, receive, send).run()
+        elif stored_responses.handles(path):
+            await stored_responses.serve(self.mesh, self.app, scope, receive, send)
         elif admin.handles(path):
             await self.admin(scope, receive, send)
         elif scrape.merges(scope):

@@ -159,6 +159,21 @@ class RoutedRequest:
                 "nvext.agent_hints.speculative_prefill needs --router-mode kv",
                 field="nvext.agent_hints.speculative_prefill",
             )
+        hints = nv.hints
+        if (hints.prefill_load_scale is not None or hints.kv_overlap_score_credit is not None) and (
+            mesh.config.router_mode in ("round-robin", "random")
+        ):
+            # (no cost to tilt: read and ignored, the field would change nothing)
+            name = (
+                "kv_overlap_score_weight"
+                if hints.prefill_load_scale is not None
+                else "kv_overlap_score_credit"
+            )
+            raise RequestError(
+                f"nvext.agent_hints.{name} tilts the KV cost; this router picks workers "
+                f"{mesh.config.router_mode} (--router-mode kv has the cost)",
+                field=f"nvext.agent_hints.{name}",
+            )
         if mesh.kv_mode and parsed.deferred is None:
             metrics = mesh.metrics
             metrics.phase["tokenize"].observe(parsed.tokenize_secs)

@@ -109,6 +109,8 @@ class RouterConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the flag and its allowed range for the first bad value."""
         check_all(self, _FLAGS)
+        if self.router_mode in ("round-robin", "random"):
+            _refuse_cost_flags(self)
         if self.router_predicted_ttl_secs is not None and not self.use_kv_events:
             # Without events the approximate index already records every decision (for
             # --router-ttl-secs): a predict-on-route TTL would be accepted and change nothing.
@@ -201,6 +203,26 @@ class RouterConfig:
         return cls(**values)
 
 
+def _refuse_cost_flags(config: RouterConfig) -> None:
+    """Round-robin and random pick a worker without a cost or a prefix index: a cost or index flag
+    given with them would be read and change nothing, so it is refused, naming it. (The load model,
+    the busy thresholds, the queue and sessions still apply to them.)"""
+    mode = config.router_mode
+    if config.load_aware:
+        given = ["--load-aware"]  # (the preset's own values are not the user's)
+    else:
+        given = [
+            spec.name
+            for spec in _FLAGS
+            if spec.field in _KV_ONLY and getattr(config, spec.field) != _DEFAULTS[spec.field]
+        ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: no effect with --router-mode {mode}, which picks workers without "
+            "a cost or a prefix index (leave it out, or use --router-mode kv)"
+        )
+
+
 # ---------------------------------------------------------------------- flag table
 _LOAD_AWARE: dict[str, Any] = {
     "overlap_score_credit": 0.0,
@@ -258,7 +280,8 @@ _FLAGS: tuple[Setting, ...] = (
         "router_mode",
         "--router-mode",
         str,
-        "how to pick a worker: kv, round-robin, random or direct",
+        "how to pick a worker: kv, round-robin, random or direct (round-robin and random have no "
+        "cost or prefix index, and refuse their flags)",
         choices=ROUTER_MODES,
         metavar="MODE",
         convert=_dashed,
@@ -555,6 +578,25 @@ _FLAGS: tuple[Setting, ...] = (
 )
 
 _FLAGS = bind_defaults(RouterConfig, _FLAGS)
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+# What only the KV mode's cost and prefix index read.
+_KV_ONLY = frozenset(
+    (
+        "router_cost_model",
+        "overlap_score_credit",
+        "prefill_load_scale",
+        "host_cache_hit_weight",
+        "disk_cache_hit_weight",
+        "router_temperature",
+        "router_background_copies",
+        "use_kv_events",
+        "router_ttl_secs",
+        "router_max_tree_size",
+        "router_prune_target_ratio",
+        "router_predicted_ttl_secs",
+        "router_index_max_blocks",
+    )
+)
 _SPEC_BY_FIELD: dict[str, Setting] = {s.field: s for s in _FLAGS}
 _FIELD_NAMES = frozenset(s.field for s in _FLAGS)
 _KEY_TO_FIELD: dict[str, str] = {key: row.field for key, row in key_index(_FLAGS).items()}

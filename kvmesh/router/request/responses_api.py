@@ -69,8 +69,6 @@ def chat_view(body: dict[str, Any]) -> dict[str, Any]:
         raise RequestError("'input' is a required property", field="input")
     else:
         raise RequestError("'input' must be a string or a non-empty list of items", field="input")
-    if not messages:
-        raise RequestError("'input' renders no message", field="input")
     view: dict[str, Any] = {
         "messages": messages,
         "add_generation_prompt": not continued,

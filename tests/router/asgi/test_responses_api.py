@@ -15,7 +15,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvmesh.commands.demo import start_mesh
 from kvmesh.hashing import block_hashes
+from kvmesh.mock.config import MockConfig
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.request.tokenizer import prompt_token_ids
 from tests.router.asgi.test_agent_features import BS, mock_fleet, until
@@ -172,3 +174,32 @@ async def test_what_a_router_cannot_follow_is_refused_naming_the_field(
         assert status == 400, error
         assert error["error"]["param"] == field
         assert not app.mesh.router.recent_decisions()  # nothing was routed
+
+
+async def test_a_stored_response_is_fetched_from_the_engine_that_stored_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with mock_fleet(2) as (front, mocks, _):
+        body = {"model": mocks[0].config.model, "input": "Name a river.", "max_output_tokens": 4}
+        status, stored, worker = await respond(
+            http, front.url, {**body, "nvext": {"backend_instance_id": mocks[1].base_url}}
+        )
+        assert status == 200 and worker == mocks[1].base_url
+        async with http.get(f"{front.url}/v1/responses/{stored['id']}") as r:
+            assert r.status == 200
+            again = await r.json()
+        assert (again["id"], again["output"]) == (stored["id"], stored["output"])
+        async with http.get(front.url + "/v1/responses/resp_nobody") as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["param"] == "response_id"
+    # Inside the engines: asked of one engine, answered by the one that stored it.
+    async with start_mesh(2, RouterConfig(), MockConfig(block_size=BS, speedup=50.0)) as nodes:
+        here, there = nodes[0].url, nodes[1].url
+        pinned = {**body, "model": MockConfig().model, "nvext": {"backend_instance_id": there}}
+        status, stored, worker = await respond(http, here, pinned)
+        assert status == 200 and worker == there
+        async with http.get(f"{here}/v1/responses/{stored['id']}") as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["id"] == stored["id"]
+        async with http.get(f"{here}/v1/responses/resp_nobody") as r:
+            assert r.status == 404  # unknown to the router: this engine's own store answers

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 
 from kvmesh.router.core.config import RouterConfig
 from tests.router.fleet import chat, fleet
@@ -348,3 +349,18 @@ async def test_a_request_pinned_to_a_worker_that_is_down_gets_503_with_retry_aft
             assert status == 503, doc
             assert "down" in doc["error"]["message"]
             assert int(response_headers["retry-after"]) >= 1
+
+
+@pytest.mark.parametrize("mode", ["round-robin", "random"])
+@pytest.mark.parametrize("hint", ["kv_overlap_score_credit", "kv_overlap_score_weight"])
+async def test_a_cost_hint_to_a_router_without_a_cost_is_a_400_naming_it(
+    http: aiohttp.ClientSession, mode: str, hint: str
+) -> None:
+    async with fleet(1, router=RouterConfig(router_mode=mode)) as (front, states, _e):  # type: ignore[arg-type]
+        body = chat("q", nvext={"agent_hints": {hint: 0.5}})
+        status, data, _headers = await _post(http, front.url, body)
+        assert status == 400
+        assert data["error"]["param"] == f"nvext.agent_hints.{hint}"
+        assert not states[0].received  # nothing reached the engine
+        status, _data, _headers = await _post(http, front.url, chat("q"))
+        assert status == 200

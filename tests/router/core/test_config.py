@@ -34,11 +34,23 @@ def test_flags() -> None:
         "wspt",
         "--active-decode-blocks-threshold",
         "0.9",
-        "--router-mode",
-        "round_robin",
     )
     assert (c.router_temperature, c.use_kv_events, c.router_queue_policy) == (0.5, False, "wspt")
-    assert (c.active_decode_blocks_threshold, c.router_mode) == (0.9, "round-robin")
+    assert c.active_decode_blocks_threshold == 0.9
+    # what still applies to round-robin: the busy thresholds, the queue, the load model
+    rr = parse(
+        "--router-mode",
+        "round_robin",
+        "--router-queue-policy",
+        "wspt",
+        "--active-decode-blocks-threshold",
+        "0.9",
+    )
+    assert (rr.router_mode, rr.router_queue_policy, rr.active_decode_blocks_threshold) == (
+        "round-robin",
+        "wspt",
+        0.9,
+    )
     # predict-on-route sits beside KV events; without them it is refused (it would change nothing)
     assert parse("--router-predicted-ttl-secs", "5").router_predicted_ttl_secs == 5.0
     assert parse("--router-queue-threshold", "none").router_queue_threshold is None
@@ -162,3 +174,28 @@ def test_with_overrides_validates() -> None:
     assert RouterConfig().with_overrides(router_temperature=2.0).router_temperature == 2.0
     with pytest.raises(ConfigError, match="unknown router setting"):
         RouterConfig().with_overrides(nope=1)
+
+
+@pytest.mark.parametrize("mode", ["round-robin", "random"])
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--router-temperature", "0.5"), "--router-temperature"),
+        (("--no-router-kv-events",), "--router-kv-events"),
+        (("--router-cost-model", "dynamo"), "--router-cost-model"),
+        (
+            ("--router-prefill-load-scale", "8", "--router-ttl-secs", "30"),
+            "--router-prefill-load-scale, --router-ttl-secs",
+        ),
+        (("--load-aware",), "--load-aware"),
+    ],
+)
+def test_a_cost_flag_beside_a_mode_without_a_cost_is_refused_naming_it(
+    mode: str, flags: tuple[str, ...], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"^{named}: no effect with --router-mode {mode}"):
+        parse("--router-mode", mode, *flags)
+    with pytest.raises(ConfigError, match="--router-temperature: no effect"):
+        RouterConfig.from_env({"KVMESH_ROUTER_MODE": mode, "KVMESH_ROUTER_TEMPERATURE": "0.5"})
+    # the same value as the default changes nothing: not refused
+    assert parse("--router-mode", mode, "--router-temperature", "0").router_mode == mode

@@ -24,7 +24,8 @@ def toks(seed: int, n_blocks: int) -> list[int]:
 def router(workers: str = "abc", **cfg) -> KvRouter:
     """Dynamo's cost unless told otherwise: these tests pin its formula (the latency cost has
     its own tests in test_latency_cost.py)."""
-    cfg.setdefault("router_cost_model", "dynamo")
+    if cfg.get("router_mode", "kv") in ("kv", "direct"):  # (the other modes take no cost flags)
+        cfg.setdefault("router_cost_model", "dynamo")
     r = KvRouter(RouterConfig(**cfg), random.Random(0))
     for w in workers:
         r.add_worker(w, total_blocks=100, max_num_batched_tokens=64, block_size=B)

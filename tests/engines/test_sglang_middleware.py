@@ -221,6 +221,10 @@ def test_a_responses_body_is_hashed_as_sglangs_responses_serving_renders_it(engi
     rendered = len(again["seen"]["ids"])
     assert again["nvext"]["worker_id"]["decode_worker_id"] == engine.url
     assert again["nvext"]["timing"]["cached_tokens_predicted"] == rendered // BLOCK * BLOCK
+    # A body SGLang's own request model refuses is the client's 400, naming the field.
+    refused = engine.client.post("/v1/responses", json={**body, "temperature": "hot"})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "temperature"
 
 
 @pytest.mark.parametrize("api_key", [None, "sk-test"])

@@ -325,6 +325,12 @@ class RoutedRequest:
                 f"names worker {nv.pinned_worker!r}",
                 field="previous_response_id",
             )
+        if home not in self.mesh.registry.routable:  # (no other engine has it: nothing to fail over to)
+            raise RequestError(
+                f"worker {home!r}, which holds previous_response_id {continued!r}, is down",
+                field="previous_response_id",
+                status=503,
+            )
         return home
 
     async def dispatch(

@@ -103,10 +103,23 @@ def rendered_as_chat(body: dict[str, Any], tokenizer: Any = None) -> dict[str, A
     except (RequestError, ConfigError):
         raise
     except Exception as e:  # (the engine's own validation: a body it would refuse)
-        raise RequestError(f"'input' could not be rendered: {e}", field="input") from None
+        field = _invalid_field(e) or "input"
+        raise RequestError(f"'{field}' is not one the engine takes: {e}", field=field) from None
     if rendered is None:
         return view
     return {**{k: view[k] for k in _CARRIED if k in view}, **rendered}
+
+
+def _invalid_field(error: Exception) -> str | None:
+    """The top-level field a validation error (pydantic's, as the engines' request models raise)
+    is about, or None. (Deeper parts of its location name the union member tried, not the
+    client's keys.)"""
+    errors = getattr(error, "errors", None)
+    try:
+        loc = errors()[0]["loc"] if callable(errors) else None
+    except Exception:
+        return None
+    return loc[0] if loc and isinstance(loc[0], str) else None
 
 
 def previous_response_id(body: dict[str, Any]) -> str | None:

@@ -18,6 +18,7 @@ import pytest
 from kvmesh.commands.demo import start_mesh
 from kvmesh.hashing import block_hashes
 from kvmesh.mock.config import MockConfig
+from kvmesh.mock.testing import run_mock
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.request.tokenizer import prompt_token_ids
 from tests.router.asgi.test_agent_features import BS, mock_fleet, until
@@ -203,3 +204,25 @@ async def test_a_stored_response_is_fetched_from_the_engine_that_stored_it(
             assert (await r.json())["id"] == stored["id"]
         async with http.get(f"{here}/v1/responses/resp_nobody") as r:
             assert r.status == 404  # unknown to the router: this engine's own store answers
+
+
+async def test_a_later_response_whose_engine_is_down_is_a_503_naming_the_field(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with mock_fleet(1) as (front, mocks, app):
+        async with run_mock(block_size=BS, speedup=50.0, seed=1) as gone:
+            async with http.post(
+                front.url + "/kvmesh/workers", json={"url": gone.base_url, "id": "gone"}
+            ) as r:
+                assert r.status == 201, await r.text()
+            body = {"model": gone.config.model, "input": "Name a lake.", "max_output_tokens": 2}
+            status, stored, worker = await respond(
+                http, front.url, {**body, "nvext": {"backend_instance_id": "gone"}}
+            )
+            assert status == 200 and worker == "gone"
+        await until(lambda: "gone" not in app.mesh.registry.routable)
+        status, error, _ = await respond(http, front.url, {**body, "previous_response_id": stored["id"]})
+        assert status == 503, error
+        assert error["error"]["param"] == "previous_response_id"
+        status, _, worker = await respond(http, front.url, body)  # the fleet serves the rest
+        assert status == 200 and worker == mocks[0].base_url

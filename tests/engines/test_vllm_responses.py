@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,11 +23,10 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # torch's, at import
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
     from vllm.entrypoints.openai.responses.utils import construct_input_messages, construct_tool_dicts
-    from vllm.renderers.params import ChatParams
 
-from kvmesh.adapters.vllm.tokenizer import VllmTokenizer
 from kvmesh.router.request.responses_api import chat_view
 from kvmesh.router.request.tokenizer import prompt_token_ids
+from tests.engines.test_vllm_tokenizer import bound
 
 pytestmark = pytest.mark.engine_vllm
 
@@ -106,30 +104,6 @@ BODIES = {
 }
 
 
-class RecordingRenderer:
-    def __init__(self) -> None:
-        self.calls: list[tuple[list[dict[str, Any]], ChatParams]] = []
-
-    def render_messages(
-        self, messages: list[dict[str, Any]], params: ChatParams
-    ) -> tuple[None, dict[str, Any]]:
-        self.calls.append((messages, params))
-        return None, {"prompt_token_ids": [1, 2, 3]}
-
-
-def bound() -> tuple[VllmTokenizer, RecordingRenderer]:
-    renderer = RecordingRenderer()
-    online = SimpleNamespace(
-        chat_template=None, chat_template_content_format="auto", default_chat_template_kwargs={}
-    )
-    app = SimpleNamespace(
-        state=SimpleNamespace(online_renderer=online, engine_client=SimpleNamespace(renderer=renderer))
-    )
-    tokenizer = VllmTokenizer()
-    tokenizer.bind_from_app(app)
-    return tokenizer, renderer
-
-
 def plain(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
@@ -139,7 +113,7 @@ def test_kvmesh_renders_a_responses_body_as_vllm_does(name: str) -> None:
     body = {"model": "m", **BODIES[name]}
     tokenizer, renderer = bound()
     prompt_token_ids(tokenizer, chat_view(body), "/v1/chat/completions")
-    [(messages, params)] = renderer.calls
+    [messages], [params] = renderer.messages, renderer.params
     request = ResponsesRequest.model_validate(body)
     vllm_messages = construct_input_messages(
         request_instructions=request.instructions, request_input=request.input

@@ -33,12 +33,16 @@ MESSAGES = [{"role": "user", "content": "Give JSON."}, {"role": "assistant", "co
 
 
 class RecordingRenderer:
+    """Stands in for vLLM's renderer: keeps the messages and the ``ChatParams`` it is given."""
+
     def __init__(self) -> None:
+        self.messages: list[list[dict[str, Any]]] = []
         self.params: list[ChatParams] = []
 
     def render_messages(
         self, messages: list[dict[str, Any]], params: ChatParams
     ) -> tuple[None, dict[str, Any]]:
+        self.messages.append(messages)
         self.params.append(params)
         return None, {"prompt_token_ids": [1, 2, 3]}
 

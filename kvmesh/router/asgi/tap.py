@@ -389,16 +389,22 @@ def _may_carry_usage(payload: bytes) -> bool:
     return n > 1 or (b'"usage":null' not in payload and b'"usage": null' not in payload)
 
 
+def _decoded_with(payload: bytes, marker: bytes) -> Any:
+    """The decoded event, if its bytes hold ``marker`` (only a prefilter: the decoded event
+    decides) and it decodes; else None."""
+    if marker not in payload:
+        return None
+    try:
+        return _json_decode(payload)
+    except msgspec.DecodeError:
+        return None
+
+
 def _announces_role_only(payload: bytes) -> bool:
     """A chat chunk whose every choice only names the role (``{"role": "assistant"}``, empty
     content, no finish): what the simulated engine, and servers like it, send before prefill ends.
     vLLM and SGLang send theirs with the first token, so for them nothing changes."""
-    if b'"role"' not in payload:  # only a prefilter: the decoded event decides
-        return False
-    try:
-        doc = _json_decode(payload)
-    except msgspec.DecodeError:
-        return False
+    doc = _decoded_with(payload, b'"role"')
     choices = doc.get("choices") if isinstance(doc, dict) else None
     if not isinstance(choices, list) or not choices:
         return False
@@ -414,12 +420,7 @@ def _announces_role_only(payload: bytes) -> bool:
 def _lifecycle_only(payload: bytes) -> bool:
     """A Responses API event that only tells the response exists or waits (created, in progress,
     queued): sent before prefill ends, neither prefill done nor a token."""
-    if b'"response.' not in payload:  # only a prefilter: the decoded event decides
-        return False
-    try:
-        doc = _json_decode(payload)
-    except msgspec.DecodeError:
-        return False
+    doc = _decoded_with(payload, b'"response.')
     kind = doc.get("type") if isinstance(doc, dict) else None
     return isinstance(kind, str) and kind in _LIFECYCLE_TYPES
 

@@ -13,8 +13,9 @@ What the router cannot follow is refused here, naming the field (a 400 the clien
 load would never be counted) and an encrypted reasoning item (vLLM refuses it as well).
 
 ``previous_response_id`` names a response an engine stored (vLLM with
-``VLLM_ENABLE_RESPONSES_API_STORE=1``; SGLang by default). Only that engine has it, so such a
-request goes there (:mod:`kvmesh.router.asgi.response_homes`); its prompt here is only what it adds.
+``VLLM_ENABLE_RESPONSES_API_STORE=1``, SGLang with ``--enable-response-store``). Only that engine
+has it, so such a request goes there (:class:`ResponseHomes`, kept by the mesh; the routing is
+``RoutedRequest._home`` in :mod:`kvmesh.router.asgi.routed`); its prompt here is only what it adds.
 """
 
 from __future__ import annotations

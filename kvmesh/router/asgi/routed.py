@@ -25,6 +25,7 @@ from kvmesh.router.asgi.disagg import TwoStage
 from kvmesh.router.asgi.forwarding import Dispatch, replace_body, session_header
 from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.asgi.prefix_copy import start_prefix_copy
+from kvmesh.router.asgi.stored_responses import find_home
 from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
@@ -96,6 +97,10 @@ class RoutedRequest:
                 await self._serve_local_untracked(parsed)
                 return
             mesh.cancel_warmups(parsed.hashes)  # the next turn is here: its warm-up is moot
+            if is_responses(self.endpoint) and len(mesh.registry.routable) > 1:
+                continued = previous_response_id(parsed.body)
+                if continued is not None:  # (only its engine holds it: find it if no one said)
+                    await find_home(mesh, continued, self.scope["headers"])
             account = RoutedAccount(mesh, mesh.next_request_id(), parsed, self.t0, self.wall0)
             request = self._route_request(parsed, account.request_id)
             if mesh.registry.prefill_routable and not is_responses(self.endpoint):

@@ -1,28 +1,40 @@
 """A stored Responses API answer, asked for again: ``GET /v1/responses/{id}`` (and anything below
-it, such as vLLM's ``POST /v1/responses/{id}/cancel``), sent to the engine that stored it.
+it, such as vLLM's ``POST /v1/responses/{id}/cancel``), sent to the engine that stored it; and
+:func:`find_home`, which finds that engine for a response this router did not relay.
 
 An engine keeps the responses it served in its own memory, so only that engine can answer for one.
-The router knows where each response it relayed was served (``Mesh.response_homes``). Such a
-request goes there, and its answer comes back unchanged. Where the router does not know the id (a
-response served before it started, or through another router), an engine's middleware hands the
-request to its own engine, as it always did, and the standalone router answers 404 naming
-``response_id``. A worker that cannot be reached is a 502. A worker that breaks off mid-answer has
-its connection closed, and so does the client's.
+The router knows where each response it relayed was served (``Mesh.response_homes``). A response it
+does not know (relayed by another replica: in a mesh every engine's middleware is one, and a client
+behind a load balancer reaches any of them; or before this router started) is looked for: every
+routable worker is asked for it at once (``GET /v1/responses/{id}``, as its engine answers it), and
+the first that has it is remembered. The asks carry the hop headers, so a peer's middleware answers
+from its own engine and asks no one in turn. Responses nobody holds (an engine with its store off)
+are looked for again each time: one short GET per worker.
+
+Such a request goes to its engine, and its answer comes back unchanged. Where nobody holds the
+id, an engine's middleware hands the request to its own engine, as it always did, and the
+standalone router answers 404 naming ``response_id``. A worker that cannot be reached is a 502. A
+worker that breaks off mid-answer has its connection closed, and so does the client's.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
+from urllib.parse import quote
 
 from kvmesh._http import route_path
 from kvmesh.errors import RequestError
+from kvmesh.router.asgi import peer_auth
 from kvmesh.router.asgi.json_io import read_body, send_error
-from kvmesh.router.asgi.peer_auth import strip_internal
 from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.mesh.worker_rpc import call_app
 from kvmesh.router.request.responses_api import RESPONSES_PATH
 from kvmesh.router.upstream.forwarder import UpstreamError, end_to_end_headers
 
 _BELOW = RESPONSES_PATH + "/"
+_ASK_TIMEOUT = 2.0
+"""Seconds a worker has to say whether it holds a response."""
 
 
 def handles(path: str) -> bool:
@@ -34,7 +46,16 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
     path = route_path(scope)
     response_id = path[len(_BELOW) :].split("/", 1)[0]
     await mesh.ensure_started()
-    home = mesh.response_homes.home(response_id)
+    headers = scope["headers"]
+    if peer_auth.has_internal(headers):
+        hop = peer_auth.read_hop(headers, mesh.settings.mesh_secret)
+        scope = {**scope, "headers": peer_auth.strip_internal(headers)}
+        if hop is not None and mesh.local_app is not None:  # a peer's ask: this engine answers
+            await app(scope, receive, send)
+            return
+    if not mesh.registry.ready.is_set():
+        await mesh.wait_ready()
+    home = await find_home(mesh, response_id, scope["headers"])
     worker = mesh.registry.get(home) if home is not None else None
     if worker is None or home == mesh.settings.self_worker_id:
         if mesh.local_app is not None:  # this engine's own store answers
@@ -52,7 +73,8 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
         return
     if body is None:
         return  # the client left
-    headers = strip_internal(end_to_end_headers(scope["headers"]))
+    headers = peer_auth.strip_internal(end_to_end_headers(scope["headers"]))
+    headers += peer_auth.hop_headers(mesh.settings.mesh_secret, mesh.replica, mesh.next_request_id())
     if scope.get("query_string"):
         path += "?" + scope["query_string"].decode("latin-1")
     try:
@@ -69,3 +91,35 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
     except BaseException:  # (the worker broke off, or the client left: the connection goes)
         upstream.close()
         raise
+
+
+async def find_home(mesh: Mesh, response_id: str, headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The worker holding stored response ``response_id``: known, or found by asking every routable
+    worker at once (see the module docstring); None when none has it. The client's
+    ``authorization`` goes with the asks (an engine's store is behind its API key)."""
+    home = mesh.response_homes.home(response_id)
+    if home is not None:
+        return home
+    registry = mesh.registry
+    workers = [w for w in (registry.get(i) for i in sorted(registry.routable)) if w is not None]
+    if not workers:
+        return None
+    path = _BELOW + quote(response_id, safe="")
+    auth = [(k, v) for k, v in headers if k == b"authorization"]
+    asks = peer_auth.hop_header_map(mesh.settings.mesh_secret, mesh.replica, mesh.next_request_id())
+    asks.update((k.decode(), v.decode("latin-1")) for k, v in auth)
+
+    async def holds(worker: Any) -> bool:
+        if worker.worker_id == mesh.settings.self_worker_id and mesh.local_app is not None:
+            asked = call_app(mesh.local_app, "GET", path, auth, b"")
+            status, _ = await asyncio.wait_for(asked, _ASK_TIMEOUT)
+        else:
+            status, _ = await mesh.forwarder.get(worker.url + path, timeout=_ASK_TIMEOUT, headers=asks)
+        return status == 200
+
+    answers = await asyncio.gather(*(holds(w) for w in workers), return_exceptions=True)
+    for worker, held in zip(workers, answers, strict=True):
+        if held is True:
+            mesh.response_homes.remember(response_id, worker.worker_id)
+            return str(worker.worker_id)
+    return None

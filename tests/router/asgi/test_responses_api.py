@@ -226,3 +226,50 @@ async def test_a_later_response_whose_engine_is_down_is_a_503_naming_the_field(
         assert error["error"]["param"] == "previous_response_id"
         status, _, worker = await respond(http, front.url, body)  # the fleet serves the rest
         assert status == 200 and worker == mocks[0].base_url
+
+
+async def test_a_replica_that_did_not_relay_a_response_finds_the_engine_holding_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """In a mesh every engine's middleware is a router of its own, and a client behind a load
+    balancer reaches any of them: the next turn comes in where the first was not routed."""
+    async with start_mesh(3, RouterConfig(), MockConfig(block_size=BS, speedup=50.0)) as nodes:
+        first, second, holder = (node.url for node in nodes)
+        model = MockConfig().model
+
+        async def stored_on_holder(text: str) -> str:
+            body = {
+                "model": model,
+                "input": text,
+                "max_output_tokens": 4,
+                "nvext": {"backend_instance_id": holder},
+            }
+            status, stored, worker = await respond(http, first, body)
+            assert status == 200 and worker == holder
+            return str(stored["id"])
+
+        fetched = await stored_on_holder("Summarise the renewal clause.")
+        async with http.get(f"{second}/v1/responses/{fetched}") as r:  # a replica that never saw it
+            assert r.status == 200, await r.text()
+            assert (await r.json())["id"] == fetched
+        continued = await stored_on_holder("Summarise the payment clause.")
+        # The follow-up's own words are cached on the first engine only: routed on them alone it
+        # would go there, which does not hold the stored response (404).
+        follow_text = "Now compare it with the termination clause, point by point. " * 6
+        warm = {
+            "model": model,
+            "prompt": follow_text,
+            "max_tokens": 1,
+            "nvext": {"backend_instance_id": first},
+        }
+        async with http.post(second + "/v1/completions", json=warm) as r:
+            assert r.status == 200
+        follow = {
+            "model": model,
+            "input": follow_text,
+            "max_output_tokens": 2,
+            "previous_response_id": continued,
+        }
+        status, later, worker = await respond(http, second, follow)
+        assert status == 200, later
+        assert worker == holder

@@ -31,7 +31,20 @@ from kvmesh.router.request.tokenizer import Tokenizer
 STORED_RESPONSES = 10_000
 """Responses one mock engine keeps for ``previous_response_id`` (the oldest is dropped)."""
 # Fields of a Responses body that mean the same in a chat body (the rest are the engine's own).
-_SAME_AS_CHAT = ("model", "stream", "temperature", "top_p", "priority", "seed", "user")
+# (vLLM's Responses request has these of its chat request's own too: ignore_eos, top_k, stop, ...)
+_SAME_AS_CHAT = (
+    "model",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "priority",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "thinking_token_budget",
+    "user",
+)
 _encode = msgspec.json.encode
 
 

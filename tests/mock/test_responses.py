@@ -93,6 +93,8 @@ async def test_a_stored_response_is_continued_and_an_unknown_one_is_a_404() -> N
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "store": "yes"}, "store"),
+        ({"input": "x", "top_k": -5}, "top_k"),  # (vLLM's Responses request takes its sampling fields)
+        ({"input": "x", "stop": 5}, "stop"),
     ],
 )
 async def test_a_body_the_engine_cannot_serve_is_a_400_naming_the_field(body: dict, field: str) -> None:  # type: ignore[type-arg]

@@ -194,7 +194,7 @@ class Dispatch:
             if parsed.nvext.annotations
             else b"",
             text=account.streamed_text if account.counts_text else None,
-            identified=functools.partial(_remember_home, self.mesh, worker_id)
+            identified=functools.partial(self.mesh.response_homes.remember, worker_id=worker_id)
             if parsed.stores_response
             else None,
         )
@@ -376,7 +376,3 @@ def _uncancel(task: asyncio.Task[Any]) -> None:
     uncancel = getattr(task, "uncancel", None)
     if uncancel is not None:
         uncancel()
-
-
-def _remember_home(mesh: Mesh, worker_id: str, response_id: str) -> None:
-    mesh.response_homes.remember(response_id, worker_id)

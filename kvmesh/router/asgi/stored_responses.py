@@ -75,6 +75,7 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
         return  # the client left
     headers = peer_auth.strip_internal(end_to_end_headers(scope["headers"]))
     headers += peer_auth.hop_headers(mesh.settings.mesh_secret, mesh.replica, mesh.next_request_id())
+    path = quote(path)  # (route_path is decoded: what follows the id is the client's, spaces and all)
     if scope.get("query_string"):
         path += "?" + scope["query_string"].decode("latin-1")
     try:

@@ -20,8 +20,8 @@ turns the worker's response into the same messages).
 Two options for a routed request: ``content`` hears the answer's text (``delta.content`` /
 ``text`` / ``message.content``; reasoning fields are left out), its ``tool_calls`` (whole, or the
 pieces a stream carries) and its ``token_ids`` when the engine sends them, which costs one JSON
-decode per event and is only asked for when a pin or a warm-up needs the answer; ``preamble`` (the ``nvext.annotations`` events) goes out ahead of the first event;
-``text`` hears everything each event generated (reasoning included) before the batch's ``events``
+decode per event and is only asked for when a pin or a warm-up needs the answer; ``preamble``
+(the ``nvext.annotations`` events) goes out ahead of the first event; ``text`` hears everything each event generated (reasoning included) before the batch's ``events``
 call, so a stream that will carry no ``usage`` can be counted in tokens. Both hear each choice
 with its ``index``: a request for ``n`` choices gets them interleaved, one choice an event (vLLM,
 SGLang).

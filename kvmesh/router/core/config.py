@@ -214,7 +214,7 @@ def _refuse_cost_flags(config: RouterConfig) -> None:
         given = [
             spec.name
             for spec in _FLAGS
-            if spec.field in _KV_ONLY and getattr(config, spec.field) != _DEFAULTS[spec.field]
+            if spec.field in _KV_ONLY and getattr(config, spec.field) != spec.default
         ]
     if given:
         raise ConfigError(
@@ -578,7 +578,6 @@ _FLAGS: tuple[Setting, ...] = (
 )
 
 _FLAGS = bind_defaults(RouterConfig, _FLAGS)
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
 # What only the KV mode's cost and prefix index read.
 _KV_ONLY = frozenset(
     (

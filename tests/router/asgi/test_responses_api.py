@@ -42,6 +42,17 @@ async def respond(
     return 200, json.loads(done[0].split("data: ", 1)[1])["response"], worker
 
 
+FOLLOW_TEXT = "Now compare it with the termination clause, point by point. " * 6
+
+
+async def warm_elsewhere(http: aiohttp.ClientSession, url: str, model: str, worker: str) -> None:
+    """Cache the follow-up's own words (:data:`FOLLOW_TEXT`) on ``worker`` alone, one that does not
+    hold the stored response: a follow-up routed on its own words would go there (and get a 404)."""
+    warm = {"model": model, "prompt": FOLLOW_TEXT, "max_tokens": 1, "nvext": {"backend_instance_id": worker}}
+    async with http.post(url + "/v1/completions", json=warm) as r:
+        assert r.status == 200
+
+
 def cached(doc: dict[str, Any]) -> int:
     return int(doc["usage"]["input_tokens_details"]["cached_tokens"])
 
@@ -110,21 +121,11 @@ async def test_a_later_response_goes_to_the_engine_that_stored_the_earlier_one(
         }
         status, earlier, worker = await respond(http, front.url, opening)
         assert status == 200 and worker == first_id
-        # The follow-up's own words are cached on the other engine only: routed on them, it would
-        # go there, which never saw the earlier response (404).
-        follow_text = "Now compare it with the termination clause, point by point. " * 6
-        warm = {
-            "model": model,
-            "prompt": follow_text,
-            "max_tokens": 1,
-            "nvext": {"backend_instance_id": second_id},
-        }
-        async with http.post(front.url + "/v1/completions", json=warm) as r:
-            assert r.status == 200
+        await warm_elsewhere(http, front.url, model, second_id)
         follow = {
             "model": model,
             "instructions": SYSTEM,
-            "input": follow_text,
+            "input": FOLLOW_TEXT,
             "max_output_tokens": 4,
             "previous_response_id": earlier["id"],
         }
@@ -193,6 +194,9 @@ async def test_a_stored_response_is_fetched_from_the_engine_that_stored_it(
         async with http.get(front.url + "/v1/responses/resp_nobody") as r:
             assert r.status == 404
             assert (await r.json())["error"]["param"] == "response_id"
+        # What follows the id is the client's, sent on as it was written (the engine has no such path)
+        async with http.get(f"{front.url}/v1/responses/{stored['id']}/odd%20part") as r:
+            assert r.status == 404, await r.text()
     # Inside the engines: asked of one engine, answered by the one that stored it.
     async with start_mesh(2, RouterConfig(), MockConfig(block_size=BS, speedup=50.0)) as nodes:
         here, there = nodes[0].url, nodes[1].url
@@ -253,20 +257,10 @@ async def test_a_replica_that_did_not_relay_a_response_finds_the_engine_holding_
             assert r.status == 200, await r.text()
             assert (await r.json())["id"] == fetched
         continued = await stored_on_holder("Summarise the payment clause.")
-        # The follow-up's own words are cached on the first engine only: routed on them alone it
-        # would go there, which does not hold the stored response (404).
-        follow_text = "Now compare it with the termination clause, point by point. " * 6
-        warm = {
-            "model": model,
-            "prompt": follow_text,
-            "max_tokens": 1,
-            "nvext": {"backend_instance_id": first},
-        }
-        async with http.post(second + "/v1/completions", json=warm) as r:
-            assert r.status == 200
+        await warm_elsewhere(http, second, model, first)
         follow = {
             "model": model,
-            "input": follow_text,
+            "input": FOLLOW_TEXT,
             "max_output_tokens": 2,
             "previous_response_id": continued,
         }

@@ -51,7 +51,7 @@ def test_what_keys_the_cache_keys_the_hashes() -> None:
         "cache_salt",
         "chat_template_kwargs",
     )
-    assert len({plain.hashes[0] if plain.hashes else 0, salted.hashes[0], effort.hashes[0]}) == 3
+    assert len({plain.hashes[0], salted.hashes[0], effort.hashes[0]}) == 3
 
 
 def test_an_assistant_message_left_open_is_continued() -> None:

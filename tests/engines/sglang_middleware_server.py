@@ -15,7 +15,10 @@ serving classes read) and the chat serving's ``handle_request``, which answers w
 route handed it: the raw body and the parsed request's ``priority``. The Responses serving is
 SGLang's real ``OpenAIServingResponses`` (its input items turned into chat messages, rendered by
 its ``_make_request``) with a stand-in ``create_responses`` that answers with the prompt's ids
-instead of generating.
+instead of generating. ``/generate`` is SGLang's real route and request parsing, over a stand-in
+``generate_request`` that tokenizes with the real TokenizerManager's own text tokenization and
+answers with those ids (and the priority and sampling parameters SGLang parsed) instead of
+generating.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class TokenizerManager:
         self.tokenizer = hf_tokenizer()
         self.model_config = SimpleNamespace(
             is_multimodal=False,
+            is_embedding_gemma=False,
             context_len=4096,
             get_default_sampling_params=lambda: {},
             hf_config=SimpleNamespace(model_type="llama", architectures=["LlamaForCausalLM"]),
@@ -67,6 +71,34 @@ class TokenizerManager:
 
     def config_value(self, name: str) -> Any:
         return None
+
+    # SGLang's own text tokenization for /generate (the real TokenizerManager's methods,
+    # REAL_TOKENIZATION; they read only the tokenizer, the model config and the async batch
+    # tokenizer, which is off here).
+    async_dynamic_batch_tokenizer = None
+
+    async def generate_request(self, obj: Any, request: Any = None) -> Any:
+        """TEST-ONLY ``/generate``: the ids SGLang's tokenization gives the request, no generation."""
+        obj.normalize_batch_and_arguments()
+        if obj.text is not None:
+            ids, _ = await self._tokenize_texts(obj.text)
+        else:
+            ids = list(obj.input_ids)
+        meta = {"id": obj.rid, "prompt_tokens": len(ids), "completion_tokens": 1, "cached_tokens": 0}
+        seen = {"ids": ids, "priority": obj.priority, "sampling_params": obj.sampling_params}
+        yield {"text": "w1", "output_ids": [6], "meta_info": meta, "seen": seen}
+
+    def create_abort_task(self, obj: Any) -> Any:
+        return None
+
+
+# The real TokenizerManager's text tokenization, taken onto the stand-in once SGLang is importable.
+REAL_TOKENIZATION = (
+    "_tokenize_texts",
+    "_detect_input_format",
+    "_prepare_tokenizer_input",
+    "_extract_tokenizer_results",
+)
 
 
 class EchoChat:
@@ -145,7 +177,11 @@ def main() -> None:
     from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
     from sglang.srt.parser.template_manager import TemplateManager
 
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager as Real
+
     runtime_context.publish(server_args, role="tokenizer_manager")
+    for name in REAL_TOKENIZATION:
+        setattr(TokenizerManager, name, getattr(Real, name))
     tm = TokenizerManager()
     templates = TemplateManager()
     http_server.set_global_state(

@@ -227,6 +227,38 @@ def test_a_responses_body_is_hashed_as_sglangs_responses_serving_renders_it(engi
     assert refused.json()["error"]["param"] == "temperature"
 
 
+def test_sglangs_generate_is_routed_on_the_ids_sglang_tokenizes_its_text_to(engine: Engine) -> None:
+    """SGLang's native ``/generate`` (its real route and request parsing; the test server's
+    ``generate_request`` tokenizes with the real TokenizerManager's text tokenization and answers
+    with the ids). The router must have hashed those ids: a repeat is credited with every whole
+    page of them. The priority arrives in SGLang's polarity, nvext's sampling inside
+    ``sampling_params``, and a session's request is served here, untouched."""
+    text = " ".join(f"w{i}" for i in range(200, 241))
+    answers = []
+    for nvext in ({"backend_instance_id": engine.url}, {}):
+        nvext |= {"extra_fields": ["worker_id", "timing"], "agent_hints": {"priority": 5}, "ignore_eos": True}
+        body = {"text": text, "sampling_params": {"max_new_tokens": 4}, "nvext": nvext}
+        response = engine.client.post("/generate", json=body)
+        assert response.status_code == 200, response.text
+        answers.append(response.json())
+    again = answers[1]
+    ids = again["seen"]["ids"]
+    assert ids == [5 + i for i in range(200, 241)]  # (the test vocabulary's w0 is id 5)
+    assert again["nvext"]["worker_id"]["decode_worker_id"] == engine.url
+    assert again["nvext"]["timing"]["cached_tokens_predicted"] == len(ids) // BLOCK * BLOCK
+    assert again["seen"]["priority"] == (5 if engine.polarity == "higher_first" else -5)
+    assert again["seen"]["sampling_params"] == {"max_new_tokens": 4, "ignore_eos": True}
+    # A batch is not routed (400 naming the field); a session's turn is the engine's own.
+    batch = engine.client.post("/generate", json={"text": [text, text]})
+    assert batch.status_code == 400 and batch.json()["error"]["param"] == "text"
+    session = engine.client.post("/generate", json={"input_ids": [7, 8], "session_params": {"id": "s-9"}})
+    assert session.status_code == 200, session.text
+    assert session.json()["seen"]["ids"] == [7, 8] and "nvext" not in session.json()
+    echo = {"input_ids": [7, 8], "session_params": {"id": "s-9"}, "nvext": {"extra_fields": ["worker_id"]}}
+    refused = engine.client.post("/generate", json=echo)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "nvext.extra_fields"
+
+
 @pytest.mark.parametrize("api_key", [None, "sk-test"])
 async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_inside_sglang(
     tmp_path: Path, api_key: str | None

@@ -25,7 +25,7 @@ import msgspec
 from kvmesh._http import route_path
 from kvmesh.adapters.sglang.tokenizer import SglangTokenizer
 from kvmesh.router.asgi.forwarding import HOP_HEADER
-from kvmesh.router.asgi.middleware import GENERATION_PATHS
+from kvmesh.router.asgi.middleware import WITH_GENERATE
 from kvmesh.router.asgi.middleware import KvMeshMiddleware as _CoreMiddleware
 from kvmesh.router.mesh.settings import MeshSettings
 
@@ -47,15 +47,17 @@ class KvMeshMiddleware(_CoreMiddleware):
             if "KVMESH_TOKENIZER" not in os.environ and not os.environ.get("KVMESH_CONFIG"):
                 settings = settings.replace(tokenizer="engine")
         self.engine_tokenizer = SglangTokenizer()
-        super().__init__(app, settings=settings, tokenizer=self.engine_tokenizer)
+        super().__init__(
+            app, settings=settings, tokenizer=self.engine_tokenizer, generation_paths=WITH_GENERATE
+        )
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             if not self.engine_tokenizer.bound and "app" in scope:
                 self.engine_tokenizer.bind_from_app(scope["app"])
             if (
-                route_path(scope) in GENERATION_PATHS
-                and scope["method"] == "POST"
+                route_path(scope) in WITH_GENERATE
+                and scope["method"] in ("POST", "PUT")
                 and not any(name == HOP_HEADER for name, _ in scope["headers"])
             ):
                 # A hop (a peer forwarded it) was routed already and its nvext stripped by the

@@ -14,7 +14,9 @@ override headers validated, prompt tokenized and hashed, KvRouter asked, then th
 by the wrapped app or forwarded to a registered worker (never to an address taken from the request)
 with a hop header that makes the peer serve it locally (:class:`~kvmesh.router.asgi.hop.HopRequest`).
 A stored response asked for again (``/v1/responses/{id}``) goes to the engine that stored it
-(:mod:`kvmesh.router.asgi.stored_responses`). The admin endpoints
+(:mod:`kvmesh.router.asgi.stored_responses`). In front of SGLang, and standalone, SGLang's native
+``/generate`` (POST or PUT) is routed too (``generation_paths``; any other app may have a
+``/generate`` of its own, in another shape). The admin endpoints
 (:mod:`kvmesh.router.asgi.admin`) are answered here. A scrape of an engine's
 multiprocess ``/metrics`` gets kvmesh's live gauges added (:mod:`kvmesh.router.asgi.scrape`). Every
 other path and every non-HTTP scope passes straight through.
@@ -32,6 +34,7 @@ from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.routed import RoutedRequest
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
+from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.responses_api import RESPONSES_PATH
 from kvmesh.router.request.tokenizer import Tokenizer
 
@@ -40,6 +43,8 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 
 GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", RESPONSES_PATH))
+WITH_GENERATE = GENERATION_PATHS | {GENERATE_PATH}
+"""The generation paths where the server behind is SGLang's (or may be: the standalone router)."""
 
 
 class KvMeshMiddleware:
@@ -51,8 +56,10 @@ class KvMeshMiddleware:
         *,
         settings: MeshSettings | None = None,
         tokenizer: Tokenizer | None = None,
+        generation_paths: frozenset[str] = GENERATION_PATHS,
     ) -> None:
         self.app = app
+        self.generation_paths = generation_paths
         self.settings = settings if settings is not None else MeshSettings.load()
         self.mesh = Mesh(self.settings, local_app=app, tokenizer=tokenizer)
         self.admin = admin.build_admin_app(self.mesh)
@@ -66,7 +73,9 @@ class KvMeshMiddleware:
                 await self.app(scope, receive, send)
             return
         path = route_path(scope)
-        if path in GENERATION_PATHS and scope["method"] == "POST":
+        if path in self.generation_paths and (
+            scope["method"] == "POST" or (scope["method"] == "PUT" and path == GENERATE_PATH)
+        ):
             await self.mesh.ensure_started()
             headers = scope["headers"]
             if peer_auth.has_internal(headers):

@@ -28,6 +28,7 @@ from kvmesh.router.asgi.prefix_copy import start_prefix_copy
 from kvmesh.router.asgi.stored_responses import find_home
 from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.request.generate_api import SERVED_BY, bound_to_engine, choices, is_generate
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
 from kvmesh.router.request.parse import ParsedRequest, parse_request, prompt_recomputed
 from kvmesh.router.request.responses_api import is_responses, previous_response_id
@@ -91,6 +92,9 @@ class RoutedRequest:
             if not mesh.registry.ready.is_set():
                 await mesh.wait_ready()
             parsed = self._parse(raw)
+            if is_generate(self.endpoint) and (bound := bound_to_engine(parsed.body)) is not None:
+                await self._serve_bound(parsed, bound)
+                return
             if mesh.local_app is not None and not mesh.registry.routable:
                 # Peers not known yet (or all gone): this engine can always serve its own requests.
                 parsed.complete()
@@ -103,8 +107,11 @@ class RoutedRequest:
                     await find_home(mesh, continued, self.scope["headers"])
             account = RoutedAccount(mesh, mesh.next_request_id(), parsed, self.t0, self.wall0)
             request = self._route_request(parsed, account.request_id)
-            if mesh.registry.prefill_routable and not is_responses(self.endpoint):
-                # (a Responses request is served aggregated: its engines take no hand-off fields)
+            if mesh.registry.prefill_routable and not (
+                is_responses(self.endpoint) or is_generate(self.endpoint)
+            ):
+                # (a Responses or /generate request is served aggregated: the hand-off fields are
+                # chat's and completions')
                 await TwoStage(self, parsed, account, request).run()
                 return
             result = self.route(request, account)
@@ -147,7 +154,9 @@ class RoutedRequest:
         if nv.pinned_worker is not None:
             check_worker_ids(mesh, nv, parsed.override_headers)
         if is_responses(self.endpoint):
-            _check_responses_nvext(nv, parsed.stream)
+            _check_answer_nvext(nv, parsed.stream, "/v1/responses")
+        elif is_generate(self.endpoint):
+            _check_answer_nvext(nv, parsed.stream or choices(parsed.body) > 1, "/generate")
         if nv.cache_ttl is not None:
             if not mesh.config.enable_cache_control:
                 raise RequestError(
@@ -299,7 +308,7 @@ class RoutedRequest:
             session_id=session.session_id if session else None,
             session_action=session.action if session else None,
             session_timeout=session.timeout if session else None,
-            allowed_workers=registry.routable if parsed.lora is None else registry.adapters[parsed.lora],
+            allowed_workers=self._allowed(parsed),
             lora_name=parsed.lora,
             client=_client(self.scope),
             estimated_blocks=parsed.isl // (registry.block_size or 16) if parsed.deferred is not None else 0,
@@ -312,6 +321,24 @@ class RoutedRequest:
                 and (parsed.deferred is None or parsed.deferred.exact)
             ),
         )
+
+    def _allowed(self, parsed: ParsedRequest) -> frozenset[str]:
+        """The workers that can serve it: those with its adapter, those whose server has the path."""
+        registry = self.mesh.registry
+        allowed = registry.routable if parsed.lora is None else registry.adapters[parsed.lora]
+        if is_generate(parsed.endpoint):  # (SGLang's own API: another engine's server answers 404)
+            allowed = frozenset(
+                w
+                for w in allowed
+                if (x := registry.get(w)) is not None and x.info is not None and x.info.backend in SERVED_BY
+            )
+            if not allowed:
+                raise RequestError(
+                    "no worker serves /generate (SGLang's native API); send the request to /v1/completions",
+                    field="path",
+                    status=404,
+                )
+        return allowed
 
     def _home(self, parsed: ParsedRequest) -> str | None:
         """The worker the request must go to: the one it names, or the one holding the stored
@@ -357,8 +384,11 @@ class RoutedRequest:
         if not await self._open_session(decision, parsed, account):
             return
 
+        servers = request.allowed_workers
+
         async def reroute(allowed: frozenset[str]) -> Decision | None:
-            request.allowed_workers = allowed
+            # (the workers left of those that could serve it: an adapter's, a path's)
+            request.allowed_workers = allowed if servers is None else allowed & servers
             return await self.settle(self.route(request, account), request, account)
 
         dispatch = Dispatch(
@@ -490,6 +520,30 @@ class RoutedRequest:
             return False
         return True
 
+    async def _serve_bound(self, parsed: ParsedRequest, field: str) -> None:
+        """A /generate request that belongs to the engine it reached (``generate_api.bound_to_engine``):
+        served there, as the engine alone would have served it; with no engine of its own, this
+        router cannot tell which engine it belongs to (400 naming the field)."""
+        if self.mesh.local_app is None:
+            raise RequestError(
+                f"'{field}' ties the request to one SGLang engine (a session opened there, or its "
+                "prefill/decode hand-off); send it to that engine, not through the router",
+                field=field,
+            )
+        nv = parsed.nvext
+        for asked, name in (
+            (nv.pinned_worker is not None, "nvext.backend_instance_id"),
+            (nv.wants_echo, "nvext.extra_fields"),
+            (nv.session is not None, "nvext.session_control"),
+            (nv.cache_ttl is not None, "nvext.cache_control"),
+            (nv.hints.speculative_prefill, "nvext.agent_hints.speculative_prefill"),
+        ):
+            if asked:  # (the router takes no part in such a request: it would change nothing)
+                raise RequestError(
+                    f"{name} does not apply to a request '{field}' ties to this engine", field=name
+                )
+        await self._serve_local_untracked(parsed)
+
     async def _serve_local_untracked(self, parsed: ParsedRequest) -> None:
         registry = self.mesh.registry
         me = registry.get(registry.settings.self_worker_id or "")
@@ -505,20 +559,20 @@ class RoutedRequest:
         await self.app(scope, replay_body(body, self.receive), self.send)
 
 
-def _check_responses_nvext(nv: Nvext, stream: bool) -> None:
+def _check_answer_nvext(nv: Nvext, echo_unwritable: bool, path: str) -> None:
     """Refuse what the router does only with chat and completions answers (400 naming the field):
     it reads their text to pin it or warm the next turn, and writes its extra events in their
-    shape."""
+    shape (``echo_unwritable``: a stream, or a /generate answer that is a list of answers)."""
     for asked, field in (
         (nv.cache_ttl is not None, "nvext.cache_control"),
         (nv.hints.speculative_prefill, "nvext.agent_hints.speculative_prefill"),
         (bool(nv.annotations), "nvext.annotations"),
-        (stream and nv.wants_echo, "nvext.extra_fields"),
+        (echo_unwritable and nv.wants_echo, "nvext.extra_fields"),
     ):
         if asked:
+            other = "/v1/chat/completions" if path == "/v1/responses" else "/v1/completions"
             raise RequestError(
-                f"{field} is not available on /v1/responses; send the request to /v1/chat/completions",
-                field=field,
+                f"{field} is not available on {path}; send the request to {other}", field=field
             )
 
 

@@ -1,6 +1,7 @@
 """The standalone router: KvMeshMiddleware in front of an app with no local engine.
 
-Besides what the middleware answers (the generation endpoints, ``/kvmesh/workers``,
+Besides what the middleware answers (the generation endpoints, SGLang's ``/generate`` among them,
+``/kvmesh/workers``,
 ``/busy_threshold``) it serves ``GET /health`` (503 while no worker is routable), ``GET /v1/models``
 (the models the fleet's workers reported) and ``GET /metrics`` (prometheus-client's registry).
 
@@ -24,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvmesh.router.asgi.middleware import KvMeshMiddleware
+from kvmesh.router.asgi.middleware import WITH_GENERATE, KvMeshMiddleware
 from kvmesh.router.mesh.metrics import CONTENT_TYPE, render
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
@@ -96,5 +97,8 @@ def build_router_app(
         ],
         lifespan=lifespan,
     )
-    middleware = KvMeshMiddleware(inner, settings=settings, tokenizer=tokenizer)
+    # (SGLang's /generate too: its workers may be SGLang's, and this app has no path of its own there)
+    middleware = KvMeshMiddleware(
+        inner, settings=settings, tokenizer=tokenizer, generation_paths=WITH_GENERATE
+    )
     return middleware

@@ -31,6 +31,10 @@ events (``response.created``, ``response.in_progress``, ``response.queued``), se
 has produced anything, are not the first token; its ``usage`` (top level in a JSON answer, inside
 ``response`` in the ``response.completed`` event) is read in chat's names; ``identified`` hears the
 answer's id (a later request names it as ``previous_response_id``).
+
+SGLang's ``/generate`` answers carry no ``usage``: each answer's ``meta_info`` has its counts, the
+running ones in each streamed event. The last ``meta_info`` of each answer (by its ``index``) is
+read once the response ends, in chat's names (``generate_api.meta_usage``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvmesh._http import SseLines, sse_data
+from kvmesh.router.request.generate_api import meta_usage
 from kvmesh.router.request.responses_api import chat_usage
 
 _DONE = b"[DONE]"
@@ -86,6 +91,7 @@ class ResponseTap:
         "_identified",
         "_json_limit",
         "_lines",
+        "_metas",
         "_mode",
         "_observer",
         "_preamble",
@@ -129,6 +135,7 @@ class ResponseTap:
         self._lines = SseLines(_MAX_PARTIAL_LINE)
         self._echoed = False
         self._stream_meta: dict[str, Any] | None = None
+        self._metas: dict[int, dict[str, Any]] = {}
         self.status = 0
         self.started = False  # the client has received the response head
         self.complete = False  # the last body message went out
@@ -260,6 +267,8 @@ class ResponseTap:
                         self._read_content(payload)
                     if _may_carry_usage(payload):
                         usages.append(payload)
+                    elif b'"meta_info"' in payload:
+                        self._read_meta(payload)
             offset += len(line)
         if events:
             self._seen_events += events
@@ -294,6 +303,13 @@ class ResponseTap:
         if self._text is not None:
             for index, generated in _generated_text(event):
                 self._text(index, generated)
+
+    def _read_meta(self, payload: bytes) -> None:
+        try:
+            event = _json_decode(payload)
+        except msgspec.DecodeError:
+            return
+        _keep_meta(event, self._metas)
 
     def _read_usage(self, payload: bytes) -> None:
         try:
@@ -336,7 +352,12 @@ class ResponseTap:
             # Nothing to merge: the answer goes out as it came, and usage is read once it is gone.
             await self._flush_start(len(data))
             await self._send({"type": "http.response.body", "body": data, "more_body": False})
-            self._account(_json_object(data))
+            doc = _json_object(data, answers=True)
+            if isinstance(doc, list):  # (/generate's answers to one prompt's n samples)
+                for answer in doc:
+                    _keep_meta(answer, self._metas)
+            else:
+                self._account(doc)
         else:
             doc = _json_object(data)
             self._account(doc)
@@ -351,6 +372,9 @@ class ResponseTap:
         """Report a whole JSON answer's ``usage`` (cached prompt tokens, completion tokens: the
         observer counts them as output) and, when asked, its text."""
         if doc is None:
+            return
+        if "meta_info" in doc:  # (read with the other answers at the end: _finish)
+            _keep_meta(doc, self._metas)
             return
         if self._content is not None:
             _report_content(doc, self._content)
@@ -374,6 +398,9 @@ class ResponseTap:
 
     def _finish(self) -> None:
         self.complete = True
+        usage = meta_usage(self._metas)
+        if usage is not None:
+            self._observer.usage(usage)
         self._observer.end(True)
 
 
@@ -496,9 +523,18 @@ def _generated_text(event: Any) -> list[tuple[int, str]]:
     return out
 
 
-def _json_object(data: bytes) -> dict[str, Any] | None:
+def _json_object(data: bytes, *, answers: bool = False) -> Any:
+    """The answer's JSON object (or, with ``answers``, a list of them), else None."""
     try:
         doc = _json_decode(data)
     except msgspec.DecodeError:
         return None
-    return doc if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) or (answers and isinstance(doc, list)) else None
+
+
+def _keep_meta(answer: Any, metas: dict[int, dict[str, Any]]) -> None:
+    """Keep an SGLang ``/generate`` answer's ``meta_info`` (the latest, in a stream) by its index."""
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    if isinstance(meta, dict):
+        index = answer.get("index")
+        metas[index if type(index) is int else 0] = meta

@@ -18,6 +18,12 @@ import msgspec
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.hashing import block_hashes
 from kvmesh.router.request.continuation import TurnMemo
+from kvmesh.router.request.generate_api import (
+    bound_to_engine,
+    completion_view,
+    engine_fields,
+    is_generate,
+)
 from kvmesh.router.request.nvext import (
     DEFAULT_LIMITS,
     EMPTY,
@@ -153,6 +159,9 @@ class ParsedRequest:
                 out["priority"] = -priority
             elif polarity == "higher_first":
                 out["priority"] = priority
+        if is_generate(self.endpoint):  # (SGLang's own API: its own places for these)
+            engine_fields(out, dict(nv.sampling), nv.greedy, nv.max_thinking_tokens)
+            return _encode(out)
         out.update(nv.sampling)
         if nv.greedy:  # the reference's greedy: whatever sampling the body asked for
             out["temperature"] = 0.0
@@ -255,13 +264,25 @@ def parse_request(
     turn's blocks, its new messages estimated from the body's growth."""
     body = decode_body(raw)
     overrides = override_headers(headers)
-    # What the engine renders: the body itself, or the chat request a Responses body becomes.
-    rendered, rendered_as = (
-        (rendered_as_chat(body, tokenizer), CHAT_ENDPOINT) if is_responses(endpoint) else (body, endpoint)
-    )
+    # What the engine renders: the body itself, the chat request a Responses body becomes, or the
+    # completion request a /generate body is.
+    if is_responses(endpoint):
+        rendered, rendered_as = rendered_as_chat(body, tokenizer), CHAT_ENDPOINT
+    elif is_generate(endpoint):
+        if bound_to_engine(body) is not None:  # (served where it is: its prompt decides nothing)
+            nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
+            return ParsedRequest(endpoint, raw, body, nv, overrides, [], [], None)
+        rendered, rendered_as = completion_view(body), COMPLETIONS_ENDPOINT
+    else:
+        rendered, rendered_as = body, endpoint
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
     if nv is not EMPTY:
         check_engine_fields(nv, body, rendered_as, tokenizing=tokenizer is not None)
+        if nv.token_data is not None and is_generate(endpoint):
+            raise RequestError(
+                "nvext.token_data: /generate takes a token-id prompt as 'input_ids'",
+                field="nvext.token_data",
+            )
     lora = lora_of(body.get("model"))
     tokens: list[int] = []
     hashes: list[int] = []
@@ -339,6 +360,19 @@ def parse_request(
 
 
 CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+
+
+_KEYED_BY = (
+    "multi_modal_data",
+    "mm_processor_kwargs",
+    "prompt_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "lora_path",
+    "extra_key",
+)
 
 
 def cache_keyed(body: dict[str, Any]) -> str | None:
@@ -360,7 +394,8 @@ def cache_keyed(body: dict[str, Any]) -> str | None:
         value = body.get(key)
         if value is not None and value != "" and value != []:
             return key
-    for key in ("multi_modal_data", "mm_processor_kwargs", "prompt_embeds"):
+    # (media, embeddings, and SGLang's own keys: an adapter's and an extra key of the client's)
+    for key in _KEYED_BY:
         if body.get(key) is not None:
             return key
     messages = body.get("messages")

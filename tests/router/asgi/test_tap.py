@@ -344,3 +344,63 @@ async def test_a_whole_responses_answer_is_read_in_its_own_names() -> None:
     await tap({"type": "http.response.body", "body": json.dumps(answer).encode(), "more_body": False})
     assert rec.calls == ["first", "cached:0", "end:True"]
     assert ids == ["resp_2"]
+
+
+class UsageRecorder(Recorder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.usages: list[dict[str, Any]] = []
+
+    def usage(self, usage: dict[str, Any]) -> None:
+        self.usages.append(usage)
+        super().usage(usage)
+
+
+def _meta(prompt: int, cached: int, completion: int) -> dict[str, Any]:
+    return {"id": "r1", "prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}
+
+
+async def test_a_generate_stream_is_counted_once_from_its_last_meta_info() -> None:
+    rec = UsageRecorder()
+    tap = ResponseTap(rec.send, rec)
+    await tap(SSE_HEAD)
+    for n in (1, 2, 3):  # SGLang's running counts, one event a token
+        event = _event({"text": "ab"[: n % 3], "output_ids": [5] * n, "meta_info": _meta(40, 32, n)})
+        await tap({"type": "http.response.body", "body": event, "more_body": True})
+    assert rec.calls == ["first", "events:1", "events:1", "events:1"]  # counts only at the end
+    await tap({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+    assert rec.usages == [
+        {"prompt_tokens": 40, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 32}}
+    ]
+    assert rec.calls[-1] == "end:True"
+
+
+async def test_a_generate_answer_of_n_samples_sums_their_tokens_and_counts_the_prompt_once() -> None:
+    rec = UsageRecorder()
+    tap = ResponseTap(rec.send, rec)
+    answers = [
+        {"text": "x", "index": 0, "meta_info": _meta(40, 16, 4)},
+        {"text": "y", "index": 1, "meta_info": _meta(40, 16, 6)},
+    ]
+    await tap(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    )
+    await tap({"type": "http.response.body", "body": json.dumps(answers).encode(), "more_body": False})
+    assert rec.usages == [
+        {"prompt_tokens": 40, "completion_tokens": 10, "prompt_tokens_details": {"cached_tokens": 16}}
+    ]
+    assert rec.calls == ["first", "cached:16", "end:True"]
+    assert json.loads(b"".join(m.get("body", b"") for m in rec.sent[1:])) == answers  # unchanged
+
+
+async def test_a_whole_generate_answer_keeps_its_shape_with_the_echo_merged() -> None:
+    rec = UsageRecorder()
+    rec._echo = {"worker_id": "w2"}
+    tap = ResponseTap(rec.send, rec)
+    answer = {"text": "hi", "output_ids": [1, 2], "meta_info": _meta(20, 0, 2)}
+    await tap(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    )
+    await tap({"type": "http.response.body", "body": json.dumps(answer).encode(), "more_body": False})
+    assert rec.usages[0]["completion_tokens"] == 2
+    assert json.loads(rec.sent[-1]["body"]) == {**answer, "nvext": {"worker_id": "w2"}}

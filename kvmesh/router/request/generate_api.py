@@ -1,0 +1,146 @@
+"""SGLang's native generation API (``POST /generate``) read as the completion request it amounts to.
+
+SGLang serves ``/v1/completions`` by turning the body into a ``/generate`` request
+(``text=prompt``, or ``input_ids`` for a token-id prompt), so a ``/generate`` prompt is tokenized
+exactly as a completion prompt is: :func:`completion_view` gives the router that body, and the
+engine gets the client's own, unchanged. RL rollouts and most SGLang-native clients send this API;
+sglang-router routes it too.
+
+What the router cannot follow is refused here, naming the field (a 400 the client can fix), as it
+is for completions: a batch of prompts (a list of texts, a list of token-id lists, a list of
+sampling parameters) and a prompt of embeddings (``input_embeds``: SGLang caches none of it).
+
+Two kinds of request belong to the engine they were sent to and are never moved to another one
+(:func:`bound_to_engine`): one that continues an SGLang session opened there
+(``session_params``: its history lives in that engine), and one of SGLang's own prefill/decode
+hand-off (``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``: a peer waits for it there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.errors import RequestError
+
+GENERATE_PATH = "/generate"
+SERVED_BY = frozenset(("sglang", "mock"))
+"""The backends (``/kvmesh/info`` ``backend``) whose server answers ``/generate``."""
+# Fields that bind a request to the engine it reached (see the module docstring).
+_BOUND = ("session_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+# Fields that key SGLang's cache by more than the prompt's tokens, carried into the view (cache_keyed).
+_CARRIED = ("cache_salt", "lora_path", "extra_key", "image_data", "video_data", "audio_data")
+
+
+def is_generate(endpoint: str) -> bool:
+    """Whether ``endpoint`` (a request path or its short name) is SGLang's ``/generate``."""
+    return endpoint == GENERATE_PATH or endpoint == "generate"
+
+
+def bound_to_engine(body: dict[str, Any]) -> str | None:
+    """The field that ties this request to the engine it was sent to, or None."""
+    for field in _BOUND:
+        if body.get(field) is not None:
+            return field
+    return None
+
+
+def sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``sampling_params`` (an object; a 400 for a list, which is a batch's)."""
+    params = body.get("sampling_params")
+    if params is None:
+        return {}
+    if isinstance(params, list):
+        raise RequestError(
+            "'sampling_params' as a list is for a batch of prompts, which is not routed; "
+            "send one prompt per request",
+            field="sampling_params",
+        )
+    if not isinstance(params, dict):
+        raise RequestError("'sampling_params' must be an object", field="sampling_params")
+    return params
+
+
+def completion_view(body: dict[str, Any]) -> dict[str, Any]:
+    """The completion body (``prompt``, ``n``, ``max_tokens`` and what keys the cache) this
+    ``/generate`` body amounts to. A 400 naming the field for what is not routed."""
+    if body.get("input_embeds") is not None:
+        raise RequestError(
+            "'input_embeds': a prompt of embeddings is not routed (SGLang caches none of it); "
+            "send it to an engine directly",
+            field="input_embeds",
+        )
+    text = body.get("text")
+    if text is not None:  # (SGLang reads text before input_ids when both are sent)
+        if isinstance(text, list):
+            raise RequestError(
+                "'text' as a list is a batch of prompts, which is not routed; send one prompt per request",
+                field="text",
+            )
+        if not isinstance(text, str) or not text:
+            raise RequestError("'text' must be a non-empty string", field="text")
+        prompt: Any = text
+    else:
+        ids = body.get("input_ids")
+        if ids is None:
+            raise RequestError("'text' or 'input_ids' is required", field="text")
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("'input_ids' must be a non-empty list of token ids", field="input_ids")
+        if isinstance(ids[0], list):
+            raise RequestError(
+                "'input_ids' as a list of lists is a batch of prompts, which is not routed; "
+                "send one prompt per request",
+                field="input_ids",
+            )
+        prompt = ids
+    view: dict[str, Any] = {"prompt": prompt}
+    params = sampling_params(body)
+    for source, name in (("n", "n"), ("max_new_tokens", "max_tokens")):
+        if source in params:
+            view[name] = params[source]
+    for key in _CARRIED:
+        if key in body:
+            view[key] = body[key]
+    return view
+
+
+def choices(body: dict[str, Any]) -> int:
+    """How many answers the request asks for (``sampling_params.n``; 1 when not a positive int)."""
+    n = sampling_params(body).get("n", 1)
+    return n if type(n) is int and n > 0 else 1
+
+
+def engine_fields(
+    out: dict[str, Any], sampling: dict[str, Any], greedy: bool, thinking_budget: int | None
+) -> None:
+    """Write what ``nvext`` asks of the engine into a ``/generate`` body ``out``, in SGLang's own
+    places: sampling inside ``sampling_params``, the reasoning budget at the top."""
+    if sampling or greedy:
+        params = dict(sampling_params(out))
+        params.update(sampling)
+        if greedy:
+            params["temperature"] = 0.0
+            params["top_k"] = 1
+            params.pop("top_p", None)
+        out["sampling_params"] = params
+    if thinking_budget is not None:
+        out["max_thinking_tokens"] = thinking_budget
+
+
+def meta_usage(metas: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``meta_info`` of each answer (by its ``index``; the last one streamed) in chat's usage
+    names, which the router's accounting reads: the prompt and its cached tokens once (every answer
+    reports the same prompt), the answers' tokens summed. None without a count to read."""
+    if not metas:
+        return None
+    first = metas[min(metas)]
+    completion = 0
+    for meta in metas.values():
+        tokens = meta.get("completion_tokens")
+        if type(tokens) is not int:
+            return None
+        completion += tokens
+    usage: dict[str, Any] = {"prompt_tokens": first.get("prompt_tokens"), "completion_tokens": completion}
+    cached = first.get("cached_tokens")
+    if type(cached) is int:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage

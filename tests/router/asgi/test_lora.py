@@ -125,3 +125,31 @@ async def test_adapter_requests_hash_with_the_adapter_and_reach_its_workers(sour
                 assert await ask(ADAPTER) == ("x", 64)
                 assert await ask(BASE) == ("y", 64)
                 assert (got_x, got_y) == ([ADAPTER], [BASE])
+
+
+async def test_a_failover_keeps_an_adapters_request_to_the_workers_serving_the_adapter() -> None:
+    """x serves the adapter and dies after the router saw it up; y serves only the base model. The
+    request must not fail over to y (which would answer it with an adapter it does not have)."""
+    got_x: list[str] = []
+    got_y: list[str] = []
+    with _publisher() as pub_x, _publisher() as pub_y:
+        async with serve(_upstream(pub_y, [], "info", got_y)) as y, aiohttp.ClientSession() as http:
+            x_cm = serve(_upstream(pub_x, [ADAPTER], "info", got_x))
+            x = await x_cm.__aenter__()
+            settings = MeshSettings(
+                workers=(WorkerSpec(x.url, "x"), WorkerSpec(y.url, "y")), health_interval=60.0
+            )
+            async with serve(build_router_app(settings)) as front:
+                async with http.get(front.url + "/kvmesh/workers") as r:
+                    rows = {row["worker_id"]: row for row in (await r.json())["workers"]}
+                assert rows["x"]["state"] == rows["y"]["state"] == "up"
+                x.crash()
+                await x_cm.__aexit__(None, None, None)
+                body = {"model": ADAPTER, "prompt": PROMPT, "max_tokens": 1}
+                async with http.post(front.url + "/v1/completions", json=body) as r:
+                    status = r.status
+                base = {**body, "model": BASE}
+                async with http.post(front.url + "/v1/completions", json=base) as r:
+                    assert r.status == 200  # (y serves the base model all the same)
+    assert status == 503
+    assert (got_x, got_y) == ([], [BASE])

@@ -1,4 +1,5 @@
 """The simulated engine: an OpenAI-compatible server over a paged KV cache with prefix caching.
+It serves SGLang's native ``/generate`` as well (:mod:`kvmesh.mock.native_generate`).
 
     kvmesh mock --port 8001 --kv-events-endpoint tcp://127.0.0.1:5557     # from the shell
 

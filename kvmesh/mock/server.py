@@ -4,6 +4,8 @@
                                                      ``n`` choices (one an event), ``echo``
     POST /v1/responses, GET /v1/responses/{id}       the Responses API, stored answers
                                                      (``previous_response_id``): kvmesh.mock.responses
+    POST /generate (PUT too)                         SGLang's native API, as SGLang 0.5.23 has it:
+                                                     kvmesh.mock.native_generate
     GET  /v1/models, GET /health, GET /metrics
     /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc)
 
@@ -39,6 +41,7 @@ from starlette.routing import Route
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.engine import MockEngine, TokenStream
+from kvmesh.mock.native_generate import generate_answer, generate_events, parse_generate
 from kvmesh.mock.protocol import Endpoint, ParsedRequest, parse_generation, usage
 from kvmesh.mock.responses import (
     ResponseStore,
@@ -204,6 +207,33 @@ def build_app(
     async def completions(request: Request) -> Response:
         return await generate(request, "completions")
 
+    async def native_generate(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return error_response("the request body is not valid JSON", 400, "body")
+        try:
+            parsed = parse_generate(
+                body, engine.config, engine.tokenizer, request.headers.get("x-session-id")
+            )
+        except RequestError as e:
+            return error_response(str(e), e.status, e.field)
+        streams = _submit_choices(engine, parsed.completion, uuid.uuid4().hex)
+
+        def abort() -> None:
+            for stream in streams:
+                engine.abort(stream.request_id)
+
+        if parsed.completion.stream:
+            events = generate_events(parsed, streams, _interleaved(streams), text_of, engine.clock)
+            return EngineStreamResponse(events, abort)  # type: ignore[return-value]
+        if not await until_disconnect(request.receive, _wait_all(streams)):
+            abort()
+            return Response(status_code=499)
+        if any(stream.finish_reason == "abort" for stream in streams):
+            return error_response("the engine stopped before the request finished", 503)
+        return JSONResponse(generate_answer(parsed, streams, text_of, engine.clock()))
+
     async def models(request: Request) -> Response:
         card = {
             "id": model,
@@ -237,6 +267,7 @@ def build_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
+        Route("/generate", native_generate, methods=["POST", "PUT"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -354,8 +354,8 @@ class ResponseTap:
             await self._send({"type": "http.response.body", "body": data, "more_body": False})
             doc = _json_object(data, answers=True)
             if isinstance(doc, list):  # (/generate's answers to one prompt's n samples)
-                for answer in doc:
-                    _keep_meta(answer, self._metas)
+                for place, answer in enumerate(doc):
+                    _keep_meta(answer, self._metas, place)
             else:
                 self._account(doc)
         else:
@@ -532,9 +532,11 @@ def _json_object(data: bytes, *, answers: bool = False) -> Any:
     return doc if isinstance(doc, dict) or (answers and isinstance(doc, list)) else None
 
 
-def _keep_meta(answer: Any, metas: dict[int, dict[str, Any]]) -> None:
-    """Keep an SGLang ``/generate`` answer's ``meta_info`` (the latest, in a stream) by its index."""
+def _keep_meta(answer: Any, metas: dict[int, dict[str, Any]], place: int = 0) -> None:
+    """Keep an SGLang ``/generate`` answer's ``meta_info`` (the latest, in a stream) by its index:
+    a streamed event's ``index``, or its ``place`` in a whole answer's list (SGLang 0.5.23 numbers
+    only the streamed ones)."""
     meta = answer.get("meta_info") if isinstance(answer, dict) else None
     if isinstance(meta, dict):
         index = answer.get("index")
-        metas[index if type(index) is int else 0] = meta
+        metas[index if type(index) is int else place] = meta

@@ -120,7 +120,7 @@ async def start_mesh(
 
     from kvmesh.mock.engine import MockEngine
     from kvmesh.mock.server import build_app
-    from kvmesh.router.asgi.middleware import KvMeshMiddleware
+    from kvmesh.router.asgi.middleware import WITH_GENERATE, KvMeshMiddleware
     from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 
     socks = [_free_socket() for _ in range(n)]
@@ -145,7 +145,9 @@ async def start_mesh(
                 health_interval=health_interval,
                 mesh_secret=secret,
             )
-            app = build_app(engine, middleware=[Middleware(KvMeshMiddleware, settings=settings)])
+            # (the mock serves SGLang's /generate too: routed like SGLang's)
+            routing = Middleware(KvMeshMiddleware, settings=settings, generation_paths=WITH_GENERATE)
+            app = build_app(engine, middleware=[routing])
             if root_path_in_app:
                 app = _under_root(app, root_path)
             server = uvicorn.Server(

@@ -188,6 +188,42 @@ RESPONSES = st.fixed_dictionaries(
     },
 )
 
+SAMPLING = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_new_tokens": _maybe(st.integers(-1, 8)),
+        "n": _maybe(st.integers(0, 3)),
+        "temperature": _maybe(st.floats(0, 2)),
+        "ignore_eos": _maybe(st.booleans()),
+        "top_k": _maybe(st.integers(-1, 50)),
+        "stop": _maybe(st.one_of(TEXT, st.lists(TEXT, max_size=2))),
+        "regex": _maybe(TEXT),
+    },
+)
+GENERATE = st.fixed_dictionaries(
+    {},
+    optional={
+        "text": _maybe(st.one_of(TEXT, st.lists(TEXT, max_size=2))),
+        "input_ids": _maybe(
+            st.one_of(
+                st.lists(st.integers(-5, 2**40), max_size=20),
+                st.lists(st.lists(st.integers(0, 100), max_size=3), max_size=2),
+            )
+        ),
+        "input_embeds": st.just([[0.1, 0.2]]),
+        "sampling_params": _maybe(st.one_of(SAMPLING, st.lists(SAMPLING, max_size=2))),
+        "stream": _maybe(st.booleans()),
+        "rid": _maybe(TEXT),
+        "priority": _maybe(st.integers(-10, 10)),
+        "session_params": _maybe(st.fixed_dictionaries({"id": TEXT})),
+        "bootstrap_room": _maybe(st.integers(0, 10)),
+        "lora_path": _maybe(TEXT),
+        "cache_salt": _maybe(st.text(max_size=10)),
+        "return_logprob": _maybe(st.booleans()),
+        "nvext": _maybe(NVEXT),
+    },
+)
+
 
 @st.composite
 def raw_body(draw: st.DrawFn, doc: st.SearchStrategy[dict[str, Any]]) -> bytes:

@@ -13,13 +13,18 @@ import pytest
 from hypothesis import given
 
 from tests.fuzz.harness import FUZZ, Target, check_answer, reported
-from tests.fuzz.strategies import CHAT, COMPLETION, HEADERS, RESPONSES, raw_body
+from tests.fuzz.strategies import CHAT, COMPLETION, GENERATE, HEADERS, RESPONSES, raw_body
 
 
 @pytest.mark.parametrize(
     ("path", "doc"),
-    [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION), ("/v1/responses", RESPONSES)],
-    ids=["chat", "completions", "responses"],
+    [
+        ("/v1/chat/completions", CHAT),
+        ("/v1/completions", COMPLETION),
+        ("/v1/responses", RESPONSES),
+        ("/generate", GENERATE),
+    ],
+    ids=["chat", "completions", "responses", "generate"],
 )
 def test_no_5xx_and_every_4xx_names_its_field(target: Target, path: str, doc: Any) -> None:
     @FUZZ

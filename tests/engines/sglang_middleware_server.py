@@ -175,9 +175,8 @@ def main() -> None:
     from sglang.srt import runtime_context
     from sglang.srt.entrypoints import http_server
     from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
-    from sglang.srt.parser.template_manager import TemplateManager
-
     from sglang.srt.managers.tokenizer_manager import TokenizerManager as Real
+    from sglang.srt.parser.template_manager import TemplateManager
 
     runtime_context.publish(server_args, role="tokenizer_manager")
     for name in REAL_TOKENIZATION:

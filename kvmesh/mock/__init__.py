@@ -1,5 +1,6 @@
 """The simulated engine: an OpenAI-compatible server over a paged KV cache with prefix caching.
-It serves SGLang's native ``/generate`` as well (:mod:`kvmesh.mock.native_generate`).
+It serves SGLang's native ``/generate`` as well (:mod:`kvmesh.mock.native_generate`), and
+Anthropic's Messages API, ``/v1/messages``, as vLLM serves it (:mod:`kvmesh.mock.messages`).
 
     kvmesh mock --port 8001 --kv-events-endpoint tcp://127.0.0.1:5557     # from the shell
 

@@ -4,6 +4,8 @@
                                                      ``n`` choices (one an event), ``echo``
     POST /v1/responses, GET /v1/responses/{id}       the Responses API, stored answers
                                                      (``previous_response_id``): kvmesh.mock.responses
+    POST /v1/messages                                Anthropic's Messages API, as vLLM 0.33.0 serves
+                                                     it (``event:`` streams): kvmesh.mock.messages
     POST /generate (PUT too)                         SGLang's native API, as SGLang 0.5.23 has it:
                                                      kvmesh.mock.native_generate
     GET  /v1/models, GET /health, GET /metrics
@@ -41,6 +43,7 @@ from starlette.routing import Route
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.engine import MockEngine, TokenStream
+from kvmesh.mock.messages import message_events, message_object, parse_messages
 from kvmesh.mock.native_generate import generate_answer, generate_events, parse_generate
 from kvmesh.mock.protocol import Endpoint, ParsedRequest, parse_generation, usage
 from kvmesh.mock.responses import (
@@ -204,6 +207,40 @@ def build_app(
             return error_response(not_found(response_id), 404, "response_id")
         return JSONResponse(whole)
 
+    async def messages(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return error_response("the request body is not valid JSON", 400, "body")
+        try:
+            parsed = parse_messages(
+                body, engine.config, engine.tokenizer, request.headers.get("x-session-id")
+            )
+        except RequestError as e:
+            return error_response(str(e), e.status, e.field)
+        # (vLLM's id is the chat answer's it converts)
+        message_id = f"chatcmpl-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
+        only = _submit_choices(engine, parsed, uuid.uuid4().hex)[0]
+
+        def abort() -> None:
+            engine.abort(only.request_id)
+
+        if parsed.stream:
+            events = message_events(
+                parsed,
+                message_id,
+                _pieces(only, text_of),
+                lambda: None if only.finish_reason == "abort" else (only.finish_reason, _usage([only])),
+            )
+            return EngineStreamResponse(events, abort, headers=[(b"x-request-id", message_id.encode())])  # type: ignore[return-value]
+        if not await until_disconnect(request.receive, only.wait()):
+            abort()
+            return Response(status_code=499)
+        if only.finish_reason == "abort":
+            return error_response("the engine stopped before the request finished", 503)
+        whole = message_object(parsed, message_id, text_of(only.tokens), only.finish_reason, _usage([only]))
+        return JSONResponse(whole, headers={"x-request-id": message_id})
+
     async def completions(request: Request) -> Response:
         return await generate(request, "completions")
 
@@ -267,6 +304,7 @@ def build_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
+        Route("/v1/messages", messages, methods=["POST"]),
         Route("/generate", native_generate, methods=["POST", "PUT"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -18,7 +18,9 @@ its ``_make_request``) with a stand-in ``create_responses`` that answers with th
 instead of generating. ``/generate`` is SGLang's real route and request parsing, over a stand-in
 ``generate_request`` that tokenizes with the real TokenizerManager's own text tokenization and
 answers with those ids (and the priority and sampling parameters SGLang parsed) instead of
-generating.
+generating. The Anthropic Messages serving is SGLang's real ``AnthropicServing`` over its real chat
+serving (its conversion, validation and chat tokenization), with a stand-in
+``_handle_non_streaming_request`` that answers with the prompt's ids instead of generating.
 """
 
 from __future__ import annotations
@@ -154,6 +156,38 @@ def echo_responses(tm: Any, templates: Any) -> Any:
     return EchoResponses(tm, templates, enable_prompt_tokens_details=True, tool_server=None)
 
 
+def echo_messages(tm: Any, templates: Any) -> Any:
+    """SGLang's real Anthropic Messages serving over its real chat serving, answering with the ids
+    SGLang's own conversion and chat tokenization gave the request instead of generating."""
+    from sglang.srt.entrypoints.anthropic.serving import AnthropicServing
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionResponse
+    from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    class EchoIdsChat(OpenAIServingChat):  # type: ignore[misc]
+        async def _handle_non_streaming_request(self, adapted: Any, processed: Any, raw: Any) -> Any:
+            ids = list(adapted.input_ids)
+            return ChatCompletionResponse.model_validate(
+                {
+                    "id": "msg_echo",
+                    "model": "dummy",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": json.dumps({"ids": ids})},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {
+                        "prompt_tokens": len(ids),
+                        "completion_tokens": 1,
+                        "total_tokens": len(ids) + 1,
+                    },
+                }
+            )
+
+    return AnthropicServing(EchoIdsChat(tm, templates))
+
+
 async def relayed_chunks(request: Any) -> Any:
     """TEST-ONLY: kvmesh's ``kvmesh_relayed_chunks_total`` by path, read in this process."""
     from starlette.responses import JSONResponse
@@ -192,6 +226,7 @@ def main() -> None:
     app.state.openai_serving_tokenize = OpenAIServingTokenize(tm, templates)
     app.state.openai_serving_chat = EchoChat()
     app.state.openai_serving_responses = echo_responses(tm, templates)
+    app.state.anthropic_serving = echo_messages(tm, templates)
     app.router.routes.append(Route("/test/relayed-chunks", relayed_chunks))
     if server_args.api_key:  # as SGLang's launch does, after kvmesh's mount: outside kvmesh's layer
         from sglang.srt.utils.auth import add_api_key_middleware

@@ -227,6 +227,43 @@ def test_a_responses_body_is_hashed_as_sglangs_responses_serving_renders_it(engi
     assert refused.json()["error"]["param"] == "temperature"
 
 
+def test_an_anthropic_messages_body_is_hashed_as_sglangs_messages_serving_renders_it(
+    engine: Engine,
+) -> None:
+    """SGLang converts ``/v1/messages`` into a chat request its own way, then tokenizes it with its
+    chat path; the test server's Messages serving is SGLang's own, answering with those ids. The
+    router must have hashed the same prompt: a repeat is credited with every whole page of it."""
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(f"w{i}" for i in range(lo, hi))
+
+    body = {
+        "model": "dummy",
+        "max_tokens": 8,
+        # (SGLang joins system blocks with a newline, vLLM with nothing: SGLang's own way counts)
+        "system": [{"type": "text", "text": words(300, 306)}, {"type": "text", "text": words(306, 312)}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": words(312, 330)}]},
+            {"role": "assistant", "content": words(330, 336)},
+            {"role": "user", "content": words(336, 350)},
+        ],
+    }
+    answers = []
+    for nvext in ({"backend_instance_id": engine.url}, {}):
+        nvext["extra_fields"] = ["worker_id", "timing"]
+        response = engine.client.post("/v1/messages", json={**body, "nvext": nvext})
+        assert response.status_code == 200, response.text
+        answers.append(response.json())
+    again = answers[1]
+    ids = json.loads(again["content"][0]["text"])["ids"]
+    assert len(ids) > 40
+    assert again["nvext"]["worker_id"]["decode_worker_id"] == engine.url
+    assert again["nvext"]["timing"]["cached_tokens_predicted"] == len(ids) // BLOCK * BLOCK
+    refused = engine.client.post("/v1/messages", json={**body, "max_tokens": 0})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_sglangs_generate_is_routed_on_the_ids_sglang_tokenizes_its_text_to(engine: Engine) -> None:
     """SGLang's native ``/generate`` (its real route and request parsing; the test server's
     ``generate_request`` tokenizes with the real TokenizerManager's text tokenization and answers

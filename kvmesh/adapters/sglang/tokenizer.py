@@ -13,6 +13,10 @@ SGLang's server, kvmesh tokenizes through SGLang's own objects, created by its a
   system text is coalesced, content parts become chat parts, assistant items merge), which the
   chat path above then renders. Without that serving (SGLang without ``openai-harmony`` serves no
   ``/v1/responses``) the router reads the body as vLLM renders it.
+* Anthropic's Messages API: ``app.state.anthropic_serving`` converts the body into the chat
+  request SGLang serves it as (``_convert_to_chat_completion_request``), which the chat path above
+  then renders; its tools are left out where its ``tool_choice`` is ``none``, as SGLang's chat
+  path leaves them out.
 
 Bound on the first request from the ASGI ``scope["app"]`` (the lifespan has run by then); the
 middleware's predicted-vs-reported cached-token metric shows whether the ids agree in practice.
@@ -37,6 +41,7 @@ class SglangTokenizer:
         self._serving: Any = None
         self._tokenizer: Any = None
         self._responses: Any = None
+        self._anthropic: Any = None
 
     @property
     def bound(self) -> bool:
@@ -54,6 +59,7 @@ class SglangTokenizer:
         self._tokenizer = tokenizer
         self._serving = serving
         self._responses = getattr(state, "openai_serving_responses", None)
+        self._anthropic = getattr(state, "anthropic_serving", None)
 
     def _bound(self) -> Any:
         if self._serving is None:
@@ -109,6 +115,34 @@ class SglangTokenizer:
         }
         if tools:
             view["tools"] = tools
+        return view
+
+    def messages_as_chat(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The chat body SGLang serves an Anthropic Messages body as (see the module docstring),
+        or None where this server has no Messages serving."""
+        self._bound()
+        serving = self._anthropic
+        if serving is None:
+            return None
+        from sglang.srt.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+        request = AnthropicMessagesRequest(**{k: v for k, v in body.items() if k != "nvext"})
+        chat = serving._convert_to_chat_completion_request(request)
+        messages = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in chat.messages]
+        view: dict[str, Any] = {
+            "messages": messages,
+            "add_generation_prompt": True,
+            "continue_final_message": False,
+        }
+        if chat.tools and chat.tool_choice != "none":
+            view["tools"] = [tool.model_dump() for tool in chat.tools]
+        kwargs = dict(chat.chat_template_kwargs or {})
+        if chat.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = chat.reasoning_effort
+        if kwargs:
+            view["chat_template_kwargs"] = kwargs
+        if body.get("model") is not None:
+            view["model"] = body["model"]
         return view
 
     def decode(self, ids: list[int]) -> str:

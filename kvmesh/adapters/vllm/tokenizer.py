@@ -8,6 +8,12 @@ and default template kwargs (``--default-chat-template-kwargs``), and vLLM's own
 again after a chat template). The middleware's predicted-vs-reported cached-token metric shows
 whether the two agree in practice.
 
+An Anthropic Messages body (``/v1/messages``) is converted into the chat request vLLM serves it as
+by vLLM's own ``AnthropicServingMessages.to_chat_completion_request`` (:meth:`messages_as_chat`),
+with what the serving worked out from the chat template at start-up: whether inline system
+messages are merged into the first one. Its tools go to the template as vLLM's chat path hands
+them (``model_dump`` of each).
+
 vLLM builds its renderer while it initialises the app state, after middleware classes are
 named, so :class:`VllmTokenizer` is bound on the first request (from the ASGI ``scope["app"]``).
 """
@@ -30,6 +36,7 @@ class VllmTokenizer:
         self._chat_template: str | None = None
         self._chat_template_content_format = "auto"
         self._default_chat_template_kwargs: dict[str, Any] = {}
+        self._messages: Any = None
 
     @property
     def bound(self) -> bool:
@@ -44,6 +51,7 @@ class VllmTokenizer:
         self._chat_template = online.chat_template
         self._chat_template_content_format = online.chat_template_content_format
         self._default_chat_template_kwargs = dict(online.default_chat_template_kwargs or {})
+        self._messages = getattr(state, "anthropic_serving_messages", None)
         self._renderer = state.engine_client.renderer  # last: `bound` means every setting is in
 
     def _bound_renderer(self) -> Any:
@@ -84,6 +92,38 @@ class VllmTokenizer:
         if "prompt_token_ids" not in prompt:
             prompt = renderer.tokenize_prompt(prompt, renderer.default_chat_tok_params)
         return list(prompt["prompt_token_ids"])
+
+    def messages_as_chat(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The chat body vLLM serves an Anthropic Messages body as (see the module docstring), or
+        None where this server serves no Messages API (a model without generation)."""
+        self._bound_renderer()
+        serving = self._messages
+        if serving is None:
+            return None
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+        request = AnthropicMessagesRequest(**{k: v for k, v in body.items() if k != "nvext"})
+        # (thinking turned off is rendered with an effort vLLM works out per model; the router
+        # needs only a constant one: such prompts are keyed apart by their template arguments)
+        chat = type(serving).to_chat_completion_request(
+            request, merge_inline_system=serving._merge_inline_system, disabled_thinking_effort="none"
+        )
+        view: dict[str, Any] = {
+            "messages": list(chat.messages),
+            "add_generation_prompt": chat.add_generation_prompt,
+            "continue_final_message": chat.continue_final_message,
+        }
+        if chat.tools is not None:
+            view["tools"] = [tool.model_dump() for tool in chat.tools]
+        kwargs = dict(chat.chat_template_kwargs or {})
+        if chat.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = chat.reasoning_effort
+        if kwargs:
+            view["chat_template_kwargs"] = kwargs
+        for key in ("model", "cache_salt"):
+            if body.get(key) is not None:
+                view[key] = body[key]
+        return view
 
     def decode(self, ids: list[int]) -> str:
         return str(self._bound_renderer().get_tokenizer().decode(list(ids)))

@@ -27,6 +27,8 @@ from kvmesh.router.core.load import prefill_seconds
 from kvmesh.router.core.route_types import Decision
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.answer_echo import UNKNOWN, answer_echo
+from kvmesh.router.request.generate_api import is_generate
+from kvmesh.router.request.messages_api import is_messages
 from kvmesh.router.request.nvext import Nvext
 from kvmesh.router.request.parse import ParsedRequest
 from kvmesh.router.request.responses_api import is_responses
@@ -62,8 +64,10 @@ def add_tool_call_pieces(calls: dict[int, dict[str, Any]], pieces: list[Any]) ->
 
 def _includes_usage(parsed: ParsedRequest) -> bool:
     """The stream ends with a ``usage`` event: the client asked for one (``stream_options``), or
-    it is a Responses API stream, whose last event always carries it."""
-    if is_responses(parsed.endpoint):
+    it is a stream that always carries its counts: the Responses API's (its last event), the
+    Messages API's (``message_delta``), SGLang's ``/generate`` (every event's ``meta_info``)."""
+    endpoint = parsed.endpoint
+    if is_responses(endpoint) or is_messages(endpoint) or is_generate(endpoint):
         return True
     options = parsed.body.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True

@@ -8,7 +8,8 @@ Three deployments, one class:
 * around any ASGI / Starlette / FastAPI app (``app.add_middleware(KvMeshMiddleware, settings=...)``);
 * standalone (``kvmesh router``): the same middleware over an app with no local engine.
 
-``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses`` are routed
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` and Anthropic's
+``POST /v1/messages`` are routed
 (:class:`~kvmesh.router.asgi.routed.RoutedRequest`): body read (size-limited), ``nvext`` and the
 override headers validated, prompt tokenized and hashed, KvRouter asked, then the request is served
 by the wrapped app or forwarded to a registered worker (never to an address taken from the request)
@@ -35,6 +36,7 @@ from kvmesh.router.asgi.routed import RoutedRequest
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
 from kvmesh.router.request.generate_api import GENERATE_PATH
+from kvmesh.router.request.messages_api import MESSAGES_PATH
 from kvmesh.router.request.responses_api import RESPONSES_PATH
 from kvmesh.router.request.tokenizer import Tokenizer
 
@@ -42,7 +44,7 @@ ASGIApp = Any
 Scope = dict[str, Any]
 Message = dict[str, Any]
 
-GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", RESPONSES_PATH))
+GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", RESPONSES_PATH, MESSAGES_PATH))
 WITH_GENERATE = GENERATION_PATHS | {GENERATE_PATH}
 """The generation paths where the server behind is SGLang's (or may be: the standalone router)."""
 

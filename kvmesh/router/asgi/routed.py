@@ -29,6 +29,7 @@ from kvmesh.router.asgi.stored_responses import find_home
 from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.generate_api import SERVED_BY, bound_to_engine, choices, is_generate
+from kvmesh.router.request.messages_api import is_messages
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
 from kvmesh.router.request.parse import ParsedRequest, parse_request, prompt_recomputed
 from kvmesh.router.request.responses_api import is_responses, previous_response_id
@@ -108,10 +109,10 @@ class RoutedRequest:
             account = RoutedAccount(mesh, mesh.next_request_id(), parsed, self.t0, self.wall0)
             request = self._route_request(parsed, account.request_id)
             if mesh.registry.prefill_routable and not (
-                is_responses(self.endpoint) or is_generate(self.endpoint)
+                is_responses(self.endpoint) or is_generate(self.endpoint) or is_messages(self.endpoint)
             ):
-                # (a Responses or /generate request is served aggregated: the hand-off fields are
-                # chat's and completions')
+                # (a Responses, Messages or /generate request is served aggregated: the hand-off
+                # fields are chat's and completions')
                 await TwoStage(self, parsed, account, request).run()
                 return
             result = self.route(request, account)
@@ -157,6 +158,9 @@ class RoutedRequest:
             _check_answer_nvext(nv, parsed.stream, "/v1/responses")
         elif is_generate(self.endpoint):
             _check_answer_nvext(nv, parsed.stream or choices(parsed.body) > 1, "/generate")
+        elif is_messages(self.endpoint):
+            _check_answer_nvext(nv, parsed.stream, "/v1/messages")
+            _check_messages_nvext(nv)
         if nv.cache_ttl is not None:
             if not mesh.config.enable_cache_control:
                 raise RequestError(
@@ -570,10 +574,27 @@ def _check_answer_nvext(nv: Nvext, echo_unwritable: bool, path: str) -> None:
         (echo_unwritable and nv.wants_echo, "nvext.extra_fields"),
     ):
         if asked:
-            other = "/v1/chat/completions" if path == "/v1/responses" else "/v1/completions"
+            other = "/v1/completions" if path == "/generate" else "/v1/chat/completions"
             raise RequestError(
                 f"{field} is not available on {path}; send the request to {other}", field=field
             )
+
+
+def _check_messages_nvext(nv: Nvext) -> None:
+    """Refuse what Anthropic's request has no field for (400 naming it): nvext's sampling fields
+    other than top_k, and a thinking budget (it has its own: ``thinking.budget_tokens``)."""
+    for name, _ in nv.sampling:
+        if name != "top_k":
+            raise RequestError(
+                f"nvext.{name}: the Messages API has no such parameter; send the request to "
+                "/v1/chat/completions",
+                field=f"nvext.{name}",
+            )
+    if nv.max_thinking_tokens is not None:
+        raise RequestError(
+            'nvext.max_thinking_tokens: send "thinking": {"type": "enabled", "budget_tokens": N}',
+            field="nvext.max_thinking_tokens",
+        )
 
 
 def _count_in_s(decision: Decision) -> float:

@@ -32,6 +32,10 @@ has produced anything, are not the first token; its ``usage`` (top level in a JS
 ``response`` in the ``response.completed`` event) is read in chat's names; ``identified`` hears the
 answer's id (a later request names it as ``previous_response_id``).
 
+An Anthropic Messages answer (``/v1/messages``) is read in its names too: ``message_start``,
+``content_block_start`` and ``ping`` are not the first token; the usage of ``message_start`` (the
+prompt's) and of ``message_delta`` (the answer's) is read once the stream ends, together.
+
 SGLang's ``/generate`` answers carry no ``usage``: each answer's ``meta_info`` has its counts, the
 running ones in each streamed event. The last ``meta_info`` of each answer (by its ``index``) is
 read once the response ends, in chat's names (``generate_api.meta_usage``).
@@ -47,6 +51,7 @@ import msgspec
 
 from kvmesh._http import SseLines, sse_data
 from kvmesh.router.request.generate_api import meta_usage
+from kvmesh.router.request.messages_api import is_anthropic_usage, messages_usage
 from kvmesh.router.request.responses_api import chat_usage
 
 _DONE = b"[DONE]"
@@ -61,8 +66,18 @@ Content = Callable[[int, str, "list[int] | None", "list[Any] | None"], None]
 calls or pieces of them)"""
 Text = Callable[[int, str], None]
 """(choice index, all an event generated for that choice)"""
-# Responses API events an engine sends before it has produced anything.
-_LIFECYCLE_TYPES = frozenset(("response.created", "response.in_progress", "response.queued"))
+# Responses and Messages API events an engine sends before it has produced anything.
+_LIFECYCLE_TYPES = frozenset(
+    (
+        "response.created",
+        "response.in_progress",
+        "response.queued",
+        "message_start",
+        "content_block_start",
+        "ping",
+    )
+)
+_LIFECYCLE_MARKS = (b'"response.', b"message_start", b"content_block_start", b'"ping"')
 
 
 class Observer(Protocol):
@@ -82,6 +97,8 @@ class ResponseTap:
     """A ``send`` wrapper for one response (one instance per request)."""
 
     __slots__ = (
+        "_anthropic",
+        "_anthropic_start",
         "_awaiting_output",
         "_buffer",
         "_buffered",
@@ -136,6 +153,8 @@ class ResponseTap:
         self._echoed = False
         self._stream_meta: dict[str, Any] | None = None
         self._metas: dict[int, dict[str, Any]] = {}
+        self._anthropic: dict[str, Any] = {}
+        self._anthropic_start: dict[str, Any] = {}
         self.status = 0
         self.started = False  # the client has received the response head
         self.complete = False  # the last body message went out
@@ -255,6 +274,8 @@ class ResponseTap:
                     # anything: neither prefill done nor a token.
                     if self._seen_events == 0:
                         self._remember_meta(payload)
+                    if b'"message_start"' in payload:
+                        self._read_anthropic(payload)
                     self._seen_events += 1
                 else:
                     if self._awaiting_output:
@@ -265,7 +286,9 @@ class ResponseTap:
                     events += 1
                     if self._content is not None or self._text is not None:
                         self._read_content(payload)
-                    if _may_carry_usage(payload):
+                    if b'"message_delta"' in payload and self._read_anthropic(payload):
+                        pass
+                    elif _may_carry_usage(payload):
                         usages.append(payload)
                     elif b'"meta_info"' in payload:
                         self._read_meta(payload)
@@ -303,6 +326,29 @@ class ResponseTap:
         if self._text is not None:
             for index, generated in _generated_text(event):
                 self._text(index, generated)
+
+    def _read_anthropic(self, payload: bytes) -> bool:
+        """Keep the usage of a Messages stream's ``message_start`` or ``message_delta``; whether
+        the event was one of them."""
+        try:
+            event = _json_decode(payload)
+        except msgspec.DecodeError:
+            return False
+        kind = event.get("type") if isinstance(event, dict) else None
+        if kind == "message_start":
+            message = event.get("message")
+            usage = message.get("usage") if isinstance(message, dict) else None
+            if isinstance(usage, dict):
+                self._anthropic_start = usage
+        elif kind == "message_delta":
+            # (counted only once this comes: a stream cut short before it has no answer's count,
+            # and the prompt's alone would take the tokens counted so far back to none)
+            usage = event.get("usage")
+            if isinstance(usage, dict):
+                self._anthropic = {**self._anthropic_start, **usage}
+        else:
+            return False
+        return True
 
     def _read_meta(self, payload: bytes) -> None:
         try:
@@ -398,7 +444,7 @@ class ResponseTap:
 
     def _finish(self) -> None:
         self.complete = True
-        usage = meta_usage(self._metas)
+        usage = messages_usage(self._anthropic) if self._anthropic else meta_usage(self._metas)
         if usage is not None:
             self._observer.usage(usage)
         self._observer.end(True)
@@ -446,8 +492,14 @@ def _announces_role_only(payload: bytes) -> bool:
 
 def _lifecycle_only(payload: bytes) -> bool:
     """A Responses API event that only tells the response exists or waits (created, in progress,
-    queued): sent before prefill ends, neither prefill done nor a token."""
-    doc = _decoded_with(payload, b'"response.')
+    queued), or a Messages API one that opens the message or a block, or pings: sent before
+    prefill ends, or with its first token, neither prefill done nor a token."""
+    if not any(mark in payload for mark in _LIFECYCLE_MARKS):
+        return False
+    try:
+        doc = _json_decode(payload)
+    except msgspec.DecodeError:
+        return False
     kind = doc.get("type") if isinstance(doc, dict) else None
     return isinstance(kind, str) and kind in _LIFECYCLE_TYPES
 
@@ -464,7 +516,7 @@ def _usage_of(doc: Any) -> dict[str, Any] | None:
         if not isinstance(usage, dict):
             return None
     if "prompt_tokens" not in usage and "input_tokens" in usage:
-        return chat_usage(usage)
+        return messages_usage(usage) if is_anthropic_usage(usage) else chat_usage(usage)
     return usage
 
 

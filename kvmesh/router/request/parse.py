@@ -24,6 +24,8 @@ from kvmesh.router.request.generate_api import (
     engine_fields,
     is_generate,
 )
+from kvmesh.router.request.messages_api import is_messages
+from kvmesh.router.request.messages_api import rendered_as_chat as messages_as_chat
 from kvmesh.router.request.nvext import (
     DEFAULT_LIMITS,
     EMPTY,
@@ -154,6 +156,16 @@ class ParsedRequest:
         if "nvext" not in body and priority is None:
             return self.raw_body
         out = {k: v for k, v in body.items() if k != "nvext"}
+        if is_messages(self.endpoint):
+            # Anthropic's request has no priority field (the engines would drop it: there the
+            # priority orders the router's own queue only), and of nvext's sampling fields only
+            # top_k (the others are refused as the request is parsed).
+            out.update(nv.sampling)
+            if nv.greedy:
+                out["temperature"] = 0.0
+                out["top_k"] = 1
+                out.pop("top_p", None)
+            return _encode(out)
         if priority is not None:
             if polarity == "lower_first":
                 out["priority"] = -priority
@@ -162,6 +174,7 @@ class ParsedRequest:
         if is_generate(self.endpoint):  # (SGLang's own API: its own places for these)
             engine_fields(out, dict(nv.sampling), nv.greedy, nv.max_thinking_tokens)
             return _encode(out)
+
         out.update(nv.sampling)
         if nv.greedy:  # the reference's greedy: whatever sampling the body asked for
             out["temperature"] = 0.0
@@ -264,10 +277,12 @@ def parse_request(
     turn's blocks, its new messages estimated from the body's growth."""
     body = decode_body(raw)
     overrides = override_headers(headers)
-    # What the engine renders: the body itself, the chat request a Responses body becomes, or the
-    # completion request a /generate body is.
+    # What the engine renders: the body itself, the chat request a Responses or an Anthropic
+    # Messages body becomes, or the completion request a /generate body is.
     if is_responses(endpoint):
         rendered, rendered_as = rendered_as_chat(body, tokenizer), CHAT_ENDPOINT
+    elif is_messages(endpoint):
+        rendered, rendered_as = messages_as_chat(body, tokenizer), CHAT_ENDPOINT
     elif is_generate(endpoint):
         if bound_to_engine(body) is not None:  # (served where it is: its prompt decides nothing)
             nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY

@@ -404,3 +404,71 @@ async def test_a_whole_generate_answer_keeps_its_shape_with_the_echo_merged() ->
     await tap({"type": "http.response.body", "body": json.dumps(answer).encode(), "more_body": False})
     assert rec.usages[0]["completion_tokens"] == 2
     assert json.loads(rec.sent[-1]["body"]) == {**answer, "nvext": {"worker_id": "w2"}}
+
+
+def _anthropic(kind: str, fields: dict[str, Any]) -> bytes:
+    """A Messages API event as vLLM writes it: an ``event:`` line, then its data."""
+    return f"event: {kind}\n".encode() + _event({"type": kind, **fields})
+
+
+async def test_a_messages_stream_starts_at_its_first_delta_and_is_counted_once_at_its_end() -> None:
+    rec = UsageRecorder()
+    tap = ResponseTap(rec.send, rec)
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "content": [], "model": "m"}
+    opening = _anthropic(
+        "message_start",
+        {
+            "message": {
+                **message,
+                "usage": {"input_tokens": 8, "cache_read_input_tokens": 32, "output_tokens": 0},
+            }
+        },
+    ) + _anthropic("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    await tap(SSE_HEAD)
+    await tap({"type": "http.response.body", "body": opening + _anthropic("ping", {}), "more_body": True})
+    assert rec.calls == []  # nothing generated yet
+    delta = _anthropic("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hi"}})
+    await tap({"type": "http.response.body", "body": delta, "more_body": True})
+    assert rec.calls == ["first", "events:1"]
+    closing = (
+        _anthropic("content_block_stop", {"index": 0})
+        + _anthropic("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 2}})
+        + _anthropic("message_stop", {})
+    )
+    await tap({"type": "http.response.body", "body": closing, "more_body": False})
+    assert rec.usages == [
+        {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
+    ]
+    assert rec.calls[-1] == "end:True"
+
+
+async def test_a_whole_messages_answer_is_read_in_its_own_names() -> None:
+    rec = UsageRecorder()
+    tap = ResponseTap(rec.send, rec)
+    answer = {
+        "id": "msg_2",
+        "type": "message",
+        "content": [{"type": "text", "text": "ok"}],
+        "usage": {"input_tokens": 5, "cache_read_input_tokens": 16, "output_tokens": 3},
+    }
+    await tap(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+    )
+    await tap({"type": "http.response.body", "body": json.dumps(answer).encode(), "more_body": False})
+    assert rec.usages == [
+        {"prompt_tokens": 21, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 16}}
+    ]
+
+
+async def test_a_messages_stream_cut_short_before_its_message_delta_reports_no_count() -> None:
+    rec = UsageRecorder()
+    tap = ResponseTap(rec.send, rec)
+    start = {"message": {"id": "m", "usage": {"input_tokens": 30, "output_tokens": 0}}}
+    delta = _anthropic("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "a"}})
+    error = _anthropic("error", {"error": {"type": "api_error", "message": "engine stopped"}})
+    await tap(SSE_HEAD)
+    await tap(
+        {"type": "http.response.body", "body": _anthropic("message_start", start) + delta, "more_body": True}
+    )
+    await tap({"type": "http.response.body", "body": error, "more_body": False})
+    assert rec.usages == []  # (message_start's output_tokens 0 is not the answer's count)

@@ -224,6 +224,85 @@ GENERATE = st.fixed_dictionaries(
     },
 )
 
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _maybe(TEXT)}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image"),
+            "source": _maybe(st.fixed_dictionaries({"type": st.just("base64"), "data": TEXT})),
+        }
+    ),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": _maybe(TEXT)}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": _maybe(TEXT),
+            "name": _maybe(TEXT),
+            "input": _maybe(st.just({"a": 1})),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_result"),
+            "tool_use_id": _maybe(TEXT),
+            "content": _maybe(
+                st.one_of(
+                    TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2)
+                )
+            ),
+        }
+    ),
+    st.fixed_dictionaries({"type": st.sampled_from(["redacted_thinking", "tool_reference", "document"])}),
+)
+MESSAGES = st.fixed_dictionaries(
+    {
+        "messages": _maybe(
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "role": _maybe(st.sampled_from(["user", "assistant", "system", "tool"])),
+                        "content": _maybe(st.one_of(TEXT, st.lists(BLOCK, max_size=3))),
+                    }
+                ),
+                min_size=1,
+                max_size=3,
+            )
+        )
+    },
+    optional={
+        "model": _maybe(st.just(MODEL)),
+        "max_tokens": _maybe(st.integers(-1, 8)),
+        "system": _maybe(
+            st.one_of(
+                TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2)
+            )
+        ),
+        "stream": _maybe(st.booleans()),
+        "temperature": _maybe(st.floats(0, 2)),
+        "top_k": _maybe(st.integers(-1, 50)),
+        "stop_sequences": _maybe(st.lists(TEXT, max_size=2)),
+        "thinking": _maybe(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["enabled", "disabled", "adaptive"])},
+                optional={"budget_tokens": st.integers(0, 4096)},
+            )
+        ),
+        "tools": _maybe(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"name": _maybe(TEXT)}, optional={"input_schema": _maybe(st.just({"type": "object"}))}
+                ),
+                max_size=2,
+            )
+        ),
+        "tool_choice": _maybe(
+            st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none", "tool"])})
+        ),
+        "cache_salt": _maybe(st.text(max_size=10)),
+        "nvext": _maybe(NVEXT),
+    },
+)
+
 
 @st.composite
 def raw_body(draw: st.DrawFn, doc: st.SearchStrategy[dict[str, Any]]) -> bytes:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 
 from tests.fuzz.harness import FUZZ, Target, check_answer, reported
-from tests.fuzz.strategies import CHAT, COMPLETION, GENERATE, HEADERS, RESPONSES, raw_body
+from tests.fuzz.strategies import CHAT, COMPLETION, GENERATE, HEADERS, MESSAGES, RESPONSES, raw_body
 
 
 @pytest.mark.parametrize(
@@ -23,8 +23,9 @@ from tests.fuzz.strategies import CHAT, COMPLETION, GENERATE, HEADERS, RESPONSES
         ("/v1/completions", COMPLETION),
         ("/v1/responses", RESPONSES),
         ("/generate", GENERATE),
+        ("/v1/messages", MESSAGES),
     ],
-    ids=["chat", "completions", "responses", "generate"],
+    ids=["chat", "completions", "responses", "generate", "messages"],
 )
 def test_no_5xx_and_every_4xx_names_its_field(target: Target, path: str, doc: Any) -> None:
     @FUZZ

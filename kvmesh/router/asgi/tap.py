@@ -34,7 +34,8 @@ answer's id (a later request names it as ``previous_response_id``).
 
 An Anthropic Messages answer (``/v1/messages``) is read in its names too: ``message_start``,
 ``content_block_start`` and ``ping`` are not the first token; the usage of ``message_start`` (the
-prompt's) and of ``message_delta`` (the answer's) is read once the stream ends, together.
+prompt's) and of ``message_delta`` (the answer's) is read once the stream ends, together (none
+from a stream cut short before its ``message_delta``).
 
 SGLang's ``/generate`` answers carry no ``usage``: each answer's ``meta_info`` has its counts, the
 running ones in each streamed event. The last ``meta_info`` of each answer (by its ``index``) is
@@ -287,7 +288,7 @@ class ResponseTap:
                     if self._content is not None or self._text is not None:
                         self._read_content(payload)
                     if b'"message_delta"' in payload and self._read_anthropic(payload):
-                        pass
+                        pass  # (counted as the stream ends, with message_start's)
                     elif _may_carry_usage(payload):
                         usages.append(payload)
                     elif b'"meta_info"' in payload:

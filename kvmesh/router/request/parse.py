@@ -174,7 +174,6 @@ class ParsedRequest:
         if is_generate(self.endpoint):  # (SGLang's own API: its own places for these)
             engine_fields(out, dict(nv.sampling), nv.greedy, nv.max_thinking_tokens)
             return _encode(out)
-
         out.update(nv.sampling)
         if nv.greedy:  # the reference's greedy: whatever sampling the body asked for
             out["temperature"] = 0.0
@@ -395,7 +394,8 @@ def cache_keyed(body: dict[str, Any]) -> str | None:
     None: a ``cache_salt`` (vLLM and SGLang give the salted prompt a cache of its own), media in
     the messages (vLLM keys those blocks by the media hash), or ``chat_template_kwargs``, a
     ``chat_template`` or ``documents`` of the request's own (the engine renders the prompt with
-    them, the router's tokenizer does not). The engine's events
+    them, the router's tokenizer does not), or SGLang's own keys (``lora_path``, an
+    ``extra_key``, media as ``image_data`` and its kin). The engine's events
     for such blocks are not indexed (``BlockStored.keyed_from``), so these requests get prefix
     credit only from what the router itself predicts (approximate mode, predict-on-route), and
     only among requests keyed the same way."""

@@ -260,18 +260,19 @@ MESSAGES = st.fixed_dictionaries(
             st.lists(
                 st.fixed_dictionaries(
                     {
-                        "role": _maybe(st.sampled_from(["user", "assistant", "system", "tool"])),
+                        "role": _maybe(st.sampled_from(["user", "user", "assistant", "system", "tool"])),
                         "content": _maybe(st.one_of(TEXT, st.lists(BLOCK, max_size=3))),
                     }
                 ),
                 min_size=1,
                 max_size=3,
             )
-        )
-    },
-    optional={
+        ),
+        # (required by every engine's request model: optional, few cases would get past them)
         "model": _maybe(st.just(MODEL)),
         "max_tokens": _maybe(st.integers(-1, 8)),
+    },
+    optional={
         "system": _maybe(
             st.one_of(
                 TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2)

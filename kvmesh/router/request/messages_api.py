@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvmesh.errors import ConfigError, RequestError
+from kvmesh.errors import RequestError
+from kvmesh.router.request.responses_api import engine_rendering
 
 MESSAGES_PATH = "/v1/messages"
 _ROLES = frozenset(("user", "assistant", "system"))
@@ -70,16 +71,7 @@ def rendered_as_chat(body: dict[str, Any], tokenizer: Any = None) -> dict[str, A
     """The chat body the serving engine renders a Messages body as: :func:`chat_view`, or, where
     the engine's tokenizer converts Messages bodies itself (``messages_as_chat``), that."""
     view = chat_view(body)
-    own = getattr(tokenizer, "messages_as_chat", None)
-    if own is None:
-        return view
-    try:
-        rendered = own(body)
-    except (RequestError, ConfigError):
-        raise
-    except Exception as e:  # (the engine's own validation: a body it would refuse)
-        field = _invalid_field(e) or "messages"
-        raise RequestError(f"'{field}' is not one the engine takes: {e}", field=field) from None
+    rendered = engine_rendering(getattr(tokenizer, "messages_as_chat", None), body, "messages")
     return view if rendered is None else rendered
 
 
@@ -100,15 +92,6 @@ def is_anthropic_usage(usage: dict[str, Any]) -> bool:
     """Whether a ``usage`` is in Anthropic's names (cache fields of its own) rather than the
     Responses API's (``input_tokens_details``)."""
     return "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage
-
-
-def _invalid_field(error: Exception) -> str | None:
-    errors = getattr(error, "errors", None)
-    try:
-        loc = errors()[0]["loc"] if callable(errors) else None
-    except Exception:
-        return None
-    return loc[0] if loc and isinstance(loc[0], str) else None
 
 
 # ---------------------------------------------------------------------- messages

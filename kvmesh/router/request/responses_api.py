@@ -96,19 +96,26 @@ def rendered_as_chat(body: dict[str, Any], tokenizer: Any = None) -> dict[str, A
     way, and the checks every engine makes), or, where the engine's tokenizer renders Responses
     bodies its own way (``responses_as_chat``, SGLang's), that, with what keys the cache kept."""
     view = chat_view(body)
-    own = getattr(tokenizer, "responses_as_chat", None)
-    if own is None:
-        return view
-    try:
-        rendered = own(body)
-    except (RequestError, ConfigError):
-        raise
-    except Exception as e:  # (the engine's own validation: a body it would refuse)
-        field = _invalid_field(e) or "input"
-        raise RequestError(f"'{field}' is not one the engine takes: {e}", field=field) from None
+    rendered = engine_rendering(getattr(tokenizer, "responses_as_chat", None), body, "input")
     if rendered is None:
         return view
     return {**{k: view[k] for k in _CARRIED if k in view}, **rendered}
+
+
+def engine_rendering(own: Any, body: dict[str, Any], field: str) -> dict[str, Any] | None:
+    """What an engine's own conversion ``own`` (a tokenizer's hook) makes of ``body``; None with
+    no hook, or where the hook has nothing to say. What the engine's validation refuses is the
+    client's 400, naming the top-level field it is about (``field`` when it names none)."""
+    if own is None:
+        return None
+    try:
+        rendered: dict[str, Any] | None = own(body)
+    except (RequestError, ConfigError):
+        raise
+    except Exception as e:  # (the engine's own validation: a body it would refuse)
+        named = _invalid_field(e) or field
+        raise RequestError(f"'{named}' is not one the engine takes: {e}", field=named) from None
+    return rendered
 
 
 def _invalid_field(error: Exception) -> str | None:

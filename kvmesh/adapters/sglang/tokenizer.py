@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.errors import ConfigError
+from kvmesh.router.request.messages_api import template_arguments
 
 # Fields of a Responses body that do not change its prompt (or name what only another engine has).
 _NOT_RENDERED = frozenset(("nvext", "previous_response_id", "background", "stream", "store"))
@@ -136,9 +137,7 @@ class SglangTokenizer:
         }
         if chat.tools and chat.tool_choice != "none":
             view["tools"] = [tool.model_dump() for tool in chat.tools]
-        kwargs = dict(chat.chat_template_kwargs or {})
-        if chat.reasoning_effort is not None:
-            kwargs["reasoning_effort"] = chat.reasoning_effort
+        kwargs = template_arguments(chat.chat_template_kwargs, chat.reasoning_effort)
         if kwargs:
             view["chat_template_kwargs"] = kwargs
         if body.get("model") is not None:

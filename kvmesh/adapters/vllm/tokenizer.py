@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.errors import ConfigError
+from kvmesh.router.request.messages_api import template_arguments
 
 
 class VllmTokenizer:
@@ -115,9 +116,7 @@ class VllmTokenizer:
         }
         if chat.tools is not None:
             view["tools"] = [tool.model_dump() for tool in chat.tools]
-        kwargs = dict(chat.chat_template_kwargs or {})
-        if chat.reasoning_effort is not None:
-            kwargs["reasoning_effort"] = chat.reasoning_effort
+        kwargs = template_arguments(chat.chat_template_kwargs, chat.reasoning_effort)
         if kwargs:
             view["chat_template_kwargs"] = kwargs
         for key in ("model", "cache_salt"):

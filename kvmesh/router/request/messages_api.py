@@ -57,14 +57,20 @@ def chat_view(body: dict[str, Any]) -> dict[str, Any]:
     for key in _CARRIED:
         if key in body:
             view[key] = body[key]
-    effort = _reasoning_effort(body)
-    if effort is not None:  # (a template argument: it keys the cache as chat_template_kwargs do)
-        kwargs = view.get("chat_template_kwargs")
-        view["chat_template_kwargs"] = {
-            **(kwargs if isinstance(kwargs, dict) else {}),
-            "reasoning_effort": effort,
-        }
+    kwargs = view.get("chat_template_kwargs")
+    arguments = template_arguments(kwargs if isinstance(kwargs, dict) else None, _reasoning_effort(body))
+    if arguments:  # (the effort is a template argument: it keys the cache as chat_template_kwargs do)
+        view["chat_template_kwargs"] = arguments
     return view
+
+
+def template_arguments(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any]:
+    """A chat request's template arguments with its reasoning effort among them, as the engines'
+    chat paths hand it to the template."""
+    out = dict(kwargs or {})
+    if effort is not None:
+        out["reasoning_effort"] = effort
+    return out
 
 
 def rendered_as_chat(body: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]:

@@ -7,7 +7,6 @@ The mock answers as SGLang 0.5.23 does: ``{"text", "output_ids", "meta_info"}`` 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.request.tokenizer import BuiltinTokenizer
+from tests.mock.test_server import metric, wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -34,13 +34,6 @@ def _events(raw: str) -> list[Any]:
         data = part.removeprefix("data: ")
         out.append(data if data == "[DONE]" else json.loads(data))
     return out
-
-
-async def _wait_idle(engine: Any, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while engine.scheduler.has_work:
-        assert asyncio.get_running_loop().time() < deadline, "engine did not go idle"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_whole_answer_counts_the_prompt_and_its_cached_blocks() -> None:
@@ -216,15 +209,12 @@ async def test_a_client_disconnect_aborts_the_request() -> None:
         async with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
             assert (await anext(r.aiter_lines())).startswith("data: ")
             assert engine.scheduler.num_running == 2
-        await _wait_idle(engine)
+        await wait_idle(engine)
         assert engine.pool.num_used == 0
 
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/generate", json=body, timeout=0.3)
-        await _wait_idle(engine)
+        await wait_idle(engine)
         assert engine.pool.num_used == 0
         metrics = (await http.get("/metrics")).text
-        aborted = 'vllm:request_success_total{finished_reason="abort",'
-        assert [
-            float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(aborted)
-        ] == [4]
+        assert metric(metrics, 'vllm:request_success_total{finished_reason="abort",') == 4

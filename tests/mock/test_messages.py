@@ -9,7 +9,6 @@ hit); a stream of ``event:``/``data:`` pairs from ``message_start`` to ``message
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.request.messages_api import chat_view
 from kvmesh.router.request.tokenizer import BuiltinTokenizer
+from tests.mock.test_server import metric, wait_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -57,13 +57,6 @@ def _events(raw: str) -> list[tuple[str, dict[str, Any]]]:
 def _prompt_len(body: dict[str, Any]) -> int:
     view = chat_view(body)
     return len(BuiltinTokenizer().apply_chat_template(view["messages"], tools=view.get("tools")))
-
-
-async def _wait_idle(engine: Any, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while engine.scheduler.has_work:
-        assert asyncio.get_running_loop().time() < deadline, "engine did not go idle"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_whole_answer_and_a_stream_as_vllm_serves_them() -> None:
@@ -328,15 +321,12 @@ async def test_a_client_disconnect_aborts_the_request() -> None:
         async with http.stream("POST", "/v1/messages", json={**body, "stream": True}) as r:
             assert (await anext(r.aiter_lines())) == "event: message_start"
             assert engine.scheduler.num_running == 1
-        await _wait_idle(engine)
+        await wait_idle(engine)
         assert engine.pool.num_used == 0
 
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/messages", json=body, timeout=0.3)
-        await _wait_idle(engine)
+        await wait_idle(engine)
         assert engine.pool.num_used == 0
         metrics = (await http.get("/metrics")).text
-        aborted = 'vllm:request_success_total{finished_reason="abort",'
-        assert [
-            float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(aborted)
-        ] == [2]
+        assert metric(metrics, 'vllm:request_success_total{finished_reason="abort",') == 2

@@ -24,7 +24,8 @@ def _client(base_url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
 
 
-async def _wait_idle(engine, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+async def wait_idle(engine, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    """Until the engine has nothing scheduled (its aborted requests gone too)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while engine.scheduler.has_work:
         assert asyncio.get_running_loop().time() < deadline, "engine did not go idle"
@@ -235,15 +236,16 @@ async def test_health_models_and_metrics() -> None:
             "vllm:kv_cache_usage_perc",
         ):
             assert f'{name}{{model_name="kvmesh-mock"}} 0.0' in text
-        queries = _metric(text, "vllm:prefix_cache_queries_total")
-        hits = _metric(text, "vllm:prefix_cache_hits_total")
+        queries = metric(text, "vllm:prefix_cache_queries_total")
+        hits = metric(text, "vllm:prefix_cache_hits_total")
         prompt_tokens = r.json()["usage"]["prompt_tokens"]
         assert queries == 2 * prompt_tokens
         assert hits == (prompt_tokens - 1) // 16 * 16
-        assert _metric(text, 'vllm:request_success_total{finished_reason="length",') == 2
+        assert metric(text, 'vllm:request_success_total{finished_reason="length",') == 2
 
 
-def _metric(text: str, prefix: str) -> float:
+def metric(text: str, prefix: str) -> float:
+    """The value of the first series in a Prometheus exposition that starts with ``prefix``."""
     for line in text.splitlines():
         if line.startswith(prefix):
             return float(line.rsplit(" ", 1)[1])
@@ -262,7 +264,7 @@ async def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks(n: in
             lines = r.aiter_lines()
             assert (await anext(lines)).startswith("data: ")
             assert engine.scheduler.num_running == n  # (every choice an engine request)
-        await _wait_idle(engine)
+        await wait_idle(engine)
         assert engine.pool.num_used == 0
 
         # A non-streaming request whose client gives up is aborted too.
@@ -270,10 +272,10 @@ async def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks(n: in
             await http.post(
                 "/v1/completions", json={"prompt": "again", "max_tokens": 1500, "n": n}, timeout=0.3
             )
-        await _wait_idle(engine)
+        await wait_idle(engine)
         assert engine.pool.num_used == 0
         text = (await http.get("/metrics")).text
-        assert _metric(text, 'vllm:request_success_total{finished_reason="abort",') == 2 * n
+        assert metric(text, 'vllm:request_success_total{finished_reason="abort",') == 2 * n
 
 
 async def test_n_choices_are_streamed_one_per_event_and_counted_once_per_prompt() -> None:
@@ -440,8 +442,8 @@ async def test_the_queue_time_is_the_wait_for_the_step_running_when_a_request_ca
         assert second.scheduled_time >= first.first_token_time
         waits = [s.scheduled_time - s.arrival for s in (first, second)]  # type: ignore[operator]
         text = (await http.get("/metrics")).text
-        assert _metric(text, "vllm:request_queue_time_seconds_count") == 2
-        assert _metric(text, "vllm:request_queue_time_seconds_sum") == pytest.approx(sum(waits))
+        assert metric(text, "vllm:request_queue_time_seconds_count") == 2
+        assert metric(text, "vllm:request_queue_time_seconds_sum") == pytest.approx(sum(waits))
         assert waits[0] < waits[1]
 
 
@@ -467,7 +469,7 @@ async def test_the_request_log_has_a_line_per_ended_request_with_the_engines_own
         async with http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.aiter_lines()
             assert (await anext(lines)).startswith("data: ")
-        await _wait_idle(engine)
+        await wait_idle(engine)
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["finish_reason"] for r in rows] == ["length", "length", "length", "abort"]
     first, sib_a, sib_b, aborted = rows

@@ -56,7 +56,7 @@ import msgspec
 
 from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
-from kvmesh.mock.protocol import ParsedRequest, parse_generation
+from kvmesh.mock.protocol import ParsedRequest, in_client_names, parse_generation
 from kvmesh.router.request.messages_api import chat_view
 from kvmesh.router.request.tokenizer import Tokenizer
 
@@ -133,11 +133,7 @@ def parse_messages(body: Any, config: MockConfig, tokenizer: Tokenizer, session:
     try:
         return parse_generation(chat_body, "chat", config, tokenizer, session)
     except RequestError as e:
-        message = str(e)
-        for old, new in _CLIENT_NAME.items():
-            message = message.replace(f"'{old}'", f"'{new}'")
-        named = _CLIENT_NAME.get(e.field, e.field) if e.field is not None else None
-        raise RequestError(message, field=named, status=e.status) from None
+        raise in_client_names(e, _CLIENT_NAME) from None
 
 
 def stop_reason(finish_reason: str | None) -> str | None:

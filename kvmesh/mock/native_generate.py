@@ -40,7 +40,7 @@ import msgspec
 from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import TokenStream
-from kvmesh.mock.protocol import ParsedRequest, parse_generation
+from kvmesh.mock.protocol import ParsedRequest, in_client_names, parse_generation
 from kvmesh.router.request.generate_api import completion_view, sampling_params
 from kvmesh.router.request.tokenizer import Tokenizer
 
@@ -152,12 +152,7 @@ def parse_generate(
     try:
         parsed = parse_generation(completion, "completions", config, tokenizer, session)
     except RequestError as e:
-        names = {**_CLIENT_NAME, "prompt": prompt_field}
-        message = str(e)
-        for old, new in names.items():
-            message = message.replace(f"'{old}'", f"'{new}'")
-        named = names.get(e.field, e.field) if e.field is not None else None
-        raise RequestError(message, field=named, status=e.status) from None
+        raise in_client_names(e, {**_CLIENT_NAME, "prompt": prompt_field}) from None
     if "max_new_tokens" not in params:
         parsed = _default_length(parsed, config)
     n = parsed.n

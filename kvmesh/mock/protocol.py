@@ -230,5 +230,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+def in_client_names(error: RequestError, names: Mapping[str, str]) -> RequestError:
+    """``error``, raised reading a body as another API's, with each field it names as the client
+    sent it (``names``: that API's name to the client's)."""
+    message = str(error)
+    for ours, theirs in names.items():
+        message = message.replace(f"'{ours}'", f"'{theirs}'")
+    field = names.get(error.field, error.field) if error.field is not None else None
+    return RequestError(message, field=field, status=error.status)
+
+
 def error_body(message: str, *, status: int, field: str | None) -> dict[str, Any]:
     return shared_error_body(message, status, field)

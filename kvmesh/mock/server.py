@@ -27,8 +27,8 @@ import inspect
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 from prometheus_client import REGISTRY, generate_latest
@@ -61,6 +61,7 @@ from kvmesh.worker.rpc import error_response, worker_rpc_routes
 
 _encode = msgspec.json.Encoder().encode
 _DONE = b"data: [DONE]\n\n"
+_P = TypeVar("_P")
 
 
 class _TokenText:
@@ -94,16 +95,12 @@ def build_app(
     created_at = int(time.time())
 
     async def generate(request: Request, endpoint: Endpoint) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return error_response("the request body is not valid JSON", 400, "body")
-        try:
-            parsed = parse_generation(
-                body, endpoint, engine.config, engine.tokenizer, request.headers.get("x-session-id")
-            )
-        except RequestError as e:
-            return error_response(str(e), e.status, e.field)
+        parsed = await _read_request(
+            request,
+            lambda body, session: parse_generation(body, endpoint, engine.config, engine.tokenizer, session),
+        )
+        if isinstance(parsed, Response):
+            return parsed
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         response_id = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
         request_id = uuid.uuid4().hex
@@ -156,16 +153,12 @@ def build_app(
     stored = ResponseStore()
 
     async def responses(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return error_response("the request body is not valid JSON", 400, "body")
-        try:
-            parsed = parse_responses(
-                body, engine.config, engine.tokenizer, stored, request.headers.get("x-session-id")
-            )
-        except RequestError as e:
-            return error_response(str(e), e.status, e.field)
+        parsed = await _read_request(
+            request,
+            lambda body, session: parse_responses(body, engine.config, engine.tokenizer, stored, session),
+        )
+        if isinstance(parsed, Response):
+            return parsed
         response_id = new_response_id()
         streams = _submit_choices(engine, parsed.chat, uuid.uuid4().hex)
         only = streams[0]
@@ -208,16 +201,11 @@ def build_app(
         return JSONResponse(whole)
 
     async def messages(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return error_response("the request body is not valid JSON", 400, "body")
-        try:
-            parsed = parse_messages(
-                body, engine.config, engine.tokenizer, request.headers.get("x-session-id")
-            )
-        except RequestError as e:
-            return error_response(str(e), e.status, e.field)
+        parsed = await _read_request(
+            request, lambda body, session: parse_messages(body, engine.config, engine.tokenizer, session)
+        )
+        if isinstance(parsed, Response):
+            return parsed
         # (vLLM's id is the chat answer's it converts)
         message_id = f"chatcmpl-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
         only = _submit_choices(engine, parsed, uuid.uuid4().hex)[0]
@@ -245,16 +233,11 @@ def build_app(
         return await generate(request, "completions")
 
     async def native_generate(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return error_response("the request body is not valid JSON", 400, "body")
-        try:
-            parsed = parse_generate(
-                body, engine.config, engine.tokenizer, request.headers.get("x-session-id")
-            )
-        except RequestError as e:
-            return error_response(str(e), e.status, e.field)
+        parsed = await _read_request(
+            request, lambda body, session: parse_generate(body, engine.config, engine.tokenizer, session)
+        )
+        if isinstance(parsed, Response):
+            return parsed
         streams = _submit_choices(engine, parsed.completion, uuid.uuid4().hex)
 
         def abort() -> None:
@@ -335,6 +318,19 @@ def add_middleware(app: Starlette, spec: str) -> None:
         app.add_middleware(BaseHTTPMiddleware, dispatch=target)
     else:
         raise ConfigError(f"--middleware {spec!r} is neither a middleware class nor an async function")
+
+
+async def _read_request(request: Request, parse: Callable[[Any, str | None], _P]) -> _P | Response:
+    """The request's JSON body, read by ``parse`` (with the ``X-Session-ID`` header), or the 400 for
+    a body that is not JSON, or the error ``parse`` raised naming the field."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        return error_response("the request body is not valid JSON", 400, "body")
+    try:
+        return parse(body, request.headers.get("x-session-id"))
+    except RequestError as e:
+        return error_response(str(e), e.status, e.field)
 
 
 def _submit_choices(engine: MockEngine, parsed: ParsedRequest, request_id: str) -> list[TokenStream]:

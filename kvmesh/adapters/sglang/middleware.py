@@ -25,7 +25,7 @@ import msgspec
 from kvmesh._http import route_path
 from kvmesh.adapters.sglang.tokenizer import SglangTokenizer
 from kvmesh.router.asgi.forwarding import HOP_HEADER
-from kvmesh.router.asgi.middleware import WITH_GENERATE
+from kvmesh.router.asgi.middleware import WITH_GENERATE, routes
 from kvmesh.router.asgi.middleware import KvMeshMiddleware as _CoreMiddleware
 from kvmesh.router.mesh.settings import MeshSettings
 
@@ -55,10 +55,8 @@ class KvMeshMiddleware(_CoreMiddleware):
         if scope["type"] == "http":
             if not self.engine_tokenizer.bound and "app" in scope:
                 self.engine_tokenizer.bind_from_app(scope["app"])
-            if (
-                route_path(scope) in WITH_GENERATE
-                and scope["method"] in ("POST", "PUT")
-                and not any(name == HOP_HEADER for name, _ in scope["headers"])
+            if routes(WITH_GENERATE, route_path(scope), scope["method"]) and not any(
+                name == HOP_HEADER for name, _ in scope["headers"]
             ):
                 # A hop (a peer forwarded it) was routed already and its nvext stripped by the
                 # sender: a credit added here would reach SGLang as an nvext field.

@@ -49,6 +49,12 @@ WITH_GENERATE = GENERATION_PATHS | {GENERATE_PATH}
 """The generation paths where the server behind is SGLang's (or may be: the standalone router)."""
 
 
+def routes(paths: frozenset[str], path: str, method: str) -> bool:
+    """Whether a request is one to route: a POST to one of ``paths``, or a PUT to SGLang's
+    ``/generate``, which takes both."""
+    return path in paths and (method == "POST" or (method == "PUT" and path == GENERATE_PATH))
+
+
 class KvMeshMiddleware:
     """Route OpenAI generation requests across the fleet; pass everything else through."""
 
@@ -75,9 +81,7 @@ class KvMeshMiddleware:
                 await self.app(scope, receive, send)
             return
         path = route_path(scope)
-        if path in self.generation_paths and (
-            scope["method"] == "POST" or (scope["method"] == "PUT" and path == GENERATE_PATH)
-        ):
+        if routes(self.generation_paths, path, scope["method"]):
             await self.mesh.ensure_started()
             headers = scope["headers"]
             if peer_auth.has_internal(headers):

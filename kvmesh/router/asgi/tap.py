@@ -331,10 +331,7 @@ class ResponseTap:
     def _read_anthropic(self, payload: bytes) -> bool:
         """Keep the usage of a Messages stream's ``message_start`` or ``message_delta``; whether
         the event was one of them."""
-        try:
-            event = _json_decode(payload)
-        except msgspec.DecodeError:
-            return False
+        event = _decoded_with(payload, b'"message_')
         kind = event.get("type") if isinstance(event, dict) else None
         if kind == "message_start":
             message = event.get("message")
@@ -352,11 +349,7 @@ class ResponseTap:
         return True
 
     def _read_meta(self, payload: bytes) -> None:
-        try:
-            event = _json_decode(payload)
-        except msgspec.DecodeError:
-            return
-        _keep_meta(event, self._metas)
+        _keep_meta(_decoded_with(payload, b'"meta_info"'), self._metas)
 
     def _read_usage(self, payload: bytes) -> None:
         try:
@@ -463,10 +456,10 @@ def _may_carry_usage(payload: bytes) -> bool:
     return n > 1 or (b'"usage":null' not in payload and b'"usage": null' not in payload)
 
 
-def _decoded_with(payload: bytes, marker: bytes) -> Any:
-    """The decoded event, if its bytes hold ``marker`` (only a prefilter: the decoded event
-    decides) and it decodes; else None."""
-    if marker not in payload:
+def _decoded_with(payload: bytes, *markers: bytes) -> Any:
+    """The decoded event, if its bytes hold one of ``markers`` (only a prefilter: the decoded
+    event decides) and it decodes; else None."""
+    if not any(marker in payload for marker in markers):
         return None
     try:
         return _json_decode(payload)
@@ -495,12 +488,7 @@ def _lifecycle_only(payload: bytes) -> bool:
     """A Responses API event that only tells the response exists or waits (created, in progress,
     queued), or a Messages API one that opens the message or a block, or pings: sent before
     prefill ends, or with its first token, neither prefill done nor a token."""
-    if not any(mark in payload for mark in _LIFECYCLE_MARKS):
-        return False
-    try:
-        doc = _json_decode(payload)
-    except msgspec.DecodeError:
-        return False
+    doc = _decoded_with(payload, *_LIFECYCLE_MARKS)
     kind = doc.get("type") if isinstance(doc, dict) else None
     return isinstance(kind, str) and kind in _LIFECYCLE_TYPES
 

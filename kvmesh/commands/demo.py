@@ -120,7 +120,7 @@ async def start_mesh(
 
     from kvmesh.mock.engine import MockEngine
     from kvmesh.mock.server import build_app
-    from kvmesh.router.asgi.middleware import WITH_GENERATE, KvMeshMiddleware
+    from kvmesh.router.asgi.middleware import EVERY_PATH, KvMeshMiddleware
     from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 
     socks = [_free_socket() for _ in range(n)]
@@ -145,8 +145,8 @@ async def start_mesh(
                 health_interval=health_interval,
                 mesh_secret=secret,
             )
-            # (the mock serves SGLang's /generate too: routed like SGLang's)
-            routing = Middleware(KvMeshMiddleware, settings=settings, generation_paths=WITH_GENERATE)
+            # (the mock serves SGLang's /generate and vLLM's token API too: routed as theirs are)
+            routing = Middleware(KvMeshMiddleware, settings=settings, generation_paths=EVERY_PATH)
             app = build_app(engine, middleware=[routing])
             if root_path_in_app:
                 app = _under_root(app, root_path)

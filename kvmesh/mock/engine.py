@@ -359,6 +359,7 @@ class MockEngine:
             "priority_polarity": "lower_first" if cfg.scheduling_policy == "priority" else "none",
             "max_model_len": cfg.model_len,
             "role": cfg.role,
+            "tokens_api": True,  # (it serves vLLM's /inference/v1/generate: kvmesh.mock.tokens_api)
         }
         if cfg.report_profile:
             info["timing_profile"] = profile(cfg.speedup)

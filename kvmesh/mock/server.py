@@ -8,6 +8,9 @@
                                                      it (``event:`` streams): kvmesh.mock.messages
     POST /generate (PUT too)                         SGLang's native API, as SGLang 0.5.23 has it:
                                                      kvmesh.mock.native_generate
+    POST /inference/v1/generate                      vLLM's token-in-token-out API, and its abort
+    POST /inference/v1/abort_requests                (``/abort_requests`` too), as vLLM 0.33.0 has
+                                                     them: kvmesh.mock.tokens_api
     GET  /v1/models, GET /health, GET /metrics
     /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc)
 
@@ -56,7 +59,9 @@ from kvmesh.mock.responses import (
     response_object,
     responses_usage,
 )
+from kvmesh.mock.tokens_api import TokenRequests, parse_abort, parse_tokens, tokens_answer, tokens_events
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
+from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH
 from kvmesh.worker.rpc import error_response, worker_rpc_routes
 
 _encode = msgspec.json.Encoder().encode
@@ -105,15 +110,8 @@ def build_app(
         response_id = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
         request_id = uuid.uuid4().hex
         transfer = parsed.kv_transfer_params
-        if transfer is not None and transfer.get("do_remote_prefill"):
-            # The decode side of a hand-off: pull the prompt's KV (simulated), then decode.
-            prompt = parsed.params.prompt_token_ids
-            hashes, cached = engine.prompt_blocks(prompt)
-            if not await until_disconnect(
-                request.receive, asyncio.sleep(engine.transfer_seconds(len(hashes) - cached))
-            ):
-                return Response(status_code=499)
-            engine.import_prefix(prompt)
+        if not await _pull_prefix(engine, request, parsed):
+            return Response(status_code=499)
         streams = _submit_choices(engine, parsed, request_id)
 
         def abort() -> None:
@@ -134,17 +132,7 @@ def build_app(
             return error_response("the engine stopped before the request finished", 503)
         answer = _full_response(streams, parsed, response_id, text_of)
         if transfer is not None and transfer.get("do_remote_decode"):
-            # The prefill side of a hand-off: say where the KV is, as vLLM's connectors do.
-            hashes, _ = engine.prompt_blocks(parsed.params.prompt_token_ids)
-            answer["kv_transfer_params"] = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_engine_id": engine.engine_id,
-                "remote_block_ids": list(range(len(hashes))),
-                "remote_host": request.url.hostname,
-                "remote_port": request.url.port,
-                "remote_request_id": request_id,
-            }
+            answer["kv_transfer_params"] = _handoff(engine, request, parsed, request_id)
         return JSONResponse(answer, headers={"x-request-id": response_id})
 
     async def chat_completions(request: Request) -> Response:
@@ -254,6 +242,58 @@ def build_app(
             return error_response("the engine stopped before the request finished", 503)
         return JSONResponse(generate_answer(parsed, streams, text_of, engine.clock()))
 
+    running_tokens = TokenRequests()
+
+    async def tokens(request: Request) -> Response:
+        header_id = request.headers.get("x-request-id")
+        parsed = await _read_request(
+            request,
+            lambda body, session: parse_tokens(body, engine.config, engine.tokenizer, session, header_id),
+        )
+        if isinstance(parsed, Response):
+            return parsed
+        completion = parsed.completion
+        if not await _pull_prefix(engine, request, completion):
+            return Response(status_code=499)
+        request_id = uuid.uuid4().hex
+        streams = _submit_choices(engine, completion, request_id)
+        running_tokens.add(parsed.request_id, streams)
+
+        def abort() -> None:
+            running_tokens.remove(parsed.request_id, streams)
+            for stream in streams:
+                engine.abort(stream.request_id)
+
+        if completion.stream:
+
+            async def events() -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in tokens_events(parsed, streams, _interleaved(streams), text_of):
+                        yield chunk
+                finally:
+                    running_tokens.remove(parsed.request_id, streams)
+
+            return EngineStreamResponse(events(), abort)  # type: ignore[return-value]
+        try:
+            if not await until_disconnect(request.receive, _wait_all(streams)):
+                abort()
+                return Response(status_code=499)
+        finally:
+            running_tokens.remove(parsed.request_id, streams)
+        transfer = completion.kv_transfer_params
+        handoff = None
+        if transfer is not None and transfer.get("do_remote_decode"):
+            handoff = _handoff(engine, request, completion, request_id)
+        return JSONResponse(tokens_answer(parsed, streams, text_of, int(time.time()), handoff))
+
+    async def abort_requests(request: Request) -> Response:
+        ids = await _read_request(request, lambda body, _session: parse_abort(body))
+        if isinstance(ids, Response):
+            return ids
+        for stream in running_tokens.streams(ids):
+            engine.abort(stream.request_id)
+        return Response(status_code=200)
+
     async def models(request: Request) -> Response:
         card = {
             "id": model,
@@ -289,6 +329,8 @@ def build_app(
         Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/generate", native_generate, methods=["POST", "PUT"]),
+        Route(TOKENS_PATH, tokens, methods=["POST"]),
+        *(Route(path, abort_requests, methods=["POST"]) for path in sorted(ABORT_PATHS)),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -331,6 +373,37 @@ async def _read_request(request: Request, parse: Callable[[Any, str | None], _P]
         return parse(body, request.headers.get("x-session-id"))
     except RequestError as e:
         return error_response(str(e), e.status, e.field)
+
+
+async def _pull_prefix(engine: MockEngine, request: Request, parsed: ParsedRequest) -> bool:
+    """The decode side of a hand-off (``kv_transfer_params.do_remote_prefill``): pull the prompt's
+    KV from the prefill engine (simulated) before decoding. False if the client went away."""
+    transfer = parsed.kv_transfer_params
+    if transfer is None or not transfer.get("do_remote_prefill"):
+        return True
+    prompt = parsed.params.prompt_token_ids
+    hashes, cached = engine.prompt_blocks(prompt)
+    if not await until_disconnect(
+        request.receive, asyncio.sleep(engine.transfer_seconds(len(hashes) - cached))
+    ):
+        return False
+    engine.import_prefix(prompt)
+    return True
+
+
+def _handoff(engine: MockEngine, request: Request, parsed: ParsedRequest, request_id: str) -> dict[str, Any]:
+    """The prefill side of a hand-off (``do_remote_decode``): where the KV is, as vLLM's connectors
+    say it."""
+    hashes, _ = engine.prompt_blocks(parsed.params.prompt_token_ids)
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine.engine_id,
+        "remote_block_ids": list(range(len(hashes))),
+        "remote_host": request.url.hostname,
+        "remote_port": request.url.port,
+        "remote_request_id": request_id,
+    }
 
 
 def _submit_choices(engine: MockEngine, parsed: ParsedRequest, request_id: str) -> list[TokenStream]:

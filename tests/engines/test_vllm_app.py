@@ -33,6 +33,7 @@ with warnings.catch_warnings():
     from vllm.distributed.kv_events import EventPublisherFactory
     from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.scale_out.factories import register_scale_out_api_routers
     from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
     from vllm.plugins.endpoint_plugins.interface import attach_endpoint_plugins, init_endpoint_plugins_state
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -98,9 +99,12 @@ async def vllm_app(
     policy: str,
     peers: tuple[str, ...] = (),
     flags: tuple[str, ...] = (),
+    tokens: Any = None,
 ) -> AsyncIterator[tuple[str, Recorder, LoopbackEngineClient, PromptRunner]]:
     """``peers``: other workers of the fleet, beside this vLLM server; ``flags``: more of
-    ``vllm serve``'s own."""
+    ``vllm serve``'s own; ``tokens``: what serves vLLM's token API behind vLLM's own routes for
+    it (``/inference/v1/generate``, ``/inference/v1/abort_requests``; registered as ``vllm
+    serve`` registers them, which answer 403 without ``--enable-scale-out``)."""
     use_cpu_platform(monkeypatch)
     write_dist_info(tmp_path / "site")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
@@ -150,6 +154,10 @@ async def vllm_app(
     app.state.args = args
     app.root_path = args.root_path  # (as vLLM's build_app sets it)
     app.add_api_route("/v1/chat/completions", recorder.chat, methods=["POST"])
+    if tokens is not None:
+        app.state.serving_tokens = tokens
+        app.state.engine_client = client
+        register_scale_out_api_routers(app, ("generate",))
     attach_endpoint_plugins(app, ("generate",))
     init_entrypoints_middleware(args, app, ("generate",))
     await init_endpoint_plugins_state(client, app.state, args)
@@ -183,6 +191,7 @@ async def test_routes_answer_on_the_vllm_app(tmp_path: Path, monkeypatch: pytest
             "max_num_batched_tokens": 2048,
             "total_kv_blocks": 41,
             "priority_polarity": "lower_first",
+            "tokens_api": False,
         }
         assert (await http.get("/kvmesh/info")).status_code == 401
         assert (await http.get("/kvmesh/info", headers={"x-kvmesh-admin-token": "wrong"})).status_code == 401

@@ -224,6 +224,57 @@ GENERATE = st.fixed_dictionaries(
     },
 )
 
+VLLM_SAMPLING = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_tokens": _maybe(st.integers(-1, 8)),
+        "n": _maybe(st.integers(0, 3)),
+        "temperature": _maybe(st.floats(0, 2)),
+        "ignore_eos": _maybe(st.booleans()),
+        "min_tokens": _maybe(st.integers(-1, 4)),
+        "stop_token_ids": _maybe(st.lists(st.integers(-1, 100), max_size=2)),
+        "prompt_logprobs": _maybe(st.integers(-1, 2)),
+        "logprobs": _maybe(st.integers(-1, 2)),
+        "skip_reading_prefix_cache": _maybe(st.booleans()),
+        "detokenize": _maybe(st.booleans()),
+    },
+)
+TOKENS = st.fixed_dictionaries(
+    # (what vLLM requires, drawn always: without it nearly every body stops at the first 400)
+    {
+        "token_ids": st.one_of(
+            st.lists(st.integers(0, 500), min_size=1, max_size=40),
+            st.lists(st.integers(-5, 2**40), max_size=20),
+            st.lists(st.lists(st.integers(0, 100), max_size=3), max_size=2),
+        ),
+        "sampling_params": st.one_of(VLLM_SAMPLING, st.lists(VLLM_SAMPLING, max_size=2), TEXT),
+    },
+    optional={
+        "request_id": _maybe(TEXT),
+        "stream": _maybe(st.booleans()),
+        "stream_options": _maybe(
+            st.fixed_dictionaries(
+                {}, optional={"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
+            )
+        ),
+        "priority": _maybe(st.integers(-10, 10)),
+        "output_mode": _maybe(st.sampled_from(["tokens", "text", "derender", "bits"])),
+        "cache_salt": _maybe(st.text(max_size=10)),
+        "features": _maybe(st.just({"mm_hashes": {"image": ["h"]}, "mm_placeholders": {}})),
+        "kv_transfer_params": _maybe(st.just({"do_remote_decode": True})),
+        "model": _maybe(TEXT),
+        "nvext": _maybe(NVEXT),
+    },
+)
+ABORT = st.fixed_dictionaries(
+    {},
+    optional={
+        "request_ids": _maybe(
+            st.one_of(st.lists(TEXT, max_size=3), TEXT, st.lists(st.integers(), max_size=2))
+        )
+    },
+)
+
 BLOCK = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": _maybe(TEXT)}),
     st.fixed_dictionaries(

@@ -13,7 +13,17 @@ import pytest
 from hypothesis import given
 
 from tests.fuzz.harness import FUZZ, Target, check_answer, reported
-from tests.fuzz.strategies import CHAT, COMPLETION, GENERATE, HEADERS, MESSAGES, RESPONSES, raw_body
+from tests.fuzz.strategies import (
+    ABORT,
+    CHAT,
+    COMPLETION,
+    GENERATE,
+    HEADERS,
+    MESSAGES,
+    RESPONSES,
+    TOKENS,
+    raw_body,
+)
 
 
 @pytest.mark.parametrize(
@@ -24,8 +34,10 @@ from tests.fuzz.strategies import CHAT, COMPLETION, GENERATE, HEADERS, MESSAGES,
         ("/v1/responses", RESPONSES),
         ("/generate", GENERATE),
         ("/v1/messages", MESSAGES),
+        ("/inference/v1/generate", TOKENS),
+        ("/inference/v1/abort_requests", ABORT),
     ],
-    ids=["chat", "completions", "responses", "generate", "messages"],
+    ids=["chat", "completions", "responses", "generate", "messages", "tokens", "abort"],
 )
 def test_no_5xx_and_every_4xx_names_its_field(target: Target, path: str, doc: Any) -> None:
     @FUZZ

@@ -61,6 +61,7 @@ async def test_info_describes_the_worker() -> None:
         "priority_polarity": "lower_first",
         "max_model_len": 32 * BS,
         "role": "aggregated",
+        "tokens_api": True,
     }
     assert mock.events_endpoint is not None and mock.events_endpoint.startswith("tcp://127.0.0.1:")
     assert not mock.events_endpoint.endswith(":0")

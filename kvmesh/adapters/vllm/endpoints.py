@@ -85,6 +85,10 @@ class VllmWorkerBackend:
             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
             "total_kv_blocks": config.cache_config.num_gpu_blocks or 0,
             "priority_polarity": self.priority_polarity,
+            # vLLM registers its token API (/inference/v1/generate) only when started to
+            "tokens_api": bool(
+                getattr(self.args, "enable_scale_out", False) or getattr(self.args, "tokens_only", False)
+            ),
         }
 
     async def kv_state(self) -> dict[str, Any]:

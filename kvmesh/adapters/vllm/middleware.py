@@ -5,6 +5,8 @@ vLLM's no-argument ``app.add_middleware(cls)`` cannot pass in:
 
 * the tokenizer defaults to the served model's own (``KVMESH_TOKENIZER=engine``), bound to vLLM's
   renderer on the first request;
+* vLLM's token-in-token-out API (``/inference/v1/generate``) is routed too, and an abort of its
+  requests (``/inference/v1/abort_requests``) reaches the engine that runs them;
 * nothing for sessions: the router's own forwarding (:func:`kvmesh.router.asgi.forwarding.session_header`)
   tags every turn of a kvmesh session with vLLM's native ``X-Session-ID`` header on every path
   (served here, forwarded to a peer, either stage of a disaggregated request), so vLLM carries the
@@ -21,6 +23,7 @@ import os
 from typing import Any
 
 from kvmesh.adapters.vllm.tokenizer import VllmTokenizer
+from kvmesh.router.asgi.middleware import WITH_TOKENS
 from kvmesh.router.asgi.middleware import KvMeshMiddleware as _CoreMiddleware
 from kvmesh.router.mesh.settings import MeshSettings
 
@@ -34,7 +37,11 @@ class KvMeshMiddleware(_CoreMiddleware):
             if "KVMESH_TOKENIZER" not in os.environ and "tokenizer" not in _config_file_keys():
                 settings = settings.replace(tokenizer="engine")
         self.engine_tokenizer = VllmTokenizer()
-        super().__init__(app, settings=settings, tokenizer=self.engine_tokenizer)
+        # (vLLM's token-in-token-out API too, which vLLM serves when started with
+        # --enable-scale-out or --tokens-only: workers say so in /kvmesh/info)
+        super().__init__(
+            app, settings=settings, tokenizer=self.engine_tokenizer, generation_paths=WITH_TOKENS
+        )
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and not self.engine_tokenizer.bound and "app" in scope:

@@ -264,10 +264,14 @@ class RoutedAccount(LoadAccount):
         if self.parsed.stream:  # a whole JSON answer's arrival is no first token
             self.mesh.metrics.ttft.observe(now - self.t0)
 
-    def streamed_text(self, index: int, text: str) -> None:
+    def streamed_text(self, index: int, text: str, tokens: int = 0) -> None:
         """What one streamed event generated for choice ``index`` (the tap's ``text`` hook, when
         ``counts_text``), the echo that leads the choice's first piece left out. (An echo of token
-        ids, which the router cannot spell as the engine does, is counted.)"""
+        ids, which the router cannot spell as the engine does, is counted.) ``tokens``: an event
+        that gave its tokens as ids alone, counted as they are."""
+        if tokens:
+            self.streamed_tokens += tokens
+            return
         begun = self.streaming_choices
         if begun is not None and index not in begun:
             begun.add(index)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh._http import route_path
-from kvmesh.router.asgi import admin, peer_auth, scrape, stored_responses
+from kvmesh.router.asgi import aborts, admin, peer_auth, scrape, stored_responses
 from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.routed import RoutedRequest
 from kvmesh.router.mesh.runtime import Mesh
@@ -39,6 +39,7 @@ from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.messages_api import MESSAGES_PATH
 from kvmesh.router.request.responses_api import RESPONSES_PATH
 from kvmesh.router.request.tokenizer import Tokenizer
+from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH
 
 ASGIApp = Any
 Scope = dict[str, Any]
@@ -46,7 +47,12 @@ Message = dict[str, Any]
 
 GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", RESPONSES_PATH, MESSAGES_PATH))
 WITH_GENERATE = GENERATION_PATHS | {GENERATE_PATH}
-"""The generation paths where the server behind is SGLang's (or may be: the standalone router)."""
+"""The generation paths where the server behind is SGLang's."""
+WITH_TOKENS = GENERATION_PATHS | {TOKENS_PATH}
+"""The generation paths where the server behind is vLLM's (its token-in-token-out API; the aborts
+of its requests are then sent where they run: :mod:`.aborts`)."""
+EVERY_PATH = WITH_GENERATE | WITH_TOKENS
+"""Where the servers behind may be either (the standalone router, a simulated fleet)."""
 
 
 def routes(paths: frozenset[str], path: str, method: str) -> bool:
@@ -92,6 +98,8 @@ class KvMeshMiddleware:
                     await HopRequest(self.mesh, self.app, scope, receive, send, hop).run()
                     return
             await RoutedRequest(self.mesh, self.app, scope, receive, send).run()
+        elif path in ABORT_PATHS and TOKENS_PATH in self.generation_paths and scope["method"] == "POST":
+            await aborts.serve(self.mesh, self.app, scope, receive, send)
         elif stored_responses.handles(path):
             await stored_responses.serve(self.mesh, self.app, scope, receive, send)
         elif admin.handles(path):

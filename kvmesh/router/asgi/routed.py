@@ -33,6 +33,7 @@ from kvmesh.router.request.messages_api import is_messages
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
 from kvmesh.router.request.parse import ParsedRequest, parse_request, prompt_recomputed
 from kvmesh.router.request.responses_api import is_responses, previous_response_id
+from kvmesh.router.request.tokens_api import TOKENS_PATH, is_tokens
 from kvmesh.router.upstream.forwarder import ConnectFailed
 
 logger = logging.getLogger("kvmesh.router")
@@ -105,14 +106,17 @@ class RoutedRequest:
             if is_responses(self.endpoint) and len(mesh.registry.routable) > 1:
                 continued = previous_response_id(parsed.body)
                 if continued is not None:  # (only its engine holds it: find it if no one said)
-                    await find_home(mesh, continued, self.scope["headers"])
+                    await find_home(mesh, continued, self.scope)
             account = RoutedAccount(mesh, mesh.next_request_id(), parsed, self.t0, self.wall0)
             request = self._route_request(parsed, account.request_id)
             if mesh.registry.prefill_routable and not (
-                is_responses(self.endpoint) or is_generate(self.endpoint) or is_messages(self.endpoint)
+                is_responses(self.endpoint)
+                or is_generate(self.endpoint)
+                or is_messages(self.endpoint)
+                or is_tokens(self.endpoint)
             ):
-                # (a Responses, Messages or /generate request is served aggregated: the hand-off
-                # fields are chat's and completions')
+                # (a Responses, Messages, /generate or token-API request is served aggregated: the
+                # hand-off fields are chat's and completions')
                 await TwoStage(self, parsed, account, request).run()
                 return
             result = self.route(request, account)
@@ -161,6 +165,8 @@ class RoutedRequest:
         elif is_messages(self.endpoint):
             _check_answer_nvext(nv, parsed.stream, "/v1/messages")
             _check_messages_nvext(nv)
+        elif is_tokens(self.endpoint):
+            _check_answer_nvext(nv, False, TOKENS_PATH)
         if nv.cache_ttl is not None:
             if not mesh.config.enable_cache_control:
                 raise RequestError(
@@ -339,6 +345,19 @@ class RoutedRequest:
             if not allowed:
                 raise RequestError(
                     "no worker serves /generate (SGLang's native API); send the request to /v1/completions",
+                    field="path",
+                    status=404,
+                )
+        elif is_tokens(parsed.endpoint):  # (vLLM serves it when started to: --enable-scale-out)
+            allowed = frozenset(
+                w
+                for w in allowed
+                if (x := registry.get(w)) is not None and x.info is not None and x.info.tokens_api
+            )
+            if not allowed:
+                raise RequestError(
+                    f"no worker serves {TOKENS_PATH} (vLLM's token-in-token-out API: start vLLM with "
+                    "--enable-scale-out or --tokens-only, or set tokens_api in the worker's entry)",
                     field="path",
                     status=404,
                 )
@@ -574,7 +593,7 @@ def _check_answer_nvext(nv: Nvext, echo_unwritable: bool, path: str) -> None:
         (echo_unwritable and nv.wants_echo, "nvext.extra_fields"),
     ):
         if asked:
-            other = "/v1/completions" if path == "/generate" else "/v1/chat/completions"
+            other = "/v1/completions" if path in ("/generate", TOKENS_PATH) else "/v1/chat/completions"
             raise RequestError(
                 f"{field} is not available on {path}; send the request to {other}", field=field
             )

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvmesh.router.asgi.middleware import WITH_GENERATE, KvMeshMiddleware
+from kvmesh.router.asgi.middleware import EVERY_PATH, KvMeshMiddleware
 from kvmesh.router.mesh.metrics import CONTENT_TYPE, render
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
@@ -97,8 +97,7 @@ def build_router_app(
         ],
         lifespan=lifespan,
     )
-    # (SGLang's /generate too: its workers may be SGLang's, and this app has no path of its own there)
-    middleware = KvMeshMiddleware(
-        inner, settings=settings, tokenizer=tokenizer, generation_paths=WITH_GENERATE
-    )
+    # (SGLang's /generate and vLLM's token API too: its workers may be either, and this app has
+    # no path of its own there)
+    middleware = KvMeshMiddleware(inner, settings=settings, tokenizer=tokenizer, generation_paths=EVERY_PATH)
     return middleware

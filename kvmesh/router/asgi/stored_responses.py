@@ -55,7 +55,7 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
             return
     if not mesh.registry.ready.is_set():
         await mesh.wait_ready()
-    home = await find_home(mesh, response_id, scope["headers"])
+    home = await find_home(mesh, response_id, scope)
     worker = mesh.registry.get(home) if home is not None else None
     if worker is None or home == mesh.settings.self_worker_id:
         if mesh.local_app is not None:  # this engine's own store answers
@@ -94,10 +94,11 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
         raise
 
 
-async def find_home(mesh: Mesh, response_id: str, headers: list[tuple[bytes, bytes]]) -> str | None:
+async def find_home(mesh: Mesh, response_id: str, scope: dict[str, Any]) -> str | None:
     """The worker holding stored response ``response_id``: known, or found by asking every routable
     worker at once (see the module docstring); None when none has it. The client's
-    ``authorization`` goes with the asks (an engine's store is behind its API key)."""
+    ``authorization`` (in its request's ``scope``) goes with the asks (an engine's store is behind
+    its API key)."""
     home = mesh.response_homes.home(response_id)
     if home is not None:
         return home
@@ -106,13 +107,13 @@ async def find_home(mesh: Mesh, response_id: str, headers: list[tuple[bytes, byt
     if not workers:
         return None
     path = _BELOW + quote(response_id, safe="")
-    auth = [(k, v) for k, v in headers if k == b"authorization"]
+    auth = [(k, v) for k, v in scope["headers"] if k == b"authorization"]
     asks = peer_auth.hop_header_map(mesh.settings.mesh_secret, mesh.replica, mesh.next_request_id())
     asks.update((k.decode(), v.decode("latin-1")) for k, v in auth)
 
     async def holds(worker: Any) -> bool:
         if worker.worker_id == mesh.settings.self_worker_id and mesh.local_app is not None:
-            asked = call_app(mesh.local_app, "GET", path, auth, b"")
+            asked = call_app(mesh.local_app, "GET", path, auth, b"", beside=scope)
             status, _ = await asyncio.wait_for(asked, _ASK_TIMEOUT)
         else:
             status, _ = await mesh.forwarder.get(worker.url + path, timeout=_ASK_TIMEOUT, headers=asks)

@@ -22,7 +22,8 @@ Two options for a routed request: ``content`` hears the answer's text (``delta.c
 pieces a stream carries) and its ``token_ids`` when the engine sends them, which costs one JSON
 decode per event and is only asked for when a pin or a warm-up needs the answer; ``preamble``
 (the ``nvext.annotations`` events) goes out ahead of the first event; ``text`` hears everything each event generated (reasoning included) before the batch's ``events``
-call, so a stream that will carry no ``usage`` can be counted in tokens. Both hear each choice
+call, so a stream that will carry no ``usage`` can be counted in tokens (an event of vLLM's token
+API, token ids and no text, is heard as its number of tokens). Both hear each choice
 with its ``index``: a request for ``n`` choices gets them interleaved, one choice an event (vLLM,
 SGLang).
 
@@ -65,8 +66,9 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 Content = Callable[[int, str, "list[int] | None", "list[Any] | None"], None]
 """(choice index, a piece of its answer's text, its token ids when the engine sent them, its tool
 calls or pieces of them)"""
-Text = Callable[[int, str], None]
-"""(choice index, all an event generated for that choice)"""
+Text = Callable[[int, str, int], None]
+"""(choice index, all the text an event generated for that choice, and how many tokens it
+generated when the event gives them as token ids alone: vLLM's token API)"""
 # Responses and Messages API events an engine sends before it has produced anything.
 _LIFECYCLE_TYPES = frozenset(
     (
@@ -325,8 +327,8 @@ class ResponseTap:
             return
         _report_content(event, self._content)
         if self._text is not None:
-            for index, generated in _generated_text(event):
-                self._text(index, generated)
+            for index, generated, tokens in _generated(event):
+                self._text(index, generated, tokens)
 
     def _read_anthropic(self, payload: bytes) -> bool:
         """Keep the usage of a Messages stream's ``message_start`` or ``message_delta``; whether
@@ -546,8 +548,9 @@ def _report_content(doc: Any, content: Content | None) -> None:
         )
 
 
-def _generated_text(event: Any) -> list[tuple[int, str]]:
-    """What an SSE event generated, choice by choice: content and reasoning (chat) or text."""
+def _generated(event: Any) -> list[tuple[int, str, int]]:
+    """What an SSE event generated, choice by choice: content and reasoning (chat) or text, or the
+    number of tokens a choice of token ids alone holds (vLLM's token API streams no text)."""
     out = []
     for index, choice in _choices(event):
         delta = choice.get("delta")
@@ -557,10 +560,15 @@ def _generated_text(event: Any) -> list[tuple[int, str]]:
                 for key in ("reasoning_content", "reasoning", "content")
                 if isinstance(value := delta.get(key), str)
             )
+        elif "text" in choice:
+            text = choice["text"] if isinstance(choice["text"], str) else ""
         else:
-            text = choice["text"] if isinstance(choice.get("text"), str) else ""
+            ids = choice.get("token_ids")
+            if isinstance(ids, list) and ids:
+                out.append((index, "", len(ids)))
+            continue
         if text:
-            out.append((index, text))
+            out.append((index, text, 0))
     return out
 
 

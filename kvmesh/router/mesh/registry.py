@@ -85,6 +85,8 @@ class WorkerInfo:
     bootstrap_port: int | None = None
     prefill_profile: tuple[float, float, float] | None = None
     """``timing_profile.prefill_ms`` of its info: prefill ms of T uncached tokens = a2*T^2 + a1*T + a0."""
+    tokens_api: bool = False
+    """Its server answers vLLM's token-in-token-out API (``/inference/v1/generate``)."""
 
 
 @dataclass(slots=True)
@@ -143,6 +145,7 @@ def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: in
         role=pick("role", "aggregated"),
         bootstrap_port=pick("bootstrap_port", None),
         prefill_profile=_profile(_timing(info or {}).get("prefill_ms")),
+        tokens_api=pick("tokens_api", False),
     )
 
 
@@ -290,6 +293,7 @@ class WorkerRegistry:
                     "dp_size": info.dp_size if info else None,
                     "priority_polarity": info.priority_polarity if info else None,
                     "role": info.role if info else w.spec.role,
+                    "tokens_api": info.tokens_api if info else None,
                     "lora_adapters": sorted(w.adapters),
                     "events_applied": self.feed.events_applied(w.worker_id),
                     "events": self.feed.status(w.worker_id),

@@ -125,6 +125,8 @@ class WorkerSpec:
     role: str | None = None
     bootstrap_port: int | None = None
     """SGLang's ``--disaggregation-bootstrap-port`` on a prefill worker."""
+    tokens_api: bool | None = None
+    """Its server answers vLLM's token-in-token-out API (``/inference/v1/generate``)."""
 
     @property
     def described(self) -> bool:
@@ -192,7 +194,7 @@ def parse_worker_list(text: str) -> tuple[WorkerSpec, ...]:
 _INT_FIELDS = ("block_size", "dp_size", "max_num_batched_tokens", "total_kv_blocks", "bootstrap_port")
 WORKER_KEYS = frozenset(
     ("url", "id", "worker_id", "backend", "model", "kv_events_endpoints", "kv_replay_endpoints",
-     "priority_polarity", "role", *_INT_FIELDS)
+     "priority_polarity", "role", "tokens_api", *_INT_FIELDS)
 )  # fmt: skip
 FACT_KEYS = WORKER_KEYS - {"url", "id", "worker_id"}
 """The keys of a worker's own description (``/kvmesh/info``) that say what a config entry says."""
@@ -258,6 +260,10 @@ def worker_from_mapping(table: Mapping[str, Any], where: str = "") -> WorkerSpec
         if table["role"] not in ROLES:
             raise bad("role", f"must be one of {', '.join(ROLES)}")
         values["role"] = table["role"]
+    if "tokens_api" in table:
+        if not isinstance(table["tokens_api"], bool):
+            raise bad("tokens_api", f"must be true or false, got {table['tokens_api']!r}")
+        values["tokens_api"] = table["tokens_api"]
     for name in ("kv_events_endpoints", "kv_replay_endpoints"):
         if name in table:
             value = table[name]

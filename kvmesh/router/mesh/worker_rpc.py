@@ -143,9 +143,20 @@ class WorkerRpc:
 
 
 async def call_app(
-    app: ASGIApp, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+    app: ASGIApp,
+    method: str,
+    path: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    *,
+    beside: dict[str, Any] | None = None,
 ) -> tuple[int, bytes]:
-    """One whole request to an ASGI app in-process: (status, body). The caller never disconnects."""
+    """One whole request to an ASGI app in-process: (status, body). The caller never disconnects.
+
+    ``beside``: the scope of the client's request this one is made for. Its ``app`` goes along:
+    the framework sets it on the way in, above kvmesh's middleware, and an engine's route handlers
+    find their server's state through it (vLLM's read ``request.app.state``), so a request made
+    without it failed inside vLLM's own handlers."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -161,6 +172,8 @@ async def call_app(
         "server": ("127.0.0.1", 0),
         "state": {},
     }
+    if beside is not None and "app" in beside:
+        scope["app"] = beside["app"]
     sent = False
     status = 0
     chunks: list[bytes] = []

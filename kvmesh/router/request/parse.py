@@ -44,6 +44,10 @@ from kvmesh.router.request.tokenizer import (
     prompt_prefix_ids,
     prompt_token_ids,
 )
+from kvmesh.router.request.tokens_api import completion_view as tokens_view
+from kvmesh.router.request.tokens_api import engine_fields as tokens_engine_fields
+from kvmesh.router.request.tokens_api import is_tokens
+from kvmesh.router.request.tokens_api import recomputed as tokens_recomputed
 
 _WORKER_HEADER_B = WORKER_HEADER.encode()
 _PREFILL_HEADER_B = PREFILL_HEADER.encode()
@@ -174,6 +178,9 @@ class ParsedRequest:
         if is_generate(self.endpoint):  # (SGLang's own API: its own places for these)
             engine_fields(out, dict(nv.sampling), nv.greedy, nv.max_thinking_tokens)
             return _encode(out)
+        if is_tokens(self.endpoint):  # (vLLM's token API: sampling inside sampling_params)
+            tokens_engine_fields(out, dict(nv.sampling), nv.greedy, nv.max_thinking_tokens)
+            return _encode(out)
         out.update(nv.sampling)
         if nv.greedy:  # the reference's greedy: whatever sampling the body asked for
             out["temperature"] = 0.0
@@ -277,7 +284,7 @@ def parse_request(
     body = decode_body(raw)
     overrides = override_headers(headers)
     # What the engine renders: the body itself, the chat request a Responses or an Anthropic
-    # Messages body becomes, or the completion request a /generate body is.
+    # Messages body becomes, or the completion request a /generate or token-API body is.
     if is_responses(endpoint):
         rendered, rendered_as = rendered_as_chat(body, tokenizer), CHAT_ENDPOINT
     elif is_messages(endpoint):
@@ -287,14 +294,17 @@ def parse_request(
             nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
             return ParsedRequest(endpoint, raw, body, nv, overrides, [], [], None)
         rendered, rendered_as = completion_view(body), COMPLETIONS_ENDPOINT
+    elif is_tokens(endpoint):
+        rendered, rendered_as = tokens_view(body), COMPLETIONS_ENDPOINT
     else:
         rendered, rendered_as = body, endpoint
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
     if nv is not EMPTY:
         check_engine_fields(nv, body, rendered_as, tokenizing=tokenizer is not None)
-        if nv.token_data is not None and is_generate(endpoint):
+        if nv.token_data is not None and (is_generate(endpoint) or is_tokens(endpoint)):
+            name = "input_ids" if is_generate(endpoint) else "token_ids"
             raise RequestError(
-                "nvext.token_data: /generate takes a token-id prompt as 'input_ids'",
+                f"nvext.token_data: {endpoint} takes a token-id prompt as {name!r}",
                 field="nvext.token_data",
             )
     lora = lora_of(body.get("model"))
@@ -386,6 +396,8 @@ _KEYED_BY = (
     "audio_data",
     "lora_path",
     "extra_key",
+    "features",
+    "content_parts",
 )
 
 
@@ -395,7 +407,8 @@ def cache_keyed(body: dict[str, Any]) -> str | None:
     the messages (vLLM keys those blocks by the media hash), or ``chat_template_kwargs``, a
     ``chat_template`` or ``documents`` of the request's own (the engine renders the prompt with
     them, the router's tokenizer does not), or SGLang's own keys (``lora_path``, an
-    ``extra_key``, media as ``image_data`` and its kin). The engine's events
+    ``extra_key``, media as ``image_data`` and its kin), or media given to vLLM's token API
+    (``features``, hashed already, or ``content_parts``). The engine's events
     for such blocks are not indexed (``BlockStored.keyed_from``), so these requests get prefix
     credit only from what the router itself predicts (approximate mode, predict-on-route), and
     only among requests keyed the same way."""
@@ -430,7 +443,10 @@ def prompt_recomputed(body: dict[str, Any], endpoint: str) -> bool:
     for a request with prompt logprobs (a cached block keeps no logits to give them from), which
     ``prompt_logprobs`` asks for, and ``echo`` too where logprobs are on (a chat's ``top_logprobs``,
     0 unless sent as null; a completion's ``logprobs``). The blocks it computes are cached all
-    the same. (SGLang has no ``prompt_logprobs`` and no chat ``echo``.)"""
+    the same. (SGLang has no ``prompt_logprobs`` and no chat ``echo``.) vLLM's token API asks
+    inside ``sampling_params`` (:func:`~.tokens_api.recomputed`)."""
+    if is_tokens(endpoint):
+        return tokens_recomputed(body)
     if body.get("prompt_logprobs") is not None:
         return True
     if body.get("echo") is not True:

@@ -330,6 +330,13 @@ class Forwarder:
         runs past ``limit`` bytes."""
         return await self._exchange("GET", url, None, timeout, headers, limit)
 
+    async def post(
+        self, url: str, payload: Any, *, timeout: float = 3.0, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """A whole POST of a small JSON ``payload``: (status, body), whatever the status;
+        ConnectFailed when nothing answers in time."""
+        return await self._exchange("POST", url, payload, timeout, headers, ANSWER_LIMIT)
+
     async def get_json(
         self,
         url: str,

@@ -472,3 +472,31 @@ async def test_a_messages_stream_cut_short_before_its_message_delta_reports_no_c
     )
     await tap({"type": "http.response.body", "body": error, "more_body": False})
     assert rec.usages == []  # (message_start's output_tokens 0 is not the answer's count)
+
+
+async def test_a_token_api_stream_is_heard_as_its_number_of_tokens_per_choice() -> None:
+    """vLLM's token API streams token ids and no text: a stream without usage is counted by them
+    (an event may carry several tokens), where reading its text counted none."""
+    rec = Recorder()
+    heard: list[tuple[int, str, int]] = []
+    tap = ResponseTap(rec.send, rec, text=lambda index, text, tokens: heard.append((index, text, tokens)))
+    await tap(SSE_HEAD)
+    events = [
+        {
+            "request_id": "generate-tokens-r",
+            "choices": [{"index": 0, "token_ids": [5, 6, 7], "finish_reason": None}],
+        },
+        {
+            "request_id": "generate-tokens-r",
+            "choices": [{"index": 1, "token_ids": [8], "finish_reason": None}],
+        },
+        {
+            "request_id": "generate-tokens-r",
+            "choices": [{"index": 0, "token_ids": [], "finish_reason": "abort"}],
+        },
+        {"choices": [{"index": 0, "text": "hi", "token_ids": [9]}]},  # (text mode: its text is read)
+    ]
+    body = b"".join(_event(e) for e in events) + b"data: [DONE]\n\n"
+    await tap({"type": "http.response.body", "body": body, "more_body": False})
+    assert heard == [(0, "", 3), (1, "", 1), (0, "hi", 0)]
+    assert rec.calls == ["first", "events:4", "end:True"]

@@ -76,6 +76,7 @@ async def test_a_worker_with_another_block_size_is_refused_loudly(http: aiohttp.
             "/kvmesh/info.kv_events_endpoints must be a list",
         ),
         ({"bootstrap_port": "x"}, "/kvmesh/info.bootstrap_port must be a positive integer, got 'x'"),
+        ({"tokens_api": "yes"}, "/kvmesh/info.tokens_api must be true or false, got 'yes'"),
         (  # (an engine bound to tcp://*:5557 with no host to advertise: up, its events "live", none read)
             {"kv_events_endpoints": ["tcp://*:5557"]},
             "/kvmesh/info.kv_events_endpoints entry 'tcp://*:5557' names the wildcard host '*', which can "

@@ -1,0 +1,111 @@
+"""``POST /inference/v1/abort_requests`` (and ``--tokens-only``'s ``/abort_requests``): stop requests
+of vLLM's token API by id, on whichever engine runs them.
+
+vLLM stops a request only where it runs, and answers 200 for ids it does not know. Once the router
+has moved a request to a peer, an abort sent to the engine the client called would stop nothing,
+and the request would run on for nobody. So the abort goes to every worker that serves the token
+API at once (the ids are few, and a worker that does not run them ignores them): the local engine
+through its own app, peers over HTTP with the hop headers, so that a peer's middleware hands the
+abort to its own engine and asks no one in turn. The client's ``authorization`` goes along (vLLM
+guards ``/inference`` with its API key).
+
+The body is checked first: a JSON object with ``request_ids``, a list of strings or one string
+(vLLM takes either), else a 400 naming ``request_ids``. The answer is vLLM's (200, no body) when a worker took
+the abort; when none did, the answer of the first that refused it, or a 502 when no worker could
+be reached. With no worker serving the token API, an engine's middleware hands the abort to its
+own engine, and the standalone router answers 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvmesh._http import replay_body, route_path
+from kvmesh.errors import RequestError
+from kvmesh.router.asgi import peer_auth
+from kvmesh.router.asgi.json_io import read_body, send_error
+from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.mesh.worker_rpc import call_app
+from kvmesh.router.request.parse import decode_body
+from kvmesh.router.request.tokens_api import TOKENS_PATH
+
+_ABORT_TIMEOUT = 3.0
+"""Seconds a worker has to take an abort."""
+
+
+async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await mesh.ensure_started()
+    headers = scope["headers"]
+    if peer_auth.has_internal(headers):
+        hop = peer_auth.read_hop(headers, mesh.settings.mesh_secret)
+        scope = {**scope, "headers": peer_auth.strip_internal(headers)}
+        if hop is not None and mesh.local_app is not None:  # a peer's fan-out: this engine's part
+            await app(scope, receive, send)
+            return
+    settings = mesh.settings
+    try:
+        raw = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
+        if raw is None:
+            return  # the client left
+        ids = request_ids(raw)
+    except RequestError as e:
+        await send_error(send, e.status, str(e), e.field)
+        return
+    if not mesh.registry.ready.is_set():
+        await mesh.wait_ready()
+    registry = mesh.registry
+    workers = [
+        w
+        for w in (registry.get(i) for i in sorted(registry.routable))
+        if w is not None and w.info is not None and w.info.tokens_api
+    ]
+    if not workers:
+        if mesh.local_app is not None:
+            await app(scope, replay_body(raw, receive), send)
+            return
+        await send_error(send, 404, f"no worker serves {TOKENS_PATH}, so none runs these requests", "path")
+        return
+    path = route_path(scope)
+    auth = [(k, v) for k, v in scope["headers"] if k == b"authorization"]
+    asks = peer_auth.hop_header_map(settings.mesh_secret, mesh.replica, mesh.next_request_id())
+    asks.update((k.decode(), v.decode("latin-1")) for k, v in auth)
+    payload = {"request_ids": ids}
+
+    async def abort(worker: Any) -> tuple[int, bytes]:
+        if worker.worker_id == mesh.settings.self_worker_id and mesh.local_app is not None:
+            local = [(b"content-type", b"application/json"), *auth]
+            asked = call_app(mesh.local_app, "POST", path, local, raw, beside=scope)
+            return await asyncio.wait_for(asked, _ABORT_TIMEOUT)
+        return await mesh.forwarder.post(worker.url + path, payload, timeout=_ABORT_TIMEOUT, headers=asks)
+
+    answers = await asyncio.gather(*(abort(w) for w in workers), return_exceptions=True)
+    refused: tuple[int, bytes] | None = None
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            continue
+        if answer[0] == 200:
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        refused = refused or answer
+    if refused is not None:
+        status, body = refused
+        start_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": start_headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return
+    await send_error(send, 502, "no worker serving the token API could be reached to abort these requests")
+
+
+def request_ids(raw: bytes) -> list[str]:
+    """The ids an abort body names; a 400 naming ``request_ids`` for anything else."""
+    body = decode_body(raw)
+    ids = body.get("request_ids")
+    if ids is None:
+        raise RequestError("'request_ids' is required", field="request_ids")
+    if isinstance(ids, str):  # (vLLM takes one id alone too)
+        ids = [ids]
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise RequestError("'request_ids' must be a list of request id strings", field="request_ids")
+    return ids

@@ -33,7 +33,9 @@ with warnings.catch_warnings():
     from vllm.distributed.kv_events import EventPublisherFactory
     from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.models.api_router import attach_router as attach_models_router
     from vllm.entrypoints.scale_out.factories import register_scale_out_api_routers
+    from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
     from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
     from vllm.plugins.endpoint_plugins.interface import attach_endpoint_plugins, init_endpoint_plugins_state
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -58,6 +60,19 @@ pytestmark = pytest.mark.engine_vllm
 TOKEN = "s3cret"
 
 
+class ServedModels:
+    """Stands in for vLLM's ``OpenAIServingModels`` behind vLLM's own ``/v1/models`` route: the base
+    model and one LoRA adapter on it, listed as vLLM lists them."""
+
+    async def show_available_models(self) -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id="tiny-model", root="tiny-model"),
+                ModelCard(id="sql-lora", root="/adapters/sql", parent="tiny-model"),
+            ]
+        )
+
+
 class Recorder:
     """Stands in for vLLM's chat handler: what reached vLLM, validated by vLLM's request model."""
 
@@ -67,6 +82,7 @@ class Recorder:
         self.session_ids: list[list[str]] = []  # every X-Session-ID header, repeats kept
 
     async def chat(self, request: Request) -> JSONResponse:
+        assert request.app.state.args is not None  # (vLLM's handlers find their state there)
         raw = await request.body()
         parsed = ChatCompletionRequest.model_validate_json(raw)
         self.bodies.append(json.loads(raw))
@@ -154,6 +170,8 @@ async def vllm_app(
     app.state.args = args
     app.root_path = args.root_path  # (as vLLM's build_app sets it)
     app.add_api_route("/v1/chat/completions", recorder.chat, methods=["POST"])
+    app.state.openai_serving_models = ServedModels()
+    attach_models_router(app)
     if tokens is not None:
         app.state.serving_tokens = tokens
         app.state.engine_client = client
@@ -221,6 +239,50 @@ async def test_routes_answer_on_the_vllm_app(tmp_path: Path, monkeypatch: pytest
         assert opened.json()["created"] is True
         stats = client.engine_core.cores[0].call("kvmesh_rpc", "stats", {})
         assert stats == {"held_blocks": 5, "budget_blocks": 10, "holds": 2, "sessions": 1}
+
+
+async def test_the_router_reads_its_own_engines_adapters_through_vllms_models_route(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router asks its own engine in-process: vLLM's handlers read their state through the
+    request's ``app``, which that request lacked, so the local engine's adapters were never known
+    and its LoRA requests went only to peers."""
+    async with (
+        vllm_app(tmp_path, monkeypatch, policy="priority") as (url, *_),
+        httpx.AsyncClient(base_url=url, timeout=10) as http,
+    ):
+        for _ in range(200):
+            [worker] = (await http.get("/kvmesh/workers", headers=_auth())).json()["workers"]
+            if worker["lora_adapters"]:
+                break
+            await asyncio.sleep(0.02)
+        assert worker["local"] and worker["lora_adapters"] == ["sql-lora"]
+
+
+async def test_a_warm_up_of_the_next_turn_reaches_vllms_own_handler_in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``speculative_prefill`` sends the next turn's prompt to the engine that served the turn:
+    here, this engine, in-process. Without the request's ``app`` it failed in vLLM's handler."""
+    async with (
+        vllm_app(tmp_path, monkeypatch, policy="priority") as (url, recorder, _, _),
+        httpx.AsyncClient(base_url=url, timeout=10) as http,
+    ):
+        body = {
+            "model": "tiny-model",
+            "messages": [{"role": "user", "content": "hello there"}],
+            "max_tokens": 1,
+            "nvext": {"agent_hints": {"speculative_prefill": True}},
+        }
+        reply = await http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        for _ in range(200):
+            if len(recorder.bodies) == 2:
+                break
+            await asyncio.sleep(0.01)
+        turn, warm = recorder.bodies
+        assert warm["max_tokens"] == 1 and "nvext" not in warm
+        assert warm["messages"] == [*turn["messages"], {"role": "assistant", "content": "ok"}]
 
 
 async def test_the_middleware_sends_vllm_the_negated_priority_and_no_nvext(

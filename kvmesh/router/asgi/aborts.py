@@ -75,7 +75,7 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
     async def abort(worker: Any) -> tuple[int, bytes]:
         if worker.worker_id == mesh.settings.self_worker_id and mesh.local_app is not None:
             local = [(b"content-type", b"application/json"), *auth]
-            asked = call_app(mesh.local_app, "POST", path, local, raw, beside=scope)
+            asked = call_app(mesh.local_app, "POST", path, local, raw, framework=mesh.rpc.framework)
             return await asyncio.wait_for(asked, _ABORT_TIMEOUT)
         return await mesh.forwarder.post(worker.url + path, payload, timeout=_ABORT_TIMEOUT, headers=asks)
 

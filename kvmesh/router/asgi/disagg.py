@@ -246,7 +246,9 @@ class TwoStage:
         headers += hop_headers(mesh.settings.mesh_secret, mesh.replica, request_id)
         if mesh.registry.is_local(worker.worker_id) and mesh.local_app is not None:
             try:
-                return await call_app(mesh.local_app, "POST", path, headers, body, beside=routed.scope)
+                return await call_app(
+                    mesh.local_app, "POST", path, headers, body, framework=mesh.rpc.framework
+                )
             except Exception as e:
                 raise PrefillFailed(f"the local engine raised {e!r}") from None
         try:

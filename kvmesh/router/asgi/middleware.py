@@ -79,6 +79,9 @@ class KvMeshMiddleware:
         self.admin = admin.build_admin_app(self.mesh)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if self.mesh.rpc.framework is None and "app" in scope:
+            # (the server's framework app, for the requests the router makes to its engine itself)
+            self.mesh.rpc.framework = scope["app"]
         kind = scope["type"]
         if kind != "http":
             if kind == "lifespan":

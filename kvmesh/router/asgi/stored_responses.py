@@ -113,7 +113,7 @@ async def find_home(mesh: Mesh, response_id: str, scope: dict[str, Any]) -> str 
 
     async def holds(worker: Any) -> bool:
         if worker.worker_id == mesh.settings.self_worker_id and mesh.local_app is not None:
-            asked = call_app(mesh.local_app, "GET", path, auth, b"", beside=scope)
+            asked = call_app(mesh.local_app, "GET", path, auth, b"", framework=mesh.rpc.framework)
             status, _ = await asyncio.wait_for(asked, _ASK_TIMEOUT)
         else:
             status, _ = await mesh.forwarder.get(worker.url + path, timeout=_ASK_TIMEOUT, headers=asks)

@@ -51,6 +51,9 @@ class WorkerRpc:
         self.local_token = local_token or token
         self.local_id = local_id if local_app is not None else None
         self.local_app = local_app
+        self.framework: Any = None
+        """The embedding server's framework app, once the middleware has seen it (its lifespan's
+        scope, or a request's): what an in-process request carries as ``app`` (:func:`call_app`)."""
         self._headers = {ADMIN_TOKEN_HEADER: token} if token else None
 
     # ---------------------------------------------------------------- typed RPCs
@@ -88,7 +91,9 @@ class WorkerRpc:
         if worker_id == self.local_id:
             assert self.local_app is not None
             try:
-                status, data = await call_app(self.local_app, "GET", "/metrics", [], b"")
+                status, data = await call_app(
+                    self.local_app, "GET", "/metrics", [], b"", framework=self.framework
+                )
             except Exception as e:
                 raise ConnectFailed("local", f"GET /metrics raised {e!r}") from None
         else:
@@ -131,7 +136,7 @@ class WorkerRpc:
         if self.local_token:
             headers.append((ADMIN_TOKEN_HEADER.encode(), self.local_token.encode()))
         try:
-            status, data = await call_app(app, method, path, headers, body)
+            status, data = await call_app(app, method, path, headers, body, framework=self.framework)
         except Exception as e:
             raise ConnectFailed("local", f"{method} {path} raised {e!r}") from None
         if status != 200:
@@ -149,14 +154,14 @@ async def call_app(
     headers: list[tuple[bytes, bytes]],
     body: bytes,
     *,
-    beside: dict[str, Any] | None = None,
+    framework: Any = None,
 ) -> tuple[int, bytes]:
     """One whole request to an ASGI app in-process: (status, body). The caller never disconnects.
 
-    ``beside``: the scope of the client's request this one is made for. Its ``app`` goes along:
-    the framework sets it on the way in, above kvmesh's middleware, and an engine's route handlers
-    find their server's state through it (vLLM's read ``request.app.state``), so a request made
-    without it failed inside vLLM's own handlers."""
+    ``framework``: the server's framework app (a FastAPI or Starlette instance), which the request
+    carries as its scope's ``app``, as the framework's own requests do: it sets that on the way in,
+    above kvmesh's middleware, and an engine's route handlers find their state through it (vLLM's
+    read ``request.app.state``). A request made without it failed inside vLLM's handlers."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -172,8 +177,8 @@ async def call_app(
         "server": ("127.0.0.1", 0),
         "state": {},
     }
-    if beside is not None and "app" in beside:
-        scope["app"] = beside["app"]
+    if framework is not None:
+        scope["app"] = framework
     sent = False
     status = 0
     chunks: list[bytes] = []

@@ -115,7 +115,9 @@ async def test_a_worker_without_the_token_api_is_never_chosen_for_it(http: aioht
         async with serve(build_router_app(settings)) as front:
             status, error, _ = await tokens(http, front.url, {"token_ids": IDS, "sampling_params": {}})
             assert status == 404 and "--enable-scale-out" in error["error"]["message"], error
-            async with http.post(front.url + "/inference/v1/abort_requests", json={"request_ids": ["x"]}) as r:
+            async with http.post(
+                front.url + "/inference/v1/abort_requests", json={"request_ids": ["x"]}
+            ) as r:
                 assert r.status == 404 and (await r.json())["error"]["param"] == "path"
         async with run_mock(block_size=BS, speedup=50.0) as mock:
             both = MeshSettings(

@@ -11,6 +11,8 @@
     POST /inference/v1/generate                      vLLM's token-in-token-out API, and its abort
     POST /inference/v1/abort_requests                (``/abort_requests`` too), as vLLM 0.33.0 has
                                                      them: kvmesh.mock.tokens_api
+    POST /v1/messages/count_tokens, POST /tokenize,  vLLM's utility endpoints: kvmesh.mock.tokenize
+    POST /detokenize
     GET  /v1/models, GET /health, GET /metrics
     /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc)
 
@@ -44,6 +46,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvmesh.errors import ConfigError, RequestError
+from kvmesh.mock import tokenize as mock_tokenize
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.engine import MockEngine, TokenStream
 from kvmesh.mock.messages import message_events, message_object, parse_messages
@@ -294,6 +297,24 @@ def build_app(
             engine.abort(stream.request_id)
         return Response(status_code=200)
 
+    async def count_tokens(request: Request) -> Response:
+        answer = await _read_request(
+            request, lambda body, _: mock_tokenize.count_tokens(body, engine.config, engine.tokenizer)
+        )
+        return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+    async def tokenize(request: Request) -> Response:
+        answer = await _read_request(
+            request, lambda body, _: mock_tokenize.tokenize(body, engine.config, engine.tokenizer)
+        )
+        return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+    async def detokenize(request: Request) -> Response:
+        answer = await _read_request(
+            request, lambda body, _: mock_tokenize.detokenize(body, engine.tokenizer)
+        )
+        return answer if isinstance(answer, Response) else JSONResponse(answer)
+
     async def models(request: Request) -> Response:
         card = {
             "id": model,
@@ -328,6 +349,9 @@ def build_app(
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
         Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/generate", native_generate, methods=["POST", "PUT"]),
         Route(TOKENS_PATH, tokens, methods=["POST"]),
         *(Route(path, abort_requests, methods=["POST"]) for path in sorted(ABORT_PATHS)),

@@ -36,8 +36,9 @@ from tests.fuzz.strategies import (
         ("/v1/messages", MESSAGES),
         ("/inference/v1/generate", TOKENS),
         ("/inference/v1/abort_requests", ABORT),
+        ("/v1/messages/count_tokens", MESSAGES),
     ],
-    ids=["chat", "completions", "responses", "generate", "messages", "tokens", "abort"],
+    ids=["chat", "completions", "responses", "generate", "messages", "tokens", "abort", "count_tokens"],
 )
 def test_no_5xx_and_every_4xx_names_its_field(target: Target, path: str, doc: Any) -> None:
     @FUZZ

@@ -1,9 +1,10 @@
 """The standalone router: KvMeshMiddleware in front of an app with no local engine.
 
-Besides what the middleware answers (the generation endpoints, SGLang's ``/generate`` among them,
-``/kvmesh/workers``,
-``/busy_threshold``) it serves ``GET /health`` (503 while no worker is routable), ``GET /v1/models``
-(the models the fleet's workers reported) and ``GET /metrics`` (prometheus-client's registry).
+Besides what the middleware answers (the generation endpoints, SGLang's ``/generate`` and vLLM's
+token API among them, ``/kvmesh/workers``, ``/busy_threshold``) it serves ``GET /health`` (503
+while no worker is routable), ``GET /v1/models`` (the models the fleet's workers reported),
+``GET /metrics`` (prometheus-client's registry), and the engines' utility endpoints that any worker
+answers alike (``/v1/messages/count_tokens``, ``/tokenize``, ``/detokenize``: :mod:`.any_worker`).
 
 A router process of its own (``kvmesh router``) freezes its heap once its workers are known: the
 objects of its start-up (its imports, the app, the registry, the workers' info), some 50,000 of them,
@@ -25,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvmesh.router.asgi.any_worker import PATHS as ANY_WORKER_PATHS
+from kvmesh.router.asgi.any_worker import AnyWorker
 from kvmesh.router.asgi.middleware import EVERY_PATH, KvMeshMiddleware
 from kvmesh.router.mesh.metrics import CONTENT_TYPE, render
 from kvmesh.router.mesh.runtime import Mesh
@@ -89,11 +92,13 @@ def build_router_app(
             if task is not None:
                 task.cancel()
 
+    any_worker = AnyWorker(lambda: middleware.mesh)
     inner = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            *(Route(path, any_worker, methods=["POST"]) for path in ANY_WORKER_PATHS),
         ],
         lifespan=lifespan,
     )

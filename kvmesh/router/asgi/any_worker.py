@@ -1,0 +1,95 @@
+"""The standalone router's answer to an engine's utility endpoints, which any worker answers alike:
+Anthropic's ``POST /v1/messages/count_tokens`` (Claude Code asks it of the server it talks to) and
+``POST /tokenize`` / ``/detokenize`` (vLLM's and SGLang's, and SGLang's ``/v1/`` twins).
+
+Nothing about them is cached or routed, but a client pointed at the router expects them where its
+generation requests go; the router had only a 404 for them. Each is sent to one routable worker,
+taken in turn, and its answer relayed unchanged (the client's ``authorization`` goes along). A
+worker whose server has no such path answers 404, and the next worker is asked (a fleet can mix
+engines: SGLang alone has ``/v1/tokenize``), as is one that cannot be reached; with no worker
+left, the last 404 is the answer, or a 502 when none answered, a 503 when none is routable.
+
+Inside an engine, the middleware leaves these paths to the engine's own server, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvmesh._http import route_path
+from kvmesh.errors import RequestError
+from kvmesh.router.asgi import peer_auth
+from kvmesh.router.asgi.json_io import read_body, send_error
+from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.upstream.forwarder import UpstreamError, UpstreamResponse, end_to_end_headers
+
+PATHS = (
+    "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
+    "/v1/tokenize",
+    "/v1/detokenize",
+)
+
+
+class AnyWorker:
+    """An ASGI app serving :data:`PATHS` from whichever worker answers (see the module docstring)."""
+
+    def __init__(self, mesh_of: Callable[[], Mesh]) -> None:
+        self._mesh_of = mesh_of  # (the router's mesh exists only once the middleware is built)
+        self._turn = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        mesh = self._mesh_of()
+        await mesh.ensure_started()
+        settings = mesh.settings
+        try:
+            body = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
+        except RequestError as e:
+            await send_error(send, e.status, str(e), e.field)
+            return
+        if body is None:
+            return  # the client left
+        if not mesh.registry.ready.is_set():
+            await mesh.wait_ready()
+        routable = sorted(mesh.registry.routable)
+        if not routable:
+            await send_error(send, 503, "no worker is routable", None)
+            return
+        self._turn += 1
+        start = self._turn % len(routable)
+        path = route_path(scope)
+        if scope.get("query_string"):
+            path += "?" + scope["query_string"].decode("latin-1")
+        headers = peer_auth.strip_internal(end_to_end_headers(scope["headers"]))
+        answer: UpstreamResponse | None = None
+        for worker_id in routable[start:] + routable[:start]:
+            worker = mesh.registry.get(worker_id)
+            if worker is None:
+                continue
+            try:
+                upstream = await mesh.forwarder.open(worker.url, "POST", path, headers, body)
+            except UpstreamError:
+                continue
+            if upstream.status == 404:  # (not this engine's path: ask the next one)
+                if answer is not None:
+                    answer.close()
+                answer = upstream
+                continue
+            if answer is not None:
+                answer.close()
+            answer = upstream
+            break
+        if answer is None:
+            await send_error(send, 502, f"no worker could be reached for {route_path(scope)}", None)
+            return
+        try:
+            await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
+            async for chunk in answer.chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            answer.release()
+        except BaseException:  # (the worker broke off, or the client left: the connection goes)
+            answer.close()
+            raise

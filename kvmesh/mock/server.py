@@ -393,6 +393,8 @@ async def _read_request(request: Request, parse: Callable[[Any, str | None], _P]
         body = json.loads(await request.body())
     except ValueError:
         return error_response("the request body is not valid JSON", 400, "body")
+    except RecursionError:  # (a body nested past the interpreter's recursion limit)
+        return error_response("the request body is nested too deep", 400, "body")
     try:
         return parse(body, request.headers.get("x-session-id"))
     except RequestError as e:

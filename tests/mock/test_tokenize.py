@@ -52,6 +52,7 @@ async def test_a_count_is_the_prompt_its_generation_request_reports() -> None:
         ("/tokenize", {"model": "other", "prompt": "x"}, "model"),
         ("/detokenize", {"tokens": [-1]}, "tokens"),
         ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/v1/messages/count_tokens", "deep", "body"),
     ],
 )
 async def test_a_bad_body_is_a_400_naming_the_field(path: str, body: Any, field: str) -> None:
@@ -59,5 +60,8 @@ async def test_a_bad_body_is_a_400_naming_the_field(path: str, body: Any, field:
         run_mock(block_size=16, speedup=50.0) as mock,
         httpx.AsyncClient(base_url=mock.base_url) as http,
     ):
-        r = await http.post(path, json=body)
+        if body == "deep":  # (nested past the interpreter's recursion limit: it was a 500)
+            r = await http.post(path, content=b'{"metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+        else:
+            r = await http.post(path, json=body)
         assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == field, r.text

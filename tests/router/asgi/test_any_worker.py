@@ -63,6 +63,9 @@ async def test_a_utility_request_is_answered_by_a_worker_that_has_the_path() -> 
                 assert r.status == 200 and (await r.json())["served_by"] == "vllm"
             async with http.post(front.url + "/detokenize", json={"tokens": [1]}) as r:
                 assert r.status == 404  # (no worker has it: the last 404 is the answer)
+            for bad in (b"[1]", b"{", b'{"metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}"):
+                async with http.post(front.url + "/tokenize", data=bad) as r:  # (no worker is asked)
+                    assert r.status == 400 and (await r.json())["error"]["param"] == "body"
             async with http.get(front.url + "/tokenize") as r:
                 assert r.status == 405
     assert [a[:2] for a in asked] == [

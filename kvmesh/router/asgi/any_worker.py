@@ -22,6 +22,7 @@ from typing import Any
 from kvmesh._http import route_path
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
+from kvmesh.router.asgi.forwarding import relay_unchanged
 from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.parse import decode_body
@@ -89,12 +90,4 @@ class AnyWorker:
         if answer is None:
             await send_error(send, 502, f"no worker could be reached for {route_path(scope)}", None)
             return
-        try:
-            await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
-            async for chunk in answer.chunks():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            answer.release()
-        except BaseException:  # (the worker broke off, or the client left: the connection goes)
-            answer.close()
-            raise
+        await relay_unchanged(answer, send)

@@ -376,3 +376,20 @@ def _uncancel(task: asyncio.Task[Any]) -> None:
     uncancel = getattr(task, "uncancel", None)
     if uncancel is not None:
         uncancel()
+
+
+async def relay_unchanged(
+    upstream: UpstreamResponse, send: Callable[[dict[str, Any]], Awaitable[None]]
+) -> None:
+    """Hand a worker's answer to the client as it comes, head and body (an answer the router
+    does not read: a stored response, a utility endpoint's). A worker that breaks off, or a client
+    that leaves, closes the connection to the worker."""
+    try:
+        await send({"type": "http.response.start", "status": upstream.status, "headers": upstream.headers})
+        async for chunk in upstream.chunks():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        upstream.release()
+    except BaseException:
+        upstream.close()
+        raise

@@ -26,6 +26,7 @@ from urllib.parse import quote
 from kvmesh._http import route_path
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
+from kvmesh.router.asgi.forwarding import relay_unchanged
 from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.worker_rpc import call_app
@@ -83,15 +84,7 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
     except UpstreamError as e:
         await send_error(send, 502, f"the worker holding response {response_id!r} did not answer: {e}", None)
         return
-    try:
-        await send({"type": "http.response.start", "status": upstream.status, "headers": upstream.headers})
-        async for chunk in upstream.chunks():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        upstream.release()
-    except BaseException:  # (the worker broke off, or the client left: the connection goes)
-        upstream.close()
-        raise
+    await relay_unchanged(upstream, send)
 
 
 async def find_home(mesh: Mesh, response_id: str, scope: dict[str, Any]) -> str | None:

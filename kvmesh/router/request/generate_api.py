@@ -29,6 +29,8 @@ SERVED_BY = frozenset(("sglang", "mock"))
 _BOUND = ("session_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 # Fields that key SGLang's cache by more than the prompt's tokens, carried into the view (cache_keyed).
 _CARRIED = ("cache_salt", "lora_path", "extra_key", "image_data", "video_data", "audio_data")
+# sampling_params keys the view takes, by their completion name.
+_LENGTHS = (("n", "n"), ("max_new_tokens", "max_tokens"))
 
 
 def is_generate(endpoint: str) -> bool:
@@ -92,12 +94,24 @@ def completion_view(body: dict[str, Any]) -> dict[str, Any]:
                 field="input_ids",
             )
         prompt = ids
+    return completion_body(prompt, sampling_params(body), _LENGTHS, body, _CARRIED)
+
+
+def completion_body(
+    prompt: Any,
+    params: dict[str, Any],
+    names: tuple[tuple[str, str], ...],
+    body: dict[str, Any],
+    carried: tuple[str, ...],
+) -> dict[str, Any]:
+    """The completion body an engine's native request amounts to: its ``prompt``, the sampling
+    ``params`` it names (``names``: their key there, their completion name), and the fields of
+    ``body`` that key the engine's cache (``carried``)."""
     view: dict[str, Any] = {"prompt": prompt}
-    params = sampling_params(body)
-    for source, name in (("n", "n"), ("max_new_tokens", "max_tokens")):
+    for source, name in names:
         if source in params:
             view[name] = params[source]
-    for key in _CARRIED:
+    for key in carried:
         if key in body:
             view[key] = body[key]
     return view

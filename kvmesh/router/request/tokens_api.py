@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.errors import RequestError
+from kvmesh.router.request.generate_api import completion_body
 from kvmesh.router.request.tokenizer import MAX_TOKEN_ID
 
 TOKENS_PATH = "/inference/v1/generate"
@@ -28,6 +29,7 @@ ABORT_PATHS = frozenset(("/inference/v1/abort_requests", "/abort_requests"))
 """Where vLLM stops token-API requests by id (the second: ``--tokens-only``'s unguarded path)."""
 # Fields that key vLLM's cache by more than the prompt's tokens, carried into the view (cache_keyed).
 _CARRIED = ("cache_salt", "features", "content_parts")
+_LENGTHS = (("n", "n"), ("max_tokens", "max_tokens"))
 
 
 def is_tokens(endpoint: str) -> bool:
@@ -59,15 +61,7 @@ def completion_view(body: dict[str, Any]) -> dict[str, Any]:
                 f"'token_ids' must hold token ids in [0, {MAX_TOKEN_ID}], not {token!r}",
                 field="token_ids",
             )
-    view: dict[str, Any] = {"prompt": ids}
-    params = sampling_params(body)
-    for name in ("n", "max_tokens"):
-        if name in params:
-            view[name] = params[name]
-    for key in _CARRIED:
-        if key in body:
-            view[key] = body[key]
-    return view
+    return completion_body(ids, sampling_params(body), _LENGTHS, body, _CARRIED)
 
 
 def choices(body: dict[str, Any]) -> int:

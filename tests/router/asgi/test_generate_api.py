@@ -22,7 +22,7 @@ from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.asgi.test_agent_features import BS, mock_fleet, until
-from tests.router.asgi.test_responses_api import WORKER, reported_cached
+from tests.router.asgi.test_responses_api import WORKER, reported_cached, twin_served
 from tests.router.servers import serve
 
 TEXT = "Draft a polite reply declining the meeting and proposing two other dates. " * 8
@@ -48,12 +48,7 @@ async def test_a_generate_prompt_goes_where_its_completion_twin_is_cached(
 ) -> None:
     async with mock_fleet(3) as (front, mocks, app):
         twin = {"model": mocks[0].config.model, "prompt": TEXT, "max_tokens": 2}
-        async with http.post(front.url + "/v1/completions", json=twin) as r:
-            assert r.status == 200
-            home = r.headers[WORKER]
-        first = app.mesh.router.recent_decisions(1)[-1][1]
-        await until(lambda: not app.mesh.router.tracking(first.request_id))
-        reported_before = await reported_cached(http, front.url, home)
+        home, reported_before = await twin_served(http, front.url, app, "/v1/completions", twin)
         body = {"text": TEXT, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}, "stream": stream}
         status, answer, worker = await generate(http, front.url, body)
         assert status == 200, answer

@@ -18,7 +18,7 @@ from kvmesh.router.asgi.accounting import _includes_usage
 from kvmesh.router.request.parse import parse_request
 from kvmesh.router.request.tokenizer import BuiltinTokenizer
 from tests.router.asgi.test_agent_features import BS, mock_fleet, until
-from tests.router.asgi.test_responses_api import WORKER, reported_cached
+from tests.router.asgi.test_responses_api import WORKER, reported_cached, twin_served
 
 SYSTEM = "You are a coding agent. Read before you write; keep diffs small. " * 12
 QUESTION = "Where is the prefix cache evicted, and under which lock?"
@@ -50,12 +50,7 @@ async def test_a_messages_turn_goes_where_its_chat_twin_is_cached(
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
             "max_tokens": 4,
         }
-        async with http.post(front.url + "/v1/chat/completions", json=chat) as r:
-            assert r.status == 200
-            home = r.headers[WORKER]
-        first = app.mesh.router.recent_decisions(1)[-1][1]
-        await until(lambda: not app.mesh.router.tracking(first.request_id))
-        reported_before = await reported_cached(http, front.url, home)
+        home, reported_before = await twin_served(http, front.url, app, "/v1/chat/completions", chat)
         body = {
             "model": model,
             "max_tokens": 5,

@@ -102,6 +102,20 @@ async def reported_cached(http: aiohttp.ClientSession, url: str, worker: str) ->
     return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
 
 
+async def twin_served(
+    http: aiohttp.ClientSession, url: str, app: Any, path: str, body: dict[str, Any]
+) -> tuple[str, float]:
+    """Serve ``body`` at ``path`` once through the router at ``url`` (whose app is ``app``): the
+    worker that served it, once the router has let the request go, and that worker's count of
+    reported cached tokens then (a later request's twin is cached there)."""
+    async with http.post(url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        home = r.headers[WORKER]
+    first = app.mesh.router.recent_decisions(1)[-1][1]
+    await until(lambda: not app.mesh.router.tracking(first.request_id))
+    return home, await reported_cached(http, url, home)
+
+
 def _hashes(app: Any, chat: dict[str, Any]) -> list[int]:
     return block_hashes(prompt_token_ids(app.mesh.tokenizer, chat, "chat"), BS, None)
 

@@ -25,7 +25,7 @@ from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.mock.test_server import wait_idle
 from tests.router.asgi.test_agent_features import BS, mock_fleet, until
 from tests.router.asgi.test_generate_api import _vllm_like
-from tests.router.asgi.test_responses_api import WORKER, reported_cached
+from tests.router.asgi.test_responses_api import WORKER, reported_cached, twin_served
 from tests.router.servers import serve
 
 PATH = "/inference/v1/generate"
@@ -50,12 +50,7 @@ async def test_a_token_prompt_goes_where_its_completion_twin_is_cached(
 ) -> None:
     async with mock_fleet(3) as (front, mocks, app):
         twin = {"model": mocks[0].config.model, "prompt": IDS, "max_tokens": 2}
-        async with http.post(front.url + "/v1/completions", json=twin) as r:
-            assert r.status == 200
-            home = r.headers[WORKER]
-        first = app.mesh.router.recent_decisions(1)[-1][1]
-        await until(lambda: not app.mesh.router.tracking(first.request_id))
-        reported_before = await reported_cached(http, front.url, home)
+        home, reported_before = await twin_served(http, front.url, app, "/v1/completions", twin)
         body = {
             "token_ids": IDS,
             "sampling_params": {"max_tokens": 5, "ignore_eos": True},

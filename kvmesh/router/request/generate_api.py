@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.errors import RequestError
+from kvmesh.router.request.nvext import write_sampling
 
 GENERATE_PATH = "/generate"
 SERVED_BY = frozenset(("sglang", "mock"))
@@ -124,17 +125,13 @@ def choices(body: dict[str, Any]) -> int:
 
 
 def engine_fields(
-    out: dict[str, Any], sampling: dict[str, Any], greedy: bool, thinking_budget: int | None
+    out: dict[str, Any], sampling: tuple[tuple[str, Any], ...], greedy: bool, thinking_budget: int | None
 ) -> None:
     """Write what ``nvext`` asks of the engine into a ``/generate`` body ``out``, in SGLang's own
     places: sampling inside ``sampling_params``, the reasoning budget at the top."""
     if sampling or greedy:
         params = dict(sampling_params(out))
-        params.update(sampling)
-        if greedy:
-            params["temperature"] = 0.0
-            params["top_k"] = 1
-            params.pop("top_p", None)
+        write_sampling(params, sampling, greedy)
         out["sampling_params"] = params
     if thinking_budget is not None:
         out["max_thinking_tokens"] = thinking_budget

@@ -419,3 +419,14 @@ def strip_nvext(body: dict[str, Any]) -> dict[str, Any]:
     if "nvext" not in body:
         return body
     return {k: v for k, v in body.items() if k != "nvext"}
+
+
+def write_sampling(params: dict[str, Any], sampling: tuple[tuple[str, Any], ...], greedy: bool) -> None:
+    """Write ``nvext``'s sampling fields into ``params`` (a body, or its ``sampling_params``), and
+    the reference's greedy sampling over whatever the body asked for: temperature 0, top-k 1, no
+    top-p."""
+    params.update(sampling)
+    if greedy:
+        params["temperature"] = 0.0
+        params["top_k"] = 1
+        params.pop("top_p", None)

@@ -34,6 +34,7 @@ from kvmesh.router.request.nvext import (
     Nvext,
     NvextLimits,
     parse_nvext,
+    write_sampling,
 )
 from kvmesh.router.request.responses_api import is_responses, rendered_as_chat
 from kvmesh.router.request.tokenizer import (
@@ -164,11 +165,7 @@ class ParsedRequest:
             # Anthropic's request has no priority field (the engines would drop it: there the
             # priority orders the router's own queue only), and of nvext's sampling fields only
             # top_k (the others are refused as the request is parsed).
-            out.update(nv.sampling)
-            if nv.greedy:
-                out["temperature"] = 0.0
-                out["top_k"] = 1
-                out.pop("top_p", None)
+            write_sampling(out, nv.sampling, nv.greedy)
             return _encode(out)
         if priority is not None:
             if polarity == "lower_first":
@@ -176,16 +173,12 @@ class ParsedRequest:
             elif polarity == "higher_first":
                 out["priority"] = priority
         if is_generate(self.endpoint):  # (SGLang's own API: its own places for these)
-            engine_fields(out, dict(nv.sampling), nv.greedy, nv.max_thinking_tokens)
+            engine_fields(out, nv.sampling, nv.greedy, nv.max_thinking_tokens)
             return _encode(out)
         if is_tokens(self.endpoint):  # (vLLM's token API: sampling inside sampling_params)
-            tokens_engine_fields(out, dict(nv.sampling), nv.greedy, nv.max_thinking_tokens)
+            tokens_engine_fields(out, nv.sampling, nv.greedy, nv.max_thinking_tokens)
             return _encode(out)
-        out.update(nv.sampling)
-        if nv.greedy:  # the reference's greedy: whatever sampling the body asked for
-            out["temperature"] = 0.0
-            out["top_k"] = 1
-            out.pop("top_p", None)
+        write_sampling(out, nv.sampling, nv.greedy)
         if nv.token_data is not None:
             out["prompt"] = list(nv.token_data)
         if nv.max_thinking_tokens is not None:

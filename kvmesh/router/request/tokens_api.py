@@ -22,6 +22,7 @@ from typing import Any
 
 from kvmesh.errors import RequestError
 from kvmesh.router.request.generate_api import completion_body
+from kvmesh.router.request.nvext import write_sampling
 from kvmesh.router.request.tokenizer import MAX_TOKEN_ID
 
 TOKENS_PATH = "/inference/v1/generate"
@@ -85,18 +86,14 @@ def recomputed(body: dict[str, Any]) -> bool:
 
 
 def engine_fields(
-    out: dict[str, Any], sampling: dict[str, Any], greedy: bool, thinking_budget: int | None
+    out: dict[str, Any], sampling: tuple[tuple[str, Any], ...], greedy: bool, thinking_budget: int | None
 ) -> None:
     """Write what ``nvext`` asks of the engine into a body ``out``, inside ``sampling_params``,
     where vLLM reads every sampling field of this API (the reasoning budget too)."""
     if not (sampling or greedy or thinking_budget is not None):
         return
     params = dict(sampling_params(out))
-    params.update(sampling)
-    if greedy:
-        params["temperature"] = 0.0
-        params["top_k"] = 1
-        params.pop("top_p", None)
+    write_sampling(params, sampling, greedy)
     if thinking_budget is not None:
         params["thinking_token_budget"] = thinking_budget
     out["sampling_params"] = params

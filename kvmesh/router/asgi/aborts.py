@@ -1,19 +1,19 @@
-"""``POST /inference/v1/abort_requests`` (and ``--tokens-only``'s ``/abort_requests``): stop requests
-of vLLM's token API by id, on whichever engine runs them.
+"""``POST /inference/v1/abort_requests`` (and ``--tokens-only``'s ``/abort_requests``): stop
+requests of vLLM's token API by id, on whichever engine runs them.
 
 vLLM stops a request only where it runs, and answers 200 for ids it does not know. Once the router
-has moved a request to a peer, an abort sent to the engine the client called would stop nothing,
-and the request would run on for nobody. So the abort goes to every worker that serves the token
-API at once (the ids are few, and a worker that does not run them ignores them): the local engine
-through its own app, peers over HTTP with the hop headers, so that a peer's middleware hands the
-abort to its own engine and asks no one in turn. The client's ``authorization`` goes along (vLLM
-guards ``/inference`` with its API key).
+has moved a request to a peer, an abort sent to the engine the client called would stop nothing, and
+the request would run on for nobody. So the abort goes to every worker that serves the token API at
+once (the ids are few, and a worker that does not run them ignores them): the local engine through
+its own app, peers over HTTP with the hop headers, so that a peer's middleware hands the abort to
+its own engine and asks no one in turn. The client's ``authorization`` goes along (vLLM guards
+``/inference`` with its API key).
 
-The body is checked first: a JSON object with ``request_ids``, a list of strings or one string
-(vLLM takes either), else a 400 naming ``request_ids``. The answer is vLLM's (200, no body) when a worker took
-the abort; when none did, the answer of the first that refused it, or a 502 when no worker could
-be reached. With no worker serving the token API, an engine's middleware hands the abort to its
-own engine, and the standalone router answers 404.
+The body is checked first: a JSON object with ``request_ids``, a list of strings or one string (vLLM
+takes either), else a 400 naming ``request_ids``. The answer is vLLM's (200, no body) when a worker
+took the abort; when none did, the answer of the first that refused it, or a 502 when no worker
+could be reached. With no worker serving the token API, an engine's middleware hands the abort to
+its own engine, and the standalone router answers 404.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
         refused = refused or answer
     if refused is not None:
         status, body = refused
-        start_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        kind = b"application/json" if body.startswith(b"{") else b"text/plain; charset=utf-8"
+        start_headers = [(b"content-type", kind), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": start_headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
         return

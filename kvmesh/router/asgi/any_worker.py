@@ -3,13 +3,13 @@ Anthropic's ``POST /v1/messages/count_tokens`` (Claude Code asks it of the serve
 ``POST /tokenize`` / ``/detokenize`` (vLLM's and SGLang's, and SGLang's ``/v1/`` twins).
 
 Nothing about them is cached or routed, but a client pointed at the router expects them where its
-generation requests go; the router had only a 404 for them. A body that is not a JSON object, or
-is nested deeper than a generation request may be, is the client's 400 naming ``body``, as on the
+generation requests go; the router had only a 404 for them. A body that is not a JSON object, or is
+nested deeper than a generation request may be, is the client's 400 naming ``body``, as on the
 generation paths (an engine's own parser can fail on it with a 500). Each is sent to one routable
-worker, taken in turn, and its answer relayed unchanged (the client's ``authorization`` goes along). A
-worker whose server has no such path answers 404, and the next worker is asked (a fleet can mix
-engines: SGLang alone has ``/v1/tokenize``), as is one that cannot be reached; with no worker
-left, the last 404 is the answer, or a 502 when none answered, a 503 when none is routable.
+worker, taken in turn, and its answer relayed unchanged (the client's ``authorization`` goes along).
+A worker whose server has no such path answers 404, and the next worker is asked (a fleet can mix
+engines: SGLang alone has ``/v1/tokenize``), as is one that cannot be reached; with no worker left,
+the last 404 is the answer, or a 502 when none answered, a 503 when none is routable.
 
 Inside an engine, the middleware leaves these paths to the engine's own server, as before.
 """

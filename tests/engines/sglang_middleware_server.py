@@ -197,6 +197,16 @@ async def relayed_chunks(request: Any) -> Any:
     return JSONResponse({path: c._value.get() for path, c in get_metrics().relayed_chunks.items()})
 
 
+async def speculative_prefills(request: Any) -> Any:
+    """TEST-ONLY: kvmesh's ``kvmesh_speculative_prefills_total`` by outcome, read in this process."""
+    from starlette.responses import JSONResponse
+
+    from kvmesh.router.mesh.metrics import get_metrics
+
+    counter = get_metrics().speculative_prefills
+    return JSONResponse({o: counter.labels(o)._value.get() for o in ("done", "failed", "cancelled")})
+
+
 def main() -> None:
     port, sglang_args = int(sys.argv[1]), sys.argv[2:]
     sglang_env.prepare()
@@ -228,6 +238,7 @@ def main() -> None:
     app.state.openai_serving_responses = echo_responses(tm, templates)
     app.state.anthropic_serving = echo_messages(tm, templates)
     app.router.routes.append(Route("/test/relayed-chunks", relayed_chunks))
+    app.router.routes.append(Route("/test/speculative-prefills", speculative_prefills))
     if server_args.api_key:  # as SGLang's launch does, after kvmesh's mount: outside kvmesh's layer
         from sglang.srt.utils.auth import add_api_key_middleware
 

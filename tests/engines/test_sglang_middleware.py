@@ -142,6 +142,22 @@ def test_the_body_sglang_receives_has_its_polarity_and_no_nvext(engine: Engine) 
     assert "session_params" not in out["seen"]["body"]
 
 
+def test_a_warm_up_of_the_next_turn_reaches_sglangs_own_chat_route_in_process(engine: Engine) -> None:
+    """``speculative_prefill`` sends the next turn's prompt to the engine that served the turn:
+    here, this engine, in-process. SGLang's chat route finds its serving through ``request.app``,
+    which that request lacked: the warm-up failed there."""
+    before = engine.client.get("/test/speculative-prefills").json()
+    engine.chat(
+        "w7 w8 w9", nvext={"backend_instance_id": engine.url, "agent_hints": {"speculative_prefill": True}}
+    )
+    for _ in range(100):
+        now = engine.client.get("/test/speculative-prefills").json()
+        if now != before:
+            break
+        time.sleep(0.05)
+    assert now == {**before, "done": before["done"] + 1}, (before, now)
+
+
 def test_under_sglangs_root_path_requests_are_routed_and_the_rpcs_answer() -> None:
     """SGLang's ``--fastapi-root-path /llm`` goes to uvicorn, which puts it before every path.
     Matched on the whole path, the middleware routed nothing (the engine got the nvext) and its

@@ -190,6 +190,10 @@ _RELAY = ["events", "relay", "tcp://127.0.0.1:5557", "--nats", "nats://127.0.0.1
             "registration: add --register URL",
         ),
         (
+            [*_RELAY, "--register", "http://127.0.0.1:1", "--fact", "tokens_api=yes"],
+            "kvmesh events relay: --fact tokens_api must be true or false, got 'yes'",
+        ),
+        (
             [*_RELAY, "--register", "http://127.0.0.1:1", "--nats-worker-ttl", "1e10"],
             "kvmesh events relay: --nats-worker-ttl must be at most 9223372036, got 10000000000.0",
         ),

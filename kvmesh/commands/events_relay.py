@@ -25,6 +25,7 @@ from kvmesh.events.nats_link import MAX_REPLICAS, MAX_SECONDS, NatsOptions, pars
 # Facts a registration may carry (the keys of a [[workers]] table besides url / id / endpoints).
 _INT_FACTS = ("block_size", "max_num_batched_tokens", "total_kv_blocks", "bootstrap_port")
 _STR_FACTS = ("backend", "model", "priority_polarity", "role")
+_BOOL_FACTS = ("tokens_api",)
 
 
 def add_parser(actions: Any) -> None:
@@ -92,8 +93,9 @@ def add_parser(actions: Any) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="a worker fact for the registration, over what /kvmesh/info says: "
-        + ", ".join(_INT_FACTS + _STR_FACTS)
-        + " (KV routing without /kvmesh/info needs block_size, max_num_batched_tokens, total_kv_blocks)",
+        + ", ".join(_INT_FACTS + _STR_FACTS + _BOOL_FACTS)
+        + " (KV routing without /kvmesh/info needs block_size, max_num_batched_tokens, total_kv_blocks;"
+        + " tokens_api=true: vLLM serves /inference/v1/generate, started with --enable-scale-out)",
     )
     reg.add_argument(
         "--nats-worker-ttl",
@@ -190,8 +192,13 @@ def parse_facts(items: list[str]) -> dict[str, Any]:
             facts[key] = number
         elif key in _STR_FACTS:
             facts[key] = value
+        elif key in _BOOL_FACTS:
+            if value not in ("true", "false"):
+                raise ConfigError(f"--fact {key} must be true or false, got {value!r}")
+            facts[key] = value == "true"
         else:
-            raise ConfigError(f"--fact {key!r} is not one of {', '.join(_INT_FACTS + _STR_FACTS)}")
+            known = ", ".join(_INT_FACTS + _STR_FACTS + _BOOL_FACTS)
+            raise ConfigError(f"--fact {key!r} is not one of {known}")
     return facts
 
 

@@ -110,6 +110,8 @@ async def test_relay_carries_a_zmq_stream_into_a_nats_routers_index() -> None:
                         "total_kv_blocks=4096",
                         "--fact",
                         "model=relayed",
+                        "--fact",
+                        "tokens_api=true",
                     ],
                     stderr=subprocess.PIPE,
                     text=True,
@@ -132,6 +134,7 @@ async def test_relay_carries_a_zmq_stream_into_a_nats_routers_index() -> None:
                             break
                         await asyncio.sleep(0.05)
                     assert row.get("state") == "up", row
+                    assert row["tokens_api"] is True  # (the registration's fact: no /kvmesh/info)
                     # Every block published, early or live, minus the evicted ones; only NATS fed it
                     # (the engine has no /kvmesh/info, so no kv_state cold start).
                     assert row["indexed_blocks"] == want, row

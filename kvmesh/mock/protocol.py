@@ -57,7 +57,7 @@ def parse_generation(
     model = body.get("model", config.model)
     if model != config.model:
         raise ModelNotFound(f"The model `{model}` does not exist.", field="model")
-    stream = _bool(body, "stream", False)
+    stream = bool_field(body, "stream", False)
     include_usage = False
     options = body.get("stream_options")
     if options is not None:
@@ -67,13 +67,13 @@ def parse_generation(
             raise RequestError(
                 "Stream options can only be defined when `stream=True`.", field="stream_options"
             )
-        include_usage = _bool(options, "include_usage", False, prefix="stream_options.")
+        include_usage = bool_field(options, "include_usage", False, prefix="stream_options.")
     n = _opt_int(body, "n", 1) or 1
     if n > MAX_CHOICES:
         raise RequestError(
             f"'n' must be at most {MAX_CHOICES}: the mock engine runs each choice as a request", field="n"
         )
-    echo = _bool(body, "echo", False)
+    echo = bool_field(body, "echo", False)
     for name, lo, hi in (
         ("temperature", 0.0, 2.0),
         ("top_p", 0.0, 1.0),
@@ -102,7 +102,7 @@ def parse_generation(
         raise RequestError(
             f"'min_tokens' must be at most '{max_field}' ({max_tokens}), got {min_tokens}", field="min_tokens"
         )
-    ignore_eos = _bool(body, "ignore_eos", False)
+    ignore_eos = bool_field(body, "ignore_eos", False)
     seed = _opt_int(body, "seed", -(2**63))
     priority = _opt_int(body, "priority", -(2**63)) or 0
     _opt_int(body, "thinking_token_budget", 0)  # vLLM's reasoning budget: the mock does not reason
@@ -182,7 +182,9 @@ def _session_id(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _bool(body: Mapping[str, Any], name: str, default: bool, *, prefix: str = "") -> bool:
+def bool_field(body: Mapping[str, Any], name: str, default: bool, *, prefix: str = "") -> bool:
+    """``body[name]``, a boolean (``default`` when absent or null); a 400 naming ``prefix + name``
+    for anything else."""
     value = body.get(name)
     if value is None:
         return default

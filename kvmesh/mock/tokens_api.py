@@ -59,7 +59,7 @@ import msgspec
 from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import TokenStream
-from kvmesh.mock.protocol import ParsedRequest, in_client_names, parse_generation, usage
+from kvmesh.mock.protocol import ParsedRequest, bool_field, in_client_names, parse_generation, usage
 from kvmesh.router.request.tokenizer import Tokenizer
 from kvmesh.router.request.tokens_api import completion_view, sampling_params
 
@@ -218,7 +218,7 @@ def parse_tokens(
             f"output_mode={output_mode!r} requires sampling_params.detokenize to be true", field="output_mode"
         )
     include_usage, continuous = _stream_options(body.get("stream_options"))
-    wants_prompt = _opt_bool(body, "return_token_ids")
+    wants_prompt = bool_field(body, "return_token_ids", False)
 
     completion: dict[str, Any] = {"prompt": view["prompt"]}
     for key, value in params.items():
@@ -438,15 +438,6 @@ def _stream_options(options: Any) -> tuple[bool, bool]:
         return False, False
     if not isinstance(options, dict):
         raise RequestError("'stream_options' must be an object", field="stream_options")
-    include = _opt_bool(options, "include_usage", "stream_options.")
-    continuous = _opt_bool(options, "continuous_usage_stats", "stream_options.")
+    include = bool_field(options, "include_usage", False, prefix="stream_options.")
+    continuous = bool_field(options, "continuous_usage_stats", False, prefix="stream_options.")
     return include, include and continuous
-
-
-def _opt_bool(body: dict[str, Any], name: str, prefix: str = "") -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise RequestError(f"'{prefix}{name}' must be a boolean, got {value!r}", field=prefix + name)
-    return value

@@ -29,7 +29,6 @@ null until its last event, ``index`` when ``n`` > 1; then ``data: [DONE]``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ import msgspec
 from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import TokenStream
-from kvmesh.mock.protocol import ParsedRequest, in_client_names, parse_generation
+from kvmesh.mock.protocol import ParsedRequest, in_client_names, is_number, parse_generation
 from kvmesh.router.request.generate_api import completion_view, sampling_params
 from kvmesh.router.request.tokenizer import Tokenizer
 
@@ -64,8 +63,8 @@ _AS_COMPLETION = {
 _CLIENT_NAME = {field: f"sampling_params.{key}" for key, field in _AS_COMPLETION.items()}
 # sampling_params keys SGLang knows that change nothing the mock makes: what they must be.
 _INERT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "min_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
-    "repetition_penalty": (lambda v: _is_number(v) and 0.0 < v <= 2.0, "a number in (0, 2]"),
+    "min_p": (lambda v: is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "repetition_penalty": (lambda v: is_number(v) and 0.0 < v <= 2.0, "a number in (0, 2]"),
     "skip_special_tokens": (lambda v: isinstance(v, bool), "a boolean"),
     "spaces_between_special_tokens": (lambda v: isinstance(v, bool), "a boolean"),
     "stream_interval": (lambda v: type(v) is int and v >= 1, "a positive integer"),
@@ -258,7 +257,3 @@ def _default_length(parsed: ParsedRequest, config: MockConfig) -> ParsedRequest:
             field="sampling_params.min_new_tokens",
         )
     return dataclasses.replace(parsed, params=dataclasses.replace(params, max_tokens=limit))
-
-
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)

@@ -182,6 +182,11 @@ def _session_id(body: Mapping[str, Any]) -> str | None:
     return None
 
 
+def is_number(value: Any) -> bool:
+    """A finite JSON number (not a boolean)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def bool_field(body: Mapping[str, Any], name: str, default: bool, *, prefix: str = "") -> bool:
     """``body[name]``, a boolean (``default`` when absent or null); a 400 naming ``prefix + name``
     for anything else."""

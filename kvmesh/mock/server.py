@@ -62,9 +62,9 @@ from kvmesh.mock.responses import (
     response_object,
     responses_usage,
 )
-from kvmesh.mock.tokens_api import TokenRequests, parse_abort, parse_tokens, tokens_answer, tokens_events
+from kvmesh.mock.tokens_api import TokenRequests, parse_tokens, tokens_answer, tokens_events
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
-from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH
+from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH, abort_ids
 from kvmesh.worker.rpc import error_response, worker_rpc_routes
 
 _encode = msgspec.json.Encoder().encode
@@ -290,7 +290,7 @@ def build_app(
         return JSONResponse(tokens_answer(parsed, streams, text_of, int(time.time()), handoff))
 
     async def abort_requests(request: Request) -> Response:
-        ids = await _read_request(request, lambda body, _session: parse_abort(body))
+        ids = await _read_request(request, lambda body, _session: abort_ids(body))
         if isinstance(ids, Response):
             return ids
         for stream in running_tokens.streams(ids):

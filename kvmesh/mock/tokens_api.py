@@ -48,7 +48,6 @@ usage, then ``[DONE]``), a whole answer with that finish reason and the tokens m
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -59,7 +58,14 @@ import msgspec
 from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import TokenStream
-from kvmesh.mock.protocol import ParsedRequest, bool_field, in_client_names, parse_generation, usage
+from kvmesh.mock.protocol import (
+    ParsedRequest,
+    bool_field,
+    in_client_names,
+    is_number,
+    parse_generation,
+    usage,
+)
 from kvmesh.router.request.tokenizer import Tokenizer
 from kvmesh.router.request.tokens_api import completion_view, sampling_params
 
@@ -107,10 +113,6 @@ _NOT_NULL = frozenset(
 )
 
 
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
 def _is_int(value: Any) -> bool:
     return type(value) is int
 
@@ -121,8 +123,8 @@ def _is_bool(value: Any) -> bool:
 
 # SamplingParams fields that change nothing the mock makes: what they must be.
 _INERT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "min_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
-    "repetition_penalty": (lambda v: _is_number(v) and v > 0.0, "a number greater than 0"),
+    "min_p": (lambda v: is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "repetition_penalty": (lambda v: is_number(v) and v > 0.0, "a number greater than 0"),
     "watermarking": (_is_bool, "a boolean"),
     "flat_logprobs": (_is_bool, "a boolean"),
     "detokenize": (_is_bool, "a boolean"),
@@ -230,7 +232,7 @@ def parse_tokens(
     if completion.get("thinking_token_budget") == -1:  # (vLLM's "unlimited")
         del completion["thinking_token_budget"]
     top_p = completion.get("top_p")
-    if top_p is not None and _is_number(top_p) and top_p <= 0:
+    if top_p is not None and is_number(top_p) and top_p <= 0:
         raise RequestError(
             f"'sampling_params.top_p' must be in (0, 1], got {top_p}", field="sampling_params.top_p"
         )
@@ -258,20 +260,6 @@ def parse_tokens(
     return TokensRequest(parsed, request_id, output_mode, include_usage, continuous, wants_prompt)
 
 
-def parse_abort(body: Any) -> list[str]:
-    """The server ids an ``abort_requests`` body names (a 400 naming ``request_ids`` without them)."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", field="body")
-    ids = body.get("request_ids")
-    if ids is None:
-        raise RequestError("Missing 'request_ids' in request body", field="request_ids")
-    if isinstance(ids, str):
-        return [ids]
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        raise RequestError("'request_ids' must be a list of request ids", field="request_ids")
-    return ids
-
-
 class TokenRequests:
     """The token API's requests in the engine, by the server's id, for ``abort_requests``. Several
     requests may share an id (a client's ``request_id`` sent twice): an abort stops them all."""
@@ -297,9 +285,6 @@ class TokenRequests:
     def streams(self, request_ids: Iterable[str]) -> list[TokenStream]:
         """The engine streams of the requests ``request_ids`` name (unknown ids name none)."""
         return [s for rid in request_ids for entry in self._by_id.get(rid, ()) for s in entry]
-
-    def __len__(self) -> int:
-        return len(self._by_id)
 
 
 def tokens_answer(

@@ -28,7 +28,7 @@ from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.worker_rpc import call_app
 from kvmesh.router.request.parse import decode_body
-from kvmesh.router.request.tokens_api import TOKENS_PATH
+from kvmesh.router.request.tokens_api import TOKENS_PATH, abort_ids
 
 _ABORT_TIMEOUT = 3.0
 """Seconds a worker has to take an abort."""
@@ -48,18 +48,15 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
         raw = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
         if raw is None:
             return  # the client left
-        ids = request_ids(raw)
+        ids = abort_ids(decode_body(raw))
     except RequestError as e:
         await send_error(send, e.status, str(e), e.field)
         return
     if not mesh.registry.ready.is_set():
         await mesh.wait_ready()
     registry = mesh.registry
-    workers = [
-        w
-        for w in (registry.get(i) for i in sorted(registry.routable))
-        if w is not None and w.info is not None and w.info.tokens_api
-    ]
+    serving = registry.described(registry.routable, lambda info: info.tokens_api)
+    workers = [w for w in (registry.get(i) for i in sorted(serving)) if w is not None]
     if not workers:
         if mesh.local_app is not None:
             await app(scope, replay_body(raw, receive), send)
@@ -97,16 +94,3 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
         await send({"type": "http.response.body", "body": body, "more_body": False})
         return
     await send_error(send, 502, "no worker serving the token API could be reached to abort these requests")
-
-
-def request_ids(raw: bytes) -> list[str]:
-    """The ids an abort body names; a 400 naming ``request_ids`` for anything else."""
-    body = decode_body(raw)
-    ids = body.get("request_ids")
-    if ids is None:
-        raise RequestError("'request_ids' is required", field="request_ids")
-    if isinstance(ids, str):  # (vLLM takes one id alone too)
-        ids = [ids]
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        raise RequestError("'request_ids' must be a list of request id strings", field="request_ids")
-    return ids

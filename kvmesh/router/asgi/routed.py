@@ -337,30 +337,18 @@ class RoutedRequest:
         registry = self.mesh.registry
         allowed = registry.routable if parsed.lora is None else registry.adapters[parsed.lora]
         if is_generate(parsed.endpoint):  # (SGLang's own API: another engine's server answers 404)
-            allowed = frozenset(
-                w
-                for w in allowed
-                if (x := registry.get(w)) is not None and x.info is not None and x.info.backend in SERVED_BY
-            )
-            if not allowed:
-                raise RequestError(
-                    "no worker serves /generate (SGLang's native API); send the request to /v1/completions",
-                    field="path",
-                    status=404,
-                )
+            allowed = registry.described(allowed, lambda info: info.backend in SERVED_BY)
+            missing = "/generate (SGLang's native API); send the request to /v1/completions"
         elif is_tokens(parsed.endpoint):  # (vLLM serves it when started to: --enable-scale-out)
-            allowed = frozenset(
-                w
-                for w in allowed
-                if (x := registry.get(w)) is not None and x.info is not None and x.info.tokens_api
+            allowed = registry.described(allowed, lambda info: info.tokens_api)
+            missing = (
+                f"{TOKENS_PATH} (vLLM's token-in-token-out API: start vLLM with --enable-scale-out "
+                "or --tokens-only, or set tokens_api in the worker's entry)"
             )
-            if not allowed:
-                raise RequestError(
-                    f"no worker serves {TOKENS_PATH} (vLLM's token-in-token-out API: start vLLM with "
-                    "--enable-scale-out or --tokens-only, or set tokens_api in the worker's entry)",
-                    field="path",
-                    status=404,
-                )
+        else:
+            return allowed
+        if not allowed:
+            raise RequestError(f"no worker serves {missing}", field="path", status=404)
         return allowed
 
     def _home(self, parsed: ParsedRequest) -> str | None:

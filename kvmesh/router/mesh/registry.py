@@ -245,6 +245,13 @@ class WorkerRegistry:
     def is_local(self, worker_id: WorkerId) -> bool:
         return worker_id == self.settings.self_worker_id
 
+    def described(self, ids: frozenset[WorkerId], test: Callable[[WorkerInfo], bool]) -> frozenset[WorkerId]:
+        """The workers of ``ids`` whose description passes ``test`` (a path only some servers have:
+        SGLang's ``/generate``, vLLM's token API)."""
+        return frozenset(
+            w for w in ids if (x := self.workers.get(w)) is not None and x.info is not None and test(x.info)
+        )
+
     def engine_loads(self) -> list[tuple[WorkerId, float, float]]:
         """(worker, running, waiting) as each up worker's engine last reported them."""
         return [

@@ -65,6 +65,21 @@ def completion_view(body: dict[str, Any]) -> dict[str, Any]:
     return completion_body(ids, sampling_params(body), _LENGTHS, body, _CARRIED)
 
 
+def abort_ids(body: Any) -> list[str]:
+    """The server ids an ``abort_requests`` body names: ``request_ids``, a list of strings or one
+    string (vLLM takes either); a 400 naming the field for anything else."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", field="body")
+    ids = body.get("request_ids")
+    if ids is None:
+        raise RequestError("'request_ids' is required", field="request_ids")
+    if isinstance(ids, str):
+        return [ids]
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise RequestError("'request_ids' must be a list of request id strings", field="request_ids")
+    return ids
+
+
 def choices(body: dict[str, Any]) -> int:
     """How many answers the request asks for (``sampling_params.n``; 1 when not a positive int)."""
     params = body.get("sampling_params")

@@ -56,10 +56,16 @@ async def test_a_token_prompt_goes_where_its_completion_twin_is_cached(
             "sampling_params": {"max_tokens": 5, "ignore_eos": True},
             "stream": stream,
             "stream_options": {"include_usage": True} if stream else None,
+            "nvext": {"extra_fields": ["worker_id"]},  # (echoed in the answer's own shape)
         }
         status, answer, worker = await tokens(http, front.url, body)
         assert status == 200, answer
         assert worker == home
+        if stream:  # (the echo is an event of its own before [DONE], after the usage event)
+            *answer, echo = answer
+            assert echo["choices"] == [] and echo["nvext"]["worker_id"]["decode_worker_id"] == home
+        else:
+            assert answer["nvext"]["worker_id"]["decode_worker_id"] == home
         usage = answer[-1]["usage"] if stream else answer["usage"]
         assert usage["completion_tokens"] == 5
         assert usage["prompt_tokens_details"]["cached_tokens"] == len(IDS) // BS * BS

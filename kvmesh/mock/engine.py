@@ -74,6 +74,7 @@ class TokenStream:
 
     __slots__ = (
         "_waiter",
+        "abort_requested",
         "arrival",
         "cached_tokens",
         "finish_reason",
@@ -92,6 +93,9 @@ class TokenStream:
         self.tokens: list[int] = []
         self.cached_tokens = 0
         self.finish_reason: str | None = None
+        self.abort_requested = False
+        """An abort API stopped it (SGLang's ``/abort_request``, vLLM's ``abort_requests``): its client
+        is owed an answer that ends with the abort, unlike one that left or an engine that stopped."""
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None
         """When a step first took it in (its wait in the queue ends there)."""
@@ -102,6 +106,12 @@ class TokenStream:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def stopped(self) -> bool:
+        """Aborted without an abort API asking (the client left, the engine stopped): no answer is
+        owed, or none can be made."""
+        return self.finish_reason == "abort" and not self.abort_requested
 
     def _push(self, token: int) -> None:
         self.tokens.append(token)
@@ -256,8 +266,7 @@ class MockEngine:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for request_id in list(self._streams):
-            self.abort(request_id)
+        self.abort_all()
         if self._request_log is not None:
             self._request_log.close()
             self._request_log = None
@@ -331,17 +340,24 @@ class MockEngine:
         self._wakeup.set()
         return stream
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request (client went away) and free its blocks; False if it already ended."""
+    def abort(self, request_id: str, *, requested: bool = False) -> bool:
+        """Stop a request and free its blocks; False if it already ended. ``requested``: an abort
+        API asked for it (see :attr:`TokenStream.abort_requested`), not a client that went away."""
         stream = self._streams.pop(request_id, None)
         req = self.scheduler.abort(request_id)
         if stream is not None and not stream.finished:
+            stream.abort_requested = requested
             stream._finish("abort")
             self.metrics.finished("abort")
             self._log_request(stream, self.clock())
         if req is not None:
             self._wakeup.set()  # freed blocks may let a waiting request in
         return req is not None
+
+    def abort_all(self, *, requested: bool = False) -> None:
+        """Stop every request the engine has, queued or running, whatever API it came by."""
+        for request_id in list(self._streams):
+            self.abort(request_id, requested=requested)
 
     # --- worker RPCs ---------------------------------------------------------------------------
 
@@ -502,8 +518,7 @@ class MockEngine:
             raise
         except Exception:  # pragma: no cover - a bug; fail every request loudly instead of hanging them
             logger.exception("mock engine step loop failed")
-            for request_id in list(self._streams):
-                self.abort(request_id)
+            self.abort_all()
             raise
 
     def _note_admitted(self, admitted: list[EngineRequest], start: float) -> None:

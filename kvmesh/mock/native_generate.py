@@ -24,6 +24,10 @@ order, each with an id of its own (SGLang gives every sample a new one, and no `
 stream). A stream sends, each time an answer grows, its whole text and ``output_ids`` so far (SGLang
 streams cumulatively unless started with ``--incremental-streaming-output``), ``finish_reason``
 null until its last event, ``index`` when ``n`` > 1; then ``data: [DONE]``.
+
+``POST /abort_request`` stops a request by its ``rid`` (:mod:`kvmesh.mock.sglang_abort`): it is
+answered with the tokens made so far and ``{"type": "abort", ...}`` as its finish reason (a stream's
+last event), where a request whose client left, or whose engine stopped, gets no answer.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kvmesh.errors import RequestError
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.engine import TokenStream
 from kvmesh.mock.protocol import ParsedRequest, in_client_names, is_number, parse_generation
+from kvmesh.mock.sglang_abort import abort_reason, request_rid
 from kvmesh.router.request.generate_api import completion_view, sampling_params
 from kvmesh.router.request.tokenizer import Tokenizer
 
@@ -107,6 +112,8 @@ class GenerateRequest:
     what its answer says besides the tokens."""
 
     completion: ParsedRequest
+    rid: str | None
+    """The client's ``rid``: ``/abort_request`` names the request by it."""
     answer_ids: tuple[str, ...]
     """Each answer's ``meta_info.id``."""
     prompt_token_ids: bool
@@ -127,15 +134,7 @@ def parse_generate(
     for field, why in _REFUSED.items():
         if body.get(field) not in (None, False, "", [], {}):
             raise RequestError(f"'{field}': {why}", field=field)
-    rid = body.get("rid")
-    if isinstance(rid, list):
-        raise RequestError(
-            "'rid' as a list is for a batch of prompts, which the mock engine does not take; "
-            "send one prompt per request",
-            field="rid",
-        )
-    if rid is not None and not isinstance(rid, str):
-        raise RequestError("'rid' must be a string", field="rid")
+    rid = request_rid(body)
     wants_prompt = body.get("return_prompt_token_ids", False)
     if not isinstance(wants_prompt, bool):
         raise RequestError("'return_prompt_token_ids' must be a boolean", field="return_prompt_token_ids")
@@ -156,7 +155,7 @@ def parse_generate(
         parsed = _default_length(parsed, config)
     n = parsed.n
     ids = (rid or uuid.uuid4().hex,) if n == 1 else tuple(uuid.uuid4().hex for _ in range(n))
-    return GenerateRequest(parsed, ids, wants_prompt)
+    return GenerateRequest(parsed, rid, ids, wants_prompt)
 
 
 def generate_answer(
@@ -178,22 +177,31 @@ async def generate_events(
     clock: Callable[[], float],
 ) -> AsyncIterator[bytes]:
     """SGLang's stream of ``updates`` (``(answer, new tokens, its last)``): each event an answer
-    whole so far, then ``[DONE]``; nothing more once the engine stopped a request."""
+    whole so far, then ``[DONE]``; an answer aborted by ``/abort_request`` after its last tokens were
+    sent ends with one more event saying so; nothing more once the engine stopped a request."""
     many = len(streams) > 1
     tokens: list[list[int]] = [[] for _ in streams]
     texts = [""] * len(streams)
+    ended = [False] * len(streams)
+
+    def event(i: int, last: bool) -> bytes:
+        out = _answer(request, i, streams[i], tokens[i], texts[i], clock() if last else None)
+        if many:
+            out["index"] = i
+        return b"data: " + _encode(out) + b"\n\n"
+
     async for i, batch, last in updates:
-        stream = streams[i]
-        if last and stream.finish_reason == "abort":
+        if last and streams[i].stopped:
             return
         tokens[i].extend(batch)
         texts[i] += text_of(batch)
-        out = _answer(request, i, stream, tokens[i], texts[i], clock() if last else None)
-        if many:
-            out["index"] = i
-        yield b"data: " + _encode(out) + b"\n\n"
-    if any(stream.finish_reason == "abort" for stream in streams):
+        ended[i] = last
+        yield event(i, last)
+    if any(stream.stopped for stream in streams):
         return
+    for i in range(len(streams)):
+        if not ended[i]:
+            yield event(i, True)
     yield _DONE
 
 
@@ -222,6 +230,8 @@ def _answer(
 
 
 def _finish_reason(stream: TokenStream, tokens: list[int]) -> dict[str, Any]:
+    if stream.finish_reason == "abort":
+        return abort_reason(stream)
     if stream.finish_reason == "stop":  # (the mock stops on its EOS token only)
         return {"type": "stop", "matched": tokens[-1]}
     return {"type": "length", "length": len(tokens)}

@@ -8,6 +8,9 @@
                                                      it (``event:`` streams): kvmesh.mock.messages
     POST /generate (PUT too)                         SGLang's native API, as SGLang 0.5.23 has it:
                                                      kvmesh.mock.native_generate
+    POST /abort_request                              SGLang's abort, of the requests (/generate,
+                                                     chat, completions) a ``rid`` names, or of all:
+                                                     kvmesh.mock.sglang_abort
     POST /inference/v1/generate                      vLLM's token-in-token-out API, and its abort
     POST /inference/v1/abort_requests                (``/abort_requests`` too), as vLLM 0.33.0 has
                                                      them: kvmesh.mock.tokens_api
@@ -62,7 +65,10 @@ from kvmesh.mock.responses import (
     response_object,
     responses_usage,
 )
-from kvmesh.mock.tokens_api import TokenRequests, parse_tokens, tokens_answer, tokens_events
+from kvmesh.mock.running import RunningRequests
+from kvmesh.mock.sglang_abort import abort_request, request_rid
+from kvmesh.mock.tokens_api import parse_tokens, tokens_answer, tokens_events
+from kvmesh.router.request.generate_api import ABORT_PATH as SGLANG_ABORT_PATH
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
 from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH, abort_ids
 from kvmesh.worker.rpc import error_response, worker_rpc_routes
@@ -101,14 +107,19 @@ def build_app(
     text_of = _TokenText()
     model = engine.config.model
     created_at = int(time.time())
+    running_rids = RunningRequests()  # (by SGLang's rid, for /abort_request)
 
     async def generate(request: Request, endpoint: Endpoint) -> Response:
-        parsed = await _read_request(
+        read = await _read_request(
             request,
-            lambda body, session: parse_generation(body, endpoint, engine.config, engine.tokenizer, session),
+            lambda body, session: (
+                parse_generation(body, endpoint, engine.config, engine.tokenizer, session),
+                request_rid(body),
+            ),
         )
-        if isinstance(parsed, Response):
-            return parsed
+        if isinstance(read, Response):
+            return read
+        parsed, rid = read
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         response_id = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
         request_id = uuid.uuid4().hex
@@ -116,6 +127,7 @@ def build_app(
         if not await _pull_prefix(engine, request, parsed):
             return Response(status_code=499)
         streams = _submit_choices(engine, parsed, request_id)
+        running_rids.add(rid, streams)
 
         def abort() -> None:
             for stream in streams:
@@ -123,14 +135,17 @@ def build_app(
 
         if parsed.stream:
             return EngineStreamResponse(
-                _sse(streams, parsed, response_id, text_of),
+                running_rids.until_sent(rid, streams, _sse(streams, parsed, response_id, text_of)),
                 abort,
                 headers=[(b"x-request-id", response_id.encode())],
             )  # type: ignore[return-value]
-        if not await until_disconnect(request.receive, _wait_all(streams)):
-            abort()
-            return Response(status_code=499)
-        if any(stream.finish_reason == "abort" for stream in streams):
+        try:
+            if not await until_disconnect(request.receive, _wait_all(streams)):
+                abort()
+                return Response(status_code=499)
+        finally:
+            running_rids.remove(rid, streams)
+        if any(stream.stopped for stream in streams):
             abort()
             return error_response("the engine stopped before the request finished", 503)
         answer = _full_response(streams, parsed, response_id, text_of)
@@ -230,6 +245,7 @@ def build_app(
         if isinstance(parsed, Response):
             return parsed
         streams = _submit_choices(engine, parsed.completion, uuid.uuid4().hex)
+        running_rids.add(parsed.rid, streams)
 
         def abort() -> None:
             for stream in streams:
@@ -237,15 +253,19 @@ def build_app(
 
         if parsed.completion.stream:
             events = generate_events(parsed, streams, _interleaved(streams), text_of, engine.clock)
-            return EngineStreamResponse(events, abort)  # type: ignore[return-value]
-        if not await until_disconnect(request.receive, _wait_all(streams)):
-            abort()
-            return Response(status_code=499)
-        if any(stream.finish_reason == "abort" for stream in streams):
+            tracked = running_rids.until_sent(parsed.rid, streams, events)
+            return EngineStreamResponse(tracked, abort)  # type: ignore[return-value]
+        try:
+            if not await until_disconnect(request.receive, _wait_all(streams)):
+                abort()
+                return Response(status_code=499)
+        finally:
+            running_rids.remove(parsed.rid, streams)
+        if any(stream.stopped for stream in streams):
             return error_response("the engine stopped before the request finished", 503)
         return JSONResponse(generate_answer(parsed, streams, text_of, engine.clock()))
 
-    running_tokens = TokenRequests()
+    running_tokens = RunningRequests()  # (by the server's id, for abort_requests)
 
     async def tokens(request: Request) -> Response:
         header_id = request.headers.get("x-request-id")
@@ -268,15 +288,9 @@ def build_app(
                 engine.abort(stream.request_id)
 
         if completion.stream:
-
-            async def events() -> AsyncIterator[bytes]:
-                try:
-                    async for chunk in tokens_events(parsed, streams, _interleaved(streams), text_of):
-                        yield chunk
-                finally:
-                    running_tokens.remove(parsed.request_id, streams)
-
-            return EngineStreamResponse(events(), abort)  # type: ignore[return-value]
+            events = tokens_events(parsed, streams, _interleaved(streams), text_of)
+            tracked = running_tokens.until_sent(parsed.request_id, streams, events)
+            return EngineStreamResponse(tracked, abort)  # type: ignore[return-value]
         try:
             if not await until_disconnect(request.receive, _wait_all(streams)):
                 abort()
@@ -294,8 +308,12 @@ def build_app(
         if isinstance(ids, Response):
             return ids
         for stream in running_tokens.streams(ids):
-            engine.abort(stream.request_id)
+            engine.abort(stream.request_id, requested=True)
         return Response(status_code=200)
+
+    async def sglang_abort(request: Request) -> Response:
+        done = await _read_request(request, lambda body, _session: abort_request(body, engine, running_rids))
+        return done if isinstance(done, Response) else Response(status_code=200)
 
     async def count_tokens(request: Request) -> Response:
         answer = await _read_request(
@@ -355,6 +373,7 @@ def build_app(
         Route("/generate", native_generate, methods=["POST", "PUT"]),
         Route(TOKENS_PATH, tokens, methods=["POST"]),
         *(Route(path, abort_requests, methods=["POST"]) for path in sorted(ABORT_PATHS)),
+        Route(SGLANG_ABORT_PATH, sglang_abort, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -530,17 +549,21 @@ async def _sse(
             for i in range(parsed.n):
                 yield chunk(i, echo, None)
     to_echo = [bool(echo) and not chat] * parsed.n
+    ended = [False] * parsed.n
     async for i, batch, last in _interleaved(streams):
-        reason = streams[i].finish_reason if last else None
-        if reason == "abort":
+        if last and streams[i].stopped:
             return
         text = text_of(batch)
         if to_echo[i]:
             text = echo + text
             to_echo[i] = False
-        yield chunk(i, text, reason)
-    if any(stream.finish_reason == "abort" for stream in streams):
+        ended[i] = last
+        yield chunk(i, text, streams[i].finish_reason if last else None)
+    if any(stream.stopped for stream in streams):
         return
+    for i, stream in enumerate(streams):
+        if not ended[i]:  # (aborted by /abort_request after its last tokens were sent)
+            yield chunk(i, echo if to_echo[i] else "", stream.finish_reason)
     if parsed.include_usage:
         head["choices"] = []
         head["usage"] = _usage(streams)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,33 +258,6 @@ def parse_tokens(
         )
     request_id = REQUEST_ID_PREFIX + (header_id or client_id or uuid.uuid4().hex)
     return TokensRequest(parsed, request_id, output_mode, include_usage, continuous, wants_prompt)
-
-
-class TokenRequests:
-    """The token API's requests in the engine, by the server's id, for ``abort_requests``. Several
-    requests may share an id (a client's ``request_id`` sent twice): an abort stops them all."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[str, list[list[TokenStream]]] = {}
-
-    def add(self, request_id: str, streams: list[TokenStream]) -> None:
-        self._by_id.setdefault(request_id, []).append(streams)
-
-    def remove(self, request_id: str, streams: list[TokenStream]) -> None:
-        """Forget a request that ended (again: nothing)."""
-        entries = self._by_id.get(request_id)
-        if entries is None:
-            return
-        for i, entry in enumerate(entries):
-            if entry is streams:
-                del entries[i]
-                break
-        if not entries:
-            del self._by_id[request_id]
-
-    def streams(self, request_ids: Iterable[str]) -> list[TokenStream]:
-        """The engine streams of the requests ``request_ids`` name (unknown ids name none)."""
-        return [s for rid in request_ids for entry in self._by_id.get(rid, ()) for s in entry]
 
 
 def tokens_answer(

@@ -93,6 +93,12 @@ class TokenizerManager:
     def create_abort_task(self, obj: Any) -> Any:
         return None
 
+    aborted: list[tuple[str, bool]] = []
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """TEST-ONLY: what SGLang's ``/abort_request`` route asked to abort, kept for ``/test/aborts``."""
+        self.aborted.append((rid, abort_all))
+
 
 # The real TokenizerManager's text tokenization, taken onto the stand-in once SGLang is importable.
 REAL_TOKENIZATION = (
@@ -207,6 +213,13 @@ async def speculative_prefills(request: Any) -> Any:
     return JSONResponse({o: counter.labels(o)._value.get() for o in ("done", "failed", "cancelled")})
 
 
+async def aborts(request: Any) -> Any:
+    """TEST-ONLY: the aborts SGLang's ``/abort_request`` route handed the TokenizerManager."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(TokenizerManager.aborted)
+
+
 def main() -> None:
     port, sglang_args = int(sys.argv[1]), sys.argv[2:]
     sglang_env.prepare()
@@ -239,6 +252,7 @@ def main() -> None:
     app.state.anthropic_serving = echo_messages(tm, templates)
     app.router.routes.append(Route("/test/relayed-chunks", relayed_chunks))
     app.router.routes.append(Route("/test/speculative-prefills", speculative_prefills))
+    app.router.routes.append(Route("/test/aborts", aborts))
     if server_args.api_key:  # as SGLang's launch does, after kvmesh's mount: outside kvmesh's layer
         from sglang.srt.utils.auth import add_api_key_middleware
 

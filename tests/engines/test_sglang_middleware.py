@@ -158,6 +158,25 @@ def test_a_warm_up_of_the_next_turn_reaches_sglangs_own_chat_route_in_process(en
     assert now == {**before, "done": before["done"] + 1}, (before, now)
 
 
+def test_an_abort_reaches_sglangs_own_route_on_every_engine_of_the_mesh(engine: Engine) -> None:
+    """This mesh is this server twice (its own address and a peer's name). An abort by ``rid``, and
+    ``abort_all``, reach SGLang's real ``/abort_request`` route in-process and again through the
+    peer: the engine to which the router moved a request stops it. Before, only the engine the
+    client called heard of the abort. A rid that is not a string is refused, naming ``rid``."""
+    seen = len(engine.client.get("/test/aborts").json())
+    for body in ({"rid": "rollout-1"}, {"abort_all": True}):
+        response = engine.client.post("/abort_request", json=body)
+        assert response.status_code == 200, response.text
+    for _ in range(100):
+        aborted = engine.client.get("/test/aborts").json()[seen:]
+        if len(aborted) >= 4:
+            break
+        time.sleep(0.05)
+    assert sorted(aborted) == [["", True], ["", True], ["rollout-1", False], ["rollout-1", False]]
+    refused = engine.client.post("/abort_request", json={"rid": 7})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "rid", refused.text
+
+
 def test_under_sglangs_root_path_requests_are_routed_and_the_rpcs_answer() -> None:
     """SGLang's ``--fastapi-root-path /llm`` goes to uvicorn, which puts it before every path.
     Matched on the whole path, the middleware routed nothing (the engine got the nvext) and its

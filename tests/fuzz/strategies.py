@@ -274,6 +274,14 @@ ABORT = st.fixed_dictionaries(
         )
     },
 )
+SGLANG_ABORT = st.fixed_dictionaries(
+    {},
+    optional={
+        "rid": _maybe(st.one_of(TEXT, st.integers(), st.lists(TEXT, max_size=2))),
+        "abort_all": _maybe(st.one_of(st.booleans(), TEXT)),
+        "abort_message": _maybe(TEXT),
+    },
+)
 
 BLOCK = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": _maybe(TEXT)}),

@@ -21,6 +21,7 @@ from tests.fuzz.strategies import (
     HEADERS,
     MESSAGES,
     RESPONSES,
+    SGLANG_ABORT,
     TOKENS,
     raw_body,
 )
@@ -37,8 +38,12 @@ from tests.fuzz.strategies import (
         ("/inference/v1/generate", TOKENS),
         ("/inference/v1/abort_requests", ABORT),
         ("/v1/messages/count_tokens", MESSAGES),
+        ("/abort_request", SGLANG_ABORT),
     ],
-    ids=["chat", "completions", "responses", "generate", "messages", "tokens", "abort", "count_tokens"],
+    ids=[
+        *("chat", "completions", "responses", "generate", "messages", "tokens", "abort"),
+        *("count_tokens", "abort_request"),
+    ],
 )
 def test_no_5xx_and_every_4xx_names_its_field(target: Target, path: str, doc: Any) -> None:
     @FUZZ

@@ -24,6 +24,8 @@ from kvmesh.errors import RequestError
 from kvmesh.router.request.nvext import write_sampling
 
 GENERATE_PATH = "/generate"
+ABORT_PATH = "/abort_request"
+"""SGLang's abort: of the request whose ``rid`` (or a longer one) it names, or of all of them."""
 SERVED_BY = frozenset(("sglang", "mock"))
 """The backends (``/kvmesh/info`` ``backend``) whose server answers ``/generate``."""
 # Fields that bind a request to the engine it reached (see the module docstring).
@@ -45,6 +47,20 @@ def bound_to_engine(body: dict[str, Any]) -> str | None:
         if body.get(field) is not None:
             return field
     return None
+
+
+def abort_body(body: Any) -> dict[str, Any]:
+    """An ``/abort_request`` body, checked as SGLang's ``AbortReq`` reads it: an object whose
+    ``rid`` is a string (or null) and whose ``abort_all`` is a boolean; a 400 naming the field for
+    anything else. Returned whole: its other fields (``abort_message`` ...) are the engine's."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", field="body")
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError("'rid' must be a request id string", field="rid")
+    if not isinstance(body.get("abort_all", False), bool):
+        raise RequestError("'abort_all' must be a boolean", field="abort_all")
+    return body
 
 
 def sampling_params(body: dict[str, Any]) -> dict[str, Any]:

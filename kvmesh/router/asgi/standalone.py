@@ -3,8 +3,10 @@
 Besides what the middleware answers (the generation endpoints, SGLang's ``/generate`` and vLLM's
 token API among them, ``/kvmesh/workers``, ``/busy_threshold``) it serves ``GET /health`` (503
 while no worker is routable), ``GET /v1/models`` (the models the fleet's workers reported),
-``GET /metrics`` (prometheus-client's registry), and the engines' utility endpoints that any worker
-answers alike (``/v1/messages/count_tokens``, ``/tokenize``, ``/detokenize``: :mod:`.any_worker`).
+``GET /metrics`` (prometheus-client's registry), the engines' utility endpoints that any worker
+answers alike (``/v1/messages/count_tokens``, ``/tokenize``, ``/detokenize``, SGLang's
+``/get_model_info`` and more: :mod:`.any_worker`), and a flush of every worker's prefix cache
+(``/flush_cache``, ``/reset_prefix_cache``: :mod:`.flush`).
 
 A router process of its own (``kvmesh router``) freezes its heap once its workers are known: the
 objects of its start-up (its imports, the app, the registry, the workers' info), some 50,000 of them,
@@ -27,7 +29,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvmesh.router.asgi.any_worker import PATHS as ANY_WORKER_PATHS
+from kvmesh.router.asgi.any_worker import READ_PATHS as ANY_WORKER_READS
 from kvmesh.router.asgi.any_worker import AnyWorker
+from kvmesh.router.asgi.flush import PATHS as FLUSH_PATHS
+from kvmesh.router.asgi.flush import FlushEveryWorker
 from kvmesh.router.asgi.middleware import EVERY_PATH, KvMeshMiddleware
 from kvmesh.router.mesh.metrics import CONTENT_TYPE, render
 from kvmesh.router.mesh.runtime import Mesh
@@ -93,12 +98,19 @@ def build_router_app(
                 task.cancel()
 
     any_worker = AnyWorker(lambda: middleware.mesh)
+    flush = FlushEveryWorker(lambda: middleware.mesh)
     inner = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *(Route(path, any_worker, methods=["POST"]) for path in ANY_WORKER_PATHS),
+            *(Route(path, any_worker, methods=["GET"]) for path in ANY_WORKER_READS),
+            # (SGLang takes GET on /flush_cache too)
+            *(
+                Route(path, flush.serve, methods=["POST", "GET"] if path == "/flush_cache" else ["POST"])
+                for path in FLUSH_PATHS
+            ),
         ],
         lifespan=lifespan,
     )

@@ -88,6 +88,10 @@ class ApproxIndex(ChainIndex):
             self._drop(k)
         self._release_slot(slot)
 
+    def forget_predicted(self, worker: WorkerKey) -> None:
+        """Everything recorded for the worker goes: its cache is empty."""
+        self.remove_worker(worker)
+
     def clear(self) -> None:
         for worker in list(self._slot_of):
             self.remove_worker(worker)

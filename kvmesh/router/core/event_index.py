@@ -218,6 +218,9 @@ class PrefixIndex(ChainIndex):
         if slot is not None:
             self._clear_slot(slot)
 
+    def forget_predicted(self, worker: WorkerKey) -> None:
+        """Ignored: this index holds what the events said, and the flush's own event clears it."""
+
     def remove_worker(self, worker: WorkerKey) -> None:
         slot = self._slot_of.get(worker)
         if slot is not None:

@@ -72,6 +72,11 @@ class KvIndex(Protocol):
         """Drop entries whose time is up; returns how many."""
         ...
 
+    def forget_predicted(self, worker: WorkerKey) -> None:
+        """The worker's cache was emptied (a flush the router asked for): forget what its own
+        decisions predicted there. What the worker's events said, its events clear."""
+        ...
+
     # ---------------------------------------------------------------- either
     def remove_worker(self, worker: WorkerKey) -> None:
         """The worker left the fleet: forget everything about it."""

@@ -283,6 +283,13 @@ class KvRouter:
         for rank in ranks:
             self._index.clear_worker((worker_id, rank))
 
+    def flushed(self, worker_id: WorkerId) -> None:
+        """The worker's prefix cache was emptied on the router's request: forget what routing
+        predicted there (its KV events, when it has them, say the rest)."""
+        info = self._workers.get(worker_id)
+        for rank in range(info.dp_size if info else 1):
+            self._index.forget_predicted((worker_id, rank))
+
     # ---------------------------------------------------------------- routing
     def route(self, req: RouteRequest, now: float) -> RouteResult:
         """Decide, queue or refuse. A Decision is counted as load immediately."""

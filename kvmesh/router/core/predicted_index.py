@@ -71,6 +71,9 @@ class PredictedIndex:
     def expire(self, now: float) -> int:
         return self.predicted.expire(now)
 
+    def forget_predicted(self, worker: WorkerKey) -> None:
+        self.predicted.forget_predicted(worker)
+
     def remove_worker(self, worker: WorkerKey) -> None:
         self.events.remove_worker(worker)
         self.predicted.remove_worker(worker)

@@ -109,6 +109,16 @@ class TestIndexContract:
         v.index.remove_worker(("a", 0))
         assert v.find(block_hashes(tokens(1, 5), B)) == {("b", 0): 5}
 
+    def test_a_flush_forgets_the_predictions_of_that_worker_only(self, make) -> None:
+        """What routing predicted goes; what events said stays until the flush's own event."""
+        v = make()
+        v.insert(("a", 0), tokens(1, 5))
+        v.insert(("b", 0), tokens(1, 5))
+        v.index.forget_predicted(("a", 0))
+        fed_by_events = isinstance(v, EventVariant) or getattr(v, "_feed", None).__class__ is EventVariant
+        left = {("a", 0): 5, ("b", 0): 5} if fed_by_events else {("b", 0): 5}
+        assert v.find(block_hashes(tokens(1, 5), B)) == left
+
     def test_query_longer_than_any_chunk_run(self, make) -> None:
         v = make()
         v.insert(("a", 0), tokens(4, 100))

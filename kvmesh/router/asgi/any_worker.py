@@ -1,15 +1,19 @@
 """The standalone router's answer to an engine's utility endpoints, which any worker answers alike:
-Anthropic's ``POST /v1/messages/count_tokens`` (Claude Code asks it of the server it talks to) and
-``POST /tokenize`` / ``/detokenize`` (vLLM's and SGLang's, and SGLang's ``/v1/`` twins).
+Anthropic's ``POST /v1/messages/count_tokens`` (Claude Code asks it of the server it talks to),
+``POST /tokenize`` / ``/detokenize`` (vLLM's and SGLang's, and SGLang's ``/v1/`` twins), SGLang's
+parsers (``POST /parse_function_call``, ``/separate_reasoning``), and the descriptions a client reads
+at start: SGLang's ``GET /get_model_info`` and ``/get_server_info`` (with their newer names
+``/model_info``, ``/server_info``; RL frameworks read them from the address they generate at) and
+vLLM's ``GET /version``. A server description is the one worker's that answered.
 
 Nothing about them is cached or routed, but a client pointed at the router expects them where its
-generation requests go; the router had only a 404 for them. A body that is not a JSON object, or is
-nested deeper than a generation request may be, is the client's 400 naming ``body``, as on the
-generation paths (an engine's own parser can fail on it with a 500). Each is sent to one routable
-worker, taken in turn, and its answer relayed unchanged (the client's ``authorization`` goes along).
-A worker whose server has no such path answers 404, and the next worker is asked (a fleet can mix
-engines: SGLang alone has ``/v1/tokenize``), as is one that cannot be reached; with no worker left,
-the last 404 is the answer, or a 502 when none answered, a 503 when none is routable.
+generation requests go; the router had only a 404 for them. A POST body that is not a JSON object,
+or is nested deeper than a generation request may be, is the client's 400 naming ``body``, as on
+the generation paths (an engine's own parser can fail on it with a 500). Each is sent to one
+routable worker, taken in turn, and its answer relayed unchanged (the client's ``authorization``
+goes along). A worker whose server has no such path answers 404, and the next worker is asked (a
+fleet can mix engines: SGLang alone has ``/v1/tokenize``), as is one that cannot be reached; with no
+worker left, the last 404 is the answer, or a 502 when none answered, a 503 when none is routable.
 
 Inside an engine, the middleware leaves these paths to the engine's own server, as before.
 """
@@ -34,11 +38,17 @@ PATHS = (
     "/detokenize",
     "/v1/tokenize",
     "/v1/detokenize",
+    "/parse_function_call",
+    "/separate_reasoning",
 )
+"""Asked with a POST."""
+READ_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info", "/version")
+"""Asked with a GET."""
 
 
 class AnyWorker:
-    """An ASGI app serving :data:`PATHS` from whichever worker answers (see the module docstring)."""
+    """An ASGI app serving :data:`PATHS` and :data:`READ_PATHS` from whichever worker answers (see
+    the module docstring)."""
 
     def __init__(self, mesh_of: Callable[[], Mesh]) -> None:
         self._mesh_of = mesh_of  # (the router's mesh exists only once the middleware is built)
@@ -48,13 +58,16 @@ class AnyWorker:
         mesh = self._mesh_of()
         await mesh.ensure_started()
         settings = mesh.settings
-        try:
-            body = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
-            if body is not None:
-                decode_body(body)  # (a body no engine could read is the client's 400 here, as on routes)
-        except RequestError as e:
-            await send_error(send, e.status, str(e), e.field)
-            return
+        method = scope["method"]
+        body: bytes | None = b""
+        if method == "POST":
+            try:
+                body = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
+                if body is not None:
+                    decode_body(body)  # (a body no engine could read is the client's 400, as on routes)
+            except RequestError as e:
+                await send_error(send, e.status, str(e), e.field)
+                return
         if body is None:
             return  # the client left
         if not mesh.registry.ready.is_set():
@@ -75,7 +88,7 @@ class AnyWorker:
             if worker is None:
                 continue
             try:
-                upstream = await mesh.forwarder.open(worker.url, "POST", path, headers, body)
+                upstream = await mesh.forwarder.open(worker.url, method, path, headers, body)
             except UpstreamError:
                 continue
             if upstream.status == 404:  # (not this engine's path: ask the next one)

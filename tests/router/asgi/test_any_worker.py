@@ -1,8 +1,9 @@
 """The standalone router's engine utility endpoints (kvmesh/router/asgi/any_worker.py), over HTTP:
 ``/v1/messages/count_tokens``, ``/tokenize`` and their kin, answered by whichever worker has them.
 
-Two stand-in engines: one with vLLM's paths (``/tokenize``, ``/v1/messages/count_tokens``) and one
-with SGLang's ``/v1/tokenize`` alone, each keeping what it was asked."""
+Two stand-in engines: one with vLLM's paths (``/tokenize``, ``/v1/messages/count_tokens``,
+``GET /version``) and one with SGLang's (``/v1/tokenize``, ``GET /get_model_info``,
+``/separate_reasoning``), each keeping what it was asked."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.asgi.test_agent_features import mock_fleet
 from tests.router.servers import serve
 
+READS = ("/get_model_info", "/get_server_info", "/version")
+
 
 def _engine(name: str, paths: tuple[str, ...], asked: list[tuple[str, str, Any, str | None]]) -> Starlette:
     async def info(request: Request) -> Response:
@@ -30,21 +33,21 @@ def _engine(name: str, paths: tuple[str, ...], asked: list[tuple[str, str, Any, 
         return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
 
     async def answer(request: Request) -> Response:
-        body = await request.json()
+        body = await request.json() if request.method == "POST" else None
         asked.append((name, request.url.path, body, request.headers.get("authorization")))
         if request.url.path.endswith("count_tokens"):
             return JSONResponse({"input_tokens": 7})
         return JSONResponse({"count": 3, "tokens": [1, 2, 3], "served_by": name})
 
     routes = [Route("/kvmesh/info", info), Route("/health", models), Route("/v1/models", models)]
-    routes += [Route(path, answer, methods=["POST"]) for path in paths]
+    routes += [Route(path, answer, methods=["GET" if path in READS else "POST"]) for path in paths]
     return Starlette(routes=routes)
 
 
 async def test_a_utility_request_is_answered_by_a_worker_that_has_the_path() -> None:
     asked: list[tuple[str, str, Any, str | None]] = []
-    vllm = _engine("vllm", ("/tokenize", "/v1/messages/count_tokens"), asked)
-    sglang = _engine("sglang", ("/v1/tokenize",), asked)
+    vllm = _engine("vllm", ("/tokenize", "/v1/messages/count_tokens", "/version"), asked)
+    sglang = _engine("sglang", ("/v1/tokenize", "/get_model_info", "/separate_reasoning"), asked)
     async with serve(vllm) as v, serve(sglang) as s, aiohttp.ClientSession() as http:
         settings = MeshSettings(
             workers=(WorkerSpec(v.url, "v"), WorkerSpec(s.url, "s")),
@@ -68,12 +71,24 @@ async def test_a_utility_request_is_answered_by_a_worker_that_has_the_path() -> 
                     assert r.status == 400 and (await r.json())["error"]["param"] == "body"
             async with http.get(front.url + "/tokenize") as r:
                 assert r.status == 405
+            # what a client reads at start (a GET), and SGLang's parsers
+            async with http.get(front.url + "/get_model_info") as r:
+                assert r.status == 200 and (await r.json())["served_by"] == "sglang"
+            async with http.get(front.url + "/version") as r:
+                assert r.status == 200 and (await r.json())["served_by"] == "vllm"
+            async with http.post(front.url + "/separate_reasoning", json={"text": "a"}) as r:
+                assert r.status == 200 and (await r.json())["served_by"] == "sglang"
+            async with http.get(front.url + "/get_server_info") as r:
+                assert r.status == 404  # (no worker has it)
     assert [a[:2] for a in asked] == [
         ("vllm", "/v1/messages/count_tokens"),
         ("vllm", "/v1/messages/count_tokens"),
         ("vllm", "/v1/messages/count_tokens"),
         ("sglang", "/v1/tokenize"),
         ("vllm", "/tokenize"),
+        ("sglang", "/get_model_info"),
+        ("vllm", "/version"),
+        ("sglang", "/separate_reasoning"),
     ]
     assert asked[0][2] == count and asked[0][3] == "Bearer k"  # the body and the client's key, as sent
 

@@ -40,7 +40,7 @@ test-engines: venv
 	PYTHONPATH=$(CURDIR) $$(scripts/engine-env.sh vllm) -m pytest -m engine_vllm -p no:cacheprovider tests/engines/test_*vllm*.py
 	PYTHONPATH=$(CURDIR) $$(scripts/engine-env.sh sglang) -m pytest -m engine_sglang -p no:cacheprovider tests/engines/test_*sglang*.py
 
-# The long fuzz run (docs/RELIABILITY.md): FUZZ_EXAMPLES cases per target and surface (24 of them),
+# The long fuzz run (docs/RELIABILITY.md): FUZZ_EXAMPLES cases per target and surface (36 of them),
 # figures appended to fuzz-report.jsonl (cases, statuses, 5xx, RSS before/after each run).
 FUZZ_EXAMPLES ?= 6000
 fuzz: venv

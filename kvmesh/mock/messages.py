@@ -20,8 +20,9 @@ mock's template), ``chat_template_kwargs``, and fields vLLM's model does not kno
 400 naming the field, as what the mock cannot honour: ``cache_salt`` (the mock keeps one prefix
 cache for every request), ``output_config.format`` with a schema (constrained decoding),
 ``watermarking``, a disaggregated hand-off (``kv_transfer_params``, ``ec_transfer_params``: the
-mock serves ``/v1/messages`` aggregated, as the router sends it), and ``tool_addition`` /
-``tool_removal`` blocks (vLLM applies them to the tools; the chat view does not).
+mock serves ``/v1/messages`` aggregated, as the router sends it). ``tool_addition`` /
+``tool_removal`` blocks change the tools as vLLM changes them (the chat view applies them), in a
+message with role ``system`` only, as vLLM takes them; one that names an undeclared tool is a 400.
 
 The answer is vLLM's (``messages_full_converter``, dumped without its null fields): ``id``
 (``chatcmpl-`` and the ``X-Request-Id`` or a new hex id, the id of the chat answer it is made from),
@@ -234,10 +235,14 @@ def _event(kind: str, doc: dict[str, Any]) -> bytes:
 
 # ---------------------------------------------------------------------- checks
 def _check_blocks(body: dict[str, Any]) -> None:
-    """Every block of a known type; no tool changes (chat_view has checked the shapes)."""
-    lists: list[tuple[str, Any]] = [("system", body.get("system"))]
-    lists += [(f"messages[{i}].content", m.get("content")) for i, m in enumerate(body["messages"])]
-    for field, blocks in lists:
+    """Every block of a known type; tool changes in system messages only, as vLLM takes them
+    (chat_view has checked the shapes, and applied the changes to the tools)."""
+    lists: list[tuple[str, Any, bool]] = [("system", body.get("system"), False)]
+    lists += [
+        (f"messages[{i}].content", m.get("content"), m.get("role") == "system")
+        for i, m in enumerate(body["messages"])
+    ]
+    for field, blocks, changes_tools in lists:
         if not isinstance(blocks, list):
             continue
         for j, block in enumerate(blocks):
@@ -247,11 +252,9 @@ def _check_blocks(body: dict[str, Any]) -> None:
                 raise RequestError(
                     f"'{where}' must be one of {sorted(_BLOCK_TYPES)}, got {kind!r}", field=where
                 )
-            if kind in _TOOL_CHANGES:
+            if kind in _TOOL_CHANGES and not changes_tools:
                 raise RequestError(
-                    f"'{where}': {kind} blocks are not applied to the tools by the mock engine; "
-                    "send the tools in effect as 'tools'",
-                    field=where,
+                    f"'{where}': {kind} blocks are only allowed in messages with role 'system'", field=where
                 )
 
 

@@ -83,6 +83,62 @@ BODIES: dict[str, dict[str, Any]] = {
             {"role": "user", "content": "two"},
         ],
     },
+    "tool-result-media": {
+        "messages": [
+            {"role": "user", "content": "Take a screenshot."},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_3", "name": "screenshot", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_3",
+                        "content": [
+                            {"type": "text", "text": "captured"},
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"},
+                            },
+                            {
+                                "type": "image",
+                                "source": {"type": "url", "url": "https://example.invalid/s.png"},
+                            },
+                            {"type": "tool_reference", "tool_name": "grep"},
+                        ],
+                    },
+                    {"type": "text", "text": "What does it show?"},
+                ],
+            },
+        ],
+    },
+    "tool-changes": {
+        "tools": [*TOOLS, {"name": "deploy", "input_schema": {"type": "object"}, "defer_loading": True}],
+        "messages": [
+            {
+                "role": "system",  # (vLLM takes tool changes there only)
+                "content": [
+                    {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "deploy"}},
+                    {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "read_file"}},
+                    {
+                        "type": "tool_addition",
+                        "tool": {
+                            "type": "tool_definition",
+                            "definition": {
+                                "name": "lint",
+                                "description": "Lint",
+                                "input_schema": {"type": "object"},
+                            },
+                        },
+                    },
+                    {"type": "text", "text": "Tools changed."},
+                ],
+            },
+            {"role": "user", "content": "Ship it."},
+        ],
+    },
     "assistant-result": {
         "messages": [
             {"role": "user", "content": "q"},

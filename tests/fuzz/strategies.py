@@ -306,7 +306,43 @@ BLOCK = st.one_of(
             "tool_use_id": _maybe(TEXT),
             "content": _maybe(
                 st.one_of(
-                    TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2)
+                    TEXT,
+                    st.lists(
+                        st.one_of(
+                            st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+                            st.fixed_dictionaries(
+                                {
+                                    "type": st.just("image"),
+                                    "source": _maybe(st.just({"type": "url", "url": "u"})),
+                                }
+                            ),
+                            st.fixed_dictionaries(
+                                {"type": st.just("tool_reference"), "tool_name": _maybe(TEXT)}
+                            ),
+                        ),
+                        max_size=3,
+                    ),
+                )
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["tool_addition", "tool_removal"]),
+            "tool": _maybe(
+                st.one_of(
+                    st.fixed_dictionaries({"type": st.just("tool_reference"), "name": _maybe(TEXT)}),
+                    st.fixed_dictionaries(
+                        {
+                            "type": st.just("tool_definition"),
+                            "definition": _maybe(
+                                st.fixed_dictionaries(
+                                    {"name": TEXT, "input_schema": st.just({"type": "object"})}
+                                )
+                            ),
+                        }
+                    ),
+                    TEXT,
                 )
             ),
         }

@@ -286,9 +286,25 @@ async def test_a_tool_use_and_its_result_are_rendered_as_the_chat_twin() -> None
                     {"role": "user", "content": "hi"},
                 ]
             },
-            "messages[0].content[0].type",
+            "messages[0].content[0].tool",  # (a tool 'tools' does not declare, as vLLM refuses it)
             400,
             id="tool-change",
+        ),
+        pytest.param(
+            {
+                "tools": [{"name": "x", "input_schema": {"type": "object"}}],
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "x"}}
+                        ],
+                    },
+                ],
+            },
+            "messages[0].content[0].type",  # (vLLM takes tool changes in system messages only)
+            400,
+            id="tool-change-outside-system",
         ),
     ],
 )

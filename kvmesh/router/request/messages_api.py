@@ -5,7 +5,8 @@ the body into a chat completion request and serving that; NVIDIA Dynamo's fronte
 same way. :func:`chat_view` converts it as vLLM 0.33.0 does
 (``AnthropicServingMessages.to_chat_completion_request``): the ``system`` text first (Claude
 Code's per-request billing header left out, as vLLM leaves it out), then each message, its
-``tool_use`` blocks as tool calls, a user's ``tool_result`` blocks as tool messages before it, its
+``tool_use`` blocks as tool calls, a user's ``tool_result`` blocks as tool messages before it (their
+images in a user message, the tools they reference in a tool message of their own), its
 ``thinking`` as reasoning, and the ``tools`` as function tools. Inside an engine the adapter's
 tokenizer converts with the engine's own code instead (``messages_as_chat``: vLLM's classmethod,
 SGLang's serving), which also knows what only the engine knows: whether its chat template needs
@@ -51,7 +52,7 @@ def chat_view(body: dict[str, Any]) -> dict[str, Any]:
     for i, item in enumerate(items):
         _add_message(messages, item, f"messages[{i}]")
     view: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
-    tools = _tools(body.get("tools"))
+    tools = _tools(_tools_in_effect(body.get("tools"), items))
     if tools is not None:
         view["tools"] = tools
     for key in _CARRIED:
@@ -185,17 +186,12 @@ def _add_blocks(
             )
         elif kind == "tool_result":
             if message["role"] == "user":
-                messages.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": block.get("tool_use_id") or "",
-                        "content": _result_text(block),
-                    }
-                )
+                messages.extend(_result_messages(block))
             else:
                 result = block.get("content")
                 parts.append({"type": "text", "text": f"Tool result: {result if result else ''}"})
-        # (redacted thinking is opaque; tool references and changes are the engine's own business)
+        # (redacted thinking is opaque, a tool reference outside a result renders as nothing, and
+        # changes to the tool list are read with the tools: _tools_in_effect)
     if reasoning:
         message["reasoning"] = "".join(reasoning)
     if calls:
@@ -205,22 +201,92 @@ def _add_blocks(
         message["content"] = parts[0]["text"] if only_text else parts
 
 
-def _result_text(block: dict[str, Any]) -> str:
+def _result_messages(block: dict[str, Any]) -> list[dict[str, Any]]:
+    """A user's ``tool_result`` as the messages vLLM makes of it: a tool message of its text, then
+    a user message of its images (a chat template shows no image in a tool message), then a tool
+    message of the tools it references, when it has either."""
+    call_id = block.get("tool_use_id") or ""
     content = block.get("content")
+    texts: list[str] = []
+    images: list[dict[str, Any]] = []
+    references: list[dict[str, Any]] = []
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = [
-            item.get("text", "") for item in content if isinstance(item, dict) and item.get("type") == "text"
-        ]
-        return "\n".join(t for t in texts if isinstance(t, str))
-    return ""
+        texts.append(content)
+    elif isinstance(content, list):
+        for item in content:
+            if not isinstance(item, dict):
+                continue
+            kind = item.get("type")
+            if kind == "text" and isinstance(item.get("text", ""), str):
+                texts.append(item.get("text", ""))
+            elif kind == "image":
+                source = item.get("source")
+                url = _image_url(source if isinstance(source, dict) else {})
+                if url:
+                    images.append({"type": "image_url", "image_url": {"url": url}})
+            elif kind == "tool_reference":
+                name = item.get("tool_name") or item.get("name")
+                if name:
+                    references.append({"type": "tool_reference", "name": name})
+    out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": call_id, "content": "\n".join(texts)}]
+    if images:
+        out.append({"role": "user", "content": images})
+    if references:
+        out.append({"role": "tool", "tool_call_id": call_id, "content": references})
+    return out
 
 
 def _image_url(source: dict[str, Any]) -> str:
     if source.get("type") == "url":
         return str(source.get("url", ""))
     return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
+
+
+def _tools_in_effect(tools: Any, items: list[Any]) -> Any:
+    """The tools once the conversation's ``tool_addition`` / ``tool_removal`` blocks are applied,
+    in order, as vLLM applies them (a chat template sees one list): a tool added by value is
+    declared, one added by name is no longer deferred, one removed is dropped. A change that names
+    no declared tool is a 400 naming the block, as vLLM refuses it."""
+    changes = [
+        (f"messages[{i}].content[{j}]", block)
+        for i, item in enumerate(items)
+        if isinstance(item, dict) and isinstance(item.get("content"), list)
+        for j, block in enumerate(item["content"])
+        if isinstance(block, dict) and block.get("type") in ("tool_addition", "tool_removal")
+    ]
+    if not changes or (not isinstance(tools, list) and tools is not None):
+        return tools
+    declared = {t["name"]: t for t in tools or () if isinstance(t, dict) and isinstance(t.get("name"), str)}
+    removed: set[str] = set()
+    for where, block in changes:
+        change: dict[str, Any] = block["tool"] if isinstance(block.get("tool"), dict) else {}
+        kind = change.get("type")
+        definition: Any = change.get("definition")
+        if kind == "tool_definition" and block["type"] == "tool_addition" and isinstance(definition, dict):
+            name = definition.get("name")
+            if not isinstance(name, str):
+                raise RequestError(f"'{where}.tool.definition' must have a 'name'", field=f"{where}.tool")
+            declared[name] = definition
+        elif kind == "tool_reference" and isinstance(change.get("name"), str):
+            name = change["name"]
+            if name not in declared:
+                raise RequestError(
+                    f"'{where}' names the tool {name!r}, which 'tools' does not declare",
+                    field=f"{where}.tool",
+                )
+            if block["type"] == "tool_addition":
+                declared[name] = {**declared[name], "defer_loading": None}
+        else:
+            raise RequestError(
+                f"'{where}.tool' must be a tool_reference with a 'name'"
+                + (" or a tool_definition" if block["type"] == "tool_addition" else ""),
+                field=f"{where}.tool",
+            )
+        if block["type"] == "tool_removal":
+            removed.add(name)
+        else:
+            removed.discard(name)
+    return [tool for name, tool in declared.items() if name not in removed]
 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:

@@ -78,6 +78,62 @@ def test_tool_calls_and_results_become_chat_tool_messages() -> None:
     ]  # fmt: skip
 
 
+def test_a_tool_results_images_and_tool_references_become_messages_of_their_own() -> None:
+    """As vLLM 0.33.0 converts them: a screenshot in a tool result is a user message after the
+    tool's text (it was dropped, and the router hashed a prompt the engine never rendered)."""
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": [
+            {"type": "text", "text": "took it"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+            {"type": "image", "source": {"type": "url", "url": "https://example.invalid/s.png"}},
+            {"type": "tool_reference", "tool_name": "screenshot"},
+            {"type": "text", "text": "done"},
+        ],
+    }
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [result]}]}
+    assert chat_view(body)["messages"] == [
+        {"role": "tool", "tool_call_id": "t1", "content": "took it\ndone"},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            {"type": "image_url", "image_url": {"url": "https://example.invalid/s.png"}},
+        ]},
+        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "tool_reference", "name": "screenshot"}]},
+    ]  # fmt: skip
+    assert parsed(body, "/v1/messages").cache_keyed == "multimodal content"
+
+
+def test_tool_additions_and_removals_change_the_tools_the_template_sees() -> None:
+    tools = [
+        {"name": "read", "input_schema": {"type": "object"}},
+        {"name": "deploy", "input_schema": {"type": "object"}, "defer_loading": True},
+    ]
+
+    def change(kind: str, tool: dict[str, Any]) -> dict[str, Any]:
+        return {"type": kind, "tool": tool}
+
+    lint = {"name": "lint", "input_schema": {"type": "object"}}
+    blocks = [
+        change("tool_addition", {"type": "tool_reference", "name": "deploy"}),
+        change("tool_removal", {"type": "tool_reference", "name": "read"}),
+        change("tool_addition", {"type": "tool_definition", "definition": lint}),
+        {"type": "text", "text": "go"},
+    ]
+    body = {"model": "m", "max_tokens": 8, "tools": tools, "messages": [{"role": "user", "content": blocks}]}
+    names = [(t["function"]["name"], t["function"].get("defer_loading")) for t in chat_view(body)["tools"]]
+    assert names == [("deploy", None), ("lint", None)]  # (added by name: no longer deferred)
+    for bad in (
+        change("tool_removal", {"type": "tool_reference", "name": "nope"}),
+        change("tool_removal", {"type": "tool_definition", "definition": lint}),
+        change("tool_addition", None),  # type: ignore[arg-type]
+    ):
+        wrong = {**body, "messages": [{"role": "user", "content": [bad]}]}
+        with pytest.raises(RequestError) as e:
+            chat_view(wrong)
+        assert e.value.field == "messages[0].content[0].tool"
+
+
 def test_an_image_or_turned_off_thinking_keys_the_prompt_apart() -> None:
     base = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": SYSTEM}]}
     assert parsed(base, "/v1/messages").cache_keyed is None

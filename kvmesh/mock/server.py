@@ -133,18 +133,11 @@ def build_app(
             for stream in streams:
                 engine.abort(stream.request_id)
 
-        if parsed.stream:
-            return EngineStreamResponse(
-                running_rids.until_sent(rid, streams, _sse(streams, parsed, response_id, text_of)),
-                abort,
-                headers=[(b"x-request-id", response_id.encode())],
-            )  # type: ignore[return-value]
-        try:
-            if not await until_disconnect(request.receive, _wait_all(streams)):
-                abort()
-                return Response(status_code=499)
-        finally:
-            running_rids.remove(rid, streams)
+        events = _sse(streams, parsed, response_id, text_of) if parsed.stream else None
+        header = [(b"x-request-id", response_id.encode())]
+        served = await _served(request, running_rids, rid, streams, events, abort, header)
+        if served is not None:
+            return served
         if any(stream.stopped for stream in streams):
             abort()
             return error_response("the engine stopped before the request finished", 503)
@@ -251,16 +244,12 @@ def build_app(
             for stream in streams:
                 engine.abort(stream.request_id)
 
+        events = None
         if parsed.completion.stream:
             events = generate_events(parsed, streams, _interleaved(streams), text_of, engine.clock)
-            tracked = running_rids.until_sent(parsed.rid, streams, events)
-            return EngineStreamResponse(tracked, abort)  # type: ignore[return-value]
-        try:
-            if not await until_disconnect(request.receive, _wait_all(streams)):
-                abort()
-                return Response(status_code=499)
-        finally:
-            running_rids.remove(parsed.rid, streams)
+        served = await _served(request, running_rids, parsed.rid, streams, events, abort)
+        if served is not None:
+            return served
         if any(stream.stopped for stream in streams):
             return error_response("the engine stopped before the request finished", 503)
         return JSONResponse(generate_answer(parsed, streams, text_of, engine.clock()))
@@ -287,16 +276,10 @@ def build_app(
             for stream in streams:
                 engine.abort(stream.request_id)
 
-        if completion.stream:
-            events = tokens_events(parsed, streams, _interleaved(streams), text_of)
-            tracked = running_tokens.until_sent(parsed.request_id, streams, events)
-            return EngineStreamResponse(tracked, abort)  # type: ignore[return-value]
-        try:
-            if not await until_disconnect(request.receive, _wait_all(streams)):
-                abort()
-                return Response(status_code=499)
-        finally:
-            running_tokens.remove(parsed.request_id, streams)
+        events = tokens_events(parsed, streams, _interleaved(streams), text_of) if completion.stream else None
+        served = await _served(request, running_tokens, parsed.request_id, streams, events, abort)
+        if served is not None:
+            return served
         transfer = completion.kv_transfer_params
         handoff = None
         if transfer is not None and transfer.get("do_remote_decode"):
@@ -418,6 +401,30 @@ async def _read_request(request: Request, parse: Callable[[Any, str | None], _P]
         return parse(body, request.headers.get("x-session-id"))
     except RequestError as e:
         return error_response(str(e), e.status, e.field)
+
+
+async def _served(
+    request: Request,
+    running: RunningRequests,
+    key: str | None,
+    streams: list[TokenStream],
+    events: AsyncIterator[bytes] | None,
+    abort: Callable[[], None],
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> Response | None:
+    """A streamed request's response (``events``), known in ``running`` under ``key`` until its
+    last event is sent; for a whole answer (``events`` None), None once every stream has ended,
+    known there until then, or a 499 when the client left first (its streams aborted)."""
+    if events is not None:
+        tracked = running.until_sent(key, streams, events)
+        return EngineStreamResponse(tracked, abort, headers=headers)  # type: ignore[return-value]
+    try:
+        if not await until_disconnect(request.receive, _wait_all(streams)):
+            abort()
+            return Response(status_code=499)
+    finally:
+        running.remove(key, streams)
+    return None
 
 
 async def _pull_prefix(engine: MockEngine, request: Request, parsed: ParsedRequest) -> bool:

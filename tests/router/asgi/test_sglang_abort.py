@@ -20,9 +20,9 @@ from kvmesh.mock.config import MockConfig
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
-from tests.mock.test_server import wait_idle
-from tests.router.asgi.test_agent_features import BS, mock_fleet, until
+from tests.router.asgi.test_agent_features import BS, mock_fleet
 from tests.router.asgi.test_generate_api import _vllm_like
+from tests.router.asgi.test_tokens_api import nothing_runs
 from tests.router.servers import serve
 
 LONG = 3000
@@ -94,10 +94,7 @@ async def test_an_abort_by_rid_through_the_standalone_router_stops_the_request_w
         assert await _abort(http, front.url, {"rid": "rollout-3"}) == (200, "")
         reason, made = _generated(await asyncio.wait_for(running, 20))
         assert reason == "abort" and made < LONG
-        for mock in mocks:
-            await wait_idle(mock.engine)
-        decision = app.mesh.router.recent_decisions(1)[-1][1]
-        await until(lambda: not app.mesh.router.tracking(decision.request_id))
+        await nothing_runs(mocks, app)
 
 
 async def test_an_abort_sent_to_another_engine_of_the_mesh_reaches_the_one_running_the_request(

@@ -133,6 +133,14 @@ async def test_a_worker_without_the_token_api_is_never_chosen_for_it(http: aioht
                     assert status == 200 and worker == "m", answer
 
 
+async def nothing_runs(mocks: list[Any], app: Any) -> None:
+    """Wait until every engine is idle and the router has let its last request go."""
+    for mock in mocks:
+        await wait_idle(mock.engine)
+    decision = app.mesh.router.recent_decisions(1)[-1][1]
+    await until(lambda: not app.mesh.router.tracking(decision.request_id))
+
+
 async def _aborted_stream(http: aiohttp.ClientSession, url: str, abort_at: str, **nvext: Any) -> list[Any]:
     """Start a long stream at ``url``, abort it by its server id at ``abort_at``; its events."""
     body = {
@@ -167,10 +175,7 @@ async def test_an_abort_through_the_standalone_router_stops_the_request_where_it
         events = await _aborted_stream(http, front.url, front.url)
         assert events[-1]["choices"][0]["finish_reason"] == "abort"
         assert sum(len(e["choices"][0]["token_ids"]) for e in events) < 3000
-        for mock in mocks:
-            await wait_idle(mock.engine)
-        decision = app.mesh.router.recent_decisions(1)[-1][1]
-        await until(lambda: not app.mesh.router.tracking(decision.request_id))
+        await nothing_runs(mocks, app)
 
 
 async def test_an_abort_sent_to_another_engine_of_the_mesh_reaches_the_one_running_the_request(

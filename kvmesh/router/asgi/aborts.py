@@ -43,27 +43,41 @@ _ABORT_TIMEOUT = 3.0
 
 @dataclass(frozen=True)
 class AbortApi:
-    """One engine API's abort: its paths, how its body is read (to what a worker is sent), which
-    workers serve it, and the API's name for the answers."""
+    """One engine API's abort: its paths, the generation path whose requests it stops (the router
+    takes the abort where it routes that path), how its body is read (to what a worker is sent),
+    which workers serve it, and the API's name for the answers."""
 
     paths: frozenset[str]
+    stops: str
     read: Callable[[Any], dict[str, Any]]
     serves: Callable[[WorkerInfo], bool]
     name: str
 
 
-TOKENS = AbortApi(
-    tokens_api.ABORT_PATHS,
-    lambda body: {"request_ids": tokens_api.abort_ids(body)},
-    lambda info: info.tokens_api,
-    tokens_api.TOKENS_PATH,
+APIS = (
+    AbortApi(
+        tokens_api.ABORT_PATHS,
+        tokens_api.TOKENS_PATH,
+        lambda body: {"request_ids": tokens_api.abort_ids(body)},
+        lambda info: info.tokens_api,
+        tokens_api.TOKENS_PATH,
+    ),
+    AbortApi(
+        frozenset((generate_api.ABORT_PATH,)),
+        generate_api.GENERATE_PATH,
+        generate_api.abort_body,
+        lambda info: info.backend in generate_api.SERVED_BY,
+        "SGLang's API",
+    ),
 )
-SGLANG = AbortApi(
-    frozenset((generate_api.ABORT_PATH,)),
-    generate_api.abort_body,
-    lambda info: info.backend in generate_api.SERVED_BY,
-    "SGLang's API",
-)
+
+
+def abort_api(path: str, method: str, routed: frozenset[str]) -> AbortApi | None:
+    """The API whose abort a request is, when the router routes that API's generation path
+    (``routed``); None for any other request."""
+    if method != "POST":
+        return None
+    return next((api for api in APIS if path in api.paths and api.stops in routed), None)
 
 
 async def serve(mesh: Mesh, api: AbortApi, app: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -17,9 +17,9 @@ with a hop header that makes the peer serve it locally (:class:`~kvmesh.router.a
 A stored response asked for again (``/v1/responses/{id}``) goes to the engine that stored it
 (:mod:`kvmesh.router.asgi.stored_responses`). In front of SGLang, and standalone, SGLang's native
 ``/generate`` (POST or PUT) is routed too (``generation_paths``; any other app may have a
-``/generate`` of its own, in another shape), and its ``/abort_request`` goes where the requests run
-(:mod:`kvmesh.router.asgi.aborts`), as does vLLM's token API's abort in front of vLLM. The admin endpoints
-(:mod:`kvmesh.router.asgi.admin`) are answered here. A scrape of an engine's
+``/generate`` of its own, in another shape), and its ``/abort_request`` goes where the requests
+run (:mod:`kvmesh.router.asgi.aborts`), as does vLLM's token API's abort in front of vLLM. The
+admin endpoints (:mod:`kvmesh.router.asgi.admin`) are answered here. A scrape of an engine's
 multiprocess ``/metrics`` gets kvmesh's live gauges added (:mod:`kvmesh.router.asgi.scrape`). Every
 other path and every non-HTTP scope passes straight through.
 
@@ -36,11 +36,11 @@ from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.routed import RoutedRequest
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
-from kvmesh.router.request.generate_api import ABORT_PATH, GENERATE_PATH
+from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.messages_api import MESSAGES_PATH
 from kvmesh.router.request.responses_api import RESPONSES_PATH
 from kvmesh.router.request.tokenizer import Tokenizer
-from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH
+from kvmesh.router.request.tokens_api import TOKENS_PATH
 
 ASGIApp = Any
 Scope = dict[str, Any]
@@ -103,7 +103,7 @@ class KvMeshMiddleware:
                     await HopRequest(self.mesh, self.app, scope, receive, send, hop).run()
                     return
             await RoutedRequest(self.mesh, self.app, scope, receive, send).run()
-        elif (api := self._aborts(path, scope["method"])) is not None:
+        elif (api := aborts.abort_api(path, scope["method"], self.generation_paths)) is not None:
             await aborts.serve(self.mesh, api, self.app, scope, receive, send)
         elif stored_responses.handles(path):
             await stored_responses.serve(self.mesh, self.app, scope, receive, send)
@@ -113,16 +113,6 @@ class KvMeshMiddleware:
             await scrape.serve_with_gauges(self.app, scope, receive, send, self.mesh.metrics)
         else:
             await self.app(scope, receive, send)
-
-    def _aborts(self, path: str, method: str) -> aborts.AbortApi | None:
-        """The engine API whose abort this request is, when the servers behind have that API."""
-        if method != "POST":
-            return None
-        if path in ABORT_PATHS and TOKENS_PATH in self.generation_paths:
-            return aborts.TOKENS
-        if path == ABORT_PATH and GENERATE_PATH in self.generation_paths:
-            return aborts.SGLANG
-        return None
 
     async def _lifespan(self, scope: Scope, receive: Any, send: Any) -> None:
         mesh = self.mesh

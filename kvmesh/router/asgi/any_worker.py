@@ -4,7 +4,8 @@ Anthropic's ``POST /v1/messages/count_tokens`` (Claude Code asks it of the serve
 parsers (``POST /parse_function_call``, ``/separate_reasoning``), and the descriptions a client reads
 at start: SGLang's ``GET /get_model_info`` and ``/get_server_info`` (with their newer names
 ``/model_info``, ``/server_info``; RL frameworks read them from the address they generate at) and
-vLLM's ``GET /version``. A server description is the one worker's that answered.
+vLLM's ``GET /version``; and SGLang's ``GET /health_generate`` (one worker generates a token: the
+fleet can serve). A server description is the one worker's that answered.
 
 Nothing about them is cached or routed, but a client pointed at the router expects them where its
 generation requests go; the router had only a 404 for them. A POST body that is not a JSON object,
@@ -42,7 +43,14 @@ PATHS = (
     "/separate_reasoning",
 )
 """Asked with a POST."""
-READ_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info", "/version")
+READ_PATHS = (
+    "/get_model_info",
+    "/model_info",
+    "/get_server_info",
+    "/server_info",
+    "/version",
+    "/health_generate",
+)
 """Asked with a GET."""
 
 

@@ -2,7 +2,7 @@
 
 Besides what the middleware answers (the generation endpoints, SGLang's ``/generate`` and vLLM's
 token API among them, ``/kvmesh/workers``, ``/busy_threshold``) it serves ``GET /health`` (503
-while no worker is routable), ``GET /v1/models`` (the models the fleet's workers reported),
+while no worker is routable; ``/ping`` too, as vLLM names it), ``GET /v1/models`` (the models the fleet's workers reported),
 ``GET /metrics`` (prometheus-client's registry), the engines' utility endpoints that any worker
 answers alike (``/v1/messages/count_tokens``, ``/tokenize``, ``/detokenize``, SGLang's
 ``/get_model_info`` and more: :mod:`.any_worker`), and a flush of every worker's prefix cache
@@ -102,6 +102,7 @@ def build_router_app(
     inner = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
+            Route("/ping", health, methods=["GET", "POST"]),  # (vLLM's name for it, GET or POST)
             Route("/v1/models", models, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *(Route(path, any_worker, methods=["POST"]) for path in ANY_WORKER_PATHS),

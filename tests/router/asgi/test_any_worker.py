@@ -22,7 +22,7 @@ from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.asgi.test_agent_features import mock_fleet
 from tests.router.servers import serve
 
-READS = ("/get_model_info", "/get_server_info", "/version")
+READS = ("/get_model_info", "/get_server_info", "/version", "/health_generate")
 
 
 def _engine(name: str, paths: tuple[str, ...], asked: list[tuple[str, str, Any, str | None]]) -> Starlette:
@@ -47,7 +47,9 @@ def _engine(name: str, paths: tuple[str, ...], asked: list[tuple[str, str, Any, 
 async def test_a_utility_request_is_answered_by_a_worker_that_has_the_path() -> None:
     asked: list[tuple[str, str, Any, str | None]] = []
     vllm = _engine("vllm", ("/tokenize", "/v1/messages/count_tokens", "/version"), asked)
-    sglang = _engine("sglang", ("/v1/tokenize", "/get_model_info", "/separate_reasoning"), asked)
+    sglang = _engine(
+        "sglang", ("/v1/tokenize", "/get_model_info", "/separate_reasoning", "/health_generate"), asked
+    )
     async with serve(vllm) as v, serve(sglang) as s, aiohttp.ClientSession() as http:
         settings = MeshSettings(
             workers=(WorkerSpec(v.url, "v"), WorkerSpec(s.url, "s")),
@@ -80,6 +82,8 @@ async def test_a_utility_request_is_answered_by_a_worker_that_has_the_path() -> 
                 assert r.status == 200 and (await r.json())["served_by"] == "sglang"
             async with http.get(front.url + "/get_server_info") as r:
                 assert r.status == 404  # (no worker has it)
+            async with http.get(front.url + "/health_generate") as r:
+                assert r.status == 200 and (await r.json())["served_by"] == "sglang"
     assert [a[:2] for a in asked] == [
         ("vllm", "/v1/messages/count_tokens"),
         ("vllm", "/v1/messages/count_tokens"),
@@ -89,6 +93,7 @@ async def test_a_utility_request_is_answered_by_a_worker_that_has_the_path() -> 
         ("sglang", "/get_model_info"),
         ("vllm", "/version"),
         ("sglang", "/separate_reasoning"),
+        ("sglang", "/health_generate"),
     ]
     assert asked[0][2] == count and asked[0][3] == "Bearer k"  # the body and the client's key, as sent
 

@@ -225,6 +225,9 @@ async def test_metrics_health_and_models(http: aiohttp.ClientSession) -> None:
             assert name in text, name
         async with http.get(front.url + "/health") as r:
             assert r.status == 200 and (await r.json())["workers_up"] == 2
+        for ping in (http.get, http.post):  # (vLLM's name for it, either method)
+            async with ping(front.url + "/ping") as r:
+                assert r.status == 200 and (await r.json())["workers_up"] == 2
         async with http.get(front.url + "/v1/models") as r:
             assert [m["id"] for m in (await r.json())["data"]] == ["test-model"]
 

@@ -254,18 +254,18 @@ def _tools_in_effect(tools: Any, items: list[Any]) -> Any:
         for j, block in enumerate(item["content"])
         if isinstance(block, dict) and block.get("type") in ("tool_addition", "tool_removal")
     ]
-    if not changes or (not isinstance(tools, list) and tools is not None):
+    if not changes:
         return tools
-    declared = {t["name"]: t for t in tools or () if isinstance(t, dict) and isinstance(t.get("name"), str)}
+    _tools(tools)  # (the declared tools are checked as they are without changes, naming 'tools[i]')
+    declared = {t["name"]: t for t in tools or ()}
     removed: set[str] = set()
     for where, block in changes:
         change: dict[str, Any] = block["tool"] if isinstance(block.get("tool"), dict) else {}
         kind = change.get("type")
         definition: Any = change.get("definition")
         if kind == "tool_definition" and block["type"] == "tool_addition" and isinstance(definition, dict):
-            name = definition.get("name")
-            if not isinstance(name, str):
-                raise RequestError(f"'{where}.tool.definition' must have a 'name'", field=f"{where}.tool")
+            _function(definition, f"{where}.tool.definition")
+            name = definition["name"]
             declared[name] = definition
         elif kind == "tool_reference" and isinstance(change.get("name"), str):
             name = change["name"]
@@ -294,25 +294,26 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
         return None
     if not isinstance(tools, list):
         raise RequestError("'tools' must be a list", field="tools")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise RequestError(f"'tools[{i}]' must be an object with a 'name'", field=f"tools[{i}]")
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise RequestError(
-                f"'tools[{i}].input_schema' must be an object", field=f"tools[{i}].input_schema"
-            )
-        function = {
-            "name": tool["name"],
-            "description": tool.get("description"),
-            "parameters": schema if "type" in schema else {**schema, "type": "object"},
-        }
-        for key in ("strict", "defer_loading"):  # (vLLM's tool keeps these only when sent)
-            if tool.get(key) is not None:
-                function[key] = tool[key]
-        out.append({"type": "function", "function": function})
-    return out
+    return [{"type": "function", "function": _function(tool, f"tools[{i}]")} for i, tool in enumerate(tools)]
+
+
+def _function(tool: Any, where: str) -> dict[str, Any]:
+    """An Anthropic tool (at ``where`` in the body) as the chat function vLLM makes of it; a 400
+    naming the field for one without a name or an object schema."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise RequestError(f"'{where}' must be an object with a 'name'", field=where)
+    schema = tool.get("input_schema")
+    if not isinstance(schema, dict):
+        raise RequestError(f"'{where}.input_schema' must be an object", field=f"{where}.input_schema")
+    function = {
+        "name": tool["name"],
+        "description": tool.get("description"),
+        "parameters": schema if "type" in schema else {**schema, "type": "object"},
+    }
+    for key in ("strict", "defer_loading"):  # (vLLM's tool keeps these only when sent)
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    return function
 
 
 def _reasoning_effort(body: dict[str, Any]) -> str | None:

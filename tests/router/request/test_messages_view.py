@@ -132,6 +132,16 @@ def test_tool_additions_and_removals_change_the_tools_the_template_sees() -> Non
         with pytest.raises(RequestError) as e:
             chat_view(wrong)
         assert e.value.field == "messages[0].content[0].tool"
+    # a bad tool is named where it is, with changes as without them
+    no_schema = change("tool_addition", {"type": "tool_definition", "definition": {"name": "x"}})
+    for tools_sent, block, field in (
+        (tools, no_schema, "messages[0].content[0].tool.definition.input_schema"),
+        ([*tools, {"name": 3}], blocks[0], "tools[2]"),
+    ):
+        wrong = {**body, "tools": tools_sent, "messages": [{"role": "user", "content": [block]}]}
+        with pytest.raises(RequestError) as e:
+            chat_view(wrong)
+        assert e.value.field == field
 
 
 def test_an_image_or_turned_off_thinking_keys_the_prompt_apart() -> None:

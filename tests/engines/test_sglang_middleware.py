@@ -320,9 +320,20 @@ def test_sglangs_generate_is_routed_on_the_ids_sglang_tokenizes_its_text_to(engi
     assert again["nvext"]["timing"]["cached_tokens_predicted"] == len(ids) // BLOCK * BLOCK
     assert again["seen"]["priority"] == (5 if engine.polarity == "higher_first" else -5)
     assert again["seen"]["sampling_params"] == {"max_new_tokens": 4, "ignore_eos": True}
-    # A batch is not routed (400 naming the field); a session's turn is the engine's own.
-    batch = engine.client.post("/generate", json={"text": [text, text]})
-    assert batch.status_code == 400 and batch.json()["error"]["param"] == "text"
+    # A batch: each prompt reaches SGLang's route on its own, with the rid and the sampling
+    # parameters SGLang's own batch would give it; the answers come back as SGLang lists them.
+    short = "w7 w8 w9"
+    params = [{"max_new_tokens": 3}, {"max_new_tokens": 2}]
+    batch = engine.client.post(
+        "/generate", json={"text": [text, short], "rid": "b", "sampling_params": params}
+    )
+    assert batch.status_code == 200, batch.text
+    assert [a["meta_info"]["id"] for a in batch.json()] == ["b_0", "b_1"]
+    assert [a["seen"]["ids"] for a in batch.json()] == [ids, [12, 13, 14]]
+    assert [a["seen"]["sampling_params"] for a in batch.json()] == params
+    wrong = engine.client.post("/generate", json={"text": [text, short], "sampling_params": params[:1]})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "sampling_params"
+    # A session's turn is the engine's own.
     session = engine.client.post("/generate", json={"input_ids": [7, 8], "session_params": {"id": "s-9"}})
     assert session.status_code == 200, session.text
     assert session.json()["seen"]["ids"] == [7, 8] and "nvext" not in session.json()

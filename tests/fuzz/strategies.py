@@ -119,8 +119,17 @@ COMMON = {
 }
 CHAT = st.fixed_dictionaries({"messages": _maybe(st.lists(MESSAGE, min_size=1, max_size=3))}, optional=COMMON)
 COMPLETION = st.fixed_dictionaries(
-    {"prompt": _maybe(st.one_of(TEXT, st.lists(st.integers(-5, 2**40), min_size=1, max_size=20)))},
-    optional=COMMON,
+    {
+        "prompt": _maybe(
+            st.one_of(
+                TEXT,
+                st.lists(st.integers(-5, 2**40), min_size=1, max_size=20),
+                # a batch of prompts: texts, token-id lists, or a mistake among them
+                st.lists(st.one_of(TEXT, st.lists(st.integers(-5, 100), max_size=4), st.none()), max_size=3),
+            )
+        )
+    },
+    optional={**COMMON, "n": _maybe(st.integers(0, 3))},
 )
 
 INPUT_ITEM = st.one_of(
@@ -203,7 +212,7 @@ SAMPLING = st.fixed_dictionaries(
 GENERATE = st.fixed_dictionaries(
     {},
     optional={
-        "text": _maybe(st.one_of(TEXT, st.lists(TEXT, max_size=2))),
+        "text": _maybe(st.one_of(TEXT, st.lists(st.one_of(TEXT, st.integers()), max_size=3))),
         "input_ids": _maybe(
             st.one_of(
                 st.lists(st.integers(-5, 2**40), max_size=20),
@@ -213,13 +222,13 @@ GENERATE = st.fixed_dictionaries(
         "input_embeds": st.just([[0.1, 0.2]]),
         "sampling_params": _maybe(st.one_of(SAMPLING, st.lists(SAMPLING, max_size=2))),
         "stream": _maybe(st.booleans()),
-        "rid": _maybe(TEXT),
+        "rid": _maybe(st.one_of(TEXT, st.lists(TEXT, max_size=3))),
         "priority": _maybe(st.integers(-10, 10)),
         "session_params": _maybe(st.fixed_dictionaries({"id": TEXT})),
         "bootstrap_room": _maybe(st.integers(0, 10)),
         "lora_path": _maybe(TEXT),
         "cache_salt": _maybe(st.text(max_size=10)),
-        "return_logprob": _maybe(st.booleans()),
+        "return_logprob": _maybe(st.one_of(st.booleans(), st.lists(st.booleans(), max_size=3))),
         "nvext": _maybe(NVEXT),
     },
 )

@@ -20,6 +20,7 @@ from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.asgi.peer_auth import Hop
 from kvmesh.router.asgi.tap import ResponseTap
 from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.request.batches import PromptBatch
 from kvmesh.router.request.parse import ParsedRequest, parse_request
 
 ASGIApp = Any
@@ -65,7 +66,9 @@ class HopRequest:
                 clock=time.perf_counter,
                 limits=mesh.nvext_limits,
             )
-        except ConfigError:  # the tokenizer is not ready: serve the hop untracked
+        except (ConfigError, PromptBatch):
+            # The tokenizer is not ready, or a peer sent a whole batch (each prompt of a batch
+            # travels on its own): serve the hop untracked.
             parsed = None
         except RequestError as e:
             await send_error(self.send, e.status, str(e), e.field)

@@ -21,6 +21,7 @@ from typing import Any
 from kvmesh._http import replay_body, route_path, wait_disconnect
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi.accounting import RoutedAccount
+from kvmesh.router.asgi.batches import BatchAnswer
 from kvmesh.router.asgi.disagg import TwoStage
 from kvmesh.router.asgi.forwarding import Dispatch, replace_body, session_header
 from kvmesh.router.asgi.json_io import read_body, send_error
@@ -28,6 +29,7 @@ from kvmesh.router.asgi.prefix_copy import start_prefix_copy
 from kvmesh.router.asgi.stored_responses import find_home
 from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.request.batches import PromptBatch
 from kvmesh.router.request.generate_api import SERVED_BY, bound_to_engine, choices, is_generate
 from kvmesh.router.request.messages_api import is_messages
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
@@ -93,7 +95,11 @@ class RoutedRequest:
             # Discovery first: parsing reads the fleet's block size and routable workers.
             if not mesh.registry.ready.is_set():
                 await mesh.wait_ready()
-            parsed = self._parse(raw)
+            try:
+                parsed = self._parse(raw)
+            except PromptBatch as batch:  # (one request per prompt, answered as one)
+                await self._serve_batch(batch)
+                return
             if is_generate(self.endpoint) and (bound := bound_to_engine(parsed.body)) is not None:
                 await self._serve_bound(parsed, bound)
                 return
@@ -530,6 +536,15 @@ class RoutedRequest:
             )
             return False
         return True
+
+    async def _serve_batch(self, batch: PromptBatch) -> None:
+        mesh, app = self.mesh, self.app
+
+        async def run_one(scope: Scope, receive: Any, send: Any) -> None:
+            await RoutedRequest(mesh, app, scope, receive, send).run()
+
+        stream = batch.items[0].get("stream") is True
+        await BatchAnswer(run_one, self.scope, self.receive, self.send, batch, self.endpoint, stream).run()
 
     async def _serve_bound(self, parsed: ParsedRequest, field: str) -> None:
         """A /generate request that belongs to the engine it reached (``generate_api.bound_to_engine``):

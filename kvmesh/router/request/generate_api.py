@@ -6,9 +6,10 @@ exactly as a completion prompt is: :func:`completion_view` gives the router that
 engine gets the client's own, unchanged. RL rollouts and most SGLang-native clients send this API;
 sglang-router routes it too.
 
-What the router cannot follow is refused here, naming the field (a 400 the client can fix), as it
-is for completions: a batch of prompts (a list of texts, a list of token-id lists, a list of
-sampling parameters) and a prompt of embeddings (``input_embeds``: SGLang caches none of it).
+The view is of one prompt: a batch (``text`` as a list, ``input_ids`` as a list of lists) is cut
+into one request per prompt before it gets here (:mod:`.batches`). What the router cannot follow is
+refused here, naming the field (a 400 the client can fix): a prompt of embeddings
+(``input_embeds``: SGLang caches none of it), and a list of sampling parameters beside one prompt.
 
 Two kinds of request belong to the engine they were sent to and are never moved to another one
 (:func:`bound_to_engine`): one that continues an SGLang session opened there
@@ -70,8 +71,8 @@ def sampling_params(body: dict[str, Any]) -> dict[str, Any]:
         return {}
     if isinstance(params, list):
         raise RequestError(
-            "'sampling_params' as a list is for a batch of prompts, which is not routed; "
-            "send one prompt per request",
+            "'sampling_params' as a list is for a batch of prompts ('text' or 'input_ids' as a "
+            "list), not for one prompt",
             field="sampling_params",
         )
     if not isinstance(params, dict):
@@ -92,7 +93,7 @@ def completion_view(body: dict[str, Any]) -> dict[str, Any]:
     if text is not None:  # (SGLang reads text before input_ids when both are sent)
         if isinstance(text, list):
             raise RequestError(
-                "'text' as a list is a batch of prompts, which is not routed; send one prompt per request",
+                "'text' as a list is a batch of prompts; one prompt is read here",
                 field="text",
             )
         if not isinstance(text, str) or not text:
@@ -106,8 +107,7 @@ def completion_view(body: dict[str, Any]) -> dict[str, Any]:
             raise RequestError("'input_ids' must be a non-empty list of token ids", field="input_ids")
         if isinstance(ids[0], list):
             raise RequestError(
-                "'input_ids' as a list of lists is a batch of prompts, which is not routed; "
-                "send one prompt per request",
+                "'input_ids' as a list of lists is a batch of prompts; one prompt is read here",
                 field="input_ids",
             )
         prompt = ids

@@ -17,6 +17,7 @@ import msgspec
 
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.hashing import block_hashes
+from kvmesh.router.request.batches import split_batch
 from kvmesh.router.request.continuation import TurnMemo
 from kvmesh.router.request.generate_api import (
     bound_to_engine,
@@ -265,6 +266,7 @@ def parse_request(
     memo: TurnMemo | None = None,
 ) -> ParsedRequest:
     """Decode, validate ``nvext``, and (when ``tokenizer`` is given: KV mode) tokenize and hash.
+    A body with a batch of prompts raises :class:`~.batches.PromptBatch`: one request per prompt.
 
     ``held`` tells whether any worker holds a block hash (asked for a text prompt keyed by its
     tokens alone, without ``nvext.annotations``, which stream the prompt's tokens). Where none
@@ -286,10 +288,14 @@ def parse_request(
         if bound_to_engine(body) is not None:  # (served where it is: its prompt decides nothing)
             nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
             return ParsedRequest(endpoint, raw, body, nv, overrides, [], [], None)
+        if (batch := split_batch(body, endpoint)) is not None:
+            raise batch
         rendered, rendered_as = completion_view(body), COMPLETIONS_ENDPOINT
     elif is_tokens(endpoint):
         rendered, rendered_as = tokens_view(body), COMPLETIONS_ENDPOINT
     else:
+        if endpoint == COMPLETIONS_ENDPOINT and (batch := split_batch(body, endpoint)) is not None:
+            raise batch
         rendered, rendered_as = body, endpoint
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
     if nv is not EMPTY:

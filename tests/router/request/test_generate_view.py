@@ -63,10 +63,11 @@ def test_a_salted_or_adapter_prompt_hashes_in_a_namespace_of_its_own() -> None:
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({"text": ["a", "b"]}, "text"),
+        ({"text": []}, "text"),
+        ({"text": ["a", 7]}, "text[1]"),
         ({"text": ""}, "text"),
         ({"text": 7}, "text"),
-        ({"input_ids": [[1, 2], [3]]}, "input_ids"),
+        ({"input_ids": [[1, 2], "3"]}, "input_ids[1]"),
         ({"input_ids": []}, "input_ids"),
         ({"input_ids": "1 2 3"}, "input_ids"),
         ({"sampling_params": {"max_new_tokens": 4}}, "text"),

@@ -99,7 +99,9 @@ def _completions_batch(body: dict[str, Any]) -> PromptBatch | None:
         return None  # (one prompt of token ids)
     _check_size(len(prompts), "prompt")
     for i, prompt in enumerate(prompts):
-        if not (isinstance(prompt, str) or all(type(t) is int for t in prompt)):
+        if not (
+            isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))
+        ):
             raise RequestError(f"'prompt[{i}]' must be a string or a list of token ids", field=f"prompt[{i}]")
     n = body.get("n", 1)
     samples = n if type(n) is int and n > 0 else 1

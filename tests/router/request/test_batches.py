@@ -104,6 +104,7 @@ def test_parse_request_raises_the_batch_instead_of_parsing_one_request() -> None
         ({"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}, "/generate", "sampling_params"),
         ({"text": ["a", "b"], "nvext": {"annotations": ["token_ids"]}}, "/generate", "nvext.annotations"),
         ({"prompt": ["a", ["b"]]}, "/v1/completions", "prompt[1]"),
+        ({"prompt": ["a", None]}, "/v1/completions", "prompt[1]"),
         (
             {"prompt": ["a", "b"], "nvext": {"extra_fields": ["timing"]}},
             "/v1/completions",

@@ -1,13 +1,14 @@
 """SGLang's native generation API (``POST /generate``, PUT too) on the mock engine, as SGLang
 0.5.23 serves it.
 
-A body is read as the completion request it amounts to: the router's
+A body of one prompt is read as the completion request it amounts to: the router's
 :func:`~kvmesh.router.request.generate_api.completion_view` (the prompt from ``text`` or
-``input_ids``; a 400 for a batch, for ``input_embeds``, for no prompt), with ``sampling_params``
-given their completion names, then checked and tokenized as a completion is
-(:func:`~kvmesh.mock.protocol.parse_generation`). An error names the field as the client sent it
-(``sampling_params.max_new_tokens``, not ``max_tokens``). ``max_new_tokens`` left out is SGLang's
-128, cut to the room the context leaves, as SGLang cuts it.
+``input_ids``; a 400 for ``input_embeds``, for no prompt), with ``sampling_params`` given their
+completion names, then checked and tokenized as a completion is
+(:func:`~kvmesh.mock.protocol.parse_generation`). A batch (``text`` a list, ``input_ids`` a list of
+lists) is cut into such bodies, one per prompt, first (:mod:`kvmesh.mock.batches`). An error names
+the field as the client sent it (``sampling_params.max_new_tokens``, not ``max_tokens``).
+``max_new_tokens`` left out is SGLang's 128, cut to the room the context leaves, as SGLang cuts it.
 
 The mock honours what it honours for a completion and takes what changes nothing in a simulator
 (the sampling temperature and its kin, ``stop`` as completions take it, the logprob options without

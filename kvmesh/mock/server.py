@@ -1,13 +1,15 @@
 """The mock engine's OpenAI-compatible HTTP server (a Starlette app, served by uvicorn).
 
     POST /v1/chat/completions, POST /v1/completions   streaming (SSE, ``data: [DONE]``) or not;
-                                                     ``n`` choices (one an event), ``echo``
+                                                     ``n`` choices (one an event), ``echo``; a
+                                                     completions batch of prompts: kvmesh.mock.batches
     POST /v1/responses, GET /v1/responses/{id}       the Responses API, stored answers
                                                      (``previous_response_id``): kvmesh.mock.responses
     POST /v1/messages                                Anthropic's Messages API, as vLLM 0.33.0 serves
                                                      it (``event:`` streams): kvmesh.mock.messages
     POST /generate (PUT too)                         SGLang's native API, as SGLang 0.5.23 has it:
-                                                     kvmesh.mock.native_generate
+                                                     kvmesh.mock.native_generate (a batch of
+                                                     prompts: kvmesh.mock.batches)
     POST /abort_request                              SGLang's abort, of the requests (/generate,
                                                      chat, completions) a ``rid`` names, or of all:
                                                      kvmesh.mock.sglang_abort
@@ -50,10 +52,11 @@ from starlette.routing import Route
 
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.mock import tokenize as mock_tokenize
+from kvmesh.mock.batches import BatchResponse, batch_response
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.engine import MockEngine, TokenStream
 from kvmesh.mock.messages import message_events, message_object, parse_messages
-from kvmesh.mock.native_generate import generate_answer, generate_events, parse_generate
+from kvmesh.mock.native_generate import GenerateRequest, generate_answer, generate_events, parse_generate
 from kvmesh.mock.protocol import Endpoint, ParsedRequest, parse_generation, usage
 from kvmesh.mock.responses import (
     ResponseStore,
@@ -68,7 +71,9 @@ from kvmesh.mock.responses import (
 from kvmesh.mock.running import RunningRequests
 from kvmesh.mock.sglang_abort import abort_request, request_rid
 from kvmesh.mock.tokens_api import parse_tokens, tokens_answer, tokens_events
+from kvmesh.router.request.batches import COMPLETIONS_PATH
 from kvmesh.router.request.generate_api import ABORT_PATH as SGLANG_ABORT_PATH
+from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
 from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH, abort_ids
 from kvmesh.worker.rpc import error_response, worker_rpc_routes
@@ -110,15 +115,17 @@ def build_app(
     running_rids = RunningRequests()  # (by SGLang's rid, for /abort_request)
 
     async def generate(request: Request, endpoint: Endpoint) -> Response:
-        read = await _read_request(
-            request,
-            lambda body, session: (
-                parse_generation(body, endpoint, engine.config, engine.tokenizer, session),
-                request_rid(body),
-            ),
-        )
-        if isinstance(read, Response):
-            return read
+        def parse(body: Any, session: str | None) -> tuple[ParsedRequest, str | None] | BatchResponse:
+            if endpoint == "completions":
+                batch = batch_response(body, COMPLETIONS_PATH, lambda item: parse(item, session), completions)
+                if batch is not None:
+                    return batch
+            parsed = parse_generation(body, endpoint, engine.config, engine.tokenizer, session)
+            return parsed, request_rid(body)
+
+        read = await _read_request(request, parse)
+        if isinstance(read, (Response, BatchResponse)):
+            return read  # type: ignore[return-value]
         parsed, rid = read
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         response_id = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
@@ -232,11 +239,13 @@ def build_app(
         return await generate(request, "completions")
 
     async def native_generate(request: Request) -> Response:
-        parsed = await _read_request(
-            request, lambda body, session: parse_generate(body, engine.config, engine.tokenizer, session)
-        )
-        if isinstance(parsed, Response):
-            return parsed
+        def parse(body: Any, session: str | None) -> GenerateRequest | BatchResponse:
+            batch = batch_response(body, GENERATE_PATH, lambda item: parse(item, session), native_generate)
+            return parse_generate(body, engine.config, engine.tokenizer, session) if batch is None else batch
+
+        parsed = await _read_request(request, parse)
+        if isinstance(parsed, (Response, BatchResponse)):
+            return parsed  # type: ignore[return-value]
         streams = _submit_choices(engine, parsed.completion, uuid.uuid4().hex)
         running_rids.add(parsed.rid, streams)
 

@@ -2,8 +2,11 @@
 SGLang 0.5.23 has them.
 
 A client names a request by the ``rid`` it sends on ``/generate``, ``/v1/chat/completions`` or
-``/v1/completions``: one string (a list is a batch's, which the mock does not take: a 400 naming
-``rid``, as is a rid of another kind). The server keeps its requests by rid
+``/v1/completions``: one string (a list gives each prompt of a ``/generate`` batch its own, and a
+batch's string ``rid`` is its prompts' ``rid_0``, ``rid_1``, ... as SGLang numbers them
+(:mod:`kvmesh.mock.batches`); a list for one prompt, or a rid of another kind, is a 400 naming
+``rid``). Each prompt of a batch is a request of its own here, so an abort of ``rid_1`` stops that
+prompt only. The server keeps its requests by rid
 (:class:`~kvmesh.mock.running.RunningRequests`) until their answers are over; a request without one
 is reached by ``abort_all`` only.
 
@@ -40,13 +43,12 @@ from kvmesh.router.request.generate_api import abort_body
 
 
 def request_rid(body: Mapping[str, Any]) -> str | None:
-    """The ``rid`` a request names itself by (None for none, or ``""``); a 400 naming it for a
-    list (a batch's) or anything but a string."""
+    """The ``rid`` a request of one prompt names itself by (None for none, or ``""``); a 400
+    naming it for a list (a batch's: one rid a prompt) or anything but a string."""
     rid = body.get("rid")
     if isinstance(rid, list):
         raise RequestError(
-            "'rid' as a list is for a batch of prompts, which the mock engine does not take; "
-            "send one prompt per request",
+            "'rid' as a list gives each prompt of a batch its rid; a request of one prompt takes one string",
             field="rid",
         )
     if rid is not None and not isinstance(rid, str):

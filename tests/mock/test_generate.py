@@ -146,8 +146,6 @@ async def test_n_samples_are_a_list_and_streamed_events_carry_their_index() -> N
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        pytest.param({"text": ["a", "b"]}, "text", id="batch-text"),
-        pytest.param({"input_ids": [[1, 2], [3, 4]]}, "input_ids", id="batch-ids"),
         pytest.param({"sampling_params": {"max_new_tokens": 2}}, "text", id="no-prompt"),
         pytest.param({"text": "x", "sampling_params": [{}, {}]}, "sampling_params", id="batch-params"),
         pytest.param({"input_embeds": [[0.1, 0.2]]}, "input_embeds", id="embeds"),

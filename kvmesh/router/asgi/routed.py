@@ -538,6 +538,8 @@ class RoutedRequest:
         return True
 
     async def _serve_batch(self, batch: PromptBatch) -> None:
+        """Each prompt of the batch as a routed request of its own, the answers merged
+        (:mod:`.batches`)."""
         mesh, app = self.mesh, self.app
 
         async def run_one(scope: Scope, receive: Any, send: Any) -> None:

@@ -67,6 +67,7 @@ bench: venv
 	$(PY) benchmarks/relay.py
 	$(PY) benchmarks/front_latency.py
 	$(PY) benchmarks/burst_joins.py --trials 6
+	$(PY) benchmarks/prompt_batches.py --tasks 48 --context-words 1500 --batches 32
 	$(PY) benchmarks/routing_quality.py --short
 
 clean:

@@ -253,8 +253,8 @@ class BatchAnswer:
             doc = _decode(raw)
         except msgspec.DecodeError:
             doc = None
-        error = doc.get("error") if isinstance(doc, dict) else None
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
+        error = _error_of(doc)
+        if error is not None and isinstance(error.get("message"), str):
             error["message"] = f"prompt {index} of the batch: {error['message']}"
             param = error.get("param")
             if isinstance(param, str):
@@ -384,6 +384,18 @@ def _sum_usage(total: dict[str, Any], more: dict[str, Any]) -> None:
 
 def _count(value: Any) -> bool:
     return type(value) is int
+
+
+def _error_of(doc: Any) -> dict[str, Any] | None:
+    """The object of an error answer that holds its ``message`` and ``param``: OpenAI's
+    ``{"error": {...}}`` (kvmesh's, vLLM's), or SGLang's OpenAI routes' own, flat
+    ``{"object": "error", "message", "param", ...}``."""
+    if not isinstance(doc, dict):
+        return None
+    nested = doc.get("error")
+    if isinstance(nested, dict):
+        return nested
+    return doc if doc.get("object") == "error" else None
 
 
 def _error(message: str, field: str | None) -> bytes:

@@ -15,7 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvmesh.router.request.batches import MAX_BATCH
+from kvmesh.router.asgi.batches import BatchAnswer
+from kvmesh.router.request.batches import MAX_BATCH, PromptBatch
 from tests.router.asgi.test_agent_features import BS, mock_fleet, until
 from tests.router.asgi.test_responses_api import WORKER
 from tests.router.asgi.test_tokens_api import nothing_runs
@@ -213,3 +214,53 @@ async def test_an_abort_by_a_prompts_numbered_rid_stops_that_prompt(http: aiohtt
         reasons = [a["meta_info"]["finish_reason"]["type"] for a in answer]
         assert reasons == ["length", "abort"]
         await nothing_runs(mocks, app)
+
+
+async def test_an_error_in_sglangs_own_flat_shape_is_named_in_the_batch_too() -> None:
+    """SGLang's OpenAI routes answer an error as ``{"object": "error", "message", "param"}``, not
+    inside ``error``: the batch's answer names its place all the same, and the prompt still
+    running sees its client leave."""
+    batch = PromptBatch(
+        [{"text": "a", "sampling_params": {}}, {"text": "b", "sampling_params": {"max_new_tokens": -1}}],
+        1,
+        frozenset(("text", "sampling_params")),
+    )
+    left = asyncio.Event()
+
+    async def run_one(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = json.loads((await receive())["body"])
+        if body["text"] == "a":  # (a prompt still being served: it ends once its client leaves)
+            assert (await receive())["type"] == "http.disconnect"
+            left.set()
+            return
+        error = {
+            "object": "error",
+            "message": "bad",
+            "type": "BadRequestError",
+            "param": "sampling_params.max_new_tokens",
+        }
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 400,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": json.dumps(error).encode()})
+
+    sent: list[dict[str, Any]] = []
+
+    async def client_receive() -> dict[str, Any]:
+        await asyncio.Event().wait()  # (the client stays)
+        return {"type": "http.disconnect"}
+
+    async def client_send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/generate", "headers": []}
+    await BatchAnswer(run_one, scope, client_receive, client_send, batch, "/generate", False).run()
+    assert left.is_set()
+    assert sent[0]["status"] == 400
+    doc = json.loads(sent[1]["body"])
+    assert doc["param"] == "sampling_params[1].max_new_tokens"
+    assert doc["message"] == "prompt 1 of the batch: bad"

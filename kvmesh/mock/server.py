@@ -16,6 +16,8 @@
     POST /inference/v1/generate                      vLLM's token-in-token-out API, and its abort
     POST /inference/v1/abort_requests                (``/abort_requests`` too), as vLLM 0.33.0 has
                                                      them: kvmesh.mock.tokens_api
+    POST /v1/embeddings                              vLLM's embeddings, each input a prefill on the
+                                                     engine: kvmesh.mock.embeddings
     POST /v1/messages/count_tokens, POST /tokenize,  vLLM's utility endpoints: kvmesh.mock.tokenize
     POST /detokenize
     GET  /v1/models, GET /health, GET /metrics
@@ -54,6 +56,7 @@ from kvmesh.errors import ConfigError, RequestError
 from kvmesh.mock import tokenize as mock_tokenize
 from kvmesh.mock.batches import BatchResponse, batch_response
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
+from kvmesh.mock.embeddings import embeddings_answer, parse_embeddings, prefill_only
 from kvmesh.mock.engine import MockEngine, TokenStream
 from kvmesh.mock.messages import message_events, message_object, parse_messages
 from kvmesh.mock.native_generate import GenerateRequest, generate_answer, generate_events, parse_generate
@@ -307,6 +310,33 @@ def build_app(
         done = await _read_request(request, lambda body, _session: abort_request(body, engine, running_rids))
         return done if isinstance(done, Response) else Response(status_code=200)
 
+    async def embeddings(request: Request) -> Response:
+        parsed = await _read_request(
+            request, lambda body, _session: parse_embeddings(body, engine.config, engine.tokenizer)
+        )
+        if isinstance(parsed, Response):
+            return parsed
+        response_id = f"embd-{request.headers.get('x-request-id') or parsed.request_id or uuid.uuid4().hex}"
+        # (the engine's ids are the mock's own: a client's id may come twice at once)
+        base_id = uuid.uuid4().hex
+        model_len = engine.config.model_len
+        streams = [
+            engine.submit(prefill_only(ids, parsed.priority, model_len), f"embd-{base_id}-{i}")
+            for i, ids in enumerate(parsed.inputs)
+        ]
+
+        def abort() -> None:
+            for stream in streams:
+                engine.abort(stream.request_id)
+
+        if not await until_disconnect(request.receive, _wait_all(streams)):
+            abort()
+            return Response(status_code=499)
+        if any(stream.finish_reason == "abort" for stream in streams):
+            abort()  # (an abort API or a stopping engine ended an input: there is no vector to give)
+            return error_response("the engine stopped before the request finished", 503)
+        return JSONResponse(embeddings_answer(parsed, model, response_id, int(time.time())))
+
     async def count_tokens(request: Request) -> Response:
         answer = await _read_request(
             request, lambda body, _: mock_tokenize.count_tokens(body, engine.config, engine.tokenizer)
@@ -360,6 +390,7 @@ def build_app(
         Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/generate", native_generate, methods=["POST", "PUT"]),

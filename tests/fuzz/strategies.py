@@ -292,6 +292,28 @@ SGLANG_ABORT = st.fixed_dictionaries(
     },
 )
 
+EMBEDDINGS = st.fixed_dictionaries(
+    {
+        "input": _maybe(
+            st.one_of(
+                TEXT,
+                st.lists(TEXT, max_size=3),
+                st.lists(st.integers(-1, 60000), max_size=40),
+                st.lists(st.lists(st.integers(-1, 60000), max_size=20), max_size=3),
+            )
+        )
+    },
+    optional={
+        "model": _maybe(st.sampled_from([MODEL, "another-model"])),
+        "encoding_format": _maybe(st.sampled_from(["float", "base64", "binary"])),
+        "dimensions": _maybe(st.one_of(st.integers(-2, 64), EDGE_NUMBERS)),
+        "user": _maybe(TEXT),
+        "priority": _maybe(st.integers(-5, 5)),
+        "truncate_prompt_tokens": _maybe(st.integers(-2, 64)),
+    },
+)
+"""vLLM's ``/v1/embeddings`` body (the standalone router relays it to the least loaded worker)."""
+
 BLOCK = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": _maybe(TEXT)}),
     st.fixed_dictionaries(

@@ -17,6 +17,7 @@ from tests.fuzz.strategies import (
     ABORT,
     CHAT,
     COMPLETION,
+    EMBEDDINGS,
     GENERATE,
     HEADERS,
     MESSAGES,
@@ -39,10 +40,11 @@ from tests.fuzz.strategies import (
         ("/inference/v1/abort_requests", ABORT),
         ("/v1/messages/count_tokens", MESSAGES),
         ("/abort_request", SGLANG_ABORT),
+        ("/v1/embeddings", EMBEDDINGS),
     ],
     ids=[
         *("chat", "completions", "responses", "generate", "messages", "tokens", "abort"),
-        *("count_tokens", "abort_request"),
+        *("count_tokens", "abort_request", "embeddings"),
     ],
 )
 def test_no_5xx_and_every_4xx_names_its_field(target: Target, path: str, doc: Any) -> None:

@@ -23,7 +23,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -55,6 +55,7 @@ Reroute = Callable[[frozenset[str]], Awaitable[Decision | None]]
 """Ask the router again, among these workers only; None when the request was answered meanwhile."""
 ErrorReply = Callable[[int, str, float | None], Awaitable[None]]
 Count = Callable[[str, int], None]
+_Opened = TypeVar("_Opened")
 
 
 def replace_body(scope: Scope, body: bytes) -> Scope:
@@ -219,45 +220,10 @@ class Dispatch:
         self, url: str, worker_id: str, body: bytes
     ) -> tuple[UpstreamResponse, bytes | None] | None:
         """``_open``, abandoned when the client disconnects first (None): closing the upstream
-        connection tells the worker to abort, so a long prefill does not run for nobody.
-
-        It runs in this task, so the request is written to the worker at once. In a task of its
-        own it was written only after everything already scheduled, which in a burst is the other
-        requests' parsing and routing. A watcher cancels this task when the client leaves."""
-        me = asyncio.current_task()
-        assert me is not None
-        opening, left = True, False
-
-        def client_left(watch: asyncio.Future[None]) -> None:
-            nonlocal left
-            if watch.cancelled():
-                return
-            watch.exception()  # retrieved: a receive that failed is a client gone as well
-            # (a callback already scheduled can run after the open ended: then it is too late)
-            if opening:
-                left = True
-                me.cancel()
-
-        gone = asyncio.ensure_future(wait_disconnect(self.receive))
-        gone.add_done_callback(client_left)
-        try:
-            opened = await self._open(url, body)
-        except (asyncio.CancelledError, KvMeshError):
-            if not left:
-                raise
-            _uncancel(me)  # the client is gone: nothing to fail over for
-            return None
-        finally:
-            opening = False
-            gone.cancel()
-        if left:
-            # The cancellation was lost on the way (it can meet a connect that just completed,
-            # asyncio.wait_for before Python 3.12) and the request got through: the worker must
-            # see the disconnect, or it runs the request for nobody.
-            _uncancel(me)
-            opened[0].close()
-            return None
-        return opened
+        connection tells the worker to abort, so a long prefill does not run for nobody."""
+        return await open_while_client_waits(
+            self.receive, lambda: self._open(url, body), lambda o: o[0].close()
+        )
 
     async def _open(self, url: str, body: bytes) -> tuple[UpstreamResponse, bytes | None]:
         """Send upstream and wait for the first body bytes: until then a failure may fail over."""
@@ -368,6 +334,52 @@ class Dispatch:
         event = b"data: " + msgspec.json.encode(error_body(message, 502)) + b"\n\n"
         with contextlib.suppress(Exception):
             await self.send({"type": "http.response.body", "body": event, "more_body": False})
+
+
+async def open_while_client_waits(
+    receive: Any, opening: Callable[[], Awaitable[_Opened]], close: Callable[[_Opened], object]
+) -> _Opened | None:
+    """Await ``opening()`` (a request sent to a worker, until its answer begins), abandoned when
+    the client disconnects first: then None, and the connection to the worker is closed, which
+    tells it to abort (a long prefill or pooling pass does not run for nobody).
+
+    It runs in this task, so the request is written to the worker at once. In a task of its own
+    it was written only after everything already scheduled, which in a burst is the other
+    requests' parsing and routing. A watcher cancels this task when the client leaves."""
+    me = asyncio.current_task()
+    assert me is not None
+    opening_now, left = True, False
+
+    def client_left(watch: asyncio.Future[None]) -> None:
+        nonlocal left
+        if watch.cancelled():
+            return
+        watch.exception()  # retrieved: a receive that failed is a client gone as well
+        # (a callback already scheduled can run after the open ended: then it is too late)
+        if opening_now:
+            left = True
+            me.cancel()
+
+    gone = asyncio.ensure_future(wait_disconnect(receive))
+    gone.add_done_callback(client_left)
+    try:
+        opened = await opening()
+    except (asyncio.CancelledError, KvMeshError):
+        if not left:
+            raise
+        _uncancel(me)  # the client is gone: nothing to fail over for
+        return None
+    finally:
+        opening_now = False
+        gone.cancel()
+    if left:
+        # The cancellation was lost on the way (it can meet a connect that just completed,
+        # asyncio.wait_for before Python 3.12) and the request got through: the worker must
+        # see the disconnect, or it runs the request for nobody.
+        _uncancel(me)
+        close(opened)
+        return None
+    return opened
 
 
 def _uncancel(task: asyncio.Task[Any]) -> None:

@@ -2,10 +2,14 @@
 
 Besides what the middleware answers (the generation endpoints, SGLang's ``/generate`` and vLLM's
 token API among them, ``/kvmesh/workers``, ``/busy_threshold``) it serves ``GET /health`` (503
-while no worker is routable; ``/ping`` too, as vLLM names it), ``GET /v1/models`` (the models the fleet's workers reported),
+while no worker is routable; ``/ping`` too, as vLLM names it, and ``/readiness``, as sglang-router
+does), ``GET /live`` and ``/liveness`` (200 while the process serves: the liveness probes of
+Dynamo's frontend and sglang-router), ``GET /v1/models`` (the models the fleet's workers reported),
 ``GET /metrics`` (prometheus-client's registry), the engines' utility endpoints that any worker
 answers alike (``/v1/messages/count_tokens``, ``/tokenize``, ``/detokenize``, SGLang's
-``/get_model_info`` and more: :mod:`.any_worker`), and a flush of every worker's prefix cache
+``/get_model_info`` and more: :mod:`.any_worker`), the pooling requests of an embedding or
+reranking fleet (``/v1/embeddings``, ``/v1/rerank``, ``/classify`` and their kin, sent to the
+least loaded worker: :mod:`.pooling`), and a flush of every worker's prefix cache
 (``/flush_cache``, ``/reset_prefix_cache``: :mod:`.flush`).
 
 A router process of its own (``kvmesh router``) freezes its heap once its workers are known: the
@@ -34,6 +38,9 @@ from kvmesh.router.asgi.any_worker import AnyWorker
 from kvmesh.router.asgi.flush import PATHS as FLUSH_PATHS
 from kvmesh.router.asgi.flush import FlushEveryWorker
 from kvmesh.router.asgi.middleware import EVERY_PATH, KvMeshMiddleware
+from kvmesh.router.asgi.pooling import PATHS as POOLING_PATHS
+from kvmesh.router.asgi.pooling import PUT_PATHS as POOLING_PUTS
+from kvmesh.router.asgi.pooling import PoolingRelay
 from kvmesh.router.mesh.metrics import CONTENT_TYPE, render
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
@@ -78,6 +85,10 @@ def build_router_app(
         }
         return JSONResponse(body, status_code=200 if up else 503)
 
+    async def live(request: Request) -> Response:
+        # (a liveness probe: this process serves, whatever its workers do; /health is readiness)
+        return JSONResponse({"status": "live"})
+
     async def models(request: Request) -> Response:
         mesh = middleware.mesh
         await mesh.ensure_started()
@@ -99,14 +110,23 @@ def build_router_app(
 
     any_worker = AnyWorker(lambda: middleware.mesh)
     flush = FlushEveryWorker(lambda: middleware.mesh)
+    pooling = PoolingRelay(lambda: middleware.mesh)
     inner = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/ping", health, methods=["GET", "POST"]),  # (vLLM's name for it, GET or POST)
+            Route("/readiness", health, methods=["GET"]),  # (sglang-router's name for it)
+            # (the liveness probes of Dynamo's frontend and of sglang-router, by their names)
+            Route("/live", live, methods=["GET"]),
+            Route("/liveness", live, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *(Route(path, any_worker, methods=["POST"]) for path in ANY_WORKER_PATHS),
             *(Route(path, any_worker, methods=["GET"]) for path in ANY_WORKER_READS),
+            *(
+                Route(path, pooling, methods=["POST", "PUT"] if path in POOLING_PUTS else ["POST"])
+                for path in POOLING_PATHS
+            ),
             # (SGLang takes GET on /flush_cache too)
             *(
                 Route(path, flush.serve, methods=["POST", "GET"] if path == "/flush_cache" else ["POST"])

@@ -1062,15 +1062,6 @@ class KvRouter:
         else:
             load.set_unseen([(worker_id, r) for r in range(info.dp_size)], running, waiting, now)
 
-    def requests_by_worker(self) -> dict[WorkerId, float]:
-        """Each worker's requests in flight, over its ranks: the router's own, and those its engine
-        last reported beyond them (what a request routed on load alone is weighed by)."""
-        load = self._load
-        out: dict[WorkerId, float] = {}
-        for key in self._keys:
-            out[key[0]] = out.get(key[0], 0.0) + load.requests(key) + load.unseen_requests(key)
-        return out
-
     def worker_snapshot(self) -> list[WorkerSnapshot]:
         busy = self._busy_flags(self._keys)
         load = self._load

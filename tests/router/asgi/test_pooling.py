@@ -182,26 +182,23 @@ async def test_a_round_robin_router_takes_the_workers_in_turn_whatever_their_loa
         assert await first == busy.name
 
 
-async def test_requests_the_engine_reports_beyond_the_routers_own_count_as_load() -> None:
+async def test_a_batch_of_documents_outweighs_queries_in_flight() -> None:
+    """Outstanding work is weighed by the bodies' size, not counted in requests: a batch of long
+    documents on one engine keeps every query off it, even with more queries held on the other."""
     a, b = Engine("a", VLLM_PATHS), Engine("b", VLLM_PATHS)
-    a.running_gauge = 6.0  # (clients calling engine a directly)
     async with _fleet(a, b) as (front, http):
-
-        async def unseen() -> float:
-            async with http.get(front.url + "/kvmesh/workers") as r:
-                rows = {w["worker_id"]: w for w in (await r.json())["workers"]}
-            return float(rows["a"]["ranks"][0]["unseen_requests"])
-
-        for _ in range(500):
-            if await unseen() > 0:
-                break
-            await asyncio.sleep(0.02)
-        assert await unseen() == 6.0
-        for _ in range(4):
-            assert (
-                await _served_by(http, front.url + "/score", {"model": "m", "text_1": "q", "text_2": "d"})
-                == "b"
-            )
+        a.hold = b.hold = gate = asyncio.Event()
+        batch = {"model": "m", "input": ["a long document " * 200] * 8}
+        held = [asyncio.create_task(_served_by(http, front.url + "/v1/embeddings", batch))]
+        await _until(lambda: a.holding + b.holding == 1)
+        big, other = (a, b) if a.holding else (b, a)
+        for n in (2, 3, 4):  # queries pile up on the other engine, all held there
+            query = {"model": "m", "input": f"query {n}"}
+            held.append(asyncio.create_task(_served_by(http, front.url + "/v1/embeddings", query)))
+            await _until(lambda n=n: big.holding + other.holding == n)
+            assert big.holding == 1
+        gate.set()
+        assert await asyncio.gather(*held) == [big.name] + [other.name] * 3
 
 
 async def test_a_client_that_leaves_before_the_answer_stops_the_engines_request() -> None:

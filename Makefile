@@ -68,6 +68,7 @@ bench: venv
 	$(PY) benchmarks/front_latency.py
 	$(PY) benchmarks/burst_joins.py --trials 6
 	$(PY) benchmarks/prompt_batches.py --tasks 48 --context-words 1500 --batches 32
+	$(PY) benchmarks/pooling.py
 	$(PY) benchmarks/routing_quality.py --short
 
 clean:

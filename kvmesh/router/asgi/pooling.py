@@ -1,7 +1,8 @@
 """The standalone router's answer to the engines' pooling requests: embeddings, classification,
 scores and reranking (vLLM 0.33's ``/v1/embeddings``, ``/v2/embed``, ``/pooling``, ``/classify``,
 ``/score``, ``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``; SGLang 0.5.23's
-``/v1/embeddings``, ``/encode``, ``/classify``, ``/v1/classify``, ``/v1/score``, ``/v1/rerank``).
+``/v1/embeddings``, ``/encode``, ``/classify``, ``/v1/classify``, ``/v1/rerank``, and its
+``/v1/score`` and ``/v1/decisions``, which score label tokens on a generating model).
 
 A fleet serving an embedding or reranking model behind the router had only a 404 for them. They
 are relayed, not routed on a prefix: their inputs are short and seldom shared, and each engine
@@ -56,9 +57,10 @@ PATHS = (
     "/rerank",
     "/v1/rerank",
     "/v2/rerank",
+    "/v1/decisions",
 )
-"""Asked with a POST (SGLang takes a PUT on ``/encode`` and ``/classify`` too)."""
-PUT_PATHS = ("/encode", "/classify")
+"""Asked with a POST (SGLang takes a PUT on :data:`PUT_PATHS` too)."""
+PUT_PATHS = ("/encode", "/classify", "/v1/rerank")
 
 
 class PoolingRelay:

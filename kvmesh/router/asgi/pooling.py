@@ -14,7 +14,8 @@ round-robin`` or ``random`` takes the workers in turn or at random, as it does i
 requests.
 
 Not counted: the router's generation requests (an engine serves a pooling model or a generating
-one), and the requests the engine's ``/metrics`` reports. Those count the relay's own requests
+one; SGLang's label scores, which run beside generation, are weighed as the rest all the same),
+and the requests the engine's ``/metrics`` reports. Those count the relay's own requests
 too, and arrive a health check late; weighed in, they sent every query for a while to the engine
 that looked idle at the last check (``benchmarks/pooling.py``: a query's p99 1.9x sglang-router's).
 

@@ -118,6 +118,11 @@ COMMON = {
     "nvext": _maybe(NVEXT),
 }
 CHAT = st.fixed_dictionaries({"messages": _maybe(st.lists(MESSAGE, min_size=1, max_size=3))}, optional=COMMON)
+CHAT_BATCH = st.fixed_dictionaries(
+    {"messages": _maybe(st.lists(_maybe(st.lists(MESSAGE, min_size=1, max_size=2)), max_size=3))},
+    optional={**COMMON, "n": _maybe(st.integers(0, 2))},
+)
+"""vLLM's ``/v1/chat/completions/batch``: a list of conversations (each routed on its own)."""
 COMPLETION = st.fixed_dictionaries(
     {
         "prompt": _maybe(

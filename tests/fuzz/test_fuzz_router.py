@@ -16,6 +16,7 @@ from tests.fuzz.harness import FUZZ, Target, check_answer, reported
 from tests.fuzz.strategies import (
     ABORT,
     CHAT,
+    CHAT_BATCH,
     COMPLETION,
     EMBEDDINGS,
     GENERATE,
@@ -41,10 +42,11 @@ from tests.fuzz.strategies import (
         ("/v1/messages/count_tokens", MESSAGES),
         ("/abort_request", SGLANG_ABORT),
         ("/v1/embeddings", EMBEDDINGS),
+        ("/v1/chat/completions/batch", CHAT_BATCH),
     ],
     ids=[
         *("chat", "completions", "responses", "generate", "messages", "tokens", "abort"),
-        *("count_tokens", "abort_request", "embeddings"),
+        *("count_tokens", "abort_request", "embeddings", "chat_batch"),
     ],
 )
 def test_no_5xx_and_every_4xx_names_its_field(target: Target, path: str, doc: Any) -> None:

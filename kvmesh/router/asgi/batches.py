@@ -10,7 +10,10 @@ batch's answers together:
   stream whose events carry ``index`` = prompt * samples + sample, as SGLang numbers them;
 * ``/v1/completions``: one completion whose ``choices`` are numbered so, with the usage summed;
   a stream's chunks are renumbered and carry one id, and the usage chunk asked for with
-  ``stream_options.include_usage`` comes once, summed, before ``[DONE]``.
+  ``stream_options.include_usage`` comes once, summed, before ``[DONE]``;
+* vLLM's ``/v1/chat/completions/batch``: each conversation served as a chat request
+  (``/v1/chat/completions``), then one chat completion whose choices are numbered conversation by
+  conversation, with the usage summed, as vLLM answers the batch.
 
 A prompt the router or its engine refuses fails the batch, as a batch fails in the engine: the
 answer is that prompt's error, its field named in the batch's body (``text[2]``), and the other
@@ -29,7 +32,7 @@ import msgspec
 
 from kvmesh._http import error_body, sse_data, wait_disconnect
 from kvmesh.router.asgi.forwarding import WORKER_ID_HEADER, replace_body
-from kvmesh.router.request.batches import COMPLETIONS_PATH, PromptBatch, item_field
+from kvmesh.router.request.batches import CHAT_BATCH_PATH, COMPLETIONS_PATH, PromptBatch, item_field
 
 logger = logging.getLogger("kvmesh.router")
 
@@ -76,7 +79,8 @@ class BatchAnswer:
         self.receive = receive
         self.send = send
         self.batch = batch
-        self.completions = endpoint == COMPLETIONS_PATH
+        self.completions = endpoint in (COMPLETIONS_PATH, CHAT_BATCH_PATH)  # (one merged completion)
+        self.item_scope = _on_path(scope, endpoint, batch.item_path)
         self.stream = stream
         self.answers = [_Answer() for _ in batch.items]
         self.stop = asyncio.Event()
@@ -134,7 +138,7 @@ class BatchAnswer:
                 await self.inbox.put((index, message))
 
         try:
-            await self.run_one(replace_body(self.scope, body), receive, send)
+            await self.run_one(replace_body(self.item_scope, body), receive, send)
         except Exception:
             logger.exception("kvmesh: prompt %d of a batch failed in the router", index)
         finally:
@@ -337,6 +341,16 @@ class BatchAnswer:
             self.usage.pop("metrics", None)  # (one request's timings: none in a batch's answer)
             return
         _sum_usage(self.usage["usage"], doc["usage"])
+
+
+def _on_path(scope: Scope, endpoint: str, item_path: str | None) -> Scope:
+    """The scope a prompt's request is served with: the batch's, on ``item_path`` when it has
+    one (a root path the batch's path carries is kept)."""
+    if item_path is None:
+        return scope
+    path = scope["path"]
+    root = path[: -len(endpoint)] if path.endswith(endpoint) else ""
+    return {**scope, "path": root + item_path, "raw_path": (root + item_path).encode()}
 
 
 def _renumber(choices: list[Any], first: int) -> None:

@@ -18,7 +18,8 @@ A stored response asked for again (``/v1/responses/{id}``) goes to the engine th
 (:mod:`kvmesh.router.asgi.stored_responses`). In front of SGLang, and standalone, SGLang's native
 ``/generate`` (POST or PUT) is routed too (``generation_paths``; any other app may have a
 ``/generate`` of its own, in another shape), and its ``/abort_request`` goes where the requests
-run (:mod:`kvmesh.router.asgi.aborts`), as does vLLM's token API's abort in front of vLLM. The
+run (:mod:`kvmesh.router.asgi.aborts`), as does vLLM's token API's abort in front of vLLM, whose
+batch of conversations (``/v1/chat/completions/batch``) is routed conversation by conversation. The
 admin endpoints (:mod:`kvmesh.router.asgi.admin`) are answered here. A scrape of an engine's
 multiprocess ``/metrics`` gets kvmesh's live gauges added (:mod:`kvmesh.router.asgi.scrape`). Every
 other path and every non-HTTP scope passes straight through.
@@ -36,6 +37,7 @@ from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.routed import RoutedRequest
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
+from kvmesh.router.request.batches import CHAT_BATCH_PATH
 from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.messages_api import MESSAGES_PATH
 from kvmesh.router.request.responses_api import RESPONSES_PATH
@@ -50,9 +52,9 @@ GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", RESPONS
 WITH_GENERATE = GENERATION_PATHS | {GENERATE_PATH}
 """The generation paths where the server behind is SGLang's (the aborts of its requests are then
 sent where they run: :mod:`.aborts`)."""
-WITH_TOKENS = GENERATION_PATHS | {TOKENS_PATH}
-"""The generation paths where the server behind is vLLM's (its token-in-token-out API; the aborts
-of its requests are then sent where they run: :mod:`.aborts`)."""
+WITH_TOKENS = GENERATION_PATHS | {TOKENS_PATH, CHAT_BATCH_PATH}
+"""The generation paths where the server behind is vLLM's (its token-in-token-out API, whose
+aborts are then sent where the requests run: :mod:`.aborts`; and its batch of conversations)."""
 EVERY_PATH = WITH_GENERATE | WITH_TOKENS
 """Where the servers behind may be either (the standalone router, a simulated fleet)."""
 

@@ -7,6 +7,10 @@ Each prompt has a prefix of its own, so each is routed on its own: :func:`split_
 body of one request per prompt, in order, and the router serves them as it serves any request,
 then answers with one response in the engine's batch shape (:mod:`kvmesh.router.asgi.batches`).
 
+vLLM 0.33 also has ``/v1/chat/completions/batch``: ``messages`` is a list of conversations, and
+each is a chat request of its own (served on ``/v1/chat/completions``). vLLM answers it whole, one
+choice per conversation, never streamed; a ``stream`` asked for is a 400 naming it here.
+
 An answer's samples are numbered as the engines number them: prompt ``i``'s sample ``j`` is
 ``i * samples + j``. Per-prompt fields follow SGLang's ``GenerateReqInput`` (a list gives one
 value per prompt, anything else is every prompt's); a list of the wrong length is a 400 naming
@@ -23,6 +27,8 @@ MAX_BATCH = 1024
 """Most prompts one request may carry: each becomes a request of its own on the router."""
 
 COMPLETIONS_PATH = "/v1/completions"
+CHAT_BATCH_PATH = "/v1/chat/completions/batch"
+CHAT_PATH = "/v1/chat/completions"
 
 # /generate fields whose list gives one value per prompt (SGLang's GenerateReqInput).
 _PER_PROMPT = (
@@ -56,19 +62,29 @@ _PER_PROMPT_NESTED = ("token_ids_logprob", "multi_item_delimiter_indices", "toke
 class PromptBatch(Exception):
     """The body is a batch of prompts, not one request: ``items`` are the bodies of one request
     per prompt, in order; each asks for ``samples`` answers. ``split`` names the fields that were
-    cut by prompt (an error about one of them in prompt ``i`` is about ``field[i]``)."""
+    cut by prompt (an error about one of them in prompt ``i`` is about ``field[i]``). Each item is
+    served on ``item_path`` (None: the batch's own path)."""
 
-    def __init__(self, items: list[dict[str, Any]], samples: int, split: frozenset[str]) -> None:
+    def __init__(
+        self, items: list[dict[str, Any]], samples: int, split: frozenset[str], item_path: str | None = None
+    ) -> None:
         super().__init__(f"a batch of {len(items)} prompts")
         self.items = items
         self.samples = samples
         self.split = split
+        self.item_path = item_path
 
 
 def split_batch(body: dict[str, Any], endpoint: str) -> PromptBatch | None:
     """The batch this body carries, or None for a body of one prompt (which includes a
-    completions batch of one: the engines answer it as a single prompt)."""
-    batch = _completions_batch(body) if endpoint == COMPLETIONS_PATH else _generate_batch(body)
+    completions batch of one: the engines answer it as a single prompt). A chat batch is always
+    one, whatever its size: its answer has the batch's shape."""
+    if endpoint == CHAT_BATCH_PATH:
+        batch: PromptBatch | None = _chat_batch(body)
+    elif endpoint == COMPLETIONS_PATH:
+        batch = _completions_batch(body)
+    else:
+        batch = _generate_batch(body)
     if batch is not None:
         _refuse_nvext(body, endpoint)
     return batch
@@ -82,7 +98,7 @@ def _refuse_nvext(body: dict[str, Any], endpoint: str) -> None:
     if not isinstance(nvext, dict):
         return  # (the prompts' own checks name what is wrong with it)
     names = ("session_control", "annotations", "extra_fields")
-    for name in names if endpoint == COMPLETIONS_PATH else names[:2]:
+    for name in names if endpoint in (COMPLETIONS_PATH, CHAT_BATCH_PATH) else names[:2]:
         if nvext.get(name) is not None:
             raise RequestError(
                 f"nvext.{name} applies to one prompt; a batch's prompts are routed one by one: "
@@ -107,6 +123,30 @@ def _completions_batch(body: dict[str, Any]) -> PromptBatch | None:
     samples = n if type(n) is int and n > 0 else 1
     items = [{**body, "prompt": prompt} for prompt in prompts]
     return PromptBatch(items, samples, frozenset(("prompt",)))
+
+
+def _chat_batch(body: dict[str, Any]) -> PromptBatch:
+    conversations = body.get("messages")
+    if not (isinstance(conversations, list) and conversations):
+        raise RequestError(
+            "'messages' must be a non-empty list of conversations, each a list of messages",
+            field="messages",
+        )
+    _check_size(len(conversations), "messages")
+    for i, conversation in enumerate(conversations):
+        if not (isinstance(conversation, list) and conversation):
+            raise RequestError(
+                f"'messages[{i}]' must be a conversation: a non-empty list of messages",
+                field=f"messages[{i}]",
+            )
+    if body.get("stream") not in (None, False):
+        raise RequestError(
+            "a chat batch is answered whole: 'stream' must be false or left out", field="stream"
+        )
+    n = body.get("n", 1)
+    samples = n if type(n) is int and n > 0 else 1
+    items = [{**body, "messages": conversation} for conversation in conversations]
+    return PromptBatch(items, samples, frozenset(("messages",)), item_path=CHAT_PATH)
 
 
 def _generate_batch(body: dict[str, Any]) -> PromptBatch | None:
@@ -207,4 +247,4 @@ def item_field(field: str | None, split: frozenset[str], index: int) -> str | No
     return f"{head}[{index}]{field[cut:]}" if head in split else field
 
 
-__all__ = ["COMPLETIONS_PATH", "MAX_BATCH", "PromptBatch", "item_field", "split_batch"]
+__all__ = ["CHAT_BATCH_PATH", "COMPLETIONS_PATH", "MAX_BATCH", "PromptBatch", "item_field", "split_batch"]

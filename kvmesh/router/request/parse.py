@@ -17,7 +17,7 @@ import msgspec
 
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.hashing import block_hashes
-from kvmesh.router.request.batches import split_batch
+from kvmesh.router.request.batches import CHAT_BATCH_PATH, split_batch
 from kvmesh.router.request.continuation import TurnMemo
 from kvmesh.router.request.generate_api import (
     bound_to_engine,
@@ -294,7 +294,7 @@ def parse_request(
     elif is_tokens(endpoint):
         rendered, rendered_as = tokens_view(body), COMPLETIONS_ENDPOINT
     else:
-        if endpoint == COMPLETIONS_ENDPOINT and (batch := split_batch(body, endpoint)) is not None:
+        if endpoint in BATCH_ENDPOINTS and (batch := split_batch(body, endpoint)) is not None:
             raise batch
         rendered, rendered_as = body, endpoint
     nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
@@ -384,6 +384,8 @@ def parse_request(
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
+BATCH_ENDPOINTS = frozenset((COMPLETIONS_ENDPOINT, CHAT_BATCH_PATH))
+"""Where a body may carry a batch of prompts or conversations (SGLang's /generate is read apart)."""
 
 
 _KEYED_BY = (

@@ -264,3 +264,70 @@ async def test_an_error_in_sglangs_own_flat_shape_is_named_in_the_batch_too() ->
     doc = json.loads(sent[1]["body"])
     assert doc["param"] == "sampling_params[1].max_new_tokens"
     assert doc["message"] == "prompt 1 of the batch: bad"
+
+
+async def _warm_chat(http: aiohttp.ClientSession, url: str, app: Any, messages: Any, worker: str) -> None:
+    """Serve a chat of ``messages`` on ``worker`` once, so that its blocks are cached there."""
+    body = {"messages": messages, "max_tokens": 1, "nvext": {"backend_instance_id": worker}}
+    async with http.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+    decision = app.mesh.router.recent_decisions(1)[-1][1]
+    await until(lambda: not app.mesh.router.tracking(decision.request_id))
+
+
+async def test_each_conversation_of_a_chat_batch_goes_where_its_prefix_is_cached(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM's ``/v1/chat/completions/batch``: ``messages`` is a list of conversations; the answer
+    is one chat completion, a choice per conversation numbered in order, the usage summed."""
+    async with mock_fleet(3) as (front, mocks, app):
+        model = mocks[0].config.model
+        homes = [mocks[2].base_url, mocks[0].base_url]
+        conversations = [
+            [{"role": "system", "content": FIRST}, {"role": "user", "content": "Be brief."}],
+            [{"role": "system", "content": SECOND}, {"role": "user", "content": "Be brief."}],
+        ]
+        for conversation, home in zip(conversations, homes, strict=True):
+            await _warm_chat(http, front.url, app, conversation[:1], home)
+        body = {"model": model, "messages": conversations, "max_tokens": 3, "ignore_eos": True}
+        status, answer, workers = await _post(http, front.url, "/v1/chat/completions/batch", body)
+        assert status == 200, answer
+        assert workers == ",".join(homes)
+        assert answer["object"] == "chat.completion"
+        assert [c["index"] for c in answer["choices"]] == [0, 1]
+        assert all(c["message"]["role"] == "assistant" for c in answer["choices"])
+        usage = answer["usage"]
+        assert usage["completion_tokens"] == 6
+        assert usage["total_tokens"] == usage["prompt_tokens"] + 6
+        cached = usage["prompt_tokens_details"]["cached_tokens"]  # (each read mostly from cache)
+        assert cached >= usage["prompt_tokens"] - 4 * BS > 0, usage
+        # one conversation is a batch too: the answer keeps the batch's shape
+        one = {**body, "messages": conversations[:1], "n": 2}
+        status, answer, _ = await _post(http, front.url, "/v1/chat/completions/batch", one)
+        assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1], answer
+        await nothing_runs(mocks, app)
+
+
+async def test_a_chat_batch_the_router_cannot_serve_is_a_400_naming_the_field(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with mock_fleet(2) as (front, mocks, app):
+        model = mocks[0].config.model
+        good = [{"role": "user", "content": "hello"}]
+        for bad, field in (
+            ({"messages": [{"role": "user", "content": "hi"}]}, "messages[0]"),  # (one chat's shape)
+            ({"messages": []}, "messages"),
+            ({"messages": "hi"}, "messages"),
+            ({"messages": [good, []]}, "messages[1]"),
+            ({"messages": [good, good], "stream": True}, "stream"),
+            ({"messages": [good] * (MAX_BATCH + 1)}, "messages"),
+            ({"messages": [good, good], "nvext": {"extra_fields": ["worker_id"]}}, "nvext.extra_fields"),
+            ({"messages": [good, [{"role": "user", "content": 7}]]}, "messages[1]"),  # (the engine's)
+            ({"messages": [good, good], "max_tokens": -1}, "max_tokens"),
+        ):
+            status, error, _ = await _post(
+                http, front.url, "/v1/chat/completions/batch", {"model": model, **bad}
+            )
+            assert status == 400, (bad, error)
+            assert error["error"]["param"] == field or error["error"]["param"].startswith(field), (bad, error)
+        await nothing_runs(mocks, app)

@@ -3,6 +3,8 @@
     POST /v1/chat/completions, POST /v1/completions   streaming (SSE, ``data: [DONE]``) or not;
                                                      ``n`` choices (one an event), ``echo``; a
                                                      completions batch of prompts: kvmesh.mock.batches
+    POST /v1/chat/completions/batch                  vLLM's batch of conversations, each a chat
+                                                     request, answered whole: kvmesh.mock.batches
     POST /v1/responses, GET /v1/responses/{id}       the Responses API, stored answers
                                                      (``previous_response_id``): kvmesh.mock.responses
     POST /v1/messages                                Anthropic's Messages API, as vLLM 0.33.0 serves
@@ -74,7 +76,7 @@ from kvmesh.mock.responses import (
 from kvmesh.mock.running import RunningRequests
 from kvmesh.mock.sglang_abort import abort_request, request_rid
 from kvmesh.mock.tokens_api import parse_tokens, tokens_answer, tokens_events
-from kvmesh.router.request.batches import COMPLETIONS_PATH
+from kvmesh.router.request.batches import CHAT_BATCH_PATH, COMPLETIONS_PATH
 from kvmesh.router.request.generate_api import ABORT_PATH as SGLANG_ABORT_PATH
 from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
@@ -158,6 +160,22 @@ def build_app(
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
+
+    async def chat_batch(request: Request) -> Response:
+        def parse(body: Any, session: str | None) -> BatchResponse:
+            if not isinstance(body, dict):
+                raise RequestError("the request body must be a JSON object", field="body")
+            batch = batch_response(
+                body,
+                CHAT_BATCH_PATH,
+                lambda item: parse_generation(item, "chat", engine.config, engine.tokenizer, session),
+                chat_completions,
+            )
+            assert batch is not None  # (a chat batch is one whatever its size)
+            return batch
+
+        read = await _read_request(request, parse)  # (a BatchResponse is an ASGI answer too)
+        return read  # type: ignore[return-value]
 
     stored = ResponseStore()
 
@@ -385,6 +403,7 @@ def build_app(
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route(CHAT_BATCH_PATH, chat_batch, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),

@@ -273,3 +273,40 @@ async def test_an_abort_of_one_prompts_rid_stops_that_prompt_only() -> None:
         assert last[1]["meta_info"]["finish_reason"]["type"] == "abort"
         await wait_idle(mock.engine)
         assert mock.engine.pool.num_used == 0
+
+
+async def test_a_chat_batch_is_one_chat_completion_a_choice_per_conversation() -> None:
+    """vLLM 0.33.0's ``/v1/chat/completions/batch``: each conversation a chat request, answered
+    whole; a conversation the engine refuses fails the batch before any runs."""
+    async with (
+        run_mock(block_size=BS, num_blocks=256, speedup=20) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        conversations = [[{"role": "user", "content": A}], [{"role": "user", "content": B}]]
+        body = {"model": MODEL, "max_tokens": 3, "ignore_eos": True}
+        singles = [
+            (await http.post("/v1/chat/completions", json={**body, "messages": c})).json()
+            for c in conversations
+        ]
+        r = await http.post("/v1/chat/completions/batch", json={**body, "messages": conversations})
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["object"] == "chat.completion"
+        assert [c["index"] for c in answer["choices"]] == [0, 1]
+        assert [c["message"]["content"] for c in answer["choices"]] == [
+            s["choices"][0]["message"]["content"] for s in singles
+        ]
+        assert answer["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+        assert answer["usage"]["completion_tokens"] == 6
+        for bad, field in (
+            ({"messages": [conversations[0], [{"role": "user", "content": 7}]]}, "messages[1][0].content"),
+            ({"messages": conversations, "stream": True}, "stream"),
+            ([1, 2], "body"),
+        ):
+            r = await http.post(
+                "/v1/chat/completions/batch", json={**body, **bad} if isinstance(bad, dict) else bad
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        await wait_idle(mock.engine)
+        metrics = (await http.get("/metrics")).text
+        assert metric(metrics, "vllm:request_success_total") == 4  # (the two singles and the batch's two)

@@ -107,6 +107,15 @@ async def _served_by(http: aiohttp.ClientSession, url: str, body: dict[str, Any]
         return served
 
 
+async def _counted(http: aiohttp.ClientSession, url: str, route: str, status: int) -> float:
+    """``kvmesh_requests_total`` of ``/v1/embeddings`` for ``route`` and ``status`` (the registry is
+    the process's: a test reads how much it grew)."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    line = f'kvmesh_requests_total{{endpoint="/v1/embeddings",route="{route}",status="{status}"}} '
+    return next((float(x[len(line) :]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+
 async def _until(condition: Any) -> None:
     for _ in range(500):
         if condition():
@@ -118,6 +127,7 @@ async def _until(condition: Any) -> None:
 async def test_an_embedding_request_reaches_a_worker_unchanged_and_its_answer_comes_back() -> None:
     v, s = Engine("v", VLLM_PATHS), Engine("s", SGLANG_PATHS)
     async with _fleet(v, s) as (front, http):
+        before = await _counted(http, front.url, "pooling", 200)
         body = {"model": "m", "input": ["a text", "another"], "encoding_format": "float"}
         served = [
             await _served_by(http, front.url + "/v1/embeddings", body, headers={"authorization": "Bearer k"})
@@ -134,9 +144,7 @@ async def test_an_embedding_request_reaches_a_worker_unchanged_and_its_answer_co
             assert r.status == 404  # (no worker has it: the last 404 is the answer)
         async with http.get(front.url + "/v1/embeddings") as r:
             assert r.status == 405
-        async with http.get(front.url + "/metrics") as r:
-            text = await r.text()
-        assert 'kvmesh_requests_total{endpoint="/v1/embeddings",route="pooling",status="200"} 2.0' in text
+        assert await _counted(http, front.url, "pooling", 200) == before + 2
     first = (v.asked + s.asked)[0]
     assert first == ("POST", "/v1/embeddings", body, "Bearer k")  # the body and the client's key, as sent
     assert [a[:2] for a in s.asked if a[1] != "/v1/embeddings"] == [("PUT", "/encode")]
@@ -205,17 +213,14 @@ async def test_a_client_that_leaves_before_the_answer_stops_the_engines_request(
     a = Engine("a", VLLM_PATHS)
     a.hold = asyncio.Event()
     async with _fleet(a) as (front, http):
+        before = await _counted(http, front.url, "disconnected", 499)
         with contextlib.suppress(asyncio.TimeoutError):
             timeout = aiohttp.ClientTimeout(total=0.5)
             async with http.post(front.url + "/v1/embeddings", json={"input": "x"}, timeout=timeout):
                 pass
         await _until(lambda: a.abandoned == 1)  # the engine saw its client go
         assert a.holding == 0
-        async with http.get(front.url + "/metrics") as r:
-            text = await r.text()
-        assert (
-            'kvmesh_requests_total{endpoint="/v1/embeddings",route="disconnected",status="499"} 1.0' in text
-        )
+        assert await _counted(http, front.url, "disconnected", 499) == before + 1
 
 
 async def test_a_worker_that_cannot_be_reached_is_passed_over() -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import machine, percentile, spread, table
+from _harness import chosen_fronts, machine, percentile, run_rounds, spread, table
 from prompt_batches import fronts
 from routing_quality import ENGINE_ARGS, MODEL  # (the suite's engines: the fitted GPU step times)
 
@@ -116,13 +116,8 @@ async def run_round(
 
 async def main_async(args: argparse.Namespace) -> int:
     available = fronts()
-    names = [n.strip() for n in args.fronts.split(",") if n.strip()]
-    unknown = [n for n in names if n not in available]
-    if unknown:
-        print(
-            f"unknown or unavailable fronts: {', '.join(unknown)} (have: {', '.join(available)})",
-            file=sys.stderr,
-        )
+    names = chosen_fronts(available, args.fronts)
+    if names is None:
         return 2
     print(f"machine: {machine()}")
     print(
@@ -131,19 +126,12 @@ async def main_async(args: argparse.Namespace) -> int:
         f"documents, the rest {args.query_words}-word queries, arriving at {args.rate:g}/s; rounds "
         f"{args.rounds}, seeds {args.seed}+round"
     )
-    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    steps = args.rounds * len(names)
-    done = 0
-    for r in range(args.rounds):
-        work = requests(args, args.seed + r)
-        order = names[r % len(names) :] + names[: r % len(names)]  # (no front always first on the machine)
-        for name in order:
-            t0 = time.perf_counter()
-            results[name].append(await run_round(available[name], work, args))
-            done += 1
-            print(
-                f"[{done}/{steps}] round {r + 1}: {name} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr
-            )
+    results = await run_rounds(
+        names,
+        args.rounds,
+        lambda r: requests(args, args.seed + r),
+        lambda name, work: run_round(available[name], work, args),
+    )
     rows = []
     for name in names:
         runs = results[name]

@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import machine, percentile, spread, table
+from _harness import chosen_fronts, machine, percentile, run_rounds, spread, table
 from routing_quality import ENGINE_ARGS, MODEL  # (the suite's engines: the fitted GPU step times)
 
 from kvmesh.bench.fleet import FrontCommand, kvmesh_router, parse_metrics, sglang_router, start_fleet
@@ -135,13 +135,8 @@ async def run_round(front: FrontCommand, work: list[list[str]], args: argparse.N
 
 async def main_async(args: argparse.Namespace) -> int:
     available = fronts()
-    names = [n.strip() for n in args.fronts.split(",") if n.strip()]
-    unknown = [n for n in names if n not in available]
-    if unknown:
-        print(
-            f"unknown or unavailable fronts: {', '.join(unknown)} (have: {', '.join(available)})",
-            file=sys.stderr,
-        )
+    names = chosen_fronts(available, args.fronts)
+    if names is None:
         return 2
     print(f"machine: {machine()}")
     print(
@@ -150,19 +145,12 @@ async def main_async(args: argparse.Namespace) -> int:
         f"contexts, {args.question_words}-word questions), {args.max_tokens} tokens each, {args.concurrency} "
         f"batches in flight, /{args.api}; rounds {args.rounds}, seeds {args.seed}+round"
     )
-    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    steps = args.rounds * len(names)
-    done = 0
-    for r in range(args.rounds):
-        work = batches(args, args.seed + r)
-        order = names[r % len(names) :] + names[: r % len(names)]  # (no front always first on the machine)
-        for name in order:
-            t0 = time.perf_counter()
-            results[name].append(await run_round(available[name], work, args))
-            done += 1
-            print(
-                f"[{done}/{steps}] round {r + 1}: {name} ({time.perf_counter() - t0:.0f}s)", file=sys.stderr
-            )
+    results = await run_rounds(
+        names,
+        args.rounds,
+        lambda r: batches(args, args.seed + r),
+        lambda name, work: run_round(available[name], work, args),
+    )
     rows = []
     for name in names:
         runs = results[name]

@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi.batches import BatchAnswer
-from kvmesh.router.request.batches import PromptBatch, item_field, split_batch
+from kvmesh.router.request.batches import CHAT_BATCH_PATH, PromptBatch, item_field, split_batch
 
 
 class BatchResponse:
@@ -80,8 +80,9 @@ def batch_response(
         try:
             read_one(item)
         except RequestError as e:
+            unit = "conversation" if endpoint == CHAT_BATCH_PATH else "prompt"
             raise RequestError(
-                f"prompt {index} of the batch: {e}",
+                f"{unit} {index} of the batch: {e}",
                 field=item_field(e.field, batch.split, index),
                 status=e.status,
             ) from None

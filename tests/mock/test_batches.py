@@ -307,6 +307,8 @@ async def test_a_chat_batch_is_one_chat_completion_a_choice_per_conversation() -
                 "/v1/chat/completions/batch", json={**body, **bad} if isinstance(bad, dict) else bad
             )
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            if field.endswith("content"):
+                assert r.json()["error"]["message"].startswith("conversation 1 of the batch: "), r.text
         await wait_idle(mock.engine)
         metrics = (await http.get("/metrics")).text
         assert metric(metrics, "vllm:request_success_total") == 4  # (the two singles and the batch's two)

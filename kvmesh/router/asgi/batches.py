@@ -80,6 +80,7 @@ class BatchAnswer:
         self.send = send
         self.batch = batch
         self.completions = endpoint in (COMPLETIONS_PATH, CHAT_BATCH_PATH)  # (one merged completion)
+        self.unit = "conversation" if endpoint == CHAT_BATCH_PATH else "prompt"  # (what errors name)
         self.item_scope = _on_path(scope, endpoint, batch.item_path)
         self.stream = stream
         self.answers = [_Answer() for _ in batch.items]
@@ -114,7 +115,7 @@ class BatchAnswer:
                 await self._send_failure(*self.failed)
             else:  # (a prompt's request ended mid-stream: say so, as a stream's error)
                 index = self.failed[0]
-                event = b"data: " + _error(f"prompt {index} of the batch ended without an answer", None)
+                event = b"data: " + _error(f"{self.unit} {index} of the batch ended without an answer", None)
                 await self.send({"type": "http.response.body", "body": event + b"\n\n", "more_body": False})
         elif self.stream:
             await self._finish_stream()
@@ -231,7 +232,7 @@ class BatchAnswer:
                 docs.append(_decode(b"".join(answer.body)))
             except msgspec.DecodeError:
                 await self._send_json(
-                    502, _error(f"prompt {index} of the batch: its answer is not JSON", None)
+                    502, _error(f"{self.unit} {index} of the batch: its answer is not JSON", None)
                 )
                 return
         if self.completions:
@@ -251,7 +252,7 @@ class BatchAnswer:
         """Prompt ``index``'s error is the batch's, its field named as the batch's body has it."""
         raw = b"".join(answer.body)
         if answer.status in (0, 200):  # (its request ended before its answer did)
-            await self._send_json(502, _error(f"prompt {index} of the batch got no whole answer", None))
+            await self._send_json(502, _error(f"{self.unit} {index} of the batch got no whole answer", None))
             return
         try:
             doc = _decode(raw)
@@ -259,7 +260,7 @@ class BatchAnswer:
             doc = None
         error = _error_of(doc)
         if error is not None and isinstance(error.get("message"), str):
-            error["message"] = f"prompt {index} of the batch: {error['message']}"
+            error["message"] = f"{self.unit} {index} of the batch: {error['message']}"
             param = error.get("param")
             if isinstance(param, str):
                 error["param"] = item_field(param, self.batch.split, index)

@@ -330,4 +330,6 @@ async def test_a_chat_batch_the_router_cannot_serve_is_a_400_naming_the_field(
             )
             assert status == 400, (bad, error)
             assert error["error"]["param"] == field or error["error"]["param"].startswith(field), (bad, error)
+            if field == "messages[1]" and "content" in error["error"]["param"]:  # (the engine's, named)
+                assert error["error"]["message"].startswith("conversation 1 of the batch: "), error
         await nothing_runs(mocks, app)

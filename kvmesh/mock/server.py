@@ -347,11 +347,11 @@ def build_app(
             for stream in streams:
                 engine.abort(stream.request_id)
 
-        if not await until_disconnect(request.receive, _wait_all(streams)):
-            abort()
-            return Response(status_code=499)
+        served = await _served(request, running_rids, None, streams, None, abort)
+        if served is not None:
+            return served
         if any(stream.finish_reason == "abort" for stream in streams):
-            abort()  # (an abort API or a stopping engine ended an input: there is no vector to give)
+            # (an abort API or a stopping engine ended an input: there is no vector to give)
             return error_response("the engine stopped before the request finished", 503)
         return JSONResponse(embeddings_answer(parsed, model, response_id, int(time.time())))
 

@@ -28,9 +28,8 @@ from kvmesh._http import route_path
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
 from kvmesh.router.asgi.forwarding import relay_unchanged
-from kvmesh.router.asgi.json_io import read_body, send_error
+from kvmesh.router.asgi.json_io import read_json_body, send_error
 from kvmesh.router.mesh.runtime import Mesh
-from kvmesh.router.request.parse import decode_body
 from kvmesh.router.upstream.forwarder import UpstreamError, UpstreamResponse, end_to_end_headers
 
 PATHS = (
@@ -70,9 +69,9 @@ class AnyWorker:
         body: bytes | None = b""
         if method == "POST":
             try:
-                body = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
-                if body is not None:
-                    decode_body(body)  # (a body no engine could read is the client's 400, as on routes)
+                body = await read_json_body(
+                    scope, receive, settings.max_body_bytes, settings.body_read_timeout
+                )
             except RequestError as e:
                 await send_error(send, e.status, str(e), e.field)
                 return

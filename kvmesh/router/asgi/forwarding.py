@@ -221,9 +221,7 @@ class Dispatch:
     ) -> tuple[UpstreamResponse, bytes | None] | None:
         """``_open``, abandoned when the client disconnects first (None): closing the upstream
         connection tells the worker to abort, so a long prefill does not run for nobody."""
-        return await open_while_client_waits(
-            self.receive, lambda: self._open(url, body), lambda o: o[0].close()
-        )
+        return await open_while_client_waits(self.receive, lambda: self._open(url, body), _close_opened)
 
     async def _open(self, url: str, body: bytes) -> tuple[UpstreamResponse, bytes | None]:
         """Send upstream and wait for the first body bytes: until then a failure may fail over."""
@@ -380,6 +378,10 @@ async def open_while_client_waits(
         close(opened)
         return None
     return opened
+
+
+def _close_opened(opened: tuple[UpstreamResponse, bytes | None]) -> None:
+    opened[0].close()
 
 
 def _uncancel(task: asyncio.Task[Any]) -> None:

@@ -10,12 +10,25 @@ import msgspec
 
 from kvmesh._http import error_body
 from kvmesh.errors import RequestError
+from kvmesh.router.request.parse import decode_body
 
-__all__ = ["read_body", "send_error", "send_json"]
+__all__ = ["read_body", "read_json_body", "send_error", "send_json"]
 
 _encode = msgspec.json.encode
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 _CONTENT_TYPE = (b"content-type", b"application/json")
+
+
+async def read_json_body(
+    scope: dict[str, Any], receive: Any, limit: int, timeout: float | None
+) -> bytes | None:
+    """:func:`read_body`, then checked as a JSON object no deeper than a generation request may
+    be (RequestError(400) naming ``body``: an engine's own parser can fail on it with a 500), for
+    a body relayed unread; None if the client left."""
+    body = await read_body(scope, receive, limit, timeout)
+    if body is not None:
+        decode_body(body)
+    return body
 
 
 async def read_body(

@@ -41,9 +41,8 @@ from kvmesh._http import route_path
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
 from kvmesh.router.asgi.forwarding import open_while_client_waits, relay_unchanged
-from kvmesh.router.asgi.json_io import read_body, send_error
+from kvmesh.router.asgi.json_io import read_json_body, send_error
 from kvmesh.router.mesh.runtime import Mesh
-from kvmesh.router.request.parse import decode_body
 from kvmesh.router.upstream.forwarder import UpstreamError, UpstreamResponse, end_to_end_headers
 
 PATHS = (
@@ -80,9 +79,7 @@ class PoolingRelay:
         settings = mesh.settings
         endpoint = route_path(scope)
         try:
-            body = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
-            if body is not None:
-                decode_body(body)  # (a body no engine could read is the client's 400, as on routes)
+            body = await read_json_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
         except RequestError as e:
             mesh.metrics.requests.labels(endpoint, "rejected", str(e.status)).inc()
             await send_error(send, e.status, str(e), e.field)

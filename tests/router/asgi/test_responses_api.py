@@ -9,6 +9,7 @@ first token after the lifecycle events, its usage in the Responses API's names) 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -113,7 +114,25 @@ async def twin_served(
         home = r.headers[WORKER]
     first = app.mesh.router.recent_decisions(1)[-1][1]
     await until(lambda: not app.mesh.router.tracking(first.request_id))
+    await indexed_as_stored(http, url, home)
     return home, await reported_cached(http, url, home)
+
+
+async def indexed_as_stored(http: aiohttp.ClientSession, url: str, worker: str, tries: int = 250) -> None:
+    """Wait until the router at ``url`` indexes as many blocks on ``worker`` as its engine stored.
+
+    The answer and the engine's KV events travel apart, so under load the answer can arrive first;
+    a request routed in that gap sees no cached prefix anywhere."""
+    for _ in range(tries):
+        async with http.get(worker + "/kvmesh/kv_state") as r:
+            events = (await r.json())["ranks"][0]["events"]
+        stored = sum(len(e["block_hashes"]) for e in events if e["type"] == "BlockStored")
+        async with http.get(url + "/kvmesh/workers") as r:
+            rows = {row["worker_id"]: row for row in (await r.json())["workers"]}
+        if stored and rows[worker]["indexed_blocks"] == stored:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the router never indexed what {worker} stored")
 
 
 def _hashes(app: Any, chat: dict[str, Any]) -> list[int]:

@@ -185,3 +185,33 @@ def test_mounting_twice_adds_nothing(served: Any) -> None:
     mount(app)
     assert [getattr(r, "path", None) for r in app.router.routes] == paths
     assert paths.count("/kvmesh/info") == 2  # (its route, and the 405 of another method)
+
+
+def test_the_controls_the_router_sends_to_every_worker_are_sglangs_own(served: Any) -> None:
+    """kvmesh.router.asgi.fleet_control sends SGLang's controls on with the method the client used:
+    each is on SGLang's app with that method (GET and POST where SGLang takes both)."""
+    from kvmesh.router.asgi import fleet_control
+
+    methods: dict[str, set[str]] = {}
+    for route in served["app"].router.routes:
+        path = getattr(route, "path", None)
+        if path is not None:
+            methods.setdefault(path, set()).update(getattr(route, "methods", None) or ())
+    sglang_posts = {
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+    }
+    assert sglang_posts <= set(fleet_control.POSTS)
+    for path in sglang_posts:
+        assert "POST" in methods[path], path
+    for path in fleet_control.EITHER:
+        assert {"GET", "POST"} <= methods[path], path
+    # the weight transfers the router refuses to fan out are SGLang's too
+    for path in (
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
+    ):
+        assert path in methods and path in fleet_control.PER_ENGINE, path

@@ -9,8 +9,10 @@ Dynamo's frontend and sglang-router), ``GET /v1/models`` (the models the fleet's
 answers alike (``/v1/messages/count_tokens``, ``/tokenize``, ``/detokenize``, SGLang's
 ``/get_model_info`` and more: :mod:`.any_worker`), the pooling requests of an embedding or
 reranking fleet (``/v1/embeddings``, ``/v1/rerank``, ``/classify`` and their kin, sent to the
-least loaded worker: :mod:`.pooling`), and a flush of every worker's prefix cache
-(``/flush_cache``, ``/reset_prefix_cache``: :mod:`.flush`).
+least loaded worker: :mod:`.pooling`), a flush of every worker's prefix cache
+(``/flush_cache``, ``/reset_prefix_cache``: :mod:`.flush`), and the engines' controls for a
+training loop, sent to every worker (``/pause``, ``/resume``, ``/sleep``, ``/wake_up``, SGLang's
+``/pause_generation`` and more: :mod:`.fleet_control`).
 
 A router process of its own (``kvmesh router``) freezes its heap once its workers are known: the
 objects of its start-up (its imports, the app, the registry, the workers' info), some 50,000 of them,
@@ -32,9 +34,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvmesh.router.asgi import fleet_control
 from kvmesh.router.asgi.any_worker import PATHS as ANY_WORKER_PATHS
 from kvmesh.router.asgi.any_worker import READ_PATHS as ANY_WORKER_READS
 from kvmesh.router.asgi.any_worker import AnyWorker
+from kvmesh.router.asgi.fleet_control import FleetControl
 from kvmesh.router.asgi.flush import PATHS as FLUSH_PATHS
 from kvmesh.router.asgi.flush import FlushEveryWorker
 from kvmesh.router.asgi.middleware import EVERY_PATH, KvMeshMiddleware
@@ -111,6 +115,7 @@ def build_router_app(
     any_worker = AnyWorker(lambda: middleware.mesh)
     flush = FlushEveryWorker(lambda: middleware.mesh)
     pooling = PoolingRelay(lambda: middleware.mesh)
+    control = FleetControl(lambda: middleware.mesh)
     inner = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
@@ -132,6 +137,10 @@ def build_router_app(
                 Route(path, flush.serve, methods=["POST", "GET"] if path == "/flush_cache" else ["POST"])
                 for path in FLUSH_PATHS
             ),
+            *(Route(path, control, methods=["POST"]) for path in fleet_control.POSTS),
+            *(Route(path, control, methods=["GET"]) for path in fleet_control.GETS),
+            *(Route(path, control, methods=["GET", "POST"]) for path in fleet_control.EITHER),
+            *(Route(path, control, methods=["POST"]) for path in fleet_control.PER_ENGINE),
         ],
         lifespan=lifespan,
     )

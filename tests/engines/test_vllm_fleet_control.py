@@ -1,0 +1,160 @@
+"""The standalone router's fleet-wide engine controls in front of vLLM 0.33.0's own control routes
+(engine tier; kvmesh/router/asgi/fleet_control.py).
+
+Two servers carry vLLM's real ``/pause``, ``/resume``, ``/is_paused``, ``/sleep``, ``/wake_up``,
+``/is_sleeping``, ``/update_weight_version`` and ``/weight_info`` (its RL and sleep routers, which
+``vllm serve`` mounts with ``VLLM_SERVER_DEV_MODE=1``), with vLLM's own query and body parsing. What
+needs a model, the engine client, is a recorder of the calls vLLM's handlers make on it. The router
+runs on loopback in front of both, and each call through it must reach both engines as vLLM parses
+it, and come back as the fleet's answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # torch's, at import
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from vllm.entrypoints.rl.online.api_router import router as rl_router
+    from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep_router
+
+from kvmesh.router.asgi.standalone import build_router_app
+from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.router.servers import serve
+
+pytestmark = pytest.mark.engine_vllm
+
+
+class RecordingEngineClient:
+    """The engine client calls vLLM's control handlers make, recorded; answers as an engine would."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.paused = False
+        self.asleep = False
+        self.version = "v0"
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        self.calls.append(("pause", mode, clear_cache))
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume",))
+        self.paused = False
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def sleep(self, level: int, mode: str) -> None:
+        self.calls.append(("sleep", level, mode))
+        self.asleep = True
+
+    async def wake_up(self, tags: list[str] | None) -> bool:
+        self.calls.append(("wake_up", tags))
+        self.asleep = False
+        return True
+
+    async def is_sleeping(self) -> bool:
+        return self.asleep or self.paused
+
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(("version", version))
+        self.version = version
+
+    async def get_weight_version(self) -> str:
+        return self.version
+
+
+def _vllm_app(client: RecordingEngineClient) -> FastAPI:
+    app = FastAPI()
+    app.include_router(rl_router)
+    app.include_router(sleep_router)
+    app.state.engine_client = client
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:  # (what the router's health check reads)
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _fleet() -> AsyncIterator[tuple[httpx.AsyncClient, list[RecordingEngineClient]]]:
+    clients = [RecordingEngineClient(), RecordingEngineClient()]
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [(await stack.enter_async_context(serve(_vllm_app(c)))).url for c in clients]
+        workers = tuple(WorkerSpec(u, f"w{i}", backend="vllm") for i, u in enumerate(urls))
+        settings = MeshSettings(
+            workers=workers, router=RouterConfig(use_kv_events=False), health_interval=0.2
+        )
+        front = await stack.enter_async_context(serve(build_router_app(settings)))
+        http = await stack.enter_async_context(httpx.AsyncClient(base_url=front.url, timeout=30))
+        yield http, clients
+
+
+async def test_a_pause_and_a_resume_reach_every_vllm_engine_as_vllm_parses_them() -> None:
+    async with _fleet() as (http, clients):
+        r = await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "paused" and set(r.json()["workers"]) == {"w0", "w1"}
+        assert [c.calls for c in clients] == [[("pause", "keep", False)]] * 2
+        r = await http.get("/is_paused")
+        assert r.json() == {
+            "is_paused": True,
+            "workers": {"w0": {"is_paused": True}, "w1": {"is_paused": True}},
+        }
+        r = await http.post("/resume")
+        assert r.status_code == 200 and r.json()["status"] == "resumed", r.text
+        assert (await http.get("/is_paused")).json()["is_paused"] is False
+        # a mode vLLM does not know is refused by vLLM itself, naming the field, on every engine
+        r = await http.post("/pause", params={"mode": "sideways"})
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"][0]["loc"] == ["query", "mode"]
+        assert all(c.calls[-1] == ("resume",) for c in clients)
+
+
+async def test_sleep_and_wake_up_with_their_query_and_the_weight_version_with_its_body() -> None:
+    async with _fleet() as (http, clients):
+        r = await http.post("/sleep", params={"level": "1", "mode": "wait"})
+        assert r.status_code == 200 and r.json()["level"] == 1, r.text
+        assert (await http.get("/is_sleeping")).json()["is_sleeping"] is True
+        r = await http.post("/wake_up", params=[("tags", "weights"), ("tags", "kv_cache")])
+        assert r.status_code == 200 and r.json()["status"] == "awake", r.text
+        assert [c.calls for c in clients] == [
+            [("sleep", 1, "wait"), ("wake_up", ["weights", "kv_cache"])]
+        ] * 2
+        r = await http.post("/sleep", params={"level": "3"})  # (vLLM takes 0 to 2)
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "level"], r.text
+        r = await http.post("/update_weight_version", json={"new_version": "step-7"})
+        assert r.status_code == 200 and r.json()["new_version"] == "step-7", r.text
+        r = await http.get("/weight_info")
+        assert r.json()["weight_version"] == "step-7"
+        assert all(c.version == "step-7" for c in clients)
+
+
+def test_every_vllm_control_the_router_knows_is_on_vllms_routers() -> None:
+    """Each vLLM path kvmesh sends to every worker, and each it refuses to (a weight transfer with
+    per-engine arguments), is one of vLLM's, with the method the router serves it with."""
+    from kvmesh.router.asgi import fleet_control
+
+    methods: dict[str, set[str]] = {}
+    for route in (*rl_router.routes, *sleep_router.routes):
+        methods.setdefault(route.path, set()).update(route.methods)
+    fanned = {p for p in (*fleet_control.POSTS, *fleet_control.GETS) if p in methods}
+    assert fanned == {
+        *("/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping"),
+        *("/release_kv_cache_memory", "/update_weight_version", "/weight_info"),
+    }
+    for path in fanned:
+        assert methods[path] == ({"GET"} if path in fleet_control.GETS else {"POST"}), path
+    refused = {p for p in fleet_control.PER_ENGINE if p in methods}
+    assert "/init_weight_transfer_engine" in refused and "/update_weights" in refused

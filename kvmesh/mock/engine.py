@@ -9,6 +9,10 @@ Each step::
     result = scheduler.update(out)      # one token per caught-up request; finished ones freed
     deliver tokens to each request's TokenStream
 
+A paused engine (:mod:`kvmesh.mock.pause`: vLLM's ``/pause`` and ``/sleep``, SGLang's
+``/pause_generation``) runs no step its scheduler's pause holds back; a frozen request has no step,
+so it makes no progress, and the timeline restarts when steps do.
+
 Events are published right after scheduling, so between steps the pool and the last published
 sequence number always agree; that is what makes ``kv_state`` an exact snapshot. Python's own
 time inside a step is absorbed by the sleep (the step ends at its modelled deadline unless the
@@ -39,9 +43,10 @@ from kvmesh.mock.block_hash import extend_block_hashes, new_salt
 from kvmesh.mock.block_pool import BlockPool, KVBlock
 from kvmesh.mock.config import MockConfig
 from kvmesh.mock.metrics import EngineMetrics
+from kvmesh.mock.pause import EngineControl, GenerationPaused
 from kvmesh.mock.request import EngineRequest, RequestStatus
 from kvmesh.mock.sampler import OutputSampler, sampler_key
-from kvmesh.mock.scheduler import Scheduler, SchedulerOutput
+from kvmesh.mock.scheduler import Pause, Scheduler, SchedulerOutput
 from kvmesh.mock.timing import profile, step_seconds
 from kvmesh.router.request.tokenizer import BuiltinTokenizer, Tokenizer
 from kvmesh.worker.advertise import reachable
@@ -203,6 +208,8 @@ class MockEngine:
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._idle_waiters: list[asyncio.Future[None]] = []
+        self.control = EngineControl(self)
         self._request_log: TextIO | None = None
         # Step time the model asked for vs the wall time steps really took: the loop's overhead.
         self.steps = 0
@@ -267,6 +274,7 @@ class MockEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.abort_all()
+        self._notify_idle()  # (a pause waiting for the engine to drain: it never will now)
         if self._request_log is not None:
             self._request_log.close()
             self._request_log = None
@@ -304,6 +312,8 @@ class MockEngine:
         """Queue a request; its tokens arrive on the returned stream."""
         if self._task is None:
             raise RuntimeError("the engine is not running; await start() first")
+        if self.control.refuses_new:
+            raise GenerationPaused()
         cfg = self.config
         request_id = request_id or f"req-{next(self._ids)}"
         prompt = params.prompt_token_ids
@@ -442,6 +452,29 @@ class MockEngine:
         self._publish_events()
         return ok
 
+    # --- pausing (the rules are kvmesh.mock.pause's) ------------------------------------------
+
+    def set_pause(self, pause: Pause) -> None:
+        """Hold back what ``pause`` says from the next step on (the step under way ends as planned)."""
+        self.scheduler.pause = pause
+        self._wakeup.set()  # (an idle loop looks again: resumed requests may run)
+
+    async def until_idle(self) -> None:
+        """Return once no step is under way and the scheduler has nothing it would step: the
+        moment a pause is complete (drained, or frozen at a step's end)."""
+        if self._task is None:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(waiter)
+        self._wakeup.set()  # (an idle loop looks again, and finds itself idle)
+        await waiter
+
+    def _notify_idle(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     # --- the step loop -------------------------------------------------------------------------
 
     def _before_free(self, req: EngineRequest) -> None:
@@ -488,6 +521,8 @@ class MockEngine:
                 self.retention.expire(start)
                 deadline = self.retention.next_expiry()
                 if not sched.has_work:
+                    if self._idle_waiters:
+                        self._notify_idle()
                     await self._idle(deadline)
                     continue
                 out = sched.schedule()

@@ -16,10 +16,14 @@ One engine step is ``schedule()`` -> (the model runs; the engine sleeps the mode
 * Blocks are entered into the prefix cache as soon as the step that computes them is scheduled.
 * ``update`` appends one sampled token to every request whose computed tokens caught up with its
   tokens, and frees the blocks of requests that finished.
+* A paused scheduler (:class:`Pause`, vLLM's pause states) takes no waiting request in, and under
+  ``Pause.ALL`` schedules nothing at all; :meth:`Scheduler.retract_running` sends the running
+  requests back to the queue (a cache reset of a frozen engine, SGLang's ``retract``).
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 from collections import deque
@@ -31,6 +35,17 @@ from kvmesh.mock.block_pool import BlockPool, KVBlock
 from kvmesh.mock.request import EngineRequest, RequestStatus
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+class Pause(enum.Enum):
+    """What a paused scheduler still runs (the pause states of vLLM's scheduler)."""
+
+    NONE = "none"
+    """Not paused."""
+    NEW = "new"
+    """The running requests go on to their end; no waiting request is taken in."""
+    ALL = "all"
+    """Nothing runs: the running requests keep their blocks and their place until resumed."""
 
 
 @dataclass(slots=True)
@@ -138,6 +153,7 @@ class Scheduler:
         # Called with a finished request just before its blocks are released (session retention).
         self._before_free = before_free
         self.num_preemptions = 0
+        self.pause = Pause.NONE
 
     # --- requests in and out -----------------------------------------------------------------
 
@@ -163,7 +179,11 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        """Whether a step would do anything (a paused scheduler leaves some requests where they are)."""
+        pause = self.pause
+        if pause is Pause.NONE:
+            return bool(self.running) or len(self.waiting) > 0
+        return pause is Pause.NEW and bool(self.running)
 
     @property
     def num_running(self) -> int:
@@ -177,6 +197,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.pause is Pause.ALL:
+            return out
         budget = self.max_num_batched_tokens
         bs = self.block_size
         scheduled: dict[EngineRequest, int] = {}
@@ -210,7 +232,7 @@ class Scheduler:
             budget -= n
             i += 1
 
-        if not out.preempted:
+        if not out.preempted and self.pause is Pause.NONE:
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 head = self.waiting.peek()
                 if head is None:
@@ -264,6 +286,17 @@ class Scheduler:
                 self._free(req)
                 result.finished.append(req)
         return result
+
+    def retract_running(self) -> list[EngineRequest]:
+        """Send every running request back to the front of the queue with its blocks freed (they
+        stay in the prefix cache until evicted or reset); each recomputes its tokens so far when it
+        is taken in again. Only between steps. Taken in reverse, so they come back in the order
+        they ran."""
+        retracted = self.running[::-1]
+        self.running.clear()
+        for req in retracted:
+            self._preempt(req)
+        return retracted
 
     # --- internals ---------------------------------------------------------------------------
 

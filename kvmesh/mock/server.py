@@ -22,6 +22,9 @@
                                                      engine: kvmesh.mock.embeddings
     POST /v1/messages/count_tokens, POST /tokenize,  vLLM's utility endpoints: kvmesh.mock.tokenize
     POST /detokenize
+    POST /pause, /resume, /sleep, /wake_up,          the engine control of an RL loop: vLLM's (dev
+    GET  /is_paused, /is_sleeping,                   mode) and SGLang's, kvmesh.mock.control; a
+    POST /pause_generation, /continue_generation     request the paused engine refuses is a 503
     GET  /v1/models, GET /health, GET /metrics
     /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc)
 
@@ -57,6 +60,7 @@ from starlette.routing import Route
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.mock import tokenize as mock_tokenize
 from kvmesh.mock.batches import BatchResponse, batch_response
+from kvmesh.mock.control import answers_paused, control_routes
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.embeddings import embeddings_answer, parse_embeddings, prefill_only
 from kvmesh.mock.engine import MockEngine, TokenStream
@@ -158,6 +162,7 @@ def build_app(
             answer["kv_transfer_params"] = _handoff(engine, request, parsed, request_id)
         return JSONResponse(answer, headers={"x-request-id": response_id})
 
+    @answers_paused
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
 
@@ -179,6 +184,7 @@ def build_app(
 
     stored = ResponseStore()
 
+    @answers_paused
     async def responses(request: Request) -> Response:
         parsed = await _read_request(
             request,
@@ -227,6 +233,7 @@ def build_app(
             return error_response(not_found(response_id), 404, "response_id")
         return JSONResponse(whole)
 
+    @answers_paused
     async def messages(request: Request) -> Response:
         parsed = await _read_request(
             request, lambda body, session: parse_messages(body, engine.config, engine.tokenizer, session)
@@ -256,9 +263,11 @@ def build_app(
         whole = message_object(parsed, message_id, text_of(only.tokens), only.finish_reason, _usage([only]))
         return JSONResponse(whole, headers={"x-request-id": message_id})
 
+    @answers_paused
     async def completions(request: Request) -> Response:
         return await generate(request, "completions")
 
+    @answers_paused
     async def native_generate(request: Request) -> Response:
         def parse(body: Any, session: str | None) -> GenerateRequest | BatchResponse:
             batch = batch_response(body, GENERATE_PATH, lambda item: parse(item, session), native_generate)
@@ -286,6 +295,7 @@ def build_app(
 
     running_tokens = RunningRequests()  # (by the server's id, for abort_requests)
 
+    @answers_paused
     async def tokens(request: Request) -> Response:
         header_id = request.headers.get("x-request-id")
         parsed = await _read_request(
@@ -328,6 +338,7 @@ def build_app(
         done = await _read_request(request, lambda body, _session: abort_request(body, engine, running_rids))
         return done if isinstance(done, Response) else Response(status_code=200)
 
+    @answers_paused
     async def embeddings(request: Request) -> Response:
         parsed = await _read_request(
             request, lambda body, _session: parse_embeddings(body, engine.config, engine.tokenizer)
@@ -419,6 +430,7 @@ def build_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *control_routes(engine),
         *worker_rpc_routes(engine, admin_token=token),
     ]
     app = Starlette(routes=routes, middleware=list(middleware), lifespan=lifespan)

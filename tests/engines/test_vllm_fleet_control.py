@@ -3,7 +3,7 @@
 
 Two servers carry vLLM's real ``/pause``, ``/resume``, ``/is_paused``, ``/sleep``, ``/wake_up``,
 ``/is_sleeping``, ``/update_weight_version`` and ``/weight_info`` (its RL and sleep routers, which
-``vllm serve`` mounts with ``VLLM_SERVER_DEV_MODE=1``), with vLLM's own query and body parsing. What
+``vllm serve`` mounts with ``VLLM_SERVER_DEV_MODE=1``), with vLLM's own query and body parsing and its own answers to a bad argument. What
 needs a model, the engine client, is a recorder of the calls vLLM's handlers make on it. The router
 runs on loopback in front of both, and each call through it must reach both engines as vLLM parses
 it, and come back as the fleet's answer.
@@ -11,6 +11,7 @@ it, and come back as the fleet's answer.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import warnings
 from collections.abc import AsyncIterator
@@ -22,9 +23,11 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # torch's, at import
     import httpx
     from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from vllm.entrypoints.rl.online.api_router import router as rl_router
     from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep_router
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
 
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
@@ -79,6 +82,9 @@ def _vllm_app(client: RecordingEngineClient) -> FastAPI:
     app.include_router(rl_router)
     app.include_router(sleep_router)
     app.state.engine_client = client
+    # (vLLM's server registers its own answer to a bad argument: a 400 naming it)
+    app.exception_handler(RequestValidationError)(validation_exception_handler)
+    app.state.args = argparse.Namespace(log_error_stack=False)  # (what that handler reads)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:  # (what the router's health check reads)
@@ -117,8 +123,8 @@ async def test_a_pause_and_a_resume_reach_every_vllm_engine_as_vllm_parses_them(
         assert (await http.get("/is_paused")).json()["is_paused"] is False
         # a mode vLLM does not know is refused by vLLM itself, naming the field, on every engine
         r = await http.post("/pause", params={"mode": "sideways"})
-        assert r.status_code == 422, r.text
-        assert r.json()["detail"][0]["loc"] == ["query", "mode"]
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "query.mode"
         assert all(c.calls[-1] == ("resume",) for c in clients)
 
 
@@ -133,7 +139,7 @@ async def test_sleep_and_wake_up_with_their_query_and_the_weight_version_with_it
             [("sleep", 1, "wait"), ("wake_up", ["weights", "kv_cache"])]
         ] * 2
         r = await http.post("/sleep", params={"level": "3"})  # (vLLM takes 0 to 2)
-        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "level"], r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "query.level", r.text
         r = await http.post("/update_weight_version", json={"new_version": "step-7"})
         assert r.status_code == 200 and r.json()["new_version"] == "step-7", r.text
         r = await http.get("/weight_info")

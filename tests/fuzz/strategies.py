@@ -297,6 +297,31 @@ SGLANG_ABORT = st.fixed_dictionaries(
     },
 )
 
+CONTROL = st.fixed_dictionaries(
+    {},
+    optional={
+        "mode": _maybe(st.one_of(st.sampled_from(["abort", "wait", "keep", "retract", "in_place"]), TEXT)),
+        "tags": _maybe(st.one_of(st.lists(st.sampled_from(["weights", "kv_cache", "scheduling"])), TEXT)),
+        "new_version": _maybe(TEXT),
+        "torch_empty_cache": _maybe(SCALARS),
+        "model_path": _maybe(TEXT),
+        "flush_cache": _maybe(SCALARS),
+    },
+)
+"""The bodies of the engines' training-loop controls (SGLang's ``/pause_generation`` and its kin;
+the standalone router sends them to every worker)."""
+CONTROL_QUERY = st.lists(
+    st.tuples(
+        st.sampled_from(["mode", "clear_cache", "level", "tags", "x"]),
+        st.one_of(
+            st.sampled_from(["abort", "wait", "keep", "true", "false", "0", "1", "2", "3", "-1", "weights"]),
+            TEXT,
+        ),
+    ),
+    max_size=3,
+)
+"""vLLM's query arguments of ``/pause``, ``/sleep`` and ``/wake_up``, and others."""
+
 EMBEDDINGS = st.fixed_dictionaries(
     {
         "input": _maybe(

@@ -18,7 +18,7 @@ import pytest
 from kvmesh.router.asgi.batches import BatchAnswer
 from kvmesh.router.request.batches import MAX_BATCH, PromptBatch
 from tests.router.asgi.test_agent_features import BS, mock_fleet, until
-from tests.router.asgi.test_responses_api import WORKER
+from tests.router.asgi.test_responses_api import WORKER, indexed_as_stored
 from tests.router.asgi.test_tokens_api import nothing_runs
 
 FIRST = "Summarise the incident report for the on-call rotation and list every follow-up. " * 6
@@ -32,6 +32,7 @@ async def _warm(http: aiohttp.ClientSession, url: str, app: Any, prompt: str, wo
         assert r.status == 200, await r.text()
     decision = app.mesh.router.recent_decisions(1)[-1][1]
     await until(lambda: not app.mesh.router.tracking(decision.request_id))
+    await indexed_as_stored(http, url, worker)
 
 
 async def _post(
@@ -273,6 +274,7 @@ async def _warm_chat(http: aiohttp.ClientSession, url: str, app: Any, messages: 
         assert r.status == 200, await r.text()
     decision = app.mesh.router.recent_decisions(1)[-1][1]
     await until(lambda: not app.mesh.router.tracking(decision.request_id))
+    await indexed_as_stored(http, url, worker)
 
 
 async def test_each_conversation_of_a_chat_batch_goes_where_its_prefix_is_cached(

@@ -26,6 +26,7 @@ from kvmesh.mock.testing import RunningMock, run_mock
 from tests.mock.test_generate import TEXT
 from tests.mock.test_scheduler import make
 from tests.mock.test_server import metric
+from tests.mock.test_sglang_abort import _until
 from tests.mock.test_tokens_api import _data
 
 pytestmark = pytest.mark.e2e
@@ -72,15 +73,6 @@ async def _counts(http: httpx.AsyncClient) -> dict[str, float]:
         "tokens": metric(text, "vllm:generation_tokens_total{"),
         "steps": metric(text, "kvmesh_mock_steps_total{"),
     }
-
-
-async def _until(engine: MockEngine, running: int, waiting: int = 0) -> None:
-    """Until the engine holds ``running`` running and ``waiting`` queued requests."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while engine.scheduler.num_running != running or engine.scheduler.num_waiting != waiting:
-        assert loop.time() < deadline, "the requests did not reach the engine"
-        await asyncio.sleep(0.005)
 
 
 async def _held_for_steps(engine: MockEngine) -> None:

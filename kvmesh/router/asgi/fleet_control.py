@@ -161,20 +161,10 @@ async def _ask(
     """(status, the decoded answer) from one worker; status 0 and why, when it gave none. With
     ``clears``, a worker that did it has its predicted blocks forgotten."""
 
-    async def exchange() -> tuple[int, bytes]:
-        upstream = await mesh.forwarder.open(worker.url, method, target, headers, body)
-        try:
-            raw = await upstream.read(_ANSWER_LIMIT)
-        except BaseException:
-            upstream.close()
-            raise
-        upstream.release()
-        return upstream.status, raw
-
     try:
-        status, raw = await asyncio.wait_for(exchange(), _CONTROL_TIMEOUT)
-    except asyncio.TimeoutError:
-        return 0, f"no answer within {_CONTROL_TIMEOUT:g}s"
+        status, raw = await mesh.forwarder.whole(
+            worker.url, method, target, headers, body, timeout=_CONTROL_TIMEOUT, limit=_ANSWER_LIMIT
+        )
     except UpstreamError as e:
         return 0, str(e)
     if clears and 200 <= status < 300:

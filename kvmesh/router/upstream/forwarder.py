@@ -385,9 +385,46 @@ class Forwarder:
             data = encode_request(method.encode(), target or b"/", origin.host_header, wire, body)
         except ValueError as e:
             raise ConnectFailed(url, f"request failed: {e}") from None
+        return await self._whole(url, origin, data, method == "HEAD", True, timeout, limit)
+
+    async def whole(
+        self,
+        worker_url: str,
+        method: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        timeout: float,
+        limit: int = ANSWER_LIMIT,
+    ) -> tuple[int, bytes]:
+        """A client's request sent on as it came (headers as for :meth:`open`), its answer read
+        whole: (status, body). ConnectFailed when nothing answers within ``timeout`` or the body
+        runs past ``limit``; MaybeDelivered as for :meth:`open`."""
+        origin, prefix = self._target(worker_url)
+        try:
+            data = encode_request(method.encode(), prefix + path.encode(), origin.host_header, headers, body)
+        except ValueError as e:
+            raise ConnectFailed(worker_url, f"request failed: {e}") from None
+        return await self._whole(
+            worker_url, origin, data, method == "HEAD", method in _IDEMPOTENT, timeout, limit
+        )
+
+    async def _whole(
+        self,
+        url: str,
+        origin: Origin,
+        data: bytes,
+        head_request: bool,
+        idempotent: bool,
+        timeout: float,
+        limit: int,
+    ) -> tuple[int, bytes]:
+        """Send ``data`` (an encoded request) and read the whole answer, bounded by ``timeout``
+        and, in size, by ``limit``: the connection is dropped once the body runs past it."""
 
         async def exchange() -> tuple[int, bytes]:
-            response = await self._send(url, origin, data, method == "HEAD", idempotent=True)
+            response = await self._send(url, origin, data, head_request, idempotent=idempotent)
             try:
                 body = await response.read(limit)
             except BaseException:

@@ -403,6 +403,11 @@ async def test_router_fails_over_when_a_worker_refuses_connections(http: aiohttp
     async with serve(engine_app(alive)) as a, contextlib.AsyncExitStack() as stack:
         b = await stack.enter_async_context(serve(engine_app(gone)))
         async with router_for(a.url, b.url) as front:
+            for _ in range(500):  # (both found up first: a worker never seen up is not "down")
+                async with http.get(front + "/kvmesh/workers") as r:
+                    if {row["state"] for row in (await r.json())["workers"]} == {"up"}:
+                        break
+                await asyncio.sleep(0.01)
             await stack.aclose()  # the second worker's port now refuses connections
             for i in range(4):
                 async with http.post(front + "/v1/chat/completions", json=chat(f"q{i}")) as r:

@@ -164,3 +164,28 @@ def test_every_vllm_control_the_router_knows_is_on_vllms_routers() -> None:
         assert methods[path] == ({"GET"} if path in fleet_control.GETS else {"POST"}), path
     refused = {p for p in fleet_control.PER_ENGINE if p in methods}
     assert "/init_weight_transfer_engine" in refused and "/update_weights" in refused
+
+
+def test_vllms_answers_to_a_request_refused_while_paused_are_what_the_router_routes_around() -> None:
+    """While paused, vLLM's engine finishes a new request with a retryable error: a whole answer
+    is its 503, a stream a 200 that opens with the error as its first event (the chat stream's
+    ``ErrorResponse`` chunk, the completion stream's converted error). kvmesh sends each of these
+    to another worker (``refused_for_now``); a non-retryable generation error it passes on."""
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.exceptions import GenerationError, RetryableRequestError
+
+    from kvmesh.router.asgi.forwarding import refused_for_now
+
+    serving = GenerateBaseServing.__new__(GenerateBaseServing)
+
+    def streams(error: GenerationError) -> list[bytes]:
+        chat_chunk = serving.create_error_response(
+            str(error), err_type="InternalServerError", status_code=error.status_code
+        ).model_dump_json()
+        completion_event = serving._convert_generation_error_to_streaming_response(error)
+        return [f"data: {e}\n\ndata: [DONE]\n\n".encode() for e in (chat_chunk, completion_event)]
+
+    paused = RetryableRequestError("Generation is paused. Please retry after it resumes.")
+    assert paused.status_code == 503
+    assert all(refused_for_now(200, first) for first in streams(paused))
+    assert not any(refused_for_now(200, first) for first in streams(GenerationError("boom")))

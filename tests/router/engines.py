@@ -32,6 +32,8 @@ class EngineState:
     role: str = "aggregated"
     transfer_params: dict[str, Any] | None = None  # a prefill answer's kv_transfer_params
     status: int = 200  # of every generation answer (a failing prefill worker: 500)
+    stream_error: int | None = None  # a stream opens with an error event of this code, in a 200
+    # (vLLM's answer to a streamed request while paused: 503), and ends there
     text: str | None = None  # each streamed chunk's content (default "<name>:<i> ")
     stream_usage: bool = True  # end a stream with a usage event
     tool_calls: list[dict[str, str]] = field(default_factory=list)  # answer with these calls
@@ -160,6 +162,11 @@ def engine_app(state: EngineState) -> Starlette:
         async def events() -> Any:
             state.active += 1
             try:
+                if state.stream_error is not None:
+                    error = {"message": "refused in the stream", "type": "Error", "param": None}
+                    yield f"data: {json.dumps({'error': {**error, 'code': state.stream_error}})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
                 for piece in _call_pieces(state):
                     chunk = {
                         "id": "chatcmpl-1",

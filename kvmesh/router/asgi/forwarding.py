@@ -14,6 +14,12 @@ when the worker then refuses a new connection (it died, and the request with it)
 still answers gets the client a 502 and no second copy. After the first byte the client's response
 has begun, so a break ends that response cleanly (an error event for SSE) instead. A client that leaves before the first byte
 closes the upstream connection, which tells the worker to abort a prefill nobody waits for.
+
+A worker that refuses the request for now (:func:`refused_for_now`: a 503, or a stream whose first
+event is a 503 error, which is how a paused vLLM engine answers) ran none of it, and the client has
+nothing yet: the router asks again without that worker, as for a connection failure, but leaves it
+up (a paused engine answers its health checks). A request pinned to the worker, or one with no
+other worker left, gets the refusal as the worker gave it.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from kvmesh.router.upstream.forwarder import (
 
 ASGIApp = Any
 Scope = dict[str, Any]
-__all__ = ["HOP_HEADER", "REQUEST_ID_HEADER", "WORKER_ID_HEADER", "Dispatch", "replace_body"]
+__all__ = ["HOP_HEADER", "REQUEST_ID_HEADER", "WORKER_ID_HEADER", "Dispatch", "refused_for_now", "replace_body"]
 WORKER_ID_HEADER = b"x-kvmesh-worker-id"
 SESSION_HEADER = b"x-session-id"
 
@@ -83,6 +89,26 @@ def annotation_events(parsed: ParsedRequest, formatted: Callable[[list[int]], st
         value: Any = parsed.tokens if name == "token_ids" else formatted(parsed.tokens)
         out += b"event: " + name.encode() + b"\n: " + msgspec.json.encode(value) + b"\n\n"
     return out
+
+
+_STREAMED_ERROR = b'data: {"error"'
+
+
+def refused_for_now(status: int, first: bytes | None) -> bool:
+    """Whether a worker's answer refuses the request for now, having run none of it: a 503 (vLLM's
+    engine while paused, whole requests), or a 200 stream whose first event is an error with code
+    503 (vLLM's answer to a streamed request while paused: the refusal comes as the stream's first
+    event). ``first``: the first body bytes, read before anything goes to the client."""
+    if status == 503:
+        return True
+    if status != 200 or first is None or not first.startswith(_STREAMED_ERROR):
+        return False
+    event = first.split(b"\n", 1)[0][len(b"data: ") :]
+    try:
+        error = msgspec.json.decode(event).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == 503
 
 
 class Dispatch:
@@ -174,7 +200,21 @@ class Dispatch:
                 self.count("disconnected", 499)
                 account.end(False)
                 return
-            await self._relay(*opened)
+            upstream, first = opened
+            if not pinned and refused_for_now(upstream.status, first):
+                # (nothing ran there and nothing reached the client: another worker may serve it)
+                allowed = registry.routable - tried - {worker_id}
+                if allowed:
+                    upstream.close()
+                    mesh.router.cancel(account.request_id, time.monotonic())
+                    mesh.metrics.refusals_rerouted.inc()
+                    tried.add(worker_id)
+                    next_decision = await self.reroute(allowed)
+                    if next_decision is None:
+                        return
+                    decision = next_decision
+                    continue
+            await self._relay(upstream, first)
             return
 
     def _engine_body(self, worker_id: str) -> bytes:

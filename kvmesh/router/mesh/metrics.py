@@ -274,6 +274,12 @@ class Metrics:
             ["path"],
             registry=registry,
         )
+        self.refusals_rerouted = Counter(
+            "kvmesh_refusals_rerouted_total",
+            "Forwarded requests a worker refused for now (a 503, or a stream that opens with a 503 "
+            "error: a paused engine's answer) and the router sent to another worker",
+            registry=registry,
+        )
         self.not_resent = Counter(
             "kvmesh_requests_not_resent_total",
             "Forwarded requests a live worker dropped after receiving them, answered 502 rather than "

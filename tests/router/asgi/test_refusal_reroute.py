@@ -1,0 +1,126 @@
+"""A worker that refuses a request for now (kvmesh.router.asgi.forwarding.refused_for_now: a 503,
+or a stream that opens with a 503 error, as a paused vLLM engine answers) ran none of it: the
+router sends the request to another worker, over HTTP, and the client sees only the answer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvmesh.router.asgi.forwarding import refused_for_now
+from kvmesh.router.mesh.metrics import get_metrics
+from tests.router.asgi.test_agent_features import mock_fleet
+from tests.router.asgi.test_responses_api import indexed_as_stored
+from tests.router.engines import EngineState, engine_app
+from tests.router.fleet import chat
+from tests.router.servers import serve
+from tests.router.upstream.test_forwarder import router_for
+
+
+def _rerouted() -> float:
+    return get_metrics().refusals_rerouted._value.get()
+
+
+@contextlib.asynccontextmanager
+async def _pair(refusing: EngineState) -> AsyncIterator[tuple[str, str, str]]:
+    """A round-robin router in front of ``refusing`` and a worker that serves: (front, its url,
+    the server's url)."""
+    serving = EngineState("serving")
+    async with (
+        serve(engine_app(refusing)) as a,
+        serve(engine_app(serving)) as b,
+        router_for(a.url, b.url) as front,
+    ):
+        yield front, a.url, b.url
+
+
+async def _ask(http: aiohttp.ClientSession, front: str, **body: Any) -> tuple[int, str, str | None]:
+    async with http.post(front + "/v1/chat/completions", json={**chat("q"), **body}) as r:
+        return r.status, await r.text(), r.headers.get("x-kvmesh-worker-id")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_refused_request_is_served_by_another_worker(
+    http: aiohttp.ClientSession, stream: bool
+) -> None:
+    refusing = EngineState(
+        "refusing", status=503 if not stream else 200, stream_error=503 if stream else None
+    )
+    async with _pair(refusing) as (front, _, serving_url):
+        before = _rerouted()
+        for _ in range(4):  # (round-robin: half of them are sent to the refusing worker first)
+            status, text, worker = await _ask(http, front, stream=stream)
+            assert status == 200 and worker == serving_url, text
+            assert "serving" in text and "refused" not in text
+        assert len(refusing.received) >= 2 and _rerouted() - before == len(refusing.received)
+        async with http.get(front + "/kvmesh/workers") as r:  # (refusing is not being down)
+            assert {row["state"] for row in (await r.json())["workers"]} == {"up"}
+
+
+async def test_a_pinned_request_or_a_fleet_that_refuses_gets_the_refusal(http: aiohttp.ClientSession) -> None:
+    refusing = EngineState("refusing", status=503)
+    async with _pair(refusing) as (front, refusing_url, _):
+        status, text, _ = await _ask(http, front, nvext={"backend_instance_id": refusing_url})
+        assert status == 503 and "failing on purpose" in text
+    every = [EngineState("a", status=503), EngineState("b", status=503)]
+    async with (
+        serve(engine_app(every[0])) as a,
+        serve(engine_app(every[1])) as b,
+        router_for(a.url, b.url) as front,
+    ):
+        status, text, _ = await _ask(http, front)
+        assert status == 503 and "failing on purpose" in text
+        assert len(every[0].received) + len(every[1].received) == 2  # (each asked once)
+
+
+async def test_other_errors_are_the_clients_as_they_came(http: aiohttp.ClientSession) -> None:
+    for refusing in (EngineState("e", status=500), EngineState("e", stream_error=400)):
+        async with _pair(refusing) as (front, _, _):
+            before = _rerouted()
+            outcomes = [await _ask(http, front, stream=refusing.stream_error is not None) for _ in range(2)]
+            assert any("failing on purpose" in t or "refused in the stream" in t for _, t, _ in outcomes)
+            assert _rerouted() == before
+
+
+def test_what_counts_as_a_refusal_for_now() -> None:
+    event = (
+        b"data: " + json.dumps({"error": {"message": "m", "type": "t", "param": None, "code": 503}}).encode()
+    )
+    assert refused_for_now(503, b"{}") and refused_for_now(200, event + b"\n\ndata: [DONE]\n\n")
+    assert not refused_for_now(200, event.replace(b"503", b"400") + b"\n\n")
+    assert not refused_for_now(500, b"{}") and not refused_for_now(200, b'data: {"error": [1]}\n\n')
+    assert not refused_for_now(200, b'data: {"error": oops\n\n') and not refused_for_now(200, None)
+
+
+async def test_an_engine_paused_on_its_own_is_routed_around_until_it_resumes(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A rolling weight update pauses one engine at a time, at the engine itself. The prompt is
+    cached on the paused engine, so the router chooses it first each time."""
+    async with mock_fleet(2) as (front, mocks, _):
+        home, other = mocks[0].base_url, mocks[1].base_url
+        body = {"model": mocks[0].config.model, "prompt": "one engine at a time " * 20, "max_tokens": 2}
+        async with http.post(
+            front.url + "/v1/completions", json={**body, "nvext": {"backend_instance_id": home}}
+        ) as r:
+            assert r.status == 200
+        await indexed_as_stored(http, front.url, home)
+        async with http.post(home + "/pause?clear_cache=false") as r:
+            assert r.status == 200
+        before = _rerouted()
+        for stream in (False, True, False, True):
+            async with http.post(front.url + "/v1/completions", json={**body, "stream": stream}) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["x-kvmesh-worker-id"] == other
+                await r.read()
+        assert _rerouted() - before >= 1  # (once the answer was cached there too, it went there first)
+        async with http.post(home + "/resume") as r:
+            assert r.status == 200
+        pinned = {**body, "nvext": {"backend_instance_id": home}}  # (it serves again once resumed)
+        async with http.post(front.url + "/v1/completions", json=pinned) as r:
+            assert r.status == 200 and r.headers["x-kvmesh-worker-id"] == home

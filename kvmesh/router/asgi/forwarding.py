@@ -53,7 +53,14 @@ from kvmesh.router.upstream.forwarder import (
 
 ASGIApp = Any
 Scope = dict[str, Any]
-__all__ = ["HOP_HEADER", "REQUEST_ID_HEADER", "WORKER_ID_HEADER", "Dispatch", "refused_for_now", "replace_body"]
+__all__ = [
+    "HOP_HEADER",
+    "REQUEST_ID_HEADER",
+    "WORKER_ID_HEADER",
+    "Dispatch",
+    "refused_for_now",
+    "replace_body",
+]
 WORKER_ID_HEADER = b"x-kvmesh-worker-id"
 SESSION_HEADER = b"x-session-id"
 

@@ -18,6 +18,7 @@ from kvmesh.mock.config import MockConfig
 from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.core.load import _SIZES_EVERY_S
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.clients import stream_chat
 from tests.router.engines import EngineState, engine_app
@@ -83,10 +84,17 @@ async def test_a_worker_busy_with_requests_the_router_never_sent_loses_the_next_
             for _ in range(250):  # until a health check reads them from a's /metrics
                 now = await rows()
                 reported = now["a"]["engine_load"]
-                if reported is not None and reported["waiting"] == 4.0:
+                in_prefill = now["c"]["ranks"][0]["active_prefill_tokens"] > 10_000  # (the router's own)
+                if reported is not None and reported["waiting"] == 4.0 and in_prefill:
                     break
                 await asyncio.sleep(0.02)
             assert reported is not None and reported["running"] == 2.0
+            # The size an unseen request is given is measured again at most every
+            # _SIZES_EVERY_S, at a health check: wait for one measured with c's prefill in flight
+            # (the last may predate it, and a's queue then counts as requests of no size; under
+            # load this once sent the question to a).
+            await asyncio.sleep(_SIZES_EVERY_S + 2 * settings.health_interval)
+            now = await rows()
             assert now["a"]["ranks"][0]["unseen_requests"] == 6.0
             assert now["b"]["ranks"][0]["unseen_requests"] == 0.0
             assert now["c"]["ranks"][0]["active_prefill_tokens"] > 10_000, "c's prefill ended too soon"
@@ -143,9 +151,13 @@ async def test_a_replica_counts_the_queue_another_replica_put_on_a_peer() -> Non
             for _ in range(250):
                 rows = await seen_by_n0()
                 load = rows[n2]["engine_load"]
-                if load is not None and load["waiting"] == 4.0:
+                in_prefill = rows[n3]["ranks"][0]["active_prefill_tokens"] > 10_000  # (replica 0's own)
+                if load is not None and load["waiting"] == 4.0 and in_prefill:
                     break
                 await asyncio.sleep(0.02)
+            # (a size of an unseen request measured with that prefill in flight, as above)
+            await asyncio.sleep(_SIZES_EVERY_S + 2 * 0.5)
+            rows = await seen_by_n0()
             assert rows[n2]["active_requests"] == 0  # replica 0 routed none of them
             assert rows[n2]["ranks"][0]["unseen_requests"] == 6.0
             assert rows[n3]["ranks"][0]["active_prefill_tokens"] > 10_000, "the prefill ended too soon"

@@ -24,7 +24,6 @@ requests have drained). The paths take no token, as the engines' own.
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,6 +35,7 @@ from starlette.routing import Route
 from kvmesh.errors import RequestError
 from kvmesh.mock.engine import MockEngine
 from kvmesh.mock.pause import PAUSE_MODES, SGLANG_PAUSE_MODES, SLEEP_LEVELS, GenerationPaused
+from kvmesh.router.request.parse import decode_body
 from kvmesh.worker.rpc import error_response
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -167,14 +167,9 @@ def _param(name: str, in_query: bool = True) -> str:
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
-    """SGLang's request object (FastAPI requires the body, and an object)."""
+    """SGLang's request object (FastAPI requires the body, and an object): the router's own
+    reading of a body (``decode_body``: a JSON object, or a 400 naming ``body``)."""
     raw = await request.body()
-    try:
-        body = json.loads(raw) if raw.strip() else None
-    except (ValueError, RecursionError):
-        raise RequestError("the request body is not valid JSON", field="body") from None
-    if body is None:
+    if not raw.strip():
         raise RequestError("the request body is required (a JSON object, {} for the defaults)", field="body")
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", field="body")
-    return body
+    return decode_body(raw)

@@ -20,6 +20,9 @@
                                                      them: kvmesh.mock.tokens_api
     POST /v1/embeddings                              vLLM's embeddings, each input a prefill on the
                                                      engine: kvmesh.mock.embeddings
+    POST /invocations                                SageMaker's entry point, as vLLM has it (chat,
+                                                     completion or embedding by the body; stateful
+                                                     sessions): kvmesh.mock.invocations
     POST /v1/messages/count_tokens, POST /tokenize,  vLLM's utility endpoints: kvmesh.mock.tokenize
     POST /detokenize
     POST /pause, /resume, /sleep, /wake_up,          the engine control of an RL loop: vLLM's (dev
@@ -64,6 +67,7 @@ from kvmesh.mock.control import answers_paused, control_routes
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.embeddings import embeddings_answer, parse_embeddings, prefill_only
 from kvmesh.mock.engine import MockEngine, TokenStream
+from kvmesh.mock.invocations import invocations_handler
 from kvmesh.mock.messages import message_events, message_object, parse_messages
 from kvmesh.mock.native_generate import GenerateRequest, generate_answer, generate_events, parse_generate
 from kvmesh.mock.protocol import Endpoint, ParsedRequest, parse_generation, usage
@@ -83,6 +87,7 @@ from kvmesh.mock.tokens_api import parse_tokens, tokens_answer, tokens_events
 from kvmesh.router.request.batches import CHAT_BATCH_PATH, COMPLETIONS_PATH
 from kvmesh.router.request.generate_api import ABORT_PATH as SGLANG_ABORT_PATH
 from kvmesh.router.request.generate_api import GENERATE_PATH
+from kvmesh.router.request.invocations import INVOCATIONS_PATH
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
 from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH, abort_ids
 from kvmesh.worker.rpc import error_response, worker_rpc_routes
@@ -421,6 +426,9 @@ def build_app(
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route(
+            INVOCATIONS_PATH, invocations_handler(chat_completions, completions, embeddings), methods=["POST"]
+        ),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/generate", native_generate, methods=["POST", "PUT"]),

@@ -215,3 +215,17 @@ def test_the_controls_the_router_sends_to_every_worker_are_sglangs_own(served: A
         "/update_weights_from_tensor",
     ):
         assert path in methods and path in fleet_control.PER_ENGINE, path
+
+
+def test_sglangs_invocations_is_its_chat_endpoint_and_the_middleware_routes_it(served: Any) -> None:
+    """SageMaker's entry point on SGLang takes a chat request (kvmesh.router.asgi.invocations routes
+    it as one, and sends it on to ``/invocations``); the SGLang middleware's generation paths hold it."""
+    from kvmesh.router.asgi.middleware import WITH_GENERATE
+    from kvmesh.router.request.invocations import INVOCATIONS_PATH, invoked_endpoint
+
+    route = next(r for r in served["app"].router.routes if getattr(r, "path", None) == INVOCATIONS_PATH)
+    assert route.methods == {"POST"}
+    (param,) = route.dependant.body_params
+    assert param.type_.__name__ == "ChatCompletionRequest"
+    assert INVOCATIONS_PATH in WITH_GENERATE
+    assert invoked_endpoint({"messages": [{"role": "user", "content": "hi"}]}) == "/v1/chat/completions"

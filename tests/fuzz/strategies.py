@@ -344,6 +344,13 @@ EMBEDDINGS = st.fixed_dictionaries(
 )
 """vLLM's ``/v1/embeddings`` body (the standalone router relays it to the least loaded worker)."""
 
+SAGEMAKER_SESSION = st.fixed_dictionaries(
+    {"requestType": st.one_of(st.sampled_from(["NEW_SESSION", "CLOSE"]), SCALARS)}
+)
+INVOCATIONS = st.one_of(CHAT, COMPLETION, EMBEDDINGS, SAGEMAKER_SESSION)
+"""SageMaker's ``/invocations`` bodies: a chat request, a completion, an embedding request, or a
+stateful session's own request (kvmesh.router.asgi.invocations)."""
+
 BLOCK = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": _maybe(TEXT)}),
     st.fixed_dictionaries(
@@ -518,6 +525,7 @@ HEADERS = st.fixed_dictionaries(
         "x-kvmesh-hop": HEADER_VALUES,
         "x-kvmesh-request-id": HEADER_VALUES,
         "x-kvmesh-hop-auth": HEADER_VALUES,
+        "x-amzn-sagemaker-session-id": HEADER_VALUES,
         "content-type": st.sampled_from(
             ["application/json", "text/plain", "application/json; charset=latin-1"]
         ),

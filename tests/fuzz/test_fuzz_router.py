@@ -21,6 +21,7 @@ from tests.fuzz.strategies import (
     EMBEDDINGS,
     GENERATE,
     HEADERS,
+    INVOCATIONS,
     MESSAGES,
     RESPONSES,
     SGLANG_ABORT,
@@ -43,10 +44,11 @@ from tests.fuzz.strategies import (
         ("/abort_request", SGLANG_ABORT),
         ("/v1/embeddings", EMBEDDINGS),
         ("/v1/chat/completions/batch", CHAT_BATCH),
+        ("/invocations", INVOCATIONS),
     ],
     ids=[
         *("chat", "completions", "responses", "generate", "messages", "tokens", "abort"),
-        *("count_tokens", "abort_request", "embeddings", "chat_batch"),
+        *("count_tokens", "abort_request", "embeddings", "chat_batch", "invocations"),
     ],
 )
 def test_no_5xx_and_every_4xx_names_its_field(target: Target, path: str, doc: Any) -> None:

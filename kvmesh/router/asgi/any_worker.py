@@ -15,19 +15,24 @@ routable worker, taken in turn, and its answer relayed unchanged (the client's `
 goes along). A worker whose server has no such path answers 404, and the next worker is asked (a
 fleet can mix engines: SGLang alone has ``/v1/tokenize``), as is one that cannot be reached; with no
 worker left, the last 404 is the answer, or a 502 when none answered, a 503 when none is routable.
+A client that leaves before the answer begins closes the connection to the worker, which tells it
+to abort what it started for the request.
 
 Inside an engine, the middleware leaves these paths to the engine's own server, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from kvmesh._http import route_path
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
-from kvmesh.router.asgi.forwarding import relay_unchanged
+from kvmesh.router.asgi.forwarding import open_while_client_waits, relay_unchanged
 from kvmesh.router.asgi.json_io import read_json_body, send_error
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.upstream.forwarder import UpstreamError, UpstreamResponse, end_to_end_headers
@@ -65,9 +70,8 @@ class AnyWorker:
         mesh = self._mesh_of()
         await mesh.ensure_started()
         settings = mesh.settings
-        method = scope["method"]
         body: bytes | None = b""
-        if method == "POST":
+        if scope["method"] == "POST":
             try:
                 body = await read_json_body(
                     scope, receive, settings.max_body_bytes, settings.body_read_timeout
@@ -85,29 +89,62 @@ class AnyWorker:
             return
         self._turn += 1
         start = self._turn % len(routable)
-        path = route_path(scope)
-        if scope.get("query_string"):
-            path += "?" + scope["query_string"].decode("latin-1")
-        headers = peer_auth.strip_internal(end_to_end_headers(scope["headers"]))
-        answer: UpstreamResponse | None = None
-        for worker_id in routable[start:] + routable[:start]:
-            worker = mesh.registry.get(worker_id)
-            if worker is None:
-                continue
-            try:
-                upstream = await mesh.forwarder.open(worker.url, method, path, headers, body)
-            except UpstreamError:
-                continue
-            if upstream.status == 404:  # (not this engine's path: ask the next one)
-                if answer is not None:
-                    answer.close()
-                answer = upstream
-                continue
-            if answer is not None:
-                answer.close()
-            answer = upstream
-            break
-        if answer is None:
+        asked = await first_answer(mesh, routable[start:] + routable[:start], scope, receive, body)
+        if asked is CLIENT_LEFT:
+            return
+        if asked is None:
             await send_error(send, 502, f"no worker could be reached for {route_path(scope)}", None)
             return
-        await relay_unchanged(answer, send)
+        await relay_unchanged(asked[0], send)
+
+
+class _Left(enum.Enum):
+    CLIENT = "the client left"
+
+
+CLIENT_LEFT = _Left.CLIENT
+""":func:`first_answer`'s answer when the client left before any worker answered."""
+
+
+async def first_answer(
+    mesh: Mesh,
+    order: list[str],
+    scope: dict[str, Any],
+    receive: Any,
+    body: bytes,
+    weigh: Callable[[str], contextlib.AbstractContextManager[object]] | None = None,
+) -> tuple[UpstreamResponse, str] | _Left | None:
+    """The request of ``scope`` (its method, path, query, end-to-end headers, and ``body``) asked of
+    the workers of ``order`` one after another, until one answers other than 404 (a path its
+    server lacks) or none is left: (the answer, the worker that gave it), the last 404 when every
+    worker reached had none, None when no worker could be reached. A client that leaves while a
+    worker prepares its answer closes the connection to it, which aborts the request there
+    (:data:`CLIENT_LEFT`). ``weigh(worker id)`` holds for as long as that worker is asked."""
+    path = route_path(scope)
+    if scope.get("query_string"):
+        path += "?" + scope["query_string"].decode("latin-1")
+    headers = peer_auth.strip_internal(end_to_end_headers(scope["headers"]))
+    method = scope["method"]
+    answer: tuple[UpstreamResponse, str] | None = None
+    for worker_id in order:
+        worker = mesh.registry.get(worker_id)
+        if worker is None:
+            continue
+        opening = functools.partial(mesh.forwarder.open, worker.url, method, path, headers, body)
+        try:
+            with weigh(worker_id) if weigh is not None else contextlib.nullcontext():
+                upstream = await open_while_client_waits(receive, opening, _close)
+        except UpstreamError:
+            continue
+        if answer is not None:
+            answer[0].close()
+        if upstream is None:
+            return CLIENT_LEFT
+        answer = (upstream, worker_id)
+        if upstream.status != 404:
+            break
+    return answer
+
+
+def _close(upstream: UpstreamResponse) -> None:
+    upstream.close()

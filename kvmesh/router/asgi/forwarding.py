@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvmesh._http import error_body, replay_body, wait_disconnect
+from kvmesh._http import error_body, replay_body, route_path, wait_disconnect
 from kvmesh.errors import KvMeshError, RequestError
 from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.direct_relay import DirectRelay
@@ -279,7 +279,7 @@ class Dispatch:
         if tag is not None:
             headers.append(tag)
         headers += hop_headers(self.mesh.settings.mesh_secret, self.mesh.replica, self.account.request_id)
-        path = self.parsed.endpoint
+        path = route_path(self.scope)  # (the client's: /invocations stays /invocations, :mod:`.invocations`)
         if self.scope.get("query_string"):
             path += "?" + self.scope["query_string"].decode("latin-1")
         upstream = await self.mesh.forwarder.open(url, "POST", path, headers, body, on_sent=self._written)

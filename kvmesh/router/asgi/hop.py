@@ -30,9 +30,19 @@ Scope = dict[str, Any]
 class HopRequest:
     """A request another replica already routed here (one instance per call)."""
 
-    __slots__ = ("app", "hop", "mesh", "receive", "scope", "send")
+    __slots__ = ("app", "endpoint", "hop", "mesh", "receive", "scope", "send")
 
-    def __init__(self, mesh: Mesh, app: ASGIApp, scope: Scope, receive: Any, send: Any, hop: Hop) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        app: ASGIApp,
+        scope: Scope,
+        receive: Any,
+        send: Any,
+        hop: Hop,
+        endpoint: str | None = None,
+    ) -> None:
+        self.endpoint = endpoint or route_path(scope)  # (SageMaker's /invocations: what its body is)
         self.mesh = mesh
         self.app = app
         self.scope = scope
@@ -59,7 +69,7 @@ class HopRequest:
             parsed: ParsedRequest | None = parse_request(
                 raw,
                 self.scope["headers"],
-                route_path(self.scope),
+                self.endpoint,
                 tokenizer=mesh.tokenizer if track else None,
                 block_size=registry.block_size or 16,
                 lora_of=registry.lora_of,

@@ -19,7 +19,9 @@ A stored response asked for again (``/v1/responses/{id}``) goes to the engine th
 ``/generate`` (POST or PUT) is routed too (``generation_paths``; any other app may have a
 ``/generate`` of its own, in another shape), and its ``/abort_request`` goes where the requests
 run (:mod:`kvmesh.router.asgi.aborts`), as does vLLM's token API's abort in front of vLLM, whose
-batch of conversations (``/v1/chat/completions/batch``) is routed conversation by conversation. The
+batch of conversations (``/v1/chat/completions/batch``) is routed conversation by conversation.
+In front of either engine, and standalone, SageMaker's ``/invocations`` is routed as the chat
+request or completion its body is (:mod:`kvmesh.router.asgi.invocations`). The
 admin endpoints (:mod:`kvmesh.router.asgi.admin`) are answered here. A scrape of an engine's
 multiprocess ``/metrics`` gets kvmesh's live gauges added (:mod:`kvmesh.router.asgi.scrape`). Every
 other path and every non-HTTP scope passes straight through.
@@ -31,15 +33,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh._http import route_path
-from kvmesh.router.asgi import aborts, admin, peer_auth, scrape, stored_responses
+from kvmesh._http import replay_body, route_path
+from kvmesh.errors import RequestError
+from kvmesh.router.asgi import aborts, admin, invocations, peer_auth, scrape, stored_responses
 from kvmesh.router.asgi.hop import HopRequest
+from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.asgi.routed import RoutedRequest
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
 from kvmesh.router.request.batches import CHAT_BATCH_PATH
 from kvmesh.router.request.generate_api import GENERATE_PATH
+from kvmesh.router.request.invocations import INVOCATIONS_PATH, invoked_endpoint
 from kvmesh.router.request.messages_api import MESSAGES_PATH
+from kvmesh.router.request.parse import decode_body
 from kvmesh.router.request.responses_api import RESPONSES_PATH
 from kvmesh.router.request.tokenizer import Tokenizer
 from kvmesh.router.request.tokens_api import TOKENS_PATH
@@ -49,12 +55,13 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 
 GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", RESPONSES_PATH, MESSAGES_PATH))
-WITH_GENERATE = GENERATION_PATHS | {GENERATE_PATH}
+WITH_GENERATE = GENERATION_PATHS | {GENERATE_PATH, INVOCATIONS_PATH}
 """The generation paths where the server behind is SGLang's (the aborts of its requests are then
-sent where they run: :mod:`.aborts`)."""
-WITH_TOKENS = GENERATION_PATHS | {TOKENS_PATH, CHAT_BATCH_PATH}
+sent where they run: :mod:`.aborts`; and SageMaker's entry point, :mod:`.invocations`)."""
+WITH_TOKENS = GENERATION_PATHS | {TOKENS_PATH, CHAT_BATCH_PATH, INVOCATIONS_PATH}
 """The generation paths where the server behind is vLLM's (its token-in-token-out API, whose
-aborts are then sent where the requests run: :mod:`.aborts`; and its batch of conversations)."""
+aborts are then sent where the requests run: :mod:`.aborts`; its batch of conversations; and
+SageMaker's entry point, :mod:`.invocations`)."""
 EVERY_PATH = WITH_GENERATE | WITH_TOKENS
 """Where the servers behind may be either (the standalone router, a simulated fleet)."""
 
@@ -96,15 +103,10 @@ class KvMeshMiddleware:
         path = route_path(scope)
         if routes(self.generation_paths, path, scope["method"]):
             await self.mesh.ensure_started()
-            headers = scope["headers"]
-            if peer_auth.has_internal(headers):
-                # Judge the hop headers once, then drop them: no copy travels further (peer_auth).
-                hop = peer_auth.read_hop(headers, self.settings.mesh_secret)
-                scope = {**scope, "headers": peer_auth.strip_internal(headers)}
-                if hop is not None and self.mesh.local_app is not None:
-                    await HopRequest(self.mesh, self.app, scope, receive, send, hop).run()
-                    return
-            await RoutedRequest(self.mesh, self.app, scope, receive, send).run()
+            if path == INVOCATIONS_PATH:
+                await self._invocation(scope, receive, send)
+                return
+            await self._generation(scope, receive, send, path)
         elif (api := aborts.abort_api(path, scope["method"], self.generation_paths)) is not None:
             await aborts.serve(self.mesh, api, self.app, scope, receive, send)
         elif stored_responses.handles(path):
@@ -115,6 +117,36 @@ class KvMeshMiddleware:
             await scrape.serve_with_gauges(self.app, scope, receive, send, self.mesh.metrics)
         else:
             await self.app(scope, receive, send)
+
+    async def _generation(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
+        """Route a generation request served as ``endpoint``, or serve a peer's hop here."""
+        headers = scope["headers"]
+        if peer_auth.has_internal(headers):
+            # Judge the hop headers once, then drop them: no copy travels further (peer_auth).
+            hop = peer_auth.read_hop(headers, self.settings.mesh_secret)
+            scope = {**scope, "headers": peer_auth.strip_internal(headers)}
+            if hop is not None and self.mesh.local_app is not None:
+                await HopRequest(self.mesh, self.app, scope, receive, send, hop, endpoint).run()
+                return
+        await RoutedRequest(self.mesh, self.app, scope, receive, send, endpoint).run()
+
+    async def _invocation(self, scope: Scope, receive: Any, send: Any) -> None:
+        """SageMaker's entry point: routed as the generation its body is, or passed on
+        (:mod:`kvmesh.router.asgi.invocations`)."""
+        settings = self.settings
+        try:
+            raw = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
+            endpoint = invoked_endpoint(decode_body(raw)) if raw is not None else None
+        except RequestError as e:
+            await send_error(send, e.status, str(e), e.field)
+            return
+        if raw is None:
+            return  # the client left
+        receive = replay_body(raw, receive)
+        if endpoint is not None:
+            await self._generation(scope, receive, send, endpoint)
+        else:  # (not a generation: the engine's, or the standalone router's relay)
+            await self.app(scope, receive, invocations.learning_sessions(self.mesh, send))
 
     async def _lifespan(self, scope: Scope, receive: Any, send: Any) -> None:
         mesh = self.mesh

@@ -26,24 +26,28 @@ passed over for the next; with none left the last 404 is the answer, or a 502 wh
 a 503 when none is routable. A client that leaves before the answer begins closes the connection
 to the worker, which aborts the request (vLLM's pooling routes are cancelled on a disconnect).
 
+SageMaker's ``/invocations`` comes here when its body is not a generation (the middleware routes
+those: :mod:`.invocations`), such as an embedding request or a stateful session's own request; one
+that names a session the router saw opened goes to the worker that opened it.
+
 Inside an engine, the middleware leaves these paths to the engine's own server.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvmesh._http import route_path
 from kvmesh.errors import RequestError
-from kvmesh.router.asgi import peer_auth
-from kvmesh.router.asgi.forwarding import open_while_client_waits, relay_unchanged
+from kvmesh.router.asgi.any_worker import CLIENT_LEFT, first_answer
+from kvmesh.router.asgi.forwarding import relay_unchanged
 from kvmesh.router.asgi.json_io import read_json_body, send_error
 from kvmesh.router.mesh.runtime import Mesh
-from kvmesh.router.upstream.forwarder import UpstreamError, UpstreamResponse, end_to_end_headers
+from kvmesh.router.request.invocations import INVOCATIONS_PATH, session_id
 
 PATHS = (
     "/v1/embeddings",
@@ -89,43 +93,23 @@ class PoolingRelay:
         if not mesh.registry.ready.is_set():
             await mesh.wait_ready()
         order = self._order(mesh)
+        if endpoint == INVOCATIONS_PATH and (session := session_id(scope["headers"])):
+            # (SageMaker's stateful session lives on one engine: its own requests go there)
+            home = mesh.session_homes.home(session)
+            order = [home] if home in order else order
         if not order:
             mesh.metrics.requests.labels(endpoint, "rejected", "503").inc()
             await send_error(send, 503, "no worker is routable", None)
             return
-        path = endpoint
-        if scope.get("query_string"):
-            path += "?" + scope["query_string"].decode("latin-1")
-        headers = peer_auth.strip_internal(end_to_end_headers(scope["headers"]))
-        method = scope["method"]
-        answer: UpstreamResponse | None = None
-        answered_by = ""
-        for worker_id in order:
-            worker = mesh.registry.get(worker_id)
-            if worker is None:
-                continue
-            self.in_flight[worker_id] += len(body)
-            try:
-                opening = functools.partial(mesh.forwarder.open, worker.url, method, path, headers, body)
-                upstream = await open_while_client_waits(receive, opening, _close)
-            except UpstreamError:
-                continue
-            finally:
-                self._done(worker_id, len(body))
-            if upstream is None:  # the client left before the worker answered
-                if answer is not None:
-                    answer.close()
-                mesh.metrics.requests.labels(endpoint, "disconnected", "499").inc()
-                return
-            if answer is not None:
-                answer.close()
-            answer, answered_by = upstream, worker_id
-            if upstream.status != 404:  # (404: not this engine's path, ask the next one)
-                break
-        if answer is None:
+        asked = await first_answer(mesh, order, scope, receive, body, self._weighing(len(body)))
+        if asked is CLIENT_LEFT:
+            mesh.metrics.requests.labels(endpoint, "disconnected", "499").inc()
+            return
+        if asked is None:
             mesh.metrics.requests.labels(endpoint, "rejected", "502").inc()
             await send_error(send, 502, f"no worker could be reached for {endpoint}", None)
             return
+        answer, answered_by = asked
         mesh.metrics.requests.labels(endpoint, "pooling", str(answer.status)).inc()
         answer.headers.append((b"x-kvmesh-worker-id", answered_by.encode()))
         await relay_unchanged(answer, send)
@@ -147,11 +131,17 @@ class PoolingRelay:
             return in_turn
         return sorted(in_turn, key=self.in_flight.__getitem__)  # (the sort is stable: ties in turn)
 
-    def _done(self, worker_id: str, size: int) -> None:
-        self.in_flight[worker_id] -= size
-        if self.in_flight[worker_id] <= 0:
-            del self.in_flight[worker_id]
+    def _weighing(self, size: int) -> Callable[[str], contextlib.AbstractContextManager[object]]:
+        """For :func:`first_answer`: ``size`` bytes outstanding on a worker while it is asked."""
 
+        @contextlib.contextmanager
+        def weigh(worker_id: str) -> Iterator[None]:
+            self.in_flight[worker_id] += size
+            try:
+                yield
+            finally:
+                self.in_flight[worker_id] -= size
+                if self.in_flight[worker_id] <= 0:
+                    del self.in_flight[worker_id]
 
-def _close(upstream: UpstreamResponse) -> None:
-    upstream.close()
+        return weigh

@@ -31,6 +31,7 @@ from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequ
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.batches import PromptBatch
 from kvmesh.router.request.generate_api import SERVED_BY, bound_to_engine, choices, is_generate
+from kvmesh.router.request.invocations import INVOCATIONS_PATH, SESSION_HEADER, session_id
 from kvmesh.router.request.messages_api import is_messages
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
 from kvmesh.router.request.parse import ParsedRequest, parse_request, prompt_recomputed
@@ -73,7 +74,9 @@ class RoutedRequest:
 
     __slots__ = ("app", "endpoint", "mesh", "receive", "scope", "send", "t0", "wall0")
 
-    def __init__(self, mesh: Mesh, app: ASGIApp, scope: Scope, receive: Any, send: Any) -> None:
+    def __init__(
+        self, mesh: Mesh, app: ASGIApp, scope: Scope, receive: Any, send: Any, endpoint: str | None = None
+    ) -> None:
         self.mesh = mesh
         self.app = app
         self.scope = scope
@@ -81,7 +84,9 @@ class RoutedRequest:
         self.send = send
         self.t0 = time.perf_counter()
         self.wall0 = time.time()
-        self.endpoint = route_path(scope)
+        self.endpoint = endpoint or route_path(scope)
+        """What the request is served as: its path, or for SageMaker's ``/invocations`` the
+        generation its body is (the path it goes on to the engine stays the client's)."""
 
     async def run(self) -> None:
         mesh = self.mesh
@@ -362,6 +367,8 @@ class RoutedRequest:
         response it continues (``previous_response_id``; only that engine has it). Unknown to this
         router, a stored response is left to the engine the request is routed to."""
         nv = parsed.nvext
+        if route_path(self.scope) == INVOCATIONS_PATH and (session := session_id(self.scope["headers"])):
+            return self._session_home(session, nv.pinned_worker)
         if not is_responses(parsed.endpoint):
             return nv.pinned_worker
         continued = previous_response_id(parsed.body)
@@ -379,6 +386,27 @@ class RoutedRequest:
                 f"worker {home!r}, which holds previous_response_id {continued!r}, is down",
                 field="previous_response_id",
                 status=503,
+            )
+        return home
+
+    def _session_home(self, session: str, pinned: str | None) -> str | None:
+        """The worker holding a SageMaker stateful session (:mod:`.invocations`): where it was
+        opened; one unknown to the router is this engine's, or with no engine here, left to routing."""
+        mesh = self.mesh
+        home = mesh.session_homes.home(session)
+        if home is None or mesh.registry.get(home) is None:
+            home = mesh.settings.self_worker_id if mesh.local_app is not None else None
+        if home is None or mesh.registry.get(home) is None:
+            return pinned
+        field = SESSION_HEADER.decode()
+        if pinned is not None and pinned != home:
+            raise RequestError(
+                f"session {session!r} lives on worker {home!r}, and the request names worker {pinned!r}",
+                field=field,
+            )
+        if home not in mesh.registry.routable:  # (no other engine has the session)
+            raise RequestError(
+                f"worker {home!r}, which holds session {session!r}, is down", field=field, status=503
             )
         return home
 
@@ -541,9 +569,12 @@ class RoutedRequest:
         """Each prompt of the batch as a routed request of its own, the answers merged
         (:mod:`.batches`)."""
         mesh, app = self.mesh, self.app
+        # (a prompt is served as the batch is, on the batch's path: a completion batch sent to
+        # /invocations stays a completion batch; a chat batch's conversations go on as chats)
+        endpoint = self.endpoint if batch.item_path is None else None
 
         async def run_one(scope: Scope, receive: Any, send: Any) -> None:
-            await RoutedRequest(mesh, app, scope, receive, send).run()
+            await RoutedRequest(mesh, app, scope, receive, send, endpoint).run()
 
         stream = batch.items[0].get("stream") is True
         await BatchAnswer(run_one, self.scope, self.receive, self.send, batch, self.endpoint, stream).run()

@@ -48,6 +48,7 @@ from kvmesh.router.asgi.pooling import PoolingRelay
 from kvmesh.router.mesh.metrics import CONTENT_TYPE, render
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
+from kvmesh.router.request.invocations import INVOCATIONS_PATH
 from kvmesh.router.request.tokenizer import Tokenizer
 
 
@@ -132,6 +133,8 @@ def build_router_app(
                 Route(path, pooling, methods=["POST", "PUT"] if path in POOLING_PUTS else ["POST"])
                 for path in POOLING_PATHS
             ),
+            # (SageMaker's entry point, when its body is no generation: the middleware routes those)
+            Route(INVOCATIONS_PATH, pooling, methods=["POST"]),
             # (SGLang takes GET on /flush_cache too)
             *(
                 Route(path, flush.serve, methods=["POST", "GET"] if path == "/flush_cache" else ["POST"])

@@ -147,9 +147,12 @@ class Mesh:
         self.deferred_prompts = 0
         """Prompts routed on their first block alone (no worker held it) and tokenized once sent."""
         self.turn_memo = TurnMemo()
+        """Recent chat prompts' blocks: a conversation's later turn is routed on its earlier one's."""
         self.response_homes = ResponseHomes()
         """Where each stored Responses API answer was served (``previous_response_id``)."""
-        """Recent chat prompts' blocks: a conversation's later turn is routed on its earlier one's."""
+        self.session_homes = ResponseHomes()
+        """Where each SageMaker stateful session was opened (its engine alone holds it, as one
+        holds a stored response): ``kvmesh.router.asgi.invocations``."""
         self.cold_counts = PendingCounts()
         """Prompts routed on a first block no worker held, sent and not yet counted, by that
         block's hash (:meth:`held_first`)."""

@@ -326,5 +326,8 @@ class ResponseHomes:
     def home(self, response_id: str) -> str | None:
         return self._homes.get(response_id)
 
+    def forget(self, response_id: str) -> None:
+        self._homes.pop(response_id, None)
+
     def __len__(self) -> int:
         return len(self._homes)

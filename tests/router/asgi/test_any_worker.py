@@ -7,6 +7,7 @@ Two stand-in engines: one with vLLM's paths (``/tokenize``, ``/v1/messages/count
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -20,6 +21,7 @@ from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.asgi.test_agent_features import mock_fleet
+from tests.router.asgi.test_pooling import Engine, _fleet, _until
 from tests.router.servers import serve
 
 READS = ("/get_model_info", "/get_server_info", "/version", "/health_generate")
@@ -133,3 +135,21 @@ async def test_a_count_through_the_router_is_the_engines_own() -> None:
         for _ in range(2):
             async with http.post(front.url + "/v1/messages/count_tokens", json=body) as r:
                 assert r.status == 200 and await r.json() == direct
+
+
+async def test_a_client_that_leaves_before_the_answer_stops_the_engines_request() -> None:
+    """SGLang's ``/health_generate`` generates a token on the engine: a client that gives up on it
+    closes the router's connection to the engine, as a pooling request's does. Before, the engine's
+    request ran on for nobody."""
+    engine = Engine("s", ("/health_generate",))
+    engine.hold = asyncio.Event()
+    async with _fleet(engine) as (front, http):
+        with contextlib.suppress(asyncio.TimeoutError):
+            async with http.get(front.url + "/health_generate", timeout=aiohttp.ClientTimeout(total=0.5)):
+                pass
+        await _until(lambda: engine.abandoned == 1)  # the engine saw its client go
+        assert engine.holding == 0
+        engine.hold.set()
+        async with http.get(front.url + "/health_generate") as r:  # and the router still answers
+            assert r.status == 200
+            assert (await r.json())["served_by"] == "s"

@@ -58,7 +58,7 @@ class Engine:
             return Response(text, media_type="text/plain")
 
         async def pool(request: Request) -> Response:
-            body = await request.json()
+            body = await request.json() if request.method != "GET" else None
             self.asked.append((request.method, request.url.path, body, request.headers.get("authorization")))
             hold = self.hold
             if hold is not None:
@@ -79,7 +79,7 @@ class Engine:
             Route("/v1/models", models),
             Route("/metrics", metrics),
         ]
-        routes += [Route(path, pool, methods=["POST", "PUT"]) for path in self.paths]
+        routes += [Route(path, pool, methods=["GET", "POST", "PUT"]) for path in self.paths]
         return Starlette(routes=routes)
 
 

@@ -1,0 +1,75 @@
+"""The mock's SageMaker entry point, ``POST /invocations``, as vLLM 0.33 serves it with stateful
+sessions on (``SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true``).
+
+* A body is served as the first request it is: a chat request (``messages``), a completion
+  (``prompt``), an embedding request (``input``); anything else is a 400 naming ``body``.
+* ``{"requestType": "NEW_SESSION"}`` opens a session: 200, its id in
+  ``X-Amzn-SageMaker-New-Session-Id`` as ``<id>; Expires=<UTC time>``, twenty minutes ahead.
+  ``{"requestType": "CLOSE"}`` with the session's id in ``X-Amzn-SageMaker-Session-Id`` closes it:
+  200, its id in ``X-Amzn-SageMaker-Closed-Session-Id``.
+* A request naming a session this engine does not hold (never opened here, closed or expired) is a
+  400 naming the header, whatever its body: the session's state lives in one engine's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvmesh.router.request.invocations import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
+from kvmesh.worker.rpc import error_response
+
+SESSION_TTL_S = 1200.0
+"""How long a session lives (the SageMaker session manager's default: twenty minutes)."""
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def invocations_handler(chat: Handler, completions: Handler, embeddings: Handler) -> Handler:
+    """The ``/invocations`` endpoint over the mock's own handlers (see the module docstring)."""
+    sessions: dict[str, float] = {}  # session id -> when it expires (time.time())
+
+    async def invocations(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())  # (cached: the handler reads it again)
+        except (ValueError, RecursionError):
+            return error_response("the request body is not valid JSON", 400, "body")
+        if not isinstance(body, dict):
+            return error_response("the request body must be a JSON object", 400, "body")
+        now = time.time()
+        for expired in [s for s, until in sessions.items() if until <= now]:
+            del sessions[expired]
+        header = SESSION_HEADER.decode()
+        session = request.headers.get(header)
+        if session is not None and session not in sessions:
+            return error_response(f"Bad request: session {session!r} not found", 400, header)
+        kind = body.get("requestType")
+        if kind == "NEW_SESSION":
+            opened = uuid.uuid4().hex
+            sessions[opened] = now + SESSION_TTL_S
+            expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now + SESSION_TTL_S))
+            headers = {NEW_SESSION_HEADER.decode(): f"{opened}; Expires={expires}"}
+            return Response(f"Session {opened} created", headers=headers)
+        if kind == "CLOSE":
+            if session is None:
+                return error_response("CLOSE names no session", 400, header)
+            del sessions[session]
+            return Response(f"Session {session} closed", headers={CLOSED_SESSION_HEADER.decode(): session})
+        if kind is not None:
+            return error_response("requestType must be NEW_SESSION or CLOSE", 400, "requestType")
+        for field, handler in (("messages", chat), ("prompt", completions), ("input", embeddings)):
+            if field in body:
+                return await handler(request)
+        return error_response(
+            "no handler fits the body: it has none of messages, prompt or input", 400, "body"
+        )
+
+    return invocations
+
+
+__all__ = ["SESSION_TTL_S", "invocations_handler"]

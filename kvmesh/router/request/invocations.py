@@ -1,0 +1,75 @@
+"""SageMaker's entry point, ``POST /invocations``, read as the generation request its body is.
+
+vLLM and SGLang both serve it (a SageMaker container must answer there): vLLM 0.33 validates the
+body as a chat request, then as a completion, then as its pooling requests, and serves the first
+that fits; SGLang 0.5.23 serves it as a chat request. :func:`invoked_endpoint` reads a body the same
+way: ``messages`` makes it a chat request, ``prompt`` a completion. Anything else (an embedding, a
+score, a stateful session's own request) is not a generation, and the router does not route it.
+
+SageMaker's stateful sessions live in one engine's memory: a ``{"requestType": "NEW_SESSION"}``
+body opens one there, whose id comes back in :data:`NEW_SESSION_HEADER`; later requests carry it
+in :data:`SESSION_HEADER`, and ``{"requestType": "CLOSE"}`` ends it. Another engine answers such a
+request with a 400 (no such session), so a request with a session belongs to the engine that holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+INVOCATIONS_PATH = "/invocations"
+SESSION_HEADER = b"x-amzn-sagemaker-session-id"
+NEW_SESSION_HEADER = b"x-amzn-sagemaker-new-session-id"
+"""The answer to a NEW_SESSION request: ``<id>; Expires=<UTC time>``."""
+CLOSED_SESSION_HEADER = b"x-amzn-sagemaker-closed-session-id"
+_CHAT = "/v1/chat/completions"
+_COMPLETIONS = "/v1/completions"
+
+
+def invoked_endpoint(body: dict[str, Any]) -> str | None:
+    """The generation endpoint an ``/invocations`` body is served as, or None when it is none
+    (see the module docstring). A session request (``requestType``) is never a generation."""
+    if "requestType" in body:
+        return None
+    if "messages" in body:
+        return _CHAT
+    if "prompt" in body:
+        return _COMPLETIONS
+    return None
+
+
+def session_id(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The stateful session a request names (:data:`SESSION_HEADER`), or None."""
+    for name, value in headers:
+        if name == SESSION_HEADER:
+            return value.decode("latin-1").strip() or None
+    return None
+
+
+def opened_session(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The id of the session an answer opened (:data:`NEW_SESSION_HEADER`, before its
+    ``; Expires=``), or None."""
+    for name, value in headers:
+        if name.lower() == NEW_SESSION_HEADER:
+            return value.decode("latin-1").split(";", 1)[0].strip() or None
+    return None
+
+
+def closed_session(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The id of the session an answer closed (:data:`CLOSED_SESSION_HEADER`), or None."""
+    for name, value in headers:
+        if name.lower() == CLOSED_SESSION_HEADER:
+            return value.decode("latin-1").strip() or None
+    return None
+
+
+__all__ = [
+    "CLOSED_SESSION_HEADER",
+    "INVOCATIONS_PATH",
+    "NEW_SESSION_HEADER",
+    "SESSION_HEADER",
+    "closed_session",
+    "invoked_endpoint",
+    "opened_session",
+    "session_id",
+]

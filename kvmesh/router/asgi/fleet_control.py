@@ -30,6 +30,10 @@ The answer:
   not know): that status, with the first worker's answer, which names the field;
 * otherwise 502, listing ``succeeded`` and ``failed`` (worker id: why); 503 when no worker is up.
 
+Only the workers up when the control arrives are asked. The others (down, or not yet seen up) are
+named in ``not_asked`` (worker id: its state), so a loop knows which engines missed the control:
+one that comes back later comes back as it was (not paused, with the weights it had).
+
 A control that empties an engine's prefix cache (a pause unless ``clear_cache=false``, a sleep of
 level 1 or 2, a release of KV cache memory, a weight load from disk unless ``flush_cache`` is
 false) makes the router forget what it predicted that worker caches;
@@ -146,6 +150,12 @@ class FleetControl:
         )
         answers = await asyncio.shield(asked)
         status, document = merge_answers([w.worker_id for w in workers], answers)
+        asked_ids = {w.worker_id for w in workers}
+        not_asked = {
+            w: worker.state for w, worker in sorted(mesh.registry.workers.items()) if w not in asked_ids
+        }
+        if not_asked:  # (a worker down now misses the control: the loop should know which)
+            document["not_asked"] = not_asked
         await send_json(send, status, msgspec.json.encode(document))
 
 

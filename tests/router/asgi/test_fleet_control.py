@@ -181,3 +181,24 @@ async def test_a_worker_that_breaks_off_is_named(http: aiohttp.ClientSession) ->
         assert status == 502, answer
         assert answer["succeeded"] == ["a"] and list(answer["failed"]) == ["b"], answer
         assert answer["failed"]["b"], answer
+
+
+async def test_a_worker_down_is_not_asked_and_the_answer_names_it(http: aiohttp.ClientSession) -> None:
+    """A loop must know which engines missed a pause: one that comes back later is not paused."""
+    a, b = Stock(), Stock()
+    async with _fleet(a, b) as front:
+        assert b.server is not None
+        b.server.crash()
+        for _ in range(250):
+            status, listed = await _call(http, "GET", front + "/kvmesh/workers")
+            if {w["worker_id"]: w["state"] for w in listed["workers"]}.get("b") == "down":
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the router never saw b down")
+        status, answer = await _call(http, "POST", front + "/pause")
+        assert status == 200, answer
+        assert list(answer["workers"]) == ["a"] and answer["not_asked"] == {"b": "down"}, answer
+        assert [path for _, path, *_ in b.asked] == []
+        status, answer = await _call(http, "POST", front + "/resume")
+        assert answer["not_asked"] == {"b": "down"}, answer

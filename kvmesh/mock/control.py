@@ -24,6 +24,7 @@ requests have drained). The paths take no token, as the engines' own.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -50,17 +51,36 @@ _CACHE_KEPT = (
 
 
 def answers_paused(handler: Handler) -> Handler:
-    """``handler``, answering the 503 of a request the paused engine refuses (every route that
-    submits to the engine has it, so a batch's prompt is refused as a single request is)."""
+    """``handler``, answering the refusal of a request the paused engine refuses (every route that
+    submits to the engine has it, so a batch's prompt is refused as a single request is): a 503,
+    or, for a streamed chat request or completion, what vLLM 0.33 streams then, a 200 whose first
+    event is the error (code 503) and then ``[DONE]``."""
 
     @functools.wraps(handler)
     async def serve(request: Request) -> Response:
         try:
             return await handler(request)
         except GenerationPaused as e:
+            if request.url.path in _STREAMS_ITS_REFUSAL and await _streamed(request):
+                error = {"message": str(e), "type": "InternalServerError", "param": None, "code": e.status}
+                event = b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n"
+                return Response(event, media_type="text/event-stream")
             return error_response(str(e), e.status)
 
     return serve
+
+
+_STREAMS_ITS_REFUSAL = frozenset(("/v1/chat/completions", "/v1/completions", "/invocations"))
+"""The paths where vLLM refuses a streamed request inside its stream (its chat and completion
+handlers turn the engine's retryable error into the stream's first event)."""
+
+
+async def _streamed(request: Request) -> bool:
+    try:
+        body = json.loads(await request.body())  # (cached: the handler has read it)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(body, dict) and body.get("stream") is True
 
 
 def control_routes(engine: MockEngine) -> list[Route]:

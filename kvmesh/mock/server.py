@@ -28,6 +28,8 @@
     POST /pause, /resume, /sleep, /wake_up,          the engine control of an RL loop: vLLM's (dev
     GET  /is_paused, /is_sleeping,                   mode) and SGLang's, kvmesh.mock.control; a
     POST /pause_generation, /continue_generation     request the paused engine refuses is a 503
+                                                     (a streamed chat or completion: vLLM's error
+                                                     event in a 200 stream)
     GET  /v1/models, GET /health, GET /metrics
     /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc)
 

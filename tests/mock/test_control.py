@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from kvmesh.mock.engine import MockEngine
 from kvmesh.mock.request import RequestStatus
 from kvmesh.mock.scheduler import Pause, Scheduler
 from kvmesh.mock.testing import RunningMock, run_mock
+from kvmesh.router.asgi.forwarding import refused_for_now
 from tests.mock.test_generate import TEXT
 from tests.mock.test_scheduler import make
 from tests.mock.test_server import metric
@@ -99,6 +101,16 @@ async def _post(http: httpx.AsyncClient, path: str, answer: dict[str, Any], **kw
 
 
 def _assert_refused(r: httpx.Response) -> None:
+    """A refusal for now: a 503, or, for a streamed chat request or completion, vLLM's 200 stream
+    whose first event is the error (code 503) and then [DONE]."""
+    if r.headers["content-type"].startswith("text/event-stream"):
+        assert r.status_code == 200, r.text
+        first, done, *rest = (e for e in r.text.split("\n\n") if e)
+        assert (done, rest) == ("data: [DONE]", [])
+        error = json.loads(first.removeprefix("data: "))["error"]
+        assert error["type"] == "InternalServerError" and error["code"] == 503 and error["message"]
+        assert refused_for_now(r.status_code, r.content)  # (the router routes around it)
+        return
     assert r.status_code == 503, r.text
     error = r.json()["error"]
     assert error["type"] == "ServiceUnavailableError" and error["code"] == 503 and error["message"]
@@ -200,10 +212,24 @@ async def test_pause_abort_ends_a_running_stream_and_refuses_new_requests_until_
         ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stream": True}),
         ("/v1/completions", {"prompt": ["hi", "there"], "max_tokens": 1}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True},
+        ),
+        ("/invocations", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True}),
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}}),
         ("/v1/embeddings", {"input": "hi"}),
     ],
-    ids=["completion", "stream", "batch", "chat", "sglang-generate", "embeddings"],
+    ids=[
+        "completion",
+        "stream",
+        "batch",
+        "chat",
+        "chat-stream",
+        "invocations-stream",
+        "sglang-generate",
+        "embeddings",
+    ],
 )
 async def test_every_generating_route_is_refused_while_paused(path: str, body: dict[str, Any]) -> None:
     async with _serving() as (mock, http):

@@ -2,7 +2,9 @@
 sessions on (``SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true``).
 
 * A body is served as the first request it is: a chat request (``messages``), a completion
-  (``prompt``), an embedding request (``input``); anything else is a 400 naming ``body``.
+  (``prompt``), an embedding request (``input``); anything else is a 400 naming ``body``. (vLLM
+  tries its pooling types only on a pooling model; on a generating one a body that is neither chat
+  nor completion is its 400 naming ``prompt``. The mock serves both kinds, so it tries them last.)
 * ``{"requestType": "NEW_SESSION"}`` opens a session: 200, its id in
   ``X-Amzn-SageMaker-New-Session-Id`` as ``<id>; Expires=<UTC time>``, twenty minutes ahead.
   ``{"requestType": "CLOSE"}`` with the session's id in ``X-Amzn-SageMaker-Session-Id`` closes it:

@@ -226,6 +226,6 @@ def test_sglangs_invocations_is_its_chat_endpoint_and_the_middleware_routes_it(s
     route = next(r for r in served["app"].router.routes if getattr(r, "path", None) == INVOCATIONS_PATH)
     assert route.methods == {"POST"}
     (param,) = route.dependant.body_params
-    assert param.type_.__name__ == "ChatCompletionRequest"
+    assert param.field_info.annotation.__name__ == "ChatCompletionRequest"
     assert INVOCATIONS_PATH in WITH_GENERATE
     assert invoked_endpoint({"messages": [{"role": "user", "content": "hi"}]}) == "/v1/chat/completions"

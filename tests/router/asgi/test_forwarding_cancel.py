@@ -53,7 +53,7 @@ def _dispatch(forwarder: Any, receive: Any) -> Dispatch:
     return Dispatch(
         mesh,  # type: ignore[arg-type]
         None,
-        {"headers": [], "query_string": b""},
+        {"type": "http", "path": "/v1/chat/completions", "headers": [], "query_string": b""},
         receive,
         None,
         parsed,  # type: ignore[arg-type]

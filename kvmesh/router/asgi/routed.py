@@ -72,7 +72,7 @@ def check_worker_ids(mesh: Mesh, nv: Nvext, headers: dict[str, str] | None) -> N
 class RoutedRequest:
     """Parse, route and serve one client request (one instance per call)."""
 
-    __slots__ = ("app", "endpoint", "mesh", "receive", "scope", "send", "t0", "wall0")
+    __slots__ = ("app", "endpoint", "mesh", "path", "receive", "scope", "send", "t0", "wall0")
 
     def __init__(
         self, mesh: Mesh, app: ASGIApp, scope: Scope, receive: Any, send: Any, endpoint: str | None = None
@@ -84,9 +84,11 @@ class RoutedRequest:
         self.send = send
         self.t0 = time.perf_counter()
         self.wall0 = time.time()
-        self.endpoint = endpoint or route_path(scope)
+        self.path = route_path(scope)
+        """The client's path: the one it goes on to the engine by, and its metrics' ``endpoint``."""
+        self.endpoint = endpoint or self.path
         """What the request is served as: its path, or for SageMaker's ``/invocations`` the
-        generation its body is (the path it goes on to the engine stays the client's)."""
+        generation its body is."""
 
     async def run(self) -> None:
         mesh = self.mesh
@@ -367,7 +369,7 @@ class RoutedRequest:
         response it continues (``previous_response_id``; only that engine has it). Unknown to this
         router, a stored response is left to the engine the request is routed to."""
         nv = parsed.nvext
-        if route_path(self.scope) == INVOCATIONS_PATH and (session := session_id(self.scope["headers"])):
+        if self.path == INVOCATIONS_PATH and (session := session_id(self.scope["headers"])):
             return self._session_home(session, nv.pinned_worker)
         if not is_responses(parsed.endpoint):
             return nv.pinned_worker
@@ -530,10 +532,10 @@ class RoutedRequest:
 
     def _count(self, route: str, status: int) -> None:
         counter = self.mesh.metrics.requests
-        key = (counter, self.endpoint, route, status)
+        key = (counter, self.path, route, status)
         child = _REQUEST_COUNTERS.get(key)
         if child is None:
-            child = counter.labels(self.endpoint, route, str(status))
+            child = counter.labels(self.path, route, str(status))
             if len(_REQUEST_COUNTERS) < 4096:
                 _REQUEST_COUNTERS[key] = child
         child.inc()

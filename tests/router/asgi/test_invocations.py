@@ -57,6 +57,15 @@ async def warm(http: aiohttp.ClientSession, front: str, body: dict[str, Any], wo
     await indexed_as_stored(http, front, worker)
 
 
+async def served_count(http: aiohttp.ClientSession, front: str) -> float:
+    """``kvmesh_requests_total`` of ``/invocations`` forwarded with a 200 (the registry is the
+    process's: a test reads how much it grew)."""
+    async with http.get(front + "/metrics") as r:
+        text = await r.text()
+    line = 'kvmesh_requests_total{endpoint="/invocations",route="forwarded",status="200"} '
+    return next((float(x[len(line) :]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+
 def cached_tokens(doc: dict[str, Any]) -> int:
     return int((doc["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
@@ -71,11 +80,14 @@ async def test_an_invocation_goes_where_its_prompt_is_cached(http: aiohttp.Clien
         first, second = (m.base_url for m in mocks)
         await warm(http, front.url, make(model, CONTRACT), first)
         await warm(http, front.url, make(model, MANUAL), second)
+        counted = await served_count(http, front.url)
         for text, home in ((CONTRACT, first), (MANUAL, second), (CONTRACT, first), (MANUAL, second)):
             status, doc, headers = await invoke(http, front.url, make(model, text))
             assert status == 200, doc
             assert headers[WORKER] == home
             assert cached_tokens(doc) >= 4 * BS
+        # counted by the path the client used
+        assert await served_count(http, front.url) == counted + 4
 
 
 async def test_a_streamed_invocation_streams_from_the_cached_engine(http: aiohttp.ClientSession) -> None:

@@ -14,6 +14,11 @@ Paths, as the installed engines route them:
 * SGLang 0.5.23: ``POST /pause_generation`` (body ``mode``), ``/continue_generation``,
   ``/update_weights_from_disk``, ``/update_weight_version``; GET or POST
   ``/release_memory_occupation``, ``/resume_memory_occupation``.
+* LoRA adapters loaded and unloaded at run time: vLLM's ``POST /v1/load_lora_adapter`` and
+  ``/v1/unload_lora_adapter`` (served with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), SGLang's
+  ``POST /load_lora_adapter`` and ``/unload_lora_adapter``. A worker that did it has its adapters
+  read again at once, so the adapter's requests are routed to it (and no longer to one that
+  unloaded it) from the answer on, not from a later health check.
 
 Each request goes to every up worker at once, as the client sent it: its method, query string and
 body, and its ``authorization`` unless that is the router's admin token. The router waits for every
@@ -64,6 +69,13 @@ from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.parse import decode_body
 from kvmesh.router.upstream.forwarder import UpstreamError, end_to_end_headers
 
+ADAPTER_LOADS = (
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+)
+"""vLLM's and SGLang's run-time LoRA loads (the module docstring): asked with a POST."""
 POSTS = (
     "/pause",
     "/resume",
@@ -74,6 +86,7 @@ POSTS = (
     "/pause_generation",
     "/continue_generation",
     "/update_weights_from_disk",
+    *ADAPTER_LOADS,
 )
 """Asked with a POST."""
 GETS = ("/is_paused", "/is_sleeping", "/weight_info")
@@ -179,6 +192,8 @@ async def _ask(
         return 0, str(e)
     if clears and 200 <= status < 300:
         mesh.router.flushed(worker.worker_id)
+    if target.split("?", 1)[0] in ADAPTER_LOADS and 200 <= status < 300:
+        await mesh.registry.reread_adapters(worker)  # (its requests route to it from now on)
     try:
         return status, msgspec.json.decode(raw) if raw else None
     except msgspec.DecodeError:
@@ -263,4 +278,13 @@ def engine_headers(headers: list[tuple[bytes, bytes]], admin_token: str | None) 
     return out
 
 
-__all__ = ["EITHER", "GETS", "PER_ENGINE", "POSTS", "FleetControl", "engine_headers", "merge_answers"]
+__all__ = [
+    "ADAPTER_LOADS",
+    "EITHER",
+    "GETS",
+    "PER_ENGINE",
+    "POSTS",
+    "FleetControl",
+    "engine_headers",
+    "merge_answers",
+]

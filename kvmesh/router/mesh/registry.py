@@ -552,12 +552,19 @@ class WorkerRegistry:
         w.checks += 1
         if w.info is not None and w.worker_id in self.feed.streams:
             await self.feed.check_quiet_streams(_feed_target(w, w.info))
-        if w.checks % _ADAPTER_REFRESH_CHECKS == 0 and w.info is not None:
-            raw = None
-            if w.info.has_rpc:
-                with contextlib.suppress(ConnectFailed):
-                    raw = await self.rpc.info(w.worker_id, w.url)
-            await self._read_adapters(w, raw if isinstance(raw, dict) else None)
+        if w.checks % _ADAPTER_REFRESH_CHECKS == 0:
+            await self.reread_adapters(w)
+
+    async def reread_adapters(self, w: Worker) -> None:
+        """Read again which LoRA adapters an up worker serves (at every few health checks, and at
+        once after the router loaded or unloaded one on it)."""
+        if w.info is None:
+            return
+        raw = None
+        if w.info.has_rpc:
+            with contextlib.suppress(ConnectFailed):
+                raw = await self.rpc.info(w.worker_id, w.url)
+        await self._read_adapters(w, raw if isinstance(raw, dict) else None)
 
     async def _probe(self, w: Worker) -> None:
         """Alive = answers HTTP at all (a 404 on /health from a plain server is still alive)."""

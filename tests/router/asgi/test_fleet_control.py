@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,8 @@ class Stock:
     crash: bool = False  # drop every connection when asked, as a killed engine does
     server: Server | None = None
     asked: list[tuple[str, str, str, bytes, str | None]] = field(default_factory=list)
+    adapters: set[str] = field(default_factory=set)
+    """The LoRA adapters loaded at run time, listed in ``/v1/models`` as vLLM lists them."""
 
 
 def _stock_app(stock: Stock) -> Starlette:
@@ -58,10 +61,18 @@ def _stock_app(stock: Stock) -> Starlette:
             return JSONResponse({"weight_version": stock.weight_version})
         if path == "/release_memory_occupation":
             return JSONResponse(None)  # (SGLang's handler returns nothing)
+        if path.endswith("load_lora_adapter"):
+            name = json.loads(body)["lora_name"]
+            if path.endswith("/unload_lora_adapter"):
+                stock.adapters.discard(name)
+            else:
+                stock.adapters.add(name)
+            return Response(f"Success: LoRA adapter '{name}' done.")  # (vLLM's: plain text)
         return JSONResponse({"status": "paused" if path == "/pause" else "ok"})
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+        adapters = [{"id": a, "object": "model", "parent": "m"} for a in sorted(stock.adapters)]
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}, *adapters]})
 
     paths = (*fleet_control.POSTS, *fleet_control.GETS, *fleet_control.EITHER, *fleet_control.PER_ENGINE)
     return Starlette(
@@ -202,3 +213,31 @@ async def test_a_worker_down_is_not_asked_and_the_answer_names_it(http: aiohttp.
         assert [path for _, path, *_ in b.asked] == []
         status, answer = await _call(http, "POST", front + "/resume")
         assert answer["not_asked"] == {"b": "down"}, answer
+
+
+async def test_a_lora_adapter_loaded_through_the_router_is_routed_to_at_once(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A run-time LoRA load goes to every worker, and the router reads their adapters again at
+    once: the adapter's requests can go to them from the answer on (before, the router learnt of
+    it at a later health check, and routed its requests as the base model's until then)."""
+    a, b = Stock(), Stock()
+
+    async def adapters(front: str) -> dict[str, list[str]]:
+        _, listed = await _call(http, "GET", front + "/kvmesh/workers")
+        return {w["worker_id"]: w["lora_adapters"] for w in listed["workers"]}
+
+    async with _fleet(a, b) as front:
+        for load, unload in (
+            ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"),
+            ("/load_lora_adapter", "/unload_lora_adapter"),  # (SGLang's)
+        ):
+            body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+            status, answer = await _call(http, "POST", front + load, json=body)
+            assert status == 200, answer
+            assert set(answer["workers"]) == {"a", "b"} and "sql" in answer["workers"]["a"]
+            assert a.adapters == b.adapters == {"sql"}
+            assert await adapters(front) == {"a": ["sql"], "b": ["sql"]}
+            status, answer = await _call(http, "POST", front + unload, json={"lora_name": "sql"})
+            assert status == 200, answer
+            assert await adapters(front) == {"a": [], "b": []}

@@ -216,3 +216,18 @@ async def test_an_abort_reaches_the_engine_and_every_peer_that_may_run_the_reque
         bad = await http.post("/inference/v1/abort_requests", json={"ids": ["x"]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_ids"
         assert len(peer_aborts) == 1 and len(local) == 1
+
+
+def test_vllms_renderers_are_relayed_by_the_standalone_router() -> None:
+    """vLLM's scale-out renderers (a request rendered into the token-id request its
+    /inference/v1/generate takes, and back) are each in kvmesh.router.asgi.any_worker's paths, and
+    /v1/responses/render is not taken for a stored response."""
+    from vllm.entrypoints.scale_out.derender.api_router import router as derender_router
+    from vllm.entrypoints.scale_out.render.api_router import router as render_router
+
+    from kvmesh.router.asgi import any_worker, stored_responses
+
+    paths = {r.path for r in (*render_router.routes, *derender_router.routes) if "POST" in r.methods}
+    assert "/v1/chat/completions/render" in paths and "/v1/completions/derender" in paths
+    assert paths <= set(any_worker.PATHS)
+    assert not any(stored_responses.handles(p) for p in paths)

@@ -1,7 +1,9 @@
 """The standalone router's answer to an engine's utility endpoints, which any worker answers alike:
 Anthropic's ``POST /v1/messages/count_tokens`` (Claude Code asks it of the server it talks to),
 ``POST /tokenize`` / ``/detokenize`` (vLLM's and SGLang's, and SGLang's ``/v1/`` twins), SGLang's
-parsers (``POST /parse_function_call``, ``/separate_reasoning``), and the descriptions a client reads
+parsers (``POST /parse_function_call``, ``/separate_reasoning``), vLLM's renderers (``POST
+/v1/chat/completions/render`` and its kin: a request rendered into the token-id request its
+``/inference/v1/generate`` takes, which the router then routes), and the descriptions a client reads
 at start: SGLang's ``GET /get_model_info`` and ``/get_server_info`` (with their newer names
 ``/model_info``, ``/server_info``; RL frameworks read them from the address they generate at) and
 vLLM's ``GET /version``; and SGLang's ``GET /health_generate`` (one worker generates a token: the
@@ -45,6 +47,14 @@ PATHS = (
     "/v1/detokenize",
     "/parse_function_call",
     "/separate_reasoning",
+    # vLLM's renderers (its scale-out API): a request rendered into the token-id request that
+    # /inference/v1/generate takes, and back
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+    "/v1/responses/render",
+    "/v1/messages/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
 )
 """Asked with a POST."""
 READ_PATHS = (

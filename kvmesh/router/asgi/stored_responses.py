@@ -34,13 +34,15 @@ from kvmesh.router.request.responses_api import RESPONSES_PATH
 from kvmesh.router.upstream.forwarder import UpstreamError, end_to_end_headers
 
 _BELOW = RESPONSES_PATH + "/"
+RENDER_PATH = RESPONSES_PATH + "/render"
 _ASK_TIMEOUT = 2.0
 """Seconds a worker has to say whether it holds a response."""
 
 
 def handles(path: str) -> bool:
-    """Whether ``path`` names a stored response (or something below one)."""
-    return path.startswith(_BELOW) and len(path) > len(_BELOW)
+    """Whether ``path`` names a stored response (or something below one); vLLM's
+    ``/v1/responses/render`` names none (it renders a request, on any engine)."""
+    return path.startswith(_BELOW) and len(path) > len(_BELOW) and path != RENDER_PATH
 
 
 async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:

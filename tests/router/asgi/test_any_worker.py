@@ -48,7 +48,17 @@ def _engine(name: str, paths: tuple[str, ...], asked: list[tuple[str, str, Any, 
 
 async def test_a_utility_request_is_answered_by_a_worker_that_has_the_path() -> None:
     asked: list[tuple[str, str, Any, str | None]] = []
-    vllm = _engine("vllm", ("/tokenize", "/v1/messages/count_tokens", "/version"), asked)
+    vllm = _engine(
+        "vllm",
+        (
+            "/tokenize",
+            "/v1/messages/count_tokens",
+            "/version",
+            "/v1/chat/completions/render",
+            "/v1/responses/render",
+        ),
+        asked,
+    )
     sglang = _engine(
         "sglang", ("/v1/tokenize", "/get_model_info", "/separate_reasoning", "/health_generate"), asked
     )
@@ -86,6 +96,11 @@ async def test_a_utility_request_is_answered_by_a_worker_that_has_the_path() -> 
                 assert r.status == 404  # (no worker has it)
             async with http.get(front.url + "/health_generate") as r:
                 assert r.status == 200 and (await r.json())["served_by"] == "sglang"
+            # vLLM's renderers; /v1/responses/render names no stored response (it was looked for,
+            # and the standalone router answered 404 naming response_id)
+            for path in ("/v1/chat/completions/render", "/v1/responses/render"):
+                async with http.post(front.url + path, json=count) as r:
+                    assert r.status == 200 and (await r.json())["served_by"] == "vllm", path
     assert [a[:2] for a in asked] == [
         ("vllm", "/v1/messages/count_tokens"),
         ("vllm", "/v1/messages/count_tokens"),
@@ -96,6 +111,8 @@ async def test_a_utility_request_is_answered_by_a_worker_that_has_the_path() -> 
         ("vllm", "/version"),
         ("sglang", "/separate_reasoning"),
         ("sglang", "/health_generate"),
+        ("vllm", "/v1/chat/completions/render"),
+        ("vllm", "/v1/responses/render"),
     ]
     assert asked[0][2] == count and asked[0][3] == "Bearer k"  # the body and the client's key, as sent
 

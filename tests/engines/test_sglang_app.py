@@ -231,3 +231,14 @@ def test_sglangs_invocations_is_its_chat_endpoint_and_the_middleware_routes_it(s
     assert param.field_info.annotation.__name__ == "ChatCompletionRequest"
     assert INVOCATIONS_PATH in WITH_GENERATE
     assert invoked_endpoint({"messages": [{"role": "user", "content": "hi"}]}) == "/v1/chat/completions"
+
+
+def test_sglangs_scores_and_speech_are_among_the_paths_the_router_relays(served: Any) -> None:
+    """SGLang's System One decisions and speech to text are POSTs on its app, and the standalone
+    router relays them to one worker (kvmesh.router.asgi.pooling), speech to text as a form."""
+    from kvmesh.router.asgi import pooling
+
+    posts = {r.path for r in served["app"].router.routes if "POST" in (getattr(r, "methods", None) or ())}
+    assert {"/v1/systemone", "/v1/audio/transcriptions"} <= posts
+    assert {"/v1/systemone", "/v1/audio/transcriptions"} <= set(pooling.PATHS)
+    assert "/v1/audio/transcriptions" in pooling.FORM_PATHS

@@ -2,7 +2,12 @@
 scores and reranking (vLLM 0.33's ``/v1/embeddings``, ``/v2/embed``, ``/pooling``, ``/classify``,
 ``/score``, ``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``; SGLang 0.5.23's
 ``/v1/embeddings``, ``/encode``, ``/classify``, ``/v1/classify``, ``/v1/rerank``, and its
-``/v1/score`` and ``/v1/decisions``, which score label tokens on a generating model).
+``/v1/score`` and ``/v1/decisions``, which score label tokens on a generating model); and what
+scores or transcribes on a generating model, with no prefix to share: both engines' System One
+decisions (``/v1/systemone``), vLLM's ``/generative_scoring``, and speech to text
+(``/v1/audio/transcriptions``, both engines; vLLM's ``/v1/audio/translations``), whose body is a
+form carrying the audio, relayed as it came (``--max-body-bytes`` bounds it: 8 MiB by default,
+below vLLM's 25 MB clip limit).
 
 A fleet serving an embedding or reranking model behind the router had only a 404 for them. They
 are relayed, not routed on a prefix: their inputs are short and seldom shared, and each engine
@@ -20,7 +25,8 @@ too, and arrive a health check late; weighed in, they sent every query for a whi
 that looked idle at the last check (``benchmarks/pooling.py``: a query's p99 1.9x sglang-router's).
 
 Bodies go through unchanged, the client's ``authorization`` along; a body that is not a JSON
-object is the client's 400 naming ``body`` first, as on the generation paths. A worker without the
+object (but for speech to text's form) is the client's 400 naming ``body`` first, as on the
+generation paths. A worker without the
 path (404: a fleet can mix engines, and only vLLM has ``/v2/rerank``) or that cannot be reached is
 passed over for the next; with none left the last 404 is the answer, or a 502 when none answered,
 a 503 when none is routable. A client that leaves before the answer begins closes the connection
@@ -45,10 +51,12 @@ from kvmesh._http import route_path
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi.any_worker import CLIENT_LEFT, first_answer
 from kvmesh.router.asgi.forwarding import relay_unchanged
-from kvmesh.router.asgi.json_io import read_json_body, send_error
+from kvmesh.router.asgi.json_io import read_body, read_json_body, send_error
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.invocations import INVOCATIONS_PATH, session_id
 
+FORM_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+"""Speech to text, whose body is a form with the audio file, not JSON (the module docstring)."""
 PATHS = (
     "/v1/embeddings",
     "/v2/embed",
@@ -62,6 +70,9 @@ PATHS = (
     "/v1/rerank",
     "/v2/rerank",
     "/v1/decisions",
+    "/v1/systemone",
+    "/generative_scoring",
+    *FORM_PATHS,
 )
 """Asked with a POST (SGLang takes a PUT on :data:`PUT_PATHS` too)."""
 PUT_PATHS = ("/encode", "/classify", "/v1/rerank")
@@ -82,8 +93,9 @@ class PoolingRelay:
         await mesh.ensure_started()
         settings = mesh.settings
         endpoint = route_path(scope)
+        read = read_body if endpoint in FORM_PATHS else read_json_body
         try:
-            body = await read_json_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
+            body = await read(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
         except RequestError as e:
             mesh.metrics.requests.labels(endpoint, "rejected", str(e.status)).inc()
             await send_error(send, e.status, str(e), e.field)

@@ -58,7 +58,12 @@ class Engine:
             return Response(text, media_type="text/plain")
 
         async def pool(request: Request) -> Response:
-            body = await request.json() if request.method != "GET" else None
+            if request.method == "GET":
+                body = None
+            elif (kind := request.headers.get("content-type", "")).startswith("multipart/form-data"):
+                body = (kind, await request.body())  # (speech to text: a form, kept as it came)
+            else:
+                body = await request.json()
             self.asked.append((request.method, request.url.path, body, request.headers.get("authorization")))
             hold = self.hold
             if hold is not None:
@@ -277,3 +282,34 @@ async def test_in_front_of_mock_engines_the_answer_is_the_engines_and_a_client_l
             await held
         await _until(lambda: not mocks[busy].engine.scheduler.has_work)  # (aborted, not run for nobody)
         assert mocks[busy].engine.pool.num_used == 0
+
+
+async def test_speech_to_text_and_scores_on_a_generating_model_are_relayed() -> None:
+    """Speech to text takes a form with the audio file, relayed as it came (not refused for not
+    being JSON); System One decisions and vLLM's generative scores go like any pooling request."""
+    v = Engine("v", ("/v1/audio/transcriptions", "/v1/audio/translations", "/generative_scoring"))
+    s = Engine("s", ("/v1/audio/transcriptions", "/v1/systemone"))
+    audio = bytes(range(256)) * 64  # (16 KiB of "audio", every byte value)
+    async with _fleet(v, s) as (front, http):
+        served = []
+        for _ in range(2):
+            form = aiohttp.FormData()
+            form.add_field("file", audio, filename="clip.wav", content_type="audio/wav")
+            form.add_field("model", "whisper")
+            async with http.post(front.url + "/v1/audio/transcriptions", data=form) as r:
+                assert r.status == 200, await r.text()
+                served.append((await r.json())["served_by"])
+        assert sorted(served) == ["s", "v"]
+        form = aiohttp.FormData()
+        form.add_field("file", audio, filename="clip.wav", content_type="audio/wav")
+        form.add_field("model", "whisper")
+        async with http.post(front.url + "/v1/audio/translations", data=form) as r:
+            assert r.status == 200 and (await r.json())["served_by"] == "v"
+        assert await _served_by(http, front.url + "/v1/systemone", {"model": "m", "candidates": ["a"]}) == "s"
+        assert await _served_by(http, front.url + "/generative_scoring", {"model": "m", "query": "q"}) == "v"
+    received = [a[2] for a in v.asked + s.asked if "audio" in a[1]]
+    assert len(received) == 3
+    for kind, raw in received:  # the form, its boundary and its bytes, as the client sent it
+        boundary = kind.split("boundary=", 1)[1].strip('"').encode()
+        assert raw.startswith(b"--" + boundary) and audio in raw
+        assert b'name="model"' in raw and b"whisper" in raw

@@ -204,6 +204,8 @@ def test_the_controls_the_router_sends_to_every_worker_are_sglangs_own(served: A
         "/update_weight_version",
         "/load_lora_adapter",
         "/unload_lora_adapter",
+        "/begin_weight_update",
+        "/end_weight_update",
     }
     assert sglang_posts <= set(fleet_control.POSTS)
     for path in sglang_posts:

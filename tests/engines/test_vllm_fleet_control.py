@@ -189,3 +189,13 @@ def test_vllms_answers_to_a_request_refused_while_paused_are_what_the_router_rou
     assert paused.status_code == 503
     assert all(refused_for_now(200, first) for first in streams(paused))
     assert not any(refused_for_now(200, first) for first in streams(GenerationError("boom")))
+
+
+def test_vllms_profiler_paths_are_among_those_the_router_sends_to_every_worker() -> None:
+    from vllm.entrypoints.serve.profile.api_router import router as profile_router
+
+    from kvmesh.router.asgi import fleet_control
+
+    posts = {r.path for r in profile_router.routes if "POST" in r.methods}
+    assert posts == {"/start_profile", "/stop_profile"}
+    assert posts <= set(fleet_control.EITHER)  # (sent on with the client's method: vLLM's POST)

@@ -12,8 +12,11 @@ Paths, as the installed engines route them:
   ``/wake_up`` (query ``tags``), ``/release_kv_cache_memory``, ``/update_weight_version``;
   ``GET /is_paused``, ``/is_sleeping``, ``/weight_info``.
 * SGLang 0.5.23: ``POST /pause_generation`` (body ``mode``), ``/continue_generation``,
-  ``/update_weights_from_disk``, ``/update_weight_version``; GET or POST
+  ``/update_weights_from_disk``, ``/update_weight_version``, ``/begin_weight_update``,
+  ``/end_weight_update`` (around a load of in-place-quantized weights); GET or POST
   ``/release_memory_occupation``, ``/resume_memory_occupation``.
+* The profilers of both: ``/start_profile`` and ``/stop_profile`` (vLLM's a POST, served with a
+  profiler configured; SGLang's GET or POST), so one call profiles the whole fleet.
 * LoRA adapters loaded and unloaded at run time: vLLM's ``POST /v1/load_lora_adapter`` and
   ``/v1/unload_lora_adapter`` (served with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), SGLang's
   ``POST /load_lora_adapter`` and ``/unload_lora_adapter``. A worker that did it has its adapters
@@ -86,13 +89,15 @@ POSTS = (
     "/pause_generation",
     "/continue_generation",
     "/update_weights_from_disk",
+    "/begin_weight_update",
+    "/end_weight_update",
     *ADAPTER_LOADS,
 )
 """Asked with a POST."""
 GETS = ("/is_paused", "/is_sleeping", "/weight_info")
 """Asked with a GET."""
-EITHER = ("/release_memory_occupation", "/resume_memory_occupation")
-"""Asked with a GET or a POST (SGLang takes both)."""
+EITHER = ("/release_memory_occupation", "/resume_memory_occupation", "/start_profile", "/stop_profile")
+"""Asked with a GET or a POST (SGLang takes both; vLLM's profiler takes a POST)."""
 PER_ENGINE = (
     "/init_weight_transfer_engine",
     "/update_weights",

@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvmesh._http import error_body
 from kvmesh.router.asgi import fleet_control
 from kvmesh.router.asgi.any_worker import PATHS as ANY_WORKER_PATHS
 from kvmesh.router.asgi.any_worker import READ_PATHS as ANY_WORKER_READS
@@ -101,6 +102,18 @@ def build_router_app(
         data = [{"id": m, "object": "model", "owned_by": "kvmesh"} for m in mesh.registry.models]
         return JSONResponse({"object": "list", "data": data})
 
+    async def model(request: Request) -> Response:
+        # (OpenAI's models.retrieve: one model of the list, or the 404 naming it)
+        mesh = middleware.mesh
+        await mesh.ensure_started()
+        await mesh.wait_ready()
+        name = request.path_params["model"]
+        if name not in mesh.registry.models:
+            return JSONResponse(
+                error_body(f"the model {name!r} does not exist on this fleet", 404, "model"), status_code=404
+            )
+        return JSONResponse({"id": name, "object": "model", "owned_by": "kvmesh"})
+
     async def metrics(request: Request) -> Response:
         return Response(render(), media_type=CONTENT_TYPE)
 
@@ -126,6 +139,7 @@ def build_router_app(
             Route("/live", live, methods=["GET"]),
             Route("/liveness", live, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *(Route(path, any_worker, methods=["POST"]) for path in ANY_WORKER_PATHS),
             *(Route(path, any_worker, methods=["GET"]) for path in ANY_WORKER_READS),

@@ -241,3 +241,27 @@ async def test_a_lora_adapter_loaded_through_the_router_is_routed_to_at_once(
             status, answer = await _call(http, "POST", front + unload, json={"lora_name": "sql"})
             assert status == 200, answer
             assert await adapters(front) == {"a": [], "b": []}
+
+
+async def test_the_profilers_and_a_weight_update_session_reach_every_worker(
+    http: aiohttp.ClientSession,
+) -> None:
+    """One call profiles the whole fleet (vLLM's POST, SGLang's GET or POST), and SGLang's session
+    around a load of in-place-quantized weights opens and closes on every engine."""
+    a, b = Stock(), Stock()
+    async with _fleet(a, b) as front:
+        for method, path in (("POST", "/start_profile"), ("GET", "/stop_profile")):
+            status, answer = await _call(http, method, front + path)
+            assert status == 200 and set(answer["workers"]) == {"a", "b"}, answer
+        for path, body in (("/begin_weight_update", {"selector": "all"}), ("/end_weight_update", {})):
+            status, answer = await _call(http, "POST", front + path, json=body)
+            assert status == 200, answer
+        asked = [(m, p) for m, p, *_ in a.asked]
+        assert asked == [
+            ("POST", "/start_profile"),
+            ("GET", "/stop_profile"),
+            ("POST", "/begin_weight_update"),
+            ("POST", "/end_weight_update"),
+        ]
+        assert [(m, p) for m, p, *_ in b.asked] == asked
+        assert a.asked[2][3] == b'{"selector": "all"}'

@@ -336,6 +336,10 @@ async def test_kvmesh_router_command(http: aiohttp.ClientSession) -> None:
             await asyncio.sleep(0.05)
         async with http.get(url + "/v1/models") as r:
             assert [m["id"] for m in (await r.json())["data"]] == [mock.config.model]
+        async with http.get(url + "/v1/models/" + mock.config.model) as r:  # (OpenAI's retrieve)
+            assert r.status == 200 and (await r.json())["id"] == mock.config.model
+        async with http.get(url + "/v1/models/org/not-served") as r:  # (a name may hold a slash)
+            assert r.status == 404 and (await r.json())["error"]["param"] == "model"
         body = {
             "model": mock.config.model,
             "messages": [{"role": "user", "content": "hi"}],

@@ -4,7 +4,8 @@ Besides what the middleware answers (the generation endpoints, SGLang's ``/gener
 token API among them, ``/kvmesh/workers``, ``/busy_threshold``) it serves ``GET /health`` (503
 while no worker is routable; ``/ping`` too, as vLLM names it, and ``/readiness``, as sglang-router
 does), ``GET /live`` and ``/liveness`` (200 while the process serves: the liveness probes of
-Dynamo's frontend and sglang-router), ``GET /v1/models`` (the models the fleet's workers reported),
+Dynamo's frontend and sglang-router), ``GET /v1/models`` (the models the fleet's workers reported;
+``GET /v1/models/{model}``, one of them),
 ``GET /metrics`` (prometheus-client's registry), the engines' utility endpoints that any worker
 answers alike (``/v1/messages/count_tokens``, ``/tokenize``, ``/detokenize``, SGLang's
 ``/get_model_info`` and more: :mod:`.any_worker`), the pooling requests of an embedding or

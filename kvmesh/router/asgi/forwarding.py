@@ -18,8 +18,9 @@ closes the upstream connection, which tells the worker to abort a prefill nobody
 A worker that refuses the request for now (:func:`refused_for_now`: a 503, or a stream whose first
 event is a 503 error, which is how a paused vLLM engine answers) ran none of it, and the client has
 nothing yet: the router asks again without that worker, as for a connection failure, but leaves it
-up (a paused engine answers its health checks). A request pinned to the worker, or one with no
-other worker left, gets the refusal as the worker gave it.
+up (a paused engine answers its health checks). For a second after (``REFUSAL_HOLD_S``) the router
+passes that worker over for new requests, unless no other worker may serve one. A request pinned to
+the worker, or one with no other worker left, gets the refusal as the worker gave it.
 """
 
 from __future__ import annotations
@@ -215,6 +216,7 @@ class Dispatch:
                     upstream.close()
                     mesh.router.cancel(account.request_id, time.monotonic())
                     mesh.metrics.refusals_rerouted.inc()
+                    mesh.refused(worker_id)
                     tried.add(worker_id)
                     next_decision = await self.reroute(allowed)
                     if next_decision is None:

@@ -316,12 +316,16 @@ class RoutedRequest:
         nv = parsed.nvext
         hints = nv.hints
         session = nv.session
+        home = self._home(parsed)
+        allowed = self._allowed(parsed)
+        if self.mesh.refusing and home is None:  # (a worker refusing for now is passed over a while)
+            allowed = self.mesh.not_refusing(allowed)
         return RouteRequest(
             request_id=request_id,
             local_hashes=parsed.hashes,
             isl_tokens=parsed.isl,
             arrival=time.monotonic(),
-            backend_instance_id=self._home(parsed),
+            backend_instance_id=home,
             priority=hints.priority,
             latency_sensitivity=hints.latency_sensitivity,
             osl=hints.osl,
@@ -331,7 +335,7 @@ class RoutedRequest:
             session_id=session.session_id if session else None,
             session_action=session.action if session else None,
             session_timeout=session.timeout if session else None,
-            allowed_workers=self._allowed(parsed),
+            allowed_workers=allowed,
             lora_name=parsed.lora,
             client=_client(self.scope),
             estimated_blocks=parsed.isl // (registry.block_size or 16) if parsed.deferred is not None else 0,

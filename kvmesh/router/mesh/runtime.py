@@ -83,6 +83,11 @@ def load_tokenizer(name: str, engine_tokenizer: Tokenizer | None) -> Tokenizer:
         raise ConfigError(f"{what} could not be loaded: {e}") from None
 
 
+REFUSAL_HOLD_S = 1.0
+"""Seconds a worker that refused a request for now is passed over (:meth:`Mesh.refused`): a paused
+engine then costs one refused request a second, not one per request whose best worker it is."""
+
+
 class Mesh:
     def __init__(
         self,
@@ -150,6 +155,9 @@ class Mesh:
         """Recent chat prompts' blocks: a conversation's later turn is routed on its earlier one's."""
         self.response_homes = ResponseHomes()
         """Where each stored Responses API answer was served (``previous_response_id``)."""
+        self.refusing: dict[str, float] = {}
+        """Workers that refused a request for now (a paused engine), and until when (monotonic)
+        they are passed over: :meth:`refused`, :meth:`not_refusing`."""
         self.session_homes = ResponseHomes()
         """Where each SageMaker stateful session was opened (its engine alone holds it, as one
         holds a stored response): ``kvmesh.router.asgi.invocations``."""
@@ -231,6 +239,22 @@ class Mesh:
         if not ready.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ready.wait(), self.settings.connect_timeout + 2.0)
+
+    def refused(self, worker_id: str) -> None:
+        """``worker_id`` refused a request for now: pass it over for :data:`REFUSAL_HOLD_S`. A paused
+        engine answers its health checks, so only its refusals tell; without the hold, every request
+        whose best worker it is would be sent there first and refused."""
+        self.refusing[worker_id] = time.monotonic() + REFUSAL_HOLD_S
+
+    def not_refusing(self, allowed: frozenset[str]) -> frozenset[str]:
+        """``allowed`` without the workers that refused a request within the hold, unless that
+        would leave none (then the request is asked of them anyway: one may have resumed)."""
+        now = time.monotonic()
+        for worker_id, until in list(self.refusing.items()):
+            if until <= now:
+                del self.refusing[worker_id]
+        left = allowed.difference(self.refusing)
+        return left if left else allowed
 
     def held_first(self, block_hash: int) -> bool:
         """Whether a worker holds, or a request in flight carries, a prompt's first block. A prompt

@@ -4,6 +4,7 @@ router sends the request to another worker, over HTTP, and the client sees only 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ import aiohttp
 import pytest
 
 from kvmesh.router.asgi.forwarding import refused_for_now
+from kvmesh.router.mesh import runtime
 from kvmesh.router.mesh.metrics import get_metrics
 from tests.router.asgi.test_agent_features import mock_fleet
 from tests.router.asgi.test_responses_api import indexed_as_stored
@@ -53,13 +55,31 @@ async def test_a_refused_request_is_served_by_another_worker(
     )
     async with _pair(refusing) as (front, _, serving_url):
         before = _rerouted()
-        for _ in range(4):  # (round-robin: half of them are sent to the refusing worker first)
+        for _ in range(4):  # (round-robin: the refusing worker is sent the first or second)
             status, text, worker = await _ask(http, front, stream=stream)
             assert status == 200 and worker == serving_url, text
             assert "serving" in text and "refused" not in text
-        assert len(refusing.received) >= 2 and _rerouted() - before == len(refusing.received)
+        # once refused, the worker is passed over for a while: asked once, not every other time
+        assert len(refusing.received) == 1 and _rerouted() - before == 1
         async with http.get(front + "/kvmesh/workers") as r:  # (refusing is not being down)
             assert {row["state"] for row in (await r.json())["workers"]} == {"up"}
+
+
+async def test_a_refusing_worker_is_asked_again_after_the_hold(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A paused engine resumes: a second after its refusal it is a candidate again (with no hold
+    it was asked first by every request whose best worker it was, and refused each)."""
+    monkeypatch.setattr(runtime, "REFUSAL_HOLD_S", 0.3)
+    refusing = EngineState("refusing", status=503)
+    async with _pair(refusing) as (front, _, serving_url):
+        for _ in range(4):
+            assert (await _ask(http, front))[2] == serving_url
+        assert len(refusing.received) == 1
+        await asyncio.sleep(0.4)
+        refusing.status = 200  # (it resumed)
+        served = [(await _ask(http, front))[2] for _ in range(4)]
+        assert len(refusing.received) >= 2 and serving_url in served and len(set(served)) == 2
 
 
 async def test_a_pinned_request_or_a_fleet_that_refuses_gets_the_refusal(http: aiohttp.ClientSession) -> None:

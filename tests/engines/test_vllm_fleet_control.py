@@ -94,16 +94,23 @@ def _vllm_app(client: RecordingEngineClient) -> FastAPI:
 
 
 @contextlib.asynccontextmanager
-async def _fleet() -> AsyncIterator[tuple[httpx.AsyncClient, list[RecordingEngineClient]]]:
-    clients = [RecordingEngineClient(), RecordingEngineClient()]
+async def router_in_front(*apps: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """``apps`` served on loopback as vLLM workers ``w0``, ``w1``, ... behind a standalone router:
+    a client of the router."""
     async with contextlib.AsyncExitStack() as stack:
-        urls = [(await stack.enter_async_context(serve(_vllm_app(c)))).url for c in clients]
+        urls = [(await stack.enter_async_context(serve(app))).url for app in apps]
         workers = tuple(WorkerSpec(u, f"w{i}", backend="vllm") for i, u in enumerate(urls))
         settings = MeshSettings(
             workers=workers, router=RouterConfig(use_kv_events=False), health_interval=0.2
         )
         front = await stack.enter_async_context(serve(build_router_app(settings)))
-        http = await stack.enter_async_context(httpx.AsyncClient(base_url=front.url, timeout=30))
+        yield await stack.enter_async_context(httpx.AsyncClient(base_url=front.url, timeout=30))
+
+
+@contextlib.asynccontextmanager
+async def _fleet() -> AsyncIterator[tuple[httpx.AsyncClient, list[RecordingEngineClient]]]:
+    clients = [RecordingEngineClient(), RecordingEngineClient()]
+    async with router_in_front(*(_vllm_app(c) for c in clients)) as http:
         yield http, clients
 
 

@@ -29,10 +29,7 @@ with warnings.catch_warnings():
     from vllm.entrypoints.serve.lora import api_router as lora_api
 
 from kvmesh.router.asgi import fleet_control
-from kvmesh.router.asgi.standalone import build_router_app
-from kvmesh.router.core.config import RouterConfig
-from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
-from tests.router.servers import serve
+from tests.engines.test_vllm_fleet_control import router_in_front
 
 pytestmark = pytest.mark.engine_vllm
 
@@ -95,14 +92,7 @@ def _vllm_app(recorder: RecordingModels) -> FastAPI:
 @contextlib.asynccontextmanager
 async def _fleet() -> AsyncIterator[tuple[httpx.AsyncClient, list[RecordingModels]]]:
     recorders = [RecordingModels(), RecordingModels()]
-    async with contextlib.AsyncExitStack() as stack:
-        urls = [(await stack.enter_async_context(serve(_vllm_app(r)))).url for r in recorders]
-        workers = tuple(WorkerSpec(u, f"w{i}", backend="vllm") for i, u in enumerate(urls))
-        settings = MeshSettings(
-            workers=workers, router=RouterConfig(use_kv_events=False), health_interval=0.2
-        )
-        front = await stack.enter_async_context(serve(build_router_app(settings)))
-        http = await stack.enter_async_context(httpx.AsyncClient(base_url=front.url, timeout=30))
+    async with router_in_front(*(_vllm_app(r) for r in recorders)) as http:
         yield http, recorders
 
 

@@ -150,13 +150,14 @@ async def test_a_sessions_requests_go_to_the_engine_that_opened_it(http: aiohttp
         other = next(u for u in urls if u != opener)
         assert app.mesh.session_homes.home(session) == opener
         await warm(http, front.url, chat(model, CONTRACT), other)
+        # without the session the prompt goes where it is cached (asked first: later, the session's
+        # requests cache it on the opener too)
+        status, doc, headers = await invoke(http, front.url, chat(model, CONTRACT))
+        assert (status, headers[WORKER]) == (200, other)
         for body in (chat(model, CONTRACT), chat(model, CONTRACT, stream=True), completion(model, MANUAL)):
             status, doc, headers = await invoke(http, front.url, body, {SESSION: session})
             assert status == 200, doc
             assert headers[WORKER] == opener
-        # without the session the same prompt goes where it is cached
-        status, doc, headers = await invoke(http, front.url, chat(model, CONTRACT))
-        assert (status, headers[WORKER]) == (200, other)
         status, text, headers = await invoke(http, front.url, {"requestType": "CLOSE"}, {SESSION: session})
         assert status == 200, text
         assert headers["X-Amzn-SageMaker-Closed-Session-Id"] == session

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvmesh.router.asgi.forwarding import WORKER_ID_HEADER
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.invocations import closed_session, opened_session
-
-_WORKER_ID_HEADER = b"x-kvmesh-worker-id"
 
 
 def learning_sessions(mesh: Mesh, send: Any) -> Any:
@@ -40,7 +39,7 @@ def learning_sessions(mesh: Mesh, send: Any) -> Any:
             opened = opened_session(headers)
             closed = closed_session(headers)
             if opened is not None:
-                worker = next((v.decode("latin-1") for k, v in headers if k == _WORKER_ID_HEADER), None)
+                worker = next((v.decode("latin-1") for k, v in headers if k == WORKER_ID_HEADER), None)
                 worker = worker or mesh.settings.self_worker_id
                 if worker is not None:
                     mesh.session_homes.remember(opened, worker)

@@ -50,7 +50,7 @@ from typing import Any
 from kvmesh._http import route_path
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi.any_worker import CLIENT_LEFT, first_answer
-from kvmesh.router.asgi.forwarding import relay_unchanged
+from kvmesh.router.asgi.forwarding import WORKER_ID_HEADER, relay_unchanged
 from kvmesh.router.asgi.json_io import read_body, read_json_body, send_error
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.invocations import INVOCATIONS_PATH, session_id
@@ -123,7 +123,7 @@ class PoolingRelay:
             return
         answer, answered_by = asked
         mesh.metrics.requests.labels(endpoint, "pooling", str(answer.status)).inc()
-        answer.headers.append((b"x-kvmesh-worker-id", answered_by.encode()))
+        answer.headers.append((WORKER_ID_HEADER, answered_by.encode()))
         await relay_unchanged(answer, send)
 
     def _order(self, mesh: Mesh) -> list[str]:

@@ -369,51 +369,39 @@ class RoutedRequest:
         return allowed
 
     def _home(self, parsed: ParsedRequest) -> str | None:
-        """The worker the request must go to: the one it names, or the one holding the stored
-        response it continues (``previous_response_id``; only that engine has it). Unknown to this
-        router, a stored response is left to the engine the request is routed to."""
+        """The worker the request must go to: the one it names, or the one holding what it
+        continues that only one engine has: the stored response of ``previous_response_id``, or
+        a SageMaker stateful session (:mod:`.invocations`). Unknown to this router, a stored
+        response is left to the engine the request is routed to; so is a session, except inside an
+        engine, where it is that engine's (SageMaker's sticky routing sent the request there)."""
         nv = parsed.nvext
+        mesh = self.mesh
         if self.path == INVOCATIONS_PATH and (session := session_id(self.scope["headers"])):
-            return self._session_home(session, nv.pinned_worker)
+            home = mesh.session_homes.home(session)
+            if (home is None or mesh.registry.get(home) is None) and mesh.local_app is not None:
+                home = mesh.settings.self_worker_id
+            return self._held_by(home, f"session {session!r}", SESSION_HEADER.decode(), nv.pinned_worker)
         if not is_responses(parsed.endpoint):
             return nv.pinned_worker
         continued = previous_response_id(parsed.body)
-        home = self.mesh.response_homes.home(continued) if continued is not None else None
-        if home is None or self.mesh.registry.get(home) is None:
-            return nv.pinned_worker
-        if nv.pinned_worker is not None and nv.pinned_worker != home:
-            raise RequestError(
-                f"previous_response_id {continued!r} is held by worker {home!r}, and the request "
-                f"names worker {nv.pinned_worker!r}",
-                field="previous_response_id",
-            )
-        if home not in self.mesh.registry.routable:  # (no other engine has it: nothing to fail over to)
-            raise RequestError(
-                f"worker {home!r}, which holds previous_response_id {continued!r}, is down",
-                field="previous_response_id",
-                status=503,
-            )
-        return home
+        home = mesh.response_homes.home(continued) if continued is not None else None
+        what = f"previous_response_id {continued!r}"
+        return self._held_by(home, what, "previous_response_id", nv.pinned_worker)
 
-    def _session_home(self, session: str, pinned: str | None) -> str | None:
-        """The worker holding a SageMaker stateful session (:mod:`.invocations`): where it was
-        opened; one unknown to the router is this engine's, or with no engine here, left to routing."""
-        mesh = self.mesh
-        home = mesh.session_homes.home(session)
-        if home is None or mesh.registry.get(home) is None:
-            home = mesh.settings.self_worker_id if mesh.local_app is not None else None
-        if home is None or mesh.registry.get(home) is None:
+    def _held_by(self, home: str | None, what: str, field: str, pinned: str | None) -> str | None:
+        """``home``, the worker holding ``what`` (None or unregistered: none known, and the request
+        goes where ``pinned`` says or where it is routed); a 400 naming ``field`` when the request
+        names another worker, a 503 when ``home`` is down (no other engine has it: nothing to fail
+        over to)."""
+        registry = self.mesh.registry
+        if home is None or registry.get(home) is None:
             return pinned
-        field = SESSION_HEADER.decode()
         if pinned is not None and pinned != home:
             raise RequestError(
-                f"session {session!r} lives on worker {home!r}, and the request names worker {pinned!r}",
-                field=field,
+                f"{what} is held by worker {home!r}, and the request names worker {pinned!r}", field=field
             )
-        if home not in mesh.registry.routable:  # (no other engine has the session)
-            raise RequestError(
-                f"worker {home!r}, which holds session {session!r}, is down", field=field, status=503
-            )
+        if home not in registry.routable:
+            raise RequestError(f"worker {home!r}, which holds {what}, is down", field=field, status=503)
         return home
 
     async def dispatch(

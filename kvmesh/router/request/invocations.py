@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.router.request.parse import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+
 INVOCATIONS_PATH = "/invocations"
 SESSION_HEADER = b"x-amzn-sagemaker-session-id"
 NEW_SESSION_HEADER = b"x-amzn-sagemaker-new-session-id"
 """The answer to a NEW_SESSION request: ``<id>; Expires=<UTC time>``."""
 CLOSED_SESSION_HEADER = b"x-amzn-sagemaker-closed-session-id"
-_CHAT = "/v1/chat/completions"
-_COMPLETIONS = "/v1/completions"
 
 
 def invoked_endpoint(body: dict[str, Any]) -> str | None:
@@ -32,33 +32,36 @@ def invoked_endpoint(body: dict[str, Any]) -> str | None:
     if "requestType" in body:
         return None
     if "messages" in body:
-        return _CHAT
+        return CHAT_ENDPOINT
     if "prompt" in body:
-        return _COMPLETIONS
+        return COMPLETIONS_ENDPOINT
     return None
 
 
 def session_id(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
     """The stateful session a request names (:data:`SESSION_HEADER`), or None."""
-    for name, value in headers:
-        if name == SESSION_HEADER:
-            return value.decode("latin-1").strip() or None
-    return None
+    return _header(headers, SESSION_HEADER)
 
 
 def opened_session(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
     """The id of the session an answer opened (:data:`NEW_SESSION_HEADER`, before its
     ``; Expires=``), or None."""
-    for name, value in headers:
-        if name.lower() == NEW_SESSION_HEADER:
-            return value.decode("latin-1").split(";", 1)[0].strip() or None
-    return None
+    value = _header(headers, NEW_SESSION_HEADER)
+    if value is None:
+        return None
+    return value.split(";", 1)[0].strip() or None
 
 
 def closed_session(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
     """The id of the session an answer closed (:data:`CLOSED_SESSION_HEADER`), or None."""
-    for name, value in headers:
-        if name.lower() == CLOSED_SESSION_HEADER:
+    return _header(headers, CLOSED_SESSION_HEADER)
+
+
+def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """The value of header ``name`` (lowercase; matched in any case), stripped, or None when
+    absent or blank."""
+    for key, value in headers:
+        if key.lower() == name:
             return value.decode("latin-1").strip() or None
     return None
 

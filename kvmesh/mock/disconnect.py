@@ -44,7 +44,8 @@ async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) ->
 
 
 class EngineStreamResponse:
-    """Server-sent events from ``chunks``; calls ``on_disconnect`` if the client leaves early."""
+    """Server-sent events from ``chunks`` (or another stream: ``content_type``); calls
+    ``on_disconnect`` if the client leaves early."""
 
     def __init__(
         self,
@@ -52,11 +53,12 @@ class EngineStreamResponse:
         on_disconnect: Callable[[], object],
         *,
         headers: list[tuple[bytes, bytes]] | None = None,
+        content_type: bytes = b"text/event-stream; charset=utf-8",
     ) -> None:
         self.chunks = chunks
         self.on_disconnect = on_disconnect
         self.headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"content-type", content_type),
             (b"cache-control", b"no-cache"),
             *(headers or ()),
         ]

@@ -20,6 +20,9 @@
                                                      them: kvmesh.mock.tokens_api
     POST /v1/embeddings                              vLLM's embeddings, each input a prefill on the
                                                      engine: kvmesh.mock.embeddings
+    POST /api/chat, POST /api/generate,              Ollama's API, as SGLang 0.5.23 serves it
+    GET /api/tags, POST /api/show                    (newline-delimited JSON streams):
+                                                     kvmesh.mock.ollama
     POST /invocations                                SageMaker's entry point, as vLLM has it (chat,
                                                      completion or embedding by the body; stateful
                                                      sessions): kvmesh.mock.invocations
@@ -72,6 +75,11 @@ from kvmesh.mock.engine import MockEngine, TokenStream
 from kvmesh.mock.invocations import invocations_handler
 from kvmesh.mock.messages import message_events, message_object, parse_messages
 from kvmesh.mock.native_generate import GenerateRequest, generate_answer, generate_events, parse_generate
+from kvmesh.mock.ollama import NDJSON, answer_lines, parse_ollama
+from kvmesh.mock.ollama import answer as ollama_answer
+from kvmesh.mock.ollama import counts as ollama_counts
+from kvmesh.mock.ollama import show as show_model
+from kvmesh.mock.ollama import tags as ollama_tags
 from kvmesh.mock.protocol import Endpoint, ParsedRequest, parse_generation, usage
 from kvmesh.mock.responses import (
     ResponseStore,
@@ -90,6 +98,7 @@ from kvmesh.router.request.batches import CHAT_BATCH_PATH, COMPLETIONS_PATH
 from kvmesh.router.request.generate_api import ABORT_PATH as SGLANG_ABORT_PATH
 from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.invocations import INVOCATIONS_PATH
+from kvmesh.router.request.ollama_api import OLLAMA_PATHS, streams
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
 from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH, abort_ids
 from kvmesh.worker.rpc import error_response, worker_rpc_routes
@@ -274,6 +283,41 @@ def build_app(
     async def completions(request: Request) -> Response:
         return await generate(request, "completions")
 
+    async def ollama_show(request: Request) -> Response:
+        read = await _read_request(request, lambda body, _: show_model(body, engine.config.model_len))
+        return read if isinstance(read, Response) else JSONResponse(read)
+
+    @answers_paused
+    async def ollama(request: Request) -> Response:
+        path = request.url.path
+        started_ns = time.time_ns()
+        read = await _read_request(
+            request, lambda body, session: parse_ollama(body, path, engine.config, engine.tokenizer, session)
+        )
+        if isinstance(read, Response):
+            return read
+        if read is None:  # (an empty prompt: answered at once, done)
+            whole = ollama_answer(path, model, "", done=True)
+            if streams(json.loads(await request.body())):  # (read whole already)
+                return Response(whole + b"\n", media_type=NDJSON.decode())
+            return Response(whole, media_type="application/json")
+        only = _submit_choices(engine, read, uuid.uuid4().hex)[0]
+
+        def abort() -> None:
+            engine.abort(only.request_id)
+
+        if read.stream:
+            lines = answer_lines(path, model, _pieces(only, text_of), lambda: only.finish_reason != "abort")
+            return EngineStreamResponse(lines, abort, content_type=NDJSON)  # type: ignore[return-value]
+        if not await until_disconnect(request.receive, only.wait()):
+            abort()
+            return Response(status_code=499)
+        if only.finish_reason == "abort":
+            return error_response("the engine stopped before the request finished", 503)
+        figures = ollama_counts(only.prompt_tokens, len(only.tokens), started_ns)
+        whole = ollama_answer(path, model, text_of(only.tokens), done=True, counts=figures)
+        return Response(whole, media_type="application/json")
+
     @answers_paused
     async def native_generate(request: Request) -> Response:
         def parse(body: Any, session: str | None) -> GenerateRequest | BatchResponse:
@@ -434,6 +478,9 @@ def build_app(
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/generate", native_generate, methods=["POST", "PUT"]),
+        *(Route(path, ollama, methods=["POST"]) for path in sorted(OLLAMA_PATHS)),
+        Route("/api/tags", lambda _: JSONResponse(ollama_tags(model)), methods=["GET"]),
+        Route("/api/show", ollama_show, methods=["POST"]),
         Route(TOKENS_PATH, tokens, methods=["POST"]),
         *(Route(path, abort_requests, methods=["POST"]) for path in sorted(ABORT_PATHS)),
         Route(SGLANG_ABORT_PATH, sglang_abort, methods=["POST"]),

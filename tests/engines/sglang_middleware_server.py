@@ -20,7 +20,10 @@ instead of generating. ``/generate`` is SGLang's real route and request parsing,
 answers with those ids (and the priority and sampling parameters SGLang parsed) instead of
 generating. The Anthropic Messages serving is SGLang's real ``AnthropicServing`` over its real chat
 serving (its conversion, validation and chat tokenization), with a stand-in
-``_handle_non_streaming_request`` that answers with the prompt's ids instead of generating.
+``_handle_non_streaming_request`` that answers with the prompt's ids instead of generating. The
+Ollama serving (``/api/chat``, ``/api/generate``) is SGLang's real ``OllamaServing`` (its own
+rendering of the body) over the stand-in ``generate_request``, so its answer counts the prompt it
+rendered (``prompt_eval_count``).
 """
 
 from __future__ import annotations
@@ -231,6 +234,7 @@ def main() -> None:
     server_args = launcher.prepare(["--model-path", "dummy", *sglang_args], environ=os.environ)  # type: ignore[arg-type]
     from sglang.srt import runtime_context
     from sglang.srt.entrypoints import http_server
+    from sglang.srt.entrypoints.ollama.serving import OllamaServing
     from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
     from sglang.srt.managers.tokenizer_manager import TokenizerManager as Real
     from sglang.srt.parser.template_manager import TemplateManager
@@ -250,6 +254,7 @@ def main() -> None:
     app.state.openai_serving_chat = EchoChat()
     app.state.openai_serving_responses = echo_responses(tm, templates)
     app.state.anthropic_serving = echo_messages(tm, templates)
+    app.state.ollama_serving = OllamaServing(tm)
     app.router.routes.append(Route("/test/relayed-chunks", relayed_chunks))
     app.router.routes.append(Route("/test/speculative-prefills", speculative_prefills))
     app.router.routes.append(Route("/test/aborts", aborts))

@@ -235,6 +235,32 @@ def test_sglangs_invocations_is_its_chat_endpoint_and_the_middleware_routes_it(s
     assert invoked_endpoint({"messages": [{"role": "user", "content": "hi"}]}) == "/v1/chat/completions"
 
 
+def test_sglangs_ollama_api_is_routed_by_the_middleware_as_sglang_reads_it(served: Any) -> None:
+    """SGLang serves Ollama's chat and generate on its app; the SGLang middleware's generation paths
+    hold both, and the router reads their bodies by SGLang's own request types: a stream unless
+    told not to, the messages' roles and contents as strings, the prompt with its system text."""
+    from kvmesh.router.asgi.middleware import WITH_GENERATE
+    from kvmesh.router.request.ollama_api import OLLAMA_CHAT_PATH, OLLAMA_GENERATE_PATH, streams
+
+    protocol = sglang_env.engine("sglang.srt.entrypoints.ollama.protocol")
+    types = {}
+    for path in (OLLAMA_CHAT_PATH, OLLAMA_GENERATE_PATH):
+        route = next(r for r in served["app"].router.routes if getattr(r, "path", None) == path)
+        assert route.methods == {"POST"}
+        (param,) = route.dependant.body_params
+        types[path] = param.field_info.annotation
+        assert path in WITH_GENERATE
+    assert types[OLLAMA_CHAT_PATH] is protocol.OllamaChatRequest
+    assert types[OLLAMA_GENERATE_PATH] is protocol.OllamaGenerateRequest
+    for kind in types.values():
+        assert kind.model_fields["stream"].default is True
+        assert kind.model_fields["model"].is_required()
+    assert streams({}) and not streams({"stream": False})
+    message = protocol.OllamaMessage.model_fields
+    assert message["role"].annotation is str and message["content"].annotation is str
+    assert set(protocol.OllamaGenerateRequest.model_fields) >= {"prompt", "system", "options"}
+
+
 def test_sglangs_scores_and_speech_are_among_the_paths_the_router_relays(served: Any) -> None:
     """SGLang's System One decisions and speech to text are POSTs on its app, and the standalone
     router relays them to one worker (kvmesh.router.asgi.pooling), speech to text as a form."""

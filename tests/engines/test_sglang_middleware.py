@@ -342,6 +342,50 @@ def test_sglangs_generate_is_routed_on_the_ids_sglang_tokenizes_its_text_to(engi
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "nvext.extra_fields"
 
 
+def test_ollamas_chat_and_generate_are_routed_on_the_prompt_sglang_renders(engine: Engine) -> None:
+    """SGLang's own Ollama serving renders ``/api/chat``'s messages (their roles and contents: an
+    image is dropped) with the template and its generation prompt, and ``/api/generate``'s system
+    text and prompt as one text; its answer counts the prompt it rendered. The router must read
+    the same prompt: a repeat goes where the first went, matched on every whole page of SGLang's
+    count, and the router's own count of it (matched plus still to prefill) is SGLang's."""
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(f"w{i}" for i in range(lo, hi))
+
+    bodies = {
+        "/api/chat": {
+            "model": "any",
+            "stream": False,
+            "messages": [
+                {"role": "system", "content": words(0, 12)},
+                {"role": "user", "content": words(12, 41), "images": ["AAAA"]},
+            ],
+        },
+        "/api/generate": {"model": "any", "stream": False, "system": words(50, 60), "prompt": words(60, 91)},
+    }
+    for path, body in bodies.items():
+        first = engine.client.post(path, json={**body, "nvext": {"backend_instance_id": engine.url}})
+        assert first.status_code == 200, first.text
+        again = engine.client.post(path, json=body)
+        assert again.status_code == 200, again.text
+        assert again.headers["x-kvmesh-worker-id"] == engine.url
+        rendered = again.json()["prompt_eval_count"]
+        assert rendered > 40
+        (decision,) = engine.client.get("/kvmesh/decisions?limit=1").json()["decisions"]
+        (chosen,) = (c for c in decision["candidates"] if c["chosen"])
+        assert decision["overlap_blocks"] == rendered // BLOCK, path
+        assert chosen["overlap_blocks"] * BLOCK + chosen["prefill_tokens"] == rendered, path
+    # Streamed (Ollama's default): SGLang's newline-delimited lines come back as they went.
+    streamed = engine.client.post("/api/chat", json={**bodies["/api/chat"], "stream": True})
+    assert streamed.status_code == 200
+    assert streamed.headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(line) for line in streamed.text.splitlines()]
+    assert [line["message"]["content"] for line in lines] == ["w1"]
+    # What the router would write in OpenAI's names is refused: Ollama's body has no place for it.
+    refused = engine.client.post("/api/generate", json={**bodies["/api/generate"], "nvext": {"top_k": 3}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "nvext.top_k"
+
+
 @pytest.mark.parametrize("api_key", [None, "sk-test"])
 async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_inside_sglang(
     tmp_path: Path, api_key: str | None

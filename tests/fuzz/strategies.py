@@ -351,6 +351,57 @@ INVOCATIONS = st.one_of(CHAT, COMPLETION, EMBEDDINGS, SAGEMAKER_SESSION)
 """SageMaker's ``/invocations`` bodies: a chat request, a completion, an embedding request, or a
 stateful session's own request (kvmesh.router.asgi.invocations)."""
 
+OLLAMA_COMMON = {
+    "model": _maybe(st.just(MODEL)),
+    "stream": _maybe(st.booleans()),
+    "options": _maybe(
+        st.fixed_dictionaries(
+            {"num_predict": _maybe(st.integers(-1, 6))},
+            optional={
+                "temperature": _maybe(st.floats(-1, 3)),
+                "top_p": _maybe(st.floats(0, 1)),
+                "seed": _maybe(st.integers(-3, 2**40)),
+                "stop": _maybe(st.lists(TEXT, max_size=2)),
+                "mirostat": _maybe(st.integers(0, 2)),
+            },
+        )
+    ),
+    "format": _maybe(st.sampled_from(["json", {"type": "object"}])),
+    "keep_alive": _maybe(st.sampled_from(["5m", 0, -1])),
+    "think": _maybe(st.booleans()),
+    "nvext": _maybe(NVEXT),
+}
+OLLAMA_CHAT = st.fixed_dictionaries(
+    {
+        "messages": _maybe(
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "role": _maybe(st.sampled_from(["user", "system", "assistant"])),
+                        "content": _maybe(TEXT),
+                    },
+                    optional={"images": _maybe(st.lists(st.just("AAAA"), max_size=2))},
+                ),
+                min_size=1,
+                max_size=3,
+            )
+        )
+    },
+    optional=OLLAMA_COMMON,
+)
+"""Ollama's ``/api/chat`` body, as SGLang serves it (kvmesh.router.request.ollama_api)."""
+OLLAMA_GENERATE = st.fixed_dictionaries(
+    {"prompt": _maybe(st.one_of(TEXT, st.just(""), st.just("   ")))},
+    optional={
+        **OLLAMA_COMMON,
+        "system": _maybe(TEXT),
+        "raw": _maybe(st.booleans()),
+        "template": _maybe(TEXT),
+        "context": _maybe(st.lists(st.integers(0, 100), max_size=4)),
+    },
+)
+"""Ollama's ``/api/generate`` body, as SGLang serves it."""
+
 BLOCK = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": _maybe(TEXT)}),
     st.fixed_dictionaries(

@@ -23,6 +23,8 @@ from tests.fuzz.strategies import (
     HEADERS,
     INVOCATIONS,
     MESSAGES,
+    OLLAMA_CHAT,
+    OLLAMA_GENERATE,
     RESPONSES,
     SGLANG_ABORT,
     TOKENS,
@@ -45,10 +47,13 @@ from tests.fuzz.strategies import (
         ("/v1/embeddings", EMBEDDINGS),
         ("/v1/chat/completions/batch", CHAT_BATCH),
         ("/invocations", INVOCATIONS),
+        ("/api/chat", OLLAMA_CHAT),
+        ("/api/generate", OLLAMA_GENERATE),
     ],
     ids=[
         *("chat", "completions", "responses", "generate", "messages", "tokens", "abort"),
         *("count_tokens", "abort_request", "embeddings", "chat_batch", "invocations"),
+        *("ollama_chat", "ollama_generate"),
     ],
 )
 def test_no_5xx_and_every_4xx_names_its_field(target: Target, path: str, doc: Any) -> None:

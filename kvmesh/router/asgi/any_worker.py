@@ -6,7 +6,8 @@ parsers (``POST /parse_function_call``, ``/separate_reasoning``), vLLM's rendere
 ``/inference/v1/generate`` takes, which the router then routes), and the descriptions a client reads
 at start: SGLang's ``GET /get_model_info`` and ``/get_server_info`` (with their newer names
 ``/model_info``, ``/server_info``; RL frameworks read them from the address they generate at) and
-vLLM's ``GET /version``; and SGLang's ``GET /health_generate`` (one worker generates a token: the
+vLLM's ``GET /version``, and Ollama's ``GET /api/tags`` and ``POST /api/show`` (as SGLang serves
+them: an Ollama client lists the models before it chats); and SGLang's ``GET /health_generate`` (one worker generates a token: the
 fleet can serve). A server description is the one worker's that answered.
 
 Nothing about them is cached or routed, but a client pointed at the router expects them where its
@@ -55,6 +56,7 @@ PATHS = (
     "/v1/messages/render",
     "/v1/chat/completions/derender",
     "/v1/completions/derender",
+    "/api/show",  # (Ollama's API, as SGLang serves it: a model's description)
 )
 """Asked with a POST."""
 READ_PATHS = (
@@ -64,6 +66,7 @@ READ_PATHS = (
     "/server_info",
     "/version",
     "/health_generate",
+    "/api/tags",  # (Ollama's list of models, as SGLang serves it)
 )
 """Asked with a GET."""
 

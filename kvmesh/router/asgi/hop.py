@@ -21,6 +21,7 @@ from kvmesh.router.asgi.peer_auth import Hop
 from kvmesh.router.asgi.tap import ResponseTap
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.batches import PromptBatch
+from kvmesh.router.request.invocations import adapter_lora
 from kvmesh.router.request.parse import ParsedRequest, parse_request
 
 ASGIApp = Any
@@ -72,7 +73,7 @@ class HopRequest:
                 self.endpoint,
                 tokenizer=mesh.tokenizer if track else None,
                 block_size=registry.block_size or 16,
-                lora_of=registry.lora_of,
+                lora_of=adapter_lora(route_path(self.scope), self.scope["headers"], registry.lora_of),
                 clock=time.perf_counter,
                 limits=mesh.nvext_limits,
             )

@@ -21,7 +21,9 @@ A stored response asked for again (``/v1/responses/{id}``) goes to the engine th
 run (:mod:`kvmesh.router.asgi.aborts`), as does vLLM's token API's abort in front of vLLM, whose
 batch of conversations (``/v1/chat/completions/batch``) is routed conversation by conversation.
 In front of either engine, and standalone, SageMaker's ``/invocations`` is routed as the chat
-request or completion its body is (:mod:`kvmesh.router.asgi.invocations`). The
+request or completion its body is (:mod:`kvmesh.router.asgi.invocations`); in front of SGLang, and
+standalone, so are Ollama's ``/api/chat`` and ``/api/generate``
+(:mod:`kvmesh.router.request.ollama_api`). The
 admin endpoints (:mod:`kvmesh.router.asgi.admin`) are answered here. A scrape of an engine's
 multiprocess ``/metrics`` gets kvmesh's live gauges added (:mod:`kvmesh.router.asgi.scrape`). Every
 other path and every non-HTTP scope passes straight through.
@@ -45,6 +47,7 @@ from kvmesh.router.request.batches import CHAT_BATCH_PATH
 from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.invocations import INVOCATIONS_PATH, invoked_endpoint
 from kvmesh.router.request.messages_api import MESSAGES_PATH
+from kvmesh.router.request.ollama_api import OLLAMA_PATHS
 from kvmesh.router.request.parse import decode_body
 from kvmesh.router.request.responses_api import RESPONSES_PATH
 from kvmesh.router.request.tokenizer import Tokenizer
@@ -55,9 +58,10 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 
 GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", RESPONSES_PATH, MESSAGES_PATH))
-WITH_GENERATE = GENERATION_PATHS | {GENERATE_PATH, INVOCATIONS_PATH}
+WITH_GENERATE = GENERATION_PATHS | {GENERATE_PATH, INVOCATIONS_PATH} | OLLAMA_PATHS
 """The generation paths where the server behind is SGLang's (the aborts of its requests are then
-sent where they run: :mod:`.aborts`; and SageMaker's entry point, :mod:`.invocations`)."""
+sent where they run: :mod:`.aborts`; SageMaker's entry point, :mod:`.invocations`; and Ollama's
+chat and generate, :mod:`~kvmesh.router.request.ollama_api`)."""
 WITH_TOKENS = GENERATION_PATHS | {TOKENS_PATH, CHAT_BATCH_PATH, INVOCATIONS_PATH}
 """The generation paths where the server behind is vLLM's (its token-in-token-out API, whose
 aborts are then sent where the requests run: :mod:`.aborts`; its batch of conversations; and

@@ -6,8 +6,8 @@ scores and reranking (vLLM 0.33's ``/v1/embeddings``, ``/v2/embed``, ``/pooling`
 scores or transcribes on a generating model, with no prefix to share: both engines' System One
 decisions (``/v1/systemone``), vLLM's ``/generative_scoring``, and speech to text
 (``/v1/audio/transcriptions``, both engines; vLLM's ``/v1/audio/translations``), whose body is a
-form carrying the audio, relayed as it came (``--max-body-bytes`` bounds it: 8 MiB by default,
-below vLLM's 25 MB clip limit).
+form carrying the audio, relayed as it came (``--max-upload-bytes`` bounds it: 32 MiB by default,
+above vLLM's 25 MB clip limit, so the engine says what is too long).
 
 A fleet serving an embedding or reranking model behind the router had only a 404 for them. They
 are relayed, not routed on a prefix: their inputs are short and seldom shared, and each engine
@@ -93,9 +93,12 @@ class PoolingRelay:
         await mesh.ensure_started()
         settings = mesh.settings
         endpoint = route_path(scope)
-        read = read_body if endpoint in FORM_PATHS else read_json_body
+        timeout = settings.body_read_timeout
         try:
-            body = await read(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
+            if endpoint in FORM_PATHS:  # (the audio, relayed unread: its own bound)
+                body = await read_body(scope, receive, settings.max_upload_bytes, timeout)
+            else:
+                body = await read_json_body(scope, receive, settings.max_body_bytes, timeout)
         except RequestError as e:
             mesh.metrics.requests.labels(endpoint, "rejected", str(e.status)).inc()
             await send_error(send, e.status, str(e), e.field)

@@ -31,9 +31,10 @@ from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequ
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.batches import PromptBatch
 from kvmesh.router.request.generate_api import SERVED_BY, bound_to_engine, choices, is_generate
-from kvmesh.router.request.invocations import INVOCATIONS_PATH, SESSION_HEADER, session_id
+from kvmesh.router.request.invocations import INVOCATIONS_PATH, SESSION_HEADER, adapter_lora, session_id
 from kvmesh.router.request.messages_api import is_messages
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
+from kvmesh.router.request.ollama_api import is_ollama
 from kvmesh.router.request.parse import ParsedRequest, parse_request, prompt_recomputed
 from kvmesh.router.request.responses_api import is_responses, previous_response_id
 from kvmesh.router.request.tokens_api import TOKENS_PATH, is_tokens
@@ -127,9 +128,10 @@ class RoutedRequest:
                 or is_generate(self.endpoint)
                 or is_messages(self.endpoint)
                 or is_tokens(self.endpoint)
+                or is_ollama(self.endpoint)
             ):
-                # (a Responses, Messages, /generate or token-API request is served aggregated: the
-                # hand-off fields are chat's and completions')
+                # (a Responses, Messages, /generate, token-API or Ollama request is served
+                # aggregated: the hand-off fields are chat's and completions')
                 await TwoStage(self, parsed, account, request).run()
                 return
             result = self.route(request, account)
@@ -158,7 +160,7 @@ class RoutedRequest:
             self.endpoint,
             tokenizer=mesh.tokenizer if mesh.kv_mode else None,
             block_size=registry.block_size or 16,
-            lora_of=registry.lora_of,
+            lora_of=adapter_lora(self.path, self.scope["headers"], registry.lora_of),
             clock=time.perf_counter,
             limits=mesh.nvext_limits,
             # a prompt no worker holds is routed on its first block, a conversation's later turn on
@@ -180,6 +182,9 @@ class RoutedRequest:
             _check_messages_nvext(nv)
         elif is_tokens(self.endpoint):
             _check_answer_nvext(nv, False, TOKENS_PATH)
+        elif is_ollama(self.endpoint):
+            _check_answer_nvext(nv, True, self.endpoint)
+            _check_ollama_nvext(nv, self.endpoint)
         if nv.cache_ttl is not None:
             if not mesh.config.enable_cache_control:
                 raise RequestError(
@@ -353,9 +358,14 @@ class RoutedRequest:
         """The workers that can serve it: those with its adapter, those whose server has the path."""
         registry = self.mesh.registry
         allowed = registry.routable if parsed.lora is None else registry.adapters[parsed.lora]
-        if is_generate(parsed.endpoint):  # (SGLang's own API: another engine's server answers 404)
+        if is_generate(parsed.endpoint) or is_ollama(parsed.endpoint):
+            # (SGLang's own APIs: another engine's server answers 404)
             allowed = registry.described(allowed, lambda info: info.backend in SERVED_BY)
-            missing = "/generate (SGLang's native API); send the request to /v1/completions"
+            missing = (
+                "/generate (SGLang's native API); send the request to /v1/completions"
+                if is_generate(parsed.endpoint)
+                else f"{parsed.endpoint} (Ollama's API, as SGLang serves it)"
+            )
         elif is_tokens(parsed.endpoint):  # (vLLM serves it when started to: --enable-scale-out)
             allowed = registry.described(allowed, lambda info: info.tokens_api)
             missing = (
@@ -643,6 +653,27 @@ def _check_messages_nvext(nv: Nvext) -> None:
         raise RequestError(
             'nvext.max_thinking_tokens: send "thinking": {"type": "enabled", "budget_tokens": N}',
             field="nvext.max_thinking_tokens",
+        )
+
+
+def _check_ollama_nvext(nv: Nvext, path: str) -> None:
+    """Refuse what the router would write into the body in OpenAI's or SGLang's names, which
+    Ollama's request does not read (400 naming the field): nvext's sampling, greedy decoding, a
+    thinking budget, a pre-tokenized or raw prompt. (Its own sampling goes in ``options``.)"""
+    asked = [f"nvext.{name}" for name, _ in nv.sampling]
+    for wanted, field in (
+        (nv.greedy, "nvext.greed_sampling"),
+        (nv.max_thinking_tokens is not None, "nvext.max_thinking_tokens"),
+        (nv.token_data is not None, "nvext.token_data"),
+        (nv.use_raw_prompt, "nvext.use_raw_prompt"),
+    ):
+        if wanted:
+            asked.append(field)
+    if asked:
+        raise RequestError(
+            f"{asked[0]} is not available on {path} (Ollama's request takes its sampling in "
+            "'options'); send the request to /v1/chat/completions",
+            field=asked[0],
         )
 
 

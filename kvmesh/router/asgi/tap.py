@@ -15,6 +15,10 @@ turns the worker's response into the same messages).
   ``[DONE]`` line (or at the end of a stream without one), always at a line boundary.
 * ``application/json`` (a 200 answer to a non-streaming request): buffered up to a limit, since it
   is small and complete only at the end; ``usage`` is read and ``nvext`` merged into the object.
+* ``application/x-ndjson`` (Ollama's API, streamed: a JSON object a line): every body message goes
+  out as it comes, and the router reads its whole lines after it: the first one is the first
+  token, and a line that is ``"done"`` may carry the counts (``ollama_api.answer_usage``). A whole
+  JSON answer of Ollama's has its counts read the same way.
 * anything else passes through untouched.
 
 Two options for a routed request: ``content`` hears the answer's text (``delta.content`` /
@@ -54,6 +58,7 @@ import msgspec
 from kvmesh._http import SseLines, sse_data
 from kvmesh.router.request.generate_api import meta_usage
 from kvmesh.router.request.messages_api import is_anthropic_usage, messages_usage
+from kvmesh.router.request.ollama_api import answer_text, answer_usage
 from kvmesh.router.request.responses_api import chat_usage
 
 _DONE = b"[DONE]"
@@ -146,7 +151,7 @@ class ResponseTap:
         self._observer = observer
         self._extra_headers = extra_headers or []
         self._json_limit = json_limit
-        self._mode = 0  # 0 raw, 1 sse, 2 json
+        self._mode = 0  # 0 raw, 1 sse, 2 json, 3 ndjson
         self._start: dict[str, Any] | None = None
         self._buffer: list[bytes] = []
         self._buffered = 0
@@ -175,6 +180,8 @@ class ResponseTap:
                 await self._sse(body, more)
             elif self._mode == 2:
                 await self._json(body, more)
+            elif self._mode == 3:
+                await self._ndjson(body, more)
             else:
                 await self._send(message)
                 if not more:
@@ -194,6 +201,8 @@ class ResponseTap:
             headers = [*headers, *self._extra_headers]
         if content_type.startswith(b"text/event-stream"):
             self._mode = 1
+        elif content_type.startswith(b"application/x-ndjson"):
+            self._mode = 3
         elif self.status == 200 and content_type.startswith(b"application/json"):
             self._mode = 2
             # content-length changes when nvext is merged in: hold the head back until the end.
@@ -238,6 +247,47 @@ class ResponseTap:
         await self._send({"type": "http.response.body", "body": out, "more_body": more})
         if not more:
             self._finish()
+
+    # ---------------------------------------------------------------- NDJSON
+    async def _ndjson(self, body: bytes, more: bool) -> None:
+        # Nothing is spliced into such a stream (no echo, no preamble): the bytes go out first,
+        # and the router's reading of them follows.
+        awaiting = self._awaiting_output
+        at = time.perf_counter() if awaiting else 0.0
+        await self._send({"type": "http.response.body", "body": body, "more_body": more})
+        _, lines, _ = self._lines.feed(body, final=not more)  # (a line too long is not read)
+        if lines:
+            self._read_ndjson(lines)
+            if awaiting and not self._awaiting_output:
+                self.first_sent_at = at
+        if not more:
+            self._finish()
+
+    def _read_ndjson(self, data: bytes) -> None:
+        observer = self._observer
+        events = 0
+        usage: dict[str, Any] | None = None
+        for line in data.splitlines():
+            doc = _json_object(line)
+            if doc is None:
+                continue
+            if self._awaiting_output:
+                self._awaiting_output = False
+                observer.first_event()
+            events += 1
+            text = answer_text(doc)
+            if text:
+                if self._text is not None:
+                    self._text(0, text, 0)
+                if self._content is not None:
+                    self._content(0, text, None, None)
+            if doc.get("done") is True:
+                usage = answer_usage(doc)
+        if events:
+            self._seen_events += events
+            observer.events(events)
+        if usage is not None:
+            observer.usage(usage)
 
     # ---------------------------------------------------------------- relayed by someone else
     def takes_as_is(self, body: bytes) -> bool:
@@ -423,6 +473,8 @@ class ResponseTap:
         if self._identified is not None:
             _report_id(doc, self._identified)
         usage = _usage_of(doc)
+        if usage is None and "prompt_eval_count" in doc:  # (Ollama's API)
+            usage = answer_usage(doc)
         if usage is not None:
             self._observer.usage(usage)
 

@@ -99,6 +99,9 @@ else:  # the same parser, before it joined the standard library
     import tomli as tomllib
 
 DEFAULT_BODY_LIMIT = 8 * 1024 * 1024
+DEFAULT_UPLOAD_LIMIT = 32 * 1024 * 1024
+"""A form's (speech to text: the audio file), above vLLM's 25 MB clip limit
+(``VLLM_MAX_AUDIO_CLIP_FILESIZE_MB``), so the engine, not the router, says what is too long."""
 DEFAULT_BLOCK_SIZE = 16
 POLARITIES = ("lower_first", "higher_first", "none")
 ROLES = ("aggregated", "prefill", "decode")
@@ -346,6 +349,8 @@ class MeshSettings:
     mesh_secret: str | None = None
     """Shared by the replicas: signs the hop and request-id headers of forwarded requests."""
     max_body_bytes: int = DEFAULT_BODY_LIMIT
+    max_upload_bytes: int = DEFAULT_UPLOAD_LIMIT
+    """The bound of a form body (speech to text's audio), which the router relays unread."""
     body_read_timeout: float = 30.0
     """Seconds from the request head to the last body byte (a stalled body gets a 408)."""
     self_url: str | None = None
@@ -539,6 +544,11 @@ SETTINGS: tuple[Setting, ...] = bind_defaults(
         Setting(
             "max_body_bytes", "--max-body-bytes", "KVMESH_MAX_BODY_BYTES", "max_body_bytes", int,
             "largest request body accepted (413 beyond)", 1, shown="8 MiB",
+        ),
+        Setting(
+            "max_upload_bytes", "--max-upload-bytes", "KVMESH_MAX_UPLOAD_BYTES", "max_upload_bytes", int,
+            "largest form body accepted: speech to text's audio, relayed unread (413 beyond)", 1,
+            shown="32 MiB",
         ),
         Setting(
             "self_url", None, "KVMESH_SELF_URL", "self_url", str,

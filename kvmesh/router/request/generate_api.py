@@ -28,7 +28,7 @@ GENERATE_PATH = "/generate"
 ABORT_PATH = "/abort_request"
 """SGLang's abort: of the request whose ``rid`` (or a longer one) it names, or of all of them."""
 SERVED_BY = frozenset(("sglang", "mock"))
-"""The backends (``/kvmesh/info`` ``backend``) whose server answers ``/generate``."""
+"""The backends (``/kvmesh/info`` ``backend``) whose server answers ``/generate`` (and Ollama's API)."""
 # Fields that bind a request to the engine it reached (see the module docstring).
 _BOUND = ("session_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 # Fields that key SGLang's cache by more than the prompt's tokens, carried into the view (cache_keyed).

@@ -10,11 +10,17 @@ SageMaker's stateful sessions live in one engine's memory: a ``{"requestType": "
 body opens one there, whose id comes back in :data:`NEW_SESSION_HEADER`; later requests carry it
 in :data:`SESSION_HEADER`, and ``{"requestType": "CLOSE"}`` ends it. Another engine answers such a
 request with a 400 (no such session), so a request with a session belongs to the engine that holds it.
+
+SageMaker names a LoRA adapter in :data:`ADAPTER_HEADER`, and vLLM 0.33 serves the request with
+that adapter: it writes the header's value into the body's ``model`` before reading the body. The
+router reads it the same way (:func:`adapter_lora`), so the request is hashed in the adapter's
+blocks and goes only to workers serving it. (SGLang 0.5.23 serves ``/invocations`` as a plain chat
+request and does not read the header.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmesh.router.request.parse import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
@@ -24,6 +30,7 @@ SESSION_HEADER = b"x-amzn-sagemaker-session-id"
 NEW_SESSION_HEADER = b"x-amzn-sagemaker-new-session-id"
 """The answer to a NEW_SESSION request: ``<id>; Expires=<UTC time>``."""
 CLOSED_SESSION_HEADER = b"x-amzn-sagemaker-closed-session-id"
+ADAPTER_HEADER = b"x-amzn-sagemaker-adapter-identifier"
 
 
 def invoked_endpoint(body: dict[str, Any]) -> str | None:
@@ -57,6 +64,20 @@ def closed_session(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
     return _header(headers, CLOSED_SESSION_HEADER)
 
 
+def adapter_lora(
+    path: str, headers: Sequence[tuple[bytes, bytes]], lora_of: Callable[[Any], str | None]
+) -> Callable[[Any], str | None]:
+    """``lora_of`` (a request's model to the LoRA adapter it names) for a request on ``path``: on
+    ``/invocations``, the adapter :data:`ADAPTER_HEADER` names stands in for the body's model, as
+    vLLM puts it there; elsewhere, or with no such header, ``lora_of`` itself."""
+    if path != INVOCATIONS_PATH:
+        return lora_of
+    named = _header(headers, ADAPTER_HEADER)
+    if named is None:
+        return lora_of
+    return lambda _model: lora_of(named)
+
+
 def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
     """The value of header ``name`` (lowercase; matched in any case), stripped, or None when
     absent or blank."""
@@ -67,10 +88,12 @@ def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:
 
 
 __all__ = [
+    "ADAPTER_HEADER",
     "CLOSED_SESSION_HEADER",
     "INVOCATIONS_PATH",
     "NEW_SESSION_HEADER",
     "SESSION_HEADER",
+    "adapter_lora",
     "closed_session",
     "invoked_endpoint",
     "opened_session",

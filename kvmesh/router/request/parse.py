@@ -37,6 +37,8 @@ from kvmesh.router.request.nvext import (
     parse_nvext,
     write_sampling,
 )
+from kvmesh.router.request.ollama_api import is_ollama
+from kvmesh.router.request.ollama_api import view as ollama_view
 from kvmesh.router.request.responses_api import is_responses, rendered_as_chat
 from kvmesh.router.request.tokenizer import (
     TEXT_PARTS,
@@ -143,7 +145,9 @@ class ParsedRequest:
 
     @property
     def stream(self) -> bool:
-        return self.body.get("stream") is True
+        stream = self.body.get("stream")
+        # (Ollama's API streams unless told not to)
+        return stream is True or (stream is None and is_ollama(self.endpoint))
 
     @property
     def stores_response(self) -> bool:
@@ -162,6 +166,10 @@ class ParsedRequest:
         if "nvext" not in body and priority is None:
             return self.raw_body
         out = {k: v for k, v in body.items() if k != "nvext"}
+        if is_ollama(self.endpoint):
+            # Ollama's request has no priority field, and no sampling in nvext's names (refused as
+            # the request is routed): nvext is stripped, no more.
+            return _encode(out)
         if is_messages(self.endpoint):
             # Anthropic's request has no priority field (the engines would drop it: there the
             # priority orders the router's own queue only), and of nvext's sampling fields only
@@ -293,6 +301,9 @@ def parse_request(
         rendered, rendered_as = completion_view(body), COMPLETIONS_ENDPOINT
     elif is_tokens(endpoint):
         rendered, rendered_as = tokens_view(body), COMPLETIONS_ENDPOINT
+    elif is_ollama(endpoint):
+        rendered = ollama_view(body, endpoint)
+        rendered_as = CHAT_ENDPOINT if "messages" in rendered else COMPLETIONS_ENDPOINT
     else:
         if endpoint in BATCH_ENDPOINTS and (batch := split_batch(body, endpoint)) is not None:
             raise batch
@@ -306,7 +317,7 @@ def parse_request(
                 f"nvext.token_data: {endpoint} takes a token-id prompt as {name!r}",
                 field="nvext.token_data",
             )
-    lora = lora_of(body.get("model"))
+    lora = lora_of(body.get("model")) if not is_ollama(endpoint) else None  # (served by the base model)
     tokens: list[int] = []
     hashes: list[int] = []
     tokenize_secs = hash_secs = 0.0

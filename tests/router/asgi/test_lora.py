@@ -1,11 +1,12 @@
 """LoRA: a request whose model names an adapter is hashed with the adapter's seed, like the
-engine salts that adapter's blocks, and goes only to workers serving the adapter."""
+engine salts that adapter's blocks, and goes only to workers serving the adapter. SageMaker's
+``/invocations`` names the adapter in a header, which vLLM writes into the body's model."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ from starlette.routing import Route
 from kvmesh.events.publisher import KvEventPublisher
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from kvmesh.router.request.invocations import ADAPTER_HEADER
 from tests.router.servers import serve
 
 BASE = "base-model"
@@ -60,6 +62,8 @@ def _upstream(pub: KvEventPublisher, adapters: list[str], source: str, received:
 
     async def completions(request: Request) -> Response:
         body = await request.json()
+        if request.url.path == "/invocations":  # (vLLM's SageMaker route: the header names the model)
+            body["model"] = request.headers.get(ADAPTER_HEADER.decode(), body["model"])
         received.append(body["model"])
         usage = {"prompt_tokens": len(PROMPT), "completion_tokens": 1, "total_tokens": len(PROMPT) + 1}
         return JSONResponse(
@@ -76,14 +80,16 @@ def _upstream(pub: KvEventPublisher, adapters: list[str], source: str, received:
             Route("/v1/models", models),
             Route("/health", health),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/invocations", completions, methods=["POST"]),
         ]
     )
 
 
-@pytest.mark.parametrize("source", ["info", "models"])
-async def test_adapter_requests_hash_with_the_adapter_and_reach_its_workers(source: str) -> None:
-    got_x: list[str] = []
-    got_y: list[str] = []
+@contextlib.asynccontextmanager
+async def _two_caches(source: str, got_x: list[str], got_y: list[str]) -> AsyncIterator[tuple[str, Any]]:
+    """A router in front of x, which serves the adapter and cached PROMPT under it, and y, which
+    serves only the base model and cached PROMPT under it; yields its URL and a client, once the
+    router has indexed both caches."""
     with _publisher() as pub_x, _publisher() as pub_y:
         async with (
             serve(_upstream(pub_x, [ADAPTER], source, got_x)) as x,
@@ -94,7 +100,6 @@ async def test_adapter_requests_hash_with_the_adapter_and_reach_its_workers(sour
                 workers=(WorkerSpec(x.url, "x"), WorkerSpec(y.url, "y")), health_interval=0.2
             )
             async with serve(build_router_app(settings)) as front:
-                # x cached the prompt under the adapter, y under the base model
                 pub_x.stored([1, 2, 3, 4], PROMPT, lora_name=ADAPTER)
                 pub_x.flush()
                 pub_y.stored([11, 12, 13, 14], PROMPT)
@@ -108,23 +113,47 @@ async def test_adapter_requests_hash_with_the_adapter_and_reach_its_workers(sour
                     await asyncio.sleep(0.02)
                 assert rows["x"]["indexed_blocks"] == rows["y"]["indexed_blocks"] == 4
                 assert (rows["x"]["lora_adapters"], rows["y"]["lora_adapters"]) == ([ADAPTER], [])
+                yield front.url, http
 
-                async def ask(model: str) -> tuple[str, int]:
-                    body = {
-                        "model": model,
-                        "prompt": PROMPT,
-                        "max_tokens": 1,
-                        "nvext": {"extra_fields": ["worker_id", "timing"]},
-                    }
-                    async with http.post(front.url + "/v1/completions", json=body) as r:
-                        assert r.status == 200, await r.text()
-                        nvext = (await r.json())["nvext"]
-                    return nvext["worker_id"]["decode_worker_id"], nvext["timing"]["cached_tokens_predicted"]
 
-                # the adapter's prompt matches the adapter-salted blocks on x, not y's base blocks
-                assert await ask(ADAPTER) == ("x", 64)
-                assert await ask(BASE) == ("y", 64)
-                assert (got_x, got_y) == ([ADAPTER], [BASE])
+async def _ask(http: Any, url: str, model: str, headers: dict[str, str] | None = None) -> tuple[str, int]:
+    """Which worker served a one-token completion of PROMPT at ``url``, and how many of its
+    tokens the router predicted cached there."""
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "nvext": {"extra_fields": ["worker_id", "timing"]},
+    }
+    async with http.post(url, json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        nvext = (await r.json())["nvext"]
+    return nvext["worker_id"]["decode_worker_id"], nvext["timing"]["cached_tokens_predicted"]
+
+
+@pytest.mark.parametrize("source", ["info", "models"])
+async def test_adapter_requests_hash_with_the_adapter_and_reach_its_workers(source: str) -> None:
+    got_x: list[str] = []
+    got_y: list[str] = []
+    async with _two_caches(source, got_x, got_y) as (front, http):
+        # the adapter's prompt matches the adapter-salted blocks on x, not y's base blocks
+        assert await _ask(http, front + "/v1/completions", ADAPTER) == ("x", 64)
+        assert await _ask(http, front + "/v1/completions", BASE) == ("y", 64)
+    assert (got_x, got_y) == ([ADAPTER], [BASE])
+
+
+async def test_a_sagemaker_adapter_header_routes_an_invocation_as_the_adapters_request() -> None:
+    """The body names the base model and SageMaker's header the adapter: vLLM serves the adapter,
+    so the router routes on the adapter's blocks, to the worker serving it."""
+    got_x: list[str] = []
+    got_y: list[str] = []
+    named = {ADAPTER_HEADER.decode().title(): ADAPTER}
+    async with _two_caches("models", got_x, got_y) as (front, http):
+        assert await _ask(http, front + "/invocations", BASE, named) == ("x", 64)
+        assert await _ask(http, front + "/invocations", BASE) == ("y", 64)  # (no header: the base)
+        # the header counts on /invocations alone, as vLLM reads it there alone
+        assert await _ask(http, front + "/v1/completions", BASE, named) == ("y", 64)
+    assert (got_x, got_y) == ([ADAPTER], [BASE, BASE])
 
 
 async def test_a_failover_keeps_an_adapters_request_to_the_workers_serving_the_adapter() -> None:

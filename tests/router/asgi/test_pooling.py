@@ -90,7 +90,7 @@ class Engine:
 
 @contextlib.asynccontextmanager
 async def _fleet(
-    *engines: Engine, router: RouterConfig | None = None
+    *engines: Engine, router: RouterConfig | None = None, **limits: int
 ) -> AsyncIterator[tuple[Server, aiohttp.ClientSession]]:
     async with contextlib.AsyncExitStack() as stack:
         servers = [await stack.enter_async_context(serve(e.app())) for e in engines]
@@ -98,6 +98,7 @@ async def _fleet(
             workers=tuple(WorkerSpec(s.url, e.name) for s, e in zip(servers, engines, strict=True)),
             router=router or RouterConfig(use_kv_events=False),
             health_interval=0.2,
+            **limits,
         )
         front = await stack.enter_async_context(serve(build_router_app(settings)))
         http = await stack.enter_async_context(aiohttp.ClientSession())
@@ -313,3 +314,25 @@ async def test_speech_to_text_and_scores_on_a_generating_model_are_relayed() -> 
         boundary = kind.split("boundary=", 1)[1].strip('"').encode()
         assert raw.startswith(b"--" + boundary) and audio in raw
         assert b'name="model"' in raw and b"whisper" in raw
+
+
+async def test_an_audio_form_is_bounded_by_the_upload_limit_not_the_body_limit() -> None:
+    """A recording larger than the JSON bodies' bound (here 1 MiB) reaches the engine whole; one
+    larger than the upload bound (2 MiB here; 32 MiB by default, above vLLM's 25 MB clip limit)
+    is the client's 413 naming ``body``, and so is a JSON body above its own bound."""
+    v = Engine("v", ("/v1/audio/transcriptions", "/generative_scoring"))
+    mib = 1024 * 1024
+    async with _fleet(v, max_body_bytes=mib, max_upload_bytes=2 * mib) as (front, http):
+        for size, status in ((mib + mib // 2, 200), (2 * mib + 1, 413)):
+            form = aiohttp.FormData()
+            form.add_field("file", b"\x01" * size, filename="clip.wav", content_type="audio/wav")
+            form.add_field("model", "whisper")
+            async with http.post(front.url + "/v1/audio/transcriptions", data=form) as r:
+                assert r.status == status, await r.text()
+                if status == 413:
+                    assert (await r.json())["error"]["param"] == "body"
+        body = {"model": "m", "query": "q" * (mib + 1)}
+        async with http.post(front.url + "/generative_scoring", json=body) as r:
+            assert (r.status, (await r.json())["error"]["param"]) == (413, "body")
+    (received,) = [a[2][1] for a in v.asked if "audio" in a[1]]
+    assert len(received) > mib + mib // 2

@@ -248,6 +248,7 @@ _SAMPLES: dict[str, tuple[str, str, Any]] = {
     "mesh_secret": ("m3sh", '"m3sh"', "m3sh"),
     "body_read_timeout": ("5", "5", 5.0),
     "max_body_bytes": ("1000", "1000", 1000),
+    "max_upload_bytes": ("2000", "2000", 2000),
     "self_url": ("127.0.0.1:2", '"127.0.0.1:2"', "http://127.0.0.1:2"),
     "self_worker_id": ("http://127.0.0.1:2", '"http://127.0.0.1:2"', "http://127.0.0.1:2"),
     "block_size": ("32", "32", 32),

@@ -19,6 +19,8 @@ same values. ``kvmesh router --help`` shows each with its default. Environment v
     KVMESH_MESH_SECRET       shared secret peers sign forwarded requests with (docs/security.md) [none]
     KVMESH_BODY_READ_TIMEOUT seconds a client may take to send its whole request body (408 beyond) [30]
     KVMESH_MAX_BODY_BYTES    largest request body accepted (413 beyond) [8 MiB]
+    KVMESH_MAX_UPLOAD_BYTES  largest form body accepted: speech to text's audio, relayed unread
+                             (413 beyond) [32 MiB]
     KVMESH_BLOCK_SIZE        the fleet's KV block size when no worker describes it [16]
     KVMESH_HEALTH_INTERVAL   seconds between worker health checks [2]
     KVMESH_HEALTH_FAILURES   failed checks in a row that take a worker out of routing [2]

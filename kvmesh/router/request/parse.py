@@ -304,6 +304,10 @@ def parse_request(
     elif is_ollama(endpoint):
         rendered = ollama_view(body, endpoint)
         rendered_as = CHAT_ENDPOINT if "messages" in rendered else COMPLETIONS_ENDPOINT
+        if rendered_as == COMPLETIONS_ENDPOINT and not rendered["prompt"].strip():
+            # (a blank prompt: the engine answers it at once, without its model; nothing to hash)
+            nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
+            return ParsedRequest(endpoint, raw, body, nv, overrides, [], [], None)
     else:
         if endpoint in BATCH_ENDPOINTS and (batch := split_batch(body, endpoint)) is not None:
             raise batch

@@ -409,7 +409,7 @@ def test_router_help_shows_every_setting_with_its_default() -> None:
     texts = {flag: " ".join(block.split()) for flag, block in blocks.items()}
     shown = {
         "workers": "none", "prefill_workers": "none", "admin_token": "none", "worker_token": "none",
-        "mesh_secret": "none", "max_body_bytes": "8 MiB",
+        "mesh_secret": "none", "max_body_bytes": "8 MiB", "max_upload_bytes": "32 MiB",
         "block_size": "from the workers, else 16", "sync_endpoint": "tcp://<self host>:*", "sync_peers": "none",
         **dict.fromkeys(("nats_token", "nats_user", "nats_password", "nats_creds", "nats_tls_ca",
                          "nats_tls_cert", "nats_tls_key"), "none"),

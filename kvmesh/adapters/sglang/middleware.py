@@ -28,6 +28,7 @@ from kvmesh.router.asgi.forwarding import HOP_HEADER
 from kvmesh.router.asgi.middleware import WITH_GENERATE, routes
 from kvmesh.router.asgi.middleware import KvMeshMiddleware as _CoreMiddleware
 from kvmesh.router.mesh.settings import MeshSettings
+from kvmesh.router.request.ollama_api import is_ollama
 
 
 class _Namespace(msgspec.Struct):
@@ -55,11 +56,16 @@ class KvMeshMiddleware(_CoreMiddleware):
         if scope["type"] == "http":
             if not self.engine_tokenizer.bound and "app" in scope:
                 self.engine_tokenizer.bind_from_app(scope["app"])
-            if routes(WITH_GENERATE, route_path(scope), scope["method"]) and not any(
-                name == HOP_HEADER for name, _ in scope["headers"]
+            path = route_path(scope)
+            if (
+                routes(WITH_GENERATE, path, scope["method"])
+                and not is_ollama(path)
+                and not any(name == HOP_HEADER for name, _ in scope["headers"])
             ):
                 # A hop (a peer forwarded it) was routed already and its nvext stripped by the
-                # sender: a credit added here would reach SGLang as an nvext field.
+                # sender: a credit added here would reach SGLang as an nvext field. An Ollama
+                # request is served by the base model whatever its "model" says (Ollama's names
+                # have a ":" in them, as SGLang's adapter names do: "llama3:8b").
                 scope, receive = await _uncredit_namespaced(scope, receive, self.settings.max_body_bytes)
         await super().__call__(scope, receive, send)
 

@@ -352,7 +352,6 @@ INVOCATIONS = st.one_of(CHAT, COMPLETION, EMBEDDINGS, SAGEMAKER_SESSION)
 stateful session's own request (kvmesh.router.asgi.invocations)."""
 
 OLLAMA_COMMON = {
-    "model": _maybe(st.just(MODEL)),
     "stream": _maybe(st.booleans()),
     "options": _maybe(
         st.fixed_dictionaries(
@@ -385,13 +384,14 @@ OLLAMA_CHAT = st.fixed_dictionaries(
                 min_size=1,
                 max_size=3,
             )
-        )
+        ),
+        "model": _maybe(st.just(MODEL)),  # (required: its absence is among _maybe's anything)
     },
     optional=OLLAMA_COMMON,
 )
 """Ollama's ``/api/chat`` body, as SGLang serves it (kvmesh.router.request.ollama_api)."""
 OLLAMA_GENERATE = st.fixed_dictionaries(
-    {"prompt": _maybe(st.one_of(TEXT, st.just(""), st.just("   ")))},
+    {"prompt": _maybe(st.one_of(TEXT, st.just(""), st.just("   "))), "model": _maybe(st.just(MODEL))},
     optional={
         **OLLAMA_COMMON,
         "system": _maybe(TEXT),

@@ -26,7 +26,8 @@ case "$engine" in
     engine_deps="msgspec pyzmq torch==2.13.0 packaging psutil urllib3 regex numpy pydantic cbor2
       transformers>=5.16.1,<5.21 aiohttp requests openai-harmony openai pillow pybase64 cachetools
       cloudpickle uvloop py-cpuinfo prometheus_client xgrammar fastapi partial-json-parser
-      llguidance einops prometheus-fastapi-instrumentator>=8.0.0 orjson>=3.11.6"
+      llguidance einops prometheus-fastapi-instrumentator>=8.0.0 orjson>=3.11.6
+      model-hosting-container-standards>=0.1.14,<1.0.0 python-multipart"
     ;;
   sglang)
     engine_pkg="sglang==0.5.23"

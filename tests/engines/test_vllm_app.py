@@ -116,11 +116,14 @@ async def vllm_app(
     peers: tuple[str, ...] = (),
     flags: tuple[str, ...] = (),
     tokens: Any = None,
+    chat_serving: Any = None,
 ) -> AsyncIterator[tuple[str, Recorder, LoopbackEngineClient, PromptRunner]]:
     """``peers``: other workers of the fleet, beside this vLLM server; ``flags``: more of
     ``vllm serve``'s own; ``tokens``: what serves vLLM's token API behind vLLM's own routes for
     it (``/inference/v1/generate``, ``/inference/v1/abort_requests``; registered as ``vllm
-    serve`` registers them, which answer 403 without ``--enable-scale-out``)."""
+    serve`` registers them, which answer 403 without ``--enable-scale-out``); ``chat_serving``:
+    what serves chat behind vLLM's own SageMaker routes (``/invocations``, ``/ping``), which are
+    then registered, and the app bootstrapped, as ``vllm serve``'s ``build_app`` does both."""
     use_cpu_platform(monkeypatch)
     write_dist_info(tmp_path / "site")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
@@ -176,8 +179,18 @@ async def vllm_app(
         app.state.serving_tokens = tokens
         app.state.engine_client = client
         register_scale_out_api_routers(app, ("generate",))
+    if chat_serving is not None:
+        from vllm.entrypoints.serve.sagemaker.api_router import attach_router as attach_sagemaker_router
+
+        app.state.openai_serving_chat = chat_serving
+        app.state.openai_serving_completion = None  # (vLLM's state names a serving it lacks)
+        attach_sagemaker_router(app, ("generate",))
     attach_endpoint_plugins(app, ("generate",))
     init_entrypoints_middleware(args, app, ("generate",))
+    if chat_serving is not None:
+        from vllm.entrypoints.serve.sagemaker.api_router import sagemaker_standards_bootstrap
+
+        app = sagemaker_standards_bootstrap(app)
     await init_endpoint_plugins_state(client, app.state, args)
 
     try:

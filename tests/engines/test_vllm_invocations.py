@@ -5,8 +5,7 @@ vLLM serves ``/invocations`` by validating the body against its generation reque
 order (``get_generate_invocation_types``: chat first, then completion) and serving the first that
 fits. kvmesh routes the body as the request it names by its fields; here each body is validated
 against vLLM's own types, in vLLM's order, and the endpoint it lands on must be kvmesh's. vLLM's
-SageMaker router itself needs ``model-hosting-container-standards``, which this environment does
-not install, so its route is not served here.
+SageMaker route itself, behind kvmesh's middleware: ``test_vllm_sagemaker.py``.
 """
 
 from __future__ import annotations
@@ -65,28 +64,3 @@ def test_kvmesh_reads_an_invocation_as_vllm_serves_it(body: dict[str, Any]) -> N
     """A body kvmesh routes lands on the endpoint it was routed as; one it passes on unrouted
     (None) is one vLLM does not serve as a generation either."""
     assert invoked_endpoint(body) == _vllms_choice(body)
-
-
-def test_vllms_invocations_takes_the_adapter_from_sagemakers_header_into_model() -> None:
-    """vLLM 0.33's ``/invocations`` handler is wrapped to write the adapter named by
-    ``X-Amzn-SageMaker-Adapter-Identifier`` into the body's ``model`` (its route cannot be imported
-    here, see the module docstring, so its source is read). The router reads the header the same
-    way, on that path only (kvmesh.router.request.invocations.adapter_lora)."""
-    import importlib.util
-    import pathlib
-
-    from kvmesh.router.request.invocations import ADAPTER_HEADER, INVOCATIONS_PATH, adapter_lora
-
-    spec = importlib.util.find_spec("vllm.entrypoints.serve.sagemaker.api_router")
-    assert spec is not None and spec.origin is not None
-    source = pathlib.Path(spec.origin).read_text()
-    handler = source[source.index(f'"{INVOCATIONS_PATH}"') :]
-    decorators = handler[: handler.index("async def invocations")]
-    assert 'inject_adapter_id(adapter_path="model")' in decorators
-    named = [(ADAPTER_HEADER.title(), b"sql-lora")]
-
-    def lora_of(model: Any) -> str | None:  # (a fleet serving the adapter "sql-lora")
-        return model if model == "sql-lora" else None
-
-    assert adapter_lora(INVOCATIONS_PATH, named, lora_of)("base") == "sql-lora"
-    assert adapter_lora("/v1/chat/completions", named, lora_of)("base") is None

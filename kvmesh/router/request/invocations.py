@@ -12,10 +12,12 @@ in :data:`SESSION_HEADER`, and ``{"requestType": "CLOSE"}`` ends it. Another eng
 request with a 400 (no such session), so a request with a session belongs to the engine that holds it.
 
 SageMaker names a LoRA adapter in :data:`ADAPTER_HEADER`, and vLLM 0.33 serves the request with
-that adapter: it writes the header's value into the body's ``model`` before reading the body. The
-router reads it the same way (:func:`adapter_lora`), so the request is hashed in the adapter's
-blocks and goes only to workers serving it. (SGLang 0.5.23 serves ``/invocations`` as a plain chat
-request and does not read the header.)
+that adapter: its SageMaker handling (``model-hosting-container-standards``) writes the header's
+value into the body's ``model`` before the body is read, and without the header writes null there,
+so the served model's base answers whatever the body named. The router reads it the same way
+(:func:`adapter_lora`), so the request is hashed in the adapter's blocks, or the base model's, and
+goes only to workers serving them. (SGLang 0.5.23 serves ``/invocations`` as a plain chat request
+and does not read the header.)
 """
 
 from __future__ import annotations
@@ -68,14 +70,12 @@ def adapter_lora(
     path: str, headers: Sequence[tuple[bytes, bytes]], lora_of: Callable[[Any], str | None]
 ) -> Callable[[Any], str | None]:
     """``lora_of`` (a request's model to the LoRA adapter it names) for a request on ``path``: on
-    ``/invocations``, the adapter :data:`ADAPTER_HEADER` names stands in for the body's model, as
-    vLLM puts it there; elsewhere, or with no such header, ``lora_of`` itself."""
+    ``/invocations``, the adapter :data:`ADAPTER_HEADER` names, or none, stands in for the body's
+    model, as vLLM puts it there; elsewhere, ``lora_of`` itself."""
     if path != INVOCATIONS_PATH:
         return lora_of
     named = _header(headers, ADAPTER_HEADER)
-    if named is None:
-        return lora_of
-    return lambda _model: lora_of(named)
+    return lambda _model: lora_of(named) if named is not None else None
 
 
 def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> str | None:

@@ -62,8 +62,9 @@ def _upstream(pub: KvEventPublisher, adapters: list[str], source: str, received:
 
     async def completions(request: Request) -> Response:
         body = await request.json()
-        if request.url.path == "/invocations":  # (vLLM's SageMaker route: the header names the model)
-            body["model"] = request.headers.get(ADAPTER_HEADER.decode(), body["model"])
+        if request.url.path == "/invocations":  # (vLLM's SageMaker route: the header names the model,
+            # or none, and the base model serves it)
+            body["model"] = request.headers.get(ADAPTER_HEADER.decode()) or BASE
         received.append(body["model"])
         usage = {"prompt_tokens": len(PROMPT), "completion_tokens": 1, "total_tokens": len(PROMPT) + 1}
         return JSONResponse(
@@ -150,10 +151,12 @@ async def test_a_sagemaker_adapter_header_routes_an_invocation_as_the_adapters_r
     named = {ADAPTER_HEADER.decode().title(): ADAPTER}
     async with _two_caches("models", got_x, got_y) as (front, http):
         assert await _ask(http, front + "/invocations", BASE, named) == ("x", 64)
-        assert await _ask(http, front + "/invocations", BASE) == ("y", 64)  # (no header: the base)
+        # no header: the base model serves it, whatever the body names (vLLM writes null there)
+        assert await _ask(http, front + "/invocations", BASE) == ("y", 64)
+        assert await _ask(http, front + "/invocations", ADAPTER) == ("y", 64)
         # the header counts on /invocations alone, as vLLM reads it there alone
         assert await _ask(http, front + "/v1/completions", BASE, named) == ("y", 64)
-    assert (got_x, got_y) == ([ADAPTER], [BASE, BASE])
+    assert (got_x, got_y) == ([ADAPTER], [BASE, BASE, BASE])
 
 
 async def test_a_failover_keeps_an_adapters_request_to_the_workers_serving_the_adapter() -> None:

@@ -11,6 +11,9 @@ sessions on (``SAGEMAKER_ENABLE_STATEFUL_SESSIONS=true``).
   200, its id in ``X-Amzn-SageMaker-Closed-Session-Id``.
 * A request naming a session this engine does not hold (never opened here, closed or expired) is a
   400 naming the header, whatever its body: the session's state lives in one engine's memory.
+* The body's ``model`` is replaced by the adapter ``X-Amzn-SageMaker-Adapter-Identifier`` names,
+  or, without the header, by none, so the served model answers (vLLM's SageMaker handling writes
+  the header's value, or null, there). The mock serves no adapter: one named is its 404.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvmesh.router.request.invocations import CLOSED_SESSION_HEADER, NEW_SESSION_HEADER, SESSION_HEADER
+from kvmesh.router.request.invocations import (
+    ADAPTER_HEADER,
+    CLOSED_SESSION_HEADER,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+)
 from kvmesh.worker.rpc import error_response
 
 SESSION_TTL_S = 1200.0
@@ -66,6 +74,13 @@ def invocations_handler(chat: Handler, completions: Handler, embeddings: Handler
             return error_response("requestType must be NEW_SESSION or CLOSE", 400, "requestType")
         for field, handler in (("messages", chat), ("prompt", completions), ("input", embeddings)):
             if field in body:
+                # (vLLM's SageMaker handling: the adapter header's value is the model, and without
+                # the header none is, so the served model answers whatever the body named)
+                adapter = request.headers.get(ADAPTER_HEADER.decode())
+                body = {k: v for k, v in body.items() if k != "model"}
+                if adapter is not None:
+                    body["model"] = adapter
+                request._body = json.dumps(body).encode()  # (what the handler reads)
                 return await handler(request)
         return error_response(
             "no handler fits the body: it has none of messages, prompt or input", 400, "body"

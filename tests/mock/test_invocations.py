@@ -68,3 +68,22 @@ async def test_a_session_is_opened_used_closed_and_then_refused(monkeypatch: pyt
         expired = await _open(http)
         r = await http.post("/invocations", json=chat, headers={SESSION: expired})
         assert r.status_code == 400
+
+
+async def test_the_model_is_sagemakers_adapter_header_or_the_served_one() -> None:
+    """As vLLM's SageMaker handling does: the body's ``model`` counts for nothing; the adapter
+    header's value takes its place (the mock serves none: a 404 naming ``model``)."""
+    async with (
+        run_mock(block_size=16, speedup=50, events=False) as mock,
+        httpx.AsyncClient(base_url=mock.base_url) as http,
+    ):
+        chat = {"model": "another-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = await http.post("/invocations", json=chat)
+        assert (r.status_code, r.json()["model"]) == (200, MODEL), r.text
+        r = await http.post("/v1/chat/completions", json=chat)  # (elsewhere the body's model counts)
+        assert (r.status_code, r.json()["error"]["param"]) == (404, "model")
+        named = {"X-Amzn-SageMaker-Adapter-Identifier": "sql-lora"}
+        r = await http.post("/invocations", json={**chat, "model": MODEL}, headers=named)
+        assert (r.status_code, r.json()["error"]["param"]) == (404, "model"), r.text
+        r = await http.post("/invocations", json=chat, headers={"X-Amzn-SageMaker-Adapter-Identifier": MODEL})
+        assert r.status_code == 200, r.text

@@ -16,12 +16,12 @@ from kvmesh._http import replay_body, route_path
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.router.asgi.accounting import LoadAccount
 from kvmesh.router.asgi.forwarding import replace_body
+from kvmesh.router.asgi.invocations import lora_reading
 from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.asgi.peer_auth import Hop
 from kvmesh.router.asgi.tap import ResponseTap
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.batches import PromptBatch
-from kvmesh.router.request.invocations import adapter_lora
 from kvmesh.router.request.parse import ParsedRequest, parse_request
 
 ASGIApp = Any
@@ -73,7 +73,7 @@ class HopRequest:
                 self.endpoint,
                 tokenizer=mesh.tokenizer if track else None,
                 block_size=registry.block_size or 16,
-                lora_of=adapter_lora(route_path(self.scope), self.scope["headers"], registry.lora_of),
+                lora_of=lora_reading(registry, route_path(self.scope), self.scope["headers"]),
                 clock=time.perf_counter,
                 limits=mesh.nvext_limits,
             )

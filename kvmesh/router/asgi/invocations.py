@@ -22,11 +22,27 @@ lacks the session answers the 400). The answer that closes a session makes the r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmesh.router.asgi.forwarding import WORKER_ID_HEADER
+from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.runtime import Mesh
-from kvmesh.router.request.invocations import closed_session, opened_session
+from kvmesh.router.request.invocations import INVOCATIONS_PATH, adapter_lora, closed_session, opened_session
+
+
+def lora_reading(
+    registry: WorkerRegistry, path: str, headers: Sequence[tuple[bytes, bytes]]
+) -> Callable[[Any], str | None]:
+    """How a request on ``path`` names its LoRA adapter: by its body's ``model``; on
+    ``/invocations``, as vLLM reads it (SageMaker's adapter header, or the base model), unless
+    every routable worker is SGLang's, whose ``/invocations`` is its chat route."""
+    if path != INVOCATIONS_PATH:
+        return registry.lora_of
+    routable = registry.routable
+    if routable and registry.described(routable, lambda info: info.backend == "sglang") == routable:
+        return registry.lora_of
+    return adapter_lora(headers, registry.lora_of)
 
 
 def learning_sessions(mesh: Mesh, send: Any) -> Any:
@@ -50,4 +66,4 @@ def learning_sessions(mesh: Mesh, send: Any) -> Any:
     return watching_send
 
 
-__all__ = ["learning_sessions"]
+__all__ = ["learning_sessions", "lora_reading"]

@@ -24,6 +24,7 @@ from kvmesh.router.asgi.accounting import RoutedAccount
 from kvmesh.router.asgi.batches import BatchAnswer
 from kvmesh.router.asgi.disagg import TwoStage
 from kvmesh.router.asgi.forwarding import Dispatch, replace_body, session_header
+from kvmesh.router.asgi.invocations import lora_reading
 from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.asgi.prefix_copy import start_prefix_copy
 from kvmesh.router.asgi.stored_responses import find_home
@@ -31,7 +32,7 @@ from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequ
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.batches import PromptBatch
 from kvmesh.router.request.generate_api import SERVED_BY, bound_to_engine, choices, is_generate
-from kvmesh.router.request.invocations import INVOCATIONS_PATH, SESSION_HEADER, adapter_lora, session_id
+from kvmesh.router.request.invocations import INVOCATIONS_PATH, SESSION_HEADER, session_id
 from kvmesh.router.request.messages_api import is_messages
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
 from kvmesh.router.request.ollama_api import is_ollama
@@ -160,7 +161,7 @@ class RoutedRequest:
             self.endpoint,
             tokenizer=mesh.tokenizer if mesh.kv_mode else None,
             block_size=registry.block_size or 16,
-            lora_of=adapter_lora(self.path, self.scope["headers"], registry.lora_of),
+            lora_of=lora_reading(registry, self.path, self.scope["headers"]),
             clock=time.perf_counter,
             limits=mesh.nvext_limits,
             # a prompt no worker holds is routed on its first block, a conversation's later turn on

@@ -16,8 +16,9 @@ that adapter: its SageMaker handling (``model-hosting-container-standards``) wri
 value into the body's ``model`` before the body is read, and without the header writes null there,
 so the served model's base answers whatever the body named. The router reads it the same way
 (:func:`adapter_lora`), so the request is hashed in the adapter's blocks, or the base model's, and
-goes only to workers serving them. (SGLang 0.5.23 serves ``/invocations`` as a plain chat request
-and does not read the header.)
+goes only to workers serving them. SGLang 0.5.23 serves ``/invocations`` as its chat route, which
+reads the body's ``model`` and not the header: in front of SGLang alone, the router reads the body
+(``kvmesh.router.asgi.invocations.lora_reading``).
 """
 
 from __future__ import annotations
@@ -67,13 +68,11 @@ def closed_session(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
 
 
 def adapter_lora(
-    path: str, headers: Sequence[tuple[bytes, bytes]], lora_of: Callable[[Any], str | None]
+    headers: Sequence[tuple[bytes, bytes]], lora_of: Callable[[Any], str | None]
 ) -> Callable[[Any], str | None]:
-    """``lora_of`` (a request's model to the LoRA adapter it names) for a request on ``path``: on
-    ``/invocations``, the adapter :data:`ADAPTER_HEADER` names, or none, stands in for the body's
-    model, as vLLM puts it there; elsewhere, ``lora_of`` itself."""
-    if path != INVOCATIONS_PATH:
-        return lora_of
+    """``lora_of`` (a request's model to the LoRA adapter it names) for an ``/invocations``
+    request served by vLLM: the adapter :data:`ADAPTER_HEADER` names, or none, stands in for the
+    body's model, as vLLM puts it there."""
     named = _header(headers, ADAPTER_HEADER)
     return lambda _model: lora_of(named) if named is not None else None
 

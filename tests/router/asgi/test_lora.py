@@ -36,12 +36,16 @@ def _publisher() -> Iterator[KvEventPublisher]:
         pub.close()
 
 
-def _upstream(pub: KvEventPublisher, adapters: list[str], source: str, received: list[str]) -> Starlette:
-    """An engine that serves ``adapters`` and says so in its info or in its model list."""
+def _upstream(
+    pub: KvEventPublisher, adapters: list[str], source: str, received: list[str], backend: str = "fake"
+) -> Starlette:
+    """An engine that serves ``adapters`` and says so in its info or in its model list; its
+    ``/invocations`` reads the model as vLLM's does (SageMaker's adapter header, or the base
+    model), or, for ``backend`` "sglang", as SGLang's chat route does (the body's)."""
 
     async def info(request: Request) -> Response:
         doc: dict[str, Any] = {
-            "backend": "fake",
+            "backend": backend,
             "model": BASE,
             "block_size": 16,
             "dp_size": 1,
@@ -62,8 +66,8 @@ def _upstream(pub: KvEventPublisher, adapters: list[str], source: str, received:
 
     async def completions(request: Request) -> Response:
         body = await request.json()
-        if request.url.path == "/invocations":  # (vLLM's SageMaker route: the header names the model,
-            # or none, and the base model serves it)
+        if request.url.path == "/invocations" and backend != "sglang":  # (vLLM's SageMaker route:
+            # the header names the model, or none, and the base model serves it)
             body["model"] = request.headers.get(ADAPTER_HEADER.decode()) or BASE
         received.append(body["model"])
         usage = {"prompt_tokens": len(PROMPT), "completion_tokens": 1, "total_tokens": len(PROMPT) + 1}
@@ -87,14 +91,16 @@ def _upstream(pub: KvEventPublisher, adapters: list[str], source: str, received:
 
 
 @contextlib.asynccontextmanager
-async def _two_caches(source: str, got_x: list[str], got_y: list[str]) -> AsyncIterator[tuple[str, Any]]:
+async def _two_caches(
+    source: str, got_x: list[str], got_y: list[str], backend: str = "fake"
+) -> AsyncIterator[tuple[str, Any]]:
     """A router in front of x, which serves the adapter and cached PROMPT under it, and y, which
     serves only the base model and cached PROMPT under it; yields its URL and a client, once the
     router has indexed both caches."""
     with _publisher() as pub_x, _publisher() as pub_y:
         async with (
-            serve(_upstream(pub_x, [ADAPTER], source, got_x)) as x,
-            serve(_upstream(pub_y, [], source, got_y)) as y,
+            serve(_upstream(pub_x, [ADAPTER], source, got_x, backend)) as x,
+            serve(_upstream(pub_y, [], source, got_y, backend)) as y,
             aiohttp.ClientSession() as http,
         ):
             settings = MeshSettings(
@@ -185,3 +191,15 @@ async def test_a_failover_keeps_an_adapters_request_to_the_workers_serving_the_a
                     assert r.status == 200  # (y serves the base model all the same)
     assert status == 503
     assert (got_x, got_y) == ([], [BASE])
+
+
+async def test_in_front_of_sglang_an_invocation_names_its_adapter_in_its_model() -> None:
+    """SGLang's /invocations is its chat route: it reads the body's model, and not SageMaker's
+    header. In front of SGLang workers alone, so does the router."""
+    got_x: list[str] = []
+    got_y: list[str] = []
+    named = {ADAPTER_HEADER.decode().title(): ADAPTER}
+    async with _two_caches("models", got_x, got_y, backend="sglang") as (front, http):
+        assert await _ask(http, front + "/invocations", ADAPTER) == ("x", 64)
+        assert await _ask(http, front + "/invocations", BASE, named) == ("y", 64)
+    assert (got_x, got_y) == ([ADAPTER], [BASE])

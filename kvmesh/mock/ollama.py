@@ -22,6 +22,7 @@ tokens) and ``eval_count`` (the answer's). SGLang says ``"stop"`` whatever ended
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -41,17 +42,24 @@ _encode = msgspec.json.Encoder().encode
 NDJSON = b"application/x-ndjson"
 
 
+@dataclasses.dataclass(frozen=True)
+class EmptyPrompt:
+    """An ``/api/generate`` body with a blank prompt, answered without the engine."""
+
+    stream: bool
+
+
 def parse_ollama(
     body: Any, path: str, config: MockConfig, tokenizer: Tokenizer, session: str | None
-) -> ParsedRequest | None:
+) -> ParsedRequest | EmptyPrompt:
     """Validate an Ollama body and read it as its chat request or completion (a RequestError names
-    the field), or None for an empty ``/api/generate`` prompt (answered without the engine)."""
+    the field), or as an :class:`EmptyPrompt`."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", field="body")
     request = dict(view(body, path))
     chat = path == OLLAMA_CHAT_PATH
     if not chat and not request["prompt"].strip():
-        return None
+        return EmptyPrompt(streams(body))
     options = body.get("options") or {}
     for theirs, ours in _OPTIONS:
         if theirs in options:
@@ -139,4 +147,4 @@ def _timestamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
 
 
-__all__ = ["NDJSON", "answer", "answer_lines", "counts", "parse_ollama", "show", "tags"]
+__all__ = ["NDJSON", "EmptyPrompt", "answer", "answer_lines", "counts", "parse_ollama", "show", "tags"]

@@ -75,7 +75,7 @@ from kvmesh.mock.engine import MockEngine, TokenStream
 from kvmesh.mock.invocations import invocations_handler
 from kvmesh.mock.messages import message_events, message_object, parse_messages
 from kvmesh.mock.native_generate import GenerateRequest, generate_answer, generate_events, parse_generate
-from kvmesh.mock.ollama import NDJSON, answer_lines, parse_ollama
+from kvmesh.mock.ollama import NDJSON, EmptyPrompt, answer_lines, parse_ollama
 from kvmesh.mock.ollama import answer as ollama_answer
 from kvmesh.mock.ollama import counts as ollama_counts
 from kvmesh.mock.ollama import show as show_model
@@ -98,7 +98,7 @@ from kvmesh.router.request.batches import CHAT_BATCH_PATH, COMPLETIONS_PATH
 from kvmesh.router.request.generate_api import ABORT_PATH as SGLANG_ABORT_PATH
 from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.invocations import INVOCATIONS_PATH
-from kvmesh.router.request.ollama_api import OLLAMA_PATHS, streams
+from kvmesh.router.request.ollama_api import OLLAMA_PATHS
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
 from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH, abort_ids
 from kvmesh.worker.rpc import error_response, worker_rpc_routes
@@ -296,9 +296,9 @@ def build_app(
         )
         if isinstance(read, Response):
             return read
-        if read is None:  # (an empty prompt: answered at once, done)
+        if isinstance(read, EmptyPrompt):  # (answered at once, done)
             whole = ollama_answer(path, model, "", done=True)
-            if streams(json.loads(await request.body())):  # (read whole already)
+            if read.stream:
                 return Response(whole + b"\n", media_type=NDJSON.decode())
             return Response(whole, media_type="application/json")
         only = _submit_choices(engine, read, uuid.uuid4().hex)[0]

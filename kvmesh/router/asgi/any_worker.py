@@ -7,8 +7,8 @@ parsers (``POST /parse_function_call``, ``/separate_reasoning``), vLLM's rendere
 at start: SGLang's ``GET /get_model_info`` and ``/get_server_info`` (with their newer names
 ``/model_info``, ``/server_info``; RL frameworks read them from the address they generate at) and
 vLLM's ``GET /version``, and Ollama's ``GET /api/tags`` and ``POST /api/show`` (as SGLang serves
-them: an Ollama client lists the models before it chats); and SGLang's ``GET /health_generate`` (one worker generates a token: the
-fleet can serve). A server description is the one worker's that answered.
+them: an Ollama client lists the models before it chats); and SGLang's ``GET /health_generate``
+(one worker generates a token: the fleet can serve). A server description is the one worker's that answered.
 
 Nothing about them is cached or routed, but a client pointed at the router expects them where its
 generation requests go; the router had only a 404 for them. A POST body that is not a JSON object,

@@ -35,7 +35,7 @@ from kvmesh.router.request.generate_api import SERVED_BY, bound_to_engine, choic
 from kvmesh.router.request.invocations import INVOCATIONS_PATH, SESSION_HEADER, session_id
 from kvmesh.router.request.messages_api import is_messages
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
-from kvmesh.router.request.ollama_api import is_ollama
+from kvmesh.router.request.ollama_api import OLLAMA_GENERATE_PATH, is_ollama
 from kvmesh.router.request.parse import ParsedRequest, parse_request, prompt_recomputed
 from kvmesh.router.request.responses_api import is_responses, previous_response_id
 from kvmesh.router.request.tokens_api import TOKENS_PATH, is_tokens
@@ -634,9 +634,9 @@ def _check_answer_nvext(nv: Nvext, echo_unwritable: bool, path: str) -> None:
         (echo_unwritable and nv.wants_echo, "nvext.extra_fields"),
     ):
         if asked:
-            other = "/v1/completions" if path in ("/generate", TOKENS_PATH) else "/v1/chat/completions"
             raise RequestError(
-                f"{field} is not available on {path}; send the request to {other}", field=field
+                f"{field} is not available on {path}; send the request to {_openai_twin(path)}",
+                field=field,
             )
 
 
@@ -657,6 +657,9 @@ def _check_messages_nvext(nv: Nvext) -> None:
         )
 
 
+_COMPLETION_PATHS = frozenset(("/generate", TOKENS_PATH, OLLAMA_GENERATE_PATH))
+
+
 def _check_ollama_nvext(nv: Nvext, path: str) -> None:
     """Refuse what the router would write into the body in OpenAI's or SGLang's names, which
     Ollama's request does not read (400 naming the field): nvext's sampling, greedy decoding, a
@@ -673,9 +676,15 @@ def _check_ollama_nvext(nv: Nvext, path: str) -> None:
     if asked:
         raise RequestError(
             f"{asked[0]} is not available on {path} (Ollama's request takes its sampling in "
-            "'options'); send the request to /v1/chat/completions",
+            f"'options'); send the request to {_openai_twin(path)}",
             field=asked[0],
         )
+
+
+def _openai_twin(path: str) -> str:
+    """The OpenAI path serving what a request on ``path`` asks: a completion for a prompt of
+    text or tokens (SGLang's ``/generate``, vLLM's token API, Ollama's generate), else chat."""
+    return "/v1/completions" if path in _COMPLETION_PATHS else "/v1/chat/completions"
 
 
 def _count_in_s(decision: Decision) -> float:

@@ -294,8 +294,7 @@ def parse_request(
         rendered, rendered_as = messages_as_chat(body, tokenizer), CHAT_ENDPOINT
     elif is_generate(endpoint):
         if bound_to_engine(body) is not None:  # (served where it is: its prompt decides nothing)
-            nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
-            return ParsedRequest(endpoint, raw, body, nv, overrides, [], [], None)
+            return _unhashed(endpoint, raw, body, overrides, limits)
         if (batch := split_batch(body, endpoint)) is not None:
             raise batch
         rendered, rendered_as = completion_view(body), COMPLETIONS_ENDPOINT
@@ -306,8 +305,7 @@ def parse_request(
         rendered_as = CHAT_ENDPOINT if "messages" in rendered else COMPLETIONS_ENDPOINT
         if rendered_as == COMPLETIONS_ENDPOINT and not rendered["prompt"].strip():
             # (a blank prompt: the engine answers it at once, without its model; nothing to hash)
-            nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
-            return ParsedRequest(endpoint, raw, body, nv, overrides, [], [], None)
+            return _unhashed(endpoint, raw, body, overrides, limits)
     else:
         if endpoint in BATCH_ENDPOINTS and (batch := split_batch(body, endpoint)) is not None:
             raise batch
@@ -415,6 +413,14 @@ _KEYED_BY = (
     "features",
     "content_parts",
 )
+
+
+def _unhashed(
+    endpoint: str, raw: bytes, body: dict[str, Any], overrides: dict[str, str] | None, limits: NvextLimits
+) -> ParsedRequest:
+    """A request whose prompt decides nothing (no tokens, no hashes), its ``nvext`` read."""
+    nv = parse_nvext(body, overrides, limits) if ("nvext" in body or overrides) else EMPTY
+    return ParsedRequest(endpoint, raw, body, nv, overrides, [], [], None)
 
 
 def cache_keyed(body: dict[str, Any]) -> str | None:

@@ -125,6 +125,8 @@ async def test_a_body_the_engine_would_refuse_is_the_clients_400_naming_the_fiel
     async with mock_fleet(1) as (front, _, _):
         status, doc, _ = await ask(http, front.url, body)
         assert (status, doc["error"]["param"]) == (400, field), doc
+        if field.startswith("nvext."):  # (the OpenAI path that takes it: a completion for a prompt)
+            assert doc["error"]["message"].endswith("send the request to /v1/completions"), doc
 
 
 async def test_the_engines_own_refusal_names_the_option_as_the_client_sent_it(

@@ -140,6 +140,12 @@ class _Cleared:
     async def caught_up(self, http: httpx.AsyncClient) -> int:
         """The count once every batch the engine published has arrived."""
         last_seq = (await http.get("/kvmesh/kv_state")).json()["ranks"][0]["last_seq"]
+        expected = self.subscriber.expected_seq
+        if expected is None or expected <= last_seq:
+            # A subscriber that joined after the first batches went out, or missed the last ones,
+            # sees no later batch to show it the gap (a router probes a quiet stream; this one
+            # does not): it asks the engine's replay for the rest, from where it stands.
+            self.subscriber.resume_from((expected or 0) - 1)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
         while self.subscriber.expected_seq != last_seq + 1:

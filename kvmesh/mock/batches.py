@@ -28,12 +28,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi.batches import BatchAnswer
-from kvmesh.router.request.batches import CHAT_BATCH_PATH, PromptBatch, item_field, split_batch
+from kvmesh.router.request.batches import CHAT_BATCH_PATH, PromptBatch, split_batch
+from kvmesh.router.request.vertex_api import VERTEX_PATH, vertex_batch
 
 
 class BatchResponse:
@@ -76,17 +77,36 @@ def batch_response(
     batch = split_batch(body, endpoint)
     if batch is None:
         return None
+    _read_each(batch, "conversation" if endpoint == CHAT_BATCH_PATH else batch.unit, read_one)
+    return BatchResponse(batch, endpoint, body.get("stream") is True, serve_one)
+
+
+def vertex_response(
+    body: Any,
+    read_one: Callable[[dict[str, Any]], object],
+    serve_one: Callable[[Request], Awaitable[Response]],
+) -> Response:
+    """The answer to a Vertex AI prediction body (SGLang's ``/vertex_generate``): its instances
+    served as a ``/generate`` batch by ``serve_one``, answered as ``{"predictions": [...]}``; no
+    instances, an empty list, as SGLang answers it."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", field="body")
+    batch = vertex_batch(body)
+    if not batch.items:
+        return JSONResponse([])
+    _read_each(batch, batch.unit, read_one)
+    stream = batch.items[0].get("stream") is True
+    return BatchResponse(batch, VERTEX_PATH, stream, serve_one)  # type: ignore[return-value]
+
+
+def _read_each(batch: PromptBatch, unit: str, read_one: Callable[[dict[str, Any]], object]) -> None:
     for index, item in enumerate(batch.items):
         try:
             read_one(item)
         except RequestError as e:
-            unit = "conversation" if endpoint == CHAT_BATCH_PATH else "prompt"
             raise RequestError(
-                f"{unit} {index} of the batch: {e}",
-                field=item_field(e.field, batch.split, index),
-                status=e.status,
+                f"{unit} {index} of the batch: {e}", field=batch.field(e.field, index), status=e.status
             ) from None
-    return BatchResponse(batch, endpoint, body.get("stream") is True, serve_one)
 
 
-__all__ = ["BatchResponse", "batch_response"]
+__all__ = ["BatchResponse", "batch_response", "vertex_response"]

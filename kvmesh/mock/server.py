@@ -50,6 +50,7 @@ import functools
 import importlib
 import inspect
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -67,7 +68,7 @@ from starlette.routing import Route
 
 from kvmesh.errors import ConfigError, RequestError
 from kvmesh.mock import tokenize as mock_tokenize
-from kvmesh.mock.batches import BatchResponse, batch_response
+from kvmesh.mock.batches import BatchResponse, batch_response, vertex_response
 from kvmesh.mock.control import answers_paused, control_routes
 from kvmesh.mock.disconnect import EngineStreamResponse, until_disconnect
 from kvmesh.mock.embeddings import embeddings_answer, parse_embeddings, prefill_only
@@ -93,14 +94,16 @@ from kvmesh.mock.responses import (
 )
 from kvmesh.mock.running import RunningRequests
 from kvmesh.mock.sglang_abort import abort_request, request_rid
+from kvmesh.mock.sglang_sessions import session_routes, unknown_session
 from kvmesh.mock.tokens_api import parse_tokens, tokens_answer, tokens_events
 from kvmesh.router.request.batches import CHAT_BATCH_PATH, COMPLETIONS_PATH
 from kvmesh.router.request.generate_api import ABORT_PATH as SGLANG_ABORT_PATH
 from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.invocations import INVOCATIONS_PATH
-from kvmesh.router.request.ollama_api import OLLAMA_PATHS
+from kvmesh.router.request.ollama_api import OLLAMA_PATHS, moved_routes, ollama_route
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
 from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH, abort_ids
+from kvmesh.router.request.vertex_api import vertex_route
 from kvmesh.worker.rpc import error_response, worker_rpc_routes
 
 _encode = msgspec.json.Encoder().encode
@@ -287,9 +290,11 @@ def build_app(
         read = await _read_request(request, lambda body, _: show_model(body, engine.config.model_len))
         return read if isinstance(read, Response) else JSONResponse(read)
 
+    ollama_endpoints = moved_routes(os.environ)
+
     @answers_paused
     async def ollama(request: Request) -> Response:
-        path = request.url.path
+        path = ollama_endpoints.get(request.url.path, request.url.path)  # (moved: SGLang's variables)
         started_ns = time.time_ns()
         read = await _read_request(
             request, lambda body, session: parse_ollama(body, path, engine.config, engine.tokenizer, session)
@@ -322,7 +327,12 @@ def build_app(
     async def native_generate(request: Request) -> Response:
         def parse(body: Any, session: str | None) -> GenerateRequest | BatchResponse:
             batch = batch_response(body, GENERATE_PATH, lambda item: parse(item, session), native_generate)
-            return parse_generate(body, engine.config, engine.tokenizer, session) if batch is None else batch
+            if batch is not None:
+                return batch
+            refused = unknown_session(engine, body)
+            if refused is not None:  # (a request sent to another engine than its session's)
+                raise RequestError(refused, field="session_params.id")
+            return parse_generate(body, engine.config, engine.tokenizer, session)
 
         parsed = await _read_request(request, parse)
         if isinstance(parsed, (Response, BatchResponse)):
@@ -343,6 +353,15 @@ def build_app(
         if any(stream.stopped for stream in streams):
             return error_response("the engine stopped before the request finished", 503)
         return JSONResponse(generate_answer(parsed, streams, text_of, engine.clock()))
+
+    async def vertex_generate(request: Request) -> Response:
+        def parse(body: Any, session: str | None) -> Response:
+            def read_one(item: dict[str, Any]) -> object:
+                return parse_generate(item, engine.config, engine.tokenizer, session)
+
+            return vertex_response(body, read_one, native_generate)
+
+        return await _read_request(request, parse)
 
     running_tokens = RunningRequests()  # (by the server's id, for abort_requests)
 
@@ -478,7 +497,8 @@ def build_app(
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/generate", native_generate, methods=["POST", "PUT"]),
-        *(Route(path, ollama, methods=["POST"]) for path in sorted(OLLAMA_PATHS)),
+        Route(vertex_route(os.environ), vertex_generate, methods=["POST"]),
+        *(Route(ollama_route(path, os.environ), ollama, methods=["POST"]) for path in sorted(OLLAMA_PATHS)),
         Route("/api/tags", lambda _: JSONResponse(ollama_tags(model)), methods=["GET"]),
         Route("/api/show", ollama_show, methods=["POST"]),
         Route(TOKENS_PATH, tokens, methods=["POST"]),
@@ -488,6 +508,7 @@ def build_app(
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         *control_routes(engine),
+        *session_routes(engine),
         *worker_rpc_routes(engine, admin_token=token),
     ]
     app = Starlette(routes=routes, middleware=list(middleware), lifespan=lifespan)

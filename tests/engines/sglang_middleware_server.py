@@ -23,7 +23,8 @@ serving (its conversion, validation and chat tokenization), with a stand-in
 ``_handle_non_streaming_request`` that answers with the prompt's ids instead of generating. The
 Ollama serving (``/api/chat``, ``/api/generate``) is SGLang's real ``OllamaServing`` (its own
 rendering of the body) over the stand-in ``generate_request``, so its answer counts the prompt it
-rendered (``prompt_eval_count``).
+rendered (``prompt_eval_count``). ``/test/sglang-vertex`` calls SGLang's real Vertex AI handler
+(kvmesh's middleware takes its own path, ``/vertex_generate``), over the same stand-in.
 """
 
 from __future__ import annotations
@@ -223,6 +224,17 @@ async def aborts(request: Any) -> Any:
     return JSONResponse(TokenizerManager.aborted)
 
 
+async def sglang_vertex(request: Any) -> Any:
+    """TEST-ONLY: SGLang's own Vertex AI route (its real handler), called past kvmesh's
+    middleware, which takes the route's own path: what SGLang alone answers a body."""
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.managers.io_struct import VertexGenerateReqInput
+
+    body = await request.json()
+    vertex = VertexGenerateReqInput(instances=body["instances"], parameters=body.get("parameters"))
+    return await http_server.vertex_generate(vertex, request)
+
+
 def main() -> None:
     port, sglang_args = int(sys.argv[1]), sys.argv[2:]
     sglang_env.prepare()
@@ -258,6 +270,7 @@ def main() -> None:
     app.router.routes.append(Route("/test/relayed-chunks", relayed_chunks))
     app.router.routes.append(Route("/test/speculative-prefills", speculative_prefills))
     app.router.routes.append(Route("/test/aborts", aborts))
+    app.router.routes.append(Route("/test/sglang-vertex", sglang_vertex, methods=["POST"]))
     if server_args.api_key:  # as SGLang's launch does, after kvmesh's mount: outside kvmesh's layer
         from sglang.srt.utils.auth import add_api_key_middleware
 

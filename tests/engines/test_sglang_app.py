@@ -270,3 +270,40 @@ def test_sglangs_scores_and_speech_are_among_the_paths_the_router_relays(served:
     assert {"/v1/systemone", "/v1/audio/transcriptions"} <= posts
     assert {"/v1/systemone", "/v1/audio/transcriptions"} <= set(pooling.PATHS)
     assert "/v1/audio/transcriptions" in pooling.FORM_PATHS
+
+
+def test_sglangs_sessions_and_vertex_route_are_what_the_router_serves(served: Any) -> None:
+    """SGLang's ``/open_session`` and ``/close_session`` take GET or POST with the bodies the
+    standalone router checks (kvmesh.router.asgi.sglang_sessions), and its Vertex AI route is at
+    the path the router reads it at, with ``instances`` and ``parameters``
+    (kvmesh.router.request.vertex_api)."""
+    import msgspec
+
+    from kvmesh.router.asgi import sglang_sessions
+    from kvmesh.router.request.vertex_api import vertex_route
+
+    io = sglang_env.engine("sglang.srt.managers.io_struct")
+
+    def body_type(path: str) -> tuple[set[str], Any]:
+        route = next(r for r in served["app"].router.routes if getattr(r, "path", None) == path)
+        (param,) = route.dependant.body_params
+        return route.methods, param.field_info.annotation
+
+    def fields(kind: Any) -> dict[str, bool]:  # (its own: not those every request has, rid ...)
+        common = {f.name for f in msgspec.structs.fields(io.BaseReq)}
+        return {f.name: f.required for f in msgspec.structs.fields(kind) if f.name not in common}
+
+    methods, kind = body_type(sglang_sessions.OPEN_PATH)
+    assert methods == {"GET", "POST"} and kind is io.OpenSessionReqInput
+    assert fields(kind) == {
+        "capacity_of_str_len": True,
+        "session_id": False,
+        "streaming": False,
+        "timeout": False,
+    }
+    methods, kind = body_type(sglang_sessions.CLOSE_PATH)
+    assert methods == {"GET", "POST"} and kind is io.CloseSessionReqInput
+    assert fields(kind) == {"session_id": True}
+    methods, kind = body_type(vertex_route({}))
+    assert methods == {"POST"} and kind is io.VertexGenerateReqInput
+    assert fields(kind) == {"instances": True, "parameters": False}

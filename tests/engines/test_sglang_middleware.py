@@ -392,6 +392,51 @@ def test_ollamas_chat_and_generate_are_routed_on_the_prompt_sglang_renders(engin
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "nvext.top_k"
 
 
+def test_vertex_ai_instances_are_routed_one_by_one_as_sglang_reads_them(engine: Engine) -> None:
+    """SGLang's Vertex AI route turns its instances into one ``/generate`` batch. kvmesh routes
+    each instance on its own prefix and serves it on SGLang's real ``/generate``: what reaches the
+    engine for instance i (its ids as SGLang tokenizes them, its sampling parameters, its rid) is
+    what SGLang's own route hands the engine for prompt i of its batch. A repeat of an instance goes
+    where the first went, matched on every whole page of it."""
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(f"w{i}" for i in range(lo, hi))
+
+    body = {
+        "instances": [{"text": words(0, 30)}, {"text": words(100, 153)}],
+        "parameters": {"sampling_params": {"max_new_tokens": 4, "temperature": 0.5}, "rid": "v"},
+    }
+    own = engine.client.post("/test/sglang-vertex", json=body)
+    assert own.status_code == 200, own.text
+    batch = own.json()["predictions"]  # (the stand-in engine answers a batch in one result)
+    routed = engine.client.post("/vertex_generate", json=body)
+    assert routed.status_code == 200, routed.text
+    predictions = routed.json()["predictions"]
+    assert len(predictions) == 2
+    for i, prediction in enumerate(predictions):
+        assert prediction["seen"]["ids"] == batch["seen"]["ids"][i]
+        assert prediction["seen"]["sampling_params"] == batch["seen"]["sampling_params"][i]
+        assert prediction["meta_info"]["id"] == batch["meta_info"]["id"][i] == f"v_{i}"
+    # A repeat of an instance goes where it went, matched on its whole pages.
+    one: dict[str, Any] = {
+        "instances": [{"text": words(200, 241)}],
+        "nvext": {"backend_instance_id": engine.peer},
+    }
+    assert engine.client.post("/vertex_generate", json=one).status_code == 200
+    del one["nvext"]
+    again = engine.client.post("/vertex_generate", json=one)
+    assert again.status_code == 200, again.text
+    assert again.headers["x-kvmesh-worker-id"] == engine.peer
+    length = len(again.json()["predictions"][0]["seen"]["ids"])
+    assert length > 40
+    (decision,) = engine.client.get("/kvmesh/decisions?limit=1").json()["decisions"]
+    assert decision["overlap_blocks"] == length // BLOCK
+    # What SGLang would pair wrongly is refused, naming the instance.
+    mixed = {"instances": [{"text": "w1", "image_data": "AAAA"}, {"text": "w2"}]}
+    refused = engine.client.post("/vertex_generate", json=mixed)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "instances[1].image_data"
+
+
 @pytest.mark.parametrize("api_key", [None, "sk-test"])
 async def test_a_peers_streamed_answer_is_relayed_from_the_socket_callback_inside_sglang(
     tmp_path: Path, api_key: str | None

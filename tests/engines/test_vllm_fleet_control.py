@@ -26,6 +26,7 @@ with warnings.catch_warnings():
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from vllm.entrypoints.rl.online.api_router import router as rl_router
+    from vllm.entrypoints.serve.dev.cache.api_router import router as cache_router
     from vllm.entrypoints.serve.dev.sleep.api_router import router as sleep_router
     from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
 
@@ -76,11 +77,18 @@ class RecordingEngineClient:
     async def get_weight_version(self) -> str:
         return self.version
 
+    async def reset_mm_cache(self) -> None:
+        self.calls.append(("reset_mm_cache",))
+
+    async def reset_encoder_cache(self) -> None:
+        self.calls.append(("reset_encoder_cache",))
+
 
 def _vllm_app(client: RecordingEngineClient) -> FastAPI:
     app = FastAPI()
     app.include_router(rl_router)
     app.include_router(sleep_router)
+    app.include_router(cache_router)
     app.state.engine_client = client
     # (vLLM's server registers its own answer to a bad argument: a 400 naming it)
     app.exception_handler(RequestValidationError)(validation_exception_handler)
@@ -154,18 +162,28 @@ async def test_sleep_and_wake_up_with_their_query_and_the_weight_version_with_it
         assert all(c.version == "step-7" for c in clients)
 
 
+async def test_the_multimodal_and_encoder_cache_resets_reach_every_vllm_engine() -> None:
+    async with _fleet() as (http, clients):
+        for path in ("/reset_mm_cache", "/reset_encoder_cache"):
+            r = await http.post(path)
+            assert r.status_code == 200, r.text
+            assert set(r.json()["workers"]) == {"w0", "w1"}
+        assert [c.calls for c in clients] == [[("reset_mm_cache",), ("reset_encoder_cache",)]] * 2
+
+
 def test_every_vllm_control_the_router_knows_is_on_vllms_routers() -> None:
     """Each vLLM path kvmesh sends to every worker, and each it refuses to (a weight transfer with
     per-engine arguments), is one of vLLM's, with the method the router serves it with."""
     from kvmesh.router.asgi import fleet_control
 
     methods: dict[str, set[str]] = {}
-    for route in (*rl_router.routes, *sleep_router.routes):
+    for route in (*rl_router.routes, *sleep_router.routes, *cache_router.routes):
         methods.setdefault(route.path, set()).update(route.methods)
     fanned = {p for p in (*fleet_control.POSTS, *fleet_control.GETS) if p in methods}
     assert fanned == {
         *("/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping"),
         *("/release_kv_cache_memory", "/update_weight_version", "/weight_info"),
+        *("/reset_mm_cache", "/reset_encoder_cache"),
     }
     for path in fanned:
         assert methods[path] == ({"GET"} if path in fleet_control.GETS else {"POST"}), path

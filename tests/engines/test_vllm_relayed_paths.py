@@ -31,3 +31,21 @@ def test_vllms_scoring_and_speech_paths_are_relayed_with_their_method() -> None:
     assert speech == {"/v1/audio/transcriptions", "/v1/audio/translations"}
     assert posts | speech <= set(pooling.PATHS)
     assert speech == set(pooling.FORM_PATHS)  # (read as forms, not JSON)
+
+
+def test_vllms_tokenizer_info_is_relayed_with_its_method() -> None:
+    """``vllm serve --enable-tokenizer-info-endpoint`` adds ``GET /tokenizer_info``: the router
+    relays it to one worker, as it relays the tokenizer's other paths."""
+    import argparse
+
+    from fastapi import FastAPI
+    from vllm.entrypoints.serve.tokenize import api_router as tokenize_api
+
+    from kvmesh.router.asgi import any_worker
+
+    app = FastAPI()
+    app.state.args = argparse.Namespace(enable_tokenizer_info_endpoint=True)
+    tokenize_api.attach_router(app)  # (adds the route to vLLM's tokenizer router, then mounts it)
+    gets = {r.path for r in tokenize_api.router.routes if "GET" in r.methods}
+    assert gets == {"/tokenizer_info"}
+    assert "/tokenizer_info" in any_worker.READ_PATHS

@@ -402,6 +402,50 @@ OLLAMA_GENERATE = st.fixed_dictionaries(
 )
 """Ollama's ``/api/generate`` body, as SGLang serves it."""
 
+VERTEX_INSTANCE = st.fixed_dictionaries(
+    {},
+    optional={
+        "text": _maybe(st.one_of(TEXT, st.just(""))),
+        "input_ids": _maybe(st.lists(st.integers(-5, 2**40), max_size=20)),
+        "input_embeds": st.just([[0.1, 0.2]]),
+        "image_data": _maybe(st.just("AAAA")),
+    },
+)
+VERTEX = st.fixed_dictionaries(
+    {"instances": _maybe(st.lists(_maybe(VERTEX_INSTANCE), max_size=3))},
+    optional={
+        "parameters": _maybe(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "sampling_params": _maybe(st.one_of(SAMPLING, st.lists(SAMPLING, max_size=3))),
+                    "stream": _maybe(st.booleans()),
+                    "rid": _maybe(st.one_of(TEXT, st.lists(TEXT, max_size=3))),
+                    "lora_path": _maybe(TEXT),
+                    "text": _maybe(TEXT),
+                    "return_logprob": _maybe(st.booleans()),
+                },
+            )
+        ),
+        "nvext": _maybe(NVEXT),
+    },
+)
+"""SGLang's Vertex AI prediction body (kvmesh.router.request.vertex_api)."""
+
+OPEN_SESSION = st.fixed_dictionaries(
+    {"capacity_of_str_len": _maybe(st.integers(-1, 1 << 16))},
+    optional={
+        "session_id": _maybe(st.one_of(TEXT, st.sampled_from(["s-1", "s-2"]))),
+        "timeout": _maybe(st.one_of(st.floats(0, 5), EDGE_NUMBERS)),
+        "streaming": _maybe(st.booleans()),
+    },
+)
+"""SGLang's ``/open_session`` body (kvmesh.router.asgi.sglang_sessions)."""
+CLOSE_SESSION = st.fixed_dictionaries(
+    {"session_id": _maybe(st.one_of(TEXT, st.sampled_from(["s-1", "s-2"])))}
+)
+"""SGLang's ``/close_session`` body."""
+
 BLOCK = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": _maybe(TEXT)}),
     st.fixed_dictionaries(

@@ -17,6 +17,7 @@ from tests.fuzz.strategies import (
     ABORT,
     CHAT,
     CHAT_BATCH,
+    CLOSE_SESSION,
     COMPLETION,
     EMBEDDINGS,
     GENERATE,
@@ -25,9 +26,11 @@ from tests.fuzz.strategies import (
     MESSAGES,
     OLLAMA_CHAT,
     OLLAMA_GENERATE,
+    OPEN_SESSION,
     RESPONSES,
     SGLANG_ABORT,
     TOKENS,
+    VERTEX,
     raw_body,
 )
 
@@ -49,11 +52,14 @@ from tests.fuzz.strategies import (
         ("/invocations", INVOCATIONS),
         ("/api/chat", OLLAMA_CHAT),
         ("/api/generate", OLLAMA_GENERATE),
+        ("/vertex_generate", VERTEX),
+        ("/open_session", OPEN_SESSION),
+        ("/close_session", CLOSE_SESSION),
     ],
     ids=[
         *("chat", "completions", "responses", "generate", "messages", "tokens", "abort"),
         *("count_tokens", "abort_request", "embeddings", "chat_batch", "invocations"),
-        *("ollama_chat", "ollama_generate"),
+        *("ollama_chat", "ollama_generate", "vertex", "open_session", "close_session"),
     ],
 )
 def test_no_5xx_and_every_4xx_names_its_field(target: Target, path: str, doc: Any) -> None:

@@ -37,6 +37,7 @@ class _Namespace(msgspec.Struct):
     model: Any = None
     cache_salt: Any = None
     lora_path: Any = None
+    parameters: Any = None  # (Vertex AI's: the /generate fields of its instances)
 
 
 class KvMeshMiddleware(_CoreMiddleware):
@@ -58,8 +59,8 @@ class KvMeshMiddleware(_CoreMiddleware):
                 self.engine_tokenizer.bind_from_app(scope["app"])
             path = route_path(scope)
             if (
-                routes(WITH_GENERATE, path, scope["method"])
-                and not is_ollama(path)
+                routes(self.generation_paths, path, scope["method"])
+                and not is_ollama(self.endpoints.get(path, path))
                 and not any(name == HOP_HEADER for name, _ in scope["headers"])
             ):
                 # A hop (a peer forwarded it) was routed already and its nvext stripped by the
@@ -78,6 +79,9 @@ def cached_in_own_namespace(body: Any) -> bool:
     if not isinstance(body, dict):
         return False
     if body.get("cache_salt") or body.get("lora_path"):
+        return True
+    parameters = body.get("parameters")
+    if isinstance(parameters, dict) and (parameters.get("cache_salt") or parameters.get("lora_path")):
         return True
     model = body.get("model")
     return isinstance(model, str) and ":" in model

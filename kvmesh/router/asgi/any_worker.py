@@ -6,7 +6,7 @@ parsers (``POST /parse_function_call``, ``/separate_reasoning``), vLLM's rendere
 ``/inference/v1/generate`` takes, which the router then routes), and the descriptions a client reads
 at start: SGLang's ``GET /get_model_info`` and ``/get_server_info`` (with their newer names
 ``/model_info``, ``/server_info``; RL frameworks read them from the address they generate at) and
-vLLM's ``GET /version``, and Ollama's ``GET /api/tags`` and ``POST /api/show`` (as SGLang serves
+vLLM's ``GET /version`` and ``/tokenizer_info`` (a client that tokenizes for itself reads it), and Ollama's ``GET /api/tags`` and ``POST /api/show`` (as SGLang serves
 them: an Ollama client lists the models before it chats); and SGLang's ``GET /health_generate``
 (one worker generates a token: the fleet can serve). A server description is the one worker's that answered.
 
@@ -65,6 +65,7 @@ READ_PATHS = (
     "/get_server_info",
     "/server_info",
     "/version",
+    "/tokenizer_info",  # (vLLM's, served with --enable-tokenizer-info-endpoint)
     "/health_generate",
     "/api/tags",  # (Ollama's list of models, as SGLang serves it)
 )

@@ -30,9 +30,9 @@ from typing import Any
 
 import msgspec
 
-from kvmesh._http import error_body, sse_data, wait_disconnect
+from kvmesh._http import error_body, route_path, sse_data, wait_disconnect
 from kvmesh.router.asgi.forwarding import WORKER_ID_HEADER, replace_body
-from kvmesh.router.request.batches import CHAT_BATCH_PATH, COMPLETIONS_PATH, PromptBatch, item_field
+from kvmesh.router.request.batches import CHAT_BATCH_PATH, COMPLETIONS_PATH, PromptBatch
 
 logger = logging.getLogger("kvmesh.router")
 
@@ -80,8 +80,8 @@ class BatchAnswer:
         self.send = send
         self.batch = batch
         self.completions = endpoint in (COMPLETIONS_PATH, CHAT_BATCH_PATH)  # (one merged completion)
-        self.unit = "conversation" if endpoint == CHAT_BATCH_PATH else "prompt"  # (what errors name)
-        self.item_scope = _on_path(scope, endpoint, batch.item_path)
+        self.unit = "conversation" if endpoint == CHAT_BATCH_PATH else batch.unit  # (what errors name)
+        self.item_scope = _on_path(scope, batch.item_path)
         self.stream = stream
         self.answers = [_Answer() for _ in batch.items]
         self.stop = asyncio.Event()
@@ -245,7 +245,8 @@ class BatchAnswer:
             results: list[Any] = []
             for doc in docs:
                 results.extend(doc if isinstance(doc, list) else [doc])
-            body = _encode(results)
+            key = self.batch.answer_key
+            body = _encode(results if key is None else {key: results})
         await self._send_json(200, body, self._headers(b"application/json"))
 
     async def _send_failure(self, index: int, answer: _Answer) -> None:
@@ -263,7 +264,7 @@ class BatchAnswer:
             error["message"] = f"{self.unit} {index} of the batch: {error['message']}"
             param = error.get("param")
             if isinstance(param, str):
-                error["param"] = item_field(param, self.batch.split, index)
+                error["param"] = self.batch.field(param, index)
             raw = _encode(doc)
         headers = [(k, v) for k, v in answer.headers if k.lower() != b"content-length"]
         await self._send_json(answer.status, raw, headers, typed=True)
@@ -344,13 +345,13 @@ class BatchAnswer:
         _sum_usage(self.usage["usage"], doc["usage"])
 
 
-def _on_path(scope: Scope, endpoint: str, item_path: str | None) -> Scope:
+def _on_path(scope: Scope, item_path: str | None) -> Scope:
     """The scope a prompt's request is served with: the batch's, on ``item_path`` when it has
-    one (a root path the batch's path carries is kept)."""
+    one (below the root path the batch's path is under)."""
     if item_path is None:
         return scope
     path = scope["path"]
-    root = path[: -len(endpoint)] if path.endswith(endpoint) else ""
+    root = path[: len(path) - len(route_path(scope))]
     return {**scope, "path": root + item_path, "raw_path": (root + item_path).encode()}
 
 

@@ -15,6 +15,10 @@ Paths, as the installed engines route them:
   ``/update_weights_from_disk``, ``/update_weight_version``, ``/begin_weight_update``,
   ``/end_weight_update`` (around a load of in-place-quantized weights); GET or POST
   ``/release_memory_occupation``, ``/resume_memory_occupation``.
+* vLLM's resets of its multimodal input cache and its encoder cache (``POST /reset_mm_cache``,
+  ``/reset_encoder_cache``, with ``VLLM_SERVER_DEV_MODE=1``): a benchmark or a loop that changes
+  its images resets every engine's. (Its prefix cache reset, ``/reset_prefix_cache``, is
+  :mod:`.flush`'s.)
 * The profilers of both: ``/start_profile`` and ``/stop_profile`` (vLLM's a POST, served with a
   profiler configured; SGLang's GET or POST), so one call profiles the whole fleet.
 * LoRA adapters loaded and unloaded at run time: vLLM's ``POST /v1/load_lora_adapter`` and
@@ -91,6 +95,8 @@ POSTS = (
     "/update_weights_from_disk",
     "/begin_weight_update",
     "/end_weight_update",
+    "/reset_mm_cache",
+    "/reset_encoder_cache",
     *ADAPTER_LOADS,
 )
 """Asked with a POST."""

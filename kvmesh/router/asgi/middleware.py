@@ -23,7 +23,8 @@ batch of conversations (``/v1/chat/completions/batch``) is routed conversation b
 In front of either engine, and standalone, SageMaker's ``/invocations`` is routed as the chat
 request or completion its body is (:mod:`kvmesh.router.asgi.invocations`); in front of SGLang, and
 standalone, so are Ollama's ``/api/chat`` and ``/api/generate``
-(:mod:`kvmesh.router.request.ollama_api`). The
+(:mod:`kvmesh.router.request.ollama_api`) and Vertex AI's prediction route, instance by instance
+(:mod:`kvmesh.router.request.vertex_api`), each on the path SGLang's variables put it. The
 admin endpoints (:mod:`kvmesh.router.asgi.admin`) are answered here. A scrape of an engine's
 multiprocess ``/metrics`` gets kvmesh's live gauges added (:mod:`kvmesh.router.asgi.scrape`). Every
 other path and every non-HTTP scope passes straight through.
@@ -33,6 +34,7 @@ Per-request state lives in one object per call, never on the middleware (Starlet
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kvmesh._http import replay_body, route_path
@@ -47,11 +49,12 @@ from kvmesh.router.request.batches import CHAT_BATCH_PATH
 from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.invocations import INVOCATIONS_PATH, invoked_endpoint
 from kvmesh.router.request.messages_api import MESSAGES_PATH
-from kvmesh.router.request.ollama_api import OLLAMA_PATHS
+from kvmesh.router.request.ollama_api import OLLAMA_PATHS, moved_routes
 from kvmesh.router.request.parse import decode_body
 from kvmesh.router.request.responses_api import RESPONSES_PATH
 from kvmesh.router.request.tokenizer import Tokenizer
 from kvmesh.router.request.tokens_api import TOKENS_PATH
+from kvmesh.router.request.vertex_api import VERTEX_PATH, vertex_route
 
 ASGIApp = Any
 Scope = dict[str, Any]
@@ -88,6 +91,16 @@ class KvMeshMiddleware:
         generation_paths: frozenset[str] = GENERATION_PATHS,
     ) -> None:
         self.app = app
+        self.endpoints: dict[str, str] = {}
+        """The paths SGLang serves an endpoint on by its variables, and that endpoint: Vertex AI's
+        (``AIP_PREDICT_ROUTE``) and Ollama's moved ones, routed where ``/generate`` is."""
+        if GENERATE_PATH in generation_paths:
+            moved = {vertex_route(os.environ): VERTEX_PATH, **moved_routes(os.environ)}
+            for path, endpoint in moved.items():
+                if path not in generation_paths:  # (SGLang's own route there comes first)
+                    self.endpoints[path] = endpoint
+            gone = {endpoint for endpoint in self.endpoints.values() if endpoint in OLLAMA_PATHS}
+            generation_paths = (generation_paths - gone) | frozenset(self.endpoints)
         self.generation_paths = generation_paths
         self.settings = settings if settings is not None else MeshSettings.load()
         self.mesh = Mesh(self.settings, local_app=app, tokenizer=tokenizer)
@@ -110,7 +123,7 @@ class KvMeshMiddleware:
             if path == INVOCATIONS_PATH:
                 await self._invocation(scope, receive, send)
                 return
-            await self._generation(scope, receive, send, path)
+            await self._generation(scope, receive, send, self.endpoints.get(path, path))
         elif (api := aborts.abort_api(path, scope["method"], self.generation_paths)) is not None:
             await aborts.serve(self.mesh, api, self.app, scope, receive, send)
         elif stored_responses.handles(path):

@@ -25,13 +25,13 @@ from kvmesh.router.asgi.batches import BatchAnswer
 from kvmesh.router.asgi.disagg import TwoStage
 from kvmesh.router.asgi.forwarding import Dispatch, replace_body, session_header
 from kvmesh.router.asgi.invocations import lora_reading
-from kvmesh.router.asgi.json_io import read_body, send_error
+from kvmesh.router.asgi.json_io import read_body, send_error, send_json
 from kvmesh.router.asgi.prefix_copy import start_prefix_copy
 from kvmesh.router.asgi.stored_responses import find_home
 from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.batches import PromptBatch
-from kvmesh.router.request.generate_api import SERVED_BY, bound_to_engine, choices, is_generate
+from kvmesh.router.request.generate_api import SERVED_BY, bound_to_engine, choices, is_generate, session_named
 from kvmesh.router.request.invocations import INVOCATIONS_PATH, SESSION_HEADER, session_id
 from kvmesh.router.request.messages_api import is_messages
 from kvmesh.router.request.nvext import PREFILL_HEADER, WORKER_HEADER, Nvext
@@ -109,7 +109,12 @@ class RoutedRequest:
             except PromptBatch as batch:  # (one request per prompt, answered as one)
                 await self._serve_batch(batch)
                 return
-            if is_generate(self.endpoint) and (bound := bound_to_engine(parsed.body)) is not None:
+            if (
+                is_generate(self.endpoint)
+                and (bound := bound_to_engine(parsed.body)) is not None
+                and not (bound == "session_params" and mesh.local_app is None)
+            ):
+                # (standalone, a session's request goes to the engine that opened it: _home)
                 await self._serve_bound(parsed, bound)
                 return
             if mesh.local_app is not None and not mesh.registry.routable:
@@ -392,6 +397,21 @@ class RoutedRequest:
             if (home is None or mesh.registry.get(home) is None) and mesh.local_app is not None:
                 home = mesh.settings.self_worker_id
             return self._held_by(home, f"session {session!r}", SESSION_HEADER.decode(), nv.pinned_worker)
+        if is_generate(parsed.endpoint) and (session := session_named(parsed.body)) is not None:
+            if nv.session is not None:  # (kvmesh's sessions are another thing: one or the other)
+                raise RequestError(
+                    "nvext.session_control does not apply to a request of an SGLang session "
+                    "('session_params'): the session holds its history already",
+                    field="nvext.session_control",
+                )
+            home = mesh.sglang_session_homes.home(session)
+            if home is None:
+                raise RequestError(
+                    f"session {session!r} was not opened through this router (POST /open_session "
+                    "here opens one where its requests can follow it)",
+                    field="session_params.id",
+                )
+            return self._held_by(home, f"session {session!r}", "session_params.id", nv.pinned_worker)
         if not is_responses(parsed.endpoint):
             return nv.pinned_worker
         continued = previous_response_id(parsed.body)
@@ -581,6 +601,9 @@ class RoutedRequest:
         async def run_one(scope: Scope, receive: Any, send: Any) -> None:
             await RoutedRequest(mesh, app, scope, receive, send, endpoint).run()
 
+        if not batch.items:  # (a Vertex AI body of no instances: SGLang answers an empty list)
+            await send_json(self.send, 200, b"[]")
+            return
         stream = batch.items[0].get("stream") is True
         await BatchAnswer(run_one, self.scope, self.receive, self.send, batch, self.endpoint, stream).run()
 

@@ -47,6 +47,8 @@ from kvmesh.router.asgi.middleware import EVERY_PATH, KvMeshMiddleware
 from kvmesh.router.asgi.pooling import PATHS as POOLING_PATHS
 from kvmesh.router.asgi.pooling import PUT_PATHS as POOLING_PUTS
 from kvmesh.router.asgi.pooling import PoolingRelay
+from kvmesh.router.asgi.sglang_sessions import PATHS as SESSION_PATHS
+from kvmesh.router.asgi.sglang_sessions import SglangSessions
 from kvmesh.router.mesh.metrics import CONTENT_TYPE, render
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
@@ -131,6 +133,7 @@ def build_router_app(
     flush = FlushEveryWorker(lambda: middleware.mesh)
     pooling = PoolingRelay(lambda: middleware.mesh)
     control = FleetControl(lambda: middleware.mesh)
+    sessions = SglangSessions(lambda: middleware.mesh)
     inner = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
@@ -159,6 +162,8 @@ def build_router_app(
             *(Route(path, control, methods=["GET"]) for path in fleet_control.GETS),
             *(Route(path, control, methods=["GET", "POST"]) for path in fleet_control.EITHER),
             *(Route(path, control, methods=["POST"]) for path in fleet_control.PER_ENGINE),
+            # (SGLang's sessions: GET or POST, as SGLang takes them)
+            *(Route(path, sessions, methods=["GET", "POST"]) for path in SESSION_PATHS),
         ],
         lifespan=lifespan,
     )

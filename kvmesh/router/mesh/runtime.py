@@ -161,6 +161,9 @@ class Mesh:
         self.session_homes = ResponseHomes()
         """Where each SageMaker stateful session was opened (its engine alone holds it, as one
         holds a stored response): ``kvmesh.router.asgi.invocations``."""
+        self.sglang_session_homes = ResponseHomes()
+        """Where each SGLang session was opened through this router (``/open_session``; its
+        engine alone holds its history): ``kvmesh.router.asgi.sglang_sessions``."""
         self.cold_counts = PendingCounts()
         """Prompts routed on a first block no worker held, sent and not yet counted, by that
         block's hash (:meth:`held_first`)."""

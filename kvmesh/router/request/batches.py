@@ -63,16 +63,31 @@ class PromptBatch(Exception):
     """The body is a batch of prompts, not one request: ``items`` are the bodies of one request
     per prompt, in order; each asks for ``samples`` answers. ``split`` names the fields that were
     cut by prompt (an error about one of them in prompt ``i`` is about ``field[i]``). Each item is
-    served on ``item_path`` (None: the batch's own path)."""
+    served on ``item_path`` (None: the batch's own path). An answer whole is the batch's results
+    (``answer_key``: under that key of an object); what its errors name is :meth:`field`'s."""
 
     def __init__(
-        self, items: list[dict[str, Any]], samples: int, split: frozenset[str], item_path: str | None = None
+        self,
+        items: list[dict[str, Any]],
+        samples: int,
+        split: frozenset[str],
+        item_path: str | None = None,
+        *,
+        unit: str = "prompt",
+        answer_key: str | None = None,
     ) -> None:
         super().__init__(f"a batch of {len(items)} prompts")
         self.items = items
         self.samples = samples
         self.split = split
         self.item_path = item_path
+        self.unit = unit
+        """What one item is called in the batch's errors."""
+        self.answer_key = answer_key
+
+    def field(self, name: str | None, index: int) -> str | None:
+        """Where a field of item ``index``'s request is in the batch's body (:func:`item_field`)."""
+        return item_field(name, self.split, index)
 
 
 def split_batch(body: dict[str, Any], endpoint: str) -> PromptBatch | None:

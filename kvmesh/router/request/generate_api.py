@@ -50,6 +50,19 @@ def bound_to_engine(body: dict[str, Any]) -> str | None:
     return None
 
 
+def session_named(body: dict[str, Any]) -> str | None:
+    """The SGLang session a request continues (``session_params.id``), or None; a 400 naming
+    the field for one that is not a string."""
+    params = body.get("session_params")
+    if params is None:
+        return None
+    if not isinstance(params, dict) or not isinstance(params.get("id"), str):
+        raise RequestError(
+            "'session_params.id' must be the session's id, a string", field="session_params.id"
+        )
+    return str(params["id"])
+
+
 def abort_body(body: Any) -> dict[str, Any]:
     """An ``/abort_request`` body, checked as SGLang's ``AbortReq`` reads it: an object whose
     ``rid`` is a string (or null) and whose ``abort_all`` is a boolean; a 400 naming the field for

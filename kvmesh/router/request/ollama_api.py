@@ -17,10 +17,15 @@ Both ignore the body's ``model`` (the engine serves its own) and stream unless `
 false``. A streamed answer is newline-delimited JSON, one object a line, the last one ``"done":
 true``; :func:`answer_usage` reads an answer's counts in chat's names, where it has them (SGLang's
 whole answers do, its streams do not). The engine gets the client's body unchanged.
+
+SGLang serves the two on other paths when ``SGLANG_OLLAMA_CHAT_ROUTE`` or
+``SGLANG_OLLAMA_GENERATE_ROUTE`` names one, read when its server starts: :func:`moved_routes` reads
+them so too, and a request on such a path is served as the endpoint it moved.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvmesh.errors import RequestError
@@ -28,6 +33,26 @@ from kvmesh.errors import RequestError
 OLLAMA_CHAT_PATH = "/api/chat"
 OLLAMA_GENERATE_PATH = "/api/generate"
 OLLAMA_PATHS = frozenset((OLLAMA_CHAT_PATH, OLLAMA_GENERATE_PATH))
+ROUTE_VARIABLES = (
+    ("SGLANG_OLLAMA_CHAT_ROUTE", OLLAMA_CHAT_PATH),
+    ("SGLANG_OLLAMA_GENERATE_ROUTE", OLLAMA_GENERATE_PATH),
+)
+
+
+def moved_routes(environ: Mapping[str, str]) -> dict[str, str]:
+    """The path each of the two endpoints is on where SGLang's variables in the server's
+    ``environ`` move it (``{path: endpoint}``; an endpoint not moved is not in it)."""
+    moved = {}
+    for variable, endpoint in ROUTE_VARIABLES:
+        path = environ.get(variable, endpoint)
+        if path != endpoint and path.startswith("/"):
+            moved[path] = endpoint
+    return moved
+
+
+def ollama_route(endpoint: str, environ: Mapping[str, str]) -> str:
+    """The path ``endpoint`` is served on (moved or not)."""
+    return next((path for path, moved in moved_routes(environ).items() if moved == endpoint), endpoint)
 
 
 def is_ollama(endpoint: str) -> bool:
@@ -113,11 +138,14 @@ __all__ = [
     "OLLAMA_CHAT_PATH",
     "OLLAMA_GENERATE_PATH",
     "OLLAMA_PATHS",
+    "ROUTE_VARIABLES",
     "answer_text",
     "answer_usage",
     "chat_view",
     "generate_view",
     "is_ollama",
+    "moved_routes",
+    "ollama_route",
     "streams",
     "view",
 ]

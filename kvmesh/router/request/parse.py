@@ -52,6 +52,7 @@ from kvmesh.router.request.tokens_api import completion_view as tokens_view
 from kvmesh.router.request.tokens_api import engine_fields as tokens_engine_fields
 from kvmesh.router.request.tokens_api import is_tokens
 from kvmesh.router.request.tokens_api import recomputed as tokens_recomputed
+from kvmesh.router.request.vertex_api import is_vertex, vertex_batch
 
 _WORKER_HEADER_B = WORKER_HEADER.encode()
 _PREFILL_HEADER_B = PREFILL_HEADER.encode()
@@ -288,6 +289,8 @@ def parse_request(
     overrides = override_headers(headers)
     # What the engine renders: the body itself, the chat request a Responses or an Anthropic
     # Messages body becomes, or the completion request a /generate or token-API body is.
+    if is_vertex(endpoint):  # (a batch of /generate requests, whatever its size)
+        raise vertex_batch(body)
     if is_responses(endpoint):
         rendered, rendered_as = rendered_as_chat(body, tokenizer), CHAT_ENDPOINT
     elif is_messages(endpoint):

@@ -78,7 +78,7 @@ async def test_n_samples_a_pinned_worker_and_what_is_refused(http: aiohttp.Clien
         await until(lambda: not app.mesh.router.tracking(decision.request_id))
         for bad, field in (
             ({"text": TEXT, "sampling_params": [{}, {}]}, "sampling_params"),
-            ({"text": TEXT, "session_params": {"id": "s1"}}, "session_params"),
+            ({"text": TEXT, "session_params": {"id": "s1"}}, "session_params.id"),  # (not opened here)
             ({"text": TEXT, "bootstrap_room": 3}, "bootstrap_room"),
             ({"text": TEXT, "stream": True, "nvext": {"extra_fields": ["worker_id"]}}, "nvext.extra_fields"),
             ({"text": TEXT, "nvext": {"agent_hints": {"speculative_prefill": True}}},

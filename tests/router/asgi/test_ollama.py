@@ -165,3 +165,24 @@ async def test_an_ollama_client_lists_and_describes_the_model_through_the_router
             assert (await r.json())["model_info"]["general.name"] == model
         async with http.post(front.url + "/api/show", json={"name": model}) as r:
             assert (r.status, (await r.json())["error"]["param"]) == (400, "model")
+
+
+async def test_a_route_moved_by_sglangs_variable_is_routed_there(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang serves Ollama's chat on the path ``SGLANG_OLLAMA_CHAT_ROUTE`` names: the router
+    routes it there, as a chat, and no longer takes ``/api/chat`` for one (the engine's 404)."""
+    monkeypatch.setenv("SGLANG_OLLAMA_CHAT_ROUTE", "/ollama/api/chat")
+    async with mock_fleet(2) as (front, mocks, _):
+        model = mocks[0].config.model
+        home = mocks[1].base_url
+        await warm(http, front.url, chat(model, CONTRACT), home)
+        async with http.post(front.url + "/ollama/api/chat", json=ollama_chat(CONTRACT, stream=False)) as r:
+            doc = await r.json()
+            assert r.status == 200, doc
+            assert r.headers[WORKER] == home
+            assert doc["done"] is True and doc["prompt_eval_count"] > 4 * BS
+        async with http.post(front.url + "/api/chat", json=ollama_chat(CONTRACT, stream=False)) as r:
+            assert r.status == 404
+        status, doc, _ = await ask(http, front.url, ollama_generate(MANUAL, stream=False))  # (not moved)
+        assert status == 200, doc

@@ -1,0 +1,197 @@
+"""SGLang's sessions through the standalone router: ``/open_session``, ``/close_session``, and the
+``/generate`` requests that continue one.
+
+An SGLang session lives in the engine that opened it: its requests (``/generate`` with
+``session_params.id``) append to the history that engine holds, and another engine answers them
+with an error (the id does not exist there). RL frameworks and agent loops open one per episode or
+conversation. Before, the standalone router answered 404 for both paths and refused a request
+naming a session, so a session could be used only by going to an engine directly.
+
+* ``/open_session`` (GET or POST, as SGLang takes it) goes to one routable worker whose server is
+  SGLang's, taken in turn (a session holds its history on one engine for its whole life: spread
+  evenly, not by the load of the moment). A session id already known goes to the worker holding
+  it, which refuses it as taken. The engine's answer is the client's; when it is the session's id,
+  the router remembers that worker as the session's home (``Mesh.sglang_session_homes``).
+* A ``/generate`` request naming a session the router knows goes to its home, counted there as
+  any request is (:meth:`~.routed.RoutedRequest._home`); one naming an unknown session is the
+  client's 400 naming ``session_params.id``, and one whose home is down a 503 (no other engine
+  has its history).
+* ``/close_session`` goes to the session's home, which is then forgotten. A session the router
+  does not know (opened before it started, or at an engine directly) is closed on every SGLang
+  worker, as SGLang's close of an id it does not hold does nothing.
+
+A body is checked as SGLang's request types read it (a 400 naming the field, not the engine's 422).
+Inside an engine, the middleware leaves these paths to the engine, and a request naming a session
+is served by the engine it reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from kvmesh._http import route_path
+from kvmesh.errors import RequestError
+from kvmesh.router.asgi import peer_auth
+from kvmesh.router.asgi.forwarding import WORKER_ID_HEADER
+from kvmesh.router.asgi.json_io import read_json_body, send_error, send_json
+from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.request.generate_api import SERVED_BY
+from kvmesh.router.request.parse import decode_body
+from kvmesh.router.upstream.forwarder import UpstreamError, end_to_end_headers
+
+OPEN_PATH = "/open_session"
+CLOSE_PATH = "/close_session"
+PATHS = (OPEN_PATH, CLOSE_PATH)
+_TIMEOUT = 60.0
+_ANSWER_LIMIT = 1 << 16
+
+
+class SglangSessions:
+    """An ASGI app serving :data:`PATHS` (see the module docstring)."""
+
+    def __init__(self, mesh_of: Callable[[], Mesh]) -> None:
+        self._mesh_of = mesh_of  # (the router's mesh exists only once the middleware is built)
+        self._turn = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        mesh = self._mesh_of()
+        await mesh.ensure_started()
+        path = route_path(scope)
+        settings = mesh.settings
+        try:
+            raw = await read_json_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
+            if raw is None:
+                return  # the client left
+            body = decode_body(raw)
+            if not mesh.registry.ready.is_set():
+                await mesh.wait_ready()
+            workers = sorted(
+                mesh.registry.described(mesh.registry.routable, lambda info: info.backend in SERVED_BY)
+            )
+            if path == OPEN_PATH:
+                await self._open(mesh, scope, send, raw, _opened_id(body), workers)
+            else:
+                await self._close(mesh, scope, send, raw, _closed_id(body), workers)
+        except RequestError as e:
+            mesh.metrics.requests.labels(path, "rejected", str(e.status)).inc()
+            await send_error(send, e.status, str(e), e.field)
+
+    async def _open(
+        self,
+        mesh: Mesh,
+        scope: dict[str, Any],
+        send: Any,
+        raw: bytes,
+        session: str | None,
+        workers: list[str],
+    ) -> None:
+        home = mesh.sglang_session_homes.home(session) if session is not None else None
+        if home is not None:
+            order = [home] if home in workers else []
+        else:
+            self._turn += 1
+            start = self._turn % len(workers) if workers else 0
+            order = workers[start:] + workers[:start]
+        if not order:
+            raise RequestError("no worker serves SGLang's sessions (/open_session)", field="path", status=503)
+        for worker_id in order:  # (the next one when a worker cannot be reached)
+            answer = await _ask(mesh, worker_id, scope, raw)
+            if answer is None:
+                continue
+            status, data = answer
+            opened = _decoded(data) if status == 200 else None
+            if isinstance(opened, str) and opened:
+                mesh.sglang_session_homes.remember(opened, worker_id)
+            mesh.metrics.requests.labels(OPEN_PATH, "session", str(status)).inc()
+            await send_json(send, status, data, [(WORKER_ID_HEADER, worker_id.encode())])
+            return
+        await send_error(send, 502, "no worker could be reached for /open_session", None)
+
+    async def _close(
+        self, mesh: Mesh, scope: dict[str, Any], send: Any, raw: bytes, session: str, workers: list[str]
+    ) -> None:
+        home = mesh.sglang_session_homes.home(session)
+        if home is not None and home not in mesh.registry.routable:
+            raise RequestError(f"worker {home!r}, which holds session {session!r}, is down", status=503)
+        asked = [home] if home is not None else workers
+        if not asked:
+            raise RequestError(
+                "no worker serves SGLang's sessions (/close_session)", field="path", status=503
+            )
+        answers = await asyncio.gather(*(_ask(mesh, worker_id, scope, raw) for worker_id in asked))
+        reached = [(w, a) for w, a in zip(asked, answers, strict=True) if a is not None]
+        if not reached:
+            await send_error(send, 502, "no worker could be reached for /close_session", None)
+            return
+        failed = next(((w, a) for w, a in reached if a[0] != 200), None)
+        status, data = failed[1] if failed is not None else reached[0][1]
+        if status == 200:
+            mesh.sglang_session_homes.forget(session)
+        mesh.metrics.requests.labels(CLOSE_PATH, "session", str(status)).inc()
+        await send({"type": "http.response.start", "status": status, "headers": _headers(data)})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+async def _ask(mesh: Mesh, worker_id: str, scope: dict[str, Any], raw: bytes) -> tuple[int, bytes] | None:
+    """(status, body) of the client's request asked of one worker; None when it gave none."""
+    worker = mesh.registry.get(worker_id)
+    if worker is None:
+        return None
+    headers = peer_auth.strip_internal(end_to_end_headers(scope["headers"]))
+    try:
+        return await mesh.forwarder.whole(
+            worker.url,
+            scope["method"],
+            route_path(scope),
+            headers,
+            raw,
+            timeout=_TIMEOUT,
+            limit=_ANSWER_LIMIT,
+        )
+    except UpstreamError:
+        return None
+
+
+def _headers(data: bytes) -> list[tuple[bytes, bytes]]:
+    headers = [(b"content-length", str(len(data)).encode())]
+    if data:
+        headers.append((b"content-type", b"application/json"))
+    return headers
+
+
+def _decoded(data: bytes) -> Any:
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+
+
+def _opened_id(body: dict[str, Any]) -> str | None:
+    """The id an ``/open_session`` body asks for (None: the engine makes one), its fields checked
+    as SGLang's ``OpenSessionReqInput`` reads them."""
+    capacity = body.get("capacity_of_str_len")
+    if type(capacity) is not int:
+        raise RequestError("'capacity_of_str_len' must be an integer", field="capacity_of_str_len")
+    timeout = body.get("timeout")
+    if timeout is not None and (type(timeout) not in (int, float) or timeout != timeout):
+        raise RequestError("'timeout' must be a number of seconds", field="timeout")
+    if body.get("streaming") is not None and not isinstance(body["streaming"], bool):
+        raise RequestError("'streaming' must be a boolean", field="streaming")
+    session = body.get("session_id")
+    if session is not None and not isinstance(session, str):
+        raise RequestError("'session_id' must be a string", field="session_id")
+    return session
+
+
+def _closed_id(body: dict[str, Any]) -> str:
+    session = body.get("session_id")
+    if not isinstance(session, str):
+        raise RequestError("'session_id' must be the session's id, a string", field="session_id")
+    return session
+
+
+__all__ = ["CLOSE_PATH", "OPEN_PATH", "PATHS", "SglangSessions"]

@@ -1,0 +1,142 @@
+"""SGLang's sessions through the standalone router, over HTTP, in front of ``kvmesh mock`` engines
+(which hold sessions as SGLang 0.5.23 does, and refuse a request naming one they do not hold:
+kvmesh.mock.sglang_sessions).
+
+A session opened through the router lives on one engine; every request naming it goes there, and
+its close reaches it (kvmesh.router.asgi.sglang_sessions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvmesh.mock.testing import run_mock
+from tests.router.asgi.test_agent_features import BS, mock_fleet, until
+from tests.router.asgi.test_responses_api import WORKER
+from tests.router.asgi.test_tokens_api import nothing_runs
+
+TURN = {"sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+
+
+async def call(http: aiohttp.ClientSession, url: str, path: str, body: Any) -> tuple[int, Any, str | None]:
+    async with http.post(url + path, json=body) as r:
+        raw = await r.read()
+        doc = await r.json(content_type=None) if raw else None
+        return r.status, doc, r.headers.get(WORKER)
+
+
+async def turn(http: aiohttp.ClientSession, url: str, session: str, text: str) -> tuple[int, Any, str | None]:
+    return await call(http, url, "/generate", {"text": text, "session_params": {"id": session}, **TURN})
+
+
+async def test_a_sessions_requests_all_go_to_the_engine_that_opened_it(http: aiohttp.ClientSession) -> None:
+    """Three sessions on three engines, opened in turn; each one's turns go to its engine (any other
+    would refuse them), whatever their prompts, and its blocks stay held there."""
+    async with mock_fleet(3) as (front, mocks, app):
+        by_url = {m.base_url: m for m in mocks}
+        homes = {}
+        for _ in range(3):
+            status, session, home = await call(
+                http, front.url, "/open_session", {"capacity_of_str_len": 4096}
+            )
+            assert status == 200 and isinstance(session, str), session
+            assert session in by_url[home].engine.retention.sessions
+            homes[session] = home
+        assert sorted(homes.values()) == sorted(by_url)  # (spread: one each)
+        for step in range(3):
+            for session, home in homes.items():
+                text = f"Step {step} of the episode, a prompt no engine has seen before. " * 3
+                status, answer, worker = await turn(http, front.url, session, text)
+                assert status == 200, answer
+                assert worker == home
+        # A session id the client chose, and one still open: the engine holding it refuses it.
+        chosen = {"capacity_of_str_len": 4096, "session_id": "episode-7"}
+        status, session, home = await call(http, front.url, "/open_session", chosen)
+        assert (status, session) == (200, "episode-7")
+        status, error, again = await call(http, front.url, "/open_session", chosen)
+        assert status == 400 and again == home, error
+        await nothing_runs(mocks, app)
+
+
+async def test_a_closed_session_is_forgotten_and_its_engine_lets_it_go(http: aiohttp.ClientSession) -> None:
+    async with mock_fleet(2) as (front, mocks, app):
+        status, session, home = await call(http, front.url, "/open_session", {"capacity_of_str_len": 64})
+        assert status == 200
+        holder = next(m for m in mocks if m.base_url == home)
+        assert (await turn(http, front.url, session, "One turn."))[0] == 200
+        status, body, _ = await call(http, front.url, "/close_session", {"session_id": session})
+        assert (status, body) == (200, None)
+        assert session not in holder.engine.retention.sessions
+        status, error, _ = await turn(http, front.url, session, "Another turn.")
+        assert status == 400 and error["error"]["param"] == "session_params.id", error
+        # Opened at an engine directly, unknown to the router: its close reaches every engine.
+        async with http.post(mocks[1].base_url + "/open_session", json={"capacity_of_str_len": 8}) as r:
+            direct = await r.json()
+        assert direct in mocks[1].engine.retention.sessions
+        status, _, _ = await call(http, front.url, "/close_session", {"session_id": direct})
+        assert status == 200
+        assert direct not in mocks[1].engine.retention.sessions
+        await nothing_runs(mocks, app)
+
+
+async def test_a_session_whose_engine_is_down_is_a_503_naming_it(http: aiohttp.ClientSession) -> None:
+    async with mock_fleet(1) as (front, mocks, app):
+        async with run_mock(block_size=BS, speedup=50.0, seed=1) as gone:
+            async with http.post(
+                front.url + "/kvmesh/workers", json={"url": gone.base_url, "id": "gone"}
+            ) as r:
+                assert r.status == 201, await r.text()
+            await until(lambda: "gone" in app.mesh.registry.routable)
+            opened = None
+            while opened is None:  # (taken in turn: the next open lands on the new engine)
+                status, session, home = await call(
+                    http, front.url, "/open_session", {"capacity_of_str_len": 8}
+                )
+                assert status == 200
+                opened = session if home == "gone" else None
+        await until(lambda: "gone" not in app.mesh.registry.routable)
+        status, error, _ = await turn(http, front.url, opened, "Still there?")
+        assert (status, error["error"]["param"]) == (503, "session_params.id"), error
+        status, error, _ = await call(http, front.url, "/close_session", {"session_id": opened})
+        assert status == 503, error
+        status, session, home = await call(http, front.url, "/open_session", {"capacity_of_str_len": 8})
+        assert status == 200 and home == mocks[0].base_url  # (the fleet opens the rest)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/open_session", {}, "capacity_of_str_len"),
+        ("/open_session", {"capacity_of_str_len": "big"}, "capacity_of_str_len"),
+        ("/open_session", {"capacity_of_str_len": 8, "session_id": 7}, "session_id"),
+        ("/open_session", {"capacity_of_str_len": 8, "timeout": "soon"}, "timeout"),
+        ("/open_session", {"capacity_of_str_len": 8, "streaming": "yes"}, "streaming"),
+        ("/open_session", [1], "body"),
+        ("/close_session", {}, "session_id"),
+        ("/generate", {"text": "hi", "session_params": {"id": 3}}, "session_params.id"),
+        ("/generate", {"text": "hi", "session_params": {"id": "never-opened"}}, "session_params.id"),
+    ],
+)
+async def test_a_bad_session_request_is_a_400_naming_the_field(
+    http: aiohttp.ClientSession, path: str, body: Any, field: str
+) -> None:
+    async with mock_fleet(1) as (front, mocks, _):
+        status, error, _ = await call(http, front.url, path, body)
+        assert (status, error["error"]["param"]) == (400, field), error
+        assert not mocks[0].engine.retention.sessions
+
+
+async def test_kvmeshs_own_session_control_is_refused_on_an_sglang_sessions_request(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with mock_fleet(1) as (front, _, _):
+        _, session, _ = await call(http, front.url, "/open_session", {"capacity_of_str_len": 8})
+        body = {
+            "text": "hi",
+            "session_params": {"id": session},
+            "nvext": {"session_control": {"session_id": "other", "action": "open"}},
+        }
+        status, error, _ = await call(http, front.url, "/generate", body)
+        assert (status, error["error"]["param"]) == (400, "nvext.session_control"), error

@@ -39,7 +39,15 @@ from typing import Any
 
 from kvmesh._http import replay_body, route_path
 from kvmesh.errors import RequestError
-from kvmesh.router.asgi import aborts, admin, invocations, peer_auth, scrape, stored_responses
+from kvmesh.router.asgi import (
+    aborts,
+    admin,
+    invocations,
+    peer_auth,
+    scrape,
+    sglang_sessions,
+    stored_responses,
+)
 from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.asgi.routed import RoutedRequest
@@ -105,6 +113,8 @@ class KvMeshMiddleware:
         self.settings = settings if settings is not None else MeshSettings.load()
         self.mesh = Mesh(self.settings, local_app=app, tokenizer=tokenizer)
         self.admin = admin.build_admin_app(self.mesh)
+        self.sessions = GENERATE_PATH in generation_paths and self.mesh.local_app is not None
+        """Inside an SGLang engine: its sessions' paths are this router's too (:mod:`.sglang_sessions`)."""
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if self.mesh.rpc.framework is None and "app" in scope:
@@ -126,6 +136,9 @@ class KvMeshMiddleware:
             await self._generation(scope, receive, send, self.endpoints.get(path, path))
         elif (api := aborts.abort_api(path, scope["method"], self.generation_paths)) is not None:
             await aborts.serve(self.mesh, api, self.app, scope, receive, send)
+        elif self.sessions and sglang_sessions.handles_embedded(path):
+            await self.mesh.ensure_started()
+            await sglang_sessions.serve_embedded(self.mesh, self.app, scope, receive, send)
         elif stored_responses.handles(path):
             await stored_responses.serve(self.mesh, self.app, scope, receive, send)
         elif admin.handles(path):

@@ -27,6 +27,7 @@ from kvmesh.router.asgi.forwarding import Dispatch, replace_body, session_header
 from kvmesh.router.asgi.invocations import lora_reading
 from kvmesh.router.asgi.json_io import read_body, send_error, send_json
 from kvmesh.router.asgi.prefix_copy import start_prefix_copy
+from kvmesh.router.asgi.sglang_sessions import find_home as find_session_home
 from kvmesh.router.asgi.stored_responses import find_home
 from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequest, RouteResult
 from kvmesh.router.mesh.runtime import Mesh
@@ -112,9 +113,10 @@ class RoutedRequest:
             if (
                 is_generate(self.endpoint)
                 and (bound := bound_to_engine(parsed.body)) is not None
-                and not (bound == "session_params" and mesh.local_app is None)
+                # (a session's request goes to the engine that opened it, _home, where that is
+                # known and not this one)
+                and (bound != "session_params" or not await self._session_elsewhere(parsed))
             ):
-                # (standalone, a session's request goes to the engine that opened it: _home)
                 await self._serve_bound(parsed, bound)
                 return
             if mesh.local_app is not None and not mesh.registry.routable:
@@ -606,6 +608,19 @@ class RoutedRequest:
             return
         stream = batch.items[0].get("stream") is True
         await BatchAnswer(run_one, self.scope, self.receive, self.send, batch, self.endpoint, stream).run()
+
+    async def _session_elsewhere(self, parsed: ParsedRequest) -> bool:
+        """Whether an SGLang session's request is routed to its home (:meth:`_home`): always from
+        the standalone router; inside an engine, when a peer opened the session (asked of the
+        peers when this router does not know it: ``sglang_sessions.find_home``)."""
+        mesh = self.mesh
+        if mesh.local_app is None:
+            return True
+        session = session_named(parsed.body)
+        if session is None:
+            return False
+        home = await find_session_home(mesh, session)
+        return home is not None and home != mesh.settings.self_worker_id
 
     async def _serve_bound(self, parsed: ParsedRequest, field: str) -> None:
         """A /generate request that belongs to the engine it reached (``generate_api.bound_to_engine``):

@@ -21,8 +21,15 @@ naming a session, so a session could be used only by going to an engine directly
   worker, as SGLang's close of an id it does not hold does nothing.
 
 A body is checked as SGLang's request types read it (a 400 naming the field, not the engine's 422).
-Inside an engine, the middleware leaves these paths to the engine, and a request naming a session
-is served by the engine it reached.
+
+Inside the engines, each engine's router is the fleet's front, and a load balancer may send a
+session's requests to any of them. A session is opened by the engine that got ``/open_session``,
+whose router learns it from the answer (:func:`serve_embedded`). Another engine's router that gets
+a request naming a session it does not know asks its peers which opened it
+(:func:`find_home`: ``GET /kvmesh/sglang_session?id=...``, answered only to a peer's hop headers)
+and sends the request there, as it sends any request to a peer; a session no peer knows is left to
+the engine the request reached (opened there directly, or unknown: its engine's own answer). A
+close goes to the engine holding the session likewise.
 """
 
 from __future__ import annotations
@@ -30,14 +37,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs, quote
 
 import msgspec
 
-from kvmesh._http import route_path
+from kvmesh._http import replay_body, route_path
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
 from kvmesh.router.asgi.forwarding import WORKER_ID_HEADER
-from kvmesh.router.asgi.json_io import read_json_body, send_error, send_json
+from kvmesh.router.asgi.json_io import read_body, read_json_body, send_error, send_json
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.generate_api import SERVED_BY
 from kvmesh.router.request.parse import decode_body
@@ -46,7 +54,10 @@ from kvmesh.router.upstream.forwarder import UpstreamError, end_to_end_headers
 OPEN_PATH = "/open_session"
 CLOSE_PATH = "/close_session"
 PATHS = (OPEN_PATH, CLOSE_PATH)
+HOME_PATH = "/kvmesh/sglang_session"
+"""Inside the engines: a peer asks whether this engine opened a session (``?id=``)."""
 _TIMEOUT = 60.0
+_ASK_TIMEOUT = 2.0
 _ANSWER_LIMIT = 1 << 16
 
 
@@ -194,4 +205,133 @@ def _closed_id(body: dict[str, Any]) -> str:
     return session
 
 
-__all__ = ["CLOSE_PATH", "OPEN_PATH", "PATHS", "SglangSessions"]
+# ---------------------------------------------------------------------------- inside the engines
+def handles_embedded(path: str) -> bool:
+    return path in PATHS or path == HOME_PATH
+
+
+async def serve_embedded(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A session's own paths inside an engine (the module docstring): an open served by this
+    engine and learned; a close served where the session is; a peer's question answered."""
+    path = route_path(scope)
+    self_id = mesh.settings.self_worker_id
+    hop = peer_auth.read_hop(scope["headers"], mesh.settings.mesh_secret)
+    if path == HOME_PATH:
+        if hop is None or scope["method"] != "GET":
+            await app(scope, receive, send)  # (not a peer's: the engine's own 404)
+            return
+        session = _query_id(scope)
+        if session is not None and mesh.sglang_session_homes.home(session) == self_id:
+            await send_json(send, 200, msgspec.json.encode({"worker": self_id}))
+        else:
+            await send_error(send, 404, "no session of that id was opened here", "id")
+        return
+    scope = {**scope, "headers": peer_auth.strip_internal(scope["headers"])}
+    if path == OPEN_PATH:
+        await app(scope, receive, _learning(mesh, send))
+        return
+    settings = mesh.settings
+    try:
+        raw = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
+    except RequestError as e:
+        await send_error(send, e.status, str(e), e.field)
+        return
+    if raw is None:
+        return
+    doc = _decoded(raw)
+    named = doc.get("session_id") if isinstance(doc, dict) else None
+    session = named if isinstance(named, str) else None  # (else the engine's own answer)
+    home = await find_home(mesh, session) if session is not None and hop is None else None
+    if session is None or home is None or home == self_id:
+        await app(scope, replay_body(raw, receive), _forgetting(mesh, session, send))
+        return
+    if home not in mesh.registry.routable:
+        await send_error(send, 503, f"worker {home!r}, which holds session {session!r}, is down", None)
+        return
+    headers = [
+        *scope["headers"],
+        *peer_auth.hop_headers(settings.mesh_secret, mesh.replica, mesh.next_request_id()),
+    ]
+    answer = await _ask(mesh, home, {**scope, "headers": headers}, raw)
+    if answer is None:
+        await send_error(send, 502, f"worker {home!r}, which holds session {session!r}, did not answer", None)
+        return
+    status, data = answer
+    if status == 200:
+        mesh.sglang_session_homes.forget(session)
+    await send({"type": "http.response.start", "status": status, "headers": _headers(data)})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+async def find_home(mesh: Mesh, session: str) -> str | None:
+    """The worker that opened ``session``: known, or found by asking every other routable worker's
+    router at once; None when none says so."""
+    home = mesh.sglang_session_homes.home(session)
+    if home is not None or mesh.local_app is None:
+        return home
+    registry = mesh.registry
+    peers = [w for w in (registry.get(i) for i in sorted(registry.routable)) if w is not None]
+    peers = [w for w in peers if w.worker_id != mesh.settings.self_worker_id]
+    if not peers:
+        return None
+    asks = peer_auth.hop_header_map(mesh.settings.mesh_secret, mesh.replica, mesh.next_request_id())
+    target = f"{HOME_PATH}?id={quote(session, safe='')}"
+
+    async def opened(worker: Any) -> bool:
+        status, _ = await mesh.forwarder.get(worker.url + target, timeout=_ASK_TIMEOUT, headers=asks)
+        return status == 200
+
+    answers = await asyncio.gather(*(opened(w) for w in peers), return_exceptions=True)
+    for worker, said in zip(peers, answers, strict=True):
+        if said is True:
+            mesh.sglang_session_homes.remember(session, worker.worker_id)
+            return str(worker.worker_id)
+    return None
+
+
+def _learning(mesh: Mesh, send: Any) -> Any:
+    """``send``, remembering this engine as the home of the session its answer opens."""
+    status = 0
+    body: list[bytes] = []
+
+    async def watching(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body" and status == 200:
+            body.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                opened = _decoded(b"".join(body))
+                if isinstance(opened, str) and opened and mesh.settings.self_worker_id is not None:
+                    mesh.sglang_session_homes.remember(opened, mesh.settings.self_worker_id)
+        await send(message)
+
+    return watching
+
+
+def _forgetting(mesh: Mesh, session: str | None, send: Any) -> Any:
+    """``send``, forgetting ``session`` once the engine has closed it."""
+
+    async def watching(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start" and message["status"] == 200 and session is not None:
+            mesh.sglang_session_homes.forget(session)
+        await send(message)
+
+    return watching
+
+
+def _query_id(scope: dict[str, Any]) -> str | None:
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("id")
+    return values[0] if values else None
+
+
+__all__ = [
+    "CLOSE_PATH",
+    "HOME_PATH",
+    "OPEN_PATH",
+    "PATHS",
+    "SglangSessions",
+    "find_home",
+    "handles_embedded",
+    "serve_embedded",
+]

@@ -12,7 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvmesh.commands.demo import start_mesh
+from kvmesh.mock.config import MockConfig
 from kvmesh.mock.testing import run_mock
+from kvmesh.router.core.config import RouterConfig
 from tests.router.asgi.test_agent_features import BS, mock_fleet, until
 from tests.router.asgi.test_responses_api import WORKER
 from tests.router.asgi.test_tokens_api import nothing_runs
@@ -140,3 +143,29 @@ async def test_kvmeshs_own_session_control_is_refused_on_an_sglang_sessions_requ
         }
         status, error, _ = await call(http, front.url, "/generate", body)
         assert (status, error["error"]["param"]) == (400, "nvext.session_control"), error
+
+
+async def test_inside_the_engines_a_session_is_followed_to_the_engine_that_opened_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Each engine's router is the fleet's front, and a load balancer sends a session's requests
+    to any engine. One opened at the first engine is served there when its requests reach the
+    second (whose engine would refuse them), and closed there when its close reaches the third."""
+    async with start_mesh(3, RouterConfig(), MockConfig(block_size=BS, speedup=50.0)) as nodes:
+        opener, other, third = nodes
+        status, session, _ = await call(http, opener.url, "/open_session", {"capacity_of_str_len": 64})
+        assert status == 200 and session in opener.engine.retention.sessions
+        for entry in (other, opener, third, other):
+            status, answer, worker = await turn(http, entry.url, session, "A turn of the episode.")
+            assert status == 200, answer
+            # (forwarded to the opener; at the opener itself, served by its engine untouched)
+            assert worker == (opener.url if entry is not opener else None)
+        status, _, _ = await call(http, third.url, "/close_session", {"session_id": session})
+        assert status == 200
+        assert session not in opener.engine.retention.sessions
+        # Closed everywhere: a request naming it is the engine's own refusal where it arrives.
+        status, error, _ = await turn(http, other.url, session, "One more.")
+        assert (status, error["error"]["param"]) == (400, "session_params.id"), error
+        # A peer's question is answered to a peer alone: a client gets the engine's 404.
+        async with http.get(opener.url + "/kvmesh/sglang_session", params={"id": session}) as r:
+            assert r.status == 404

@@ -100,7 +100,13 @@ from kvmesh.router.request.batches import CHAT_BATCH_PATH, COMPLETIONS_PATH
 from kvmesh.router.request.generate_api import ABORT_PATH as SGLANG_ABORT_PATH
 from kvmesh.router.request.generate_api import GENERATE_PATH
 from kvmesh.router.request.invocations import INVOCATIONS_PATH
-from kvmesh.router.request.ollama_api import OLLAMA_PATHS, moved_routes, ollama_route
+from kvmesh.router.request.ollama_api import (
+    OLLAMA_PATHS,
+    OLLAMA_SHOW_PATH,
+    OLLAMA_TAGS_PATH,
+    moved_routes,
+    ollama_route,
+)
 from kvmesh.router.request.tokenizer import EOS, BuiltinTokenizer
 from kvmesh.router.request.tokens_api import ABORT_PATHS, TOKENS_PATH, abort_ids
 from kvmesh.router.request.vertex_api import vertex_route
@@ -499,8 +505,12 @@ def build_app(
         Route("/generate", native_generate, methods=["POST", "PUT"]),
         Route(vertex_route(os.environ), vertex_generate, methods=["POST"]),
         *(Route(ollama_route(path, os.environ), ollama, methods=["POST"]) for path in sorted(OLLAMA_PATHS)),
-        Route("/api/tags", lambda _: JSONResponse(ollama_tags(model)), methods=["GET"]),
-        Route("/api/show", ollama_show, methods=["POST"]),
+        Route(
+            ollama_route(OLLAMA_TAGS_PATH, os.environ),
+            lambda _: JSONResponse(ollama_tags(model)),
+            methods=["GET"],
+        ),
+        Route(ollama_route(OLLAMA_SHOW_PATH, os.environ), ollama_show, methods=["POST"]),
         Route(TOKENS_PATH, tokens, methods=["POST"]),
         *(Route(path, abort_requests, methods=["POST"]) for path in sorted(ABORT_PATHS)),
         Route(SGLANG_ABORT_PATH, sglang_abort, methods=["POST"]),

@@ -103,7 +103,8 @@ class KvMeshMiddleware:
         """The paths SGLang serves an endpoint on by its variables, and that endpoint: Vertex AI's
         (``AIP_PREDICT_ROUTE``) and Ollama's moved ones, routed where ``/generate`` is."""
         if GENERATE_PATH in generation_paths:
-            moved = {vertex_route(os.environ): VERTEX_PATH, **moved_routes(os.environ)}
+            moved = {vertex_route(os.environ): VERTEX_PATH}
+            moved.update((p, e) for p, e in moved_routes(os.environ).items() if e in OLLAMA_PATHS)
             for path, endpoint in moved.items():
                 if path not in generation_paths:  # (SGLang's own route there comes first)
                     self.endpoints[path] = endpoint

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -53,6 +54,7 @@ from kvmesh.router.mesh.metrics import CONTENT_TYPE, render
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
 from kvmesh.router.request.invocations import INVOCATIONS_PATH
+from kvmesh.router.request.ollama_api import ollama_route
 from kvmesh.router.request.tokenizer import Tokenizer
 
 
@@ -145,8 +147,15 @@ def build_router_app(
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
-            *(Route(path, any_worker, methods=["POST"]) for path in ANY_WORKER_PATHS),
-            *(Route(path, any_worker, methods=["GET"]) for path in ANY_WORKER_READS),
+            # (Ollama's model list and description where SGLang's variables move them)
+            *(
+                Route(ollama_route(path, os.environ), any_worker, methods=["POST"])
+                for path in ANY_WORKER_PATHS
+            ),
+            *(
+                Route(ollama_route(path, os.environ), any_worker, methods=["GET"])
+                for path in ANY_WORKER_READS
+            ),
             *(
                 Route(path, pooling, methods=["POST", "PUT"] if path in POOLING_PUTS else ["POST"])
                 for path in POOLING_PATHS

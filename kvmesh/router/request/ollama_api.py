@@ -19,8 +19,9 @@ true``; :func:`answer_usage` reads an answer's counts in chat's names, where it 
 whole answers do, its streams do not). The engine gets the client's body unchanged.
 
 SGLang serves the two on other paths when ``SGLANG_OLLAMA_CHAT_ROUTE`` or
-``SGLANG_OLLAMA_GENERATE_ROUTE`` names one, read when its server starts: :func:`moved_routes` reads
-them so too, and a request on such a path is served as the endpoint it moved.
+``SGLANG_OLLAMA_GENERATE_ROUTE`` names one, read when its server starts (and its model list and
+description when ``SGLANG_OLLAMA_TAGS_ROUTE``, ``SGLANG_OLLAMA_SHOW_ROUTE`` do): :func:`moved_routes`
+reads them so too, and a request on such a path is served as the endpoint it moved.
 """
 
 from __future__ import annotations
@@ -33,10 +34,15 @@ from kvmesh.errors import RequestError
 OLLAMA_CHAT_PATH = "/api/chat"
 OLLAMA_GENERATE_PATH = "/api/generate"
 OLLAMA_PATHS = frozenset((OLLAMA_CHAT_PATH, OLLAMA_GENERATE_PATH))
+OLLAMA_TAGS_PATH = "/api/tags"
+OLLAMA_SHOW_PATH = "/api/show"
 ROUTE_VARIABLES = (
     ("SGLANG_OLLAMA_CHAT_ROUTE", OLLAMA_CHAT_PATH),
     ("SGLANG_OLLAMA_GENERATE_ROUTE", OLLAMA_GENERATE_PATH),
+    ("SGLANG_OLLAMA_TAGS_ROUTE", OLLAMA_TAGS_PATH),
+    ("SGLANG_OLLAMA_SHOW_ROUTE", OLLAMA_SHOW_PATH),
 )
+"""Where SGLang moves each of Ollama's paths it serves: the variable, the path by default."""
 
 
 def moved_routes(environ: Mapping[str, str]) -> dict[str, str]:
@@ -138,6 +144,8 @@ __all__ = [
     "OLLAMA_CHAT_PATH",
     "OLLAMA_GENERATE_PATH",
     "OLLAMA_PATHS",
+    "OLLAMA_SHOW_PATH",
+    "OLLAMA_TAGS_PATH",
     "ROUTE_VARIABLES",
     "answer_text",
     "answer_usage",

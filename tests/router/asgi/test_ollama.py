@@ -171,8 +171,10 @@ async def test_a_route_moved_by_sglangs_variable_is_routed_there(
     http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SGLang serves Ollama's chat on the path ``SGLANG_OLLAMA_CHAT_ROUTE`` names: the router
-    routes it there, as a chat, and no longer takes ``/api/chat`` for one (the engine's 404)."""
+    routes it there, as a chat, and no longer takes ``/api/chat`` for one (the engine's 404). The
+    model list moved likewise is relayed where it moved."""
     monkeypatch.setenv("SGLANG_OLLAMA_CHAT_ROUTE", "/ollama/api/chat")
+    monkeypatch.setenv("SGLANG_OLLAMA_TAGS_ROUTE", "/ollama/api/tags")
     async with mock_fleet(2) as (front, mocks, _):
         model = mocks[0].config.model
         home = mocks[1].base_url
@@ -186,3 +188,6 @@ async def test_a_route_moved_by_sglangs_variable_is_routed_there(
             assert r.status == 404
         status, doc, _ = await ask(http, front.url, ollama_generate(MANUAL, stream=False))  # (not moved)
         assert status == 200, doc
+        async with http.get(front.url + "/ollama/api/tags") as r:  # (relayed where it moved)
+            assert r.status == 200
+            assert [m["name"] for m in (await r.json())["models"]] == [model]

@@ -29,7 +29,8 @@ a request naming a session it does not know asks its peers which opened it
 (:func:`find_home`: ``GET /kvmesh/sglang_session?id=...``, answered only to a peer's hop headers)
 and sends the request there, as it sends any request to a peer; a session no peer knows is left to
 the engine the request reached (opened there directly, or unknown: its engine's own answer). A
-close goes to the engine holding the session likewise.
+close goes to the engine holding the session likewise, and so does an open asking for an id a peer
+holds (which that engine refuses as taken): an id stays one engine's.
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ class SglangSessions:
             self._turn += 1
             start = self._turn % len(workers) if workers else 0
             order = workers[start:] + workers[:start]
+        if home is not None and not order:
+            raise RequestError(
+                f"worker {home!r}, which holds session {session!r}, is down", field="session_id", status=503
+            )
         if not order:
             raise RequestError("no worker serves SGLang's sessions (/open_session)", field="path", status=503)
         for worker_id in order:  # (the next one when a worker cannot be reached)
@@ -127,7 +132,9 @@ class SglangSessions:
     ) -> None:
         home = mesh.sglang_session_homes.home(session)
         if home is not None and home not in mesh.registry.routable:
-            raise RequestError(f"worker {home!r}, which holds session {session!r}, is down", status=503)
+            raise RequestError(
+                f"worker {home!r}, which holds session {session!r}, is down", field="session_id", status=503
+            )
         asked = [home] if home is not None else workers
         if not asked:
             raise RequestError(
@@ -227,9 +234,6 @@ async def serve_embedded(mesh: Mesh, app: Any, scope: dict[str, Any], receive: A
             await send_error(send, 404, "no session of that id was opened here", "id")
         return
     scope = {**scope, "headers": peer_auth.strip_internal(scope["headers"])}
-    if path == OPEN_PATH:
-        await app(scope, receive, _learning(mesh, send))
-        return
     settings = mesh.settings
     try:
         raw = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
@@ -241,12 +245,17 @@ async def serve_embedded(mesh: Mesh, app: Any, scope: dict[str, Any], receive: A
     doc = _decoded(raw)
     named = doc.get("session_id") if isinstance(doc, dict) else None
     session = named if isinstance(named, str) else None  # (else the engine's own answer)
+    # (an id asked for that a peer holds goes there, which refuses it as taken: an id stays one
+    # engine's; a close goes where the session is)
     home = await find_home(mesh, session) if session is not None and hop is None else None
-    if session is None or home is None or home == self_id:
-        await app(scope, replay_body(raw, receive), _forgetting(mesh, session, send))
+    if home is None or home == self_id:
+        watch = _learning(mesh, send) if path == OPEN_PATH else _forgetting(mesh, session, send)
+        await app(scope, replay_body(raw, receive), watch)
         return
     if home not in mesh.registry.routable:
-        await send_error(send, 503, f"worker {home!r}, which holds session {session!r}, is down", None)
+        await send_error(
+            send, 503, f"worker {home!r}, which holds session {session!r}, is down", "session_id"
+        )
         return
     headers = [
         *scope["headers"],
@@ -257,7 +266,7 @@ async def serve_embedded(mesh: Mesh, app: Any, scope: dict[str, Any], receive: A
         await send_error(send, 502, f"worker {home!r}, which holds session {session!r}, did not answer", None)
         return
     status, data = answer
-    if status == 200:
+    if status == 200 and path == CLOSE_PATH and session is not None:
         mesh.sglang_session_homes.forget(session)
     await send({"type": "http.response.start", "status": status, "headers": _headers(data)})
     await send({"type": "http.response.body", "body": data, "more_body": False})

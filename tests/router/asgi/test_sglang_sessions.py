@@ -160,6 +160,11 @@ async def test_inside_the_engines_a_session_is_followed_to_the_engine_that_opene
             assert status == 200, answer
             # (forwarded to the opener; at the opener itself, served by its engine untouched)
             assert worker == (opener.url if entry is not opener else None)
+        # Its id asked for again at another engine: the opener, which holds it, refuses it.
+        taken = {"capacity_of_str_len": 64, "session_id": session}
+        status, error, _ = await call(http, other.url, "/open_session", taken)
+        assert (status, error["error"]["param"]) == (400, "session_id"), error
+        assert session not in other.engine.retention.sessions
         status, _, _ = await call(http, third.url, "/close_session", {"session_id": session})
         assert status == 200
         assert session not in opener.engine.retention.sessions

@@ -26,10 +26,11 @@ Inside an engine, the middleware leaves these paths to the engine's own server, 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvmesh._http import route_path
@@ -38,6 +39,7 @@ from kvmesh.router.asgi import peer_auth
 from kvmesh.router.asgi.forwarding import open_while_client_waits, relay_unchanged
 from kvmesh.router.asgi.json_io import read_json_body, send_error
 from kvmesh.router.mesh.runtime import Mesh
+from kvmesh.router.request.responses_api import ResponseHomes
 from kvmesh.router.upstream.forwarder import UpstreamError, UpstreamResponse, end_to_end_headers
 
 PATHS = (
@@ -158,6 +160,19 @@ async def first_answer(
         if upstream.status != 404:
             break
     return answer
+
+
+async def first_holder(
+    workers: list[Any], holds: Callable[[Any], Awaitable[bool]], homes: ResponseHomes, key: str
+) -> str | None:
+    """The id of the first of ``workers`` (in order) for which ``holds`` says yes, asked of all at
+    once, remembered in ``homes`` as ``key``'s; None when none does (an ask that fails is a no)."""
+    answers = await asyncio.gather(*(holds(w) for w in workers), return_exceptions=True)
+    holder = next((w for w, said in zip(workers, answers, strict=True) if said is True), None)
+    if holder is None:
+        return None
+    homes.remember(key, holder.worker_id)
+    return str(holder.worker_id)
 
 
 def _close(upstream: UpstreamResponse) -> None:

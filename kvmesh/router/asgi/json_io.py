@@ -12,7 +12,7 @@ from kvmesh._http import error_body
 from kvmesh.errors import RequestError
 from kvmesh.router.request.parse import decode_body
 
-__all__ = ["read_body", "read_json_body", "send_error", "send_json"]
+__all__ = ["read_body", "read_body_or_refuse", "read_json_body", "send_error", "send_json"]
 
 _encode = msgspec.json.encode
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
@@ -51,6 +51,18 @@ async def read_body(
         raise RequestError(
             f"request body not received within {timeout:g}s", field="body", status=408
         ) from None
+
+
+async def read_body_or_refuse(
+    scope: dict[str, Any], receive: Any, send: Any, limit: int, timeout: float | None
+) -> bytes | None:
+    """:func:`read_body`, its refusal sent as the answer: None when there is nothing more to do
+    (the body was refused, or the client left)."""
+    try:
+        return await read_body(scope, receive, limit, timeout)
+    except RequestError as e:
+        await send_error(send, e.status, str(e), e.field)
+        return None
 
 
 async def _read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes | None:

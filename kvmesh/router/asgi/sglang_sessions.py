@@ -45,8 +45,9 @@ import msgspec
 from kvmesh._http import replay_body, route_path
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
+from kvmesh.router.asgi.any_worker import first_holder
 from kvmesh.router.asgi.forwarding import WORKER_ID_HEADER
-from kvmesh.router.asgi.json_io import read_body, read_json_body, send_error, send_json
+from kvmesh.router.asgi.json_io import read_body_or_refuse, read_json_body, send_error, send_json
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.generate_api import SERVED_BY
 from kvmesh.router.request.parse import decode_body
@@ -235,11 +236,7 @@ async def serve_embedded(mesh: Mesh, app: Any, scope: dict[str, Any], receive: A
         return
     scope = {**scope, "headers": peer_auth.strip_internal(scope["headers"])}
     settings = mesh.settings
-    try:
-        raw = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
-    except RequestError as e:
-        await send_error(send, e.status, str(e), e.field)
-        return
+    raw = await read_body_or_refuse(scope, receive, send, settings.max_body_bytes, settings.body_read_timeout)
     if raw is None:
         return
     doc = _decoded(raw)
@@ -290,12 +287,7 @@ async def find_home(mesh: Mesh, session: str) -> str | None:
         status, _ = await mesh.forwarder.get(worker.url + target, timeout=_ASK_TIMEOUT, headers=asks)
         return status == 200
 
-    answers = await asyncio.gather(*(opened(w) for w in peers), return_exceptions=True)
-    for worker, said in zip(peers, answers, strict=True):
-        if said is True:
-            mesh.sglang_session_homes.remember(session, worker.worker_id)
-            return str(worker.worker_id)
-    return None
+    return await first_holder(peers, opened, mesh.sglang_session_homes, session)
 
 
 def _learning(mesh: Mesh, send: Any) -> Any:

@@ -24,10 +24,10 @@ from typing import Any
 from urllib.parse import quote
 
 from kvmesh._http import route_path
-from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
+from kvmesh.router.asgi.any_worker import first_holder
 from kvmesh.router.asgi.forwarding import relay_unchanged
-from kvmesh.router.asgi.json_io import read_body, send_error
+from kvmesh.router.asgi.json_io import read_body_or_refuse, send_error
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.worker_rpc import call_app
 from kvmesh.router.request.responses_api import RESPONSES_PATH
@@ -69,13 +69,11 @@ async def serve(mesh: Mesh, app: Any, scope: dict[str, Any], receive: Any, send:
         )
         return
     settings = mesh.settings
-    try:
-        body = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
-    except RequestError as e:
-        await send_error(send, e.status, str(e), e.field)
-        return
+    body = await read_body_or_refuse(
+        scope, receive, send, settings.max_body_bytes, settings.body_read_timeout
+    )
     if body is None:
-        return  # the client left
+        return  # (refused, or the client left)
     headers = peer_auth.strip_internal(end_to_end_headers(scope["headers"]))
     headers += peer_auth.hop_headers(mesh.settings.mesh_secret, mesh.replica, mesh.next_request_id())
     path = quote(path)  # (route_path is decoded: what follows the id is the client's, spaces and all)
@@ -114,9 +112,4 @@ async def find_home(mesh: Mesh, response_id: str, scope: dict[str, Any]) -> str 
             status, _ = await mesh.forwarder.get(worker.url + path, timeout=_ASK_TIMEOUT, headers=asks)
         return status == 200
 
-    answers = await asyncio.gather(*(holds(w) for w in workers), return_exceptions=True)
-    for worker, held in zip(workers, answers, strict=True):
-        if held is True:
-            mesh.response_homes.remember(response_id, worker.worker_id)
-            return str(worker.worker_id)
-    return None
+    return await first_holder(workers, holds, mesh.response_homes, response_id)

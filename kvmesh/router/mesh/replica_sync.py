@@ -13,6 +13,9 @@ single-frame msgpack :class:`Envelope` per step:
 * :class:`Session`     a session bound, used (its expiry slides) or closed, so a ``bind`` made
   through one replica is honoured by every other, and no replica's copy expires (closing the
   engine session) while the conversation goes on through another.
+* :class:`Home`        where a thing only one engine has lives, learned or forgotten (a stored
+  response, a SageMaker or SGLang session opened through this replica), so a request naming it
+  through another replica goes there too (:attr:`ReplicaSync.homes`).
 
 It follows every peer's socket with one SUB socket (connected to many endpoints) and feeds their
 messages into its own KvRouter under the origin's request ids, which are unique per replica and
@@ -55,6 +58,7 @@ from kvmesh.events.endpoint import needs_ipv6
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.events.readiness import SocketWatch, drain
 from kvmesh.router.core.kv_router import KvRouter
+from kvmesh.router.request.responses_api import ResponseHomes
 
 logger = logging.getLogger("kvmesh.router")
 
@@ -106,7 +110,15 @@ class Session(msgspec.Struct, tag="session", array_like=True):
     timeout: Seconds
 
 
-SyncMessage = Routed | PrefillDone | Freed | Heartbeat | Session
+class Home(msgspec.Struct, tag="home", array_like=True):
+    kind: str
+    """What is held: ``response`` (a stored response), ``sagemaker_session``, ``sglang_session``."""
+    key: str
+    worker_id: str | None
+    """None: forgotten (the session closed)."""
+
+
+SyncMessage = Routed | PrefillDone | Freed | Heartbeat | Session | Home
 
 
 class Envelope(msgspec.Struct, array_like=True):
@@ -176,6 +188,8 @@ class ReplicaSync:
         self.replica = replica
         self.epoch = epoch
         self.stats = SyncStats()
+        self.homes: dict[str, ResponseHomes] = {}
+        """The homes peers tell this replica of, by kind (the Mesh's)."""
         head, _, port = endpoint.rpartition(":")
         self._bind_to = f"{head}:*" if port == "0" else endpoint  # ZMQ's spelling of "any port"
         self._advertise_host = advertise_host
@@ -360,6 +374,9 @@ class ReplicaSync:
         else:
             self._send(Session(session_id, worker[0], worker[1], timeout))
 
+    def home(self, kind: str, key: str, worker_id: str | None) -> None:
+        self._send(Home(kind, key, worker_id))
+
     # ---------------------------------------------------------------- publishing
     def _send(self, message: SyncMessage) -> None:
         if self.nats is not None:
@@ -476,6 +493,14 @@ class ReplicaSync:
         elif isinstance(message, Session):
             worker = None if message.worker_id is None else (message.worker_id, message.dp_rank)
             router.apply_session(message.session_id, worker, message.timeout, now)
+        elif isinstance(message, Home):
+            homes = self.homes.get(message.kind)
+            if homes is None:
+                return  # (a kind this replica keeps no homes of)
+            if message.worker_id is None:
+                homes.unlearn(message.key)
+            else:
+                homes.learn(message.key, message.worker_id)
         elif isinstance(message, Freed):
             if message.request_id in peer.requests:
                 peer.requests.discard(message.request_id)

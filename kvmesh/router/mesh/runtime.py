@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -183,6 +184,13 @@ class Mesh:
                 interval=min(settings.health_interval, 1.0),
                 nats=self.nats,
             )
+            for kind, homes in (
+                ("response", self.response_homes),
+                ("sagemaker_session", self.session_homes),
+                ("sglang_session", self.sglang_session_homes),
+            ):  # (what one replica learns of them, every replica knows)
+                homes.on_change = functools.partial(self.sync.home, kind)
+                self.sync.homes[kind] = homes
             if not settings.mesh_secret and settings.self_worker_id is not None:
                 logger.warning(
                     "kvmesh: replica sync without a mesh secret (KVMESH_MESH_SECRET): requests forwarded "

@@ -21,6 +21,7 @@ has it, so such a request goes there (:class:`ResponseHomes`, kept by the mesh; 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from kvmesh.errors import ConfigError, RequestError
@@ -306,17 +307,26 @@ def _reasoning_effort(reasoning: Any) -> str | None:
 
 
 class ResponseHomes:
-    """Which worker served each stored response this router relayed, newest ``capacity`` kept: a
-    request naming one as ``previous_response_id`` can only be served there (the engine keeps the
-    response, and its history, in its own memory)."""
+    """Which worker holds each thing only one engine has, newest ``capacity`` kept: a stored
+    response this router relayed (a request naming it as ``previous_response_id`` can only be
+    served there: the engine keeps the response, and its history, in its own memory), or a
+    session opened through it. ``on_change(key, worker or None)`` hears what this router learns
+    and forgets itself (replica sync tells the other replicas); what a peer said is taken with
+    :meth:`learn` and :meth:`unlearn`, which tell no one."""
 
-    __slots__ = ("_capacity", "_homes")
+    __slots__ = ("_capacity", "_homes", "on_change")
 
     def __init__(self, capacity: int = 100_000) -> None:
         self._capacity = capacity
         self._homes: dict[str, str] = {}
+        self.on_change: Callable[[str, str | None], None] | None = None
 
     def remember(self, response_id: str, worker_id: str) -> None:
+        self.learn(response_id, worker_id)
+        if self.on_change is not None:
+            self.on_change(response_id, worker_id)
+
+    def learn(self, response_id: str, worker_id: str) -> None:
         homes = self._homes
         homes.pop(response_id, None)  # (a re-insert makes it the newest)
         homes[response_id] = worker_id
@@ -327,6 +337,10 @@ class ResponseHomes:
         return self._homes.get(response_id)
 
     def forget(self, response_id: str) -> None:
+        if self._homes.pop(response_id, None) is not None and self.on_change is not None:
+            self.on_change(response_id, None)
+
+    def unlearn(self, response_id: str) -> None:
         self._homes.pop(response_id, None)
 
     def __len__(self) -> int:

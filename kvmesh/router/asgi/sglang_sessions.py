@@ -47,7 +47,7 @@ from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
 from kvmesh.router.asgi.any_worker import first_holder
 from kvmesh.router.asgi.forwarding import WORKER_ID_HEADER
-from kvmesh.router.asgi.json_io import read_body_or_refuse, read_json_body, send_error, send_json
+from kvmesh.router.asgi.json_io import read_body, read_body_or_refuse, send_error, send_json
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.generate_api import SERVED_BY
 from kvmesh.router.request.parse import decode_body
@@ -76,10 +76,10 @@ class SglangSessions:
         path = route_path(scope)
         settings = mesh.settings
         try:
-            raw = await read_json_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
+            raw = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
             if raw is None:
                 return  # the client left
-            body = decode_body(raw)
+            body = decode_body(raw)  # (a 400 naming ``body`` for what is no JSON object)
             if not mesh.registry.ready.is_set():
                 await mesh.wait_ready()
             workers = sorted(

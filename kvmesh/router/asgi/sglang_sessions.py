@@ -183,9 +183,10 @@ def _headers(data: bytes) -> list[tuple[bytes, bytes]]:
 
 
 def _decoded(data: bytes) -> Any:
+    """An engine's answer decoded; None for what is no JSON."""
     try:
         return msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 
@@ -239,8 +240,12 @@ async def serve_embedded(mesh: Mesh, app: Any, scope: dict[str, Any], receive: A
     raw = await read_body_or_refuse(scope, receive, send, settings.max_body_bytes, settings.body_read_timeout)
     if raw is None:
         return
-    doc = _decoded(raw)
-    named = doc.get("session_id") if isinstance(doc, dict) else None
+    try:
+        doc = decode_body(raw)  # (what no engine should parse: not JSON, nested past a request's depth)
+    except RequestError as e:
+        await send_error(send, e.status, str(e), e.field)
+        return
+    named = doc.get("session_id")
     session = named if isinstance(named, str) else None  # (else the engine's own answer)
     # (an id asked for that a peer holds goes there, which refuses it as taken: an id stays one
     # engine's; a close goes where the session is)

@@ -214,10 +214,16 @@ async def test_an_idle_session_closes_the_engine_session(http: aiohttp.ClientSes
         await until(lambda: "brief" not in retention.sessions)
 
 
-async def test_a_bind_made_through_one_replica_is_honoured_by_another(http: aiohttp.ClientSession) -> None:
-    config = RouterConfig(router_replica_sync=True, router_temperature=0.0)
+@contextlib.asynccontextmanager
+async def synced_replicas(
+    http: aiohttp.ClientSession, engines: int, config: RouterConfig
+) -> AsyncIterator[tuple[list[RunningMock], list[Server], tuple[Any, Any]]]:
+    """``engines`` mock engines behind two standalone routers (``config``, replica sync on) that
+    follow each other; yields (mocks, fronts, the two replicas' meshes)."""
     async with contextlib.AsyncExitStack() as stack:
-        mocks = [await stack.enter_async_context(run_mock(block_size=BS, speedup=50.0)) for _ in range(2)]
+        mocks = [
+            await stack.enter_async_context(run_mock(block_size=BS, speedup=50.0)) for _ in range(engines)
+        ]
         settings = MeshSettings(
             workers=tuple(WorkerSpec(m.base_url, m.base_url) for m in mocks),
             router=config,
@@ -232,7 +238,13 @@ async def test_a_bind_made_through_one_replica_is_honoured_by_another(http: aioh
         assert a.sync is not None and b.sync is not None
         a.sync.follow(b.sync.endpoint or "")
         b.sync.follow(a.sync.endpoint or "")
-        await asyncio.sleep(0.3)  # SUB sockets connect
+        await asyncio.sleep(0.3)  # (the SUB sockets connect)
+        yield mocks, fronts, (a, b)
+
+
+async def test_a_bind_made_through_one_replica_is_honoured_by_another(http: aiohttp.ClientSession) -> None:
+    config = RouterConfig(router_replica_sync=True, router_temperature=0.0)
+    async with synced_replicas(http, 2, config) as (mocks, fronts, (a, b)):
         control = {"session_id": "shared", "action": "bind"}
         body = turn(
             mocks[0], [{"role": "user", "content": "bound here " * 30}], nvext={"session_control": control}

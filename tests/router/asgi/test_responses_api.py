@@ -10,7 +10,9 @@ first token after the lifecycle events, its usage in the Responses API's names) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -19,7 +21,7 @@ import pytest
 from kvmesh.commands.demo import start_mesh
 from kvmesh.hashing import block_hashes
 from kvmesh.mock.config import MockConfig
-from kvmesh.mock.testing import run_mock
+from kvmesh.mock.testing import RunningMock, run_mock
 from kvmesh.router.core.config import RouterConfig
 from kvmesh.router.request.tokenizer import prompt_token_ids
 from tests.router.asgi.test_agent_features import BS, mock_fleet, until
@@ -243,15 +245,21 @@ async def test_a_stored_response_is_fetched_from_the_engine_that_stored_it(
             assert r.status == 404  # unknown to the router: this engine's own store answers
 
 
+@contextlib.asynccontextmanager
+async def engine_added(http: aiohttp.ClientSession, front: str, worker_id: str) -> AsyncIterator[RunningMock]:
+    """A mock engine added to the router at ``front`` as ``worker_id`` while inside (then stopped:
+    the worker goes down)."""
+    async with run_mock(block_size=BS, speedup=50.0, seed=1) as added:
+        async with http.post(front + "/kvmesh/workers", json={"url": added.base_url, "id": worker_id}) as r:
+            assert r.status == 201, await r.text()
+        yield added
+
+
 async def test_a_later_response_whose_engine_is_down_is_a_503_naming_the_field(
     http: aiohttp.ClientSession,
 ) -> None:
     async with mock_fleet(1) as (front, mocks, app):
-        async with run_mock(block_size=BS, speedup=50.0, seed=1) as gone:
-            async with http.post(
-                front.url + "/kvmesh/workers", json={"url": gone.base_url, "id": "gone"}
-            ) as r:
-                assert r.status == 201, await r.text()
+        async with engine_added(http, front.url, "gone") as gone:
             body = {"model": gone.config.model, "input": "Name a lake.", "max_output_tokens": 2}
             status, stored, worker = await respond(
                 http, front.url, {**body, "nvext": {"backend_instance_id": "gone"}}

@@ -7,8 +7,6 @@ its close reaches it (kvmesh.router.asgi.sglang_sessions)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from typing import Any
 
 import aiohttp
@@ -16,14 +14,10 @@ import pytest
 
 from kvmesh.commands.demo import start_mesh
 from kvmesh.mock.config import MockConfig
-from kvmesh.mock.testing import run_mock
-from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
-from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
-from tests.router.asgi.test_agent_features import BS, mock_fleet, until
-from tests.router.asgi.test_responses_api import WORKER
+from tests.router.asgi.test_agent_features import BS, mock_fleet, synced_replicas, until
+from tests.router.asgi.test_responses_api import WORKER, engine_added
 from tests.router.asgi.test_tokens_api import nothing_runs
-from tests.router.servers import serve
 
 TURN = {"sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
 
@@ -91,11 +85,7 @@ async def test_a_closed_session_is_forgotten_and_its_engine_lets_it_go(http: aio
 
 async def test_a_session_whose_engine_is_down_is_a_503_naming_it(http: aiohttp.ClientSession) -> None:
     async with mock_fleet(1) as (front, mocks, app):
-        async with run_mock(block_size=BS, speedup=50.0, seed=1) as gone:
-            async with http.post(
-                front.url + "/kvmesh/workers", json={"url": gone.base_url, "id": "gone"}
-            ) as r:
-                assert r.status == 201, await r.text()
+        async with engine_added(http, front.url, "gone"):
             await until(lambda: "gone" in app.mesh.registry.routable)
             opened = None
             while opened is None:  # (taken in turn: the next open lands on the new engine)
@@ -184,23 +174,7 @@ async def test_inside_the_engines_a_session_is_followed_to_the_engine_that_opene
 async def test_standalone_replicas_in_sync_follow_each_others_sessions(http: aiohttp.ClientSession) -> None:
     """Two standalone routers behind one address, in replica sync: a session opened through one is
     served through the other at the engine that opened it, and closed through the other too."""
-    async with contextlib.AsyncExitStack() as stack:
-        mocks = [await stack.enter_async_context(run_mock(block_size=BS, speedup=50.0)) for _ in range(3)]
-        settings = MeshSettings(
-            workers=tuple(WorkerSpec(m.base_url, m.base_url) for m in mocks),
-            router=RouterConfig(router_replica_sync=True),
-            health_interval=0.2,
-        )
-        apps = [build_router_app(settings) for _ in range(2)]
-        fronts = [await stack.enter_async_context(serve(app)) for app in apps]
-        for front in fronts:
-            async with http.get(front.url + "/health") as r:
-                assert r.status == 200
-        a, b = (app.mesh for app in apps)
-        assert a.sync is not None and b.sync is not None
-        a.sync.follow(b.sync.endpoint or "")
-        b.sync.follow(a.sync.endpoint or "")
-        await asyncio.sleep(0.3)  # (the SUB sockets connect)
+    async with synced_replicas(http, 3, RouterConfig(router_replica_sync=True)) as (mocks, fronts, (a, b)):
         status, session, home = await call(http, fronts[0].url, "/open_session", {"capacity_of_str_len": 64})
         assert status == 200
         await until(lambda: b.sglang_session_homes.home(session) == home)

@@ -11,7 +11,8 @@ naming a session, so a session could be used only by going to an engine directly
   SGLang's, taken in turn (a session holds its history on one engine for its whole life: spread
   evenly, not by the load of the moment). A session id already known goes to the worker holding
   it, which refuses it as taken. The engine's answer is the client's; when it is the session's id,
-  the router remembers that worker as the session's home (``Mesh.sglang_session_homes``).
+  the router remembers that worker as the session's home (``Mesh.sglang_session_homes``). A
+  session opened for a client that left meanwhile is closed at once: no one knows its id.
 * A ``/generate`` request naming a session the router knows goes to its home, counted there as
   any request is (:meth:`~.routed.RoutedRequest._home`); one naming an unknown session is the
   client's 400 naming ``session_params.id``, and one whose home is down a 503 (no other engine
@@ -42,7 +43,7 @@ from urllib.parse import parse_qs, quote
 
 import msgspec
 
-from kvmesh._http import replay_body, route_path
+from kvmesh._http import replay_body, route_path, wait_disconnect
 from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
 from kvmesh.router.asgi.any_worker import first_holder
@@ -86,7 +87,11 @@ class SglangSessions:
                 mesh.registry.described(mesh.registry.routable, lambda info: info.backend in SERVED_BY)
             )
             if path == OPEN_PATH:
-                await self._open(mesh, scope, send, raw, _opened_id(body), workers)
+                left = asyncio.ensure_future(wait_disconnect(receive))
+                try:
+                    await self._open(mesh, scope, send, raw, _opened_id(body), workers, left)
+                finally:
+                    left.cancel()
             else:
                 await self._close(mesh, scope, send, raw, _closed_id(body), workers)
         except RequestError as e:
@@ -101,7 +106,9 @@ class SglangSessions:
         raw: bytes,
         session: str | None,
         workers: list[str],
+        left: asyncio.Future[None],
     ) -> None:
+        """``left`` is done once the client has gone: a session opened for no one is closed."""
         home = mesh.sglang_session_homes.home(session) if session is not None else None
         if home is not None:
             order = [home] if home in workers else []
@@ -121,6 +128,17 @@ class SglangSessions:
                 continue
             status, data = answer
             opened = _decoded(data) if status == 200 else None
+            if left.done():  # (the client left while the engine opened it: no one will use it)
+                if isinstance(opened, str) and opened:
+                    close = {
+                        **scope,
+                        "method": "POST",
+                        "path": _beside(scope, CLOSE_PATH),
+                        "query_string": b"",
+                    }
+                    await _ask(mesh, worker_id, close, msgspec.json.encode({"session_id": opened}))
+                mesh.metrics.requests.labels(OPEN_PATH, "disconnected", "499").inc()
+                return
             if isinstance(opened, str) and opened:
                 mesh.sglang_session_homes.remember(opened, worker_id)
             mesh.metrics.requests.labels(OPEN_PATH, "session", str(status)).inc()
@@ -173,6 +191,12 @@ async def _ask(mesh: Mesh, worker_id: str, scope: dict[str, Any], raw: bytes) ->
         )
     except UpstreamError:
         return None
+
+
+def _beside(scope: dict[str, Any], path: str) -> str:
+    """``path`` under the root path the request's own path is under (what ``route_path`` reads)."""
+    own: str = scope["path"]
+    return own[: len(own) - len(route_path(scope))] + path
 
 
 def _headers(data: bytes) -> list[tuple[bytes, bytes]]:

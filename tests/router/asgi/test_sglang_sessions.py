@@ -7,17 +7,26 @@ its close reaches it (kvmesh.router.asgi.sglang_sessions)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from kvmesh.commands.demo import start_mesh
 from kvmesh.mock.config import MockConfig
+from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
+from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.router.asgi.test_agent_features import BS, mock_fleet, synced_replicas, until
 from tests.router.asgi.test_responses_api import WORKER, engine_added
 from tests.router.asgi.test_tokens_api import nothing_runs
+from tests.router.servers import serve
 
 TURN = {"sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
 
@@ -186,3 +195,47 @@ async def test_standalone_replicas_in_sync_follow_each_others_sessions(http: aio
         holder = next(m for m in mocks if m.base_url == home)
         assert session not in holder.engine.retention.sessions
         await until(lambda: a.sglang_session_homes.home(session) is None)
+
+
+async def test_a_session_opened_for_a_client_that_left_is_closed() -> None:
+    """A client that leaves while its engine opens the session never learns its id: the router
+    closes it there at once, and does not keep it as anyone's."""
+    closed: list[Any] = []
+
+    async def models(_: Request) -> JSONResponse:  # (what the router's health check reads)
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def open_session(_: Request) -> JSONResponse:
+        await asyncio.sleep(0.5)  # (an engine slow to answer)
+        return JSONResponse("s-orphan")
+
+    async def close_session(request: Request) -> Response:
+        closed.append(await request.json())
+        return Response(status_code=200)
+
+    engine = Starlette(
+        routes=[
+            Route("/v1/models", models),
+            Route("/open_session", open_session, methods=["GET", "POST"]),
+            Route("/close_session", close_session, methods=["GET", "POST"]),
+        ]
+    )
+    async with serve(engine) as worker:
+        settings = MeshSettings(
+            workers=(WorkerSpec(worker.url, "w0", backend="sglang"),),
+            router=RouterConfig(use_kv_events=False),
+            health_interval=0.2,
+        )
+        app = build_router_app(settings)
+        async with serve(app) as front, aiohttp.ClientSession() as http:
+            async with http.get(front.url + "/health") as r:
+                assert r.status == 200
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with http.post(
+                    front.url + "/open_session",
+                    json={"capacity_of_str_len": 8},
+                    timeout=aiohttp.ClientTimeout(total=0.1),
+                ):
+                    pass
+            await until(lambda: closed == [{"session_id": "s-orphan"}])
+            assert app.mesh.sglang_session_homes.home("s-orphan") is None

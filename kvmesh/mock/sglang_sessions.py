@@ -17,7 +17,6 @@ request's own prompt.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -27,8 +26,8 @@ from starlette.routing import Route
 
 from kvmesh.errors import RequestError
 from kvmesh.mock.engine import MockEngine
-from kvmesh.mock.protocol import is_number
-from kvmesh.worker.rpc import error_response
+from kvmesh.router.request.generate_api import closed_session, opened_session
+from kvmesh.worker.rpc import error_response, json_object
 
 _NO_TIMEOUT = 10.0 * 365 * 86400
 """A session opened without a timeout stays open until closed (the ledger takes a number)."""
@@ -49,18 +48,10 @@ def unknown_session(engine: MockEngine, body: Any) -> str | None:
 def session_routes(engine: MockEngine) -> list[Route]:
     async def open_session(request: Request) -> Response:
         try:
-            body = await _body(request)
-            capacity = body.get("capacity_of_str_len")
-            if type(capacity) is not int:
-                raise RequestError("'capacity_of_str_len' must be an integer", field="capacity_of_str_len")
-            timeout = body.get("timeout")
-            if timeout is not None and not is_number(timeout):
-                raise RequestError("'timeout' must be a number of seconds", field="timeout")
-            session = body.get("session_id")
-            if session is not None and not isinstance(session, str):
-                raise RequestError("'session_id' must be a string", field="session_id")
+            body = await json_object(request)
+            session = opened_session(body)
         except RequestError as e:
-            return error_response(str(e), 400, e.field)
+            return error_response(str(e), e.status, e.field)
         session = session or uuid.uuid4().hex
         if session in engine.retention.sessions:
             return error_response(
@@ -68,6 +59,7 @@ def session_routes(engine: MockEngine) -> list[Route]:
                 400,
                 "session_id",
             )
+        timeout = body.get("timeout")
         try:
             engine.open_session(session, float(timeout) if timeout is not None else _NO_TIMEOUT)
         except RequestError as e:  # (past the engine's --max-sessions)
@@ -76,12 +68,9 @@ def session_routes(engine: MockEngine) -> list[Route]:
 
     async def close_session(request: Request) -> Response:
         try:
-            body = await _body(request)
-            session = body.get("session_id")
-            if not isinstance(session, str):
-                raise RequestError("'session_id' must be a string", field="session_id")
+            session = closed_session(await json_object(request))
         except RequestError as e:
-            return error_response(str(e), 400, e.field)
+            return error_response(str(e), e.status, e.field)
         engine.close_session(session)
         return Response(status_code=200)
 
@@ -89,16 +78,6 @@ def session_routes(engine: MockEngine) -> list[Route]:
         Route("/open_session", open_session, methods=["GET", "POST"]),
         Route("/close_session", close_session, methods=["GET", "POST"]),
     ]
-
-
-async def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (ValueError, RecursionError):
-        raise RequestError("the request body is not valid JSON", field="body") from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", field="body")
-    return body
 
 
 __all__ = ["session_routes", "unknown_session"]

@@ -71,7 +71,8 @@ async def _call(value: T | Awaitable[T]) -> T:
     return value
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request's body, a JSON object bounded in size (a RequestError naming ``body`` else)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestError(_TOO_LARGE, status=413, field="body")
@@ -130,7 +131,7 @@ def worker_rpc_routes(backend: WorkerBackend, *, admin_token: str | None = None)
         return await _call(backend.kv_state())
 
     async def pin_prefix(request: Request) -> dict[str, Any]:
-        body = await _json_object(request)
+        body = await json_object(request)
         token_ids = body.get("token_ids")
         if (
             not isinstance(token_ids, list)
@@ -146,7 +147,7 @@ def worker_rpc_routes(backend: WorkerBackend, *, admin_token: str | None = None)
         return {"status": "ok", "blocks_pinned": pinned, "ttl_seconds": ttl}
 
     async def session_control(request: Request) -> dict[str, Any]:
-        body = await _json_object(request)
+        body = await json_object(request)
         action = body.get("action")
         session_id = body.get("session_id")
         if not isinstance(session_id, str) or not session_id:

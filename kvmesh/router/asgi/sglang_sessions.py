@@ -50,7 +50,7 @@ from kvmesh.router.asgi.any_worker import first_holder
 from kvmesh.router.asgi.forwarding import WORKER_ID_HEADER
 from kvmesh.router.asgi.json_io import read_body, read_body_or_refuse, send_error, send_json
 from kvmesh.router.mesh.runtime import Mesh
-from kvmesh.router.request.generate_api import SERVED_BY
+from kvmesh.router.request.generate_api import SERVED_BY, closed_session, opened_session
 from kvmesh.router.request.parse import decode_body
 from kvmesh.router.upstream.forwarder import UpstreamError, end_to_end_headers
 
@@ -89,11 +89,11 @@ class SglangSessions:
             if path == OPEN_PATH:
                 left = asyncio.ensure_future(wait_disconnect(receive))
                 try:
-                    await self._open(mesh, scope, send, raw, _opened_id(body), workers, left)
+                    await self._open(mesh, scope, send, raw, opened_session(body), workers, left)
                 finally:
                     left.cancel()
             else:
-                await self._close(mesh, scope, send, raw, _closed_id(body), workers)
+                await self._close(mesh, scope, send, raw, closed_session(body), workers)
         except RequestError as e:
             mesh.metrics.requests.labels(path, "rejected", str(e.status)).inc()
             await send_error(send, e.status, str(e), e.field)
@@ -130,13 +130,8 @@ class SglangSessions:
             opened = _decoded(data) if status == 200 else None
             if left.done():  # (the client left while the engine opened it: no one will use it)
                 if isinstance(opened, str) and opened:
-                    close = {
-                        **scope,
-                        "method": "POST",
-                        "path": _beside(scope, CLOSE_PATH),
-                        "query_string": b"",
-                    }
-                    await _ask(mesh, worker_id, close, msgspec.json.encode({"session_id": opened}))
+                    closing = msgspec.json.encode({"session_id": opened})
+                    await _ask(mesh, worker_id, scope, closing, "POST", CLOSE_PATH)
                 mesh.metrics.requests.labels(OPEN_PATH, "disconnected", "499").inc()
                 return
             if isinstance(opened, str) and opened:
@@ -173,8 +168,11 @@ class SglangSessions:
         await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
-async def _ask(mesh: Mesh, worker_id: str, scope: dict[str, Any], raw: bytes) -> tuple[int, bytes] | None:
-    """(status, body) of the client's request asked of one worker; None when it gave none."""
+async def _ask(
+    mesh: Mesh, worker_id: str, scope: dict[str, Any], raw: bytes, method: str = "", path: str = ""
+) -> tuple[int, bytes] | None:
+    """(status, body) of the client's request (or ``method`` ``path`` with its headers) asked of
+    one worker; None when it gave none."""
     worker = mesh.registry.get(worker_id)
     if worker is None:
         return None
@@ -182,8 +180,8 @@ async def _ask(mesh: Mesh, worker_id: str, scope: dict[str, Any], raw: bytes) ->
     try:
         return await mesh.forwarder.whole(
             worker.url,
-            scope["method"],
-            route_path(scope),
+            method or scope["method"],
+            path or route_path(scope),
             headers,
             raw,
             timeout=_TIMEOUT,
@@ -191,12 +189,6 @@ async def _ask(mesh: Mesh, worker_id: str, scope: dict[str, Any], raw: bytes) ->
         )
     except UpstreamError:
         return None
-
-
-def _beside(scope: dict[str, Any], path: str) -> str:
-    """``path`` under the root path the request's own path is under (what ``route_path`` reads)."""
-    own: str = scope["path"]
-    return own[: len(own) - len(route_path(scope))] + path
 
 
 def _headers(data: bytes) -> list[tuple[bytes, bytes]]:
@@ -212,30 +204,6 @@ def _decoded(data: bytes) -> Any:
         return msgspec.json.decode(data)
     except (msgspec.DecodeError, RecursionError):
         return None
-
-
-def _opened_id(body: dict[str, Any]) -> str | None:
-    """The id an ``/open_session`` body asks for (None: the engine makes one), its fields checked
-    as SGLang's ``OpenSessionReqInput`` reads them."""
-    capacity = body.get("capacity_of_str_len")
-    if type(capacity) is not int:
-        raise RequestError("'capacity_of_str_len' must be an integer", field="capacity_of_str_len")
-    timeout = body.get("timeout")
-    if timeout is not None and (type(timeout) not in (int, float) or timeout != timeout):
-        raise RequestError("'timeout' must be a number of seconds", field="timeout")
-    if body.get("streaming") is not None and not isinstance(body["streaming"], bool):
-        raise RequestError("'streaming' must be a boolean", field="streaming")
-    session = body.get("session_id")
-    if session is not None and not isinstance(session, str):
-        raise RequestError("'session_id' must be a string", field="session_id")
-    return session
-
-
-def _closed_id(body: dict[str, Any]) -> str:
-    session = body.get("session_id")
-    if not isinstance(session, str):
-        raise RequestError("'session_id' must be the session's id, a string", field="session_id")
-    return session
 
 
 # ---------------------------------------------------------------------------- inside the engines

@@ -19,6 +19,7 @@ hand-off (``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``: a peer wai
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvmesh.errors import RequestError
@@ -61,6 +62,31 @@ def session_named(body: dict[str, Any]) -> str | None:
             "'session_params.id' must be the session's id, a string", field="session_params.id"
         )
     return str(params["id"])
+
+
+def opened_session(body: dict[str, Any]) -> str | None:
+    """The id an ``/open_session`` body asks for (None: the engine makes one), its fields checked
+    as SGLang's ``OpenSessionReqInput`` reads them (a 400 naming the field)."""
+    capacity = body.get("capacity_of_str_len")
+    if type(capacity) is not int:
+        raise RequestError("'capacity_of_str_len' must be an integer", field="capacity_of_str_len")
+    timeout = body.get("timeout")
+    if timeout is not None and not (type(timeout) in (int, float) and math.isfinite(timeout)):
+        raise RequestError("'timeout' must be a number of seconds", field="timeout")
+    if body.get("streaming") is not None and not isinstance(body["streaming"], bool):
+        raise RequestError("'streaming' must be a boolean", field="streaming")
+    session = body.get("session_id")
+    if session is not None and not isinstance(session, str):
+        raise RequestError("'session_id' must be a string", field="session_id")
+    return session
+
+
+def closed_session(body: dict[str, Any]) -> str:
+    """The id a ``/close_session`` body names (a 400 naming it for one that is not a string)."""
+    session = body.get("session_id")
+    if not isinstance(session, str):
+        raise RequestError("'session_id' must be the session's id, a string", field="session_id")
+    return session
 
 
 def abort_body(body: Any) -> dict[str, Any]:

@@ -127,13 +127,9 @@ def vertex_batch(body: dict[str, Any]) -> VertexBatch:
         generate["nvext"] = body["nvext"]
     try:
         batch = split_batch(generate, GENERATE_PATH)
-    except RequestError as e:  # (named as the Vertex body has it: text[2] is instances[2].text)
-        head, _, rest = (e.field or "").partition("[")
-        index, _, tail = rest.partition("]")
-        if index.isdigit():
-            field = _vertex_field(head + tail, int(index), frozenset(), frozenset(parameters))
-        else:
-            field = _vertex_field(e.field, 0, frozenset(), frozenset(parameters))
+    except RequestError as e:
+        # (the prompts were checked above: what is left names a parameter, or nvext, whole)
+        field = _vertex_field(e.field, 0, frozenset(), frozenset(parameters))
         raise RequestError(str(e), field=field, status=e.status) from None
     assert batch is not None  # (the prompts are a list)
     return VertexBatch(batch.items, batch.samples, batch.split, frozenset(parameters))

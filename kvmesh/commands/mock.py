@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "latency model from it (real engines report none) [off]",
     )
     parser.add_argument(
+        "--no-worker-rpc",
+        dest="worker_rpc",
+        action="store_false",
+        help="serve no /kvmesh/* worker RPCs, as a vLLM without kvmesh's plugin: a router then reads "
+        "it from /kv_event_sources and /metrics [served]",
+    )
+    parser.add_argument(
         "--request-log",
         default=None,
         metavar="PATH",
@@ -188,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
             pin_budget=args.pin_budget,
             admin_token=args.admin_token or None,
             report_profile=args.report_profile,
+            worker_rpc=args.worker_rpc,
             request_log=args.request_log,
             role=args.role,
             transfer_ms_per_block=args.transfer_ms_per_block,

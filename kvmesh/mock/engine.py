@@ -192,6 +192,7 @@ class MockEngine:
         )
         self.metrics = EngineMetrics(
             config.model,
+            cache_config={"block_size": str(config.block_size), "num_gpu_blocks": str(config.num_blocks)},
             num_running=lambda: self.scheduler.num_running,
             num_waiting=lambda: self.scheduler.num_waiting,
             kv_usage=lambda: self.pool.usage,
@@ -296,6 +297,21 @@ class MockEngine:
             link.start()
             self._announcer = WorkerAnnouncer(link, url, url, self.info, interval=interval)
             self._announcer.start()
+
+    def kv_event_sources(self) -> dict[str, Any]:
+        """vLLM's ``GET /kv_event_sources`` answer: its ZMQ publisher as bound (a wildcard host kept,
+        the port resolved), under its DP rank; {} without one, as vLLM without KV events."""
+        publisher = self.publisher
+        if publisher is None or self.nats_options is not None:
+            return {}
+        source = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": publisher.endpoint,
+            "replay_endpoint": publisher.replay_endpoint,
+            "topic": "",
+        }
+        return {"0": source}
 
     @property
     def events_endpoint(self) -> str | None:

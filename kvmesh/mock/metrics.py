@@ -38,6 +38,7 @@ class EngineMetrics:
         self,
         model: str,
         *,
+        cache_config: dict[str, str],
         num_running: Callable[[], float],
         num_waiting: Callable[[], float],
         kv_usage: Callable[[], float],
@@ -64,6 +65,15 @@ class EngineMetrics:
             modelled_seconds,
         )
         gauge("kvmesh_mock_busy_step_seconds", "Sum of the wall time the steps really took.", busy_seconds)
+        # vLLM's info gauge of its cache config (set to 1, the facts in its labels, one series per
+        # engine core): a router without /kvmesh/info reads the block size and count from it
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [*cache_config, "engine"],
+            registry=r,
+        )
+        info.labels(**cache_config, engine="0").set(1)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r).labels(model)  # type: ignore[no-any-return]

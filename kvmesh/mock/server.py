@@ -33,8 +33,10 @@
     POST /pause_generation, /continue_generation     request the paused engine refuses is a 503
                                                      (a streamed chat or completion: vLLM's error
                                                      event in a 200 stream)
-    GET  /v1/models, GET /health, GET /metrics
-    /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc)
+    GET  /v1/models, GET /health, GET /metrics       (``vllm:cache_config_info`` among the metrics)
+    GET  /kv_event_sources                           vLLM's: its KV-event publisher, by DP rank
+    /kvmesh/*                                        worker RPCs (kvmesh.worker.rpc); not with
+                                                     ``--no-worker-rpc``, as a vLLM without kvmesh
 
 ``build_app(engine, middleware=[...])`` returns the app; extra ASGI middleware (for example
 kvmesh's router middleware) wraps it exactly as ``vllm serve --middleware`` would wrap vLLM's.
@@ -517,9 +519,10 @@ def build_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/kv_event_sources", lambda _: JSONResponse(engine.kv_event_sources()), methods=["GET"]),
         *control_routes(engine),
         *session_routes(engine),
-        *worker_rpc_routes(engine, admin_token=token),
+        *(worker_rpc_routes(engine, admin_token=token) if engine.config.worker_rpc else ()),
     ]
     app = Starlette(routes=routes, middleware=list(middleware), lifespan=lifespan)
     app.state.engine = engine

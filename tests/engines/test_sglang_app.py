@@ -206,17 +206,30 @@ def test_the_controls_the_router_sends_to_every_worker_are_sglangs_own(served: A
         "/unload_lora_adapter",
         "/begin_weight_update",
         "/end_weight_update",
+        "/hicache/storage-backend/clear",
+        "/add_external_corpus",
+        "/remove_external_corpus",
     }
     assert sglang_posts <= set(fleet_control.POSTS)
     for path in sglang_posts:
         assert "POST" in methods[path], path
+    assert "/list_external_corpora" in fleet_control.GETS and methods["/list_external_corpora"] == {"GET"}
     for path in fleet_control.EITHER:
         assert {"GET", "POST"} <= methods[path], path
+    for path, asked_with in fleet_control.OTHER_METHODS.items():
+        assert set(asked_with) == methods[path], path
     # the weight transfers the router refuses to fan out are SGLang's too
     for path in (
         "/init_weights_update_group",
         "/update_weights_from_distributed",
         "/update_weights_from_tensor",
+        "/update_weights_from_ipc",
+        "/load_lora_adapter_from_tensors",
+        "/init_weights_send_group_for_remote_instance",
+        "/send_weights_to_remote_instance",
+        "/get_remote_instance_transfer_engine_info",
+        "/remote_instance_transfer_engine_info",
+        "/pd_role_switch",
     ):
         assert path in methods and path in fleet_control.PER_ENGINE, path
 

@@ -184,6 +184,7 @@ def test_every_vllm_control_the_router_knows_is_on_vllms_routers() -> None:
         *("/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping"),
         *("/release_kv_cache_memory", "/update_weight_version", "/weight_info"),
         *("/reset_mm_cache", "/reset_encoder_cache"),
+        *("/weight_checker", "/get_world_size"),  # (an RL loop's reads after a weight update)
     }
     for path in fanned:
         assert methods[path] == ({"GET"} if path in fleet_control.GETS else {"POST"}), path

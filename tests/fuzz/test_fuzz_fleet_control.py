@@ -33,6 +33,7 @@ ROUTER_SERVES = {
     **{p: "POST" for p in (*fleet_control.POSTS, *fleet_control.PER_ENGINE)},
     **{p: "GET" for p in fleet_control.GETS},
     **{p: "POST" for p in fleet_control.EITHER},
+    **{p: methods[0] for p, methods in fleet_control.OTHER_METHODS.items()},
 }
 """What the standalone router sends on to every worker (or refuses to), with their methods."""
 

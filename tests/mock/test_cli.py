@@ -156,8 +156,11 @@ def test_middleware_is_added_like_vllms_flag() -> None:
             add_middleware(Starlette(), spec)
 
 
-def _mock_info(*flags: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, object]]:
-    """Start ``kvmesh mock`` with ``flags``; its port and its /kvmesh/info, then stop it."""
+def _mock_info(
+    *flags: str, env: dict[str, str] | None = None, path: str = "/kvmesh/info"
+) -> tuple[int, dict[str, object]]:
+    """Start ``kvmesh mock`` with ``flags``; its events port and its answer at ``path`` (its
+    /kvmesh/info), then stop it."""
     port, events, replay = _free_ports(3)
     cmd = [sys.executable, "-m", "kvmesh", "mock", "--port", str(port), "--speedup", "50"]
     cmd += ["--kv-events-endpoint", f"tcp://*:{events}", "--kv-replay-endpoint", f"tcp://*:{replay}", *flags]
@@ -168,7 +171,8 @@ def _mock_info(*flags: str, env: dict[str, str] | None = None) -> tuple[int, dic
         deadline = time.monotonic() + 20
         while True:
             try:
-                return events, httpx.get(f"http://127.0.0.1:{port}/kvmesh/info", timeout=0.5).json()
+                answer = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=0.5)
+                return events, {"status": answer.status_code, **(answer.json() if answer.is_success else {})}
             except httpx.TransportError:
                 pass
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
@@ -193,5 +197,21 @@ def test_event_sockets_bound_to_every_interface_are_told_at_the_engines_host(
     """Bound to ``tcp://*:P``, the mock told routers the bound address (``0.0.0.0``, and ``[::]``
     once IPv6 was on), where a router on another host dials its own."""
     events, info = _mock_info(*flags, env=env)
+    assert info.pop("status") == 200
     assert info["kv_events_endpoints"] == [f"tcp://{host}:{events}"]
     assert str(info["kv_replay_endpoints"][0]).startswith(f"tcp://{host}:")  # type: ignore[index]
+
+
+def test_without_worker_rpcs_the_mock_is_a_plain_vllm() -> None:
+    """``--no-worker-rpc``: no /kvmesh/* routes, as ``vllm serve`` without kvmesh's plugin; vLLM's
+    ``/kv_event_sources`` names the publisher as bound (a router dials it at the engine's host)."""
+    _, info = _mock_info("--no-worker-rpc")
+    assert info["status"] == 404
+    events, sources = _mock_info("--no-worker-rpc", path="/kv_event_sources")
+    assert sources.pop("status") == 200
+    assert list(sources) == ["0"]
+    rank = sources["0"]
+    assert rank["publisher"] == "zmq"  # type: ignore[index]
+    # (``*`` as ZMQ reports the bind: every IPv4 interface, or every interface with IPv6 on)
+    assert rank["endpoint"] in (f"tcp://0.0.0.0:{events}", f"tcp://[::]:{events}")  # type: ignore[index]
+    assert str(rank["replay_endpoint"]).startswith(("tcp://0.0.0.0:", "tcp://[::]:"))  # type: ignore[index]

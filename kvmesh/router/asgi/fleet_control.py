@@ -20,7 +20,19 @@ Paths, as the installed engines route them:
   its images resets every engine's. (Its prefix cache reset, ``/reset_prefix_cache``, is
   :mod:`.flush`'s.)
 * The profilers of both: ``/start_profile`` and ``/stop_profile`` (vLLM's a POST, served with a
-  profiler configured; SGLang's GET or POST), so one call profiles the whole fleet.
+  profiler configured; SGLang's GET or POST), so one call profiles the whole fleet; SGLang's
+  recorder of expert use (``/start_expert_distribution_record``, ``/stop_...``, ``/dump_...``).
+* Reads an RL loop compares across the fleet after a weight update: vLLM's ``POST
+  /weight_checker`` (checksums, or a ``compare`` whose ``match`` is true only when every engine
+  matched) and ``GET /get_world_size``; SGLang's ``/get_weights_by_name`` and ``/weights_checker``.
+  Each worker's answer is under ``workers``.
+* SGLang's run-time settings: ``/set_internal_state`` (POST or PUT), ``/configure_logging``,
+  ``/set_trace_level``, ``/slow_down``, ``/freeze_gc``; its hierarchical cache's storage backend
+  (``/hicache/storage-backend``: GET, PUT to attach, DELETE to detach; ``POST .../clear``); and
+  the external corpora of its n-gram speculative decoding (``POST /add_external_corpus``,
+  ``/remove_external_corpus``, ``GET /list_external_corpora``). A corpus added without a
+  ``corpus_id`` is given one by the router, so that every engine holds it under the same id and
+  one ``/remove_external_corpus`` removes it from the fleet (each engine would have drawn its own).
 * LoRA adapters loaded and unloaded at run time: vLLM's ``POST /v1/load_lora_adapter`` and
   ``/v1/unload_lora_adapter`` (served with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), SGLang's
   ``POST /load_lora_adapter`` and ``/unload_lora_adapter``. A worker that did it has its adapters
@@ -36,8 +48,8 @@ The answer:
 
 * every worker answered 2xx: 200 with the answer they share, plus ``workers`` (worker id: its
   answer). Where their answers differ, a yes/no field (``is_paused``, ``is_sleeping``,
-  ``success``) is true only when it is true on every worker (a loop that waits for "paused" waits
-  for the whole fleet), and any other field is null (the fleet has no one value for it);
+  ``success``, ``match``) is true only when it is true on every worker (a loop that waits for
+  "paused" waits for the whole fleet), and any other field is null (the fleet has no one value);
 * every worker refused with the same 4xx (the client's mistake, such as a ``mode`` the engines do
   not know): that status, with the first worker's answer, which names the field;
 * otherwise 502, listing ``succeeded`` and ``failed`` (worker id: why); 503 when no worker is up.
@@ -53,14 +65,17 @@ what the engine's KV events said, its own "all blocks cleared" event clears.
 
 Weight transfers whose arguments differ from engine to engine (vLLM's
 ``/init_weight_transfer_engine`` takes each engine's rank offset, and what follows it needs that
-group; SGLang's ``/init_weights_update_group`` likewise) are not sent on: they answer 404, saying
-to call each worker at its own address (``GET /kvmesh/workers`` lists them). Inside an engine, the
-middleware leaves every one of these paths to that engine: there they mean that engine alone.
+group; SGLang's ``/init_weights_update_group``, its transfers between instances and from IPC
+handles, likewise), and one engine's own role (SGLang's ``/pd_role_switch``), are not sent on:
+they answer 404, saying to call each worker at its own address (``GET /kvmesh/workers`` lists
+them). Inside an engine, the middleware leaves every one of these paths to that engine: there they
+mean that engine alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
@@ -76,6 +91,7 @@ from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.parse import decode_body
 from kvmesh.router.upstream.forwarder import UpstreamError, end_to_end_headers
 
+CORPUS_ADD = "/add_external_corpus"
 ADAPTER_LOADS = (
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
@@ -97,13 +113,37 @@ POSTS = (
     "/end_weight_update",
     "/reset_mm_cache",
     "/reset_encoder_cache",
+    "/weight_checker",
+    "/hicache/storage-backend/clear",
+    CORPUS_ADD,
+    "/remove_external_corpus",
     *ADAPTER_LOADS,
 )
 """Asked with a POST."""
-GETS = ("/is_paused", "/is_sleeping", "/weight_info")
+GETS = ("/is_paused", "/is_sleeping", "/weight_info", "/get_world_size", "/list_external_corpora")
 """Asked with a GET."""
-EITHER = ("/release_memory_occupation", "/resume_memory_occupation", "/start_profile", "/stop_profile")
+EITHER = (
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/start_profile",
+    "/stop_profile",
+    "/start_expert_distribution_record",
+    "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record",
+    "/freeze_gc",
+    "/set_trace_level",
+    "/configure_logging",
+    "/slow_down",
+    "/get_weights_by_name",
+    "/weights_checker",
+)
 """Asked with a GET or a POST (SGLang takes both; vLLM's profiler takes a POST)."""
+OTHER_METHODS = {
+    "/set_internal_state": ("POST", "PUT"),
+    "/hicache/storage-backend": ("GET", "PUT", "DELETE"),
+}
+"""SGLang's controls asked with other methods: its run-time server arguments, and the attach,
+detach and status of its hierarchical cache's storage backend."""
 PER_ENGINE = (
     "/init_weight_transfer_engine",
     "/update_weights",
@@ -115,10 +155,18 @@ PER_ENGINE = (
     "/update_weights_from_distributed",
     "/destroy_weights_update_group",
     "/update_weights_from_tensor",
+    "/update_weights_from_ipc",
+    "/load_lora_adapter_from_tensors",
+    "/init_weights_send_group_for_remote_instance",
+    "/send_weights_to_remote_instance",
+    "/get_remote_instance_transfer_engine_info",
+    "/remote_instance_transfer_engine_info",
+    "/pd_role_switch",
 )
-"""Weight transfers the router does not send on (the module docstring): answered 404, saying why."""
+"""Weight transfers the router does not send on (the module docstring), and one engine's own role
+or transfer engine: answered 404, saying why."""
 
-_FLAGS = frozenset(("is_paused", "is_sleeping", "success"))
+_FLAGS = frozenset(("is_paused", "is_sleeping", "success", "match"))
 _CONTROL_TIMEOUT = 600.0
 """Seconds a worker has to answer: a pause in wait mode lasts as long as the longest request in
 flight, and a sleep moves the weights off the device."""
@@ -148,7 +196,9 @@ class FleetControl:
             return
         try:
             body = await read_body(scope, receive, settings.max_body_bytes, settings.body_read_timeout)
-            if body:
+            if body and path == CORPUS_ADD:
+                body = one_corpus_id(body)
+            elif body:
                 decode_body(body)  # (a JSON object, or the client's 400 naming ``body``)
         except RequestError as e:
             await send_error(send, e.status, str(e), e.field)
@@ -275,6 +325,19 @@ def _clears_cache(path: str, query: str, body: bytes) -> bool:
     return False
 
 
+def one_corpus_id(body: bytes) -> bytes:
+    """An external corpus added without an id, given one: each SGLang engine would name it with a
+    random id of its own, and no one id would remove it from the fleet (the client's 400 naming
+    ``body`` or ``corpus_id`` for what SGLang could not read)."""
+    fields = decode_body(body)
+    corpus_id = fields.get("corpus_id")
+    if corpus_id is not None and not isinstance(corpus_id, str):
+        raise RequestError("corpus_id must be a string", status=400, field="corpus_id")
+    if corpus_id:
+        return body
+    return msgspec.json.encode({**fields, "corpus_id": uuid.uuid4().hex})
+
+
 def engine_headers(headers: list[tuple[bytes, bytes]], admin_token: str | None) -> list[tuple[bytes, bytes]]:
     """The client's headers for an engine: end to end ones, without kvmesh's internal ones, its
     admin token header, or an ``authorization`` that carries the router's admin token (the
@@ -291,11 +354,14 @@ def engine_headers(headers: list[tuple[bytes, bytes]], admin_token: str | None) 
 
 __all__ = [
     "ADAPTER_LOADS",
+    "CORPUS_ADD",
     "EITHER",
     "GETS",
+    "OTHER_METHODS",
     "PER_ENGINE",
     "POSTS",
     "FleetControl",
     "engine_headers",
     "merge_answers",
+    "one_corpus_id",
 ]

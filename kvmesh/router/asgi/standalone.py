@@ -2,8 +2,8 @@
 
 Besides what the middleware answers (the generation endpoints, SGLang's ``/generate`` and vLLM's
 token API among them, ``/kvmesh/workers``, ``/busy_threshold``) it serves ``GET /health`` (503
-while no worker is routable; ``/ping`` too, as vLLM names it, and ``/readiness``, as sglang-router
-does), ``GET /live`` and ``/liveness`` (200 while the process serves: the liveness probes of
+while no worker is routable; ``/ping`` too, as vLLM names it, ``/readiness``, as sglang-router
+does, and ``/ready`` and ``/readyz``, SGLang's and vLLM's readiness probes), ``GET /live`` and ``/liveness`` (200 while the process serves: the liveness probes of
 Dynamo's frontend and sglang-router), ``GET /v1/models`` (the models the fleet's workers reported;
 ``GET /v1/models/{model}``, one of them),
 ``GET /metrics`` (prometheus-client's registry), the engines' utility endpoints that any worker
@@ -141,6 +141,9 @@ def build_router_app(
             Route("/health", health, methods=["GET"]),
             Route("/ping", health, methods=["GET", "POST"]),  # (vLLM's name for it, GET or POST)
             Route("/readiness", health, methods=["GET"]),  # (sglang-router's name for it)
+            # (SGLang's readiness probe, and vLLM's data-parallel supervisor's two names for its own)
+            Route("/ready", health, methods=["GET"]),
+            Route("/readyz", health, methods=["GET"]),
             # (the liveness probes of Dynamo's frontend and of sglang-router, by their names)
             Route("/live", live, methods=["GET"]),
             Route("/liveness", live, methods=["GET"]),
@@ -170,7 +173,11 @@ def build_router_app(
             *(Route(path, control, methods=["POST"]) for path in fleet_control.POSTS),
             *(Route(path, control, methods=["GET"]) for path in fleet_control.GETS),
             *(Route(path, control, methods=["GET", "POST"]) for path in fleet_control.EITHER),
-            *(Route(path, control, methods=["POST"]) for path in fleet_control.PER_ENGINE),
+            *(
+                Route(path, control, methods=list(methods))
+                for path, methods in fleet_control.OTHER_METHODS.items()
+            ),
+            *(Route(path, control, methods=["GET", "POST"]) for path in fleet_control.PER_ENGINE),
             # (SGLang's sessions: GET or POST, as SGLang takes them)
             *(Route(path, sessions, methods=["GET", "POST"]) for path in SESSION_PATHS),
         ],

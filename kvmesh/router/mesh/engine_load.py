@@ -88,7 +88,7 @@ def parse_engine_load(text: bytes, at: float) -> EngineLoad | None:
         rank: int | None = None
         tp: bytes | None = None
         if brace >= 0:
-            labels = _labels(line[brace + 1 : line.rfind(b"}")])
+            labels = series_labels(line[brace + 1 : line.rfind(b"}")])
             tp = labels.get(_TP_LABEL)
             for label in _RANK_LABELS:
                 if label in labels:
@@ -121,7 +121,7 @@ def _rank(value: bytes) -> int | None:
     return int(value)
 
 
-def _labels(section: bytes) -> dict[bytes, bytes]:
+def series_labels(section: bytes) -> dict[bytes, bytes]:
     """The label pairs between a series' braces (values unescaped only as far as comparing them
     needs: a rank is digits)."""
     out: dict[bytes, bytes] = {}

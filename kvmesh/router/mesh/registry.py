@@ -4,9 +4,12 @@ For each configured worker the registry
 
 1. learns what it is: its ``/kvmesh/info`` (backend, model, block size, dp size, events endpoints,
    max_num_batched_tokens, total KV blocks, priority polarity), with fields of the configured spec
-   taking precedence, so a plain ``vllm serve --kv-events-config ...`` can be described in full
-   by its spec instead; in round-robin / random mode (or without KV events) a plain
-   OpenAI-compatible server needs nothing but its URL;
+   taking precedence; a plain ``vllm serve --kv-events-config ...`` or SGLang (no kvmesh plugin,
+   so no ``/kvmesh/info``) is read from the engine's own routes (vLLM's ``/kv_event_sources`` and
+   ``/metrics``, SGLang's ``/server_info``: :mod:`~kvmesh.router.mesh.engine_discovery`), or
+   described in full by its spec instead; in
+   round-robin / random mode (or without KV events) a plain OpenAI-compatible server needs
+   nothing but its URL;
 2. refuses it, loudly, when its block size differs from the fleet's (hashes would never match);
 3. registers it with the KvRouter and has the :class:`~kvmesh.router.mesh.event_feed.EventFeed`
    cold-start its index and follow its KV events;
@@ -44,12 +47,19 @@ from kvmesh.errors import KvMeshError, WorkerError
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import KvRouter
 from kvmesh.router.core.timing import Profile
+from kvmesh.router.mesh.engine_discovery import (
+    SERVER_INFO_PATH,
+    SOURCES_PATH,
+    NotDiscovered,
+    described_sglang,
+    described_vllm,
+)
 from kvmesh.router.mesh.engine_load import EngineLoad, parse_engine_load
 from kvmesh.router.mesh.event_feed import EventFeed, FeedTarget
 from kvmesh.router.mesh.metrics import Metrics
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec, WorkerSpecError, worker_from_info
 from kvmesh.router.mesh.worker_rpc import WorkerRpc
-from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
+from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder, Refused
 
 logger = logging.getLogger("kvmesh.router")
 
@@ -114,12 +124,16 @@ class Worker:
         return self.spec.url
 
 
-def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: int) -> WorkerInfo:
-    """Spec fields win over the worker's own description; missing ones get safe defaults. A
-    description with a bad fact is a WorkerError naming it (the worker is kept ``down`` with that
-    reason, and read again at the next health check)."""
+def _merge(
+    spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: int, *, has_rpc: bool
+) -> WorkerInfo:
+    """Spec fields win over the worker's own description (its ``/kvmesh/info``, or what a plain
+    engine's routes tell: ``has_rpc`` False); missing ones get safe defaults. A description with a
+    bad fact is a WorkerError naming it (the worker is kept ``down`` with that reason, and read
+    again at the next health check)."""
+    where = "/kvmesh/info" if has_rpc else "the engine's own routes"
     try:
-        told = worker_from_info(info, spec.url, spec.worker_id, "/kvmesh/info") if info is not None else None
+        told = worker_from_info(info, spec.url, spec.worker_id, where) if info is not None else None
     except WorkerSpecError as e:
         raise WorkerError(str(e)) from None
 
@@ -141,7 +155,7 @@ def _merge(spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: in
         max_num_batched_tokens=pick("max_num_batched_tokens", _DEFAULT_BATCHED_TOKENS),
         total_kv_blocks=pick("total_kv_blocks", _DEFAULT_TOTAL_BLOCKS),
         priority_polarity=pick("priority_polarity", "none"),
-        has_rpc=info is not None,
+        has_rpc=has_rpc,
         role=pick("role", "aggregated"),
         bootstrap_port=pick("bootstrap_port", None),
         prefill_profile=_profile(_timing(info or {}).get("prefill_ms")),
@@ -302,6 +316,8 @@ class WorkerRegistry:
                     "role": info.role if info else w.spec.role,
                     "tokens_api": info.tokens_api if info else None,
                     "lora_adapters": sorted(w.adapters),
+                    # (where the router follows its KV events: told, configured or discovered)
+                    "kv_events_endpoints": list(info.kv_events_endpoints) if info else [],
                     "events_applied": self.feed.events_applied(w.worker_id),
                     "events": self.feed.status(w.worker_id),
                     "active_requests": sum(r["active_requests"] for r in ranks),
@@ -412,21 +428,20 @@ class WorkerRegistry:
     async def _admit_once(self, w: Worker) -> None:
         spec = w.spec
         raw: dict[str, Any] | None = None
+        found: dict[str, Any] | None = None
         if not spec.described or self._need_events:
             try:
                 raw = await self.rpc.info(w.worker_id, w.url)
             except ConnectFailed as e:
                 if self._need_events and not spec.described:
-                    raise WorkerError(
-                        f"no /kvmesh/info ({e}); describe it in the config (block_size, kv_events_endpoints, "
-                        "max_num_batched_tokens, total_kv_blocks) or use --router-mode round-robin"
-                    ) from None
-                if not (spec.described or self._need_events or self.is_local(w.worker_id)):
+                    found = await self._discover(w, e)
+                elif not (spec.described or self._need_events or self.is_local(w.worker_id)):
                     # A plain OpenAI server is enough here, but it must answer.
                     await self._probe(w)
         if not self._current(w):
             return
-        info = _merge(spec, raw if isinstance(raw, dict) else None, self.block_size or 16)
+        told = raw if isinstance(raw, dict) else None
+        info = _merge(spec, told if found is None else found, self.block_size or 16, has_rpc=told is not None)
         if self.block_size is None:
             self.block_size = info.block_size
         elif info.block_size != self.block_size:
@@ -458,6 +473,54 @@ class WorkerRegistry:
             return
         w.failures = 0
         self._set_state(w, UP)
+
+    async def _discover(self, w: Worker, no_info: ConnectFailed) -> dict[str, Any]:
+        """What a worker without ``/kvmesh/info`` says of itself on its engine's own routes
+        (:mod:`~kvmesh.router.mesh.engine_discovery`: vLLM's ``/kv_event_sources``, else SGLang's
+        ``/server_info``), or a WorkerError saying what to give."""
+
+        def undescribed(why: str) -> WorkerError:
+            return WorkerError(
+                f"{why}; describe it in the config (block_size, kv_events_endpoints, "
+                "max_num_batched_tokens, total_kv_blocks) or use --router-mode round-robin"
+            )
+
+        if not isinstance(no_info, Refused) or no_info.status != 404:
+            raise undescribed(f"no /kvmesh/info ({no_info})")  # (no HTTP, or refused us: nothing to read)
+        try:
+            sources = await self.rpc.call(w.worker_id, w.url, "GET", SOURCES_PATH, None)
+        except Refused as e:
+            if e.status != 404:
+                raise undescribed(f"no /kvmesh/info, and vLLM's {SOURCES_PATH} failed ({e})") from None
+            try:
+                server_info = await self.rpc.call(w.worker_id, w.url, "GET", SERVER_INFO_PATH, None)
+            except ConnectFailed as e:
+                raise undescribed(
+                    f"no /kvmesh/info or vLLM's {SOURCES_PATH} (HTTP 404 both), and SGLang's "
+                    f"{SERVER_INFO_PATH} failed ({e})"
+                ) from None
+            try:
+                return described_sglang(server_info, w.url)
+            except NotDiscovered as e:
+                raise WorkerError(f"an SGLang without kvmesh's adapter that {e}") from None
+        except ConnectFailed as e:
+            raise undescribed(f"no /kvmesh/info, and vLLM's {SOURCES_PATH} failed ({e})") from None
+        metrics = b""
+        with contextlib.suppress(ConnectFailed):
+            metrics = await self.rpc.metrics_text(w.worker_id, w.url)
+        models = None
+        with contextlib.suppress(ConnectFailed):
+            models = await self.rpc.models(w.worker_id, w.url)
+        try:
+            found = described_vllm(sources, metrics, w.url, models)
+        except NotDiscovered as e:
+            raise WorkerError(f"a vLLM without kvmesh's plugin that {e}") from None
+        if "block_size" not in found and w.spec.block_size is None:
+            raise WorkerError(
+                "a vLLM without kvmesh's plugin whose /metrics has no vllm:cache_config_info to read "
+                "its block size from (is --disable-log-stats on?); give block_size in its config entry"
+            )
+        return found
 
     async def _read_adapters(self, w: Worker, raw_info: dict[str, Any] | None) -> None:
         """``lora_adapters`` from the worker's info, else its ``/v1/models`` entries with a parent."""

@@ -55,9 +55,11 @@ TOML file (keys are the field names, but ``worker_id`` for this engine's id)::
     [router]
     router_temperature = 0.0
     [[workers]]
-    url = "http://10.0.0.1:8000"           # a worker that serves /kvmesh/info needs nothing more
+    url = "http://10.0.0.1:8000"           # a worker that serves /kvmesh/info needs nothing more,
+    [[workers]]                            # nor a stock vLLM or SGLang started with KV events
+    url = "http://10.0.0.3:8000"           # (read from /kv_event_sources or /server_info)
     [[workers]]
-    url = "http://10.0.0.2:8000"           # a plain `vllm serve --kv-events-config ...`
+    url = "http://10.0.0.2:8000"           # a stock `vllm serve --kv-events-config ...` in full
     id = "gpu-2"
     backend = "vllm"
     block_size = 16
@@ -114,7 +116,8 @@ BACKEND_POLARITY = {"vllm": "lower_first", "mock": "lower_first", "sglang": "hig
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """A worker as configured; fields left None come from its ``/kvmesh/info``."""
+    """A worker as configured; fields left None come from its ``/kvmesh/info`` (or a stock engine's
+    own routes: :mod:`~kvmesh.router.mesh.engine_discovery`)."""
 
     url: str
     worker_id: str

@@ -39,6 +39,8 @@ class Stock:
     asked: list[tuple[str, str, str, bytes, str | None]] = field(default_factory=list)
     adapters: set[str] = field(default_factory=set)
     """The LoRA adapters loaded at run time, listed in ``/v1/models`` as vLLM lists them."""
+    answers: dict[str, Any] = field(default_factory=dict)
+    """A JSON answer of its own for a path."""
 
 
 def _stock_app(stock: Stock) -> Starlette:
@@ -55,6 +57,8 @@ def _stock_app(stock: Stock) -> Starlette:
                 {"detail": [{"loc": ["query", "mode"], "msg": "bad"}]}, status_code=stock.status
             )
         path = request.url.path
+        if path in stock.answers:
+            return JSONResponse(stock.answers[path])
         if path == "/is_paused":
             return JSONResponse({"is_paused": stock.paused})
         if path == "/weight_info":
@@ -74,9 +78,16 @@ def _stock_app(stock: Stock) -> Starlette:
         adapters = [{"id": a, "object": "model", "parent": "m"} for a in sorted(stock.adapters)]
         return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}, *adapters]})
 
-    paths = (*fleet_control.POSTS, *fleet_control.GETS, *fleet_control.EITHER, *fleet_control.PER_ENGINE)
+    paths = (
+        *fleet_control.POSTS,
+        *fleet_control.GETS,
+        *fleet_control.EITHER,
+        *fleet_control.OTHER_METHODS,
+        *fleet_control.PER_ENGINE,
+    )
+    methods = ["GET", "POST", "PUT", "DELETE"]
     return Starlette(
-        routes=[Route(p, control, methods=["GET", "POST"]) for p in paths] + [Route("/v1/models", models)]
+        routes=[Route(p, control, methods=methods) for p in paths] + [Route("/v1/models", models)]
     )
 
 
@@ -265,3 +276,91 @@ async def test_the_profilers_and_a_weight_update_session_reach_every_worker(
         ]
         assert [(m, p) for m, p, *_ in b.asked] == asked
         assert a.asked[2][3] == b'{"selector": "all"}'
+
+
+async def test_sglangs_settings_and_cache_storage_controls_reach_every_worker_by_their_methods(
+    http: aiohttp.ClientSession,
+) -> None:
+    """SGLang's run-time settings, expert recorder and hierarchical cache storage backend, and the
+    RL loop's reads of both engines: each goes to every worker with the client's method, query
+    and body (before, the router answered 404 or 405)."""
+    a, b = Stock(), Stock()
+    calls = [
+        ("POST", "/freeze_gc", None),
+        ("GET", "/set_trace_level?level=2", None),
+        ("POST", "/configure_logging", {"log_requests": True}),
+        ("PUT", "/set_internal_state", {"server_args": {"pp_max_micro_batch_size": 8}}),
+        ("PUT", "/hicache/storage-backend", {"hicache_storage_backend": "file"}),
+        ("GET", "/hicache/storage-backend", None),
+        ("DELETE", "/hicache/storage-backend", None),
+        ("POST", "/hicache/storage-backend/clear", None),
+        ("GET", "/start_expert_distribution_record", None),
+        ("POST", "/dump_expert_distribution_record", None),
+        ("POST", "/weights_checker", {"action": "snapshot"}),
+        ("GET", "/get_world_size?include_dp=false", None),
+    ]
+    async with _fleet(a, b) as front:
+        for method, target, body in calls:
+            status, answer = await _call(http, method, front + target, json=body)
+            assert status == 200 and set(answer["workers"]) == {"a", "b"}, (target, answer)
+        for stock in (a, b):
+            assert [(m, p + ("?" + q if q else "")) for m, p, q, *_ in stock.asked] == [
+                (method, target) for method, target, _ in calls
+            ]
+            assert stock.asked[3][3] == b'{"server_args": {"pp_max_micro_batch_size": 8}}'
+        async with http.patch(front + "/hicache/storage-backend") as r:
+            assert r.status == 405
+
+
+async def test_a_weight_comparison_matches_only_when_every_engine_does(http: aiohttp.ClientSession) -> None:
+    """vLLM's ``/weight_checker`` compare after a weight update: the fleet's ``match`` is true only
+    when every engine's is, and each engine's mismatches are under its id."""
+    same = {"match": True, "mismatches": []}
+    a, b = Stock(answers={"/weight_checker": same}), Stock(answers={"/weight_checker": same})
+    async with _fleet(a, b) as front:
+        body = {"action": "compare", "baseline": {"w": "x"}}
+        status, answer = await _call(http, "POST", front + "/weight_checker", json=body)
+        assert (status, answer["match"]) == (200, True), answer
+        b.answers["/weight_checker"] = {"match": False, "mismatches": ["lm_head.weight"]}
+        status, answer = await _call(http, "POST", front + "/weight_checker", json=body)
+        assert (status, answer["match"], answer["mismatches"]) == (200, False, None), answer
+        assert answer["workers"]["b"]["mismatches"] == ["lm_head.weight"]
+
+
+async def test_an_external_corpus_is_one_id_on_every_engine(http: aiohttp.ClientSession) -> None:
+    """A corpus for SGLang's n-gram speculative decoding added without an id: the router gives it
+    one, the same on every engine, so one removal removes it everywhere (each engine drew its own
+    before). An id the client gives goes as it came; one that is not a string reaches no engine."""
+    a, b = Stock(), Stock()
+    async with _fleet(a, b) as front:
+        status, answer = await _call(http, "POST", front + "/add_external_corpus", json={"documents": ["d"]})
+        assert status == 200, answer
+        sent = [json.loads(stock.asked[-1][3]) for stock in (a, b)]
+        assert sent[0] == sent[1] and sent[0]["documents"] == ["d"], sent
+        assert len(sent[0]["corpus_id"]) == 32, sent
+        body = b'{"corpus_id": "docs-v2", "file_path": "/data/docs.jsonl"}'
+        status, answer = await _call(http, "POST", front + "/add_external_corpus", data=body)
+        assert status == 200 and a.asked[-1][3] == b.asked[-1][3] == body, answer
+        status, answer = await _call(http, "POST", front + "/add_external_corpus", json={"corpus_id": 7})
+        assert status == 400 and answer["error"]["param"] == "corpus_id", answer
+        status, answer = await _call(http, "POST", front + "/add_external_corpus", data=b"[]")
+        assert status == 400 and answer["error"]["param"] == "body", answer
+        assert len(a.asked) == len(b.asked) == 2
+        for method, path in (("POST", "/remove_external_corpus"), ("GET", "/list_external_corpora")):
+            status, answer = await _call(
+                http, method, front + path, json=sent[0] if method == "POST" else None
+            )
+            assert status == 200 and set(answer["workers"]) == {"a", "b"}, answer
+
+
+async def test_one_engines_role_and_transfer_engine_are_not_the_fleets(http: aiohttp.ClientSession) -> None:
+    a = Stock()
+    async with _fleet(a) as front:
+        for method, path in (
+            ("POST", "/pd_role_switch"),
+            ("POST", "/update_weights_from_ipc"),
+            ("GET", "/remote_instance_transfer_engine_info"),
+        ):
+            status, answer = await _call(http, method, front + path)
+            assert status == 404 and "/kvmesh/workers" in answer["error"]["message"], (path, answer)
+        assert a.asked == []

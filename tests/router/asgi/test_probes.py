@@ -1,5 +1,5 @@
-"""The standalone router's probes, by the names other routers give them: readiness (``/health``,
-``/readiness``) follows the fleet, liveness (``/live``, ``/liveness``) follows the process only, so
+"""The standalone router's probes, by the names other routers and the engines give them: readiness
+(``/health``, ``/readiness``, ``/ready``, ``/readyz``) follows the fleet, liveness (``/live``, ``/liveness``) follows the process only, so
 a fleet that is down does not get its router restarted."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ async def test_with_no_worker_up_the_router_is_live_but_not_ready(http: aiohttp.
         health_interval=0.2,
     )
     async with serve(build_router_app(settings)) as front:
-        for path in ("/health", "/readiness"):
+        for path in ("/health", "/readiness", "/ready", "/readyz"):
             status, body = await _status(http, front.url + path)
             assert (status, body["workers_up"]) == (503, 0), path
         for path in ("/live", "/liveness"):
@@ -39,7 +39,7 @@ async def test_with_no_worker_up_the_router_is_live_but_not_ready(http: aiohttp.
 
 async def test_with_a_worker_up_the_router_is_ready(http: aiohttp.ClientSession) -> None:
     async with fleet(2) as (front, _, _e):
-        for path in ("/health", "/readiness"):
+        for path in ("/health", "/readiness", "/ready", "/readyz"):
             status, body = await _status(http, front.url + path)
             assert (status, body["workers_up"]) == (200, 2), path
         assert await _status(http, front.url + "/liveness") == (200, {"status": "live"})

@@ -243,3 +243,21 @@ def tap_shows_batches(
         assert [e["type"] for e in line["events"]] == [type(e).__name__ for e in batch.events]
         for shown, event in zip(line["events"], batch.events, strict=True):
             check_event(shown, event)
+
+
+async def router_rows(front: str) -> dict[str, dict[str, Any]]:
+    """A standalone router's ``GET /kvmesh/workers`` rows, by worker URL."""
+    import httpx  # (in every engine environment, as the tier's HTTP client)
+
+    async with httpx.AsyncClient() as client:
+        rows = (await client.get(front + "/kvmesh/workers")).json()["workers"]
+    return {row["url"]: row for row in rows}
+
+
+async def until_up(front: str, url: str) -> None:
+    """Wait until the router at ``front`` has the worker at ``url`` up."""
+    for _ in range(250):
+        if (await router_rows(front))[url]["state"] == "up":
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{url} never came up: {await router_rows(front)}")

@@ -17,7 +17,6 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response
@@ -27,25 +26,12 @@ from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.engine_discovery import described_sglang
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.engines import sglang_env
+from tests.engines.enginekit import router_rows, until_up
 from tests.engines.test_events_sglang import PAGE, sglang, sglang_publisher  # noqa: F401
 from tests.events.eventkit import free_tcp_port
 from tests.router.servers import serve
 
 pytestmark = [pytest.mark.engine_sglang, pytest.mark.timeout(300)]
-
-
-async def workers(front: str) -> dict[str, dict[str, Any]]:
-    async with httpx.AsyncClient() as client:
-        rows = (await client.get(front + "/kvmesh/workers")).json()["workers"]
-    return {row["url"]: row for row in rows}
-
-
-async def until_up(front: str, url: str) -> None:
-    for _ in range(250):
-        if (await workers(front))[url]["state"] == "up":
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{url} never came up: {await workers(front)}")
 
 
 def server_info(*argv: str, scheduler_info: dict[str, Any]) -> Any:
@@ -133,13 +119,13 @@ async def test_a_plain_sglang_told_by_url_is_followed_through_its_own_publisher(
             settings = MeshSettings(workers=(WorkerSpec(engine.url, "plain"),), health_interval=0.1)
             async with serve(build_router_app(settings)) as front:
                 await until_up(front.url, engine.url)
-                row = (await workers(front.url))[engine.url]
+                row = (await router_rows(front.url))[engine.url]
                 assert (row["backend"], row["block_size"], row["dp_size"]) == ("sglang", PAGE, 1), row
                 assert row["kv_events_endpoints"] == [f"tcp://127.0.0.1:{pub}"], row
                 for batch in batches[20:]:
                     publisher.publish(batch)
                 for _ in range(500):
-                    row = (await workers(front.url))[engine.url]
+                    row = (await router_rows(front.url))[engine.url]
                     if row["indexed_blocks"] == len(batches):
                         break
                     await asyncio.sleep(0.02)

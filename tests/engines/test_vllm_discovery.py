@@ -17,33 +17,18 @@ import functools
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.engine_discovery import described_vllm
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
-from tests.engines.enginekit import import_engine_module
+from tests.engines.enginekit import import_engine_module, router_rows, until_up
 from tests.engines.test_events_vllm import BLOCK_SIZE, VllmCache, vllm, vllm_publisher  # noqa: F401
 from tests.events.eventkit import free_tcp_port
 from tests.router.servers import serve
 
 pytestmark = [pytest.mark.engine_vllm, pytest.mark.timeout(180)]
-
-
-async def workers(front: str) -> dict[str, dict[str, Any]]:
-    async with httpx.AsyncClient() as client:
-        rows = (await client.get(front + "/kvmesh/workers")).json()["workers"]
-    return {row["url"]: row for row in rows}
-
-
-async def until_up(front: str, url: str) -> None:
-    for _ in range(250):
-        if (await workers(front))[url]["state"] == "up":
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{url} never came up: {await workers(front)}")
 
 
 NUM_GPU_BLOCKS = 24
@@ -65,13 +50,15 @@ def cache_info_page() -> bytes:
 
 def plain_vllm_app(publisher_config: Any, metrics: bytes) -> Any:
     """vLLM's instrumentator routes (``/kv_event_sources`` among them) on a FastAPI app whose
-    engine client reports ``publisher_config`` for DP rank 0, plus the pages a router reads."""
+    engine client reports ``publisher_config`` for DP rank 0 (or a dict of them by rank), plus the
+    pages a router reads."""
+    sources = publisher_config if isinstance(publisher_config, dict) else {0: publisher_config}
     fastapi = import_engine_module("fastapi")
     responses = import_engine_module("fastapi.responses")
     basic = import_engine_module("vllm.entrypoints.serve.instrumentator.basic")
     app = fastapi.FastAPI()
     app.include_router(basic.router)
-    app.state.engine_client = SimpleNamespace(get_kv_event_sources=lambda: {0: publisher_config})
+    app.state.engine_client = SimpleNamespace(get_kv_event_sources=lambda: sources)
 
     @app.get("/metrics")
     async def _metrics() -> Any:
@@ -132,7 +119,7 @@ async def test_a_plain_vllm_told_by_url_is_followed_through_its_own_publisher(
             settings = MeshSettings(workers=(WorkerSpec(engine.url, "plain"),), health_interval=0.1)
             async with serve(build_router_app(settings)) as front:
                 await until_up(front.url, engine.url)
-                row = (await workers(front.url))[engine.url]
+                row = (await router_rows(front.url))[engine.url]
                 assert (row["backend"], row["block_size"], row["model"]) == (
                     "vllm",
                     BLOCK_SIZE,
@@ -142,8 +129,48 @@ async def test_a_plain_vllm_told_by_url_is_followed_through_its_own_publisher(
                 publish(160)
                 expected = len(cache.pool.cached_block_hash_to_block)
                 for _ in range(500):
-                    row = (await workers(front.url))[engine.url]
+                    row = (await router_rows(front.url))[engine.url]
                     if row["indexed_blocks"] == expected:
                         break
                     await asyncio.sleep(0.02)
                 assert row["indexed_blocks"] == expected > 0, row
+
+
+async def test_two_dp_ranks_on_ports_the_os_chose_are_each_followed(vllm: SimpleNamespace) -> None:  # noqa: F811
+    """vLLM started with ``tcp://*:0`` for its two DP ranks: each engine core binds the node's IP
+    on a free port and reports it, and the router follows each rank on its own: what rank 1's
+    BlockPool cached is indexed as rank 1's."""
+    config = vllm.config.KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+    )
+    publishers = [vllm.kv_events.EventPublisherFactory.create(config, data_parallel_rank=r) for r in (0, 1)]
+    try:
+        configs = {r: p.get_publisher_config() for r, p in enumerate(publishers)}
+        assert all(not c.endpoint.endswith(":0") for c in configs.values())  # (resolved by vLLM)
+        cache, sent = VllmCache(vllm, seed=3), 0
+        async with serve(plain_vllm_app(configs, cache_info_page())) as engine:
+            settings = MeshSettings(workers=(WorkerSpec(engine.url, "plain"),), health_interval=0.1)
+            async with serve(build_router_app(settings)) as front:
+                await until_up(front.url, engine.url)
+                row = (await router_rows(front.url))[engine.url]
+                assert row["dp_size"] == 2, row
+                assert row["kv_events_endpoints"] == [configs[0].endpoint, configs[1].endpoint], row
+                while sent < 120:
+                    events = cache.step()
+                    if events:
+                        batch = vllm.kv_events.KVEventBatch(
+                            ts=1.8e9 + sent, events=events, data_parallel_rank=1
+                        )
+                        publishers[1].publish(batch)
+                        sent += 1
+                expected = len(cache.pool.cached_block_hash_to_block)
+                for _ in range(500):
+                    row = (await router_rows(front.url))[engine.url]
+                    if row["indexed_blocks"] == expected:
+                        break
+                    await asyncio.sleep(0.02)
+                by_rank = {r["dp_rank"]: r["indexed_blocks"] for r in row["ranks"]}
+                assert by_rank == {0: 0, 1: expected} and expected > 0, row
+    finally:
+        for publisher in publishers:
+            publisher.shutdown()

@@ -17,6 +17,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -25,10 +27,12 @@ from kvmesh.mock.testing import RunningMock, run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.engine_discovery import NotDiscovered, cache_config, described_sglang, described_vllm
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
+from tests.fuzz.strategies import ANY_JSON
 from tests.router.mesh.test_registry import _until_state, _workers
 from tests.router.servers import serve
 
 BS = 16
+_SGLANG_COUNTS = ("block_size", "dp_size", "endpoint_port_base", "replay_endpoint_port_base")
 PROMPT = "The pump's maintenance manual, section by section, with every torque value listed. " * 12
 
 METRICS = (
@@ -145,6 +149,71 @@ def test_sglang_without_kv_events_or_with_a_description_it_does_not_write_is_nam
             described_sglang(sglang_info(**bad), "http://h:1")
     with pytest.raises(NotDiscovered, match="an object"):
         described_sglang(["not", "sglang"], "http://h:1")
+
+
+_VLLM_RANK = st.fixed_dictionaries(
+    {},
+    optional={
+        "publisher": st.sampled_from(["zmq", "null", "kvmesh", 3]),
+        "endpoint": st.one_of(st.sampled_from(["tcp://*:5557", "tcp://[::]:1", "ipc:///x", ""]), ANY_JSON),
+        "replay_endpoint": st.one_of(st.none(), st.just("tcp://*:5558"), ANY_JSON),
+    },
+)
+_SGLANG_EVENTS = st.fixed_dictionaries(
+    {},
+    optional={
+        "publisher": st.sampled_from(["zmq", "nats", None]),
+        "endpoint_host": st.one_of(st.sampled_from(["*", "::", "10.0.0.1", "fd00::1", ""]), ANY_JSON),
+        **{k: st.one_of(st.integers(-2, 70000), ANY_JSON) for k in _SGLANG_COUNTS},
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sources=st.one_of(ANY_JSON, st.dictionaries(st.sampled_from(["0", "1", "x", "-1"]), _VLLM_RANK)),
+    metrics=st.binary(max_size=300) | st.just(METRICS),
+    models=ANY_JSON,
+)
+def test_any_vllm_answer_is_facts_or_a_named_refusal(sources: Any, metrics: bytes, models: Any) -> None:
+    """Whatever a worker answers (it is another server's word), the reading is facts or
+    NotDiscovered, never a fault of its own; and facts of a dialable kind."""
+    try:
+        facts = described_vllm(sources, metrics, "http://10.0.0.2:8000", models)
+    except NotDiscovered:
+        return
+    assert facts["dp_size"] == len(facts["kv_events_endpoints"]) == len(facts["kv_replay_endpoints"]) > 0
+    assert all(isinstance(e, str) for e in facts["kv_events_endpoints"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    info=st.one_of(
+        ANY_JSON,
+        st.builds(
+            lambda e, extra: {**extra, "kv_events": e},
+            _SGLANG_EVENTS,
+            st.dictionaries(
+                st.sampled_from(
+                    [
+                        "max_total_num_tokens",
+                        "chunked_prefill_size",
+                        "served_model_name",
+                        "enable_priority_scheduling",
+                    ]
+                ),
+                ANY_JSON,
+            ),
+        ),
+    )
+)
+def test_any_sglang_answer_is_facts_or_a_named_refusal(info: Any) -> None:
+    try:
+        facts = described_sglang(info, "http://[fd00::2]:30000")
+    except NotDiscovered:
+        return
+    assert facts["dp_size"] == len(facts["kv_events_endpoints"]) > 0
+    assert all(e.startswith("tcp://") and ":" in e[6:] for e in facts["kv_events_endpoints"])
 
 
 # --------------------------------------------------------------------------- a fleet over HTTP

@@ -34,7 +34,7 @@ class MockConfig:
     pin_budget: float = 0.5  # share of the cache that pins and open sessions may hold
     admin_token: str | None = None
     report_profile: bool = False  # serve the step-time model in /kvmesh/info (real engines have none)
-    worker_rpc: bool = True  # serve kvmesh's /kvmesh/* RPCs; without, a plain vLLM (no kvmesh plugin)
+    worker_rpc: bool = True  # serve the /kvmesh/* RPCs; without, as a vLLM without kvmesh's plugin
     request_log: str | None = None  # append one JSON line per ended request here (benchmarks)
     # disaggregated serving (vLLM's kv_transfer_params protocol, simulated transfer)
     role: Literal["aggregated", "prefill", "decode"] = "aggregated"

@@ -299,8 +299,8 @@ class MockEngine:
             self._announcer.start()
 
     def kv_event_sources(self) -> dict[str, Any]:
-        """vLLM's ``GET /kv_event_sources`` answer: its ZMQ publisher as bound (a wildcard host kept,
-        the port resolved), under its DP rank; {} without one, as vLLM without KV events."""
+        """vLLM's ``GET /kv_event_sources`` answer: its ZMQ publisher as bound (a wildcard host
+        kept, the port resolved), under its DP rank; {} without one, as vLLM without KV events."""
         publisher = self.publisher
         if publisher is None or self.nats_options is not None:
             return {}

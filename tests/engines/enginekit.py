@@ -261,3 +261,14 @@ async def until_up(front: str, url: str) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"{url} never came up: {await router_rows(front)}")
+
+
+async def until_indexed(front: str, url: str, blocks: int) -> dict[str, Any]:
+    """The worker's row once the router at ``front`` indexes ``blocks`` blocks of it (or after
+    ten seconds, for the caller's assertion to show)."""
+    for _ in range(500):
+        row = (await router_rows(front))[url]
+        if row["indexed_blocks"] == blocks:
+            break
+        await asyncio.sleep(0.02)
+    return row

@@ -12,7 +12,6 @@ Run inside the env from ``scripts/engine-env.sh sglang`` (``make test-engines``)
 
 from __future__ import annotations
 
-import asyncio
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +25,7 @@ from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.engine_discovery import described_sglang
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
 from tests.engines import sglang_env
-from tests.engines.enginekit import router_rows, until_up
+from tests.engines.enginekit import router_rows, until_indexed, until_up
 from tests.engines.test_events_sglang import PAGE, sglang, sglang_publisher  # noqa: F401
 from tests.events.eventkit import free_tcp_port
 from tests.router.servers import serve
@@ -124,9 +123,5 @@ async def test_a_plain_sglang_told_by_url_is_followed_through_its_own_publisher(
                 assert row["kv_events_endpoints"] == [f"tcp://127.0.0.1:{pub}"], row
                 for batch in batches[20:]:
                     publisher.publish(batch)
-                for _ in range(500):
-                    row = (await router_rows(front.url))[engine.url]
-                    if row["indexed_blocks"] == len(batches):
-                        break
-                    await asyncio.sleep(0.02)
+                row = await until_indexed(front.url, engine.url, len(batches))
                 assert row["indexed_blocks"] == len(batches), row

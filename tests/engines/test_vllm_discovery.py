@@ -12,7 +12,6 @@ Run inside the env from ``scripts/engine-env.sh vllm`` (``make test-engines``).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from types import SimpleNamespace
 from typing import Any
@@ -23,7 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.engine_discovery import described_vllm
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec
-from tests.engines.enginekit import import_engine_module, router_rows, until_up
+from tests.engines.enginekit import import_engine_module, router_rows, until_indexed, until_up
 from tests.engines.test_events_vllm import BLOCK_SIZE, VllmCache, vllm, vllm_publisher  # noqa: F401
 from tests.events.eventkit import free_tcp_port
 from tests.router.servers import serve
@@ -128,11 +127,7 @@ async def test_a_plain_vllm_told_by_url_is_followed_through_its_own_publisher(
                 assert row["kv_events_endpoints"] == [f"tcp://127.0.0.1:{pub}"], row
                 publish(160)
                 expected = len(cache.pool.cached_block_hash_to_block)
-                for _ in range(500):
-                    row = (await router_rows(front.url))[engine.url]
-                    if row["indexed_blocks"] == expected:
-                        break
-                    await asyncio.sleep(0.02)
+                row = await until_indexed(front.url, engine.url, expected)
                 assert row["indexed_blocks"] == expected > 0, row
 
 
@@ -164,11 +159,7 @@ async def test_two_dp_ranks_on_ports_the_os_chose_are_each_followed(vllm: Simple
                         publishers[1].publish(batch)
                         sent += 1
                 expected = len(cache.pool.cached_block_hash_to_block)
-                for _ in range(500):
-                    row = (await router_rows(front.url))[engine.url]
-                    if row["indexed_blocks"] == expected:
-                        break
-                    await asyncio.sleep(0.02)
+                row = await until_indexed(front.url, engine.url, expected)
                 by_rank = {r["dp_rank"]: r["indexed_blocks"] for r in row["ranks"]}
                 assert by_rank == {0: 0, 1: expected} and expected > 0, row
     finally:

@@ -3,8 +3,9 @@
 Besides what the middleware answers (the generation endpoints, SGLang's ``/generate`` and vLLM's
 token API among them, ``/kvmesh/workers``, ``/busy_threshold``) it serves ``GET /health`` (503
 while no worker is routable; ``/ping`` too, as vLLM names it, ``/readiness``, as sglang-router
-does, and ``/ready`` and ``/readyz``, SGLang's and vLLM's readiness probes), ``GET /live`` and ``/liveness`` (200 while the process serves: the liveness probes of
-Dynamo's frontend and sglang-router), ``GET /v1/models`` (the models the fleet's workers reported;
+does, and ``/ready`` and ``/readyz``, SGLang's and vLLM's readiness probes), ``GET /live`` and
+``/liveness`` (200 while the process serves: the liveness probes of Dynamo's frontend and
+sglang-router), ``GET /v1/models`` (the models the fleet's workers reported;
 ``GET /v1/models/{model}``, one of them),
 ``GET /metrics`` (prometheus-client's registry), the engines' utility endpoints that any worker
 answers alike (``/v1/messages/count_tokens``, ``/tokenize``, ``/detokenize``, SGLang's
@@ -141,7 +142,7 @@ def build_router_app(
             Route("/health", health, methods=["GET"]),
             Route("/ping", health, methods=["GET", "POST"]),  # (vLLM's name for it, GET or POST)
             Route("/readiness", health, methods=["GET"]),  # (sglang-router's name for it)
-            # (SGLang's readiness probe, and vLLM's data-parallel supervisor's two names for its own)
+            # (SGLang's readiness probe, and the two names of vLLM's data-parallel supervisor's)
             Route("/ready", health, methods=["GET"]),
             Route("/readyz", health, methods=["GET"]),
             # (the liveness probes of Dynamo's frontend and of sglang-router, by their names)

@@ -53,8 +53,8 @@ class NotDiscovered(Exception):
 
 def described_vllm(sources: Any, metrics: bytes, url: str, models: Any = None) -> dict[str, Any]:
     """The facts of a worker's ``/kvmesh/info`` that a plain vLLM's ``/kv_event_sources`` answer
-    ``sources``, its ``/metrics`` page and its ``/v1/models`` answer give (see the module docstring);
-    NotDiscovered when it publishes no KV events or its block size cannot be read."""
+    ``sources``, its ``/metrics`` page and its ``/v1/models`` answer give (the module docstring);
+    NotDiscovered when it publishes no KV events a router can dial."""
     ranks = _ranks(sources)
     if not ranks:
         raise NotDiscovered(
@@ -112,6 +112,7 @@ def described_sglang(server_info: Any, url: str) -> dict[str, Any]:
         host = _url_host(url)
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"
+    _far_loopback(host, _url_host(url), f"tcp://{host}:{base}")
     facts: dict[str, Any] = {
         "backend": "sglang",
         "block_size": block_size,
@@ -205,10 +206,26 @@ def _ranks(sources: Any) -> list[tuple[int, dict[str, Any]]]:
 
 
 def _dialable(endpoint: str, host: str) -> str:
-    """A rank's endpoint as this router dials it: a bind to every interface names the worker's host."""
+    """A rank's endpoint as this router dials it (a bind to every interface: the worker's host);
+    NotDiscovered for a loopback bind of a worker on another host, which this router would dial
+    on its own host and hear nothing from."""
     if bound_to_every_interface(endpoint):
         return f"tcp://{host}:{endpoint.rpartition(':')[2]}"
+    _far_loopback(endpoint.removeprefix("tcp://").rpartition(":")[0], host, endpoint)
     return endpoint
+
+
+def _far_loopback(bound: str, host: str, endpoint: str) -> None:
+    if _is_loopback(bound) and not _is_loopback(host):
+        raise NotDiscovered(
+            f"publishes its KV events on {endpoint}, a loopback address: a router on another host "
+            "cannot reach it; bind the publisher to every interface (tcp://*:PORT)"
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    name = host.strip("[]").lower()
+    return name == "localhost" or name == "::1" or name.startswith("127.")
 
 
 def _served_model(models: Any) -> str | None:

@@ -486,7 +486,8 @@ class WorkerRegistry:
             )
 
         if not isinstance(no_info, Refused) or no_info.status != 404:
-            raise undescribed(f"no /kvmesh/info ({no_info})")  # (no HTTP, or refused us: nothing to read)
+            # (no HTTP at all, or a refusal of us: nothing more to read)
+            raise undescribed(f"no /kvmesh/info ({no_info})")
         try:
             sources = await self.rpc.call(w.worker_id, w.url, "GET", SOURCES_PATH, None)
         except Refused as e:

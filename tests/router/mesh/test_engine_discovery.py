@@ -77,6 +77,17 @@ def test_an_endpoint_naming_a_host_is_kept_and_an_ipv6_worker_is_bracketed() -> 
     assert "block_size" not in facts and "model" not in facts  # (no metrics, no models: not guessed)
 
 
+def test_a_loopback_publisher_of_a_worker_on_another_host_is_named() -> None:
+    """Dialled as told, it would be the router's own loopback: the worker would be up, its index
+    empty for good. A worker on this host may bind loopback."""
+    with pytest.raises(NotDiscovered, match="tcp://127.0.0.1:5557, a loopback address"):
+        described_vllm({"0": source("tcp://127.0.0.1:5557")}, METRICS, "http://10.0.0.7:8000")
+    with pytest.raises(NotDiscovered, match=r"tcp://\[::1\]:5557, a loopback address"):
+        described_sglang(sglang_info(endpoint_host="::1"), "http://gpu-2:30000")
+    here = described_vllm({"0": source("tcp://127.0.0.1:5557")}, METRICS, "http://localhost:8000")
+    assert here["kv_events_endpoints"] == ["tcp://127.0.0.1:5557"]
+
+
 def test_an_engine_without_kv_events_is_told_how_to_start() -> None:
     with pytest.raises(NotDiscovered, match="--kv-events-config"):
         described_vllm({}, METRICS, "http://h:1")

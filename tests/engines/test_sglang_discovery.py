@@ -121,6 +121,7 @@ async def test_a_plain_sglang_told_by_url_is_followed_through_its_own_publisher(
                 row = (await router_rows(front.url))[engine.url]
                 assert (row["backend"], row["block_size"], row["dp_size"]) == ("sglang", PAGE, 1), row
                 assert row["kv_events_endpoints"] == [f"tcp://127.0.0.1:{pub}"], row
+                assert row["described_by"] == "/server_info", row
                 for batch in batches[20:]:
                     publisher.publish(batch)
                 row = await until_indexed(front.url, engine.url, len(batches))

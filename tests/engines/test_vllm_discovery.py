@@ -125,6 +125,7 @@ async def test_a_plain_vllm_told_by_url_is_followed_through_its_own_publisher(
                     "plain-model",
                 )
                 assert row["kv_events_endpoints"] == [f"tcp://127.0.0.1:{pub}"], row
+                assert row["described_by"] == "/kv_event_sources", row
                 publish(160)
                 expected = len(cache.pool.cached_block_hash_to_block)
                 row = await until_indexed(front.url, engine.url, expected)

@@ -68,6 +68,8 @@ PENDING, UP, DOWN, REFUSED = "pending", "up", "down", "refused"
 _ADAPTER_REFRESH_CHECKS = 5
 # Capacity assumed for a worker that describes nothing (round-robin / random over plain servers).
 _DEFAULT_TOTAL_BLOCKS = 1 << 20
+DESCRIBED_BY = "_described_by"
+"""The key under which :meth:`WorkerRegistry._discover` names the route it read (no fact)."""
 _DEFAULT_BATCHED_TOKENS = 1 << 20
 
 
@@ -97,6 +99,9 @@ class WorkerInfo:
     """``timing_profile.prefill_ms`` of its info: prefill ms of T uncached tokens = a2*T^2 + a1*T + a0."""
     tokens_api: bool = False
     """Its server answers vLLM's token-in-token-out API (``/inference/v1/generate``)."""
+    described_by: str = "config"
+    """Where its facts came from, besides its config entry: ``/kvmesh/info``, or a stock engine's
+    own route (vLLM's ``/kv_event_sources``, SGLang's ``/server_info``)."""
 
 
 @dataclass(slots=True)
@@ -125,7 +130,7 @@ class Worker:
 
 
 def _merge(
-    spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: int, *, has_rpc: bool
+    spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: int, *, has_rpc: bool, source: str
 ) -> WorkerInfo:
     """Spec fields win over the worker's own description (its ``/kvmesh/info``, or what a plain
     engine's routes tell: ``has_rpc`` False); missing ones get safe defaults. A description with a
@@ -160,6 +165,7 @@ def _merge(
         bootstrap_port=pick("bootstrap_port", None),
         prefill_profile=_profile(_timing(info or {}).get("prefill_ms")),
         tokens_api=pick("tokens_api", False),
+        described_by=source if info is not None else "config",
     )
 
 
@@ -315,6 +321,7 @@ class WorkerRegistry:
                     "priority_polarity": info.priority_polarity if info else None,
                     "role": info.role if info else w.spec.role,
                     "tokens_api": info.tokens_api if info else None,
+                    "described_by": info.described_by if info else None,
                     "lora_adapters": sorted(w.adapters),
                     # (where the router follows its KV events: told, configured or discovered)
                     "kv_events_endpoints": list(info.kv_events_endpoints) if info else [],
@@ -441,7 +448,9 @@ class WorkerRegistry:
         if not self._current(w):
             return
         told = raw if isinstance(raw, dict) else None
-        info = _merge(spec, told if found is None else found, self.block_size or 16, has_rpc=told is not None)
+        source = "/kvmesh/info" if found is None else found.pop(DESCRIBED_BY)
+        facts = told if found is None else found
+        info = _merge(spec, facts, self.block_size or 16, has_rpc=told is not None, source=source)
         if self.block_size is None:
             self.block_size = info.block_size
         elif info.block_size != self.block_size:
@@ -501,7 +510,7 @@ class WorkerRegistry:
                     f"{SERVER_INFO_PATH} failed ({e})"
                 ) from None
             try:
-                return described_sglang(server_info, w.url)
+                return {**described_sglang(server_info, w.url), DESCRIBED_BY: SERVER_INFO_PATH}
             except NotDiscovered as e:
                 raise WorkerError(f"an SGLang without kvmesh's adapter that {e}") from None
         except ConnectFailed as e:
@@ -521,7 +530,7 @@ class WorkerRegistry:
                 "a vLLM without kvmesh's plugin whose /metrics has no vllm:cache_config_info to read "
                 "its block size from (is --disable-log-stats on?); give block_size in its config entry"
             )
-        return found
+        return {**found, DESCRIBED_BY: SOURCES_PATH}
 
     async def _read_adapters(self, w: Worker, raw_info: dict[str, Any] | None) -> None:
         """``lora_adapters`` from the worker's info, else its ``/v1/models`` entries with a parent."""

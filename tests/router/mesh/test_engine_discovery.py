@@ -255,6 +255,7 @@ async def test_a_plain_vllm_needs_only_its_url(http: aiohttp.ClientSession) -> N
         for m in mocks:
             row = rows[m.base_url]
             assert (row["backend"], row["block_size"], row["dp_size"]) == ("vllm", BS, 1), row
+            assert row["described_by"] == "/kv_event_sources", row
             assert row["model"] == m.config.model
             assert row["kv_events_endpoints"] == [m.engine.events_endpoint], row
         model = mocks[0].config.model
@@ -309,6 +310,7 @@ async def test_a_plain_sglang_is_read_from_its_server_info(http: aiohttp.ClientS
                     "qwen",
                 )
                 assert row["kv_events_endpoints"] == [events], row
+                assert row["described_by"] == "/server_info", row
                 body = {"model": mock.config.model, "prompt": PROMPT, "max_tokens": 2}
                 async with http.post(mock.base_url + "/v1/completions", json=body) as r:
                     assert r.status == 200
@@ -358,3 +360,26 @@ async def test_a_configured_fact_wins_over_what_the_engine_tells(http: aiohttp.C
             row = (await _workers(http, front.url))[mock.base_url]
             assert (row["model"], row["block_size"]) == ("configured-name", BS), row
             assert row["kv_events_endpoints"] == [mock.engine.events_endpoint], row
+
+
+async def test_each_worker_shows_where_its_facts_came_from(http: aiohttp.ClientSession) -> None:
+    """``described_by`` in ``GET /kvmesh/workers``: its own ``/kvmesh/info``, or its config entry
+    alone when that describes it in full (the router then asks nothing)."""
+    async with run_mock(block_size=BS) as told, run_mock(block_size=BS, worker_rpc=False) as entry:
+        described = WorkerSpec(
+            entry.base_url,
+            entry.base_url,
+            block_size=BS,
+            kv_events_endpoints=(str(entry.engine.events_endpoint),),
+            max_num_batched_tokens=8192,
+            total_kv_blocks=1024,
+        )
+        settings = MeshSettings(
+            workers=(WorkerSpec(told.base_url, told.base_url), described), health_interval=0.1
+        )
+        async with serve(build_router_app(settings)) as front:
+            for m in (told, entry):
+                await _until_state(http, front.url, m.base_url, "up")
+            rows = await _workers(http, front.url)
+            assert rows[told.base_url]["described_by"] == "/kvmesh/info"
+            assert rows[entry.base_url]["described_by"] == "config"

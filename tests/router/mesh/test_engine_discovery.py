@@ -80,7 +80,7 @@ def test_an_endpoint_naming_a_host_is_kept_and_an_ipv6_worker_is_bracketed() -> 
 def test_a_loopback_publisher_of_a_worker_on_another_host_is_named() -> None:
     """Dialled as told, it would be the router's own loopback: the worker would be up, its index
     empty for good. A worker on this host may bind loopback."""
-    with pytest.raises(NotDiscovered, match="tcp://127.0.0.1:5557, a loopback address"):
+    with pytest.raises(NotDiscovered, match=r"tcp://127\.0\.0\.1:5557, a loopback address"):
         described_vllm({"0": source("tcp://127.0.0.1:5557")}, METRICS, "http://10.0.0.7:8000")
     with pytest.raises(NotDiscovered, match=r"tcp://\[::1\]:5557, a loopback address"):
         described_sglang(sglang_info(endpoint_host="::1"), "http://gpu-2:30000")

@@ -7,9 +7,8 @@ For each configured worker the registry
    taking precedence; a plain ``vllm serve --kv-events-config ...`` or SGLang (no kvmesh plugin,
    so no ``/kvmesh/info``) is read from the engine's own routes (vLLM's ``/kv_event_sources`` and
    ``/metrics``, SGLang's ``/server_info``: :mod:`~kvmesh.router.mesh.engine_discovery`), or
-   described in full by its spec instead; in
-   round-robin / random mode (or without KV events) a plain OpenAI-compatible server needs
-   nothing but its URL;
+   described in full by its spec instead; in round-robin / random mode (or without KV events) a
+   plain OpenAI-compatible server needs nothing but its URL;
 2. refuses it, loudly, when its block size differs from the fleet's (hashes would never match);
 3. registers it with the KvRouter and has the :class:`~kvmesh.router.mesh.event_feed.EventFeed`
    cold-start its index and follow its KV events;
@@ -166,6 +165,14 @@ def _merge(
         prefill_profile=_profile(_timing(info or {}).get("prefill_ms")),
         tokens_api=pick("tokens_api", False),
         described_by=source if info is not None else "config",
+    )
+
+
+def _undescribed(why: str) -> WorkerError:
+    """A worker KV routing cannot follow, and how to describe it."""
+    return WorkerError(
+        f"{why}; describe it in the config (block_size, kv_events_endpoints, "
+        "max_num_batched_tokens, total_kv_blocks) or use --router-mode round-robin"
     )
 
 
@@ -487,34 +494,15 @@ class WorkerRegistry:
         """What a worker without ``/kvmesh/info`` says of itself on its engine's own routes
         (:mod:`~kvmesh.router.mesh.engine_discovery`: vLLM's ``/kv_event_sources``, else SGLang's
         ``/server_info``), or a WorkerError saying what to give."""
-
-        def undescribed(why: str) -> WorkerError:
-            return WorkerError(
-                f"{why}; describe it in the config (block_size, kv_events_endpoints, "
-                "max_num_batched_tokens, total_kv_blocks) or use --router-mode round-robin"
-            )
-
         if not isinstance(no_info, Refused) or no_info.status != 404:
             # (no HTTP at all, or a refusal of us: nothing more to read)
-            raise undescribed(f"no /kvmesh/info ({no_info})")
+            raise _undescribed(f"no /kvmesh/info ({no_info})")
         try:
             sources = await self.rpc.call(w.worker_id, w.url, "GET", SOURCES_PATH, None)
-        except Refused as e:
-            if e.status != 404:
-                raise undescribed(f"no /kvmesh/info, and vLLM's {SOURCES_PATH} failed ({e})") from None
-            try:
-                server_info = await self.rpc.call(w.worker_id, w.url, "GET", SERVER_INFO_PATH, None)
-            except ConnectFailed as e:
-                raise undescribed(
-                    f"no /kvmesh/info or vLLM's {SOURCES_PATH} (HTTP 404 both), and SGLang's "
-                    f"{SERVER_INFO_PATH} failed ({e})"
-                ) from None
-            try:
-                return {**described_sglang(server_info, w.url), DESCRIBED_BY: SERVER_INFO_PATH}
-            except NotDiscovered as e:
-                raise WorkerError(f"an SGLang without kvmesh's adapter that {e}") from None
         except ConnectFailed as e:
-            raise undescribed(f"no /kvmesh/info, and vLLM's {SOURCES_PATH} failed ({e})") from None
+            if isinstance(e, Refused) and e.status == 404:
+                return await self._discover_sglang(w)
+            raise _undescribed(f"no /kvmesh/info, and vLLM's {SOURCES_PATH} failed ({e})") from None
         metrics = b""
         with contextlib.suppress(ConnectFailed):
             metrics = await self.rpc.metrics_text(w.worker_id, w.url)
@@ -531,6 +519,20 @@ class WorkerRegistry:
                 "its block size from (is --disable-log-stats on?); give block_size in its config entry"
             )
         return {**found, DESCRIBED_BY: SOURCES_PATH}
+
+    async def _discover_sglang(self, w: Worker) -> dict[str, Any]:
+        """The SGLang reading of :meth:`_discover`, for a server with no vLLM route."""
+        try:
+            server_info = await self.rpc.call(w.worker_id, w.url, "GET", SERVER_INFO_PATH, None)
+        except ConnectFailed as e:
+            raise _undescribed(
+                f"no /kvmesh/info or vLLM's {SOURCES_PATH} (HTTP 404 both), and SGLang's "
+                f"{SERVER_INFO_PATH} failed ({e})"
+            ) from None
+        try:
+            return {**described_sglang(server_info, w.url), DESCRIBED_BY: SERVER_INFO_PATH}
+        except NotDiscovered as e:
+            raise WorkerError(f"an SGLang without kvmesh's adapter that {e}") from None
 
     async def _read_adapters(self, w: Worker, raw_info: dict[str, Any] | None) -> None:
         """``lora_adapters`` from the worker's info, else its ``/v1/models`` entries with a parent."""

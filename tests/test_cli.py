@@ -197,6 +197,15 @@ _RELAY = ["events", "relay", "tcp://127.0.0.1:5557", "--nats", "nats://127.0.0.1
             [*_RELAY, "--register", "http://127.0.0.1:1", "--nats-worker-ttl", "1e10"],
             "kvmesh events relay: --nats-worker-ttl must be at most 9223372036, got 10000000000.0",
         ),
+        (  # (nothing to follow: no endpoint given, none to read)
+            ["events", "relay", "--nats", "nats://127.0.0.1:4222", "--name", "n"],
+            "kvmesh events relay: give the engine's ENDPOINT(s), or --register URL (without "
+            "--no-engine-info) to read them from the engine",
+        ),
+        (
+            ["events", "relay", "--nats", "nats://127.0.0.1:4222", "--register", "http://127.0.0.1:1"],
+            "kvmesh events relay: cannot read http://127.0.0.1:1 (",
+        ),
     ],
 )
 def test_an_endpoint_or_url_that_cannot_be_used_is_refused_before_a_socket_opens(

@@ -1,4 +1,6 @@
-"""``kvmesh events tap ENDPOINT``: print a KV-event stream as it arrives, one line per batch.
+"""``kvmesh events tap ENDPOINT``: print a KV-event stream as it arrives, one line per batch; or
+``kvmesh events tap URL``: an engine's stream, its endpoints read from the engine
+(:mod:`kvmesh.commands.engine_facts`).
 (``kvmesh events relay`` is in :mod:`kvmesh.commands.events_relay`.)
 
 It uses the same subscriber as the router (gap detection, replay, reconnect), so what it prints
@@ -15,7 +17,14 @@ import json
 import sys
 from collections import Counter
 
-from kvmesh.commands.argtypes import connect_endpoint, non_negative_int, positive_float, positive_int
+from kvmesh.commands.argtypes import (
+    connect_endpoint,
+    http_url,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from kvmesh.commands.engine_facts import read_engine
 from kvmesh.errors import ConfigError
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import MAX_SEQ, BlockRemoved, BlockStored, EngineHashT, EventBatch, event_to_json
@@ -43,7 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tap.add_argument(
         "endpoint",
         metavar="ENDPOINT",
-        help="the publisher's PUB endpoint, e.g. tcp://127.0.0.1:5557 (connected to, unless --bind)",
+        help="the publisher's PUB endpoint, e.g. tcp://127.0.0.1:5557 (connected to, unless --bind); "
+        "or an engine's URL, e.g. http://10.0.0.1:8000, whose events (and replay) are read from its "
+        "/kvmesh/info, or a stock vLLM's /kv_event_sources or SGLang's /server_info",
+    )
+    tap.add_argument(
+        "--rank",
+        type=non_negative_int,
+        metavar="N",
+        help="with an engine's URL: the data-parallel rank whose stream to follow [0]",
     )
     tap.add_argument(
         "--replay-endpoint",
@@ -96,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _tap(args: argparse.Namespace) -> int:
+    endpoint, replay = await _stream(args)
     printed = 0
     enough = asyncio.Event()
 
@@ -112,9 +130,9 @@ async def _tap(args: argparse.Namespace) -> int:
         print(f"kvmesh events tap: stream reset: {reason}", file=sys.stderr, flush=True)
 
     subscriber = EventSubscriber(
-        args.endpoint,
+        endpoint,
         on_batch,
-        replay_endpoint=args.replay_endpoint,
+        replay_endpoint=replay,
         topic=args.topic.encode(),
         bind=args.bind,
         on_reset=on_reset,
@@ -139,6 +157,42 @@ async def _tap(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+async def _stream(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(the PUB endpoint, the replay endpoint) to follow: as given, or read from the engine whose
+    URL was given (its rank ``--rank``, told on stderr)."""
+    if not args.endpoint.startswith(("http://", "https://")):
+        if args.rank is not None:
+            raise ConfigError("--rank picks a stream of an engine's URL: give the URL, not an endpoint")
+        return args.endpoint, args.replay_endpoint
+    if args.bind:
+        raise ConfigError("--bind binds an endpoint; an engine's URL names the engine's own publisher")
+    try:
+        url = http_url(args.endpoint)
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(str(e)) from None
+    facts, where = await read_engine(url)
+    endpoints = facts.get("kv_events_endpoints") or []
+    rank = args.rank or 0
+    if not isinstance(endpoints, list) or not endpoints:
+        raise ConfigError(f"{url} publishes no KV events (its {where} names no endpoint)")
+    if rank >= len(endpoints):
+        raise ConfigError(f"--rank {rank}: {url} has {len(endpoints)} data-parallel rank(s)")
+    replays = facts.get("kv_replay_endpoints") or []
+    told = replays[rank] if isinstance(replays, list) and rank < len(replays) else None
+    try:
+        endpoint = connect_endpoint(str(endpoints[rank]))
+        replay = args.replay_endpoint or (connect_endpoint(str(told)) if told else None)
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"{url}'s {where} names an endpoint kvmesh cannot dial: {e}") from None
+    print(
+        f"kvmesh events tap: rank {rank} of {url} (read from {where}): {endpoint}"
+        + (f", replay {replay}" if replay else ", no replay"),
+        file=sys.stderr,
+        flush=True,
+    )
+    return endpoint, replay
 
 
 def format_json(seq: int, batch: EventBatch) -> str:

@@ -16,9 +16,8 @@ import signal
 import sys
 from typing import Any
 
-import aiohttp
-
 from kvmesh.commands.argtypes import connect_endpoint, http_url, positive_float, positive_int
+from kvmesh.commands.engine_facts import read_engine
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import MAX_REPLICAS, MAX_SECONDS, NatsOptions, parse_event_plane
 
@@ -39,11 +38,13 @@ def add_parser(actions: Any) -> None:
     )
     relay.add_argument(
         "endpoints",
-        nargs="+",
+        nargs="*",
         type=connect_endpoint,
         metavar="ENDPOINT",
         help="the engine's PUB endpoint(s), one per data-parallel rank in rank order "
-        "(e.g. tcp://10.0.0.1:5557 tcp://10.0.0.1:5558 for dp 2)",
+        "(e.g. tcp://10.0.0.1:5557 tcp://10.0.0.1:5558 for dp 2); none with --register URL: read "
+        "from the engine, with its replay endpoints (its /kvmesh/info, or a stock vLLM's "
+        "/kv_event_sources or SGLang's /server_info)",
     )
     relay.add_argument(
         "--replay-endpoint",
@@ -176,6 +177,24 @@ def _options(args: argparse.Namespace) -> NatsOptions:
     )
 
 
+def _told_endpoints(told: dict[str, Any], where: str) -> tuple[list[str], list[str | None]]:
+    """The PUB and replay endpoints an engine's description names, one per DP rank, to connect to;
+    ConfigError when it names none (or one kvmesh cannot dial: already on NATS, say)."""
+    endpoints = told.get("kv_events_endpoints")
+    if not isinstance(endpoints, list) or not endpoints:
+        raise ConfigError(f"the engine publishes no KV events (its {where} names no endpoint)")
+    replays = told.get("kv_replay_endpoints")
+    replays = (
+        replays if isinstance(replays, list) and len(replays) == len(endpoints) else [None] * len(endpoints)
+    )
+    try:
+        return [connect_endpoint(str(e)) for e in endpoints], [
+            connect_endpoint(str(r)) if r else None for r in replays
+        ]
+    except argparse.ArgumentTypeError as e:
+        raise ConfigError(f"the engine's {where} names an endpoint the relay cannot follow: {e}") from None
+
+
 def parse_facts(items: list[str]) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     for item in items:
@@ -202,35 +221,10 @@ def parse_facts(items: list[str]) -> dict[str, Any]:
     return facts
 
 
-async def engine_info(url: str) -> dict[str, Any]:
-    """The engine's ``/kvmesh/info`` (ConfigError when it does not answer one)."""
-    from kvmesh.bench.runner import read_capped  # (here: `kvmesh --help` imports this module)
-
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
-            http.get(url.rstrip("/") + "/kvmesh/info") as r,
-        ):
-            if r.status != 200:
-                raise ConfigError(
-                    f"{url}/kvmesh/info answered HTTP {r.status}; use --no-engine-info and --fact"
-                )
-            doc = json.loads(await read_capped(r))
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-        raise ConfigError(f"cannot read {url}/kvmesh/info ({e}); use --no-engine-info and --fact") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{url}/kvmesh/info is not a JSON object")
-    return doc
-
-
 async def _relay(args: argparse.Namespace) -> int:
     from kvmesh.events.relay import EventRelay, RelaySource
     from kvmesh.router.mesh.settings import MeshSettings  # (its default registration lifetime)
 
-    if args.replay_endpoint and len(args.replay_endpoint) != len(args.endpoints):
-        raise ConfigError(
-            f"give --replay-endpoint once per ENDPOINT ({len(args.endpoints)}), got {len(args.replay_endpoint)}"
-        )
     options = _options(args)  # its limits before anything is read or opened
     ttl = MeshSettings.nats_worker_ttl if args.nats_worker_ttl is None else args.nats_worker_ttl
     if ttl > MAX_SECONDS:
@@ -247,12 +241,24 @@ async def _relay(args: argparse.Namespace) -> int:
     if not name:
         raise ConfigError("give --name (or --register URL, whose URL names the subjects)")
     facts = parse_facts(args.fact)
-    info: dict[str, Any] = {}
+    told: dict[str, Any] = {}
+    where = ""
     if registering and not args.no_engine_info:
-        info = await engine_info(args.register)
-    info = {**{k: v for k, v in info.items() if k != "kv_replay_endpoints"}, **facts}
-    replays = args.replay_endpoint or [None] * len(args.endpoints)
-    sources = [RelaySource(e, r) for e, r in zip(args.endpoints, replays, strict=True)]
+        told, where = await read_engine(args.register)
+    endpoints, replays = list(args.endpoints), list(args.replay_endpoint)
+    if not endpoints:
+        if not told:
+            raise ConfigError(
+                "give the engine's ENDPOINT(s), or --register URL (without --no-engine-info) to read "
+                "them from the engine"
+            )
+        endpoints, found = _told_endpoints(told, where)
+        replays = replays or found
+    if replays and len(replays) != len(endpoints):
+        raise ConfigError(f"give --replay-endpoint once per ENDPOINT ({len(endpoints)}), got {len(replays)}")
+    info = {**{k: v for k, v in told.items() if k != "kv_replay_endpoints"}, **facts}
+    replays = replays or [None] * len(endpoints)
+    sources = [RelaySource(e, r) for e, r in zip(endpoints, replays, strict=True)]
     relay = EventRelay(options, name, sources, topic=args.topic.encode(), buffer_batches=args.buffer_batches)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -263,7 +269,7 @@ async def _relay(args: argparse.Namespace) -> int:
         if registering:
             relay.register(args.worker_id or args.register, args.register, info, ttl=ttl)
         print(
-            f"kvmesh events relay: {', '.join(args.endpoints)} -> {', '.join(relay.nats_endpoints)}",
+            f"kvmesh events relay: {', '.join(endpoints)} -> {', '.join(relay.nats_endpoints)}",
             file=sys.stderr,
             flush=True,
         )

@@ -21,6 +21,7 @@ from starlette.routing import Route
 from kvmesh.events.nats_link import SEQ_HEADER, NatsOptions, import_nats
 from kvmesh.events.publisher import KvEventPublisher
 from kvmesh.events.wire import BlockStored, decode_batch
+from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.mesh.settings import MeshSettings
 from tests.events.natskit import HOST, nats_server
@@ -158,3 +159,52 @@ async def test_relay_carries_a_zmq_stream_into_a_nats_routers_index() -> None:
         stats = json.loads(summary.split("stopped ", 1)[1])
         assert stats["relayed"] == early + live and stats["stored"] == early + live, stats
         assert stats["gaps"] >= 1 and stats["unrecoverable"] == 0, stats  # the early batches, by replay
+
+
+async def test_relay_reads_a_stock_engines_endpoints_and_facts_from_its_url() -> None:
+    """``kvmesh events relay --nats ... --register URL`` with no ENDPOINT: a stock vLLM's routes
+    (served by ``kvmesh mock --no-worker-rpc``) give the relay its publisher and replay endpoints
+    and the registration its block size, cache size and backend, so the NATS router routes to it
+    with nothing written by hand. Before, the relay wanted each endpoint, and ``--no-engine-info``
+    with a ``--fact`` per fact for an engine without ``/kvmesh/info``."""
+    with nats_server() as node:
+        async with (
+            run_mock(block_size=BLOCK, speedup=50.0, worker_rpc=False) as mock,
+            aiohttp.ClientSession() as http,
+        ):
+            relay = subprocess.Popen(
+                [sys.executable, "-m", "kvmesh", "events", "relay", "--nats", node.url,
+                 "--register", mock.base_url, "--nats-worker-ttl", "2"],
+                stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )  # fmt: skip
+            try:
+                assert relay.stderr is not None
+                started = await asyncio.to_thread(relay.stderr.readline)
+                assert started.startswith(f"kvmesh events relay: {mock.engine.events_endpoint} -> nats:"), (
+                    started
+                )
+                settings = MeshSettings(event_plane=node.url, nats_worker_ttl=2.0, health_interval=0.2)
+                async with serve(build_router_app(settings)) as front:
+                    row: dict[str, Any] = {}
+                    for _ in range(300):
+                        row = (await _rows(http, front.url)).get(mock.base_url, {})
+                        if row.get("state") == "up":
+                            break
+                        await asyncio.sleep(0.05)
+                    assert (row.get("state"), row.get("backend"), row.get("block_size")) == (
+                        "up",
+                        "vllm",
+                        BLOCK,
+                    ), row
+                    body = {"model": mock.config.model, "prompt": "relayed " * 60, "max_tokens": 1}
+                    async with http.post(front.url + "/v1/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+                    for _ in range(300):
+                        row = (await _rows(http, front.url))[mock.base_url]
+                        if row["indexed_blocks"] > 0:
+                            break
+                        await asyncio.sleep(0.05)
+                    assert row["indexed_blocks"] > 0, row
+            finally:
+                relay.send_signal(signal.SIGINT)
+                assert relay.wait(15) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -11,10 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvmesh.events.publisher import BatchPublisher
 from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvmesh.mock.testing import run_mock
 from tests.events.eventkit import free_tcp_port, make_batch
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_engine_publisher.py"
@@ -293,3 +296,48 @@ def test_custom_engine_example_is_read_back_by_the_tap() -> None:
         cleared = any(e["type"] == "AllBlocksCleared" for e in batch["events"])
         assert published[batch["seq"]] == (stored, removed, cleared)
     assert [json.loads(line)["seq"] for line in tapped.splitlines()] == list(range(12))
+
+
+async def _tap_async(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvmesh", "events", "tap", *args,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_tap_follows_an_engine_given_by_its_url() -> None:
+    """``kvmesh events tap URL``: the stream of an engine without kvmesh's RPCs (a stock vLLM's
+    routes, served by the mock), its endpoints read from its ``/kv_event_sources``, its first
+    batch replayed from sequence 0. Before, the URL was refused as no ZMQ endpoint."""
+    async with run_mock(block_size=16, speedup=50.0, worker_rpc=False) as mock, httpx.AsyncClient() as http:
+        body = {"model": mock.config.model, "prompt": "tap me " * 40, "max_tokens": 1}
+        assert (await http.post(mock.base_url + "/v1/completions", json=body)).status_code == 200
+        code, out, err = await _tap_async(
+            mock.base_url, "--from-seq", "0", "--count", "1", "--json", "--timeout", "20"
+        )
+        assert code == 0, err
+        told = f"rank 0 of {mock.base_url} (read from /kv_event_sources): {mock.engine.events_endpoint}, "
+        assert told + f"replay {mock.engine.replay_endpoint}" in err, err
+        first = json.loads(out.splitlines()[0])
+        assert first["seq"] == 0 and first["events"][0]["type"] == "BlockStored", first
+
+
+async def test_tap_of_a_url_says_what_it_cannot_follow() -> None:
+    async with (
+        run_mock(block_size=16, worker_rpc=False) as mock,
+        run_mock(worker_rpc=False, events=False) as quiet,
+    ):
+        code, _, err = await _tap_async(mock.base_url, "--rank", "1", "--timeout", "5")
+        assert (code, err.strip()) == (
+            2,
+            f"kvmesh events tap: --rank 1: {mock.base_url} has 1 data-parallel rank(s)",
+        )
+        code, _, err = await _tap_async(quiet.base_url, "--timeout", "5")
+        assert code == 2 and "an engine that publishes no KV events" in err, err
+        code, _, err = await _tap_async("tcp://127.0.0.1:5557", "--rank", "0", "--timeout", "5")
+        assert code == 2 and "--rank picks a stream of an engine's URL" in err, err
+        code, _, err = await _tap_async(mock.base_url, "--bind", "--timeout", "5")
+        assert code == 2 and "--bind binds an endpoint" in err, err

@@ -64,6 +64,9 @@ class GaugeSource:
     """(plane kind, 1 if connected else 0): 0 means routing on the last known state."""
     engine_load: Callable[[], Iterable[tuple[str, float, float]]] = lambda: ()
     """(worker, running, waiting) as the engines' own /metrics report them."""
+    running: Callable[[], bool] = lambda: True
+    """Whether the router serves now (a stopped one not yet collected reports only if no running
+    one has its replica name)."""
 
 
 class _LiveRouters(Collector):
@@ -113,8 +116,16 @@ class _LiveRouters(Collector):
         )
         with self._lock:
             owners = list(self._sources)
-        for owner in owners:
-            source: GaugeSource = owner._kvmesh_gauge_source
+        sources: list[GaugeSource] = [owner._kvmesh_gauge_source for owner in owners]
+        seen: set[str] = set()
+        # (one series per replica name: two with the same labels make an exposition OpenMetrics
+        # refuses. Two routers of one process share a name only when given one self id, as a
+        # router stopped and not yet collected shares it with the one that replaced it: the
+        # running one is reported.)
+        for source in sorted(sources, key=lambda s: not s.running()):
+            if source.replica in seen:
+                continue
+            seen.add(source.replica)
             for worker, rank, blocks, tokens in source.workers():
                 decode.add_metric([source.replica, worker, str(rank)], blocks)
                 prefill.add_metric([source.replica, worker, str(rank)], tokens)

@@ -46,6 +46,8 @@ from kvmesh.router.request.tokenizer import BuiltinTokenizer, HfTokenizer, Token
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder
 
 logger = logging.getLogger("kvmesh.router")
+_ROUTER_NUMBERS = itertools.count()
+"""Numbers this process's routers, for their replica names."""
 
 ASGIApp = Any
 _HOUSEKEEPING_INTERVAL = 0.25
@@ -117,8 +119,10 @@ class Mesh:
             local_id=settings.self_worker_id,
             local_app=self.local_app,
         )
+        # (numbered, not named by the object's address: two routers alive in one process had
+        # the same low bits of theirs, one replica name, and an exposition OpenMetrics refused)
         self.replica = settings.self_worker_id or (
-            f"router-{socket.gethostname()}-{os.getpid()}-{id(self) & 0xFFFF:x}"
+            f"router-{socket.gethostname()}-{os.getpid()}-{next(_ROUTER_NUMBERS)}"
         )
         nats_options = settings.nats_options
         # --event-plane nats://...: one connection carries KV events, replica sync and discovery.
@@ -220,6 +224,7 @@ class Mesh:
                 self._live_ratios,
                 self._plane_connected,
                 self.registry.engine_loads,
+                lambda: self._started,
             ),
         )
 

@@ -204,7 +204,7 @@ _RELAY = ["events", "relay", "tcp://127.0.0.1:5557", "--nats", "nats://127.0.0.1
         ),
         (
             ["events", "relay", "--nats", "nats://127.0.0.1:4222", "--register", "http://127.0.0.1:1"],
-            "kvmesh events relay: cannot read http://127.0.0.1:1 (",
+            "kvmesh events relay: cannot read http://127.0.0.1:1/kvmesh/info (",
         ),
     ],
 )

@@ -50,7 +50,7 @@ async def read_engine(url: str, *, timeout: float = 5.0) -> tuple[dict[str, Any]
                 return described_sglang(server_info, base), SERVER_INFO_PATH
     except NotDiscovered as e:
         raise ConfigError(f"{base}: an engine that {e}") from None
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:  # (opening the session: the rest is _get's)
         raise ConfigError(f"cannot read {base} ({e or type(e).__name__})") from None
     raise ConfigError(
         f"{base} describes itself nowhere: no {INFO_PATH} (kvmesh's), {SOURCES_PATH} (vLLM's) or "
@@ -59,14 +59,18 @@ async def read_engine(url: str, *, timeout: float = 5.0) -> tuple[dict[str, Any]
 
 
 async def _get(http: aiohttp.ClientSession, url: str, *, parse: bool = True) -> tuple[int, Any]:
-    """(status, the decoded JSON answer, or its bytes without ``parse``; None when not 200)."""
+    """(status, the decoded JSON answer, or its bytes without ``parse``; None when not 200); a
+    ConfigError naming ``url`` when it cannot be read."""
     from kvmesh.bench.runner import read_capped  # (here: `kvmesh --help` imports this module)
 
-    async with http.get(url) as r:
-        if r.status != 200:
-            return r.status, None
-        raw = await read_capped(r)
-    return 200, json.loads(raw) if parse else raw
+    try:
+        async with http.get(url) as r:
+            if r.status != 200:
+                return r.status, None
+            raw = await read_capped(r)
+        return 200, json.loads(raw) if parse else raw
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError) as e:
+        raise ConfigError(f"cannot read {url} ({e or type(e).__name__})") from None
 
 
 __all__ = ["INFO_PATH", "read_engine"]

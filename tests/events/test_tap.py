@@ -336,7 +336,7 @@ async def test_tap_of_a_url_says_what_it_cannot_follow() -> None:
             f"kvmesh events tap: --rank 1: {mock.base_url} has 1 data-parallel rank(s)",
         )
         code, _, err = await _tap_async(quiet.base_url, "--timeout", "5")
-        assert code == 2 and "an engine that publishes no KV events" in err, err
+        assert code == 2 and "a vLLM without kvmesh's plugin that publishes no KV events" in err, err
         code, _, err = await _tap_async("tcp://127.0.0.1:5557", "--rank", "0", "--timeout", "5")
         assert code == 2 and "--rank picks a stream of an engine's URL" in err, err
         code, _, err = await _tap_async(mock.base_url, "--bind", "--timeout", "5")

@@ -31,15 +31,17 @@ worker URL's host.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
+
+import msgspec
 
 from kvmesh.events.endpoint import bound_to_every_interface
 from kvmesh.router.mesh.engine_load import series_labels
 
 SOURCES_PATH = "/kv_event_sources"
 SERVER_INFO_PATH = "/server_info"
-_WILDCARD_HOSTS = frozenset(("*", "0.0.0.0", "::", "[::]"))
 CACHE_INFO = b"vllm:cache_config_info"
 _MAX_RANKS = 1024
 """DP ranks one server may report: more is a broken answer, not a fleet."""
@@ -49,6 +51,56 @@ _MAX_BLOCKS = 1 << 40
 class NotDiscovered(Exception):
     """The worker's own routes do not describe it well enough to follow; the message says what
     is missing and how to give it."""
+
+
+class NoRoutes(NotDiscovered):
+    """The worker has neither engine's route, or one failed: it must be described by hand."""
+
+
+Get = Callable[[str], Awaitable[tuple[int, bytes]]]
+"""A whole GET of one of the engine's paths: (status, body), or (0, why) when nothing answered."""
+
+
+async def read_stock_engine(get: Get, url: str) -> tuple[dict[str, Any], str]:
+    """(the facts, the route they came from) of the engine at ``url``, which has no
+    ``/kvmesh/info``: vLLM's ``/kv_event_sources`` (with ``/metrics`` and ``/v1/models``), else,
+    on its 404, SGLang's ``/server_info``. NoRoutes when neither answers, NotDiscovered naming the
+    engine when its answer describes nothing a router can follow. Shared by the router's registry
+    and the event tools, which read over their own transports."""
+    status, body = await get(SOURCES_PATH)
+    if status == 200:
+        metrics_status, metrics = await get("/metrics")
+        models_status, models = await get("/v1/models")
+        try:
+            facts = described_vllm(
+                _json(SOURCES_PATH, body),
+                metrics if metrics_status == 200 else b"",
+                url,
+                _json("/v1/models", models) if models_status == 200 else None,
+            )
+        except NotDiscovered as e:
+            raise NotDiscovered(f"a vLLM without kvmesh's plugin that {e}") from None
+        return facts, SOURCES_PATH
+    if status != 404:
+        raise NoRoutes(f"vLLM's {SOURCES_PATH} {_failed(status, body)}")
+    status, body = await get(SERVER_INFO_PATH)
+    if status != 200:
+        raise NoRoutes(f"no {SOURCES_PATH} (vLLM's), and SGLang's {SERVER_INFO_PATH} {_failed(status, body)}")
+    try:
+        return described_sglang(_json(SERVER_INFO_PATH, body), url), SERVER_INFO_PATH
+    except NotDiscovered as e:
+        raise NotDiscovered(f"an SGLang without kvmesh's adapter that {e}") from None
+
+
+def _json(path: str, body: bytes) -> Any:
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        raise NotDiscovered(f"answers {path} with no JSON") from None
+
+
+def _failed(status: int, body: bytes) -> str:
+    return f"answered HTTP {status}" if status else f"got no answer ({body.decode('utf-8', 'replace')})"
 
 
 def described_vllm(sources: Any, metrics: bytes, url: str, models: Any = None) -> dict[str, Any]:
@@ -107,19 +159,19 @@ def described_sglang(server_info: Any, url: str) -> dict[str, Any]:
         replay = _count(events, "replay_endpoint_port_base", 65535)
     if events.get("publisher") != "zmq" or base + dp_size > 65536 or (replay or 0) + dp_size > 65536:
         raise NotDiscovered(f"{SERVER_INFO_PATH} describes a publisher kvmesh cannot dial: {events!r:.200}")
-    host = events.get("endpoint_host")
-    if not isinstance(host, str) or not host or host in _WILDCARD_HOSTS:
-        host = _url_host(url)
-    elif ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    _far_loopback(host, _url_host(url), f"tcp://{host}:{base}")
+    bound = events.get("endpoint_host")
+    if not isinstance(bound, str) or not bound:
+        bound = "*"  # (SGLang writes the host it binds; none given is read as every interface)
+    elif ":" in bound and not bound.startswith("["):
+        bound = f"[{bound}]"  # (SGLang writes an IPv6 host bare: "::")
+    host = _url_host(url)
     facts: dict[str, Any] = {
         "backend": "sglang",
         "block_size": block_size,
         "dp_size": dp_size,
-        "kv_events_endpoints": [f"tcp://{host}:{base + r}" for r in range(dp_size)],
+        "kv_events_endpoints": [_dialable(f"tcp://{bound}:{base + r}", host) for r in range(dp_size)],
         "kv_replay_endpoints": [
-            None if replay is None else f"tcp://{host}:{replay + r}" for r in range(dp_size)
+            None if replay is None else _dialable(f"tcp://{bound}:{replay + r}", host) for r in range(dp_size)
         ],
         "priority_polarity": _sglang_polarity(server_info),
     }
@@ -211,16 +263,12 @@ def _dialable(endpoint: str, host: str) -> str:
     on its own host and hear nothing from."""
     if bound_to_every_interface(endpoint):
         return f"tcp://{host}:{endpoint.rpartition(':')[2]}"
-    _far_loopback(endpoint.removeprefix("tcp://").rpartition(":")[0], host, endpoint)
-    return endpoint
-
-
-def _far_loopback(bound: str, host: str, endpoint: str) -> None:
-    if _is_loopback(bound) and not _is_loopback(host):
+    if _is_loopback(endpoint.removeprefix("tcp://").rpartition(":")[0]) and not _is_loopback(host):
         raise NotDiscovered(
             f"publishes its KV events on {endpoint}, a loopback address: a router on another host "
             "cannot reach it; bind the publisher to every interface (tcp://*:PORT)"
         )
+    return endpoint
 
 
 def _is_loopback(host: str) -> bool:
@@ -246,8 +294,11 @@ __all__ = [
     "CACHE_INFO",
     "SERVER_INFO_PATH",
     "SOURCES_PATH",
+    "Get",
+    "NoRoutes",
     "NotDiscovered",
     "cache_config",
     "described_sglang",
     "described_vllm",
+    "read_stock_engine",
 ]

@@ -46,18 +46,12 @@ from kvmesh.errors import KvMeshError, WorkerError
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import KvRouter
 from kvmesh.router.core.timing import Profile
-from kvmesh.router.mesh.engine_discovery import (
-    SERVER_INFO_PATH,
-    SOURCES_PATH,
-    NotDiscovered,
-    described_sglang,
-    described_vllm,
-)
+from kvmesh.router.mesh.engine_discovery import NoRoutes, NotDiscovered, read_stock_engine
 from kvmesh.router.mesh.engine_load import EngineLoad, parse_engine_load
 from kvmesh.router.mesh.event_feed import EventFeed, FeedTarget
 from kvmesh.router.mesh.metrics import Metrics
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec, WorkerSpecError, worker_from_info
-from kvmesh.router.mesh.worker_rpc import WorkerRpc
+from kvmesh.router.mesh.worker_rpc import METRICS_LIMIT, WorkerRpc
 from kvmesh.router.upstream.forwarder import ConnectFailed, Forwarder, Refused
 
 logger = logging.getLogger("kvmesh.router")
@@ -67,8 +61,7 @@ PENDING, UP, DOWN, REFUSED = "pending", "up", "down", "refused"
 _ADAPTER_REFRESH_CHECKS = 5
 # Capacity assumed for a worker that describes nothing (round-robin / random over plain servers).
 _DEFAULT_TOTAL_BLOCKS = 1 << 20
-DESCRIBED_BY = "_described_by"
-"""The key under which :meth:`WorkerRegistry._discover` names the route it read (no fact)."""
+INFO_PATH = "/kvmesh/info"
 _DEFAULT_BATCHED_TOKENS = 1 << 20
 
 
@@ -129,15 +122,15 @@ class Worker:
 
 
 def _merge(
-    spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: int, *, has_rpc: bool, source: str
+    spec: WorkerSpec, info: dict[str, Any] | None, default_block_size: int, *, source: str
 ) -> WorkerInfo:
-    """Spec fields win over the worker's own description (its ``/kvmesh/info``, or what a plain
-    engine's routes tell: ``has_rpc`` False); missing ones get safe defaults. A description with a
-    bad fact is a WorkerError naming it (the worker is kept ``down`` with that reason, and read
-    again at the next health check)."""
-    where = "/kvmesh/info" if has_rpc else "the engine's own routes"
+    """Spec fields win over the worker's own description (``info``, read from ``source``: its
+    ``/kvmesh/info``, or a stock engine's own route); missing ones get safe defaults. A description
+    with a bad fact is a WorkerError naming it (the worker is kept ``down`` with that reason, and
+    read again at the next health check)."""
+    has_rpc = info is not None and source == INFO_PATH
     try:
-        told = worker_from_info(info, spec.url, spec.worker_id, where) if info is not None else None
+        told = worker_from_info(info, spec.url, spec.worker_id, source) if info is not None else None
     except WorkerSpecError as e:
         raise WorkerError(str(e)) from None
 
@@ -442,7 +435,7 @@ class WorkerRegistry:
     async def _admit_once(self, w: Worker) -> None:
         spec = w.spec
         raw: dict[str, Any] | None = None
-        found: dict[str, Any] | None = None
+        found: tuple[dict[str, Any], str] | None = None
         if not spec.described or self._need_events:
             try:
                 raw = await self.rpc.info(w.worker_id, w.url)
@@ -454,10 +447,8 @@ class WorkerRegistry:
                     await self._probe(w)
         if not self._current(w):
             return
-        told = raw if isinstance(raw, dict) else None
-        source = "/kvmesh/info" if found is None else found.pop(DESCRIBED_BY)
-        facts = told if found is None else found
-        info = _merge(spec, facts, self.block_size or 16, has_rpc=told is not None, source=source)
+        facts, source = found or (raw if isinstance(raw, dict) else None, INFO_PATH)
+        info = _merge(spec, facts, self.block_size or 16, source=source)
         if self.block_size is None:
             self.block_size = info.block_size
         elif info.block_size != self.block_size:
@@ -490,49 +481,32 @@ class WorkerRegistry:
         w.failures = 0
         self._set_state(w, UP)
 
-    async def _discover(self, w: Worker, no_info: ConnectFailed) -> dict[str, Any]:
-        """What a worker without ``/kvmesh/info`` says of itself on its engine's own routes
-        (:mod:`~kvmesh.router.mesh.engine_discovery`: vLLM's ``/kv_event_sources``, else SGLang's
-        ``/server_info``), or a WorkerError saying what to give."""
+    async def _discover(self, w: Worker, no_info: ConnectFailed) -> tuple[dict[str, Any], str]:
+        """(the facts, the route they came from) of a worker without ``/kvmesh/info``, read on its
+        engine's own routes (:func:`~kvmesh.router.mesh.engine_discovery.read_stock_engine`), or a
+        WorkerError saying what to give."""
         if not isinstance(no_info, Refused) or no_info.status != 404:
             # (no HTTP at all, or a refusal of us: nothing more to read)
             raise _undescribed(f"no /kvmesh/info ({no_info})")
+
+        async def get(path: str) -> tuple[int, bytes]:
+            try:
+                return await self.forwarder.get(w.url + path, timeout=self.rpc.timeout, limit=METRICS_LIMIT)
+            except ConnectFailed as e:
+                return 0, str(e).encode()
+
         try:
-            sources = await self.rpc.call(w.worker_id, w.url, "GET", SOURCES_PATH, None)
-        except ConnectFailed as e:
-            if isinstance(e, Refused) and e.status == 404:
-                return await self._discover_sglang(w)
-            raise _undescribed(f"no /kvmesh/info, and vLLM's {SOURCES_PATH} failed ({e})") from None
-        metrics = b""
-        with contextlib.suppress(ConnectFailed):
-            metrics = await self.rpc.metrics_text(w.worker_id, w.url)
-        models = None
-        with contextlib.suppress(ConnectFailed):
-            models = await self.rpc.models(w.worker_id, w.url)
-        try:
-            found = described_vllm(sources, metrics, w.url, models)
+            found, source = await read_stock_engine(get, w.url)
+        except NoRoutes as e:
+            raise _undescribed(f"no /kvmesh/info, {e}") from None
         except NotDiscovered as e:
-            raise WorkerError(f"a vLLM without kvmesh's plugin that {e}") from None
+            raise WorkerError(str(e)) from None
         if "block_size" not in found and w.spec.block_size is None:
             raise WorkerError(
                 "a vLLM without kvmesh's plugin whose /metrics has no vllm:cache_config_info to read "
                 "its block size from (is --disable-log-stats on?); give block_size in its config entry"
             )
-        return {**found, DESCRIBED_BY: SOURCES_PATH}
-
-    async def _discover_sglang(self, w: Worker) -> dict[str, Any]:
-        """The SGLang reading of :meth:`_discover`, for a server with no vLLM route."""
-        try:
-            server_info = await self.rpc.call(w.worker_id, w.url, "GET", SERVER_INFO_PATH, None)
-        except ConnectFailed as e:
-            raise _undescribed(
-                f"no /kvmesh/info or vLLM's {SOURCES_PATH} (HTTP 404 both), and SGLang's "
-                f"{SERVER_INFO_PATH} failed ({e})"
-            ) from None
-        try:
-            return {**described_sglang(server_info, w.url), DESCRIBED_BY: SERVER_INFO_PATH}
-        except NotDiscovered as e:
-            raise WorkerError(f"an SGLang without kvmesh's adapter that {e}") from None
+        return found, source
 
     async def _read_adapters(self, w: Worker, raw_info: dict[str, Any] | None) -> None:
         """``lora_adapters`` from the worker's info, else its ``/v1/models`` entries with a parent."""

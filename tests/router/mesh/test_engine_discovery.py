@@ -345,8 +345,8 @@ async def test_a_server_that_describes_itself_nowhere_is_down_saying_what_to_giv
             reason = (await _workers(http, front.url))[server.url]["reason"]
             assert "describe it in the config" in reason, reason
             assert reason.startswith(
-                "no /kvmesh/info or vLLM's /kv_event_sources (HTTP 404 both), and SGLang's "
-                "/server_info failed ("
+                "no /kvmesh/info, no /kv_event_sources (vLLM's), and SGLang's /server_info answered "
+                "HTTP 404; "
             ), reason
 
 

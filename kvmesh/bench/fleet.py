@@ -206,8 +206,7 @@ async def start_fleet(
             fleet.procs.append(_spawn(argv, logs / f"engine-{i}.log"))
         await _wait_until(fleet, [u + "/health" for u in engine_urls], startup_timeout)
         if front is not None:
-            fleet.procs.append(_spawn(front(engine_urls, ports[-1]), logs / "front.log"))
-            await _wait_front(fleet, startup_timeout)
+            fleet.front_url = await _start_front(fleet, front, ports[-1], "front.log", startup_timeout)
         yield fleet
     finally:
         stop_processes(fleet.procs)
@@ -220,11 +219,38 @@ async def add_front(fleet: Fleet, front: FrontCommand, *, startup_timeout: float
     engines in one run: started, waited for as :func:`start_fleet` waits for its own, and stopped
     with the fleet. Returns its URL."""
     (port,) = free_ports(1)
-    log = fleet.logs / f"front-{len(fleet.procs)}.log"
-    fleet.procs.append(_spawn(front(fleet.engine_urls, port), log))
-    url = f"http://127.0.0.1:{port}"
-    await _wait_front(replace(fleet, front_url=url), startup_timeout)
-    return url
+    return await _start_front(fleet, front, port, f"front-{len(fleet.procs)}.log", startup_timeout)
+
+
+_PORT_TAKEN = b"address already in use"
+"""In a front's log, lower-cased: uvicorn's words, and sglang-router's ('Address already...')."""
+_FRONT_ATTEMPTS = 3
+
+
+async def _start_front(fleet: Fleet, front: FrontCommand, port: int, log_name: str, timeout: float) -> str:
+    """Start ``front`` on ``port`` and wait until it serves; its URL. A port is chosen free and
+    bound by the front a moment later; meanwhile the machine may hand it out (as the source port
+    of some connection): a front that dies saying its address is in use is started again on
+    another port, up to three times. (A run of the suite died on it, in sglang-router.)"""
+    attempt = 0
+    while True:
+        attempt += 1
+        log = fleet.logs / log_name
+        proc = _spawn(front(fleet.engine_urls, port), log)
+        fleet.procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            await _wait_front(replace(fleet, front_url=url), timeout)
+            return url
+        except RuntimeError:
+            if (
+                proc.poll() is None
+                or attempt == _FRONT_ATTEMPTS
+                or _PORT_TAKEN not in log.read_bytes().lower()
+            ):
+                raise
+            fleet.procs.remove(proc)
+            (port,) = free_ports(1)
 
 
 def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout: float = 10.0) -> None:

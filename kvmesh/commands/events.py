@@ -1,7 +1,8 @@
 """``kvmesh events tap ENDPOINT``: print a KV-event stream as it arrives, one line per batch; or
 ``kvmesh events tap URL``: an engine's stream, its endpoints read from the engine
 (:mod:`kvmesh.commands.engine_facts`).
-(``kvmesh events relay`` is in :mod:`kvmesh.commands.events_relay`.)
+(``kvmesh events relay`` is in :mod:`kvmesh.commands.events_relay`, ``kvmesh events trtllm`` in
+:mod:`kvmesh.commands.events_trtllm`.)
 
 It uses the same subscriber as the router (gap detection, replay, reconnect), so what it prints
 is what the router would apply. Exit status: 0 after ``--count`` batches (or at ``--timeout``
@@ -99,9 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop after S seconds; exit status 1 if --count batches have not arrived by then",
     )
     tap.set_defaults(_run=run)
-    from kvmesh.commands import events_relay
+    from kvmesh.commands import events_relay, events_trtllm
 
     events_relay.add_parser(actions)
+    events_trtllm.add_parser(actions)
 
 
 def run(args: argparse.Namespace) -> int:

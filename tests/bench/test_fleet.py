@@ -6,9 +6,11 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -107,6 +109,30 @@ async def test_an_engine_that_cannot_start_fails_the_fleet_with_its_log() -> Non
     with pytest.raises(RuntimeError, match=r"(?s)exited with 2 during start-up.*--num-blocks must be"):
         async with start_fleet(1, ["--num-blocks", "0"], kvmesh_router()):
             pass
+
+
+async def test_a_front_whose_port_was_taken_meanwhile_starts_on_another() -> None:
+    """A port is chosen free and bound by the front a moment later; here another process holds it
+    by then (the first start only): the front dies saying so and is started on another port."""
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    router = kvmesh_router()
+    asked: list[int] = []
+
+    def front(engines: Sequence[str], port: int) -> list[str]:
+        asked.append(port)
+        return router(engines, taken if len(asked) == 1 else port)
+
+    try:
+        async with start_fleet(1, ["--speedup", "20", "--num-blocks", "64"], front) as fleet:
+            assert len(asked) == 2 and fleet.front_url == f"http://127.0.0.1:{asked[1]}"
+            async with aiohttp.ClientSession() as http, http.get(fleet.front_url + "/kvmesh/workers") as r:
+                assert r.status == 200
+            assert len(fleet.procs) == 2  # (the engine and the second front: the first is gone)
+    finally:
+        holder.close()
 
 
 def test_parse_metrics_sums_labelled_samples() -> None:

@@ -53,7 +53,8 @@ class WorkerOptions:
     """The adapter's own settings (the launcher's ``--kvmesh-*`` flags)."""
 
     events_endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = "tcp://*:5558"
+    replay_endpoint: str | None = "tcp://*:5567"
+    """(Ten ports above the events': rank r binds each + r, so up to ten attention-DP ranks fit.)"""
     pin_budget: float = DEFAULT_PIN_BUDGET
     advertise_host: str | None = None
     tick_seconds: float = 0.5

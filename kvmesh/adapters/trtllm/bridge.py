@@ -6,6 +6,9 @@ events, so the bridge is the only reader of the engine's queue, and it puts a st
 LLM object (an instance attribute that shadows the method) that hands out, once, the raw events
 the bridge drained: ``POST /kv_cache_events`` and any other in-process reader keep working and
 see every event exactly once, in order (up to a bounded buffer; the oldest fall out first).
+Outside the engine (``kvmesh events trtllm``, :mod:`.served_queue`) the bridge reads that queue
+through a stock trtllm-serve's ``POST /kv_cache_events`` instead, and shares nothing
+(``share_queue=False``).
 
 Each poll drains what is queued (``timeout=0``), converts it (:mod:`.convert`), and publishes one
 batch per attention-DP rank on that rank's own PUB socket (base port + rank, as vLLM and
@@ -31,6 +34,7 @@ from prometheus_client import REGISTRY, Counter
 
 from kvmesh.adapters.trtllm.convert import EventConverter
 from kvmesh.adapters.trtllm.record import RankRecord
+from kvmesh.errors import ConfigError
 from kvmesh.events.publisher import BatchPublisher
 from kvmesh.events.wire import Event, EventBatch
 from kvmesh.worker.block_state import rank_state
@@ -73,6 +77,24 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
     return f"{endpoint}_dp{rank}"
 
 
+def check_rank_ports(endpoint: str, replay_endpoint: str | None, dp_size: int) -> None:
+    """ConfigError when the ranks' sockets (each base port + rank) cannot all be bound: the PUB and
+    replay ranges overlap (rank 1's PUB on rank 0's replay port, with 5557 and 5558 and two ranks),
+    or run past port 65535. Said before anything binds, naming the ports."""
+    ports = []
+    for text in (endpoint, replay_endpoint):
+        tail = (text or "").rpartition(":")[2]
+        if text and text.startswith("tcp://") and tail.isdigit() and int(tail):
+            ports.append(int(tail))
+    if len(ports) == 2 and abs(ports[0] - ports[1]) < dp_size:
+        raise ConfigError(
+            f"the KV-event ports {ports[0]} (events) and {ports[1]} (replay) overlap over {dp_size} "
+            f"attention-DP ranks (rank r binds each port + r): set them at least {dp_size} apart"
+        )
+    if ports and max(ports) + dp_size - 1 > 65535:
+        raise ConfigError(f"the KV-event port {max(ports)} + {dp_size - 1} ranks is past 65535")
+
+
 class KvEventBridge:
     """Drains the engine's KV events, publishes them per DP rank and keeps a record of each rank."""
 
@@ -88,9 +110,11 @@ class KvEventBridge:
         max_delay: float = 0.05,
         http_buffer: int = 10_000,
         publisher_factory: Callable[..., BatchPublisher] = BatchPublisher,
+        share_queue: bool = True,
     ) -> None:
         if not 0 < min_delay <= max_delay:
             raise ValueError(f"need 0 < min_delay <= max_delay, got {min_delay}, {max_delay}")
+        check_rank_ports(endpoint, replay_endpoint, dp_size)
         if "get_kv_cache_events_async" in getattr(llm, "__dict__", {}):
             raise RuntimeError(
                 "this LLM's KV-event queue already has a reader installed (one bridge per LLM)"
@@ -116,8 +140,10 @@ class KvEventBridge:
         self._dropped_seen: dict[str, int] = {}
         self._errors_logged: set[str] = set()
         self.polls = 0
-        # What trtllm-serve's POST /kv_cache_events (and anyone else) now reads.
-        llm.get_kv_cache_events_async = self.reserved_events
+        self.share_queue = share_queue
+        if share_queue:  # (not for a queue read from outside the engine: nobody else reads it here)
+            # What trtllm-serve's POST /kv_cache_events (and anyone else) now reads.
+            llm.get_kv_cache_events_async = self.reserved_events
 
     # ------------------------------------------------------------------ endpoints
     @property
@@ -172,7 +198,8 @@ class KvEventBridge:
         except (RuntimeError, AttributeError) as e:  # the executor is not up yet, or shutting down
             logger.debug("kvmesh: TensorRT-LLM KV events not available: %s", e)
         if raw:
-            self._http.extend(raw)
+            if self.share_queue:
+                self._http.extend(raw)
             self.publish(raw)
         return len(raw)
 

@@ -27,6 +27,10 @@ the blocks a rank holds (``max_total_num_tokens`` over the block size), the pref
 
 An endpoint bound to every interface (``tcp://*:5557``, ``0.0.0.0``, ``::``) is dialled at the
 worker URL's host.
+
+A stock trtllm-serve describes no publisher: its KV events are a queue that ``POST
+/kv_cache_events`` drains, so two readers would each get half. Its refusal says to run ``kvmesh
+events trtllm URL`` (the one reader, publishing kvmesh's ZMQ wire) and give the entry what it prints.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from kvmesh.router.mesh.engine_load import series_labels
 
 SOURCES_PATH = "/kv_event_sources"
 SERVER_INFO_PATH = "/server_info"
+TRTLLM_EVENTS_PATH = "/kv_cache_events"
+"""trtllm-serve's ``POST`` route that drains the engine's KV-event queue: asked with ``GET``, it
+answers 405, which tells a trtllm-serve without drawing from its queue."""
 CACHE_INFO = b"vllm:cache_config_info"
 _MAX_RANKS = 1024
 """DP ranks one server may report: more is a broken answer, not a fleet."""
@@ -85,6 +92,13 @@ async def read_stock_engine(get: Get, url: str) -> tuple[dict[str, Any], str]:
         raise NoRoutes(f"vLLM's {SOURCES_PATH} {_failed(status, body)}")
     status, body = await get(SERVER_INFO_PATH)
     if status != 200:
+        if status == 404 and (await get(TRTLLM_EVENTS_PATH))[0] == 405:
+            raise NoRoutes(
+                f"no {SOURCES_PATH} (vLLM's) or {SERVER_INFO_PATH} (SGLang's); a trtllm-serve (it has "
+                f"POST {TRTLLM_EVENTS_PATH}), whose events a router cannot share: run "
+                f"`kvmesh events trtllm {url}` beside it and give this entry the kv_events_endpoints "
+                "and block_size it prints"
+            )
         raise NoRoutes(f"no {SOURCES_PATH} (vLLM's), and SGLang's {SERVER_INFO_PATH} {_failed(status, body)}")
     try:
         return described_sglang(_json(SERVER_INFO_PATH, body), url), SERVER_INFO_PATH

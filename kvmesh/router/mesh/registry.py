@@ -164,8 +164,8 @@ def _merge(
 def _undescribed(why: str) -> WorkerError:
     """A worker KV routing cannot follow, and how to describe it."""
     return WorkerError(
-        f"{why}; describe it in the config (block_size, kv_events_endpoints, "
-        "max_num_batched_tokens, total_kv_blocks) or use --router-mode round-robin"
+        f"{why}; describe it in the config (block_size and kv_events_endpoints, with "
+        "max_num_batched_tokens and total_kv_blocks where known) or use --router-mode round-robin"
     )
 
 
@@ -481,10 +481,12 @@ class WorkerRegistry:
         w.failures = 0
         self._set_state(w, UP)
 
-    async def _discover(self, w: Worker, no_info: ConnectFailed) -> tuple[dict[str, Any], str]:
+    async def _discover(self, w: Worker, no_info: ConnectFailed) -> tuple[dict[str, Any], str] | None:
         """(the facts, the route they came from) of a worker without ``/kvmesh/info``, read on its
-        engine's own routes (:func:`~kvmesh.router.mesh.engine_discovery.read_stock_engine`), or a
-        WorkerError saying what to give."""
+        engine's own routes (:func:`~kvmesh.router.mesh.engine_discovery.read_stock_engine`); None
+        when they describe nothing but its entry gives what KV routing needs (its block size and
+        event endpoints: a trtllm-serve followed through ``kvmesh events trtllm``, say), the rest
+        kept at the router's defaults; else a WorkerError saying what to give."""
         if not isinstance(no_info, Refused) or no_info.status != 404:
             # (no HTTP at all, or a refusal of us: nothing more to read)
             raise _undescribed(f"no /kvmesh/info ({no_info})")
@@ -497,9 +499,11 @@ class WorkerRegistry:
 
         try:
             found, source = await read_stock_engine(get, w.url)
-        except NoRoutes as e:
-            raise _undescribed(f"no /kvmesh/info, {e}") from None
         except NotDiscovered as e:
+            if w.spec.block_size is not None and w.spec.kv_events_endpoints:
+                return None
+            if isinstance(e, NoRoutes):
+                raise _undescribed(f"no /kvmesh/info, {e}") from None
             raise WorkerError(str(e)) from None
         if "block_size" not in found and w.spec.block_size is None:
             raise WorkerError(

@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
-from kvmesh.adapters.trtllm.bridge import EVENTS_BRIDGED, KvEventBridge, offset_endpoint
+from kvmesh.adapters.trtllm.backend import WorkerOptions
+from kvmesh.adapters.trtllm.bridge import EVENTS_BRIDGED, KvEventBridge, check_rank_ports, offset_endpoint
 from kvmesh.adapters.trtllm.convert import map_hash
+from kvmesh.errors import ConfigError
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import AllBlocksCleared, EventBatch
 from kvmesh.worker.block_state import CachedBlockState
@@ -200,3 +202,19 @@ def test_endpoints_are_numbered_per_rank() -> None:
     assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
     assert offset_endpoint("tcp://127.0.0.1:0", 2) == "tcp://127.0.0.1:0"
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+
+
+def test_ranks_whose_ports_collide_are_refused_before_anything_binds() -> None:
+    """With two attention-DP ranks, events on 5557 and replay on 5558 (the launcher's old default)
+    put rank 1's events on rank 0's replay port: the server failed at start-up with a bind error.
+    The default replay port is now ten above, and a collision is named before any socket opens."""
+    options = WorkerOptions()
+    check_rank_ports(options.events_endpoint, options.replay_endpoint, 10)  # (ten ranks fit)
+    with pytest.raises(ConfigError, match=r"5557 \(events\) and 5558 \(replay\) overlap over 2 attention-DP"):
+        KvEventBridge(
+            object(), block_size=4, dp_size=2, endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558"
+        )
+    with pytest.raises(ConfigError, match=r"65535 \+ 1 ranks is past 65535"):
+        check_rank_ports("tcp://127.0.0.1:65535", None, 2)
+    check_rank_ports("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 8)  # (any free ports: nothing to collide)
+    check_rank_ports("ipc:///tmp/kv", "ipc:///tmp/kv-replay", 2)

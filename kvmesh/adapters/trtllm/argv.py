@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.adapters.trtllm.backend import WorkerOptions
+from kvmesh.adapters.trtllm.bridge import check_rank_ports
 from kvmesh.adapters.trtllm.retention import check_budget
 from kvmesh.errors import ConfigError
 from kvmesh.events.endpoint import check_endpoint
@@ -167,6 +168,10 @@ def prepare(argv: list[str], environ: dict[str, str] | None = None) -> Launch:
         if user is not None and not isinstance(user, dict):
             raise ConfigError(f"{flag} {path} must hold a YAML mapping")
     merged = merge_kv_events(user)
+    options = options_from_flags(flags)
+    # The bridge binds a PUB and a replay port per attention-DP rank once the model has loaded:
+    # ranges that collide would stop the server then. Said now, from the same arguments.
+    check_rank_ports(options.events_endpoint, options.replay_endpoint, attention_dp_ranks(rest, merged))
     fd, merged_path = tempfile.mkstemp(prefix="kvmesh-trtllm-", suffix=".yaml")
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(merged, f, sort_keys=False)
@@ -180,7 +185,25 @@ def prepare(argv: list[str], environ: dict[str, str] | None = None) -> Launch:
         tokenizer = _served_tokenizer(rest)
         if tokenizer is not None:
             launch_env["KVMESH_TOKENIZER"] = tokenizer
-    return Launch(rest, launch_env, options_from_flags(flags), merged_path)
+    return Launch(rest, launch_env, options, merged_path)
+
+
+def attention_dp_ranks(argv: list[str], options: dict[str, Any]) -> int:
+    """The attention-DP ranks trtllm-serve will run: its tensor-parallel size (the YAML's, over
+    ``--tp_size`` / ``--tensor_parallel_size``) when the YAML turns ``enable_attention_dp`` on, else
+    1, as the engine's ``LlmArgs`` reads them."""
+    if options.get("enable_attention_dp") is not True:
+        return 1
+    size: Any = options.get("tensor_parallel_size")
+    if size is None:
+        for i, arg in enumerate(argv):
+            name, eq, value = arg.partition("=")
+            if name in ("--tp_size", "--tensor_parallel_size"):
+                size = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    try:
+        return max(int(size), 1) if size is not None else 1
+    except (TypeError, ValueError):
+        return 1  # (trtllm-serve refuses it itself)
 
 
 def _served_tokenizer(argv: list[str]) -> str | None:

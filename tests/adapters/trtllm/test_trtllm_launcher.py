@@ -109,6 +109,25 @@ def test_block_reuse_off_and_other_commands_are_refused(tmp_path: Path) -> None:
         prepare(["m", "--kvmesh-replay-endpoint", "tcp://10.0.0.1:x"], environ={})
 
 
+def test_ports_the_attention_dp_ranks_would_share_are_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """Rank r binds the events port + r and the replay port + r once the model has loaded; ranges
+    that collide (5557 and 5558 with two ranks, the old default) stopped the server then. Said now,
+    with the ranks read as the engine reads them: the YAML's tensor-parallel size over the flag's."""
+    user = tmp_path / "opts.yaml"
+    user.write_text("enable_attention_dp: true\n")
+    ports = ["--kvmesh-events-endpoint", "tcp://*:5557", "--kvmesh-replay-endpoint", "tcp://*:5560"]
+    prepare(["m", "--tp_size", "3", "--config", str(user), *ports], environ={})  # (3 ranks fit)
+    with pytest.raises(ConfigError, match=r"5557 \(events\) and 5560 \(replay\) overlap over 4 attention"):
+        prepare(["m", "--tp_size", "4", "--config", str(user), *ports], environ={})
+    user.write_text("enable_attention_dp: true\ntensor_parallel_size: 8\n")
+    with pytest.raises(ConfigError, match=r"overlap over 8 attention-DP ranks"):
+        prepare(["m", "--tp_size", "2", "--config", str(user), *ports], environ={})
+    user.write_text("enable_attention_dp: false\ntensor_parallel_size: 8\n")
+    prepare(["m", "--config", str(user), *ports], environ={})  # (one rank without attention DP)
+    user.write_text("enable_attention_dp: true\ntensor_parallel_size: 8\n")
+    prepare(["m", "--config", str(user)], environ={})  # (the defaults, 5557 and 5567, fit ten)
+
+
 def test_kvmesh_settings_are_read_before_trtllm_serve_loads_the_model(tmp_path: Path) -> None:
     """The middleware reads them when trtllm-serve builds its server, after the model has loaded: a
     wrong one was said minutes in. (Nothing is left behind: the merged YAML is written after.)"""

@@ -17,11 +17,14 @@ For each configured worker the registry
 5. at each health check, lets the feed probe quiet event streams for a lost final batch;
 6. learns which LoRA adapters it serves (``lora_adapters`` in its info, else the ``/v1/models``
    entries whose ``parent`` is another model), so prompts for an adapter are hashed the way the
-   engine salts that adapter's blocks and go only to workers that serve it.
+   engine salts that adapter's blocks and go only to workers that serve it;
 7. at each health check, reads the engine's own running / waiting counts from its ``/metrics``
    (:mod:`~kvmesh.router.mesh.engine_load`), shown beside the router's estimate; what they count
    beyond it is load the router did not route there, and the latency cost counts it
-   (:meth:`~kvmesh.router.core.kv_router.KvRouter.engine_load`).
+   (:meth:`~kvmesh.router.core.kv_router.KvRouter.engine_load`);
+8. every few health checks, reads its description again, and takes it down (to be admitted again
+   at the next check) when its event endpoints, block size or DP ranks changed: an engine
+   restarted between two checks may publish elsewhere.
 
 Workers come from the settings, and at runtime from the admin API (:meth:`WorkerRegistry.add`,
 :meth:`WorkerRegistry.remove`).
@@ -491,14 +494,8 @@ class WorkerRegistry:
             # (no HTTP at all, or a refusal of us: nothing more to read)
             raise _undescribed(f"no /kvmesh/info ({no_info})")
 
-        async def get(path: str) -> tuple[int, bytes]:
-            try:
-                return await self.forwarder.get(w.url + path, timeout=self.rpc.timeout, limit=METRICS_LIMIT)
-            except ConnectFailed as e:
-                return 0, str(e).encode()
-
         try:
-            found, source = await read_stock_engine(get, w.url)
+            found, source = await self._read_stock(w)
         except NotDiscovered as e:
             if w.spec.block_size is not None and w.spec.kv_events_endpoints:
                 return None
@@ -511,6 +508,54 @@ class WorkerRegistry:
                 "its block size from (is --disable-log-stats on?); give block_size in its config entry"
             )
         return found, source
+
+    async def _read_stock(self, w: Worker) -> tuple[dict[str, Any], str]:
+        """What the worker's engine says of itself on its own routes (NotDiscovered if nothing)."""
+
+        async def get(path: str) -> tuple[int, bytes]:
+            try:
+                return await self.forwarder.get(w.url + path, timeout=self.rpc.timeout, limit=METRICS_LIMIT)
+            except ConnectFailed as e:
+                return 0, str(e).encode()
+
+        return await read_stock_engine(get, w.url)
+
+    async def _recheck_description(self, w: Worker, raw_info: dict[str, Any] | None) -> None:
+        """Read an up worker's description again (every few health checks) and take it down when
+        what the router follows has changed: its event endpoints, block size or DP ranks. An engine
+        restarted between two checks (on ports the OS chose, or with another config) was followed
+        at its old endpoints, hearing nothing, for as long as it answered; it is admitted again,
+        with what it says now, at the next check."""
+        info = w.info
+        if (
+            info is None
+            or not self._need_events
+            or info.described_by == "config"
+            or self.is_local(w.worker_id)
+        ):
+            return
+        try:
+            if info.described_by == INFO_PATH:
+                if raw_info is None:
+                    return  # (not read this time: nothing to compare)
+                facts, source = raw_info, INFO_PATH
+            else:
+                facts, source = await self._read_stock(w)
+            now = _merge(w.spec, facts, info.block_size, source=source)
+        except NotDiscovered as e:
+            await self.mark_down(w.worker_id, f"its own routes no longer describe it: {e}")
+            return
+        except WorkerError as e:
+            await self.mark_down(w.worker_id, str(e))
+            return
+        before = (info.kv_events_endpoints, info.kv_replay_endpoints, info.block_size, info.dp_size)
+        after = (now.kv_events_endpoints, now.kv_replay_endpoints, now.block_size, now.dp_size)
+        if after != before:
+            await self.mark_down(
+                w.worker_id,
+                f"its description changed (events {list(before[0])} -> {list(after[0])}, block size "
+                f"{before[2]} -> {after[2]}, DP ranks {before[3]} -> {after[3]}); read again at the next check",
+            )
 
     async def _read_adapters(self, w: Worker, raw_info: dict[str, Any] | None) -> None:
         """``lora_adapters`` from the worker's info, else its ``/v1/models`` entries with a parent."""
@@ -606,18 +651,21 @@ class WorkerRegistry:
         if w.info is not None and w.worker_id in self.feed.streams:
             await self.feed.check_quiet_streams(_feed_target(w, w.info))
         if w.checks % _ADAPTER_REFRESH_CHECKS == 0:
-            await self.reread_adapters(w)
+            raw = await self.reread_adapters(w)
+            await self._recheck_description(w, raw)
 
-    async def reread_adapters(self, w: Worker) -> None:
+    async def reread_adapters(self, w: Worker) -> dict[str, Any] | None:
         """Read again which LoRA adapters an up worker serves (at every few health checks, and at
-        once after the router loaded or unloaded one on it)."""
+        once after the router loaded or unloaded one on it); the ``/kvmesh/info`` answer it read."""
         if w.info is None:
-            return
+            return None
         raw = None
         if w.info.has_rpc:
             with contextlib.suppress(ConnectFailed):
                 raw = await self.rpc.info(w.worker_id, w.url)
-        await self._read_adapters(w, raw if isinstance(raw, dict) else None)
+        info = raw if isinstance(raw, dict) else None
+        await self._read_adapters(w, info)
+        return info
 
     async def _probe(self, w: Worker) -> None:
         """Alive = answers HTTP at all (a 404 on /health from a plain server is still alive)."""

@@ -383,3 +383,64 @@ async def test_each_worker_shows_where_its_facts_came_from(http: aiohttp.ClientS
             rows = await _workers(http, front.url)
             assert rows[told.base_url]["described_by"] == "/kvmesh/info"
             assert rows[entry.base_url]["described_by"] == "config"
+
+
+async def test_an_engine_that_moved_its_events_is_followed_where_it_publishes_now(
+    http: aiohttp.ClientSession,
+) -> None:
+    """An engine restarted between two health checks publishes elsewhere (ports the OS chose, or
+    another config) while its URL answers as before. Its description is read again every few
+    checks: the worker goes down saying what changed, comes back up on the new endpoints, and what
+    the engine caches there is indexed. (Before, it stayed up, followed at the old endpoints.)"""
+    async with (
+        run_mock(block_size=BS, speedup=50.0, worker_rpc=False) as old,
+        run_mock(block_size=BS, speedup=50.0, worker_rpc=False) as new,
+    ):
+
+        def describing(mock: RunningMock) -> dict[str, Any]:
+            events, replay = mock.engine.events_endpoint, mock.engine.replay_endpoint
+            assert events is not None and replay is not None
+            return sglang_info(
+                endpoint_host="127.0.0.1",
+                endpoint_port_base=int(events.rpartition(":")[2]),
+                replay_endpoint_port_base=int(replay.rpartition(":")[2]),
+                block_size=BS,
+                dp_size=1,
+            )
+
+        answer = {"info": describing(old)}
+        stand_in = Starlette(
+            routes=[
+                Route("/server_info", lambda _: JSONResponse(answer["info"])),
+                Route("/health", lambda _: Response(status_code=200)),
+            ]
+        )
+        async with serve(stand_in) as sglang:
+            settings = MeshSettings(workers=(WorkerSpec(sglang.url, "sglang"),), health_interval=0.05)
+            async with serve(build_router_app(settings)) as front:
+                await _until_state(http, front.url, sglang.url, "up")
+                assert (await _workers(http, front.url))[sglang.url]["kv_events_endpoints"] == [
+                    old.engine.events_endpoint
+                ]
+                answer["info"] = describing(new)  # (the engine came back publishing elsewhere)
+                reason = ""
+                for _ in range(200):
+                    row = (await _workers(http, front.url))[sglang.url]
+                    if row["state"] == "down":
+                        reason = row["reason"]
+                        break
+                    await asyncio.sleep(0.02)
+                assert reason.startswith("its description changed (events ['"), reason
+                assert f"-> ['{new.engine.events_endpoint}']" in reason, reason
+                await _until_state(http, front.url, sglang.url, "up")
+                row = (await _workers(http, front.url))[sglang.url]
+                assert row["kv_events_endpoints"] == [new.engine.events_endpoint], row
+                body = {"model": new.config.model, "prompt": PROMPT, "max_tokens": 2}
+                async with http.post(new.base_url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                for _ in range(250):
+                    if (await _workers(http, front.url))[sglang.url]["indexed_blocks"] > 0:
+                        break
+                    await asyncio.sleep(0.02)
+                else:
+                    raise AssertionError("the events at the new endpoints never reached the router")

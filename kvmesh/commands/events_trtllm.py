@@ -24,6 +24,7 @@ import socket
 import sys
 from typing import Any
 
+from kvmesh.adapters.trtllm._trtllm import DEFAULT_BLOCK_SIZE
 from kvmesh.commands.argtypes import bind_endpoint, http_url, positive_float, positive_int
 from kvmesh.errors import ConfigError
 
@@ -31,8 +32,6 @@ _IDLE_DELAYS = (0.005, 0.05)
 """(after events came, the longest while none come): the in-engine bridge's."""
 _DOWN_DELAY = 1.0
 """Between polls of an engine that does not answer."""
-TRTLLM_BLOCK_SIZE = 32
-"""TensorRT-LLM's default ``kv_cache_config.tokens_per_block``."""
 
 
 def add_parser(actions: Any) -> None:
@@ -63,10 +62,10 @@ def add_parser(actions: Any) -> None:
     bridge.add_argument(
         "--block-size",
         type=positive_int,
-        default=TRTLLM_BLOCK_SIZE,
+        default=DEFAULT_BLOCK_SIZE,
         metavar="N",
         help="the engine's kv_cache_config.tokens_per_block; a mismatch seen in its events stops the "
-        f"command [{TRTLLM_BLOCK_SIZE}, TensorRT-LLM's default]",
+        f"command [{DEFAULT_BLOCK_SIZE}, TensorRT-LLM's default]",
     )
     bridge.add_argument(
         "--dp-size",

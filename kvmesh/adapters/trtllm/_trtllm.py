@@ -12,6 +12,9 @@ INSTALL_HINT = (
     "index; install it from there first), then: pip install 'kvmesh[trtllm]'"
 )
 
+DEFAULT_BLOCK_SIZE = 32
+"""TensorRT-LLM's default ``kv_cache_config.tokens_per_block``."""
+
 VERIFIED_AGAINST = "TensorRT-LLM 1.x published source, the 1.0/1.1 (llm=) and 1.2+ (generator=) shapes"
 """What the adapter was written against; see docs/trtllm.md. It was never run against the real engine."""
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.adapters.trtllm._trtllm import DEFAULT_BLOCK_SIZE
 from kvmesh.adapters.trtllm.bridge import KvEventBridge
 from kvmesh.adapters.trtllm.hints import has_priority_parameter, wrap_generate_async
 from kvmesh.adapters.trtllm.retention import ClaimSubmitter, RankRetention
@@ -39,7 +40,6 @@ from kvmesh.worker.retention import DEFAULT_PIN_BUDGET
 
 logger = logging.getLogger("kvmesh.adapters.trtllm")
 
-DEFAULT_BLOCK_SIZE = 32
 NO_PRIORITY_LOG = (
     "kvmesh: this TensorRT-LLM's generate_async has no request priority; "
     "nvext.agent_hints.priority only orders kvmesh's own queue"

@@ -542,7 +542,9 @@ class WorkerRegistry:
             else:
                 facts, source = await self._read_stock(w)
             now = _merge(w.spec, facts, info.block_size, source=source)
-        except NotDiscovered as e:
+        except NoRoutes:
+            return  # (a route that did not answer this time: the health checks judge the worker)
+        except NotDiscovered as e:  # (it answers, and says something the router cannot follow)
             await self.mark_down(w.worker_id, f"its own routes no longer describe it: {e}")
             return
         except WorkerError as e:

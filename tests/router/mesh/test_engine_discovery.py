@@ -391,7 +391,8 @@ async def test_an_engine_that_moved_its_events_is_followed_where_it_publishes_no
     """An engine restarted between two health checks publishes elsewhere (ports the OS chose, or
     another config) while its URL answers as before. Its description is read again every few
     checks: the worker goes down saying what changed, comes back up on the new endpoints, and what
-    the engine caches there is indexed. (Before, it stayed up, followed at the old endpoints.)"""
+    the engine caches there is indexed. (Before, it stayed up, followed at the old endpoints.) A
+    route that fails for a while changes nothing: the health checks judge the worker."""
     async with (
         run_mock(block_size=BS, speedup=50.0, worker_rpc=False) as old,
         run_mock(block_size=BS, speedup=50.0, worker_rpc=False) as new,
@@ -408,10 +409,10 @@ async def test_an_engine_that_moved_its_events_is_followed_where_it_publishes_no
                 dp_size=1,
             )
 
-        answer = {"info": describing(old)}
+        answer: dict[str, Any] = {"info": describing(old), "status": 200}
         stand_in = Starlette(
             routes=[
-                Route("/server_info", lambda _: JSONResponse(answer["info"])),
+                Route("/server_info", lambda _: JSONResponse(answer["info"], status_code=answer["status"])),
                 Route("/health", lambda _: Response(status_code=200)),
             ]
         )
@@ -422,6 +423,10 @@ async def test_an_engine_that_moved_its_events_is_followed_where_it_publishes_no
                 assert (await _workers(http, front.url))[sglang.url]["kv_events_endpoints"] == [
                     old.engine.events_endpoint
                 ]
+                answer["status"] = 503  # (a route that fails for a while is no new description)
+                await asyncio.sleep(0.75)  # (three re-reads, at every fifth check of 0.05 s)
+                assert (await _workers(http, front.url))[sglang.url]["state"] == "up"
+                answer["status"] = 200
                 answer["info"] = describing(new)  # (the engine came back publishing elsewhere)
                 reason = ""
                 for _ in range(200):

@@ -278,21 +278,40 @@ async def test_a_plain_vllm_needs_only_its_url(http: aiohttp.ClientSession) -> N
             assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, doc["usage"]
 
 
+def describing(mock: RunningMock) -> dict[str, Any]:
+    """SGLang's ``/server_info``, its ``kv_events`` naming a mock engine's publisher and replay."""
+    events, replay = mock.engine.events_endpoint, mock.engine.replay_endpoint
+    assert events is not None and replay is not None
+    return sglang_info(
+        endpoint_host="127.0.0.1",
+        endpoint_port_base=int(events.rpartition(":")[2]),
+        replay_endpoint_port_base=int(replay.rpartition(":")[2]),
+        block_size=BS,
+        dp_size=1,
+    )
+
+
+async def _until_indexed_after_a_prompt(
+    http: aiohttp.ClientSession, front: str, worker: str, mock: RunningMock, what: str
+) -> None:
+    """Send a prompt to ``mock`` itself, then wait until the router's row of ``worker`` indexes
+    blocks (what the mock published reached the router)."""
+    body = {"model": mock.config.model, "prompt": PROMPT, "max_tokens": 2}
+    async with http.post(mock.base_url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+    for _ in range(250):
+        if (await _workers(http, front))[worker]["indexed_blocks"] > 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(what)
+
+
 async def test_a_plain_sglang_is_read_from_its_server_info(http: aiohttp.ClientSession) -> None:
     """A server with neither ``/kvmesh/info`` nor vLLM's ``/kv_event_sources`` but SGLang's
     ``/server_info``: the router follows the publisher its ``kv_events`` describes (a mock
     engine's, here) and indexes what that engine caches."""
     async with run_mock(block_size=BS, speedup=50.0, worker_rpc=False) as mock:
-        events = mock.engine.events_endpoint
-        replay = mock.engine.replay_endpoint
-        assert events is not None and replay is not None
-        info = sglang_info(
-            endpoint_host="127.0.0.1",
-            endpoint_port_base=int(events.rpartition(":")[2]),
-            replay_endpoint_port_base=int(replay.rpartition(":")[2]),
-            block_size=BS,
-            dp_size=1,
-        )
+        info = describing(mock)
         stand_in = Starlette(
             routes=[
                 Route("/server_info", lambda _: JSONResponse(info)),
@@ -309,17 +328,15 @@ async def test_a_plain_sglang_is_read_from_its_server_info(http: aiohttp.ClientS
                     "lower_first",
                     "qwen",
                 )
-                assert row["kv_events_endpoints"] == [events], row
+                assert row["kv_events_endpoints"] == [mock.engine.events_endpoint], row
                 assert row["described_by"] == "/server_info", row
-                body = {"model": mock.config.model, "prompt": PROMPT, "max_tokens": 2}
-                async with http.post(mock.base_url + "/v1/completions", json=body) as r:
-                    assert r.status == 200
-                for _ in range(250):
-                    if (await _workers(http, front.url))[sglang.url]["indexed_blocks"] > 0:
-                        break
-                    await asyncio.sleep(0.02)
-                else:
-                    raise AssertionError("the events SGLang's description names never reached the router")
+                await _until_indexed_after_a_prompt(
+                    http,
+                    front.url,
+                    sglang.url,
+                    mock,
+                    "the events SGLang's description names never reached the router",
+                )
 
 
 async def test_a_plain_vllm_without_kv_events_is_down_saying_how_to_start_it(
@@ -397,18 +414,6 @@ async def test_an_engine_that_moved_its_events_is_followed_where_it_publishes_no
         run_mock(block_size=BS, speedup=50.0, worker_rpc=False) as old,
         run_mock(block_size=BS, speedup=50.0, worker_rpc=False) as new,
     ):
-
-        def describing(mock: RunningMock) -> dict[str, Any]:
-            events, replay = mock.engine.events_endpoint, mock.engine.replay_endpoint
-            assert events is not None and replay is not None
-            return sglang_info(
-                endpoint_host="127.0.0.1",
-                endpoint_port_base=int(events.rpartition(":")[2]),
-                replay_endpoint_port_base=int(replay.rpartition(":")[2]),
-                block_size=BS,
-                dp_size=1,
-            )
-
         answer: dict[str, Any] = {"info": describing(old), "status": 200}
         stand_in = Starlette(
             routes=[
@@ -440,12 +445,10 @@ async def test_an_engine_that_moved_its_events_is_followed_where_it_publishes_no
                 await _until_state(http, front.url, sglang.url, "up")
                 row = (await _workers(http, front.url))[sglang.url]
                 assert row["kv_events_endpoints"] == [new.engine.events_endpoint], row
-                body = {"model": new.config.model, "prompt": PROMPT, "max_tokens": 2}
-                async with http.post(new.base_url + "/v1/completions", json=body) as r:
-                    assert r.status == 200
-                for _ in range(250):
-                    if (await _workers(http, front.url))[sglang.url]["indexed_blocks"] > 0:
-                        break
-                    await asyncio.sleep(0.02)
-                else:
-                    raise AssertionError("the events at the new endpoints never reached the router")
+                await _until_indexed_after_a_prompt(
+                    http,
+                    front.url,
+                    sglang.url,
+                    new,
+                    "the events at the new endpoints never reached the router",
+                )

@@ -278,6 +278,41 @@ async def test_a_server_without_the_route_stops_the_command() -> None:
     assert f"{server.url} answers POST /kv_cache_events with HTTP 404: it is no trtllm-serve" in said, said
 
 
+async def test_answers_that_are_no_event_list_are_waited_out(fake_trtllm: ModuleType) -> None:
+    """A server that answers the route with something other than a list of events (no JSON, an
+    object, a 500) is treated as not answering: said once, polled every second, and followed again
+    when it answers; what it then sends is published."""
+    engine, _ = _fake_engine(fake_trtllm)
+    answers: list[Response] = [
+        Response(b"<html>busy</html>", status_code=200),
+        Response(b'{"events": []}', status_code=200, media_type="application/json"),
+        Response(b"oops", status_code=500),
+    ]
+
+    async def kv_cache_events(_: Any) -> Response:
+        if answers:
+            return answers.pop(0)
+        events = []
+        while engine._queue:
+            events.append(engine._queue.popleft())
+        return Response(json.dumps(events).encode(), media_type="application/json")
+
+    stand_in = Starlette(routes=[Route("/kv_cache_events", kv_cache_events, methods=["POST"])])
+    engine.generate_async(PROMPT)  # (stored before the command starts: queued with the start-up event)
+    async with serve(stand_in) as server, bridge(server.url, "--block-size", str(BS)) as b:
+        said = await b.until("until it answers")
+        assert "answered no JSON" in said, said
+        await b.until("answers again")
+
+        async def drained() -> bool:
+            return not engine._queue and not answers
+
+        await _until(drained, "the queue drained after the bad answers")
+        summary = await b.stop()
+    assert not any("until it answers" in line for line in b.lines[b.lines.index(said) + 1 :])  # (said once)
+    assert summary["events"] == 2 and summary["bridged"] == 1 and summary["last_seq"] == [0], summary
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [

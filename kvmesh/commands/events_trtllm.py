@@ -3,14 +3,15 @@
 trtllm-serve without kvmesh's launcher keeps its KV events in a queue that ``POST
 /kv_cache_events`` drains, which no router can share. This command is its one reader: it polls the
 route (every 5 ms while events come, backing off to 50 ms when idle, to 1 s while the engine does
-not answer), converts the events with the in-engine bridge's rules (:mod:`kvmesh.adapters.trtllm.
-bridge`) and publishes vLLM's frames per attention-DP rank, with a replay socket, where any number
-of routers (or ``kvmesh events tap``, or ``relay``) follow them. It prints the router's worker entry
-for the engine on stderr.
+not answer), converts the events with the in-engine bridge's rules
+(:mod:`kvmesh.adapters.trtllm.bridge`) and publishes vLLM's frames per attention-DP rank, with a
+replay socket, where any number of routers (or ``kvmesh events tap``, or ``relay``) follow them.
+It prints the router's worker entry for the engine on stderr.
 
 Runs until SIGINT / SIGTERM (or ``--duration``), then prints one summary line on stderr. Exit status:
-0; 2 for a bad argument, an endpoint that cannot be bound, a URL that is no trtllm-serve, or an
-engine whose blocks hold another number of tokens than ``--block-size``.
+0; 2 for a bad argument, an endpoint that cannot be bound, a URL that is no trtllm-serve, an engine
+whose blocks hold another number of tokens than ``--block-size``, or one with more attention-DP
+ranks than ``--dp-size``.
 """
 
 from __future__ import annotations
@@ -212,8 +213,8 @@ async def _bridge(args: argparse.Namespace) -> int:
 
 
 def check_events(raw: list[Any], args: argparse.Namespace) -> None:
-    """ConfigError when the engine's events show a block size or attention-DP ranks other than
-    the command was given: what it would publish would be nothing, or half the fleet's ranks."""
+    """ConfigError when the engine's events show another block size, or more attention-DP ranks,
+    than the command was given: it would publish nothing, or leave the other ranks' events out."""
     from kvmesh.adapters.trtllm.served_queue import block_size_seen
 
     seen = block_size_seen(raw, args.block_size)

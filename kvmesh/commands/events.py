@@ -25,7 +25,7 @@ from kvmesh.commands.argtypes import (
     positive_float,
     positive_int,
 )
-from kvmesh.commands.engine_facts import read_engine
+from kvmesh.commands.engine_facts import event_endpoints, read_engine
 from kvmesh.errors import ConfigError
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import MAX_SEQ, BlockRemoved, BlockStored, EngineHashT, EventBatch, event_to_json
@@ -175,19 +175,11 @@ async def _stream(args: argparse.Namespace) -> tuple[str, str | None]:
     except argparse.ArgumentTypeError as e:
         raise ConfigError(str(e)) from None
     facts, where = await read_engine(url)
-    endpoints = facts.get("kv_events_endpoints") or []
+    endpoints, replays = event_endpoints(facts, url, where)
     rank = args.rank or 0
-    if not isinstance(endpoints, list) or not endpoints:
-        raise ConfigError(f"{url} publishes no KV events (its {where} names no endpoint)")
     if rank >= len(endpoints):
         raise ConfigError(f"--rank {rank}: {url} has {len(endpoints)} data-parallel rank(s)")
-    replays = facts.get("kv_replay_endpoints") or []
-    told = replays[rank] if isinstance(replays, list) and rank < len(replays) else None
-    try:
-        endpoint = connect_endpoint(str(endpoints[rank]))
-        replay = args.replay_endpoint or (connect_endpoint(str(told)) if told else None)
-    except argparse.ArgumentTypeError as e:
-        raise ConfigError(f"{url}'s {where} names an endpoint kvmesh cannot dial: {e}") from None
+    endpoint, replay = endpoints[rank], args.replay_endpoint or replays[rank]
     print(
         f"kvmesh events tap: rank {rank} of {url} (read from {where}): {endpoint}"
         + (f", replay {replay}" if replay else ", no replay"),

@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from kvmesh.commands.argtypes import connect_endpoint, http_url, positive_float, positive_int
-from kvmesh.commands.engine_facts import read_engine
+from kvmesh.commands.engine_facts import event_endpoints, read_engine
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import MAX_REPLICAS, MAX_SECONDS, NatsOptions, parse_event_plane
 
@@ -177,24 +177,6 @@ def _options(args: argparse.Namespace) -> NatsOptions:
     )
 
 
-def _told_endpoints(told: dict[str, Any], where: str) -> tuple[list[str], list[str | None]]:
-    """The PUB and replay endpoints an engine's description names, one per DP rank, to connect to;
-    ConfigError when it names none (or one kvmesh cannot dial: already on NATS, say)."""
-    endpoints = told.get("kv_events_endpoints")
-    if not isinstance(endpoints, list) or not endpoints:
-        raise ConfigError(f"the engine publishes no KV events (its {where} names no endpoint)")
-    replays = told.get("kv_replay_endpoints")
-    replays = (
-        replays if isinstance(replays, list) and len(replays) == len(endpoints) else [None] * len(endpoints)
-    )
-    try:
-        return [connect_endpoint(str(e)) for e in endpoints], [
-            connect_endpoint(str(r)) if r else None for r in replays
-        ]
-    except argparse.ArgumentTypeError as e:
-        raise ConfigError(f"the engine's {where} names an endpoint the relay cannot follow: {e}") from None
-
-
 def parse_facts(items: list[str]) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     for item in items:
@@ -252,7 +234,7 @@ async def _relay(args: argparse.Namespace) -> int:
                 "give the engine's ENDPOINT(s), or --register URL (without --no-engine-info) to read "
                 "them from the engine"
             )
-        endpoints, found = _told_endpoints(told, where)
+        endpoints, found = event_endpoints(told, args.register, where)
         replays = replays or found
     if replays and len(replays) != len(endpoints):
         raise ConfigError(f"give --replay-endpoint once per ENDPOINT ({len(endpoints)}), got {len(replays)}")

@@ -143,12 +143,11 @@ async def _bridge(args: argparse.Namespace) -> int:
     queue = ServedEventQueue(args.url, timeout=args.timeout)
     try:
         bridge = KvEventBridge(
-            queue,
+            None,
             block_size=args.block_size,
             dp_size=args.dp_size,
             endpoint=args.endpoint,
             replay_endpoint=replay,
-            share_queue=False,
         )
     except ConfigError:
         await queue.close()
@@ -231,9 +230,12 @@ def check_events(raw: list[Any], args: argparse.Namespace) -> None:
 
 
 def _rank(event: Any) -> int:
-    """An event's attention-DP rank as the converter reads it (0 where it reads none)."""
+    """An event's attention-DP rank as the converter reads it (0 where it can read none: the
+    converter drops that event as malformed)."""
+    from kvmesh.adapters.trtllm.convert import event_rank
+
     try:
-        return int(event.get("attention_dp_rank") or 0)
+        return event_rank(event)
     except (AttributeError, TypeError, ValueError):
         return 0
 

@@ -6,9 +6,9 @@ events, so the bridge is the only reader of the engine's queue, and it puts a st
 LLM object (an instance attribute that shadows the method) that hands out, once, the raw events
 the bridge drained: ``POST /kv_cache_events`` and any other in-process reader keep working and
 see every event exactly once, in order (up to a bounded buffer; the oldest fall out first).
-Outside the engine (``kvmesh events trtllm``, :mod:`.served_queue`) the bridge reads that queue
-through a stock trtllm-serve's ``POST /kv_cache_events`` instead, and shares nothing
-(``share_queue=False``).
+Outside the engine (``kvmesh events trtllm``) the bridge has no engine (``llm=None``): its caller
+reads the queue through a stock trtllm-serve's ``POST /kv_cache_events`` (:mod:`.served_queue`)
+and hands the events to :meth:`KvEventBridge.publish`; nothing is shared or polled here.
 
 Each poll drains what is queued (``timeout=0``), converts it (:mod:`.convert`), and publishes one
 batch per attention-DP rank on that rank's own PUB socket (base port + rank, as vLLM and
@@ -110,7 +110,6 @@ class KvEventBridge:
         max_delay: float = 0.05,
         http_buffer: int = 10_000,
         publisher_factory: Callable[..., BatchPublisher] = BatchPublisher,
-        share_queue: bool = True,
     ) -> None:
         if not 0 < min_delay <= max_delay:
             raise ValueError(f"need 0 < min_delay <= max_delay, got {min_delay}, {max_delay}")
@@ -135,14 +134,13 @@ class KvEventBridge:
             for r in range(dp_size)
         }
         self._http: deque[dict[str, Any]] = deque(maxlen=http_buffer)
-        self._drain = llm.get_kv_cache_events_async  # the engine's own; the only call that reads it
+        # The engine's own; the only call that reads it (none without an engine: see the docstring).
+        self._drain = None if llm is None else llm.get_kv_cache_events_async
         self._task: asyncio.Task[None] | None = None
         self._dropped_seen: dict[str, int] = {}
         self._errors_logged: set[str] = set()
         self.polls = 0
-        self.share_queue = share_queue
-        if share_queue:  # (not for a queue read from outside the engine: nobody else reads it here)
-            # What trtllm-serve's POST /kv_cache_events (and anyone else) now reads.
+        if llm is not None:  # what trtllm-serve's POST /kv_cache_events (and anyone else) now reads
             llm.get_kv_cache_events_async = self.reserved_events
 
     # ------------------------------------------------------------------ endpoints
@@ -156,6 +154,8 @@ class KvEventBridge:
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
+        if self._drain is None:
+            raise TypeError("a bridge without an engine is fed through publish(); it has no queue to poll")
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="kvmesh-trtllm-bridge")
 
@@ -169,7 +169,10 @@ class KvEventBridge:
                 pass
         for pub in self.publishers.values():
             pub.close()
-        if self.llm.__dict__.get("get_kv_cache_events_async") == self.reserved_events:
+        if (
+            self.llm is not None
+            and self.llm.__dict__.get("get_kv_cache_events_async") == self.reserved_events
+        ):
             del self.llm.get_kv_cache_events_async
 
     async def _run(self) -> None:
@@ -188,6 +191,8 @@ class KvEventBridge:
 
     async def poll_once(self) -> int:
         """Drain what the engine has queued now, publish it; returns how many raw events came."""
+        if self._drain is None:
+            raise TypeError("a bridge without an engine is fed through publish(); it has no queue to poll")
         self.polls += 1
         raw: list[dict[str, Any]] = []
         try:
@@ -198,8 +203,7 @@ class KvEventBridge:
         except (RuntimeError, AttributeError) as e:  # the executor is not up yet, or shutting down
             logger.debug("kvmesh: TensorRT-LLM KV events not available: %s", e)
         if raw:
-            if self.share_queue:
-                self._http.extend(raw)
+            self._http.extend(raw)
             self.publish(raw)
         return len(raw)
 

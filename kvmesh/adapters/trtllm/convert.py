@@ -48,7 +48,7 @@ from typing import Any
 
 from kvmesh.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHashT, Event, TokenT
 
-__all__ = ["EventConverter", "map_hash"]
+__all__ = ["EventConverter", "event_rank", "map_hash"]
 
 _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
@@ -69,6 +69,11 @@ def map_hash(value: Any) -> int:
     else:
         raise TypeError(f"unsupported block hash {value!r}")
     return unsigned - _U64 if unsigned > _I64_MAX else unsigned
+
+
+def event_rank(event: dict[str, Any]) -> int:
+    """The attention-DP rank an event dict names (0 without attention DP, which names none)."""
+    return int(event.get("attention_dp_rank") or 0)
 
 
 @dataclass
@@ -123,7 +128,7 @@ class EventConverter:
     # ------------------------------------------------------------------ one event
     def _one(self, event: dict[str, Any], out: list[tuple[int, Event]]) -> None:
         """Append what ``event`` becomes to ``out`` (a re-sync stays even if the rest is malformed)."""
-        rank_id = int(event.get("attention_dp_rank") or 0)
+        rank_id = event_rank(event)
         state = self.rank(rank_id)
         event_id = event.get("event_id")
         data = event.get("data")

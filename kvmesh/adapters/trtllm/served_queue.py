@@ -3,9 +3,9 @@
 
 trtllm-serve's handler drains ``get_kv_cache_events_async`` and answers the events as a JSON list
 (1.0 and 1.1 wait up to 2 s for the first when the queue is empty; newer versions answer at once).
-:class:`ServedEventQueue` stands where the engine's ``LLM`` stands for the in-process bridge: its
-``get_kv_cache_events_async`` yields one answer's events. Whatever else posts to that route takes
-events from the same queue; the event ids then jump and the converter re-syncs the routers.
+:meth:`ServedEventQueue.drain` is one such answer, for a bridge without an engine. Whatever else
+posts to that route takes events from the same queue; the event ids then jump and the converter
+re-syncs the routers.
 
 :func:`block_size_seen` reads, from the blocks the engine stored, whether they hold the number of
 tokens the bridge was told: with another block size it would publish nothing (every block looks
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
@@ -41,15 +41,6 @@ class ServedEventQueue:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self._http: aiohttp.ClientSession | None = None
-
-    def get_kv_cache_events_async(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
-        """The events of one answer (``timeout`` is the engine's to apply, not ours)."""
-
-        async def events() -> AsyncIterator[dict[str, Any]]:
-            for event in await self.drain():
-                yield event
-
-        return events()
 
     async def drain(self) -> list[Any]:
         """One answer's events; EngineUnreachable, or NotServingEvents for a 404 or 405."""

@@ -218,3 +218,26 @@ def test_ranks_whose_ports_collide_are_refused_before_anything_binds() -> None:
         check_rank_ports("tcp://127.0.0.1:65535", None, 2)
     check_rank_ports("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 8)  # (any free ports: nothing to collide)
     check_rank_ports("ipc:///tmp/kv", "ipc:///tmp/kv-replay", 2)
+
+
+async def test_a_bridge_without_an_engine_refuses_to_poll_and_publishes_what_it_is_fed() -> None:
+    """``kvmesh events trtllm`` reads the queue itself and hands the events to ``publish``: a bridge
+    built without an engine refuses to poll (it would poll nothing, silently), and publishes what
+    it is given."""
+    bridge = KvEventBridge(
+        None, block_size=4, dp_size=1, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0"
+    )
+    try:
+        with pytest.raises(TypeError, match="fed through publish"):
+            await bridge.poll_once()
+        with pytest.raises(TypeError, match="fed through publish"):
+            bridge.start()
+        stored = {
+            "type": "stored",
+            "parent_hash": None,
+            "blocks": [{"block_hash": 7, "tokens": [1, 2, 3, 4]}],
+        }
+        bridge.publish([{"event_id": 0, "data": stored}])
+        assert bridge.publishers[0].last_seq == 0 and bridge.converter.bridged == 1
+    finally:
+        await bridge.stop()

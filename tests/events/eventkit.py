@@ -18,11 +18,20 @@ import zmq
 
 from kvmesh.events.wire import BlockStored, EventBatch
 
+_HANDED_OUT: set[int] = set()
+
 
 def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and not handed out before in this process. (The OS may give a port
+    it has just released again: two calls in a row gave a PUB socket and its replay socket one
+    port, and a CI run failed binding the second.)"""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def ipv6_loopback() -> bool:

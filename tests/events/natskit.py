@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.events.eventkit import free_tcp_port
+
 HOST = "127.0.0.1"
 
 
@@ -44,9 +46,7 @@ def require_nats() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    return free_tcp_port()  # (on HOST, and never one port twice: a cluster's nodes take several)
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:

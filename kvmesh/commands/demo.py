@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.commands.argtypes import output_path, positive_float, positive_int
+from kvmesh.commands.exits import refuse
 
 MAX_ENGINES = 64
 """Engines a demo fleet may have. Each is a process of its own (about 50 MB) with three ports, and
@@ -317,8 +318,7 @@ async def _run_demo(args: argparse.Namespace) -> int:
             speedup=args.speedup,
         ).validate()
     except ConfigError as e:
-        print(f"kvmesh demo: {e}", file=sys.stderr)
-        return 2
+        return refuse("kvmesh demo", e)
     spec = WorkloadSpec(
         name="agentic",
         sessions=args.sessions,

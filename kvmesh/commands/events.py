@@ -26,6 +26,7 @@ from kvmesh.commands.argtypes import (
     positive_int,
 )
 from kvmesh.commands.engine_facts import event_endpoints, read_engine
+from kvmesh.commands.exits import run_async
 from kvmesh.errors import ConfigError
 from kvmesh.events.subscriber import EventSubscriber
 from kvmesh.events.wire import MAX_SEQ, BlockRemoved, BlockStored, EngineHashT, EventBatch, event_to_json
@@ -107,11 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return asyncio.run(_tap(args))
-    except ConfigError as e:
-        print(f"kvmesh events tap: {e}", file=sys.stderr)
-        return 2
+    return run_async("kvmesh events tap", _tap(args))
 
 
 async def _tap(args: argparse.Namespace) -> int:

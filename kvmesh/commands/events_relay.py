@@ -18,6 +18,7 @@ from typing import Any
 
 from kvmesh.commands.argtypes import connect_endpoint, http_url, positive_float, positive_int
 from kvmesh.commands.engine_facts import event_endpoints, read_engine
+from kvmesh.commands.exits import run_async
 from kvmesh.errors import ConfigError
 from kvmesh.events.nats_link import MAX_REPLICAS, MAX_SECONDS, NatsOptions, parse_event_plane
 
@@ -150,11 +151,7 @@ def add_parser(actions: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return asyncio.run(_relay(args))
-    except ConfigError as e:
-        print(f"kvmesh events relay: {e}", file=sys.stderr)
-        return 2
+    return run_async("kvmesh events relay", _relay(args))
 
 
 def _options(args: argparse.Namespace) -> NatsOptions:

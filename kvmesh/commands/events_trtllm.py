@@ -27,6 +27,7 @@ from typing import Any
 
 from kvmesh.adapters.trtllm._trtllm import DEFAULT_BLOCK_SIZE
 from kvmesh.commands.argtypes import bind_endpoint, http_url, positive_float, positive_int
+from kvmesh.commands.exits import run_async
 from kvmesh.errors import ConfigError
 
 _IDLE_DELAYS = (0.005, 0.05)
@@ -95,11 +96,7 @@ def add_parser(actions: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return asyncio.run(_bridge(args))
-    except ConfigError as e:
-        print(f"kvmesh events trtllm: {e}", file=sys.stderr)
-        return 2
+    return run_async("kvmesh events trtllm", _bridge(args))
 
 
 def _replay(text: str) -> str | None:

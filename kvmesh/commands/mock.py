@@ -158,6 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvmesh.commands.exits import refuse
     from kvmesh.commands.serving import base_url, listening_socket, serve
     from kvmesh.errors import ConfigError
     from kvmesh.events.endpoint import bound_to_every_interface
@@ -214,8 +215,7 @@ def run(args: argparse.Namespace) -> int:
             add_middleware(app, spec)
         sock = listening_socket(args.host, args.port)
     except (ConfigError, ImportError) as e:
-        print(f"kvmesh mock: {e}", file=sys.stderr)
-        return 2
+        return refuse("kvmesh mock", e)
     events = f", KV events on {engine.events_endpoint}" if engine.events_endpoint else ""
     replay = f" (replay {engine.replay_endpoint})" if engine.replay_endpoint else ""
     print(

@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvmesh.commands.exits import refuse
     from kvmesh.commands.serving import base_url, listening_socket, serve
     from kvmesh.errors import ConfigError
     from kvmesh.router.asgi.standalone import build_router_app
@@ -37,8 +38,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = MeshSettings.load(args=args, self_url=None, self_worker_id=None)
     except ConfigError as e:
-        print(f"kvmesh router: {e}", file=sys.stderr)
-        return 2
+        return refuse("kvmesh router", e)
     if not settings.workers and settings.event_plane == "zmq":  # on NATS, workers register themselves
         print(
             "kvmesh router: no workers; pass --workers URL[,URL...], set KVMESH_WORKERS, or use "
@@ -51,8 +51,7 @@ def run(args: argparse.Namespace) -> int:
         app = build_router_app(settings, freeze_heap=True)
         sock = listening_socket(args.host, args.port)
     except ConfigError as e:
-        print(f"kvmesh router: {e}", file=sys.stderr)
-        return 2
+        return refuse("kvmesh router", e)
     from kvmesh._native import summary
 
     print(

@@ -190,9 +190,13 @@ def prepare(argv: list[str], environ: dict[str, str] | None = None) -> Launch:
 
 def attention_dp_ranks(argv: list[str], options: dict[str, Any]) -> int:
     """The attention-DP ranks trtllm-serve will run: its tensor-parallel size (the YAML's, over
-    ``--tp_size`` / ``--tensor_parallel_size``) when the YAML turns ``enable_attention_dp`` on, else
-    1, as the engine's ``LlmArgs`` reads them."""
-    if options.get("enable_attention_dp") is not True:
+    ``--tp_size`` / ``--tensor_parallel_size``) when attention DP is on, else 1, as the engine's
+    ``LlmArgs`` reads them. It is on when the YAML says so, or, where the YAML is silent, when
+    ``--enable_attention_dp`` is given (newer trtllm-serve has the flag; its YAML overwrites flags)."""
+    enabled = options.get("enable_attention_dp")
+    if enabled is None:
+        enabled = "--enable_attention_dp" in argv
+    if enabled is not True:
         return 1
     size: Any = options.get("tensor_parallel_size")
     if size is None:

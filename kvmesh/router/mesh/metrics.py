@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -64,6 +64,8 @@ class GaugeSource:
     """(plane kind, 1 if connected else 0): 0 means routing on the last known state."""
     engine_load: Callable[[], Iterable[tuple[str, float, float]]] = lambda: ()
     """(worker, running, waiting) as the engines' own /metrics report them."""
+    sync: Callable[[], tuple[dict[str, int], int] | None] = lambda: None
+    """Replica sync's counts by kind and the peers heard now; None without replica sync."""
     running: Callable[[], bool] = lambda: True
     """Whether the router serves now (a stopped one not yet collected reports only if no running
     one has its replica name)."""
@@ -81,7 +83,7 @@ class _LiveRouters(Collector):
         with self._lock:
             self._sources.add(owner)
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         decode = GaugeMetricFamily(
             "kvmesh_worker_active_decode_blocks",
             "KV blocks held by requests the router has in flight on the worker",
@@ -114,6 +116,16 @@ class _LiveRouters(Collector):
             "beside the router's estimate",
             labels=["replica", "worker", "state"],
         )
+        sync_counts = CounterMetricFamily(
+            "kvmesh_replica_sync_messages",
+            "Replica sync's counts by kind, as sync.stats in GET /kvmesh/router: messages published, "
+            "send_dropped, received, malformed, unauthenticated (no valid seal), duplicates, lost; "
+            "peer requests counted, unknown_worker, reconciled; peers_expired",
+            labels=["replica", "kind"],
+        )
+        sync_peers = GaugeMetricFamily(
+            "kvmesh_replica_sync_peers", "Router replicas heard on replica sync now", labels=["replica"]
+        )
         with self._lock:
             owners = list(self._sources)
         sources: list[GaugeSource] = [owner._kvmesh_gauge_source for owner in owners]
@@ -139,9 +151,15 @@ class _LiveRouters(Collector):
             for worker, running, waiting in source.engine_load():
                 engine.add_metric([source.replica, worker, "running"], running)
                 engine.add_metric([source.replica, worker, "waiting"], waiting)
-        yield from (decode, prefill, pending, pending_tokens, ratio, plane, engine)
+            sync = source.sync()
+            if sync is not None:
+                counts, peers = sync
+                for kind, n in counts.items():
+                    sync_counts.add_metric([source.replica, kind], n)
+                sync_peers.add_metric([source.replica], peers)
+        yield from (decode, prefill, pending, pending_tokens, ratio, plane, engine, sync_counts, sync_peers)
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
+    def describe(self) -> Iterator[Metric]:
         return iter(())
 
 
@@ -355,7 +373,9 @@ class Metrics:
         """The gauges read from live routers, alone (those in ``names`` when any are given), in the
         text format or OpenMetrics: what an engine's multiprocess ``/metrics`` cannot read."""
         wanted = set(names)
-        families = [f for f in self._live.collect() if not wanted or f.name in wanted]
+        families = [
+            f for f in self._live.collect() if not wanted or f.name in wanted or f.name + "_total" in wanted
+        ]
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collected(families))
         if openmetrics:
@@ -366,13 +386,13 @@ class Metrics:
 class _Collected(Collector):
     """Metric families already collected, for an exposition writer to read."""
 
-    def __init__(self, families: list[GaugeMetricFamily]) -> None:
+    def __init__(self, families: list[Metric]) -> None:
         self.families = families
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         return iter(self.families)
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
+    def describe(self) -> Iterator[Metric]:
         return iter(())
 
 

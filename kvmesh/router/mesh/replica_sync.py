@@ -27,6 +27,12 @@ A heartbeat reconciles: a tracked request the peer no longer lists is freed (its
 A peer is one (replica, epoch): a process. One silent for ``peer_timeout`` seconds has its requests
 dropped, which is also what becomes of a replica's old process after a restart.
 
+With a mesh secret (``secret=``), every message is sealed with a key derived from it and a
+message without a valid seal is dropped and counted (``unauthenticated``): only replicas that
+share the secret speak on sync (:mod:`kvmesh.router.mesh.sync_seal`). A message whose sequence
+number a peer has already passed is dropped as a duplicate (a replay, or a peer followed at two
+addresses).
+
 Known limit: PUB/SUB drops what is sent before a subscriber is connected, so requests already in
 flight when two replicas first connect are not counted by the newcomer.
 
@@ -58,6 +64,7 @@ from kvmesh.events.endpoint import needs_ipv6
 from kvmesh.events.nats_link import NatsLink
 from kvmesh.events.readiness import SocketWatch, drain
 from kvmesh.router.core.kv_router import KvRouter
+from kvmesh.router.mesh.sync_seal import seal, sync_key, unseal
 from kvmesh.router.request.responses_api import ResponseHomes
 
 logger = logging.getLogger("kvmesh.router")
@@ -147,6 +154,11 @@ class SyncStats:
     """Peer requests counted as load here from their messages (a decision, a warm-up, a prefix
     copy), leaving out those already counted as hops forwarded here."""
     malformed: int = 0
+    unauthenticated: int = 0
+    """Messages dropped for their seal: unsealed or with a wrong proof where this replica holds a
+    mesh secret, or sealed where it holds none."""
+    duplicates: int = 0
+    """Messages whose sequence number their sender had already passed (dropped)."""
     lost: int = 0
     """Messages a peer sent that never arrived (sequence jumps)."""
     unknown_worker: int = 0
@@ -179,8 +191,11 @@ class ReplicaSync:
         interval: float = 2.0,
         peer_timeout: float | None = None,
         nats: NatsLink | None = None,
+        secret: str | None = None,
     ) -> None:
         self.router = router
+        self._key = sync_key(secret) if secret else None
+        self._refusals_logged: set[str] = set()
         self.nats = nats
         self._outbox: list[bytes] = []
         self._outbox_ready = asyncio.Event()
@@ -326,11 +341,17 @@ class ReplicaSync:
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.disconnect(endpoint)
 
+    @property
+    def peers_heard(self) -> int:
+        """Replica processes heard from and not yet expired."""
+        return len(self._peers)
+
     def describe(self) -> dict[str, Any]:
         """What ``GET /kvmesh/router`` shows about sync."""
         now = time.monotonic()
         return {
             "transport": "nats" if self.nats is not None else "zmq",
+            "sealed": self._key is not None,
             "following": sorted(self._following),
             "in_flight": len(self._mine),
             "peers": [
@@ -378,19 +399,23 @@ class ReplicaSync:
         self._send(Home(kind, key, worker_id))
 
     # ---------------------------------------------------------------- publishing
+    def _frame(self, message: SyncMessage) -> bytes:
+        """The next message on the wire: numbered, and sealed when the replicas share a secret."""
+        self._seq += 1
+        payload = encode(Envelope(self.replica, self.epoch, self._seq, message))
+        return payload if self._key is None else seal(self._key, payload)
+
     def _send(self, message: SyncMessage) -> None:
         if self.nats is not None:
             if self._tasks:
-                self._seq += 1
-                self._outbox.append(encode(Envelope(self.replica, self.epoch, self._seq, message)))
+                self._outbox.append(self._frame(message))
                 self._outbox_ready.set()
             return
         pub = self._pub
         if pub is None:
             return
-        self._seq += 1
         try:
-            pub.send(encode(Envelope(self.replica, self.epoch, self._seq, message)), zmq.NOBLOCK)
+            pub.send(self._frame(message), zmq.NOBLOCK)
             self.stats.published += 1
         except zmq.Again:
             self.stats.send_dropped += 1
@@ -451,8 +476,12 @@ class ReplicaSync:
     def apply(self, frame: bytes, now: float) -> None:
         """Apply one peer message (bad input is counted and logged, never raised)."""
         self.stats.received += 1
+        payload = unseal(self._key, frame)
+        if isinstance(payload, str):
+            self._refuse(payload)
+            return
         try:
-            env = _decoder.decode(frame)
+            env = _decoder.decode(payload)
         except msgspec.DecodeError as e:
             self.stats.malformed += 1
             logger.warning("replica sync: dropping a malformed message: %s", e)
@@ -463,6 +492,9 @@ class ReplicaSync:
         peer = self._peers.get(key)
         if peer is None:
             peer = self._peers[key] = _Peer(env.replica, env.epoch, now, env.seq - 1)
+        elif env.seq <= peer.seq:
+            self.stats.duplicates += 1
+            return
         if env.seq > peer.seq + 1:
             self.stats.lost += env.seq - peer.seq - 1
         peer.seq = env.seq
@@ -513,6 +545,21 @@ class ReplicaSync:
                 router.finished(rid, now)
             for rid in peer.requests:
                 router.output_tokens(rid, 0, now)  # still alive: keeps the request from timing out
+
+    def _refuse(self, reason: str) -> None:
+        """Count a message dropped for its seal; said once per reason (a peer with another secret
+        would otherwise fill the log at its message rate)."""
+        self.stats.unauthenticated += 1
+        if reason in self._refusals_logged:
+            return
+        self._refusals_logged.add(reason)
+        if self._key is None:
+            advice = "a peer seals its messages with a mesh secret this replica lacks: set KVMESH_MESH_SECRET"
+        else:
+            advice = "only replicas with this replica's mesh secret (KVMESH_MESH_SECRET) are heard"
+        logger.warning(
+            "replica sync: dropping a message (%s); %s (counted as unauthenticated)", reason, advice
+        )
 
 
 def _recv_now(sock: zmq.Socket[bytes]) -> bytes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -187,6 +188,7 @@ class Mesh:
                 advertise_host=host,
                 interval=min(settings.health_interval, 1.0),
                 nats=self.nats,
+                secret=settings.mesh_secret,
             )
             for kind, homes in (
                 ("response", self.response_homes),
@@ -195,11 +197,14 @@ class Mesh:
             ):  # (what one replica learns of them, every replica knows)
                 homes.on_change = functools.partial(self.sync.home, kind)
                 self.sync.homes[kind] = homes
-            if not settings.mesh_secret and settings.self_worker_id is not None:
+            if not settings.mesh_secret:
                 logger.warning(
-                    "kvmesh: replica sync without a mesh secret (KVMESH_MESH_SECRET): requests forwarded "
-                    "to this engine cannot be proven to come from a replica, so they count in this "
-                    "replica's load view twice until they end (docs/security.md)"
+                    "kvmesh: replica sync without a mesh secret (KVMESH_MESH_SECRET): anything that "
+                    "reaches the sync socket is taken for a replica%s (docs/security.md)",
+                    ""
+                    if settings.self_worker_id is None
+                    else ", and requests forwarded to this engine cannot be proven to come from one, "
+                    "so they count in this replica's load view twice until they end",
                 )
         self._peer_endpoints: dict[WorkerId, str] = {}
         self._pins: dict[WorkerId, list[float]] = {}  # per worker: a heap of pin expiries
@@ -224,6 +229,7 @@ class Mesh:
                 self._live_ratios,
                 self._plane_connected,
                 self.registry.engine_loads,
+                self._sync_counts,
                 lambda: self._started,
             ),
         )
@@ -383,6 +389,10 @@ class Mesh:
         elif not status["connected"]:
             status["note"] = "NATS unreachable: routing on the last known state; re-syncs on reconnection"
         return status
+
+    def _sync_counts(self) -> tuple[dict[str, int], int] | None:
+        sync = self.sync
+        return None if sync is None else (dataclasses.asdict(sync.stats), sync.peers_heard)
 
     def _plane_connected(self) -> tuple[str, float]:
         if self.nats is None:

@@ -16,7 +16,7 @@ same values. ``kvmesh router --help`` shows each with its default. Environment v
     KVMESH_ADMIN_TOKEN       token guarding this router's admin API (and, on a worker without
                              KVMESH_WORKER_TOKEN, its /kvmesh/* RPCs)
     KVMESH_WORKER_TOKEN      token this router presents to workers' /kvmesh/* RPCs [none]
-    KVMESH_MESH_SECRET       shared secret peers sign forwarded requests with (docs/security.md) [none]
+    KVMESH_MESH_SECRET       secret replicas sign forwarded requests and sync with (docs/security.md) [none]
     KVMESH_BODY_READ_TIMEOUT seconds a client may take to send its whole request body (408 beyond) [30]
     KVMESH_MAX_BODY_BYTES    largest request body accepted (413 beyond) [8 MiB]
     KVMESH_MAX_UPLOAD_BYTES  largest form body accepted: speech to text's audio, relayed unread
@@ -538,8 +538,9 @@ SETTINGS: tuple[Setting, ...] = bind_defaults(
         ),
         Setting(
             "mesh_secret", "--mesh-secret", "KVMESH_MESH_SECRET", "mesh_secret", str,
-            "secret shared by the router replicas: forwarded requests carry an HMAC of their id; "
-            "without it, hop headers from outside are stripped",
+            "secret shared by the router replicas: forwarded requests carry an HMAC of their id and "
+            "every replica sync message is sealed with it; without it, hop headers from outside are "
+            "stripped and sync is unauthenticated",
             optional=True, shown="none",
         ),
         Setting(

@@ -126,6 +126,14 @@ def test_ports_the_attention_dp_ranks_would_share_are_refused_before_the_model_l
     prepare(["m", "--config", str(user), *ports], environ={})  # (one rank without attention DP)
     user.write_text("enable_attention_dp: true\ntensor_parallel_size: 8\n")
     prepare(["m", "--config", str(user)], environ={})  # (the defaults, 5557 and 5567, fit ten)
+    # newer trtllm-serve takes the switch as a flag too; the YAML, when it says, overwrites it
+    with pytest.raises(ConfigError, match=r"overlap over 4 attention-DP ranks"):
+        prepare(["m", "--tp_size", "4", "--enable_attention_dp", *ports], environ={})
+    user.write_text("kv_cache_config:\n  free_gpu_memory_fraction: 0.8\n")
+    with pytest.raises(ConfigError, match=r"overlap over 4 attention-DP ranks"):
+        prepare(["m", "--enable_attention_dp", "--tp_size=4", "--config", str(user), *ports], environ={})
+    user.write_text("enable_attention_dp: false\n")
+    prepare(["m", "--tp_size", "4", "--enable_attention_dp", "--config", str(user), *ports], environ={})
 
 
 def test_kvmesh_settings_are_read_before_trtllm_serve_loads_the_model(tmp_path: Path) -> None:

@@ -12,15 +12,18 @@ from typing import Any
 import aiohttp
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.commands.demo import start_mesh
 from kvmesh.errors import ConfigError
 from kvmesh.mock.config import MockConfig
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
-from kvmesh.router.mesh.replica_sync import Envelope, Heartbeat, Routed, Session, encode
+from kvmesh.router.mesh.replica_sync import Envelope, Freed, Heartbeat, Routed, Session, encode
 from kvmesh.router.mesh.settings import MeshSettings, WorkerSpec, add_arguments
+from kvmesh.router.mesh.sync_seal import seal, sync_key
 from tests.events.eventkit import ipv6_loopback
+from tests.events.natskit import nats_server
 from tests.router.engines import EngineState, engine_app
 from tests.router.fleet import mock_finished
 from tests.router.servers import serve
@@ -95,6 +98,7 @@ async def test_a_burst_through_one_replica_is_load_in_every_replica_and_steers_t
     async with start_mesh(3, SYNC, MOCK) as nodes, aiohttp.ClientSession() as http:
         a, x, c = (n.url for n in nodes)
         await _following_everyone(http, [a, x, c])
+        assert [(await _json(http, u + "/kvmesh/router"))["sync"]["sealed"] for u in (a, x, c)] == [True] * 3
         async with contextlib.AsyncExitStack() as stack:
             streams = await _burst(http, stack, a, x, 4)
 
@@ -128,6 +132,9 @@ async def test_a_burst_through_one_replica_is_load_in_every_replica_and_steers_t
                        for v in views for row in v.values())  # fmt: skip
 
         await _until(load_is_gone)
+        for u in (a, x, c):  # (start_mesh gives the replicas one mesh secret: every message checked)
+            stats = (await _json(http, u + "/kvmesh/router"))["sync"]["stats"]
+            assert stats["unauthenticated"] == 0 and stats["counted"] > 0, stats
 
 
 async def test_a_warm_up_a_replica_makes_itself_is_load_in_every_replica() -> None:
@@ -181,7 +188,10 @@ class _PeerAndFront:
     e0: str
     e1: str
     http: aiohttp.ClientSession
-    publish: Callable[[Any], None]
+    publish: Callable[..., bytes]
+    """Send a message as the peer (sealed with ``secret=`` when given); returns the frame sent."""
+    send: Callable[[bytes], None]
+    """Send a frame as it is (a replay)."""
 
     async def router_doc(self) -> dict[str, Any]:
         return dict(await _json(self.http, self.front + "/kvmesh/router"))
@@ -191,7 +201,9 @@ class _PeerAndFront:
 
 
 @contextlib.asynccontextmanager
-async def _front_following_a_peer(host: str = "127.0.0.1") -> AsyncIterator[_PeerAndFront]:
+async def _front_following_a_peer(
+    host: str = "127.0.0.1", mesh_secret: str | None = None
+) -> AsyncIterator[_PeerAndFront]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     peer = ctx.socket(zmq.PUB)
     peer.setsockopt(zmq.LINGER, 0)
@@ -199,10 +211,14 @@ async def _front_following_a_peer(host: str = "127.0.0.1") -> AsyncIterator[_Pee
     port = peer.bind_to_random_port(f"tcp://{host}")
     seq = 0
 
-    def publish(message: Any) -> None:
+    def publish(message: Any, secret: str | None = None) -> bytes:
         nonlocal seq
         seq += 1
-        peer.send(encode(Envelope("peer-router", 7, seq, message)))
+        frame = encode(Envelope("peer-router", 7, seq, message))
+        if secret is not None:
+            frame = seal(sync_key(secret), frame)
+        peer.send(frame)
+        return frame
 
     try:
         async with serve(engine_app(EngineState("e0"))) as e0, serve(engine_app(EngineState("e1"))) as e1:
@@ -212,9 +228,12 @@ async def _front_following_a_peer(host: str = "127.0.0.1") -> AsyncIterator[_Pee
                 sync_peers=(f"tcp://{host}:{port}",),
                 sync_endpoint=f"tcp://{host}:0",
                 health_interval=0.1,
+                mesh_secret=mesh_secret,
             )
             async with serve(build_router_app(settings)) as front, aiohttp.ClientSession() as http:
-                yield _PeerAndFront(f"tcp://{host}:{port}", front.url, e0.url, e1.url, http, publish)
+                yield _PeerAndFront(
+                    f"tcp://{host}:{port}", front.url, e0.url, e1.url, http, publish, peer.send
+                )
     finally:
         peer.close(linger=0)
 
@@ -316,6 +335,152 @@ async def test_a_peer_message_with_a_value_no_replica_sends_is_dropped_as_malfor
             async with m.http.post(m.front + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200
                 assert r.headers["x-kvmesh-worker-id"] == worker, session
+
+
+async def test_with_a_mesh_secret_only_sealed_messages_are_heard_and_a_replay_counts_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A party that reached the sync socket (a process at a peer's old address, a configured peer
+    that is no replica) could count load on any worker and bind sessions. With a mesh secret,
+    a message not sealed with it is dropped, said once; a sealed one already passed is dropped."""
+    async with _front_following_a_peer(mesh_secret="s3") as m:
+
+        async def sync() -> dict[str, Any]:
+            return dict((await m.router_doc())["sync"])
+
+        async def unsealed_refused() -> bool:
+            m.publish(Heartbeat(["p-1"]))  # the SUB connects asynchronously: repeat until heard
+            return bool((await sync())["stats"]["unauthenticated"] > 0)
+
+        await _until(unsealed_refused)
+        hashes = list(range(1000, 1040))
+        m.publish(Routed("p-1", "w0", 0, hashes, 640, 0))
+        m.publish(Routed("p-2", "w0", 0, hashes, 640, 0), secret="another secret")
+        m.publish(Session("s-1", "w0", 0, 60.0), secret="another secret")
+        m.publish(Heartbeat(["p-1", "p-2"]), secret="another secret")
+
+        async def heard() -> bool:
+            m.publish(Heartbeat(["p-3"]), secret="s3")
+            return bool((await sync())["peers"])
+
+        await _until(heard)
+        routed = m.publish(Routed("p-3", "w0", 0, hashes, 640, 0), secret="s3")
+
+        async def one_on_w0() -> bool:
+            return bool((await m.load())[m.e0]["active_requests"] == 1)
+
+        await _until(one_on_w0)
+        doc = await sync()
+        assert doc["sealed"] is True
+        assert [p["requests"] for p in doc["peers"]] == [1]  # p-3 alone: the others were not heard
+        assert doc["stats"]["counted"] == 1
+        assert doc["stats"]["unauthenticated"] >= 5
+        # the session bound by the wrong secret is no bind: the router places s-1 on its own
+        body = chat("a question " * 40, nvext={"session_control": {"session_id": "s-1"}})
+        async with m.http.post(m.front + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["x-kvmesh-worker-id"] == "w1"  # (w0 carries p-3)
+        m.publish(Freed("p-3"), secret="s3")
+
+        async def none_on_w0() -> bool:
+            return bool((await m.load())[m.e0]["active_requests"] == 0)
+
+        await _until(none_on_w0)
+        m.send(routed)  # a replay of the decision, proof and all
+        m.publish(Heartbeat([]), secret="s3")
+
+        async def replay_dropped() -> bool:
+            return bool((await sync())["stats"]["duplicates"] == 1)
+
+        await _until(replay_dropped)
+        assert (await m.load())[m.e0]["active_requests"] == 0
+        stats = (await sync())["stats"]
+        assert stats["counted"] == 1
+        # the same counts in the Prometheus exposition, beside the peers heard
+        replica = (await m.router_doc())["replica"]
+        async with m.http.get(m.front + "/metrics") as r:
+            exposition = await r.text()
+        samples = {
+            (s.name, s.labels.get("kind")): s.value
+            for family in text_string_to_metric_families(exposition)
+            for s in family.samples
+            if s.labels.get("replica") == replica
+        }
+        for kind in ("unauthenticated", "duplicates", "counted"):
+            assert samples[("kvmesh_replica_sync_messages_total", kind)] == stats[kind], kind
+        assert samples[("kvmesh_replica_sync_peers", None)] == 1
+    refusals = [
+        r.getMessage() for r in caplog.records if "replica sync: dropping a message" in r.getMessage()
+    ]
+    assert len(refusals) == 2, refusals  # once per reason: unsealed, then a wrong proof
+    assert "(unsealed)" in refusals[0] and "(bad proof)" in refusals[1]
+
+
+async def test_without_a_mesh_secret_a_sealed_message_is_refused_naming_the_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Replicas whose secrets differ hear nothing of each other; one without a secret says which
+    setting it lacks rather than counting the messages as malformed."""
+    async with _front_following_a_peer() as m:
+
+        async def refused() -> bool:
+            m.publish(Heartbeat([]), secret="s3")
+            return bool((await m.router_doc())["sync"]["stats"]["unauthenticated"] > 0)
+
+        await _until(refused)
+        m.publish(Routed("p-1", "w0", 0, list(range(40)), 640, 0), secret="s3")
+        doc = (await m.router_doc())["sync"]
+        assert doc["sealed"] is False and doc["peers"] == []
+        assert doc["stats"]["malformed"] == 0
+        assert (await m.load())[m.e0]["active_requests"] == 0
+    assert any("set KVMESH_MESH_SECRET" in r.getMessage() for r in caplog.records)
+
+
+async def test_replicas_on_nats_hear_each_other_only_with_the_same_mesh_secret() -> None:
+    """On the NATS event plane every replica listens on every other's subject: a replica with
+    another secret (or a stray publisher) was heard as a replica."""
+    with nats_server() as node:
+        async with (
+            serve(engine_app(EngineState("e0", hold=3.0))) as e0,
+            serve(engine_app(EngineState("e1"))) as e1,
+            aiohttp.ClientSession() as http,
+            contextlib.AsyncExitStack() as stack,
+        ):
+
+            def replica(secret: str) -> MeshSettings:
+                return MeshSettings(
+                    workers=(WorkerSpec(e0.url, "w0"), WorkerSpec(e1.url, "w1")),
+                    router=RouterConfig(use_kv_events=False, router_replica_sync=True),
+                    event_plane=node.url,
+                    health_interval=0.1,
+                    mesh_secret=secret,
+                )
+
+            a, b, c = [
+                (await stack.enter_async_context(serve(build_router_app(replica(s))))).url
+                for s in ("s3", "s3", "another secret")
+            ]
+
+            async def heard(via: str) -> bool:
+                return bool((await _json(http, via + "/kvmesh/router"))["sync"]["peers"])
+
+            async def b_hears_a_and_c_refuses() -> bool:
+                stats = (await _json(http, c + "/kvmesh/router"))["sync"]["stats"]
+                return await heard(b) and stats["unauthenticated"] > 0
+
+            await _until(b_hears_a_and_c_refuses, timeout=15.0)
+            body = chat("a long prefill " * 30, nvext={"backend_instance_id": "w0"})
+            sent = asyncio.ensure_future(http.post(a + "/v1/chat/completions", json=body))
+
+            async def b_counts_it() -> bool:
+                return bool((await _load(http, b))[e0.url]["active_requests"] == 1)
+
+            await _until(b_counts_it)
+            assert (await _load(http, c))[e0.url]["active_requests"] == 0
+            assert not await heard(c)
+            async with await sent as r:
+                assert r.status == 200
+                assert r.headers["x-kvmesh-worker-id"] == "w0"
 
 
 def test_sync_settings_from_env_and_flags() -> None:

@@ -11,6 +11,7 @@
     GET  /is_sleeping                                         {"is_sleeping": bool}
     POST /pause_generation {"mode": "abort"|"retract"|"in_place"}   SGLang's: {"message": ...,
     POST /continue_generation {}                                    "status": "ok"}
+    GET  /ready                                               SGLang's: 200, or 503 while paused
 
 vLLM reads its arguments from the query string (defaults ``mode=abort``, ``clear_cache=true``,
 ``level=1``; a boolean as pydantic reads one: ``true``/``false``, ``1``/``0``, ``yes``/``no``,
@@ -123,6 +124,9 @@ def control_routes(engine: MockEngine) -> list[Route]:
         await control.pause_generation(mode)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
+    async def ready(request: Request) -> Response:
+        return Response(status_code=503 if control.generation_paused else 200)
+
     async def continue_generation(request: Request) -> Response:
         await _json_object(request)
         control.resume()
@@ -137,6 +141,7 @@ def control_routes(engine: MockEngine) -> list[Route]:
         Route("/is_sleeping", is_sleeping, methods=["GET"]),
         Route("/pause_generation", _refusing_bad_arguments(pause_generation), methods=["POST"]),
         Route("/continue_generation", _refusing_bad_arguments(continue_generation), methods=["POST"]),
+        Route("/ready", ready, methods=["GET"]),
     ]
 
 

@@ -66,6 +66,9 @@ class EngineControl:
         """``/pause`` in abort or wait mode: :meth:`MockEngine.submit` refuses until resumed."""
         self.asleep: set[str] = set()
         """What a sleep of level 1 or 2 put to sleep and no ``/wake_up`` woke yet."""
+        self.generation_paused = False
+        """SGLang's pause (``/pause_generation`` until ``/continue_generation``): its ``/ready``
+        answers 503 meanwhile. vLLM's ``/pause`` is not it (vLLM's API server has no ``/ready``)."""
 
     @property
     def paused(self) -> bool:
@@ -95,6 +98,7 @@ class EngineControl:
         """vLLM's ``/resume`` (and SGLang's ``/continue_generation``): the frozen requests run on,
         the queued ones are taken in, new ones are taken. What sleeps stays asleep."""
         self.refuses_new = False
+        self.generation_paused = False
         self._engine.set_pause(Pause.NONE)
 
     def wake_up(self, tags: list[str] | None) -> bool:
@@ -114,6 +118,7 @@ class EngineControl:
     async def pause_generation(self, mode: str) -> None:
         """SGLang's ``/pause_generation``, answered once the step under way has ended."""
         engine = self._engine
+        self.generation_paused = True
         if mode == "abort":
             engine.abort_all(requested=True)
         engine.set_pause(Pause.ALL)  # (new requests wait in the queue until continued)

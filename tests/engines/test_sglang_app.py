@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import types
 from typing import Any
 
 import pytest
@@ -175,6 +176,26 @@ def test_pin_prefix_reaches_the_schedulers_radix_cache(served: Any) -> None:
 def test_reset_prefix_cache_is_sglangs_flush(served: Any) -> None:
     response = served["client"].post("/kvmesh/reset_prefix_cache", headers=auth())
     assert response.status_code == 200 and served["tm"].calls[-1][0] == "flush_cache"
+
+
+def test_sglangs_ready_answers_503_while_paused_with_no_key(served: Any) -> None:
+    """The router passes over an SGLang engine whose ``GET /ready`` answers 503
+    (``kvmesh.router.mesh.registry``): SGLang's own route, on its own readiness rule (not paused and
+    healthy: the real TokenizerManager's methods), open without the API key as the router asks it."""
+    tokenizer_manager = sglang_env.engine("sglang.srt.managers.tokenizer_manager")
+    real = tokenizer_manager.TokenizerManager  # type: ignore[attr-defined]
+    client, tm = served["client"], served["tm"]
+    tm.gracefully_exit = False
+    tm.server_status = tokenizer_manager.ServerStatus.Up  # type: ignore[attr-defined]
+    tm.is_healthy = types.MethodType(real.is_healthy, tm)
+    tm.is_ready = types.MethodType(real.is_ready, tm)
+    try:
+        tm.is_pause = False
+        assert client.get("/ready").status_code == 200
+        tm.is_pause = True  # (what /pause_generation sets)
+        assert client.get("/ready").status_code == 503
+    finally:
+        tm.is_pause = False
 
 
 def test_mounting_twice_adds_nothing(served: Any) -> None:

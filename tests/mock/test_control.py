@@ -296,6 +296,7 @@ async def test_pause_keep_freezes_the_running_request_and_queues_new_ones_until_
             await _data(lines, first_only=True)
             await _post(http, "/pause", {"status": "paused"}, params={"mode": "keep", "clear_cache": "false"})
             assert await _state(http) == PAUSED
+            assert (await http.get("/ready")).status_code == 200  # (vLLM's pause: it has no /ready)
             queued = asyncio.create_task(_complete(http, [7, 8, 9], max_tokens=5))
             await _until(engine, running=1, waiting=1)  # taken, not refused
             frozen = await _counts(http)
@@ -501,8 +502,10 @@ async def test_pause_generation_freezes_running_requests_until_continued(mode: s
         async with http.stream("POST", "/generate", json=_generate(300)) as r:
             lines = r.aiter_lines()
             await _data(lines, first_only=True)
+            assert (await http.get("/ready")).status_code == 200
             await _post(http, "/pause_generation", SGLANG_PAUSED, json={"mode": mode})
             assert await _state(http) == PAUSED
+            assert (await http.get("/ready")).status_code == 503  # (SGLang's readiness while paused)
             before = await _counts(http)
             if mode == "retract":  # back in the queue, its blocks freed (cached: a flush may follow)
                 assert (before["running"], before["waiting"]) == (0, 1) and engine.pool.num_used == 0
@@ -516,6 +519,7 @@ async def test_pause_generation_freezes_running_requests_until_continued(mode: s
         assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
         assert last["meta_info"]["completion_tokens"] == 300
         assert await _state(http) == AWAKE
+        assert (await http.get("/ready")).status_code == 200
 
 
 @pytest.mark.parametrize(

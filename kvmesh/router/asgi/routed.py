@@ -331,8 +331,8 @@ class RoutedRequest:
         session = nv.session
         home = self._home(parsed)
         allowed = self._allowed(parsed)
-        if self.mesh.refusing and home is None:  # (a worker refusing for now is passed over a while)
-            allowed = self.mesh.not_refusing(allowed)
+        if (self.mesh.refusing or registry.paused) and home is None:
+            allowed = self.mesh.not_refusing(allowed)  # (refusing or paused now: passed over a while)
         return RouteRequest(
             request_id=request_id,
             local_hashes=parsed.hashes,

@@ -66,6 +66,8 @@ _ADAPTER_REFRESH_CHECKS = 5
 _DEFAULT_TOTAL_BLOCKS = 1 << 20
 INFO_PATH = "/kvmesh/info"
 _DEFAULT_BATCHED_TOKENS = 1 << 20
+_READY_BACKENDS = frozenset(("sglang", "mock"))
+"""Engines whose `/ready` says whether they take new requests (the mock serves SGLang's API too)."""
 
 
 class WorkerConflict(WorkerError):
@@ -114,6 +116,10 @@ class Worker:
     """What the engine's own ``/metrics`` reported at the last health check that could read it."""
     metrics_misses: int = 0
     """Consecutive health checks whose ``/metrics`` read failed or had no known gauge."""
+    paused: bool = False
+    """Its engine says it takes no new request now (SGLang's ``/ready`` answers 503 while paused)."""
+    reads_ready: bool = True
+    """Whether its engine has a ``/ready`` to read (an older SGLang answers 404)."""
 
     @property
     def worker_id(self) -> WorkerId:
@@ -216,6 +222,9 @@ class WorkerRegistry:
         """Up workers that serve whole requests or the decode stage (aggregated and decode)."""
         self.prefill_routable: frozenset[WorkerId] = frozenset()
         """Up workers with role ``prefill``: when any, requests are routed in two stages."""
+        self.paused: frozenset[WorkerId] = frozenset()
+        """Up workers whose engine says it takes no new request now (:meth:`_read_readiness`): passed
+        over while another may serve (``Mesh.not_refusing``)."""
         self.models: list[str] = []
         self.adapters: dict[str, frozenset[WorkerId]] = {}
         """LoRA adapter name -> the up workers serving it."""
@@ -315,6 +324,7 @@ class WorkerRegistry:
                     "url": w.url,
                     "state": w.state,
                     "reason": w.reason,
+                    "paused": w.paused,
                     "local": self.is_local(w.worker_id),
                     "state_for_s": round(now - w.since, 3),
                     "backend": info.backend if info else None,
@@ -399,6 +409,7 @@ class WorkerRegistry:
         self.router.remove_worker(worker_id)
         await self.feed.unfollow(worker_id)
         self.metrics.forget_worker(worker_id)
+        self.paused = self.paused - {worker_id}
         self._refresh_views()
         logger.info("worker %s removed", worker_id)
         return True
@@ -414,6 +425,7 @@ class WorkerRegistry:
             return
         self.router.remove_worker(worker_id)
         self._set_state(w, DOWN, reason)
+        self._set_paused(w, False)  # (read again once it is up)
         await self.feed.unfollow(worker_id)
 
     async def _admit(self, w: Worker) -> None:
@@ -613,6 +625,7 @@ class WorkerRegistry:
             elif w.state == UP:
                 await self._routine(w)
                 await self._read_engine_load(w)
+                await self._read_readiness(w)
             return
         if w.state == REFUSED:
             return
@@ -629,6 +642,41 @@ class WorkerRegistry:
         else:
             await self._routine(w)
             await self._read_engine_load(w)
+            await self._read_readiness(w)
+
+    async def _read_readiness(self, w: Worker) -> None:
+        """Whether an up SGLang engine takes new requests now. A paused SGLang (``/pause_generation``,
+        around a weight update) answers its health checks and holds every request it is sent until
+        ``/continue_generation``, refusing none, so no answer tells the router; its ``/ready``
+        answers 503 while it is paused. Such a worker is passed over while another may serve (its
+        cache and its sessions are kept), and routed to again once ``/ready`` answers 200."""
+        info = w.info
+        if info is None or info.backend not in _READY_BACKENDS or not w.reads_ready:
+            return
+        try:
+            status = await self.rpc.ready_status(w.worker_id, w.url)
+        except ConnectFailed:
+            return  # (the health checks judge the worker)
+        if status in (404, 405):
+            w.reads_ready = False  # (an SGLang without the route: nothing to read)
+            self._set_paused(w, False)
+            return
+        if status == 503 or status == 200:
+            self._set_paused(w, status == 503)
+
+    def _set_paused(self, w: Worker, paused: bool) -> None:
+        if w.paused == paused:
+            return
+        w.paused = paused
+        self.paused = frozenset(x.worker_id for x in self.workers.values() if x.paused)
+        if paused:
+            logger.warning(
+                "worker %s: its engine takes no new request now (/ready answers 503: paused); "
+                "passed over while another worker may serve",
+                w.worker_id,
+            )
+        else:
+            logger.info("worker %s: its engine takes requests again", w.worker_id)
 
     async def _read_engine_load(self, w: Worker) -> None:
         """The engine's own running / waiting counts (a worker without them is asked again only

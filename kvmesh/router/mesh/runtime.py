@@ -269,13 +269,14 @@ class Mesh:
         self.refusing[worker_id] = time.monotonic() + REFUSAL_HOLD_S
 
     def not_refusing(self, allowed: frozenset[str]) -> frozenset[str]:
-        """``allowed`` without the workers that refused a request within the hold, unless that
-        would leave none (then the request is asked of them anyway: one may have resumed)."""
+        """``allowed`` without the workers that refused a request within the hold and those whose
+        engine says it is paused (``registry.paused``), unless that would leave none (then the
+        request is asked of them anyway: one may have resumed, and a paused SGLang holds it)."""
         now = time.monotonic()
         for worker_id, until in list(self.refusing.items()):
             if until <= now:
                 del self.refusing[worker_id]
-        left = allowed.difference(self.refusing)
+        left = allowed.difference(self.refusing).difference(self.registry.paused)
         return left if left else allowed
 
     def held_first(self, block_hash: int) -> bool:

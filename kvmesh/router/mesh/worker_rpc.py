@@ -86,6 +86,17 @@ class WorkerRpc:
         payload = {"token_ids": token_ids, "ttl_seconds": ttl_seconds}
         return await self.call(worker_id, url, "POST", "/kvmesh/pin_prefix", payload)
 
+    async def ready_status(self, worker_id: WorkerId, url: str) -> int:
+        """The HTTP status of the worker's ``GET /ready`` (SGLang's readiness: 503 while paused)."""
+        if worker_id == self.local_id:
+            assert self.local_app is not None
+            try:
+                status, _ = await call_app(self.local_app, "GET", "/ready", [], b"", framework=self.framework)
+            except Exception as e:
+                raise ConnectFailed("local", f"GET /ready raised {e!r}") from None
+            return status
+        return await self.forwarder.status(url + "/ready", timeout=self.timeout)
+
     async def metrics_text(self, worker_id: WorkerId, url: str) -> bytes:
         """The worker's Prometheus ``/metrics`` page (the engine's own, not a kvmesh RPC)."""
         if worker_id == self.local_id:

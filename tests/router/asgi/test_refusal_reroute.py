@@ -4,6 +4,7 @@ router sends the request to another worker, over HTTP, and the client sees only 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -156,4 +157,50 @@ async def test_an_engine_paused_on_its_own_is_routed_around_until_it_resumes(
             assert r.status == 200
         pinned = {**body, "nvext": {"backend_instance_id": home}}  # (it serves again once resumed)
         async with http.post(front.url + "/v1/completions", json=pinned) as r:
+            assert r.status == 200 and r.headers["x-kvmesh-worker-id"] == home
+
+
+async def test_an_sglang_engine_paused_on_its_own_is_passed_over_until_it_continues(
+    http: aiohttp.ClientSession,
+) -> None:
+    """SGLang's pause refuses nothing: a request sent to a paused engine waits there until
+    ``/continue_generation`` (a weight update: seconds to minutes), while the engine answers its
+    health checks. Its ``/ready`` answers 503 meanwhile: the router reads it at each health check
+    and sends the prompt cached on the paused engine to another worker, served at once. Without
+    that, the prompt went to its cache and waited."""
+    async with mock_fleet(2) as (front, mocks, app):
+        home, other = mocks[0].base_url, mocks[1].base_url
+        body = {"model": mocks[0].config.model, "prompt": "a weight update " * 20, "max_tokens": 2}
+        pinned = {**body, "nvext": {"backend_instance_id": home}}
+        async with http.post(front.url + "/v1/completions", json=pinned) as r:
+            assert r.status == 200
+        await indexed_as_stored(http, front.url, home)
+
+        async def paused_row() -> bool:
+            async with http.get(front.url + "/kvmesh/workers") as r:
+                return bool({row["url"]: row for row in (await r.json())["workers"]}[home]["paused"])
+
+        assert not await paused_row()
+        async with http.post(home + "/pause_generation", json={"mode": "in_place"}) as r:
+            assert r.status == 200
+        async with asyncio.timeout(10):
+            while not await paused_row():
+                await asyncio.sleep(0.05)
+        before = _rerouted()
+        for stream in (False, True, False):
+            async with (
+                asyncio.timeout(10),
+                http.post(front.url + "/v1/completions", json={**body, "stream": stream}) as r,
+            ):
+                assert r.status == 200, await r.text()
+                assert r.headers["x-kvmesh-worker-id"] == other
+                await r.read()
+        assert _rerouted() == before  # (nothing was refused: the paused engine was not asked)
+        async with http.post(home + "/continue_generation", json={}) as r:
+            assert r.status == 200
+        async with asyncio.timeout(10):
+            while await paused_row():
+                await asyncio.sleep(0.05)
+        assert app.mesh.registry.paused == frozenset()
+        async with asyncio.timeout(10), http.post(front.url + "/v1/completions", json=pinned) as r:
             assert r.status == 200 and r.headers["x-kvmesh-worker-id"] == home

@@ -43,6 +43,9 @@ class EngineState:
     info_facts: dict[str, Any] = field(default_factory=dict)  # override /kvmesh/info's facts
     kv_state: Any = None  # the body /kvmesh/kv_state answers (404 when None)
     metrics: str | None = None  # the Prometheus page /metrics serves (404 when None)
+    ready: int | None = None  # the status SGLang's GET /ready answers (404 when None)
+    is_paused: bool | None = None  # what vLLM's GET /is_paused answers (404 when None)
+    pause_asks: int = 0  # GET /ready and /is_paused asked
     received: list[dict[str, Any]] = field(default_factory=list)
     rpcs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # worker RPCs, in order
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -205,8 +208,20 @@ def engine_app(state: EngineState) -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def ready(request: Request) -> Response:
+        state.pause_asks += 1
+        return Response(status_code=state.ready or 404)
+
+    async def is_paused(request: Request) -> Response:
+        state.pause_asks += 1
+        if state.is_paused is None:
+            return Response(status_code=404)
+        return JSONResponse({"is_paused": state.is_paused})
+
     return Starlette(
         routes=[
+            Route("/ready", ready),
+            Route("/is_paused", is_paused),
             Route("/kvmesh/info", info),
             Route("/kvmesh/session_control", session_control, methods=["POST"]),
             Route("/kvmesh/pin_prefix", pin_prefix, methods=["POST"]),

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 import time
@@ -66,8 +67,10 @@ _ADAPTER_REFRESH_CHECKS = 5
 _DEFAULT_TOTAL_BLOCKS = 1 << 20
 INFO_PATH = "/kvmesh/info"
 _DEFAULT_BATCHED_TOKENS = 1 << 20
-_READY_BACKENDS = frozenset(("sglang", "mock"))
-"""Engines whose `/ready` says whether they take new requests (the mock serves SGLang's API too)."""
+_PAUSE_READS = {"sglang": "/ready", "vllm": "/is_paused", "mock": "/is_paused"}
+"""Where an engine says whether it is paused: SGLang's ``/ready`` (503 while paused), vLLM's
+``/is_paused`` (``{"is_paused": true}``; served with ``VLLM_SERVER_DEV_MODE=1``, as its ``/pause``
+and ``/sleep`` are). The mock answers both, its ``/is_paused`` for either engine's pause."""
 
 
 class WorkerConflict(WorkerError):
@@ -117,9 +120,9 @@ class Worker:
     metrics_misses: int = 0
     """Consecutive health checks whose ``/metrics`` read failed or had no known gauge."""
     paused: bool = False
-    """Its engine says it takes no new request now (SGLang's ``/ready`` answers 503 while paused)."""
-    reads_ready: bool = True
-    """Whether its engine has a ``/ready`` to read (an older SGLang answers 404)."""
+    """Its engine says it is paused (:data:`_PAUSE_READS`): requests sent there wait, or are refused."""
+    reads_pause: bool = True
+    """Whether its engine says so at all (vLLM without its dev-mode routes answers 404)."""
 
     @property
     def worker_id(self) -> WorkerId:
@@ -645,24 +648,27 @@ class WorkerRegistry:
             await self._read_readiness(w)
 
     async def _read_readiness(self, w: Worker) -> None:
-        """Whether an up SGLang engine takes new requests now. A paused SGLang (``/pause_generation``,
-        around a weight update) answers its health checks and holds every request it is sent until
-        ``/continue_generation``, refusing none, so no answer tells the router; its ``/ready``
-        answers 503 while it is paused. Such a worker is passed over while another may serve (its
-        cache and its sessions are kept), and routed to again once ``/ready`` answers 200."""
+        """Whether an up engine is paused now. A paused SGLang (``/pause_generation``, around a
+        weight update) answers its health checks and holds every request it is sent until
+        ``/continue_generation``, refusing none, so no answer tells the router; nor does a sleeping
+        vLLM or one paused in ``keep`` mode, which queue what they are sent. Such a worker is
+        passed over while another may serve (its cache and its sessions are kept), and routed to
+        again once its engine says it has resumed. An engine without the route is not asked again."""
         info = w.info
-        if info is None or info.backend not in _READY_BACKENDS or not w.reads_ready:
+        path = _PAUSE_READS.get(info.backend) if info is not None else None
+        if path is None or not w.reads_pause:
             return
         try:
-            status = await self.rpc.ready_status(w.worker_id, w.url)
+            status, body = await self.rpc.engine_get(w.worker_id, w.url, path)
         except ConnectFailed:
             return  # (the health checks judge the worker)
         if status in (404, 405):
-            w.reads_ready = False  # (an SGLang without the route: nothing to read)
+            w.reads_pause = False
             self._set_paused(w, False)
             return
-        if status == 503 or status == 200:
-            self._set_paused(w, status == 503)
+        paused = _pause_said(path, status, body)
+        if paused is not None:
+            self._set_paused(w, paused)
 
     def _set_paused(self, w: Worker, paused: bool) -> None:
         if w.paused == paused:
@@ -671,8 +677,7 @@ class WorkerRegistry:
         self.paused = frozenset(x.worker_id for x in self.workers.values() if x.paused)
         if paused:
             logger.warning(
-                "worker %s: its engine takes no new request now (/ready answers 503: paused); "
-                "passed over while another worker may serve",
+                "worker %s: its engine says it is paused; passed over while another worker may serve",
                 w.worker_id,
             )
         else:
@@ -729,6 +734,20 @@ class WorkerRegistry:
         if w is None or w.info is None or not w.info.has_rpc:
             return None
         return w
+
+
+def _pause_said(path: str, status: int, body: bytes) -> bool | None:
+    """Whether the answer to ``GET path`` says the engine is paused; None when it says nothing."""
+    if path == "/ready":
+        return True if status == 503 else False if status == 200 else None
+    if status != 200:
+        return None
+    try:
+        said = json.loads(body)
+    except ValueError:
+        return None
+    paused = said.get("is_paused") if isinstance(said, dict) else None
+    return paused if isinstance(paused, bool) else None
 
 
 def _engine_load_row(load: EngineLoad | None, now: float) -> dict[str, Any] | None:

@@ -86,31 +86,22 @@ class WorkerRpc:
         payload = {"token_ids": token_ids, "ttl_seconds": ttl_seconds}
         return await self.call(worker_id, url, "POST", "/kvmesh/pin_prefix", payload)
 
-    async def ready_status(self, worker_id: WorkerId, url: str) -> int:
-        """The HTTP status of the worker's ``GET /ready`` (SGLang's readiness: 503 while paused)."""
+    async def engine_get(
+        self, worker_id: WorkerId, url: str, path: str, *, limit: int = ANSWER_LIMIT
+    ) -> tuple[int, bytes]:
+        """``GET path`` of the worker's engine (its own route, not a kvmesh RPC: no worker token):
+        (status, body); in-process for the embedding engine. ConnectFailed when it cannot be read."""
         if worker_id == self.local_id:
             assert self.local_app is not None
             try:
-                status, _ = await call_app(self.local_app, "GET", "/ready", [], b"", framework=self.framework)
+                return await call_app(self.local_app, "GET", path, [], b"", framework=self.framework)
             except Exception as e:
-                raise ConnectFailed("local", f"GET /ready raised {e!r}") from None
-            return status
-        return await self.forwarder.status(url + "/ready", timeout=self.timeout)
+                raise ConnectFailed("local", f"GET {path} raised {e!r}") from None
+        return await self.forwarder.get(url + path, timeout=self.timeout, limit=limit)
 
     async def metrics_text(self, worker_id: WorkerId, url: str) -> bytes:
         """The worker's Prometheus ``/metrics`` page (the engine's own, not a kvmesh RPC)."""
-        if worker_id == self.local_id:
-            assert self.local_app is not None
-            try:
-                status, data = await call_app(
-                    self.local_app, "GET", "/metrics", [], b"", framework=self.framework
-                )
-            except Exception as e:
-                raise ConnectFailed("local", f"GET /metrics raised {e!r}") from None
-        else:
-            status, data = await self.forwarder.get(
-                url + "/metrics", timeout=self.timeout, limit=METRICS_LIMIT
-            )
+        status, data = await self.engine_get(worker_id, url, "/metrics", limit=METRICS_LIMIT)
         if status != 200:
             raise ConnectFailed(url, f"GET /metrics: HTTP {status}")
         return data

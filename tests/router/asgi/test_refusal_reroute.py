@@ -136,8 +136,9 @@ async def test_an_engine_paused_on_its_own_is_routed_around_until_it_resumes(
 ) -> None:
     """A rolling weight update pauses one engine at a time, at the engine itself. The prompt is
     cached on the paused engine, so the router chooses it first each time."""
-    async with mock_fleet(2) as (front, mocks, _):
+    async with mock_fleet(2) as (front, mocks, app):
         home, other = mocks[0].base_url, mocks[1].base_url
+        app.mesh.registry.workers[home].reads_pause = False  # (the refusals alone tell it here)
         body = {"model": mocks[0].config.model, "prompt": "one engine at a time " * 20, "max_tokens": 2}
         async with http.post(
             front.url + "/v1/completions", json={**body, "nvext": {"backend_instance_id": home}}
@@ -204,3 +205,66 @@ async def test_an_sglang_engine_paused_on_its_own_is_passed_over_until_it_contin
         assert app.mesh.registry.paused == frozenset()
         async with asyncio.timeout(10), http.post(front.url + "/v1/completions", json=pinned) as r:
             assert r.status == 200 and r.headers["x-kvmesh-worker-id"] == home
+
+
+@contextlib.asynccontextmanager
+async def _checked_often(*urls: str) -> AsyncIterator[str]:
+    """A round-robin router over ``urls`` that checks its workers every 50 ms: its front's URL."""
+    settings = MeshSettings(
+        workers=tuple(WorkerSpec(u, u) for u in urls),
+        router=RouterConfig(router_mode="round-robin"),
+        health_interval=0.05,
+    )
+    async with serve(build_router_app(settings)) as front:
+        yield front.url
+
+
+def _says_paused(state: EngineState, paused: bool) -> None:
+    if state.backend == "sglang":
+        state.ready = 503 if paused else 200
+    else:
+        state.is_paused = paused
+
+
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+async def test_an_engine_that_says_it_is_paused_is_passed_over_until_it_says_it_resumed(
+    http: aiohttp.ClientSession, backend: str
+) -> None:
+    """What each engine says: SGLang's ``/ready`` answers 503 while paused, vLLM's ``/is_paused``
+    ``{"is_paused": true}`` (a sleeping vLLM, or one paused in ``keep`` mode, queues what it is
+    sent; one paused otherwise refuses it). A round-robin router sends it nothing meanwhile."""
+    paused, serving = EngineState("paused", backend=backend), EngineState("serving", backend=backend)
+    _says_paused(paused, True)
+    _says_paused(serving, False)
+    async with (
+        serve(engine_app(paused)) as a,
+        serve(engine_app(serving)) as b,
+        _checked_often(a.url, b.url) as front,
+    ):
+
+        async def rows() -> dict[str, Any]:
+            async with http.get(front + "/kvmesh/workers") as r:
+                return {row["url"]: row for row in (await r.json())["workers"]}
+
+        async with asyncio.timeout(10):
+            while not ((got := await rows())[a.url]["paused"] and got[b.url]["state"] == "up"):
+                await asyncio.sleep(0.02)
+        for _ in range(4):
+            assert (await _ask(http, front))[2] == b.url
+        assert paused.received == [] and not (await rows())[b.url]["paused"]
+        _says_paused(paused, False)
+        async with asyncio.timeout(10):
+            while (await rows())[a.url]["paused"]:
+                await asyncio.sleep(0.02)
+        assert {(await _ask(http, front))[2] for _ in range(4)} == {a.url, b.url}
+
+
+async def test_an_engine_that_cannot_say_it_is_paused_is_asked_once() -> None:
+    """A vLLM without its dev-mode routes answers ``/is_paused`` 404: asked once, never again."""
+    plain = EngineState("plain", backend="vllm")
+    async with serve(engine_app(plain)) as a, _checked_often(a.url):
+        async with asyncio.timeout(10):
+            while plain.pause_asks == 0:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # (six more health checks)
+        assert plain.pause_asks == 1

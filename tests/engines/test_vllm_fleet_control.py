@@ -12,6 +12,7 @@ it, and come back as the fleet's answer.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import warnings
 from collections.abc import AsyncIterator
@@ -122,6 +123,13 @@ async def _fleet() -> AsyncIterator[tuple[httpx.AsyncClient, list[RecordingEngin
         yield http, clients
 
 
+async def _until_paused_rows(http: httpx.AsyncClient, paused: bool) -> None:
+    """Until the router's worker list says every worker is (or is not) paused."""
+    async with asyncio.timeout(10):
+        while {row["paused"] for row in (await http.get("/kvmesh/workers")).json()["workers"]} != {paused}:
+            await asyncio.sleep(0.05)
+
+
 async def test_a_pause_and_a_resume_reach_every_vllm_engine_as_vllm_parses_them() -> None:
     async with _fleet() as (http, clients):
         r = await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
@@ -133,9 +141,12 @@ async def test_a_pause_and_a_resume_reach_every_vllm_engine_as_vllm_parses_them(
             "is_paused": True,
             "workers": {"w0": {"is_paused": True}, "w1": {"is_paused": True}},
         }
+        # the router's own health checks read vLLM's /is_paused too (kvmesh.router.mesh.registry)
+        await _until_paused_rows(http, True)
         r = await http.post("/resume")
         assert r.status_code == 200 and r.json()["status"] == "resumed", r.text
         assert (await http.get("/is_paused")).json()["is_paused"] is False
+        await _until_paused_rows(http, False)
         # a mode vLLM does not know is refused by vLLM itself, naming the field, on every engine
         r = await http.post("/pause", params={"mode": "sideways"})
         assert r.status_code == 400, r.text

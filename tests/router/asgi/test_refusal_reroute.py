@@ -14,6 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvmesh.commands.demo import start_mesh
+from kvmesh.mock.config import MockConfig
 from kvmesh.router.asgi.forwarding import refused_for_now
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
@@ -268,3 +270,33 @@ async def test_an_engine_that_cannot_say_it_is_paused_is_asked_once() -> None:
                 await asyncio.sleep(0.02)
         await asyncio.sleep(0.3)  # (six more health checks)
         assert plain.pause_asks == 1
+
+
+async def test_inside_the_engines_a_paused_engine_sends_its_own_requests_to_a_peer(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Each engine's router reads its own engine in process: an engine paused with SGLang's
+    ``/pause_generation`` sends the requests it is given to a peer while paused (it would hold
+    them), and serves them itself once continued."""
+    mock = MockConfig(block_size=16, num_blocks=2048, speedup=50.0)
+    async with start_mesh(2, RouterConfig(), mock, health_interval=0.05) as nodes:
+        paused, peer = nodes
+
+        async def paused_rows() -> list[bool]:
+            async with http.get(paused.url + "/kvmesh/workers") as r:
+                return [row["paused"] for row in (await r.json())["workers"] if row["local"]]
+
+        async with http.post(paused.url + "/pause_generation", json={"mode": "in_place"}) as r:
+            assert r.status == 200
+        async with asyncio.timeout(10):
+            while await paused_rows() != [True]:
+                await asyncio.sleep(0.02)
+        body = {"model": mock.model, "prompt": "held while paused " * 20, "max_tokens": 2}
+        for _ in range(2):
+            async with asyncio.timeout(10), http.post(paused.url + "/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers["x-kvmesh-worker-id"] == peer.url
+        async with http.post(paused.url + "/continue_generation", json={}) as r:
+            assert r.status == 200
+        async with asyncio.timeout(10):
+            while await paused_rows() != [False]:
+                await asyncio.sleep(0.02)

@@ -209,18 +209,6 @@ async def test_an_sglang_engine_paused_on_its_own_is_passed_over_until_it_contin
             assert r.status == 200 and r.headers["x-kvmesh-worker-id"] == home
 
 
-@contextlib.asynccontextmanager
-async def _checked_often(*urls: str) -> AsyncIterator[str]:
-    """A round-robin router over ``urls`` that checks its workers every 50 ms: its front's URL."""
-    settings = MeshSettings(
-        workers=tuple(WorkerSpec(u, u) for u in urls),
-        router=RouterConfig(router_mode="round-robin"),
-        health_interval=0.05,
-    )
-    async with serve(build_router_app(settings)) as front:
-        yield front.url
-
-
 def _says_paused(state: EngineState, paused: bool) -> None:
     if state.backend == "sglang":
         state.ready = 503 if paused else 200
@@ -241,7 +229,7 @@ async def test_an_engine_that_says_it_is_paused_is_passed_over_until_it_says_it_
     async with (
         serve(engine_app(paused)) as a,
         serve(engine_app(serving)) as b,
-        _checked_often(a.url, b.url) as front,
+        router_for(a.url, b.url, health_interval=0.05) as front,
     ):
 
         async def rows() -> dict[str, Any]:
@@ -264,7 +252,7 @@ async def test_an_engine_that_says_it_is_paused_is_passed_over_until_it_says_it_
 async def test_an_engine_that_cannot_say_it_is_paused_is_asked_once() -> None:
     """A vLLM without its dev-mode routes answers ``/is_paused`` 404: asked once, never again."""
     plain = EngineState("plain", backend="vllm")
-    async with serve(engine_app(plain)) as a, _checked_often(a.url):
+    async with serve(engine_app(plain)) as a, router_for(a.url, health_interval=0.05):
         async with asyncio.timeout(10):
             while plain.pause_asks == 0:
                 await asyncio.sleep(0.02)

@@ -382,11 +382,11 @@ async def test_an_answer_within_its_limit_is_read_whole(forwarder: Forwarder) ->
 
 # ---------------------------------------------------------------------------- behind the router
 @contextlib.asynccontextmanager
-async def router_for(*urls: str, **settings: object) -> AsyncIterator[str]:
+async def router_for(*urls: str, health_interval: float = 5.0, **settings: object) -> AsyncIterator[str]:
     mesh = MeshSettings(
         workers=tuple(WorkerSpec(u, u) for u in urls),
         router=RouterConfig(router_mode="round-robin"),
-        health_interval=5.0,
+        health_interval=health_interval,
         **settings,  # type: ignore[arg-type]
     )
     async with serve(build_router_app(mesh)) as front:

@@ -226,8 +226,8 @@ class WorkerRegistry:
         self.prefill_routable: frozenset[WorkerId] = frozenset()
         """Up workers with role ``prefill``: when any, requests are routed in two stages."""
         self.paused: frozenset[WorkerId] = frozenset()
-        """Up workers whose engine says it takes no new request now (:meth:`_read_readiness`): passed
-        over while another may serve (``Mesh.not_refusing``)."""
+        """Up workers whose engine says it is paused (:meth:`_read_readiness`): passed over while
+        another may serve (``Mesh.not_refusing``)."""
         self.models: list[str] = []
         self.adapters: dict[str, frozenset[WorkerId]] = {}
         """LoRA adapter name -> the up workers serving it."""
@@ -428,7 +428,8 @@ class WorkerRegistry:
             return
         self.router.remove_worker(worker_id)
         self._set_state(w, DOWN, reason)
-        self._set_paused(w, False)  # (read again once it is up)
+        self._set_paused(w, False)  # (read again once it is up: perhaps a restarted engine, with the route)
+        w.reads_pause = True
         await self.feed.unfollow(worker_id)
 
     async def _admit(self, w: Worker) -> None:

@@ -332,7 +332,7 @@ class RoutedRequest:
         home = self._home(parsed)
         allowed = self._allowed(parsed)
         if (self.mesh.refusing or registry.paused) and home is None:
-            allowed = self.mesh.not_refusing(allowed)  # (refusing or paused now: passed over a while)
+            allowed = self.mesh.taking_requests(allowed)  # (refusing or paused now: passed over a while)
         return RouteRequest(
             request_id=request_id,
             local_hashes=parsed.hashes,

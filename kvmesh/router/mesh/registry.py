@@ -227,7 +227,7 @@ class WorkerRegistry:
         """Up workers with role ``prefill``: when any, requests are routed in two stages."""
         self.paused: frozenset[WorkerId] = frozenset()
         """Up workers whose engine says it is paused (:meth:`_read_readiness`): passed over while
-        another may serve (``Mesh.not_refusing``)."""
+        another may serve (``Mesh.taking_requests``)."""
         self.models: list[str] = []
         self.adapters: dict[str, frozenset[WorkerId]] = {}
         """LoRA adapter name -> the up workers serving it."""

@@ -163,7 +163,7 @@ class Mesh:
         """Where each stored Responses API answer was served (``previous_response_id``)."""
         self.refusing: dict[str, float] = {}
         """Workers that refused a request for now (a paused engine), and until when (monotonic)
-        they are passed over: :meth:`refused`, :meth:`not_refusing`."""
+        they are passed over: :meth:`refused`, :meth:`taking_requests`."""
         self.session_homes = ResponseHomes()
         """Where each SageMaker stateful session was opened (its engine alone holds it, as one
         holds a stored response): ``kvmesh.router.asgi.invocations``."""
@@ -268,7 +268,7 @@ class Mesh:
         whose best worker it is would be sent there first and refused."""
         self.refusing[worker_id] = time.monotonic() + REFUSAL_HOLD_S
 
-    def not_refusing(self, allowed: frozenset[str]) -> frozenset[str]:
+    def taking_requests(self, allowed: frozenset[str]) -> frozenset[str]:
         """``allowed`` without the workers that refused a request within the hold and those whose
         engine says it is paused (``registry.paused``), unless that would leave none (then the
         request is asked of them anyway: one may have resumed, and a paused SGLang holds it)."""

@@ -52,8 +52,9 @@ def unseal(key: bytes | None, frame: bytes) -> bytes | str:
     if not sealed:
         return UNSEALED
     start = len(MARK) + _PROOF_LEN
+    if len(frame) < start:
+        return BAD_PROOF
     payload = frame[start:]
-    proof = hmac.digest(key, payload, "sha256")
-    if len(frame) < start or not hmac.compare_digest(proof, frame[len(MARK) : start]):
+    if not hmac.compare_digest(hmac.digest(key, payload, "sha256"), frame[len(MARK) : start]):
         return BAD_PROOF
     return payload

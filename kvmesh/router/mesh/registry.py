@@ -67,6 +67,9 @@ _ADAPTER_REFRESH_CHECKS = 5
 _DEFAULT_TOTAL_BLOCKS = 1 << 20
 INFO_PATH = "/kvmesh/info"
 _DEFAULT_BATCHED_TOKENS = 1 << 20
+_PAUSE_READ_S = 1.0
+"""Seconds between two asks of one engine whether it is paused, however short the health interval
+(a benchmark's 0.25 s would otherwise add four requests a second to every engine)."""
 _PAUSE_READS = {"sglang": "/ready", "vllm": "/is_paused", "mock": "/is_paused"}
 """Where an engine says whether it is paused: SGLang's ``/ready`` (503 while paused), vLLM's
 ``/is_paused`` (``{"is_paused": true}``; served with ``VLLM_SERVER_DEV_MODE=1``, as its ``/pause``
@@ -123,6 +126,8 @@ class Worker:
     """Its engine says it is paused (:data:`_PAUSE_READS`): requests sent there wait, or are refused."""
     reads_pause: bool = True
     """Whether its engine says so at all (vLLM without its dev-mode routes answers 404)."""
+    pause_read_at: float = float("-inf")
+    """When it was last asked whether it is paused (monotonic; at most every :data:`_PAUSE_READ_S`)."""
 
     @property
     def worker_id(self) -> WorkerId:
@@ -657,8 +662,10 @@ class WorkerRegistry:
         again once its engine says it has resumed. An engine without the route is not asked again."""
         info = w.info
         path = _PAUSE_READS.get(info.backend) if info is not None else None
-        if path is None or not w.reads_pause:
+        now = time.monotonic()
+        if path is None or not w.reads_pause or now - w.pause_read_at < _PAUSE_READ_S:
             return
+        w.pause_read_at = now
         try:
             status, body = await self.rpc.engine_get(w.worker_id, w.url, path)
         except ConnectFailed:

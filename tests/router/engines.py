@@ -46,6 +46,9 @@ class EngineState:
     ready: int | None = None  # the status SGLang's GET /ready answers (404 when None)
     is_paused: bool | None = None  # what vLLM's GET /is_paused answers (404 when None)
     pause_asks: int = 0  # GET /ready and /is_paused asked
+    stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # GET /v1/responses/{id} answers
+    stored_asks: list[tuple[str, str | None]] = field(default_factory=list)  # (id, authorization)
+    stored_delay: float = 0.0  # seconds before GET /v1/responses/{id} answers
     received: list[dict[str, Any]] = field(default_factory=list)
     rpcs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # worker RPCs, in order
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -218,9 +221,18 @@ def engine_app(state: EngineState) -> Starlette:
             return Response(status_code=404)
         return JSONResponse({"is_paused": state.is_paused})
 
+    async def stored_response(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        state.stored_asks.append((response_id, request.headers.get("authorization")))
+        await asyncio.sleep(state.stored_delay)
+        if response_id not in state.stored:
+            return JSONResponse({"error": {"message": "not found", "code": 404}}, status_code=404)
+        return JSONResponse(state.stored[response_id])
+
     return Starlette(
         routes=[
             Route("/ready", ready),
+            Route("/v1/responses/{response_id}", stored_response),
             Route("/is_paused", is_paused),
             Route("/kvmesh/info", info),
             Route("/kvmesh/session_control", session_control, methods=["POST"]),

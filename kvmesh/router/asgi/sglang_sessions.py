@@ -268,7 +268,8 @@ async def serve_embedded(mesh: Mesh, app: Any, scope: dict[str, Any], receive: A
 
 async def find_home(mesh: Mesh, session: str) -> str | None:
     """The worker that opened ``session``: known, or found by asking every other routable worker's
-    router at once; None when none says so."""
+    router at once (one search per id at a time, a miss remembered for a moment:
+    ``Mesh.holder_search``); None when none says so."""
     home = mesh.sglang_session_homes.home(session)
     if home is not None or mesh.local_app is None:
         return home
@@ -276,7 +277,11 @@ async def find_home(mesh: Mesh, session: str) -> str | None:
     peers = [w for w in (registry.get(i) for i in sorted(registry.routable)) if w is not None]
     peers = [w for w in peers if w.worker_id != mesh.settings.self_worker_id]
     if not peers:
-        return None
+        return None  # (nobody to ask: no miss to remember)
+    return await mesh.holder_search.find("sglang_session", session, lambda: _ask_peers(mesh, peers, session))
+
+
+async def _ask_peers(mesh: Mesh, peers: list[Any], session: str) -> str | None:
     asks = peer_auth.hop_header_map(mesh.settings.mesh_secret, mesh.replica, mesh.next_request_id())
     target = f"{HOME_PATH}?id={quote(session, safe='')}"
 

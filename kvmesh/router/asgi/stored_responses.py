@@ -9,7 +9,8 @@ behind a load balancer reaches any of them; or before this router started) is lo
 routable worker is asked for it at once (``GET /v1/responses/{id}``, as its engine answers it), and
 the first that has it is remembered. The asks carry the hop headers, so a peer's middleware answers
 from its own engine and asks no one in turn. Responses nobody holds (an engine with its store off)
-are looked for again each time: one short GET per worker.
+are looked for again once a moment has passed (requests naming an id while it is looked for wait for
+that search, and one nobody held is not looked for again for two seconds: ``Mesh.holder_search``).
 
 Such a request goes to its engine, and its answer comes back unchanged. Where nobody holds the
 id, an engine's middleware hands the request to its own engine, as it always did, and the
@@ -20,6 +21,7 @@ worker that breaks off mid-answer has its connection closed, and so does the cli
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 from urllib.parse import quote
 
@@ -91,16 +93,26 @@ async def find_home(mesh: Mesh, response_id: str, scope: dict[str, Any]) -> str 
     """The worker holding stored response ``response_id``: known, or found by asking every routable
     worker at once (see the module docstring); None when none has it. The client's
     ``authorization`` (in its request's ``scope``) goes with the asks (an engine's store is behind
-    its API key)."""
+    its API key), so a search, and the memory of a miss, is per id and credential
+    (``Mesh.holder_search``)."""
     home = mesh.response_homes.home(response_id)
     if home is not None:
         return home
     registry = mesh.registry
     workers = [w for w in (registry.get(i) for i in sorted(registry.routable)) if w is not None]
     if not workers:
-        return None
-    path = _BELOW + quote(response_id, safe="")
+        return None  # (nobody to ask: no miss to remember)
     auth = [(k, v) for k, v in scope["headers"] if k == b"authorization"]
+    credential = hashlib.blake2b(b"\n".join(v for _, v in auth), digest_size=16).digest()
+    return await mesh.holder_search.find(
+        "response", (response_id, credential), lambda: _ask(mesh, workers, response_id, auth)
+    )
+
+
+async def _ask(
+    mesh: Mesh, workers: list[Any], response_id: str, auth: list[tuple[bytes, bytes]]
+) -> str | None:
+    path = _BELOW + quote(response_id, safe="")
     asks = peer_auth.hop_header_map(mesh.settings.mesh_secret, mesh.replica, mesh.next_request_id())
     asks.update((k.decode(), v.decode("latin-1")) for k, v in auth)
 

@@ -69,6 +69,8 @@ class GaugeSource:
     running: Callable[[], bool] = lambda: True
     """Whether the router serves now (a stopped one not yet collected reports only if no running
     one has its replica name)."""
+    holder_searches: Callable[[], Iterable[tuple[str, str, int]]] = lambda: ()
+    """(kind, outcome, count) of the searches for the engine holding a response or a session."""
 
 
 class _LiveRouters(Collector):
@@ -126,6 +128,13 @@ class _LiveRouters(Collector):
         sync_peers = GaugeMetricFamily(
             "kvmesh_replica_sync_peers", "Router replicas heard on replica sync now", labels=["replica"]
         )
+        searches = CounterMetricFamily(
+            "kvmesh_holder_searches",
+            "Requests naming a stored response or an SGLang session this router was not told of, by "
+            "kind and outcome: searched (every worker asked), found (a holder among those), joined "
+            "(waited for a search running for the same id), remembered (a recent miss, nobody asked)",
+            labels=["replica", "kind", "outcome"],
+        )
         with self._lock:
             owners = list(self._sources)
         sources: list[GaugeSource] = [owner._kvmesh_gauge_source for owner in owners]
@@ -157,7 +166,20 @@ class _LiveRouters(Collector):
                 for kind, n in counts.items():
                     sync_counts.add_metric([source.replica, kind], n)
                 sync_peers.add_metric([source.replica], peers)
-        yield from (decode, prefill, pending, pending_tokens, ratio, plane, engine, sync_counts, sync_peers)
+            for kind, outcome, n in source.holder_searches():
+                searches.add_metric([source.replica, kind, outcome], n)
+        yield from (
+            decode,
+            prefill,
+            pending,
+            pending_tokens,
+            ratio,
+            plane,
+            engine,
+            sync_counts,
+            sync_peers,
+            searches,
+        )
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

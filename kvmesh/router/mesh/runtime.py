@@ -24,6 +24,7 @@ import os
 import random
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -34,6 +35,7 @@ from kvmesh.events.nats_link import NatsLink
 from kvmesh.router.core.kv_router import KvRouter
 from kvmesh.router.core.route_types import Decision, TimingSample
 from kvmesh.router.mesh.event_plane import NatsDiscovery, SelfAnnouncement
+from kvmesh.router.mesh.holder_search import HolderSearch
 from kvmesh.router.mesh.metrics import PIN_OUTCOMES, GaugeSource, WorkerRow, get_metrics
 from kvmesh.router.mesh.registry import WorkerRegistry
 from kvmesh.router.mesh.replica_sync import ReplicaSync
@@ -170,6 +172,9 @@ class Mesh:
         self.sglang_session_homes = ResponseHomes()
         """Where each SGLang session was opened through this router (``/open_session``; its
         engine alone holds its history): ``kvmesh.router.asgi.sglang_sessions``."""
+        self.holder_search = HolderSearch()
+        """Searches of the fleet for the engine holding a response or a session this router was not
+        told of: one per id at a time, a miss remembered for a moment."""
         self.cold_counts = PendingCounts()
         """Prompts routed on a first block no worker held, sent and not yet counted, by that
         block's hash (:meth:`held_first`)."""
@@ -231,6 +236,7 @@ class Mesh:
                 self.registry.engine_loads,
                 self._sync_counts,
                 lambda: self._started,
+                self._search_counts,
             ),
         )
 
@@ -390,6 +396,11 @@ class Mesh:
         elif not status["connected"]:
             status["note"] = "NATS unreachable: routing on the last known state; re-syncs on reconnection"
         return status
+
+    def _search_counts(self) -> Iterator[tuple[str, str, int]]:
+        for kind, counts in self.holder_search.counts.items():
+            for outcome, n in dataclasses.asdict(counts).items():
+                yield kind, outcome, n
 
     def _sync_counts(self) -> tuple[dict[str, int], int] | None:
         sync = self.sync

@@ -51,6 +51,7 @@ from kvmesh.router.asgi import (
 from kvmesh.router.asgi.hop import HopRequest
 from kvmesh.router.asgi.json_io import read_body, send_error
 from kvmesh.router.asgi.routed import RoutedRequest
+from kvmesh.router.mesh.registry import PAUSE_CALLS
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.mesh.settings import MeshSettings
 from kvmesh.router.request.batches import CHAT_BATCH_PATH
@@ -146,8 +147,29 @@ class KvMeshMiddleware:
             await self.admin(scope, receive, send)
         elif scrape.merges(scope):
             await scrape.serve_with_gauges(self.app, scope, receive, send, self.mesh.metrics)
+        elif path in PAUSE_CALLS and scope["method"] == "POST":
+            await self.app(scope, receive, self._reading_pauses(send))
         else:
             await self.app(scope, receive, send)
+
+    def _reading_pauses(self, send: Any) -> Any:
+        """``send``, asking the engines a pause or a resume reached whether they are paused before
+        its answer ends (this engine, inside one; every worker, through the standalone router's
+        fleet control). Left to the next health check, up to an interval later, requests went to
+        the engine just paused, which held them, or passed over one just resumed; and the client
+        that paused it could not tell when the router knew."""
+        mesh = self.mesh
+        self_id = self.settings.self_worker_id
+        local = [self_id] if mesh.local_app is not None and self_id is not None else None
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                await mesh.registry.read_pauses_now(
+                    local if local is not None else list(mesh.registry.workers)
+                )
+            await send(message)
+
+        return sending
 
     async def _generation(self, scope: Scope, receive: Any, send: Any, endpoint: str) -> None:
         """Route a generation request served as ``endpoint``, or serve a peer's hop here."""

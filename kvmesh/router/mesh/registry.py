@@ -39,9 +39,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,11 @@ _DEFAULT_BATCHED_TOKENS = 1 << 20
 _PAUSE_READ_S = 1.0
 """Seconds between two asks of one engine whether it is paused, however short the health interval
 (a benchmark's 0.25 s would otherwise add four requests a second to every engine)."""
+PAUSE_CALLS = frozenset(
+    ("/pause", "/resume", "/sleep", "/wake_up", "/pause_generation", "/continue_generation")
+)
+"""The engines' calls that pause or resume generation (vLLM's, then SGLang's): once one has gone
+through a router, it reads at once whether the engines are paused (:meth:`WorkerRegistry.read_pauses_now`)."""
 _PAUSE_READS = {"sglang": "/ready", "vllm": "/is_paused", "mock": "/is_paused"}
 """Where an engine says whether it is paused: SGLang's ``/ready`` (503 while paused), vLLM's
 ``/is_paused`` (``{"is_paused": true}``; served with ``VLLM_SERVER_DEV_MODE=1``, as its ``/pause``
@@ -677,6 +683,16 @@ class WorkerRegistry:
         paused = _pause_said(path, status, body)
         if paused is not None:
             self._set_paused(w, paused)
+
+    async def read_pauses_now(self, worker_ids: Iterable[WorkerId]) -> None:
+        """Ask these up workers' engines at once whether they are paused, not at their next health
+        check: a pause or a resume just went through this router (``PAUSE_CALLS``), and until the
+        check, up to a health interval later, requests went to an engine that would hold them, or
+        went elsewhere once it had resumed."""
+        up = [w for i in worker_ids if (w := self.workers.get(i)) is not None and w.state == UP]
+        for w in up:
+            w.pause_read_at = -math.inf
+        await asyncio.gather(*(self._read_readiness(w) for w in up), return_exceptions=True)
 
     def _set_paused(self, w: Worker, paused: bool) -> None:
         if w.paused == paused:

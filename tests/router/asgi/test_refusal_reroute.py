@@ -16,6 +16,7 @@ import pytest
 
 from kvmesh.commands.demo import start_mesh
 from kvmesh.mock.config import MockConfig
+from kvmesh.mock.testing import run_mock
 from kvmesh.router.asgi.forwarding import refused_for_now
 from kvmesh.router.asgi.standalone import build_router_app
 from kvmesh.router.core.config import RouterConfig
@@ -288,3 +289,53 @@ async def test_inside_the_engines_a_paused_engine_sends_its_own_requests_to_a_pe
         async with asyncio.timeout(10):
             while await paused_rows() != [False]:
                 await asyncio.sleep(0.02)
+
+
+async def test_a_pause_sent_through_an_engines_router_is_known_at_once(http: aiohttp.ClientSession) -> None:
+    """Inside the engines, a pause sent to an engine passes its router, which reads the engine's
+    state before the pause is answered: the requests that follow go to the peer at once, not
+    after the next health check (here 30 s away)."""
+    mock = MockConfig(block_size=16, num_blocks=2048, speedup=50.0)
+    async with start_mesh(2, RouterConfig(), mock, health_interval=30.0) as nodes:
+        paused, peer = nodes
+
+        async def paused_rows() -> list[bool]:
+            async with http.get(paused.url + "/kvmesh/workers") as r:
+                return [row["paused"] for row in (await r.json())["workers"] if row["local"]]
+
+        async with http.post(paused.url + "/pause_generation", json={"mode": "in_place"}) as r:
+            assert r.status == 200
+        assert await paused_rows() == [True]
+        body = {"model": mock.model, "prompt": "sent just after the pause " * 20, "max_tokens": 2}
+        async with asyncio.timeout(10), http.post(paused.url + "/v1/completions", json=body) as r:
+            assert r.status == 200 and r.headers["x-kvmesh-worker-id"] == peer.url
+        async with http.post(paused.url + "/continue_generation", json={}) as r:
+            assert r.status == 200
+        assert await paused_rows() == [False]
+
+
+async def test_a_fleet_paused_through_the_standalone_router_is_known_at_once(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The standalone router sends a pause to every worker and reads their state before it
+    answers; a resume likewise, so none is left passed over until the next health check."""
+    async with contextlib.AsyncExitStack() as stack:
+        mocks = [await stack.enter_async_context(run_mock(block_size=16, speedup=50.0)) for _ in range(2)]
+        settings = MeshSettings(
+            workers=tuple(WorkerSpec(m.base_url, m.base_url) for m in mocks), health_interval=30.0
+        )
+        front = (await stack.enter_async_context(serve(build_router_app(settings)))).url
+
+        async def rows() -> dict[str, tuple[str, bool]]:
+            async with http.get(front + "/kvmesh/workers") as r:
+                return {row["url"]: (row["state"], row["paused"]) for row in (await r.json())["workers"]}
+
+        async with asyncio.timeout(10):
+            while {state for state, _ in (await rows()).values()} != {"up"}:
+                await asyncio.sleep(0.02)
+        async with http.post(front + "/pause_generation", json={"mode": "in_place"}) as r:
+            assert r.status == 200, await r.text()
+        assert {paused for _, paused in (await rows()).values()} == {True}
+        async with http.post(front + "/continue_generation", json={}) as r:
+            assert r.status == 200, await r.text()
+        assert {paused for _, paused in (await rows()).values()} == {False}

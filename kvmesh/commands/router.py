@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, Any
+
+from kvmesh.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvmesh.router.asgi.cors import CorsPolicy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,19 +30,97 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whatever sends to the router (client pools, load balancers): when the router closes "
         "first, a request sent on the closing connection fails with 'server disconnected' [75]",
     )
+    _add_cors_arguments(parser)
     add_mesh_arguments(parser)
     RouterConfig.add_arguments(parser)
+
+
+def _add_cors_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's four CORS flags, with its meanings and defaults (see kvmesh.router.asgi.cors)."""
+    from kvmesh.router.asgi.cors import check_origin, check_token
+
+    def listed(check: Any) -> Any:
+        def parse(text: str) -> list[str]:
+            try:
+                items = [check(part) for part in text.split(",") if part.strip()]
+            except ConfigError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+            if not items:
+                raise argparse.ArgumentTypeError("must name at least one, or * for any")
+            return items
+
+        return parse
+
+    group = parser.add_argument_group("cross-origin requests (a client in a browser page)")
+    group.add_argument(
+        "--allowed-origins",
+        type=listed(check_origin),
+        action="extend",
+        metavar="ORIGIN[,ORIGIN...]",
+        help="origins whose pages may call the router (scheme://host[:port], comma-separated or "
+        "repeated; * for any); the router then answers CORS preflights and its answers carry "
+        "Access-Control-Allow-* headers [none: cross-origin access off, as in vLLM]",
+    )
+    group.add_argument(
+        "--allowed-methods",
+        type=listed(lambda t: check_token(t, "method")),
+        action="extend",
+        metavar="METHOD[,METHOD...]",
+        help="methods a page from an allowed origin may use [*]",
+    )
+    group.add_argument(
+        "--allowed-headers",
+        type=listed(lambda t: check_token(t, "header name")),
+        action="extend",
+        metavar="HEADER[,HEADER...]",
+        help="request headers a page from an allowed origin may send [*]",
+    )
+    group.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="let a page from an allowed origin send cookies and authorization [off]",
+    )
+
+
+def cors_policy(args: argparse.Namespace) -> CorsPolicy:
+    """The CORS policy the flags ask for; ConfigError for a setting given without origins (it
+    would change nothing)."""
+    from kvmesh.router.asgi.cors import CorsPolicy
+
+    origins = tuple(dict.fromkeys(args.allowed_origins or ()))
+    if not origins:
+        given = [
+            flag
+            for flag, value in (
+                ("--allowed-methods", args.allowed_methods),
+                ("--allowed-headers", args.allowed_headers),
+                ("--allow-credentials", args.allow_credentials),
+            )
+            if value
+        ]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} needs --allowed-origins (cross-origin access is off without it)"
+            )
+        return CorsPolicy()
+    return CorsPolicy(
+        origins=origins,
+        methods=tuple(args.allowed_methods or ("*",)),
+        headers=tuple(args.allowed_headers or ("*",)),
+        credentials=args.allow_credentials,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from kvmesh.commands.exits import refuse
     from kvmesh.commands.serving import base_url, listening_socket, serve
-    from kvmesh.errors import ConfigError
+    from kvmesh.router.asgi.cors import with_cors
     from kvmesh.router.asgi.standalone import build_router_app
     from kvmesh.router.mesh.settings import MeshSettings
 
     try:
         settings = MeshSettings.load(args=args, self_url=None, self_worker_id=None)
+        cors = cors_policy(args)
     except ConfigError as e:
         return refuse("kvmesh router", e)
     if not settings.workers and settings.event_plane == "zmq":  # on NATS, workers register themselves
@@ -60,5 +144,11 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    serve(app, sock, log_level=args.log_level, access_log=False, timeout_keep_alive=args.timeout_keep_alive)
+    serve(
+        with_cors(app, cors),
+        sock,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_keep_alive=args.timeout_keep_alive,
+    )
     return 0

@@ -161,12 +161,19 @@ class KvMeshMiddleware:
         mesh = self.mesh
         self_id = self.settings.self_worker_id
         local = [self_id] if mesh.local_app is not None and self_id is not None else None
+        status = 0
 
         async def sending(message: Message) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                await mesh.registry.read_pauses_now(
-                    local if local is not None else list(mesh.registry.workers)
-                )
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif (
+                message["type"] == "http.response.body"
+                and not message.get("more_body", False)
+                and 200 <= status < 300  # (a refused call reached no engine, or changed nothing)
+            ):
+                reached = local if local is not None else list(mesh.registry.workers)
+                await mesh.registry.read_pauses_now(reached)
             await send(message)
 
         return sending

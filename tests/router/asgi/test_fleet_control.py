@@ -37,6 +37,9 @@ class Stock:
     crash: bool = False  # drop every connection when asked, as a killed engine does
     server: Server | None = None
     asked: list[tuple[str, str, str, bytes, str | None]] = field(default_factory=list)
+    pause_reads: int = 0
+    """``GET /is_paused`` asked (the router reads it after a pause or a resume, and at its health
+    checks); kept out of ``asked``, which is what the clients' calls brought."""
     adapters: set[str] = field(default_factory=set)
     """The LoRA adapters loaded at run time, listed in ``/v1/models`` as vLLM lists them."""
     answers: dict[str, Any] = field(default_factory=dict)
@@ -46,6 +49,9 @@ class Stock:
 def _stock_app(stock: Stock) -> Starlette:
     async def control(request: Request) -> Response:
         body = await request.body()
+        if request.method == "GET" and request.url.path == "/is_paused":
+            stock.pause_reads += 1
+            return JSONResponse({"is_paused": stock.paused})
         stock.asked.append(
             (request.method, request.url.path, request.url.query, body, request.headers.get("authorization"))
         )
@@ -59,8 +65,6 @@ def _stock_app(stock: Stock) -> Starlette:
         path = request.url.path
         if path in stock.answers:
             return JSONResponse(stock.answers[path])
-        if path == "/is_paused":
-            return JSONResponse({"is_paused": stock.paused})
         if path == "/weight_info":
             return JSONResponse({"weight_version": stock.weight_version})
         if path == "/release_memory_occupation":
@@ -128,6 +132,7 @@ async def test_a_pause_reaches_every_worker_as_the_client_sent_it(http: aiohttp.
         }
         asked = ("POST", "/pause", "mode=keep&clear_cache=false", b"", "Bearer k")
         assert a.asked == b.asked == [asked]
+        assert a.pause_reads >= 1 and b.pause_reads >= 1  # (read before the answer: paused now)
         # SGLang's pause carries its mode in a JSON body, which goes on as it came
         status, answer = await _call(http, "POST", front + "/pause_generation", json={"mode": "in_place"})
         assert status == 200 and answer["status"] == "ok", answer

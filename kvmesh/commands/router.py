@@ -21,7 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", type=listen_host, default="127.0.0.1", help="address to listen on [127.0.0.1]"
     )
     parser.add_argument("--port", type=port, default=8000, help="port to listen on [8000]")
-    parser.add_argument("--log-level", type=log_level, default="info", help="uvicorn log level [info]")
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        default="info",
+        help="log level of the server and of kvmesh's own messages (worker state, --log-requests) [info]",
+    )
     parser.add_argument(
         "--timeout-keep-alive",
         type=positive_float,
@@ -82,6 +87,24 @@ def _add_cors_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _log_to_stderr(level: str) -> None:
+    """kvmesh's own messages at the server's ``--log-level``, beside uvicorn's lines. uvicorn's
+    logging config gives only its own loggers a handler: kvmesh's messages below WARNING (a worker
+    taking requests again, a worker discovered through NATS, ``--log-requests``' lines) were
+    dropped whatever the level asked for."""
+    import logging
+
+    from uvicorn.config import LOG_LEVELS
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    log = logging.getLogger("kvmesh")
+    log.addHandler(handler)
+    log.setLevel(LOG_LEVELS[level])
+    log.propagate = False
+
+
 def cors_policy(args: argparse.Namespace) -> CorsPolicy:
     """The CORS policy the flags ask for; ConfigError for a setting given without origins (it
     would change nothing)."""
@@ -130,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    _log_to_stderr(args.log_level)
     # What the settings alone cannot tell: a tokenizer that will not load, an address in use.
     try:
         app = build_router_app(settings, freeze_heap=True)

@@ -136,6 +136,7 @@ class RoutedAccount(LoadAccount):
         "parsed",
         "prefill_timer",
         "prefill_worker",
+        "reported_cached",
         "routed_at",
         "streamed_tokens",
         "streaming_choices",
@@ -178,6 +179,8 @@ class RoutedAccount(LoadAccount):
         """A stream that will carry no ``usage``: its output is counted by tokenizing each event's
         text (an event may carry several tokens), as no engine count will correct it later."""
         self.streamed_tokens = 0
+        self.reported_cached: int | None = None
+        """The engine's ``cached_tokens`` for the prompt, when its answer carried usage."""
 
     @property
     def pins(self) -> bool:
@@ -298,6 +301,7 @@ class RoutedAccount(LoadAccount):
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if isinstance(cached, int) and not isinstance(cached, bool) and self.decision is not None:
+            self.reported_cached = cached
             self.mesh.record_cached(self.worker_id, self.decision.cached_tokens, cached)
             self.mesh.router.reported_cached(self.request_id, cached)
 

@@ -27,6 +27,7 @@ from kvmesh.router.asgi.forwarding import Dispatch, replace_body, session_header
 from kvmesh.router.asgi.invocations import lora_reading
 from kvmesh.router.asgi.json_io import read_body, send_error, send_json
 from kvmesh.router.asgi.prefix_copy import start_prefix_copy
+from kvmesh.router.asgi.request_log import log_request
 from kvmesh.router.asgi.sglang_sessions import find_home as find_session_home
 from kvmesh.router.asgi.stored_responses import find_home
 from kvmesh.router.core.route_types import Decision, Queued, Rejected, RouteRequest, RouteResult
@@ -75,7 +76,19 @@ def check_worker_ids(mesh: Mesh, nv: Nvext, headers: dict[str, str] | None) -> N
 class RoutedRequest:
     """Parse, route and serve one client request (one instance per call)."""
 
-    __slots__ = ("app", "endpoint", "mesh", "path", "receive", "scope", "send", "t0", "wall0")
+    __slots__ = (
+        "account",
+        "app",
+        "endpoint",
+        "mesh",
+        "path",
+        "receive",
+        "refusal",
+        "scope",
+        "send",
+        "t0",
+        "wall0",
+    )
 
     def __init__(
         self, mesh: Mesh, app: ASGIApp, scope: Scope, receive: Any, send: Any, endpoint: str | None = None
@@ -92,6 +105,10 @@ class RoutedRequest:
         self.endpoint = endpoint or self.path
         """What the request is served as: its path, or for SageMaker's ``/invocations`` the
         generation its body is."""
+        self.account: RoutedAccount | None = None
+        """Its account once routed (what its log line reads: ``--log-requests``)."""
+        self.refusal: tuple[str, str | None] | None = None
+        """The message and field of the router's own error, for its log line."""
 
     async def run(self) -> None:
         mesh = self.mesh
@@ -130,6 +147,7 @@ class RoutedRequest:
                 if continued is not None:  # (only its engine holds it: find it if no one said)
                     await find_home(mesh, continued, self.scope)
             account = RoutedAccount(mesh, mesh.next_request_id(), parsed, self.t0, self.wall0)
+            self.account = account
             request = self._route_request(parsed, account.request_id)
             if mesh.registry.prefill_routable and not (
                 is_responses(self.endpoint)
@@ -149,6 +167,7 @@ class RoutedRequest:
                 return
             await self.dispatch(decision, parsed, account, request)
         except RequestError as e:
+            self.refusal = (str(e), e.field)
             self._count("rejected", e.status)
             await send_error(self.send, e.status, str(e), e.field)
 
@@ -549,6 +568,7 @@ class RoutedRequest:
     async def _error_reply(
         self, status: int, message: str, retry_after: float | None, field: str | None = None
     ) -> None:
+        self.refusal = (message, field)
         self._count("rejected", status)
         headers = []
         if retry_after is not None:
@@ -564,6 +584,8 @@ class RoutedRequest:
             if len(_REQUEST_COUNTERS) < 4096:
                 _REQUEST_COUNTERS[key] = child
         child.inc()
+        if self.mesh.log_requests:
+            log_request(self.scope["method"], self.path, route, status, self.t0, self.account, self.refusal)
 
     # ------------------------------------------------------------------ the session a turn opens
     async def _open_session(self, decision: Decision, parsed: ParsedRequest, account: RoutedAccount) -> bool:

@@ -172,6 +172,8 @@ class Mesh:
         self.sglang_session_homes = ResponseHomes()
         """Where each SGLang session was opened through this router (``/open_session``; its
         engine alone holds its history): ``kvmesh.router.asgi.sglang_sessions``."""
+        self.log_requests = settings.log_requests
+        """Log a line per request (``--log-requests``), read on every request's end."""
         self.holder_search = HolderSearch()
         """Searches of the fleet for the engine holding a response or a session this router was not
         told of: one per id at a time, a miss remembered for a moment."""

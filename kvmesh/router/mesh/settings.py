@@ -21,6 +21,8 @@ same values. ``kvmesh router --help`` shows each with its default. Environment v
     KVMESH_MAX_BODY_BYTES    largest request body accepted (413 beyond) [8 MiB]
     KVMESH_MAX_UPLOAD_BYTES  largest form body accepted: speech to text's audio, relayed unread
                              (413 beyond) [32 MiB]
+    KVMESH_LOG_REQUESTS      log one line per request as its answer ends (logger kvmesh.requests)
+                             [off]
     KVMESH_BLOCK_SIZE        the fleet's KV block size when no worker describes it [16]
     KVMESH_HEALTH_INTERVAL   seconds between worker health checks [2]
     KVMESH_HEALTH_FAILURES   failed checks in a row that take a worker out of routing [2]
@@ -357,6 +359,8 @@ class MeshSettings:
     max_upload_bytes: int = DEFAULT_UPLOAD_LIMIT
     """The bound of a form body (speech to text's audio), which the router relays unread."""
     body_read_timeout: float = 30.0
+    log_requests: bool = False
+    """One log line per request as its answer ends (``kvmesh.router.asgi.request_log``)."""
     """Seconds from the request head to the last body byte (a stalled body gets a 408)."""
     self_url: str | None = None
     self_worker_id: str | None = None
@@ -555,6 +559,12 @@ SETTINGS: tuple[Setting, ...] = bind_defaults(
             "max_upload_bytes", "--max-upload-bytes", "KVMESH_MAX_UPLOAD_BYTES", "max_upload_bytes", int,
             "largest form body accepted: speech to text's audio, relayed unread (413 beyond)", 1,
             shown="32 MiB",
+        ),
+        Setting(
+            "log_requests", "--log-requests", "KVMESH_LOG_REQUESTS", "log_requests", bool,
+            "log one line per request as its answer ends: the worker, cached tokens predicted and "
+            "reported, time to first token, tokens out, total time, or the refusal (logger "
+            "kvmesh.requests, INFO; nothing of the prompt)",
         ),
         Setting(
             "self_url", None, "KVMESH_SELF_URL", "self_url", str,

@@ -248,6 +248,7 @@ _SAMPLES: dict[str, tuple[str, str, Any]] = {
     "mesh_secret": ("m3sh", '"m3sh"', "m3sh"),
     "body_read_timeout": ("5", "5", 5.0),
     "max_body_bytes": ("1000", "1000", 1000),
+    "log_requests": ("true", "true", True),
     "max_upload_bytes": ("2000", "2000", 2000),
     "self_url": ("127.0.0.1:2", '"127.0.0.1:2"', "http://127.0.0.1:2"),
     "self_worker_id": ("http://127.0.0.1:2", '"http://127.0.0.1:2"', "http://127.0.0.1:2"),
@@ -307,7 +308,8 @@ def test_every_setting_is_read_from_the_file_the_environment_and_its_flag(
     assert row.env is not None
     assert _value(MeshSettings.load({**fleet, row.env: text}), row.field) == expected
     if row.flag is not None:  # only an embedded engine's own identity has no flag
-        assert _value(MeshSettings.load(fleet, _flags(row.flag, text)), row.field) == expected
+        argv = (row.flag,) if row.kind is bool else (row.flag, text)  # (a switch takes no value)
+        assert _value(MeshSettings.load(fleet, _flags(*argv)), row.field) == expected
     else:
         assert row.field in ("self_url", "self_worker_id")
 

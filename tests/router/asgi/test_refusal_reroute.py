@@ -261,6 +261,12 @@ async def test_an_engine_that_cannot_say_it_is_paused_is_asked_once() -> None:
         assert plain.pause_asks == 1
 
 
+async def _local_paused(http: aiohttp.ClientSession, url: str) -> list[bool]:
+    """``paused`` of the engine's own row in its router's ``/kvmesh/workers``."""
+    async with http.get(url + "/kvmesh/workers") as r:
+        return [row["paused"] for row in (await r.json())["workers"] if row["local"]]
+
+
 async def test_inside_the_engines_a_paused_engine_sends_its_own_requests_to_a_peer(
     http: aiohttp.ClientSession,
 ) -> None:
@@ -271,14 +277,10 @@ async def test_inside_the_engines_a_paused_engine_sends_its_own_requests_to_a_pe
     async with start_mesh(2, RouterConfig(), mock, health_interval=0.05) as nodes:
         paused, peer = nodes
 
-        async def paused_rows() -> list[bool]:
-            async with http.get(paused.url + "/kvmesh/workers") as r:
-                return [row["paused"] for row in (await r.json())["workers"] if row["local"]]
-
         async with http.post(paused.url + "/pause_generation", json={"mode": "in_place"}) as r:
             assert r.status == 200
         async with asyncio.timeout(10):
-            while await paused_rows() != [True]:
+            while await _local_paused(http, paused.url) != [True]:
                 await asyncio.sleep(0.02)
         body = {"model": mock.model, "prompt": "held while paused " * 20, "max_tokens": 2}
         for _ in range(2):
@@ -287,7 +289,7 @@ async def test_inside_the_engines_a_paused_engine_sends_its_own_requests_to_a_pe
         async with http.post(paused.url + "/continue_generation", json={}) as r:
             assert r.status == 200
         async with asyncio.timeout(10):
-            while await paused_rows() != [False]:
+            while await _local_paused(http, paused.url) != [False]:
                 await asyncio.sleep(0.02)
 
 
@@ -299,19 +301,15 @@ async def test_a_pause_sent_through_an_engines_router_is_known_at_once(http: aio
     async with start_mesh(2, RouterConfig(), mock, health_interval=30.0) as nodes:
         paused, peer = nodes
 
-        async def paused_rows() -> list[bool]:
-            async with http.get(paused.url + "/kvmesh/workers") as r:
-                return [row["paused"] for row in (await r.json())["workers"] if row["local"]]
-
         async with http.post(paused.url + "/pause_generation", json={"mode": "in_place"}) as r:
             assert r.status == 200
-        assert await paused_rows() == [True]
+        assert await _local_paused(http, paused.url) == [True]
         body = {"model": mock.model, "prompt": "sent just after the pause " * 20, "max_tokens": 2}
         async with asyncio.timeout(10), http.post(paused.url + "/v1/completions", json=body) as r:
             assert r.status == 200 and r.headers["x-kvmesh-worker-id"] == peer.url
         async with http.post(paused.url + "/continue_generation", json={}) as r:
             assert r.status == 200
-        assert await paused_rows() == [False]
+        assert await _local_paused(http, paused.url) == [False]
 
 
 async def test_a_fleet_paused_through_the_standalone_router_is_known_at_once(

@@ -38,6 +38,7 @@ from kvmesh.errors import RequestError
 from kvmesh.router.asgi import peer_auth
 from kvmesh.router.asgi.forwarding import open_while_client_waits, relay_unchanged
 from kvmesh.router.asgi.json_io import read_json_body, send_error
+from kvmesh.router.mesh.holder_search import Unanswered
 from kvmesh.router.mesh.runtime import Mesh
 from kvmesh.router.request.responses_api import ResponseHomes
 from kvmesh.router.upstream.forwarder import UpstreamError, UpstreamResponse, end_to_end_headers
@@ -166,10 +167,14 @@ async def first_holder(
     workers: list[Any], holds: Callable[[Any], Awaitable[bool]], homes: ResponseHomes, key: str
 ) -> str | None:
     """The id of the first of ``workers`` (in order) for which ``holds`` says yes, asked of all at
-    once, remembered in ``homes`` as ``key``'s; None when none does (an ask that fails is a no)."""
+    once, remembered in ``homes`` as ``key``'s; None when every one says no, and
+    :class:`~kvmesh.router.mesh.holder_search.Unanswered` when none says yes but an ask failed (that
+    worker may hold it: no miss to remember)."""
     answers = await asyncio.gather(*(holds(w) for w in workers), return_exceptions=True)
     holder = next((w for w, said in zip(workers, answers, strict=True) if said is True), None)
     if holder is None:
+        if any(isinstance(said, BaseException) for said in answers):
+            raise Unanswered(key)
         return None
     homes.remember(key, holder.worker_id)
     return str(holder.worker_id)

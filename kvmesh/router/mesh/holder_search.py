@@ -10,6 +10,10 @@ or a client sending made-up ids, cost one request to every engine each, 64 on a 
 Now requests naming the same id while its search runs wait for that search, and an id that
 nobody held is answered as not held, without asking, for :data:`MISS_MEMORY_S`.
 
+A miss is remembered only when every worker asked answered: one that could not be reached, or did
+not answer in time, may hold the id (the search raises :class:`Unanswered`, its waiters get None,
+and the next request searches again).
+
 Forgetting a miss that soon matters little: an id reaches a client only once its engine holds it,
 and what this router relays or a replica tells it (``ResponseHomes``) is looked up before the
 memory of misses is. Nothing here is a worker's answer kept past that: a holder found is
@@ -27,6 +31,10 @@ MISS_MEMORY_S = 2.0
 """Seconds an id that no worker held is answered as not held without asking again."""
 MISSES_KEPT = 10_000
 """Misses remembered at most (the oldest go first): a client sending made-up ids grows nothing."""
+
+
+class Unanswered(Exception):
+    """A search found no holder, but not every worker answered: not a miss to remember."""
 
 
 @dataclass
@@ -78,7 +86,10 @@ class HolderSearch:
             running.add_done_callback(lambda done: self._settle(full_key, done, counts))
         else:
             counts.joined += 1
-        return await asyncio.shield(running)
+        try:
+            return await asyncio.shield(running)
+        except Unanswered:
+            return None
 
     def _settle(self, key: Hashable, done: asyncio.Future[str | None], counts: SearchCounts) -> None:
         self._running.pop(key, None)

@@ -73,6 +73,19 @@ async def test_requests_naming_an_unknown_response_ask_each_engine_once(http: ai
         assert [len(s.stored_asks) for s in states] == [asked[0], asked[1], asked[2] + 1]
 
 
+async def test_a_miss_is_not_remembered_while_a_worker_did_not_answer(http: aiohttp.ClientSession) -> None:
+    """An engine that does not answer in time (2 s) may hold the response: not a miss to keep."""
+    states = [EngineState("e0"), EngineState("e1", stored_delay=2.5)]
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(serve(engine_app(s))) for s in states]
+        front = await stack.enter_async_context(router_for(*(e.url for e in engines), health_interval=0.2))
+        await _all_up(http, front, 2)
+        for asked in (1, 2):
+            status, doc = await _fetch(http, front, "resp_slow")
+            assert (status, doc["error"]["param"]) == (404, "response_id")
+            assert [len(s.stored_asks) for s in states] == [asked, asked]  # (searched again)
+
+
 async def test_a_client_leaving_does_not_stop_the_search_others_wait_for(http: aiohttp.ClientSession) -> None:
     states = [EngineState(f"e{i}", stored_delay=0.3) for i in range(2)]
     states[1].stored["resp_kept"] = {"id": "resp_kept", "object": "response", "output": []}

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvmesh.router.mesh.holder_search import HolderSearch, SearchCounts
+from kvmesh.router.mesh.holder_search import HolderSearch, SearchCounts, Unanswered
 
 
 class Clock:
@@ -105,3 +105,23 @@ async def test_misses_kept_are_bounded_oldest_first() -> None:
     await search.find("response", "a", fleet.search)  # (forgotten: searched again)
     await search.find("response", "d", fleet.search)  # (remembered)
     assert fleet.runs == 5
+
+
+async def test_a_search_some_worker_did_not_answer_is_no_miss() -> None:
+    """A worker that could not be reached may hold the id: its waiters hear "not found", and the
+    next request searches again."""
+    runs = 0
+
+    async def partly_unanswered() -> str | None:
+        nonlocal runs
+        runs += 1
+        await asyncio.sleep(0)
+        raise Unanswered("r")
+
+    search = HolderSearch(clock=Clock())
+    assert (
+        await asyncio.gather(*(search.find("response", "r", partly_unanswered) for _ in range(3)))
+        == [None] * 3
+    )
+    assert await search.find("response", "r", partly_unanswered) is None
+    assert runs == 2 and len(search) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -66,20 +67,22 @@ def _add_cors_arguments(parser: argparse.ArgumentParser) -> None:
         "repeated; * for any); the router then answers CORS preflights and its answers carry "
         "Access-Control-Allow-* headers [none: cross-origin access off, as in vLLM]",
     )
-    group.add_argument(
-        "--allowed-methods",
-        type=listed(lambda t: check_token(t, "method")),
-        action="extend",
-        metavar="METHOD[,METHOD...]",
-        help="methods a page from an allowed origin may use [*]",
-    )
-    group.add_argument(
-        "--allowed-headers",
-        type=listed(lambda t: check_token(t, "header name")),
-        action="extend",
-        metavar="HEADER[,HEADER...]",
-        help="request headers a page from an allowed origin may send [*]",
-    )
+    for flag, what, name, allowed in (
+        ("--allowed-methods", "method", "METHOD", "methods a page from an allowed origin may use"),
+        (
+            "--allowed-headers",
+            "header name",
+            "HEADER",
+            "request headers a page from an allowed origin may send",
+        ),
+    ):
+        group.add_argument(
+            flag,
+            type=listed(functools.partial(check_token, what=what)),
+            action="extend",
+            metavar=f"{name}[,{name}...]",
+            help=f"{allowed} [*]",
+        )
     group.add_argument(
         "--allow-credentials",
         action="store_true",

@@ -359,9 +359,9 @@ class MeshSettings:
     max_upload_bytes: int = DEFAULT_UPLOAD_LIMIT
     """The bound of a form body (speech to text's audio), which the router relays unread."""
     body_read_timeout: float = 30.0
+    """Seconds from the request head to the last body byte (a stalled body gets a 408)."""
     log_requests: bool = False
     """One log line per request as its answer ends (``kvmesh.router.asgi.request_log``)."""
-    """Seconds from the request head to the last body byte (a stalled body gets a 408)."""
     self_url: str | None = None
     self_worker_id: str | None = None
     block_size: int | None = None

@@ -62,24 +62,34 @@ async def test_a_miss_is_remembered_until_its_time_is_up() -> None:
     assert search.counts["session"] == SearchCounts(searched=2, found=1, joined=0, remembered=1)
 
 
-async def test_a_failed_search_reaches_its_waiters_and_is_not_remembered() -> None:
+@pytest.mark.parametrize(
+    ("error", "heard"),
+    [
+        (OSError("unreachable"), OSError),  # (a fault: each waiter gets it)
+        (Unanswered("r"), None),  # (a worker did not answer and may hold it: "not found", no miss)
+    ],
+    ids=["failed", "unanswered"],
+)
+async def test_a_search_without_an_answer_is_not_remembered(error: Exception, heard: type | None) -> None:
     runs = 0
 
     async def failing() -> str | None:
         nonlocal runs
         runs += 1
         await asyncio.sleep(0)
-        raise OSError("unreachable")
+        raise error
 
     search = HolderSearch(clock=Clock())
     results = await asyncio.gather(
         *(search.find("response", "r", failing) for _ in range(3)), return_exceptions=True
     )
-    assert [type(r) for r in results] == [OSError] * 3
-    with pytest.raises(OSError):
-        await search.find("response", "r", failing)
-    assert runs == 2
-    assert len(search) == 0
+    assert [type(r) if heard else r for r in results] == [heard] * 3
+    if heard:
+        with pytest.raises(heard):
+            await search.find("response", "r", failing)
+    else:
+        assert await search.find("response", "r", failing) is None
+    assert runs == 2 and len(search) == 0
 
 
 async def test_a_caller_leaving_does_not_stop_a_search_another_waits_for() -> None:
@@ -105,23 +115,3 @@ async def test_misses_kept_are_bounded_oldest_first() -> None:
     await search.find("response", "a", fleet.search)  # (forgotten: searched again)
     await search.find("response", "d", fleet.search)  # (remembered)
     assert fleet.runs == 5
-
-
-async def test_a_search_some_worker_did_not_answer_is_no_miss() -> None:
-    """A worker that could not be reached may hold the id: its waiters hear "not found", and the
-    next request searches again."""
-    runs = 0
-
-    async def partly_unanswered() -> str | None:
-        nonlocal runs
-        runs += 1
-        await asyncio.sleep(0)
-        raise Unanswered("r")
-
-    search = HolderSearch(clock=Clock())
-    assert (
-        await asyncio.gather(*(search.find("response", "r", partly_unanswered) for _ in range(3)))
-        == [None] * 3
-    )
-    assert await search.find("response", "r", partly_unanswered) is None
-    assert runs == 2 and len(search) == 0
